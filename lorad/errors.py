@@ -1,0 +1,58 @@
+"""The one exception hierarchy of lorad.
+
+Every error a user can cause is a `LoradError` with an HTTP status; the API maps them to
+`{"error": {"message", "type", "code"}}` in exactly one place (daemon/api.py), the CLI to a message
+and exit code 2. Anything else escaping is a bug in lorad.
+"""
+
+
+class LoradError(Exception):
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(LoradError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class PromptTooLong(BadRequest):
+    status = 400
+    type = "context_length_exceeded"
+
+
+class NotFound(LoradError):
+    status = 404
+    type = "not_found_error"
+
+
+class AdapterError(LoradError):
+    """An adapter that cannot be served: missing, corrupt, pickled, of the wrong shape..."""
+
+    status = 400
+    type = "adapter_error"
+
+
+class ModelError(LoradError):
+    """A base checkpoint lorad cannot serve (unknown architecture, missing tensors...)."""
+
+    status = 500
+    type = "model_error"
+
+
+class Overloaded(LoradError):
+    status = 503
+    type = "overloaded_error"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineDead(LoradError):
+    status = 500
+    type = "engine_error"
