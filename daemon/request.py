@@ -1,0 +1,85 @@
+"""What a request is, inside the engine and across its boundary: sampling parameters (checked once,
+here), the request itself, and what the engine reports back after each step."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from lorad.errors import BadRequest
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise BadRequest("max_tokens must be a positive integer")
+        if not _real(self.temperature) or self.temperature < 0:
+            raise BadRequest("temperature must be a number >= 0")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
+            raise BadRequest("top_p must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise BadRequest("top_k must be an integer >= -1 (-1 or 0: off)")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise BadRequest("seed must be an integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise BadRequest("stop must be a non-empty string or a list of them")
+        if len(self.stop) > 16:
+            raise BadRequest("at most 16 stop strings")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise BadRequest("stop_token_ids must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class GenerationRequest:
+    prompt_token_ids: list[int]
+    adapter: str | None = None  # None: the base model alone
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    on_output: Callable[[RequestOutput], None] | None = None
+    keep_logits: bool = False  # record the logits each token was sampled from (tests)
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logits: list | None = None  # [vocab] float32 tensors, one per generated token, when keep_logits

@@ -1,0 +1,58 @@
+"""Configuration of a lorad daemon: frozen dataclasses, the only place defaults live.
+
+The CLI flags (daemon/cli.py) and the TOML keys map onto these fields one to one:
+`--max-lora-rank` is `EngineConfig.max_lora_rank`, `[engine] max_lora_rank` in lorad.toml.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF checkpoint directory; None with demo=True
+    demo: bool = False  # serve the built-in tiny random Llama and its adapters
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, directory) pairs
+    adapter_dirs: tuple[str, ...] = ()  # every subdirectory holding an adapter is registered by its name
+    device: str = "auto"  # auto: cuda when available
+    dtype: str = "auto"  # auto: the checkpoint's torch_dtype on cuda, float32 on the cpu
+    max_lora_rank: int = 256
+    max_running_requests: int = 64
+    max_batch_tokens: int = 2048  # tokens (prefill + decode) in one step
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings, capped at 8192
+    max_waiting_requests: int = 1024  # beyond it new requests are refused (503)
+    pool_bytes: int | None = None  # unified page pool; default: 256 MiB on cpu, most of free memory on cuda
+    gpu_memory_utilization: float = 0.85
+    host_adapter_bytes: int = 8 << 30  # host-memory budget of loaded adapters (LRU beyond it)
+    seed: int = 0
+
+    def __post_init__(self):
+        # Values that come from the user (CLI, TOML) are checked here, once.
+        from lorad.errors import BadRequest
+
+        if self.dtype not in DTYPES:
+            raise BadRequest(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise BadRequest(f"device must be one of {', '.join(DEVICES)} or cuda:N, not {self.device!r}")
+        if not 1 <= self.max_lora_rank <= 1024:
+            raise BadRequest(f"max_lora_rank must be in 1..1024, not {self.max_lora_rank}")
+        for name in ("max_running_requests", "max_batch_tokens", "max_waiting_requests"):
+            if getattr(self, name) < 1:
+                raise BadRequest(f"{name} must be positive")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    socket: str = "/tmp/lorad/lorad.sock"
+    socket_mode: int = 0o660
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class Config:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
