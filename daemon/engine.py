@@ -1,0 +1,389 @@
+"""The engine: the model, its page pool, the adapters and the step loop.
+
+`submit` may be called from any thread; the step loop (a background thread after `start`, or the
+caller's thread in `generate`) takes new requests and aborts at the start of each step, asks the
+scheduler for the step's batch, runs one forward for all of it, samples, and reports each request's
+new tokens through its `on_output` callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lorad.config import EngineConfig
+from lorad.daemon.adapters import AdapterRegistry
+from lorad.daemon.checkpoint import PROJECTIONS, load_spec, load_weights
+from lorad.daemon.lora_residency import LoraResidency
+from lorad.daemon.model import LlamaModel, Ops, Step
+from lorad.daemon.request import GenerationRequest, GenerationResult, RequestOutput
+from lorad.daemon.sampler import make_generator, sample
+from lorad.daemon.tokenizer import Detokenizer, NoTokenizer, Tokenizer
+from lorad.errors import BadRequest, LoradError, ModelError, NotFound, Overloaded, PromptTooLong
+from lorad.gpu_ops.attention import AttentionBatch
+from lorad.gpu_ops.lora import LoraBatch
+from lorad.gpu_ops.page_pool import AdapterTable, KVCache, PagePool
+from lorad.scheduler.batching import Scheduler, Sequence
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_DEFAULT_MODEL_LEN = 8192
+CPU_POOL_BYTES = 256 << 20
+ADAPTER_SLOTS = 1024
+
+
+@dataclass(eq=False)
+class RequestState:
+    request: GenerationRequest
+    detokenizer: Detokenizer
+    generator: torch.Generator | None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    logits: list = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir, demo_adapters = self._model_dir(config)
+        self.device = _resolve_device(config.device)
+        self.spec = load_spec(model_dir)
+        self.dtype = _resolve_dtype(config.dtype, self.spec.torch_dtype, self.device)
+        self.model_name = "lorad-demo" if config.demo else model_dir.name
+        tokenizer_path = model_dir / "tokenizer.json"
+        self.tokenizer = Tokenizer(tokenizer_path) if tokenizer_path.exists() else NoTokenizer()
+        self.vocab_size = self.spec.vocab_size
+        self.max_model_len = min(config.max_model_len or min(self.spec.max_position_embeddings, MAX_DEFAULT_MODEL_LEN), self.spec.max_position_embeddings)
+
+        started = time.perf_counter()
+        weights = load_weights(model_dir, self.dtype, self.device)
+        self.ops = Ops()
+        self.model = LlamaModel(self.spec, weights, self.max_model_len, self.ops)
+        del weights
+        self.pool = PagePool(self._pool_pages(), self.spec.hidden_size, self.dtype, self.device)
+        self.kv = KVCache(self.pool, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
+        if self.kv.blocks_for(self.max_model_len) * self.kv.pages_per_block > self.pool.capacity:
+            raise ModelError(
+                f"the page pool ({self.pool.capacity} pages) cannot hold one sequence of max_model_len="
+                f"{self.max_model_len}: give more pool memory or a smaller max_model_len"
+            )
+        shapes = [self.spec.projection_shape(p) for p in PROJECTIONS]
+        self.table = AdapterTable(self.pool, ADAPTER_SLOTS, self.spec.num_layers, shapes)
+
+        self.registry = AdapterRegistry(self.spec, config.max_lora_rank, config.host_adapter_bytes, reserved_names=(self.model_name,))
+        for name, path in (*demo_adapters, *config.adapters):
+            self.registry.register(name, path)
+        for root in config.adapter_dirs:
+            self.registry.register_dir(root)
+        self.residency = LoraResidency(self.registry, self.table)
+        self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency)
+
+        self._lock = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._aborts: list[str] = []
+        self._sequences: dict[str, Sequence] = {}
+        self._finished: dict[str, Sequence] = {}  # read back by generate(); unused when started
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0
+        log.info(
+            "engine ready model=%s arch=%s device=%s dtype=%s ops=%s pool_pages=%d page_elems=%d "
+            "kv_tokens=%d adapters=%d load_s=%.2f",
+            self.model_name, self.spec.architecture, self.device, str(self.dtype).removeprefix("torch."),
+            self.ops.name, self.pool.capacity, self.pool.page_elems, self.kv.free_tokens(),
+            len(self.registry.names()), time.perf_counter() - started,
+        )
+
+    # ---- set-up -------------------------------------------------------------------------------
+    @staticmethod
+    def _model_dir(config: EngineConfig) -> tuple[Path, list[tuple[str, str]]]:
+        if config.demo:
+            from lorad.daemon.demo import build_demo, default_demo_root
+
+            assets = build_demo(default_demo_root())
+            return assets.model_dir, [(name, str(path)) for name, path in assets.adapters.items()]
+        if config.model is None:
+            raise BadRequest("no model: give --model DIR or --demo")
+        return Path(config.model), []
+
+    def _pool_pages(self) -> int:
+        page_bytes = self.spec.hidden_size * torch.tensor([], dtype=self.dtype).element_size()
+        if self.config.pool_bytes is not None:
+            budget = self.config.pool_bytes
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # Leave room for the activations of the largest step (a generous multiple of its hidden states).
+            activations = self.config.max_batch_tokens * (self.spec.hidden_size * 8 + self.spec.intermediate_size * 4) * page_bytes // self.spec.hidden_size
+            budget = int(free * self.config.gpu_memory_utilization) - activations
+        else:
+            budget = CPU_POOL_BYTES
+        return max(2, budget // page_bytes)
+
+    # ---- the public interface ------------------------------------------------------------------
+    def models(self) -> list[dict]:
+        resident = set(self.residency.slots)
+        entries = [{"id": self.model_name, "parent": None, "kind": "base"}]
+        for name in self.registry.names():
+            info = self.registry.describe(name)
+            if name in resident:
+                info["location"] = "gpu" if self.device.type == "cuda" else "pool"
+            entries.append({"id": name, "parent": self.model_name, "kind": "lora", **info})
+        return entries
+
+    def status(self) -> dict:
+        with self._lock:
+            return {
+                "model": self.model_name,
+                "device": str(self.device),
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "ops": self.ops.name,
+                "pool": self.pool.occupancy(),
+                "adapters_resident": sorted(self.residency.slots),
+                "adapter_loads": self.residency.loads,
+                "adapter_evictions": self.residency.evictions,
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting) + len(self._inbox),
+                "steps": self.steps,
+            }
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Checks the request and queues it; raises BadRequest, NotFound, AdapterError, Overloaded."""
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise BadRequest("the prompt is empty")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
+            raise BadRequest(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        total = len(prompt) + request.sampling.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLong(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
+                f"{total} tokens, over this model's context of {self.max_model_len}"
+            )
+        if request.adapter is not None:
+            if request.adapter not in self.registry:
+                raise NotFound(f"the model {request.adapter!r} does not exist")
+            self.registry.get(request.adapter)  # read it now, in the caller's thread: errors go to the caller
+        state = RequestState(request, Detokenizer(self.tokenizer, request.sampling.stop), make_generator(request.sampling))
+        seq = Sequence(request.request_id, list(prompt), len(prompt), request.adapter, state=state)
+        with self._lock:
+            if len(self.scheduler.waiting) + len(self._inbox) >= self.config.max_waiting_requests:
+                raise Overloaded(f"{self.config.max_waiting_requests} requests are already waiting")
+            if request.request_id in self._sequences:
+                raise BadRequest(f"request id {request.request_id} is already in use")
+            self._sequences[request.request_id] = seq
+            self._inbox.append(seq)
+            self._lock.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+            self._lock.notify()
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Runs the requests together to completion in this thread (the engine must not be started)."""
+        if self._thread is not None:
+            raise RuntimeError("generate() drives the engine itself; do not call it after start()")
+        results: dict[str, GenerationResult] = {}
+        for request in requests:
+            self.submit(request)
+        while self.scheduler.has_work() or self._inbox:
+            self.step()
+        for request in requests:
+            seq = self._finished.pop(request.request_id)
+            state: RequestState = seq.state
+            results[request.request_id] = GenerationResult(
+                request.request_id, seq.tokens[: seq.prompt_len], seq.tokens[seq.prompt_len :],
+                state.detokenizer.text, state.finish_reason, state.logits if request.keep_logits else None,
+            )
+        return [results[r.request_id] for r in requests]
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="lorad-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ---- Memory protocol for the scheduler: KV growth may evict idle adapters ---------------------
+    def grow(self, blocks: list, num_tokens: int) -> bool:
+        if self.kv.grow(blocks, num_tokens):
+            return True
+        missing = (self.kv.blocks_for(num_tokens) - len(blocks)) * self.kv.pages_per_block
+        return self.residency.reclaim(missing) and self.kv.grow(blocks, num_tokens)
+
+    def release(self, blocks: list) -> None:
+        self.kv.release(blocks)
+
+    # ---- the step loop ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stopping or self._inbox or self._aborts or self.scheduler.has_work()):
+                    self._lock.wait()
+                if self._stopping:
+                    break
+            try:
+                self.step()
+            except Exception:  # a bug must not kill the daemon: fail the step's requests, go on
+                log.exception("step failed; failing its requests")
+                for seq in list(self.scheduler.running):
+                    self._finish(seq, "error", error="internal error in the engine step")
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(seq, "abort")
+
+    def step(self) -> None:
+        self._take_inbox()
+        try:
+            plan = self.scheduler.schedule()
+        except LoradError as error:  # an adapter that broke between submit and admission
+            seq = self.scheduler.waiting[0]
+            self._finish(seq, "error", error=error.message)
+            return
+        if not plan:
+            if self.scheduler.waiting and not self.scheduler.running:
+                seq = self.scheduler.waiting[0]
+                self._finish(seq, "error", error="the request does not fit in the page pool even alone (adapter too large)")
+            return
+        step, sampled = self._build_step(plan)
+        logits = self.model.forward(step, self.kv.view, self.table)
+        for seq, count in plan:
+            seq.num_computed += count
+        params = [seq.state.request.sampling for seq in sampled]
+        tokens = sample(logits, params, [seq.state.generator for seq in sampled])
+        self.steps += 1
+        now = time.perf_counter()
+        for row, (seq, token) in enumerate(zip(sampled, tokens)):
+            state: RequestState = seq.state
+            if state.request.keep_logits:
+                state.logits.append(logits[row].cpu())
+            if state.first_token_time is None:
+                state.first_token_time = now
+            seq.tokens.append(token)
+            self._advance(seq, token)
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for seq in inbox:
+            self.scheduler.add(seq)
+        for request_id in aborts:
+            seq = self._sequences.get(request_id)
+            if seq is not None:
+                self._finish(seq, "abort")
+
+    def _build_step(self, plan: list[tuple[Sequence, int]]) -> tuple[Step, list[Sequence]]:
+        """The step's metadata, built once on the host and sent to the device."""
+        tokens_per_page = self.kv.tokens_per_page
+        num_layers = self.spec.num_layers
+        input_ids, positions, row_slots = [], [], []
+        query_start, query_len, kv_len, sample_rows, sampled = [], [], [], [], []
+        max_blocks = max(len(seq.blocks) for seq, _ in plan)
+        block_table = np.zeros((len(plan), max_blocks, num_layers, 2), dtype=np.int32)
+        dest = []
+        for index, (seq, count) in enumerate(plan):
+            start = seq.num_computed
+            query_start.append(len(input_ids))
+            query_len.append(count)
+            kv_len.append(start + count)
+            input_ids.extend(seq.tokens[start : start + count])
+            positions.extend(range(start, start + count))
+            row_slots.extend([self.residency.slot(seq.adapter)] * count)
+            blocks = np.stack(seq.blocks)
+            block_table[index, : len(blocks)] = blocks
+            dest.append(blocks[np.arange(start, start + count) // tokens_per_page])
+            if start + count == seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sampled.append(seq)
+        device = self.device
+        positions_np = np.asarray(positions, dtype=np.int64)
+        attention = AttentionBatch(
+            block_table=torch.from_numpy(block_table.transpose(2, 3, 0, 1).copy()).to(device),
+            dest_pages=torch.from_numpy(np.concatenate(dest).transpose(1, 2, 0).astype(np.int64)).to(device),
+            dest_offsets=torch.from_numpy(positions_np % tokens_per_page).to(device),
+            query_start=query_start,
+            query_len=query_len,
+            kv_len=kv_len,
+        )
+        step = Step(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=torch.from_numpy(positions_np).to(device),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+            attention=attention,
+            lora=LoraBatch.build(row_slots, device),
+        )
+        return step, sampled
+
+    def _advance(self, seq: Sequence, token: int) -> None:
+        state: RequestState = seq.state
+        sampling = state.request.sampling
+        stopped = state.detokenizer.add(token)
+        reason = None
+        if stopped:
+            reason = "stop"
+        elif not sampling.ignore_eos and token in self.spec.eos_token_ids:
+            reason = "stop"
+        elif token in sampling.stop_token_ids:
+            reason = "stop"
+        elif seq.num_generated >= sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason, new_tokens=[token])
+        else:
+            self._emit(seq, RequestOutput(seq.request_id, [token], state.detokenizer.take(final=False)))
+
+    def _finish(self, seq: Sequence, reason: str, new_tokens: list[int] | None = None, error: str | None = None) -> None:
+        state: RequestState = seq.state
+        if state.finished:
+            return
+        state.finished = True
+        state.finish_reason = reason
+        self.scheduler.finish(seq)
+        with self._lock:
+            self._sequences.pop(seq.request_id, None)
+        if self._thread is None:
+            self._finished[seq.request_id] = seq
+        text = state.detokenizer.take(final=True) if reason in ("stop", "length") else ""
+        self._emit(seq, RequestOutput(seq.request_id, new_tokens or [], text, True, reason, seq.prompt_len, seq.num_generated, error))
+        if reason in ("stop", "length", "abort", "error"):
+            ttft = (state.first_token_time - state.arrival) * 1e3 if state.first_token_time else -1
+            log.debug("request done id=%s adapter=%s reason=%s generated=%d ttft_ms=%.1f", seq.request_id, seq.adapter, reason, seq.num_generated, ttft)
+
+    @staticmethod
+    def _emit(seq: Sequence, output: RequestOutput) -> None:
+        callback = seq.state.request.on_output
+        if callback is None:
+            return
+        try:
+            callback(output)
+        except Exception:  # a consumer's failure is the consumer's problem, never the engine's
+            log.exception("on_output callback failed request=%s", seq.request_id)
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BadRequest("device cuda was asked for, but torch sees no CUDA GPU")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16

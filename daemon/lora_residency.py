@@ -1,0 +1,83 @@
+"""Which adapters have their weights in the page pool, and which may leave.
+
+An adapter is pinned while requests that use it run; unpinned resident adapters stay (a warm cache)
+until the pool needs their pages for KV or for another adapter, least recently used first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+from lorad.gpu_ops.page_pool import AdapterTable
+
+log = logging.getLogger(__name__)
+
+
+class LoraResidency:
+    def __init__(self, registry, table: AdapterTable):
+        self.registry = registry
+        self.table = table
+        self.slots: dict[str, int] = {}
+        self.pins: dict[str, int] = {}
+        self.idle: OrderedDict[str, None] = OrderedDict()  # resident, unpinned, oldest first
+        self.loads = 0
+        self.evictions = 0
+
+    def acquire(self, name: str | None) -> bool:
+        if name is None:
+            return True
+        if name in self.slots:
+            self.pins[name] += 1
+            self.idle.pop(name, None)
+            return True
+        adapter = self.registry.get(name)  # host copy; loads from disk if it was dropped
+        slot = self.table.free_slot()
+        while slot is None:
+            if not self.idle:
+                return False
+            self._evict_oldest()
+            slot = self.table.free_slot()
+        started = time.perf_counter()
+        while not self.table.place(slot, adapter.weights):
+            if not self.idle:
+                return False
+            self._evict_oldest()
+        self.loads += 1
+        log.info("adapter resident name=%s slot=%d ms=%.2f", name, slot, (time.perf_counter() - started) * 1e3)
+        self.slots[name] = slot
+        self.pins[name] = 1
+        return True
+
+    def release(self, name: str | None) -> None:
+        if name is None:
+            return
+        self.pins[name] -= 1
+        if self.pins[name] == 0:
+            self.idle[name] = None
+
+    def reclaim(self, pages: int) -> bool:
+        """Evicts idle adapters until `pages` pool pages are free; False if that is not possible."""
+        while self.table.pool.num_free < pages and self.idle:
+            self._evict_oldest()
+        return self.table.pool.num_free >= pages
+
+    def slot(self, name: str | None) -> int:
+        return -1 if name is None else self.slots[name]
+
+    def drop(self, name: str) -> None:
+        """Forget an idle adapter's pool copy (it was unregistered or replaced)."""
+        if name in self.idle:
+            self.idle.pop(name)
+            self._evict(name)
+
+    def _evict_oldest(self) -> None:
+        name, _ = self.idle.popitem(last=False)
+        self._evict(name)
+
+    def _evict(self, name: str) -> None:
+        self.table.evict(self.slots.pop(name))
+        del self.pins[name]
+        self.evictions += 1
+        log.debug("adapter evicted name=%s", name)

@@ -1,0 +1,159 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over plain tensors.
+
+One forward serves a whole step: every sequence's new tokens side by side in the rows, prefill and
+decode mixed. LoRA enters through one call per projection; attention reads and writes the paged KV
+cache in the unified pool. The per-step metadata (`Step`) is built once by the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lorad.daemon.checkpoint import ModelSpec, rope_inv_freq
+from lorad.errors import ModelError
+from lorad.gpu_ops.attention import AttentionBatch
+from lorad.gpu_ops.lora import LoraBatch
+from lorad.gpu_ops.rope import rope_cache
+
+Q, K, V, O, GATE, UP, DOWN = range(7)
+
+
+@dataclass
+class Step:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    sample_rows: torch.Tensor  # int64 [S'] rows whose logits are wanted (last token of a sequence)
+    attention: AttentionBatch
+    lora: LoraBatch
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q + 2 kv, hidden]: one GEMM for the three projections
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class Ops:
+    """The op functions the model calls: the pure-torch references here, the GPU kernels on cuda
+    (the runner picks one set at start-up and says which)."""
+
+    def __init__(self):
+        from lorad.gpu_ops.attention import paged_attention_ref, write_kv_ref
+        from lorad.gpu_ops.lora import apply_lora_ref
+        from lorad.gpu_ops.norm import rms_norm_ref
+        from lorad.gpu_ops.rope import apply_rope_ref
+
+        self.name = "torch-reference"
+        self.rms_norm = rms_norm_ref
+        self.rope = apply_rope_ref
+        self.write_kv = write_kv_ref
+        self.attention = paged_attention_ref
+        self.lora = apply_lora_ref
+
+
+class LlamaModel:
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], max_positions: int, ops: Ops):
+        self.spec = spec
+        self.ops = ops
+        take = _Taker(weights)
+        self.embed = take("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            bias = None
+            if spec.qkv_bias:
+                bias = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
+            self.layers.append(
+                Layer(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]),
+                    qkv_bias=bias,
+                    o=take(attn + "o_proj.weight"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                    down=take(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.norm = take("model.norm.weight")
+        self.lm_head = self.embed if spec.tie_word_embeddings else take("lm_head.weight")
+        take.check_shapes(spec)
+        self.cos, self.sin = rope_cache(rope_inv_freq(spec), max_positions, self.embed.dtype, self.embed.device)
+        self.scale = spec.head_dim**-0.5
+        self.splits = (spec.q_size, spec.kv_size, spec.kv_size)
+
+    @torch.inference_mode()
+    def forward(self, step: Step, kv_view: torch.Tensor, table) -> torch.Tensor:
+        """-> logits [len(sample_rows), vocab] float32."""
+        h = self.embed[step.input_ids]
+        cos, sin = self.cos[step.positions], self.sin[step.positions]
+        for index, layer in enumerate(self.layers):
+            h = self.layer_forward(index, layer, h, cos, sin, step, kv_view, table)
+        h = self.ops.rms_norm(h[step.sample_rows], self.norm, self.spec.rms_norm_eps)
+        return (h @ self.lm_head.t()).float()
+
+    def layer_forward(self, index, layer: Layer, h, cos, sin, step: Step, kv_view, table):
+        spec, ops, lora = self.spec, self.ops, step.lora
+        x = ops.rms_norm(h, layer.input_norm, spec.rms_norm_eps)
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split(self.splits, dim=-1)
+        for proj, out in ((Q, q), (K, k), (V, v)):
+            ops.lora(x, out, index, proj, lora, table)
+        q = ops.rope(q.view(-1, spec.num_heads, spec.head_dim), cos, sin)
+        k = ops.rope(k.view(-1, spec.num_kv_heads, spec.head_dim), cos, sin)
+        ops.write_kv(kv_view, index, k, v.view(-1, spec.num_kv_heads, spec.head_dim), step.attention)
+        attended = ops.attention(q, kv_view, index, step.attention, self.scale)
+        o = attended @ layer.o.t()
+        ops.lora(attended, o, index, O, lora, table)
+        h = h + o
+
+        x = ops.rms_norm(h, layer.post_norm, spec.rms_norm_eps)
+        gate_up = x @ layer.gate_up.t()
+        gate, up = gate_up.chunk(2, dim=-1)
+        ops.lora(x, gate, index, GATE, lora, table)
+        ops.lora(x, up, index, UP, lora, table)
+        act = F.silu(gate) * up
+        down = act @ layer.down.t()
+        ops.lora(act, down, index, DOWN, lora, table)
+        return h + down
+
+
+class _Taker:
+    """Hands out checkpoint tensors by name, so that missing or unexpected ones get a clear error."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]):
+        self.weights = weights
+        self.taken: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        try:
+            tensor = self.weights[name]
+        except KeyError:
+            raise ModelError(f"the checkpoint has no tensor {name}") from None
+        self.taken[name] = tensor
+        return tensor
+
+    def check_shapes(self, spec: ModelSpec) -> None:
+        h = spec.hidden_size
+        expected = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+        for layer in range(spec.num_layers):
+            p = f"model.layers.{layer}."
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                fan_in, fan_out = spec.projection_shape(proj)
+                expected[f"{p}self_attn.{proj}.weight"] = (fan_out, fan_in)
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                fan_in, fan_out = spec.projection_shape(proj)
+                expected[f"{p}mlp.{proj}.weight"] = (fan_out, fan_in)
+            expected[f"{p}input_layernorm.weight"] = (h,)
+            expected[f"{p}post_attention_layernorm.weight"] = (h,)
+        for name, shape in expected.items():
+            if name in self.taken and tuple(self.taken[name].shape) != shape:
+                raise ModelError(f"{name} has shape {tuple(self.taken[name].shape)}, config.json implies {shape}")

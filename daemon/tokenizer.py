@@ -1,0 +1,77 @@
+"""Text <-> token ids with the checkpoint's tokenizer.json, and incremental detokenization that
+emits only whole characters and holds back text that may still become a stop string."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from lorad.errors import BadRequest, ModelError
+
+
+class Tokenizer:
+    def __init__(self, path: Path):
+        try:
+            self._tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as error:  # the tokenizers package raises plain Exception on bad files
+            raise ModelError(f"cannot read {path}: {error}") from error
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class NoTokenizer:
+    """For checkpoints without tokenizer.json: token ids in, token ids out."""
+
+    def encode(self, text: str) -> list[int]:
+        raise BadRequest("this model has no tokenizer.json: send the prompt as a list of token ids")
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
+class Detokenizer:
+    """Follows one request's generated ids and yields the new text after each token.
+
+    Decodes a short window (a few tokens of context before the unread ones) so a step costs O(1),
+    and waits while the tail is an incomplete UTF-8 sequence (decoded as U+FFFD)."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # all text decoded so far
+        self.emitted = 0  # characters of text already handed out
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+
+    def add(self, token_id: int) -> bool:
+        """Appends a token; True if a stop string now appears (text is cut before it)."""
+        self.ids.append(token_id)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new_text = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            search_from = max(0, len(self.text) - self.holdback)
+            self.text += new_text
+            for stop in self.stop:
+                at = self.text.find(stop, search_from)
+                if at >= 0:
+                    self.text = self.text[:at]
+                    return True
+        return False
+
+    def take(self, final: bool) -> str:
+        """The text not yet handed out; while not final, the last characters that could still begin
+        a stop string stay behind."""
+        end = len(self.text) if final or not self.stop else max(self.emitted, len(self.text) - self.holdback)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta

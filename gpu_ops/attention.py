@@ -1,0 +1,66 @@
+"""Attention over the paged KV cache: writing a step's K and V into their pages, and causal
+attention of each sequence's new queries over all its cached positions (prefill and decode alike).
+
+The reference gathers each sequence's pages and calls SDPA; the GPU kernels read pages in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionBatch:
+    """Built once per step. Sequences are laid out one after another in the step's rows.
+
+    block_table: int32 [L, 2, S, max_blocks] page ids (K, V) of each sequence's blocks, per layer.
+    dest_pages:  int64 [L, 2, T] the K and V page each new token is written to; dest_offsets: int64 [T].
+    query_start, query_len, kv_len: host lists per sequence (kv_len includes the new tokens).
+    """
+
+    block_table: torch.Tensor
+    dest_pages: torch.Tensor
+    dest_offsets: torch.Tensor
+    query_start: list[int]
+    query_len: list[int]
+    kv_len: list[int]
+
+
+def write_kv_ref(kv_view: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> None:
+    """kv_view: [num_pages, tokens_per_page, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]."""
+    kv_view[batch.dest_pages[layer, 0], batch.dest_offsets] = k
+    kv_view[batch.dest_pages[layer, 1], batch.dest_offsets] = v
+
+
+def paged_attention_ref(
+    q: torch.Tensor, kv_view: torch.Tensor, layer: int, batch: AttentionBatch, scale: float
+) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> [T, heads * head_dim]. Causal: the i-th new token of a sequence sees
+    the positions up to kv_len - query_len + i."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = kv_view.shape[2]
+    tokens_per_page = kv_view.shape[1]
+    out = torch.empty(tokens, heads * head_dim, dtype=q.dtype, device=q.device)
+    for seq, (start, length, kv_len) in enumerate(zip(batch.query_start, batch.query_len, batch.kv_len)):
+        blocks = -(-kv_len // tokens_per_page)
+        k_pages = batch.block_table[layer, 0, seq, :blocks].long()
+        v_pages = batch.block_table[layer, 1, seq, :blocks].long()
+        k = kv_view[k_pages].reshape(-1, kv_heads, head_dim)[:kv_len]
+        v = kv_view[v_pages].reshape(-1, kv_heads, head_dim)[:kv_len]
+        if kv_heads != heads:
+            k = k.repeat_interleave(heads // kv_heads, dim=1)
+            v = v.repeat_interleave(heads // kv_heads, dim=1)
+        query_pos = torch.arange(kv_len - length, kv_len, device=q.device)
+        mask = torch.arange(kv_len, device=q.device)[None, :] <= query_pos[:, None]
+        attended = F.scaled_dot_product_attention(
+            q[start : start + length].transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+        )
+        out[start : start + length] = attended.transpose(0, 1).reshape(length, heads * head_dim)
+    return out

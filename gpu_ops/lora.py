@@ -1,0 +1,55 @@
+"""The LoRA part of a projection, `y += (x @ A^T) @ B^T` per row with each row's own adapter, reading
+the adapter weights where they lie in the unified page pool.
+
+This file holds the batch metadata and the pure-torch reference; the Triton kernels (BGMV, MBGMV for
+decode, MBGMM for prefill) sit in their own files with the same semantics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lorad.gpu_ops.page_pool import AdapterTable, gather_rows
+
+
+@dataclass
+class LoraBatch:
+    """Built once per step by the runner; every layer and projection reads it.
+
+    row_slot: int32 [T] on the device, the adapter slot of each row (-1: base model only).
+    slot_rows: host list of (slot, row indices as a device int64 tensor), one entry per slot present.
+    """
+
+    row_slot: torch.Tensor
+    slot_rows: list[tuple[int, torch.Tensor]]
+
+    @classmethod
+    def build(cls, row_slots: list[int], device: torch.device) -> LoraBatch:
+        row_slot = torch.tensor(row_slots, dtype=torch.int32)
+        slot_rows = []
+        for slot in sorted(set(row_slots)):
+            if slot >= 0:
+                rows = (row_slot == slot).nonzero().squeeze(1)
+                slot_rows.append((slot, rows.to(device)))
+        return cls(row_slot.to(device), slot_rows)
+
+
+def apply_lora_ref(
+    x: torch.Tensor, y: torch.Tensor, layer: int, proj: int, batch: LoraBatch, table: AdapterTable
+) -> None:
+    """x: [T, in]; y: [T, out], accumulated in place. One gather + two GEMMs per adapter present.
+
+    Reads the table's host mirrors for ranks and starts, so it never synchronises with the device.
+    """
+    in_dim, out_dim = table.shapes[proj]
+    chunks_in, chunks_out = table.chunks[proj]
+    pages = table.pool.pages
+    for slot, rows in batch.slot_rows:
+        rank = int(table.rank_host[slot, layer, proj])
+        if rank == 0:
+            continue
+        a = gather_rows(pages, table.page_ids, int(table.a_start_host[slot, layer, proj]), rank, chunks_in, in_dim)
+        b_t = gather_rows(pages, table.page_ids, int(table.b_start_host[slot, layer, proj]), rank, chunks_out, out_dim)
+        y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b_t)

@@ -1,0 +1,232 @@
+"""The unified page pool (S-LoRA's Unified Paging): one preallocated tensor whose pages hold both
+the paged KV cache and the resident adapters' weights, handed out from one free list.
+
+Layouts are fixed by DESIGN.md: a page is `page_elems` (= hidden_size) elements; a KV page holds
+`tokens_per_page` tokens of K or V of one layer; an adapter's A rows and B^T rows are cut into pages
+and found through `AdapterTable`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+NUM_PROJECTIONS = 7
+SCRATCH_PAGE = 0  # never handed out: padded rows and table entries point here
+
+
+class PagePool:
+    """pages: [num_pages, page_elems] of the model dtype, on the model device."""
+
+    def __init__(self, num_pages: int, page_elems: int, dtype: torch.dtype, device: torch.device):
+        if num_pages < 2:
+            raise ValueError(f"a page pool needs at least 2 pages, got {num_pages}")
+        self.pages = torch.zeros(num_pages, page_elems, dtype=dtype, device=device)
+        self.page_elems = page_elems
+        self.num_pages = num_pages
+        # A stack, lowest ids on top: long runs reuse the same low pages, which keeps the
+        # occupied region compact and the occupancy figure easy to read.
+        self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))
+        self.used = {"kv": 0, "adapter": 0}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
+    def alloc(self, count: int, owner: str) -> list[int] | None:
+        """`count` page ids, or None (and nothing taken) when fewer are free."""
+        if count > len(self._free):
+            return None
+        taken = self._free[len(self._free) - count :]
+        del self._free[len(self._free) - count :]
+        self.used[owner] += count
+        return taken
+
+    def free(self, page_ids: list[int], owner: str) -> None:
+        self._free.extend(page_ids)
+        self.used[owner] -= len(page_ids)
+
+    def occupancy(self) -> dict:
+        return {
+            "pages": self.capacity,
+            "free": self.num_free,
+            "kv": self.used["kv"],
+            "adapter": self.used["adapter"],
+            "page_bytes": self.page_elems * self.pages.element_size(),
+        }
+
+
+class KVCache:
+    """Paged KV cache in the pool. A block is `tokens_per_page` positions of one sequence and costs
+    2 * num_layers pages (K and V of every layer); its page ids are a row [num_layers, 2]."""
+
+    def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, head_dim: int):
+        kv_size = num_kv_heads * head_dim
+        if pool.page_elems % kv_size:
+            raise ValueError(f"page of {pool.page_elems} elements cannot hold whole K rows of {kv_size}")
+        self.pool = pool
+        self.num_layers = num_layers
+        self.tokens_per_page = pool.page_elems // kv_size
+        self.pages_per_block = 2 * num_layers
+        # K or V pages seen as [num_pages, tokens_per_page, num_kv_heads, head_dim].
+        self.view = pool.pages.view(pool.num_pages, self.tokens_per_page, num_kv_heads, head_dim)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_page)
+
+    def grow(self, blocks: list[np.ndarray], num_tokens: int) -> bool:
+        """Extend a sequence's block list to hold num_tokens positions; False if the pool is short."""
+        missing = self.blocks_for(num_tokens) - len(blocks)
+        if missing <= 0:
+            return True
+        page_ids = self.pool.alloc(missing * self.pages_per_block, "kv")
+        if page_ids is None:
+            return False
+        rows = np.asarray(page_ids, dtype=np.int32).reshape(missing, self.num_layers, 2)
+        blocks.extend(rows)
+        return True
+
+    def release(self, blocks: list[np.ndarray]) -> None:
+        for block in blocks:
+            self.pool.free(block.ravel().tolist(), "kv")
+        blocks.clear()
+
+    def free_tokens(self) -> int:
+        return self.pool.num_free // self.pages_per_block * self.tokens_per_page
+
+
+@dataclass
+class AdapterPlacement:
+    slot: int
+    page_ids: list[int]
+    index_start: int
+    index_len: int
+
+
+class AdapterTable:
+    """Where each resident adapter's weights lie in the pool, as device tensors the kernels read:
+
+    rank, a_start, b_start: int32 [num_slots, num_layers, 7]; page_ids: int32 [index_capacity].
+    Row j, chunk c of A of (slot, layer, proj) is page page_ids[a_start + j * chunks_in + c].
+    Host mirrors are kept so that placement never reads back from the device.
+    """
+
+    def __init__(self, pool: PagePool, num_slots: int, num_layers: int, shapes: list[tuple[int, int]]):
+        self.pool = pool
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.shapes = shapes  # (in, out) per projection
+        page = pool.page_elems
+        self.chunks = [(math.ceil(i / page), math.ceil(o / page)) for i, o in shapes]
+        device = pool.pages.device
+        table_shape = (num_slots, num_layers, NUM_PROJECTIONS)
+        self.rank_host = np.zeros(table_shape, dtype=np.int32)
+        self.a_start_host = np.zeros(table_shape, dtype=np.int32)
+        self.b_start_host = np.zeros(table_shape, dtype=np.int32)
+        self.page_ids_host = np.zeros(pool.num_pages, dtype=np.int32)
+        self.rank = torch.zeros(table_shape, dtype=torch.int32, device=device)
+        self.a_start = torch.zeros(table_shape, dtype=torch.int32, device=device)
+        self.b_start = torch.zeros(table_shape, dtype=torch.int32, device=device)
+        self.page_ids = torch.zeros(pool.num_pages, dtype=torch.int32, device=device)
+        self.placements: dict[int, AdapterPlacement] = {}
+        self._index_end = 0  # bump allocator over page_ids; compacted when it runs out
+
+    def pages_needed(self, weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]) -> int:
+        total = 0
+        for (_, proj), (a, _) in weights.items():
+            chunks_in, chunks_out = self.chunks[proj]
+            total += a.shape[0] * (chunks_in + chunks_out)
+        return total
+
+    def free_slot(self) -> int | None:
+        for slot in range(self.num_slots):
+            if slot not in self.placements:
+                return slot
+        return None
+
+    def place(self, slot: int, weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Copy an adapter's weights into pool pages and publish its table rows. False: pool short."""
+        needed = self.pages_needed(weights)
+        page_ids = self.pool.alloc(needed, "adapter")
+        if page_ids is None:
+            return False
+        if self._index_end + needed > len(self.page_ids_host):
+            self._compact()
+        start = self._index_end
+        page = self.pool.page_elems
+        # Lay every row out padded to whole pages on the host, then send it with one copy.
+        staged = torch.zeros(needed, page, dtype=self.pool.pages.dtype)
+        cursor = 0
+        for (layer, proj), (a, b) in sorted(weights.items()):
+            rank = a.shape[0]
+            chunks_in, chunks_out = self.chunks[proj]
+            self.rank_host[slot, layer, proj] = rank
+            self.a_start_host[slot, layer, proj] = start + cursor
+            cursor = _stage_rows(staged, cursor, a, chunks_in, page)
+            self.b_start_host[slot, layer, proj] = start + cursor
+            cursor = _stage_rows(staged, cursor, b.t(), chunks_out, page)
+        ids = np.asarray(page_ids, dtype=np.int32)
+        self.page_ids_host[start : start + needed] = ids
+        self._index_end = start + needed
+        device = self.pool.pages.device
+        ids_device = torch.from_numpy(ids).to(device=device, dtype=torch.long)
+        self.pool.pages[ids_device] = staged.to(device, non_blocking=True)
+        self.placements[slot] = AdapterPlacement(slot, page_ids, start, needed)
+        self._publish(slot, start, needed)
+        return True
+
+    def evict(self, slot: int) -> None:
+        placement = self.placements.pop(slot)
+        self.pool.free(placement.page_ids, "adapter")
+        self.rank_host[slot] = 0
+        self.rank[slot] = 0
+
+    def _publish(self, slot: int, start: int, length: int) -> None:
+        device = self.rank.device
+        self.rank[slot] = torch.from_numpy(self.rank_host[slot]).to(device)
+        self.a_start[slot] = torch.from_numpy(self.a_start_host[slot]).to(device)
+        self.b_start[slot] = torch.from_numpy(self.b_start_host[slot]).to(device)
+        self.page_ids[start : start + length] = torch.from_numpy(self.page_ids_host[start : start + length]).to(device)
+
+    def _compact(self) -> None:
+        """Close the holes evicted adapters left in page_ids: each resident adapter's entries move
+        down and its starts shift by the same amount."""
+        end = 0
+        for slot in sorted(self.placements, key=lambda s: self.placements[s].index_start):
+            placement = self.placements[slot]
+            shift = placement.index_start - end
+            if shift:
+                old = slice(placement.index_start, placement.index_start + placement.index_len)
+                self.page_ids_host[end : end + placement.index_len] = self.page_ids_host[old].copy()
+                targeted = self.rank_host[slot] > 0
+                self.a_start_host[slot][targeted] -= shift
+                self.b_start_host[slot][targeted] -= shift
+                placement.index_start = end
+                self._publish(slot, end, placement.index_len)
+            end += placement.index_len
+        self._index_end = end
+        log.debug("adapter index compacted end=%d", end)
+
+
+def _stage_rows(staged: torch.Tensor, cursor: int, rows: torch.Tensor, chunks: int, page: int) -> int:
+    """Write rows [r, d] into staged pages from `cursor`, each row padded to `chunks` whole pages."""
+    rank, width = rows.shape
+    block = staged[cursor : cursor + rank * chunks].view(rank, chunks * page)
+    block[:, :width] = rows.to(staged.dtype)
+    return cursor + rank * chunks
+
+
+def gather_rows(pages: torch.Tensor, page_ids: torch.Tensor, start: int, rank: int, chunks: int, width: int) -> torch.Tensor:
+    """The [rank, width] matrix stored from index `start` (the reference path's view of a weight)."""
+    ids = page_ids[start : start + rank * chunks].long()
+    return pages[ids].view(rank, chunks * pages.shape[1])[:, :width]
