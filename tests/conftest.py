@@ -1,0 +1,67 @@
+"""Shared fixtures: the demo model, tiny random HF checkpoints with PEFT adapters (built once per session
+with transformers and peft, see hf_fixtures.py), and the HF + PEFT reference they are compared with.
+
+transformers and peft are imported only by the fixtures that need them, so tests that use none of
+these do not pay for the import.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# pytest puts this directory on sys.path when it loads this file (no __init__.py in tests/).
+import hf_fixtures
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory):
+    """The built-in demo (daemon/demo.py) in a session temporary directory."""
+    from lorad.daemon.demo import build_demo
+
+    return build_demo(tmp_path_factory.mktemp("demo") / "demo")
+
+
+@pytest.fixture(scope="session")
+def hf_architectures() -> tuple[str, ...]:
+    """Names accepted by `hf_checkpoint`: llama, llama3_rope, llama_tied, mistral, qwen2, llama_sharded."""
+    return tuple(hf_fixtures.ARCHITECTURES)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """`hf_checkpoint(arch)` -> Checkpoint(arch, model_dir, adapters: {name: dir}, vocab_size).
+
+    A random checkpoint saved by transformers (with the demo's tokenizer.json) and the PEFT adapters of
+    hf_fixtures.ADAPTERS on it, built on first use and shared by the whole session.
+    """
+    built: dict[str, hf_fixtures.Checkpoint] = {}
+
+    def get(arch: str) -> hf_fixtures.Checkpoint:
+        if arch not in built:
+            directory = tmp_path_factory.mktemp(f"hf-{arch}")
+            built[arch] = hf_fixtures.build_checkpoint_with_adapters(directory, arch)
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """`hf_reference(model_dir, adapters)` -> HFReference with `.greedy(prompt, adapter, max_tokens)`
+    returning (token ids, per-step [vocab] float32 logits); models and results are cached."""
+    built: dict = {}
+
+    def get(model_dir, adapters: dict):
+        key = (str(model_dir), tuple(sorted((name, str(path)) for name, path in adapters.items())))
+        if key not in built:
+            built[key] = hf_fixtures.HFReference(model_dir, adapters)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def write_hf_adapter():
+    """`write_hf_adapter(model_dir, directory, lora_config_kwargs, seed)`: one more PEFT adapter, saved
+    by peft with random A and B."""
+    return hf_fixtures.build_adapter

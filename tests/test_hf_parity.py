@@ -1,0 +1,173 @@
+"""lorad against Hugging Face transformers + PEFT: the same checkpoints and adapters, greedy decoding,
+token ids equal and every step's logits within float32 tolerance.
+
+All requests of a test go to the engine in one `generate` call, so base-model rows and rows of several
+adapters (and two rows of one adapter) share batches; the reference decodes each request alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lorad.config import EngineConfig
+from lorad.daemon.request import GenerationRequest, SamplingParams
+
+MAX_TOKENS = 12
+ATOL = RTOL = 1e-4
+# Prompt lengths 1..40, one per request.
+PROMPT_LENGTHS = (1, 7, 40, 16, 3, 29, 11, 2, 33, 24, 5, 40, 9, 19, 13)
+
+ARCHITECTURES = ("llama", "llama3_rope", "llama_tied", "mistral", "qwen2", "llama_sharded")
+
+# transformers warns about its own deprecated internals while PEFT wraps the models.
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+
+def _engine_class():
+    try:
+        from lorad.daemon.engine import Engine
+    except ModuleNotFoundError as error:
+        if error.name == "lorad.daemon.engine":
+            pytest.skip("daemon/engine.py is not written yet")
+        raise
+    return Engine
+
+
+def make_cases(adapters: list[str], vocab_size: int, seed: int = 0) -> list[tuple[list[int], str | None]]:
+    """(prompt token ids, adapter) for every adapter and the base model, some of them twice, with
+    prompt lengths 1..40; the last case repeats the third exactly (same prompt, same adapter)."""
+    names = [None, *adapters]
+    order = names + [adapters[0], None, adapters[2 % len(adapters)], adapters[-1], adapters[1 % len(adapters)]]
+    order += [adapters[0], adapters[3 % len(adapters)]]
+    generator = torch.Generator().manual_seed(seed)
+    cases = []
+    for length, adapter in zip(PROMPT_LENGTHS, order):
+        prompt = torch.randint(3, vocab_size, (length,), generator=generator).tolist()  # no special tokens
+        cases.append((prompt, adapter))
+    cases.append(cases[2])
+    return cases
+
+
+def run_lorad(model_dir, adapters: dict, cases, **config):
+    Engine = _engine_class()
+    engine = Engine(
+        EngineConfig(
+            model=str(model_dir),
+            adapters=tuple((name, str(path)) for name, path in adapters.items()),
+            device="cpu",
+            dtype="float32",
+            **{"max_running_requests": 64, **config},
+        )
+    )
+    requests = [
+        GenerationRequest(
+            prompt_token_ids=list(prompt),
+            adapter=adapter,
+            sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+            keep_logits=True,
+        )
+        for prompt, adapter in cases
+    ]
+    try:
+        results = engine.generate(requests)
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+    assert [r.request_id for r in results] == [r.request_id for r in requests], "results out of request order"
+    return results
+
+
+def mismatches(label: str, cases, results, reference) -> list[str]:
+    """One line per request whose tokens or logits differ from HF's, saying where and by how much."""
+    problems = []
+    for index, ((prompt, adapter), result) in enumerate(zip(cases, results)):
+        where = f"{label} request {index} (adapter={adapter}, prompt_len={len(prompt)})"
+        expected_tokens, expected_logits = reference.greedy(prompt, adapter, MAX_TOKENS)
+        if result.logits is None or len(result.logits) != len(result.token_ids):
+            problems.append(f"{where}: keep_logits gave {result.logits and len(result.logits)} logits "
+                            f"for {len(result.token_ids)} tokens")
+            continue
+        for step, (expected_token, expected) in enumerate(zip(expected_tokens, expected_logits)):
+            if step >= len(result.token_ids):
+                problems.append(f"{where}: only {len(result.token_ids)} tokens, expected {MAX_TOKENS}")
+                break
+            actual = result.logits[step].detach().to("cpu", torch.float32).reshape(-1)
+            if actual.shape != expected.shape:
+                problems.append(f"{where} step {step}: logits of shape {tuple(actual.shape)}, "
+                                f"expected {tuple(expected.shape)}")
+                break
+            gap = (actual - expected).abs()
+            top2 = expected.topk(2).values
+            detail = (f"max |logit diff| {gap.max():.3e} at token {int(gap.argmax())}, "
+                      f"|logits| max {expected.abs().max():.2f}, HF top1-top2 margin {top2[0] - top2[1]:.3e}")
+            if result.token_ids[step] != expected_token:
+                problems.append(f"{where}: first differing token at step {step}: lorad {result.token_ids[step]} "
+                                f"vs HF {expected_token}; {detail}")
+                break
+            if not torch.allclose(actual, expected, atol=ATOL, rtol=RTOL):
+                problems.append(f"{where} step {step}: logits differ (tokens equal): {detail}")
+                break
+        else:
+            if len(result.token_ids) != MAX_TOKENS:
+                problems.append(f"{where}: {len(result.token_ids)} tokens, expected {MAX_TOKENS} (ignore_eos)")
+    return problems
+
+
+def check_parity(label, model_dir, adapters, cases, reference, **config):
+    results = run_lorad(model_dir, adapters, cases, **config)
+    problems = mismatches(label, cases, results, reference)
+    assert not problems, f"{len(problems)} of {len(cases)} requests differ from HF + PEFT:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_matches_hf_peft(arch, hf_checkpoint, hf_reference):
+    checkpoint = hf_checkpoint(arch)
+    cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size)
+    reference = hf_reference(checkpoint.model_dir, checkpoint.adapters)
+    check_parity(arch, checkpoint.model_dir, checkpoint.adapters, cases, reference)
+
+
+def test_prefill_split_over_several_steps(hf_checkpoint, hf_reference):
+    # 15 prompts of 1..40 tokens, 64 tokens a step: prefills land in different steps, beside decodes.
+    checkpoint = hf_checkpoint("llama")
+    cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size)
+    reference = hf_reference(checkpoint.model_dir, checkpoint.adapters)
+    check_parity("llama max_batch_tokens=64", checkpoint.model_dir, checkpoint.adapters, cases, reference,
+                 max_batch_tokens=64)
+
+
+def test_queued_requests_join_running_batch(hf_checkpoint, hf_reference):
+    # Three run at a time: the other twelve wait and join as earlier ones finish.
+    checkpoint = hf_checkpoint("qwen2")
+    cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size, seed=1)
+    reference = hf_reference(checkpoint.model_dir, checkpoint.adapters)
+    check_parity("qwen2 max_running_requests=3", checkpoint.model_dir, checkpoint.adapters, cases, reference,
+                 max_running_requests=3)
+
+
+def test_demo_matches_hf_peft(demo_assets, hf_reference):
+    # Proves daemon/demo.py writes a checkpoint and adapters that transformers and PEFT read as lorad does.
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(demo_assets.model_dir / "tokenizer.json"))
+    texts = ["The", "The lighthouse keeper woke before the sun", "Why is the sky blue?",
+             "To make a simple soup, cut two onions, three carrots and a potato into small pieces. Warm a spoon"]
+    names = list(demo_assets.adapters)
+    cases = [(tokenizer.encode(texts[i % len(texts)]).ids, adapter) for i, adapter in enumerate([None, *names])]
+    cases += [(tokenizer.encode(text).ids, "demo-r16") for text in texts[1:]]
+    reference = hf_reference(demo_assets.model_dir, demo_assets.adapters)
+    check_parity("demo", demo_assets.model_dir, demo_assets.adapters, cases, reference)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fixture_adapters_change_the_output(arch, hf_checkpoint, hf_reference):
+    # Parity means little if an adapter's update were too small to move a token: each one must.
+    checkpoint = hf_checkpoint(arch)
+    reference = hf_reference(checkpoint.model_dir, checkpoint.adapters)
+    prompts = [case[0] for case in make_cases(list(checkpoint.adapters), checkpoint.vocab_size)[:4]]
+    base = [reference.greedy(prompt, None, MAX_TOKENS)[0] for prompt in prompts]
+    for adapter in checkpoint.adapters:
+        outputs = [reference.greedy(prompt, adapter, MAX_TOKENS)[0] for prompt in prompts]
+        assert outputs != base, f"adapter {adapter} leaves every greedy output unchanged"
