@@ -1,0 +1,267 @@
+"""gpu_ops/page_pool.py: the free list's accounting, KV blocks, and adapter weights laid out in pages
+and read back through the table (gather_rows) after placement, eviction and index compaction."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from lorad.gpu_ops.page_pool import SCRATCH_PAGE, AdapterTable, KVCache, PagePool, gather_rows
+
+HIDDEN, INTERMEDIATE, LAYERS = 64, 172, 3
+Q, KV = 64, 32  # 4 heads of 16; 2 KV heads of 16 (GQA)
+SHAPES = [(HIDDEN, Q), (HIDDEN, KV), (HIDDEN, KV), (Q, HIDDEN), (HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN)]
+
+
+def make_pool(num_pages: int, page: int = HIDDEN) -> PagePool:
+    return PagePool(num_pages, page, torch.float32, torch.device("cpu"))
+
+
+# --- PagePool ---------------------------------------------------------------------------------------
+
+
+def test_pool_needs_two_pages():
+    with pytest.raises(ValueError):
+        make_pool(1)
+
+
+def test_alloc_free_accounting_never_hands_out_scratch():
+    rng = random.Random(0)
+    pool = make_pool(50)
+    assert pool.capacity == 49 and pool.num_free == 49
+    held: dict[str, list[list[int]]] = {"kv": [], "adapter": []}
+    for _ in range(300):
+        owner = rng.choice(["kv", "adapter"])
+        if rng.random() < 0.55:
+            count = rng.randint(0, 12)
+            free_before = pool.num_free
+            ids = pool.alloc(count, owner)
+            if count > free_before:
+                assert ids is None
+                assert pool.num_free == free_before
+            else:
+                assert ids is not None and len(ids) == count
+                assert SCRATCH_PAGE not in ids
+                assert all(1 <= i < 50 for i in ids)
+                held[owner].append(ids)
+        elif held[owner]:
+            ids = held[owner].pop(rng.randrange(len(held[owner])))
+            pool.free(ids, owner)
+        everything = [i for lists in held.values() for ids in lists for i in ids]
+        assert len(everything) == len(set(everything)), "a page was handed out twice"
+        for name in ("kv", "adapter"):
+            assert pool.used[name] == sum(len(ids) for ids in held[name])
+        occupancy = pool.occupancy()
+        assert occupancy["free"] + occupancy["kv"] + occupancy["adapter"] == occupancy["pages"] == 49
+        assert occupancy["page_bytes"] == HIDDEN * 4
+
+
+def test_alloc_beyond_free_takes_nothing():
+    pool = make_pool(10)
+    first = pool.alloc(6, "kv")
+    assert pool.alloc(4, "adapter") is None
+    assert pool.num_free == 3 and pool.used == {"kv": 6, "adapter": 0}
+    rest = pool.alloc(3, "adapter")
+    assert sorted(first + rest) == list(range(1, 10))
+    assert pool.alloc(1, "kv") is None
+
+
+# --- KVCache ----------------------------------------------------------------------------------------
+
+
+def test_kv_layout_gqa():
+    pool = make_pool(40)
+    kv = KVCache(pool, num_layers=LAYERS, num_kv_heads=2, head_dim=16)
+    assert kv.tokens_per_page == HIDDEN // KV == 2
+    assert kv.pages_per_block == 2 * LAYERS
+    assert kv.view.shape == (40, 2, 2, 16)
+    assert kv.view.data_ptr() == pool.pages.data_ptr()
+    kv.view[5, 1, 0] = 7.0  # token offset 1, KV head 0 lies at elements 32..47 of page 5
+    assert torch.all(pool.pages[5, 32:48] == 7.0) and pool.pages[5].count_nonzero() == 16
+    for tokens in range(0, 11):
+        assert kv.blocks_for(tokens) == math.ceil(tokens / 2)
+
+
+def test_kv_page_must_hold_whole_rows():
+    with pytest.raises(ValueError):
+        KVCache(make_pool(8, page=48), num_layers=1, num_kv_heads=2, head_dim=32)
+
+
+def test_kv_grow_and_release():
+    pool = make_pool(1 + 6 * 5)  # room for exactly 5 blocks of 3 layers
+    kv = KVCache(pool, num_layers=LAYERS, num_kv_heads=2, head_dim=16)
+    assert kv.free_tokens() == 10
+    a, b = [], []
+    assert kv.grow(a, 3)  # 2 blocks
+    assert len(a) == 2 and all(block.shape == (LAYERS, 2) for block in a)
+    assert kv.grow(a, 4) and len(a) == 2  # still fits
+    assert kv.grow(a, 0) and len(a) == 2
+    assert pool.used["kv"] == 12
+    assert kv.grow(b, 5)  # 3 blocks
+    assert pool.num_free == 0 and kv.free_tokens() == 0
+    before = [block.copy() for block in a]
+    assert not kv.grow(a, 5)  # short: nothing taken, nothing changed
+    assert len(a) == 2 and all((x == y).all() for x, y in zip(a, before))
+    ids = np.concatenate([np.stack(a).ravel(), np.stack(b).ravel()])
+    assert len(set(ids.tolist())) == 30 and SCRATCH_PAGE not in ids
+    kv.release(a)
+    assert a == [] and pool.used["kv"] == 18 and pool.num_free == 12
+    assert not kv.grow(a, 5)  # 3 blocks, 2 free
+    assert kv.grow(a, 4) and pool.num_free == 0
+    kv.release(a)
+    kv.release(b)
+    assert pool.used["kv"] == 0 and pool.num_free == 30
+
+
+# --- AdapterTable -----------------------------------------------------------------------------------
+
+
+def random_adapter(generator: torch.Generator, max_rank: int = 6, density: float = 0.6) -> dict:
+    """Random A [r, in], B [out, r] for a random subset of (layer, proj), ranks differing per entry."""
+    weights = {}
+    while not weights:
+        for layer in range(LAYERS):
+            for proj, (fan_in, fan_out) in enumerate(SHAPES):
+                if torch.rand((), generator=generator) < density:
+                    rank = int(torch.randint(1, max_rank + 1, (), generator=generator))
+                    weights[(layer, proj)] = (
+                        torch.randn(rank, fan_in, generator=generator),
+                        torch.randn(fan_out, rank, generator=generator),
+                    )
+    return weights
+
+
+def pages_of(weights: dict, page: int = HIDDEN) -> int:
+    return sum(
+        a.shape[0] * (math.ceil(SHAPES[proj][0] / page) + math.ceil(SHAPES[proj][1] / page))
+        for (_, proj), (a, _) in weights.items()
+    )
+
+
+def check_reads_back(table: AdapterTable, slot: int, weights: dict) -> None:
+    pages = table.pool.pages
+    for layer in range(LAYERS):
+        for proj, (fan_in, fan_out) in enumerate(SHAPES):
+            rank_host = int(table.rank_host[slot, layer, proj])
+            assert int(table.rank[slot, layer, proj]) == rank_host  # the device copy agrees
+            if (layer, proj) not in weights:
+                assert rank_host == 0
+                continue
+            a, b = weights[(layer, proj)]
+            assert rank_host == a.shape[0]
+            chunks_in, chunks_out = math.ceil(fan_in / HIDDEN), math.ceil(fan_out / HIDDEN)
+            assert table.chunks[proj] == (chunks_in, chunks_out)
+            for starts in (table.a_start_host, table.a_start):
+                got_a = gather_rows(pages, table.page_ids, int(starts[slot, layer, proj]), rank_host, chunks_in, fan_in)
+                assert torch.equal(got_a, a)
+            for starts in (table.b_start_host, table.b_start):
+                got_b = gather_rows(pages, table.page_ids, int(starts[slot, layer, proj]), rank_host, chunks_out, fan_out)
+                assert torch.equal(got_b, b.t())
+            # DESIGN.md's element formula, on a few random elements of A
+            a_start = int(table.a_start_host[slot, layer, proj])
+            rng = random.Random(slot * 100 + layer * 10 + proj)
+            for _ in range(3):
+                j, k = rng.randrange(rank_host), rng.randrange(fan_in)
+                page_id = int(table.page_ids[a_start + j * chunks_in + k // HIDDEN])
+                assert page_id != SCRATCH_PAGE
+                assert pages[page_id, k % HIDDEN] == a[j, k]
+
+
+def test_place_reads_back_with_partial_pages():
+    generator = torch.Generator().manual_seed(1)
+    pool = make_pool(2000)
+    table = AdapterTable(pool, num_slots=8, num_layers=LAYERS, shapes=SHAPES)
+    assert table.chunks[4] == (1, 3) and table.chunks[6] == (3, 1)  # 172 = 2 pages + 44 elements
+    placed = {}
+    for slot in (3, 0, 5):
+        weights = random_adapter(generator)
+        assert table.pages_needed(weights) == pages_of(weights)
+        assert table.place(slot, weights)
+        placed[slot] = weights
+    assert pool.used["adapter"] == sum(pages_of(w) for w in placed.values())
+    all_ids = [i for p in table.placements.values() for i in p.page_ids]
+    assert len(all_ids) == len(set(all_ids)) and SCRATCH_PAGE not in all_ids
+    for slot, weights in placed.items():
+        check_reads_back(table, slot, weights)
+    assert table.free_slot() == 1
+    for slot in (1, 2, 4, 6, 7):
+        assert table.rank_host[slot].sum() == 0 and int(table.rank[slot].sum()) == 0
+
+
+def test_evict_frees_pages_and_zeroes_rank():
+    generator = torch.Generator().manual_seed(2)
+    pool = make_pool(2000)
+    table = AdapterTable(pool, num_slots=4, num_layers=LAYERS, shapes=SHAPES)
+    first, second = random_adapter(generator), random_adapter(generator)
+    assert table.place(0, first) and table.place(1, second)
+    table.evict(0)
+    assert pool.used["adapter"] == pages_of(second)
+    assert pool.num_free == pool.capacity - pages_of(second)
+    assert table.rank_host[0].sum() == 0 and int(table.rank[0].sum()) == 0
+    assert 0 not in table.placements and table.free_slot() == 0
+    check_reads_back(table, 1, second)
+    table.evict(1)
+    assert pool.used["adapter"] == 0 and pool.num_free == pool.capacity
+
+
+def test_place_when_pool_is_short_takes_nothing():
+    generator = torch.Generator().manual_seed(3)
+    weights = random_adapter(generator)
+    needed = pages_of(weights)
+    pool = make_pool(needed)  # capacity needed - 1
+    table = AdapterTable(pool, num_slots=2, num_layers=LAYERS, shapes=SHAPES)
+    before = pool.pages.clone()
+    assert not table.place(0, weights)
+    assert pool.num_free == pool.capacity and pool.used["adapter"] == 0
+    assert 0 not in table.placements and table.rank_host.sum() == 0 and int(table.rank.sum()) == 0
+    assert torch.equal(pool.pages, before)
+    # One page more and it fits exactly.
+    pool = make_pool(needed + 1)
+    table = AdapterTable(pool, num_slots=2, num_layers=LAYERS, shapes=SHAPES)
+    assert table.place(1, weights) and pool.num_free == 0
+    check_reads_back(table, 1, weights)
+
+
+def test_churn_forces_compaction():
+    """The index (page_ids) has one entry per pool page; placing and evicting in the middle leaves
+    holes, so a later placement must compact it and everything resident must still read back."""
+    generator = torch.Generator().manual_seed(4)
+    rng = random.Random(4)
+    pool = make_pool(700)
+    table = AdapterTable(pool, num_slots=16, num_layers=LAYERS, shapes=SHAPES)
+    compactions = 0
+    original = table._compact
+
+    def counting_compact():
+        nonlocal compactions
+        compactions += 1
+        original()
+
+    table._compact = counting_compact
+    resident: dict[int, dict] = {}
+    for round_ in range(60):
+        if resident and (rng.random() < 0.45 or table.free_slot() is None):
+            # evict one in the middle of the index when there is one
+            order = sorted(resident, key=lambda s: table.placements[s].index_start)
+            slot = order[len(order) // 2]
+            table.evict(slot)
+            del resident[slot]
+        else:
+            weights = random_adapter(generator, max_rank=4, density=0.4)
+            slot = table.free_slot()
+            free_before = pool.num_free
+            if table.place(slot, weights):
+                resident[slot] = weights
+            else:
+                assert pages_of(weights) > free_before
+                assert pool.num_free == free_before and slot not in table.placements
+        used = sum(pages_of(w) for w in resident.values())
+        assert pool.used["adapter"] == used and pool.num_free == pool.capacity - used
+        assert table._index_end <= len(table.page_ids_host)
+        for slot, weights in resident.items():
+            check_reads_back(table, slot, weights)
+    assert compactions > 0, "the churn never filled the index: make the test place more"

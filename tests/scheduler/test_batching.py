@@ -1,0 +1,294 @@
+"""scheduler/batching.py with fake memory and adapters: FCFS admission, the token budget and chunked
+prefill, the running cap, preemption of the newest when memory runs out, adapter-blocked admission,
+and that finish() gives back what a sequence holds exactly once."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lorad.scheduler.batching import Scheduler, Sequence
+
+TOKENS_PER_BLOCK = 4
+
+
+class FakeMemory:
+    """Blocks of TOKENS_PER_BLOCK positions out of `capacity` blocks; records every block it hands out."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.next_id = 0
+        self.out: set[int] = set()
+        self.released: list[int] = []
+
+    @property
+    def free(self) -> int:
+        return self.capacity - len(self.out)
+
+    def grow(self, blocks: list, num_tokens: int) -> bool:
+        missing = -(-num_tokens // TOKENS_PER_BLOCK) - len(blocks)
+        if missing <= 0:
+            return True
+        if missing > self.free:
+            return False
+        for _ in range(missing):
+            self.out.add(self.next_id)
+            blocks.append(self.next_id)
+            self.next_id += 1
+        return True
+
+    def release(self, blocks: list) -> None:
+        for block in blocks:
+            assert block in self.out, f"block {block} released twice"
+            self.out.remove(block)
+            self.released.append(block)
+        blocks.clear()
+
+
+class FakeAdapters:
+    def __init__(self, unavailable: set[str] = frozenset()):
+        self.unavailable = set(unavailable)
+        self.pins: dict[str | None, int] = {}
+        self.calls: list[tuple[str, str | None]] = []
+
+    def acquire(self, name):
+        self.calls.append(("acquire", name))
+        if name in self.unavailable:
+            return False
+        self.pins[name] = self.pins.get(name, 0) + 1
+        return True
+
+    def release(self, name):
+        self.calls.append(("release", name))
+        assert self.pins.get(name, 0) > 0, f"adapter {name} released more often than acquired"
+        self.pins[name] -= 1
+
+    def held(self) -> int:
+        return sum(self.pins.values())
+
+
+def seq(name: str, prompt_len: int, adapter: str | None = None) -> Sequence:
+    return Sequence(name, list(range(prompt_len)), prompt_len, adapter)
+
+
+def run_step(scheduler: Scheduler, plan) -> None:
+    """What the engine does after a forward: advance num_computed, append a token to finished prefills."""
+    for s, count in plan:
+        s.num_computed += count
+        assert s.num_computed <= s.num_tokens
+        if s.num_computed == s.num_tokens:
+            s.tokens.append(7)
+
+
+def names(plan) -> list[tuple[str, int]]:
+    return [(s.request_id, count) for s, count in plan]
+
+
+def test_fcfs_admission_and_decode_before_prefill():
+    memory, adapters = FakeMemory(100), FakeAdapters()
+    scheduler = Scheduler(max_running=8, max_batch_tokens=64, memory=memory, adapters=adapters)
+    a, b = seq("a", 10), seq("b", 6)
+    scheduler.add(a)
+    scheduler.add(b)
+    plan = scheduler.schedule()
+    assert names(plan) == [("a", 10), ("b", 6)]
+    run_step(scheduler, plan)
+    c = seq("c", 20)
+    scheduler.add(c)
+    plan = scheduler.schedule()
+    # the running ones decode first (one token each), then the new prompt
+    assert names(plan) == [("a", 1), ("b", 1), ("c", 20)]
+    assert scheduler.running == [a, b, c] and not scheduler.waiting
+
+
+def test_token_budget_and_chunked_prefill():
+    memory, adapters = FakeMemory(100), FakeAdapters()
+    scheduler = Scheduler(max_running=8, max_batch_tokens=16, memory=memory, adapters=adapters)
+    a, b, c = seq("a", 40), seq("b", 5), seq("c", 3)
+    for s in (a, b, c):
+        scheduler.add(s)
+    steps = []
+    for _ in range(4):
+        plan = scheduler.schedule()
+        assert sum(count for _, count in plan) <= 16
+        steps.append(names(plan))
+        run_step(scheduler, plan)
+    assert steps[0] == [("a", 16)]  # b waits behind a (FCFS) while the budget is spent
+    assert steps[1] == [("a", 16)]
+    assert steps[2] == [("a", 8), ("b", 5), ("c", 3)]  # the last chunk of a, then the others join
+    assert steps[3] == [("a", 1), ("b", 1), ("c", 1)]
+    assert a.num_tokens == 42 and a.num_computed == 41 and len(a.blocks) == -(-41 // TOKENS_PER_BLOCK)
+    # every chunk of a sat on top of what was computed before: the blocks cover num_computed
+    for s in (a, b, c):
+        assert len(s.blocks) * TOKENS_PER_BLOCK >= s.num_computed
+
+
+def test_max_running_cap():
+    memory, adapters = FakeMemory(100), FakeAdapters()
+    scheduler = Scheduler(max_running=2, max_batch_tokens=100, memory=memory, adapters=adapters)
+    seqs = [seq(f"s{i}", 3) for i in range(4)]
+    for s in seqs:
+        scheduler.add(s)
+    plan = scheduler.schedule()
+    assert names(plan) == [("s0", 3), ("s1", 3)]
+    assert list(scheduler.waiting) == seqs[2:]
+    run_step(scheduler, plan)
+    assert names(scheduler.schedule()) == [("s0", 1), ("s1", 1)]
+    scheduler.finish(seqs[0])
+    plan = scheduler.schedule()
+    assert names(plan) == [("s1", 1), ("s2", 3)]
+    assert len(scheduler.running) == 2
+
+
+def test_preempts_newest_when_memory_runs_out():
+    # 6 blocks = 24 positions; a and b take 2 blocks each (8 tokens), c takes 2 (6 tokens)
+    memory, adapters = FakeMemory(6), FakeAdapters()
+    scheduler = Scheduler(max_running=8, max_batch_tokens=100, memory=memory, adapters=adapters)
+    a, b, c = seq("a", 8, "x"), seq("b", 8, "y"), seq("c", 6, "z")
+    for s in (a, b, c):
+        scheduler.add(s)
+    plan = scheduler.schedule()
+    assert names(plan) == [("a", 8), ("b", 8), ("c", 6)] and memory.free == 0
+    run_step(scheduler, plan)  # a, b now 9 tokens (need a 3rd block each); c 7
+    c_blocks = list(c.blocks)
+    plan = scheduler.schedule()
+    # a needs a block: c (the newest) is preempted; b then needs one too and takes c's other block
+    assert c not in scheduler.running and list(scheduler.waiting) == [c]
+    assert c.num_computed == 0 and c.blocks == [] and c.preemptions == 1
+    assert set(c_blocks) <= set(memory.released)
+    assert adapters.pins["z"] == 0 and adapters.pins["x"] == 1 and adapters.pins["y"] == 1
+    assert names(plan) == [("a", 1), ("b", 1)]
+    assert c.tokens == list(range(6)) + [7]  # what it generated is kept, to be recomputed
+    run_step(scheduler, plan)
+    # c comes back first when room appears, recomputing prompt + generated tokens
+    d = seq("d", 2)
+    scheduler.add(d)
+    scheduler.finish(a)
+    plan = scheduler.schedule()
+    assert names(plan) == [("b", 1), ("c", 7), ("d", 2)]
+
+
+def test_preempting_several_keeps_their_order():
+    memory, adapters = FakeMemory(4), FakeAdapters()
+    scheduler = Scheduler(max_running=8, max_batch_tokens=100, memory=memory, adapters=adapters)
+    seqs = [seq(f"s{i}", 4) for i in range(4)]  # one block each: the pool is full
+    for s in seqs:
+        scheduler.add(s)
+    plan = scheduler.schedule()
+    run_step(scheduler, plan)
+    seqs[0].tokens.extend([7] * 8)  # s0 suddenly needs 3 more blocks (e.g. a long chunk)
+    plan = scheduler.schedule()
+    assert names(plan) == [("s0", 9)]
+    assert list(scheduler.waiting) == [seqs[1], seqs[2], seqs[3]]  # oldest first, as they arrived
+    assert all(s.preemptions == 1 and s.num_computed == 0 for s in seqs[1:])
+
+
+def test_preempts_itself_when_alone_and_short():
+    memory, adapters = FakeMemory(2), FakeAdapters()
+    scheduler = Scheduler(max_running=8, max_batch_tokens=100, memory=memory, adapters=adapters)
+    a = seq("a", 8, "x")
+    scheduler.add(a)
+    run_step(scheduler, scheduler.schedule())
+    assert a.num_tokens == 9 and memory.free == 0
+    plan = scheduler.schedule()
+    # a cannot grow and nobody else can make room: it goes back to waiting, holding nothing,
+    # and cannot be readmitted (9 tokens need 3 blocks)
+    assert plan == [] and list(scheduler.waiting) == [a] and not scheduler.running
+    assert memory.free == 2 and a.blocks == [] and adapters.held() == 0
+
+
+def test_unavailable_adapter_blocks_admission_in_order():
+    memory, adapters = FakeMemory(100), FakeAdapters(unavailable={"busy"})
+    scheduler = Scheduler(max_running=8, max_batch_tokens=100, memory=memory, adapters=adapters)
+    a, b, c = seq("a", 3), seq("b", 3, "busy"), seq("c", 3, "free")
+    for s in (a, b, c):
+        scheduler.add(s)
+    plan = scheduler.schedule()
+    assert names(plan) == [("a", 3)]  # c does not jump ahead of b
+    assert list(scheduler.waiting) == [b, c] and b.blocks == [] and c.blocks == []
+    assert ("acquire", "free") not in adapters.calls
+    run_step(scheduler, plan)
+    adapters.unavailable.clear()
+    plan = scheduler.schedule()
+    assert names(plan) == [("a", 1), ("b", 3), ("c", 3)]
+    assert adapters.pins == {None: 1, "busy": 1, "free": 1}
+
+
+def test_memory_short_on_admission_gives_the_adapter_back():
+    memory, adapters = FakeMemory(2), FakeAdapters()
+    scheduler = Scheduler(max_running=8, max_batch_tokens=100, memory=memory, adapters=adapters)
+    a, b = seq("a", 8, "x"), seq("b", 4, "y")
+    scheduler.add(a)
+    scheduler.add(b)
+    plan = scheduler.schedule()
+    assert names(plan) == [("a", 8)]
+    assert adapters.pins == {"x": 1, "y": 0} and list(scheduler.waiting) == [b]
+
+
+def test_finish_releases_everything_exactly_once():
+    memory, adapters = FakeMemory(100), FakeAdapters()
+    scheduler = Scheduler(max_running=1, max_batch_tokens=100, memory=memory, adapters=adapters)
+    running, waiting = seq("r", 9, "x"), seq("w", 3, "y")
+    scheduler.add(running)
+    scheduler.add(waiting)
+    run_step(scheduler, scheduler.schedule())
+    assert len(running.blocks) == 3 and waiting in scheduler.waiting
+    for _ in range(2):  # the second call finds nothing to give back
+        scheduler.finish(running)
+        scheduler.finish(waiting)
+    assert memory.out == set() and adapters.held() == 0
+    assert adapters.calls.count(("release", "x")) == 1 and ("release", "y") not in adapters.calls
+    assert not scheduler.has_work()
+
+
+def test_random_workload_invariants():
+    """Random prompts, budgets and a small memory: nothing leaks, nothing is computed twice in a step,
+    every request finishes, and the pins match the running sequences."""
+    rng = random.Random(5)
+    memory, adapters = FakeMemory(8), FakeAdapters()
+    scheduler = Scheduler(max_running=4, max_batch_tokens=10, memory=memory, adapters=adapters)
+    pending = [seq(f"s{i}", rng.randint(1, 14), rng.choice([None, "x", "y"])) for i in range(25)]
+    targets = {s.request_id: rng.randint(1, 8) for s in pending}
+    done = []
+    for _ in range(2000):
+        if pending and rng.random() < 0.6:
+            scheduler.add(pending.pop(0))
+        if not scheduler.has_work() and not pending:
+            break
+        plan = scheduler.schedule()
+        assert sum(count for _, count in plan) <= 10
+        assert len(scheduler.running) <= 4
+        assert len({id(s) for s, _ in plan}) == len(plan)
+        for s, count in plan:
+            assert s in scheduler.running and count > 0
+            assert len(s.blocks) * TOKENS_PER_BLOCK >= s.num_computed + count
+        for s in scheduler.waiting:
+            assert s.blocks == [] and s.num_computed == 0
+        run_step(scheduler, plan)
+        for s, _ in plan:
+            if s.num_generated >= targets[s.request_id] and s.num_computed == s.num_tokens - 1:
+                scheduler.finish(s)
+                done.append(s)
+        pins = {}
+        for s in scheduler.running:
+            pins[s.adapter] = pins.get(s.adapter, 0) + 1
+        assert {k: v for k, v in adapters.pins.items() if v} == pins
+        held = sum(len(s.blocks) for s in scheduler.running)
+        assert len(memory.out) == held
+    assert len(done) == 25 and memory.out == set() and adapters.held() == 0
+    assert any(s.preemptions for s in done), "the workload never preempted: make memory smaller"
+
+
+@pytest.mark.parametrize("budget", [2, 3])  # (with 1, a running decode takes it every step)
+def test_tiny_budget_still_progresses(budget):
+    memory, adapters = FakeMemory(100), FakeAdapters()
+    scheduler = Scheduler(max_running=4, max_batch_tokens=budget, memory=memory, adapters=adapters)
+    a, b = seq("a", 5), seq("b", 2)
+    scheduler.add(a)
+    scheduler.add(b)
+    for _ in range(20):
+        plan = scheduler.schedule()
+        assert 0 < sum(count for _, count in plan) <= budget
+        run_step(scheduler, plan)
+    assert a.num_generated > 0 and b.num_generated > 0
