@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from lorad.errors import ModelError
 
@@ -76,46 +76,57 @@ class ModelSpec:
             raise ModelError(
                 f"unsupported architecture {architecture!r}: lorad serves {', '.join(ARCHITECTURES)}"
             )
-        try:
-            hidden = int(config["hidden_size"])
-            heads = int(config["num_attention_heads"])
-            spec_max_pos = int(config.get("max_position_embeddings", 2048))
-            rope_scaling = _rope_scaling(config)
-            if architecture == "MistralForCausalLM":
-                window = config.get("sliding_window")
-                if window is not None and int(window) < spec_max_pos:
-                    raise ModelError(
-                        f"sliding_window={window} is smaller than the context ({spec_max_pos}): "
-                        "lorad does not implement sliding-window attention"
-                    )
-            if architecture == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
-                raise ModelError("Qwen2 with use_sliding_window=true is not supported")
-            eos = (generation_config or {}).get("eos_token_id", config.get("eos_token_id"))
-            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            bos = (generation_config or {}).get("bos_token_id", config.get("bos_token_id"))
-            return cls(
-                architecture=architecture,
-                vocab_size=int(config["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
-                num_layers=int(config["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_scaling.pop("rope_theta", None) or config.get("rope_theta", 10000.0))
-                if rope_scaling is not None
-                else float(config.get("rope_theta", 10000.0)),
-                rope_scaling=rope_scaling or None,
-                max_position_embeddings=spec_max_pos,
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                qkv_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-                torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
-                bos_token_id=bos,
-                eos_token_ids=tuple(int(e) for e in eos_ids),
-            )
-        except (KeyError, TypeError, ValueError) as error:
-            raise ModelError(f"config.json is missing or has a bad field: {error}") from error
+        hidden = _field(config, "hidden_size", int)
+        heads = _field(config, "num_attention_heads", int)
+        max_positions = _field(config, "max_position_embeddings", int, 2048)
+        if architecture == "MistralForCausalLM":
+            window = config.get("sliding_window")
+            if window is not None and int(window) < max_positions:
+                raise ModelError(
+                    f"sliding_window={window} is smaller than the context ({max_positions}): "
+                    "lorad does not implement sliding-window attention"
+                )
+        if architecture == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
+            raise ModelError("Qwen2 with use_sliding_window=true is not supported")
+        rope_scaling = _rope_scaling(config)
+        rope_theta = (rope_scaling or {}).pop("rope_theta", None) or _field(config, "rope_theta", float, 10000.0)
+        eos = (generation_config or {}).get("eos_token_id", config.get("eos_token_id"))
+        eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        return cls(
+            architecture=architecture,
+            vocab_size=_field(config, "vocab_size", int),
+            hidden_size=hidden,
+            intermediate_size=_field(config, "intermediate_size", int),
+            num_layers=_field(config, "num_hidden_layers", int),
+            num_heads=heads,
+            num_kv_heads=_field(config, "num_key_value_heads", int, heads),
+            head_dim=_field(config, "head_dim", int, hidden // heads),
+            rms_norm_eps=_field(config, "rms_norm_eps", float, 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling or None,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+            bos_token_id=(generation_config or {}).get("bos_token_id", config.get("bos_token_id")),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+
+def _field(config: dict, name: str, kind, default=None):
+    """A positive number from config.json; a missing (without default) or bad one is a ModelError naming it."""
+    value = config.get(name)
+    if value is None:
+        if default is None:
+            raise ModelError(f"config.json has no {name}")
+        return default
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise ModelError(f"config.json: {name} must be a number, not {value!r}") from None
+    if isinstance(value, bool) or number <= 0:
+        raise ModelError(f"config.json: {name} must be positive, not {value!r}")
+    return number
 
 
 def _rope_scaling(config: dict) -> dict | None:
@@ -197,6 +208,6 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype, device: torch.device
             with safe_open(str(path), framework="pt") as shard:
                 for name in shard.keys():
                     weights[name] = shard.get_tensor(name).to(device=device, dtype=dtype)
-        except (OSError, RuntimeError) as error:  # safetensors reports corrupt files as these
+        except (OSError, RuntimeError, SafetensorError) as error:
             raise ModelError(f"cannot read {path}: {error}") from error
     return weights

@@ -175,6 +175,8 @@ class Engine:
         state = RequestState(request, Detokenizer(self.tokenizer, request.sampling.stop), make_generator(request.sampling))
         seq = Sequence(request.request_id, list(prompt), len(prompt), request.adapter, state=state)
         with self._lock:
+            if self._stopping:
+                raise Overloaded("the engine is shutting down")
             if len(self.scheduler.waiting) + len(self._inbox) >= self.config.max_waiting_requests:
                 raise Overloaded(f"{self.config.max_waiting_requests} requests are already waiting")
             if request.request_id in self._sequences:
@@ -241,7 +243,9 @@ class Engine:
                 log.exception("step failed; failing its requests")
                 for seq in list(self.scheduler.running):
                     self._finish(seq, "error", error="internal error in the engine step")
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + inbox:
             self._finish(seq, "abort")
 
     def step(self) -> None:

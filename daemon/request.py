@@ -25,6 +25,13 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
+        # A lone stop string is one stop, not its characters; lists become tuples (hashable, frozen).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise BadRequest("max_tokens must be a positive integer")
         if not _real(self.temperature) or self.temperature < 0:

@@ -49,6 +49,7 @@ class Detokenizer:
         self.emitted = 0  # characters of text already handed out
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.stopped = False
 
     def add(self, token_id: int) -> bool:
         """Appends a token; True if a stop string now appears (text is cut before it)."""
@@ -61,16 +62,25 @@ class Detokenizer:
             self.read_offset = len(self.ids)
             search_from = max(0, len(self.text) - self.holdback)
             self.text += new_text
-            for stop in self.stop:
-                at = self.text.find(stop, search_from)
-                if at >= 0:
-                    self.text = self.text[:at]
-                    return True
+            found = [at for at in (self.text.find(stop, search_from) for stop in self.stop) if at >= 0]
+            if found:
+                self.text = self.text[: min(found)]
+                self.stopped = True
+                return True
         return False
+
+    def _flush(self) -> None:
+        """At the end, the bytes of an unfinished character decode as U+FFFD like decode() gives them."""
+        if self.read_offset < len(self.ids) and not self.stopped:
+            prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+            self.text += self.tokenizer.decode(self.ids[self.prefix_offset :])[len(prefix) :]
+            self.read_offset = len(self.ids)
 
     def take(self, final: bool) -> str:
         """The text not yet handed out; while not final, the last characters that could still begin
         a stop string stay behind."""
+        if final:
+            self._flush()
         end = len(self.text) if final or not self.stop else max(self.emitted, len(self.text) - self.holdback)
         delta = self.text[self.emitted : end]
         self.emitted = end

@@ -375,12 +375,6 @@ def test_request_that_cannot_fit_alone_fails_and_the_rest_go_on(demo_assets, big
     assert engine.pool.occupancy()["kv"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: daemon/engine.py Engine._loop: on stop() it finishes the scheduler's running and waiting "
-    "requests but not those still in _inbox (submitted during the last step): their on_output never gets a "
-    "final output, so a client waits forever",
-)
 def test_stop_finishes_requests_still_in_the_inbox(demo_assets):
     engine = make_engine(demo_assets)
     in_callback, release = threading.Event(), threading.Event()
