@@ -225,6 +225,10 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[ENGINE].status())
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     engine = request.app[ENGINE]
@@ -413,6 +417,7 @@ def create_app(engine) -> web.Application:
     app[IN_FLIGHT] = set()
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/status", status)
     app.router.add_post("/v1/completions", completions)
     app.on_shutdown.append(_abort_in_flight)
     return app

@@ -66,6 +66,10 @@ class Client:
         """The base model first, then each adapter (the `data` of GET /v1/models)."""
         return self._json("GET", "/v1/models")["data"]
 
+    def status(self) -> dict:
+        """The engine's state: device, dtype, page-pool occupancy, resident adapters, queue lengths."""
+        return self._json("GET", "/v1/status")
+
     def completions(self, **fields) -> dict:
         return self._json("POST", "/v1/completions", {**fields, "stream": False})
 

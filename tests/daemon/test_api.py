@@ -61,6 +61,10 @@ class FakeEngine:
         names = ("sql", "chat", "slow", "failing")
         return base + [{"id": name, "parent": self.model_name, "kind": "lora", "rank": 8} for name in names]
 
+    def status(self) -> dict:
+        with self._lock:
+            return {"model": self.model_name, "running": len(self._active)}
+
     def submit(self, request) -> None:
         adapter = request.adapter
         if adapter == "broken":
@@ -249,6 +253,10 @@ def test_models(client):
     for entry in models:
         assert entry["object"] == "model" and entry["owned_by"] == "lorad" and isinstance(entry["created"], int)
     assert sql["rank"] == 8 and sql["kind"] == "lora"
+
+
+def test_status(client):
+    assert client.status() == {"model": "fake-base", "running": 0}
 
 
 # --- completions ----------------------------------------------------------------------------------------
@@ -610,6 +618,8 @@ def test_demo_models(demo_server):
     assert models[0]["id"] == "lorad-demo" and models[0]["parent"] is None
     assert {"demo-r1", "demo-r8", "demo-r64"} <= {m["id"] for m in models[1:]}
     assert all(m["parent"] == "lorad-demo" for m in models[1:])
+    status = Client(server.path).status()
+    assert status["model"] == "lorad-demo" and status["device"] == "cpu"
 
 
 @pytest.mark.parametrize("model, adapter", [("lorad-demo", None), ("demo-r8", "demo-r8")])
