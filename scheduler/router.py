@@ -1,0 +1,182 @@
+"""Which engine serves a new request: routing policies over small views of the engines.
+
+`RankAware` is CaraServe's Algorithm 1: for each candidate engine it predicts, with the fitted
+performance models, the extra prefill time (spread over an average response) and the extra decode time
+per token that the request would cost the engine's requests, adds a penalty when the engine's decode step
+would then break the time-per-token SLO, weighs by the number of requests paying it, and takes the
+minimum. `MostIdle`, `FirstFit` (Punica) and `Random` are the baselines. Policies are pure functions of
+the views (Random of its seed); no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from lorad.errors import Overloaded
+from lorad.scheduler.perf_model import DecodeStepModel, PrefillModel
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    rank: int  # of its adapter (0: base model only)
+    prompt_tokens: int
+
+
+@dataclass
+class EngineView:
+    """What the router knows of one engine. "Requests" are running and queued ones together: the batch
+    the new request would join (Algorithm 1's `exists`). Kept as aggregates so the simulator can update
+    a view in O(1) per event; `EngineView.build` makes one from lists for tests and live engines."""
+
+    engine_id: int
+    max_running: int  # the engine's batch limit
+    num_running: int = 0
+    num_queued: int = 0
+    rank_counts: dict[int, int] = field(default_factory=dict)  # rank -> requests of that rank
+    rank_sum: int = 0
+    context_tokens: int = 0  # KV positions the requests will hold at their next decode step
+    remaining_tokens: int = 0  # output tokens the requests have still to generate, where known
+    free_kv_tokens: int = 1 << 62
+    has_base_model: bool = True
+
+    @classmethod
+    def build(
+        cls,
+        engine_id: int,
+        max_running: int,
+        running: Sequence[tuple[int, int, int]] = (),  # (rank, remaining output tokens, context tokens)
+        queued: Sequence[tuple[int, int]] = (),  # (rank, prompt tokens)
+        free_kv_tokens: int = 1 << 62,
+        has_base_model: bool = True,
+    ) -> "EngineView":
+        view = cls(engine_id, max_running, free_kv_tokens=free_kv_tokens, has_base_model=has_base_model)
+        for rank, remaining, context in running:
+            view.add(rank, context)
+            view.remaining_tokens += remaining
+        view.num_running = len(running)
+        for rank, prompt in queued:
+            view.add(rank, prompt)
+        view.num_queued = len(queued)
+        return view
+
+    def add(self, rank: int, context_tokens: int) -> None:
+        self.rank_counts[rank] = self.rank_counts.get(rank, 0) + 1
+        self.rank_sum += rank
+        self.context_tokens += context_tokens
+
+    def remove(self, rank: int, context_tokens: int) -> None:
+        left = self.rank_counts[rank] - 1
+        if left:
+            self.rank_counts[rank] = left
+        else:
+            del self.rank_counts[rank]
+        self.rank_sum -= rank
+        self.context_tokens -= context_tokens
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_running + self.num_queued
+
+    @property
+    def max_rank(self) -> int:
+        return max(self.rank_counts, default=0)
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, request: RouteRequest, engines: Sequence[EngineView]) -> int: ...  # an engine_id
+
+
+def candidates(request: RouteRequest, engines: Sequence[EngineView]) -> list[EngineView]:
+    """Engines with the base model and room for the prompt's KV; when none has room, every engine with
+    the base model (the request then waits in a queue rather than being refused)."""
+    serving = [e for e in engines if e.has_base_model]
+    if not serving:
+        raise Overloaded("no engine has the base model loaded")
+    roomy = [e for e in serving if e.free_kv_tokens >= request.prompt_tokens]
+    return roomy or serving
+
+
+@dataclass
+class RankAware:
+    """CaraServe Algorithm 1. total_cost = cost * (running + queued), where
+    cost = delta_prefill / avg_response_tokens + delta_decode (+ penalty_s if the decode step with the
+    request exceeds slo_tpot_s). The weight makes an idle engine free (it has nobody to slow down)."""
+
+    decode: DecodeStepModel
+    prefill: PrefillModel
+    slo_tpot_s: float
+    avg_response_tokens: float
+    penalty_s: float = 1.0
+    name: str = "rank_aware"
+
+    def cost(self, request: RouteRequest, engine: EngineView) -> float:
+        if engine.num_queued:  # joins the queue's prefill batch: its fixed part is paid already
+            delta_prefill = self.prefill.from_features(
+                request.prompt_tokens, request.rank * request.prompt_tokens, request.prompt_tokens**2
+            ) - self.prefill.fixed_s
+        else:
+            delta_prefill = self.prefill.predict([(request.prompt_tokens, request.rank)])
+        count, max_rank = engine.num_requests, engine.max_rank
+        before = self.decode.from_stats(count, max_rank, engine.rank_sum, engine.context_tokens)
+        after = self.decode.from_stats(
+            count + 1, max(max_rank, request.rank), engine.rank_sum + request.rank,
+            engine.context_tokens + request.prompt_tokens,
+        )
+        cost = delta_prefill / self.avg_response_tokens + (after - before)
+        if after > self.slo_tpot_s:
+            cost += self.penalty_s
+        return cost
+
+    def choose(self, request, engines):
+        best, best_cost = None, float("inf")
+        for engine in candidates(request, engines):
+            total = self.cost(request, engine) * engine.num_requests
+            if total < best_cost:
+                best, best_cost = engine, total
+        return best.engine_id
+
+
+@dataclass
+class MostIdle:
+    """The engine with the fewest requests (running + queued); ties: the least output left to generate."""
+
+    name: str = "most_idle"
+
+    def choose(self, request, engines):
+        return min(candidates(request, engines), key=lambda e: (e.num_requests, e.remaining_tokens)).engine_id
+
+
+@dataclass
+class FirstFit:
+    """Punica: the first engine (in id order) whose batch is below its limit; when all are full, the
+    most idle one."""
+
+    name: str = "first_fit"
+
+    def choose(self, request, engines):
+        pool = candidates(request, engines)
+        for engine in pool:
+            if engine.num_requests < engine.max_running:
+                return engine.engine_id
+        return MostIdle().choose(request, pool)
+
+
+@dataclass
+class Random:
+    """A uniformly random candidate, from its own seeded generator."""
+
+    seed: int = 0
+    name: str = "random"
+    rng: np.random.Generator = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.rng = np.random.default_rng(self.seed)
+
+    def choose(self, request, engines):
+        pool = candidates(request, engines)
+        return pool[int(self.rng.integers(len(pool)))].engine_id
