@@ -1,0 +1,243 @@
+"""A discrete-event simulator of N engines serving a request trace, for comparing routing policies.
+
+Each engine batches at iteration level the way LightLLM (S-LoRA, CaraServe) does: when queued requests
+fit (batch limit, KV tokens, prefill token budget) the next step prefills them, taking the prefill
+model's time, and each gets its first token at its end; otherwise the step decodes every running request
+by one token, taking the decode-step model's time for the batch's ranks and context. A request reserves
+KV for its prompt and whole output at admission (no preemption). Adapter loading is not modelled: every
+adapter is resident everywhere. Each arriving request is routed by a policy of router.py, which sees the
+engines' `EngineView`s, kept up to date in O(1) per event.
+
+Per request: TTFT (arrival to first token), time per token (first to last token over the output tokens
+after the first, CaraServe's "time per token" of the decode phase), latency (arrival to last token).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from lorad.errors import BadRequest
+from lorad.scheduler.perf_model import Profile
+from lorad.scheduler.router import EngineView, Policy, RouteRequest
+from lorad.scheduler.workload import Trace
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    num_engines: int = 1
+    max_running: int = 64  # batch limit of one engine
+    max_prefill_tokens: int = 4096  # prompt tokens in one prefill step (a longer prompt goes alone)
+    kv_tokens: int = 1 << 40  # KV capacity of one engine in tokens
+    slo_tpot_s: float | None = None  # None: slo_scale x the unloaded decode step at the trace's largest rank
+    slo_ttft_s: float | None = None  # None: slo_ttft_scale x the unloaded prefill of the trace's mean prompt
+    slo_scale: float = 1.5
+    slo_ttft_scale: float = 5.0
+
+
+@dataclass
+class SimResult:
+    """Per-request outcomes (numpy arrays in trace order) and the SLOs they were judged by."""
+
+    policy: str
+    arrival_s: np.ndarray
+    engine: np.ndarray
+    output_tokens: np.ndarray
+    ttft_s: np.ndarray
+    tpot_s: np.ndarray  # NaN for one-token outputs (no decode phase)
+    latency_s: np.ndarray
+    slo_tpot_s: float
+    slo_ttft_s: float
+    decode_steps: int
+    prefill_steps: int
+
+    def summary(self) -> dict:
+        makespan = float(np.max(self.arrival_s + self.latency_s) - np.min(self.arrival_s)) if len(self.arrival_s) else 0.0
+        tpot_ok = np.isnan(self.tpot_s) | (self.tpot_s <= self.slo_tpot_s)
+        ttft_ok = self.ttft_s <= self.slo_ttft_s
+        return {
+            "policy": self.policy,
+            "requests": int(len(self.arrival_s)),
+            "makespan_s": makespan,
+            "throughput_rps": len(self.arrival_s) / makespan if makespan > 0 else 0.0,
+            "throughput_tokens_per_s": float(self.output_tokens.sum()) / makespan if makespan > 0 else 0.0,
+            "ttft_s": _stats(self.ttft_s),
+            "tpot_s": _stats(self.tpot_s),
+            "latency_s": _stats(self.latency_s),
+            "slo_tpot_s": self.slo_tpot_s,
+            "slo_ttft_s": self.slo_ttft_s,
+            "slo_tpot_attainment": float(tpot_ok.mean()) if len(tpot_ok) else 1.0,
+            "slo_ttft_attainment": float(ttft_ok.mean()) if len(ttft_ok) else 1.0,
+            "slo_attainment": float((tpot_ok & ttft_ok).mean()) if len(tpot_ok) else 1.0,
+            "decode_steps": self.decode_steps,
+            "prefill_steps": self.prefill_steps,
+        }
+
+
+def _stats(values: np.ndarray) -> dict:
+    values = values[~np.isnan(values)]
+    if not len(values):
+        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"mean": float(values.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+class _Engine:
+    """One engine's state besides its view: the queue, the running batch's aggregates (the step's
+    cost depends on running requests only, the view's on running and queued), and the running
+    requests ordered by the decode step on which they finish."""
+
+    def __init__(self, engine_id: int, config: SimConfig):
+        self.view = EngineView(engine_id, config.max_running, free_kv_tokens=config.kv_tokens)
+        self.queue: deque[int] = deque()
+        self.finishing: list[tuple[int, int]] = []  # heap of (decode step of the last token, request)
+        self.decode_steps = 0
+        self.rank_counts: dict[int, int] = {}
+        self.rank_sum = 0
+        self.context_tokens = 0
+        self.reserved = 0  # KV tokens held by admitted requests (prompt + whole output)
+        self.busy = False
+        self.prefilling: list[int] = []  # the requests of the prefill step in flight
+
+
+def simulate(trace: Trace, profile: Profile, policy: Policy, config: SimConfig = SimConfig()) -> SimResult:
+    if config.num_engines < 1 or config.max_running < 1:
+        raise BadRequest("num_engines and max_running must be at least 1")
+    requests = trace.requests
+    count = len(requests)
+    arrival = np.array([r.arrival_s for r in requests], dtype=np.float64)
+    prompt = [r.prompt_tokens for r in requests]
+    output = [max(1, r.output_tokens) for r in requests]
+    rank = [trace.adapter_ranks[r.adapter] for r in requests]
+    decode, prefill = profile.decode, profile.prefill
+
+    slo_tpot = config.slo_tpot_s
+    if slo_tpot is None:
+        slo_tpot = config.slo_scale * decode.predict([max(rank, default=0)], 0)
+    slo_ttft = config.slo_ttft_s
+    if slo_ttft is None:
+        mean_prompt = int(round(float(np.mean(prompt)))) if count else 0
+        slo_ttft = config.slo_ttft_scale * prefill.predict([(mean_prompt, max(rank, default=0))])
+
+    engines = [_Engine(i, config) for i in range(config.num_engines)]
+    views = [e.view for e in engines]
+    engine_of = np.full(count, -1, dtype=np.int64)
+    first_token = np.full(count, math.nan)
+    finish = np.full(count, math.nan)
+    events: list[tuple[float, int, int]] = []  # (time, tie-break, engine) of step ends
+    sequence = 0
+    prefill_steps = 0
+
+    def start_step(engine: _Engine, now: float) -> None:
+        nonlocal sequence, prefill_steps
+        view = engine.view
+        batch: list[int] = []
+        budget = config.max_prefill_tokens
+        while engine.queue and view.num_running + len(batch) < config.max_running:
+            index = engine.queue[0]
+            need = prompt[index] + output[index]
+            if engine.reserved + need > config.kv_tokens and (view.num_running or batch):
+                break
+            if prompt[index] > budget and batch:
+                break
+            engine.queue.popleft()
+            engine.reserved += need
+            budget -= prompt[index]
+            batch.append(index)
+        if batch:
+            duration = prefill.predict([(prompt[i], rank[i]) for i in batch])
+            engine.prefilling = batch
+            prefill_steps += 1
+        elif view.num_running:
+            duration = decode.from_stats(
+                view.num_running, max(engine.rank_counts), engine.rank_sum, engine.context_tokens
+            )
+        else:
+            engine.busy = False
+            return
+        engine.busy = True
+        sequence += 1
+        heapq.heappush(events, (now + duration, sequence, view.engine_id))
+
+    def end_step(engine: _Engine, now: float) -> None:
+        view = engine.view
+        if engine.prefilling:
+            for index in engine.prefilling:
+                first_token[index] = now
+                view.num_queued -= 1
+                view.context_tokens += 1  # the first generated token joins the context
+                if output[index] == 1:
+                    finish_request(engine, index, now)
+                    continue
+                view.num_running += 1
+                view.remaining_tokens += output[index] - 1
+                engine.rank_counts[rank[index]] = engine.rank_counts.get(rank[index], 0) + 1
+                engine.rank_sum += rank[index]
+                engine.context_tokens += prompt[index] + 1
+                heapq.heappush(engine.finishing, (engine.decode_steps + output[index] - 1, index))
+            engine.prefilling = []
+        else:
+            engine.decode_steps += 1
+            view.context_tokens += view.num_running
+            view.remaining_tokens -= view.num_running
+            engine.context_tokens += view.num_running
+            while engine.finishing and engine.finishing[0][0] <= engine.decode_steps:
+                _, index = heapq.heappop(engine.finishing)
+                view.num_running -= 1
+                left = engine.rank_counts[rank[index]] - 1
+                if left:
+                    engine.rank_counts[rank[index]] = left
+                else:
+                    del engine.rank_counts[rank[index]]
+                engine.rank_sum -= rank[index]
+                engine.context_tokens -= prompt[index] + output[index]
+                finish_request(engine, index, now)
+        start_step(engine, now)
+
+    def finish_request(engine: _Engine, index: int, now: float) -> None:
+        finish[index] = now
+        need = prompt[index] + output[index]
+        engine.reserved -= need
+        engine.view.free_kv_tokens += need
+        engine.view.remove(rank[index], prompt[index] + output[index])
+
+    next_arrival = 0
+    while next_arrival < count or events:
+        if next_arrival < count and (not events or arrival[next_arrival] <= events[0][0]):
+            index = next_arrival
+            next_arrival += 1
+            now = float(arrival[index])
+            chosen = policy.choose(RouteRequest(rank[index], prompt[index]), views)
+            engine = engines[chosen]
+            engine_of[index] = chosen
+            view = engine.view
+            view.num_queued += 1
+            view.add(rank[index], prompt[index])
+            view.free_kv_tokens -= prompt[index] + output[index]
+            engine.queue.append(index)
+            if not engine.busy:
+                start_step(engine, now)
+        else:
+            now, _, engine_id = heapq.heappop(events)
+            end_step(engines[engine_id], now)
+
+    output_array = np.asarray(output, dtype=np.int64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(output_array > 1, (finish - first_token) / (output_array - 1), math.nan)
+    return SimResult(
+        policy=getattr(policy, "name", type(policy).__name__),
+        arrival_s=arrival,
+        engine=engine_of,
+        output_tokens=output_array,
+        ttft_s=first_token - arrival,
+        tpot_s=tpot,
+        latency_s=finish - arrival,
+        slo_tpot_s=float(slo_tpot),
+        slo_ttft_s=float(slo_ttft),
+        decode_steps=sum(e.decode_steps for e in engines),
+        prefill_steps=prefill_steps,
+    )
