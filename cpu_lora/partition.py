@@ -1,0 +1,150 @@
+"""How many CPU LoRA workers a prompt gets, and which tokens each: CaraServe's profiling-guided
+parallelisation.
+
+A worker's time for a job is about `overhead_ms + per_token_ms * tokens` on one core (the overhead:
+waking on the flag, looking the adapter up, BLAS set-up), and the engine spends `dispatch_ms` per job
+it posts and waits for. Splitting T tokens over k workers costs about
+`k * dispatch_ms + overhead_ms + per_token_ms * ceil(T / k)`: more workers pay only when the tokens
+saved outweigh the dispatch added. `profile_cpu_lora()` measures the line at start-up; `split()`
+picks k and cuts [0, T) into k contiguous, balanced ranges (one per worker: `WorkerPool.run`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """One core's time for `x[tokens, in] @ A^T @ B^T` at the profiled rank and shape."""
+
+    overhead_ms: float  # per job on a worker
+    per_token_ms: float
+    dispatch_ms: float = 0.02  # per job on the engine's side, serial (post + wait)
+    rank: int = 0  # what was profiled
+    in_features: int = 0
+    out_features: int = 0
+    samples: tuple[tuple[int, float], ...] = field(default=(), compare=False)  # (tokens, median ms)
+
+    @property
+    def tokens_per_ms(self) -> float:
+        """Throughput of one core, the paper's per-core capacity."""
+        return 1.0 / self.per_token_ms
+
+    def job_ms(self, tokens: int) -> float:
+        return self.overhead_ms + self.per_token_ms * tokens
+
+    def makespan_ms(self, tokens: int, workers: int) -> float:
+        """Predicted time from posting to the last done flag with `tokens` over `workers` workers."""
+        return workers * self.dispatch_ms + self.job_ms(math.ceil(tokens / workers))
+
+    def scaled_to(self, rank: int, in_features: int, out_features: int) -> "CostModel":
+        """The same core at another shape, assuming the per-token cost follows the flops,
+        rank * (in + out). A first approximation (small ranks use BLAS less well): profile each rank
+        bucket that matters rather than stretching one profile far."""
+        if not self.rank:
+            raise ValueError("this cost model carries no profiled shape to scale from")
+        factor = rank * (in_features + out_features) / (self.rank * (self.in_features + self.out_features))
+        return CostModel(self.overhead_ms, self.per_token_ms * factor, self.dispatch_ms, rank, in_features, out_features)
+
+
+def fit_cost(samples: list[tuple[int, float]], dispatch_ms: float = 0.02, **shape) -> CostModel:
+    """Least-squares line through (tokens, ms); the overhead is clamped at >= 0 and the slope kept
+    positive, so that a noisy profile still splits sensibly."""
+    if len({tokens for tokens, _ in samples}) < 2:
+        raise ValueError("a cost line needs samples at two token counts at least")
+    mean_tokens = statistics.fmean(tokens for tokens, _ in samples)
+    mean_ms = statistics.fmean(ms for _, ms in samples)
+    covariance = sum((tokens - mean_tokens) * (ms - mean_ms) for tokens, ms in samples)
+    variance = sum((tokens - mean_tokens) ** 2 for tokens, _ in samples)
+    per_token = max(covariance / variance, 1e-9)
+    overhead = max(mean_ms - per_token * mean_tokens, 0.0)
+    return CostModel(overhead, per_token, dispatch_ms, samples=tuple(samples), **shape)
+
+
+def profile_cpu_lora(
+    rank: int,
+    in_features: int,
+    out_features: int,
+    token_counts: tuple[int, ...] = (1, 16, 64, 256),
+    repeats: int = 7,
+    core: int | None = None,
+    dispatch_ms: float = 0.02,
+) -> CostModel:
+    """Time `(x @ A^T) @ B^T` in float32 on one thread (pinned to `core` if given) for each token
+    count; the median of `repeats` runs after a warm-up, on random inputs rotated so that no run
+    reuses the last one's cache. Restores the caller's thread count and affinity."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(rank, in_features, generator=generator)
+    b_t = torch.randn(rank, out_features, generator=generator)
+    threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    torch.set_num_threads(1)
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    try:
+        samples = []
+        for tokens in token_counts:
+            inputs = [torch.randn(tokens, in_features, generator=generator) for _ in range(4)]
+            middle = torch.empty(tokens, rank)
+            out = torch.empty(tokens, out_features)
+            for x in inputs:  # warm-up
+                torch.mm(torch.mm(x, a.t(), out=middle), b_t, out=out)
+            times = []
+            for run in range(repeats):
+                x = inputs[run % len(inputs)]
+                start = time.perf_counter()
+                torch.mm(torch.mm(x, a.t(), out=middle), b_t, out=out)
+                times.append((time.perf_counter() - start) * 1e3)
+            samples.append((tokens, statistics.median(times)))
+    finally:
+        torch.set_num_threads(threads)
+        if core is not None:
+            os.sched_setaffinity(0, affinity)
+    return fit_cost(samples, dispatch_ms, rank=rank, in_features=in_features, out_features=out_features)
+
+
+def workers_for(tokens: int, workers: int, cost: CostModel, min_gain: float = 0.1, target_ms: float | None = None) -> int:
+    """How many workers (1..workers, at most one per token) `tokens` should use.
+
+    With `target_ms`: the fewest whose predicted makespan meets it (the paper's "a core handles c
+    tokens, use ceil(L / c) cores"), all of them if none does. Without: a larger count is taken
+    only when it beats the best smaller count's makespan by at least `min_gain` (a fraction): cores
+    that would save little stay free for other requests.
+    """
+    if workers < 1:
+        raise ValueError(f"need at least one worker, not {workers}")
+    limit = max(1, min(workers, tokens))
+    if target_ms is not None:
+        for count in range(1, limit + 1):
+            if cost.makespan_ms(tokens, count) <= target_ms:
+                return count
+        return limit
+    best, best_ms = 1, cost.makespan_ms(tokens, 1)
+    for count in range(2, limit + 1):
+        ms = cost.makespan_ms(tokens, count)
+        if ms < best_ms * (1.0 - min_gain):
+            best, best_ms = count, ms
+    return best
+
+
+def split(
+    tokens: int, workers: int, cost: CostModel, min_gain: float = 0.1, target_ms: float | None = None
+) -> list[tuple[int, int]]:
+    """Contiguous (start, end) token ranges covering [0, tokens), one per worker used, sizes
+    differing by at most one. No ranges for no tokens."""
+    if tokens <= 0:
+        return []
+    count = workers_for(tokens, workers, cost, min_gain, target_ms)
+    base, extra = divmod(tokens, count)
+    ranges, start = [], 0
+    for index in range(count):
+        end = start + base + (1 if index < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
