@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One run on the GPU machine: install lorad, run the GPU tests and the GPU benchmarks, and leave logs
+# and JSON in OUTDIR. Usage, from the repository root:  bash bench/gpu_check.sh OUTDIR
+# Wheels the machine lacks (posix_ipc, see ../shared/GPU.md) travel in the ignored .devcarry/ folder.
+# Every step runs even when one before it failed; the exit status says whether any failed.
+# To add a check: one `step NAME TIMEOUT_S COMMAND...` line below; its output lands in OUTDIR/NAME.log.
+
+set -u
+OUTDIR=${1:?usage: bench/gpu_check.sh OUTDIR}
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+failed=()
+
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name: $*"
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$OUTDIR/$name.log" 2>&1
+    local status=$?
+    tail -n 25 "$OUTDIR/$name.log"
+    echo "=== $name: exit $status after $((SECONDS - start)) s"
+    [ "$status" -eq 0 ] || failed+=("$name")
+    return "$status"
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv; uname -a; python3 --version
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$OUTDIR/machine.txt" 2>&1
+cat "$OUTDIR/machine.txt"
+
+# --- install --------------------------------------------------------------------------------------
+if compgen -G ".devcarry/*.whl" >/dev/null; then
+    step install_wheels 120 python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+step install 100 python3 -m pip install -q --no-deps --no-build-isolation -e .
+
+# --- benchmarks -----------------------------------------------------------------------------------
+step bench_lora_kernels 300 python3 bench/lora_kernels.py --out "$OUTDIR/lora_kernels.json"
+
+# --- tests ----------------------------------------------------------------------------------------
+if ! step pytest_gpu 180 python3 -m pytest -m gpu tests/gpu_ops -q -p no:cacheprovider --durations=8; then
+    # A collection error elsewhere (a conftest another change broke) must not hide the kernels' results.
+    if grep -q "ERROR collecting\|ImportError while loading conftest" "$OUTDIR/pytest_gpu.log"; then
+        step pytest_gpu_lora_only 120 python3 -m pytest -m gpu --noconftest tests/gpu_ops/test_lora_kernels.py -q -p no:cacheprovider
+    fi
+fi
+
+if [ "${#failed[@]}" -gt 0 ]; then
+    echo "FAILED: ${failed[*]}"
+    exit 1
+fi
+echo "all steps passed"

@@ -1,0 +1,312 @@
+"""MBGMM: the prefill LoRA as a segmented GEMM on tensor cores (S-LoRA's MBGMM, Punica's SGMV).
+Rows are grouped by adapter into segments once per step; each program multiplies a tile of one
+segment's rows by that adapter's A^T (shrink) or B^T (expand) read in place from the unified page pool.
+`lora_prefill` is what the model calls in place of `apply_lora_ref` for steps with prompt rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from lorad.gpu_ops.bgmv import (
+    cdiv,
+    batch_max_rank,
+    check_operands,
+    num_splits,
+    page_block,
+    require_triton,
+    table_offsets,
+    workspace_view,
+)
+from lorad.gpu_ops.lora import LoraBatch
+from lorad.gpu_ops.page_pool import AdapterTable, gather_rows
+
+try:
+    import triton
+    import triton.language as tl
+
+    from lorad.gpu_ops.bgmv import page_pointers
+except ImportError:
+    triton = None
+
+__all__ = ["Segments", "lora_prefill", "mbgmm", "mbgmm_ref", "mbgmm_shrink", "mbgmm_expand"]
+
+BLOCK_K = 64  # shrink's reduction tile along `in` (divides any page of a multiple of 64 elements)
+BLOCK_N = 128  # expand's output tile along `out`
+BLOCK_R_EXPAND = 32  # expand's reduction tile along the rank
+MAX_SPLITS = 4
+
+
+@dataclass
+class Segments:
+    """The step's rows grouped by adapter slot; built once per step, read by every layer.
+
+    rows: int32 [N] on the device, the row indices of every segment, one after the other;
+    meta: int32 [3, S] on the device, per segment (slot, offset of its first row in `rows`, length);
+    slots, lengths: the same on the host (grids and the reference read these); max_rank: host int,
+    the largest rank of any slot in any layer/projection (the workspace width).
+    """
+
+    rows: torch.Tensor
+    meta: torch.Tensor
+    slots: list[int]
+    lengths: list[int]
+    max_rank: int
+    _m_blocks: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.slots)
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lengths, default=0)
+
+    def m_blocks(self, block_m: int) -> int:
+        """Row tiles of block_m over all segments (host arithmetic, cached per step)."""
+        if block_m not in self._m_blocks:
+            self._m_blocks[block_m] = sum(-(-length // block_m) for length in self.lengths)
+        return self._m_blocks[block_m]
+
+    @classmethod
+    def build(cls, batch: LoraBatch, table: AdapterTable) -> Segments:
+        """From `batch.slot_rows` (rows need not be sorted; a segment is the row list of one slot).
+        No host read of device data: lengths are shapes, the rows are concatenated on the device."""
+        slots = [slot for slot, _ in batch.slot_rows]
+        lengths = [int(rows.numel()) for _, rows in batch.slot_rows]
+        device = batch.row_slot.device
+        if slots:
+            rows = torch.cat([rows for _, rows in batch.slot_rows]).to(torch.int32)
+        else:
+            rows = torch.zeros(0, dtype=torch.int32, device=device)
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if slots else np.zeros(0)
+        meta = torch.from_numpy(np.stack([np.asarray(slots), offsets, np.asarray(lengths)]).astype(np.int32).reshape(3, -1))
+        if device.type == "cuda":
+            meta = meta.pin_memory().to(device, non_blocking=True)
+        else:
+            meta = meta.to(device)
+        return cls(rows, meta, slots, lengths, batch_max_rank(batch, table))
+
+
+def _block_m(max_len: int) -> int:
+    return 16 if max_len <= 16 else 32 if max_len <= 32 else 64
+
+
+def _block_r_shrink(max_rank: int) -> int:
+    return 16 if max_rank <= 16 else 32 if max_rank <= 32 else 64
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'slot_stride', 'table_offset', 'chunks_in', 'rank_blocks'])
+    def _mbgmm_shrink_kernel(
+        x_ptr, v_ptr, rows_ptr, meta_ptr, num_segments, rank_ptr, a_start_ptr, page_ids_ptr, pages_ptr,
+        in_dim, max_rank, num_rows, stride_xt, stride_xk, slot_stride, table_offset, chunks_in, k_per_split, rank_blocks,
+        PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+        ALIGNED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        segment = tl.program_id(0)
+        m0 = tl.program_id(1) * BLOCK_M
+        split = tl.program_id(2) // rank_blocks
+        r0 = (tl.program_id(2) % rank_blocks) * BLOCK_R
+        length = tl.load(meta_ptr + 2 * num_segments + segment)
+        if m0 >= length:
+            return
+        slot = tl.load(meta_ptr + segment)
+        entry = slot * slot_stride + table_offset
+        rank = tl.minimum(tl.load(rank_ptr + entry), max_rank)
+        if r0 >= rank:
+            return
+        first = tl.load(meta_ptr + num_segments + segment)
+        a_start = tl.load(a_start_ptr + entry)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < length
+        t = tl.load(rows_ptr + first + offs_m, mask=m_ok, other=0).to(tl.int64)
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = offs_r < rank
+        row_index = a_start + offs_r * chunks_in
+        offs_k = tl.arange(0, BLOCK_K)
+        k_lo = split * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, in_dim)
+        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k_ok = (k0 + offs_k) < k_hi
+            x = tl.load(x_ptr + t[:, None] * stride_xt + (k0 + offs_k)[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            ptrs = page_pointers(pages_ptr, page_ids_ptr, row_index, r_ok, k0, offs_k, in_dim, PAGE, ALIGNED)
+            a = tl.load(ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # [R, K]
+            if UPCAST:
+                x = x.to(tl.float32)
+                a = a.to(tl.float32)
+            acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
+        v_ptrs = v_ptr + (split * num_rows + t[:, None]) * max_rank + offs_r[None, :]
+        tl.store(v_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
+
+    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'splits', 'slot_stride', 'table_offset', 'chunks_out'])
+    def _mbgmm_expand_kernel(
+        v_ptr, y_ptr, rows_ptr, meta_ptr, num_segments, rank_ptr, b_start_ptr, page_ids_ptr, pages_ptr,
+        out_dim, max_rank, num_rows, splits, stride_yt, stride_yn, slot_stride, table_offset, chunks_out,
+        PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+        ALIGNED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        segment = tl.program_id(0)
+        m0 = tl.program_id(1) * BLOCK_M
+        n0 = tl.program_id(2) * BLOCK_N
+        length = tl.load(meta_ptr + 2 * num_segments + segment)
+        if m0 >= length:
+            return
+        slot = tl.load(meta_ptr + segment)
+        entry = slot * slot_stride + table_offset
+        rank = tl.minimum(tl.load(rank_ptr + entry), max_rank)
+        if rank == 0:
+            return
+        first = tl.load(meta_ptr + num_segments + segment)
+        b_start = tl.load(b_start_ptr + entry)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < length
+        t = tl.load(rows_ptr + first + offs_m, mask=m_ok, other=0).to(tl.int64)
+        offs_n = tl.arange(0, BLOCK_N)
+        n_ok = (n0 + offs_n) < out_dim
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < rank
+            v_mask = m_ok[:, None] & r_ok[None, :]
+            v = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+            for split in range(0, splits):
+                v += tl.load(v_ptr + (split * num_rows + t[:, None]) * max_rank + offs_r[None, :], mask=v_mask, other=0.0)
+            ptrs = page_pointers(pages_ptr, page_ids_ptr, b_start + offs_r * chunks_out, r_ok, n0, offs_n, out_dim, PAGE, ALIGNED)
+            b = tl.load(ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [R, N]
+            v = v.to(b.dtype)
+            if UPCAST:
+                v = v.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(v, b, acc, input_precision=PRECISION)
+        y_ptrs = y_ptr + t[:, None] * stride_yt + (n0 + offs_n)[None, :] * stride_yn
+        y_mask = m_ok[:, None] & n_ok[None, :]
+        y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 pools get exact fp32 products; bf16/fp16 run on the tensor cores as they are.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    """Triton's CPU interpreter multiplies bf16 dot operands as raw bits (triton 3.9); there the
+    operands, exact in fp32, are widened first. Compiled kernels never take this branch."""
+    return dtype == torch.bfloat16 and type(_mbgmm_shrink_kernel).__name__ == "InterpretedFunction"
+
+
+def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, block_r=None, block_k=BLOCK_K, num_warps=4, num_stages=3):
+    """v[s, t, :rank] = partial sums over K split s of x[t] @ A^T for every row t of every segment.
+
+    x: [T, in]; v: float32 [splits, T, max_rank] contiguous. Grid (segments, max_len / block_m,
+    rank blocks * splits); programs past their segment's length or rank return at once.
+    """
+    require_triton()
+    splits, num_rows, width = v.shape
+    page = table.pool.page_elems
+    in_dim, _ = table.shapes[proj]
+    chunks_in, _ = table.chunks[proj]
+    slot_stride, offset = table_offsets(table, layer, proj)
+    block_m = block_m or _block_m(segments.max_len)
+    block_r = block_r or _block_r_shrink(width)
+    block_k, aligned = page_block(page, in_dim, block_k)
+    k_per_split = cdiv(cdiv(in_dim, splits), block_k) * block_k
+    rank_blocks = cdiv(width, block_r)
+    grid = (segments.num_segments, cdiv(segments.max_len, block_m), rank_blocks * splits)
+    _mbgmm_shrink_kernel[grid](
+        x, v, segments.rows, segments.meta, segments.num_segments, table.rank, table.a_start, table.page_ids, table.pool.pages,
+        in_dim, width, num_rows, x.stride(0), x.stride(1), slot_stride, offset, chunks_in, k_per_split, rank_blocks,
+        PAGE=page, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, ALIGNED=aligned,
+        PRECISION=_precision(x.dtype), UPCAST=_upcast(x.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def mbgmm_expand(v, y, layer, proj, segments: Segments, table, block_m=None, block_r=BLOCK_R_EXPAND, block_n=BLOCK_N, num_warps=4, num_stages=2):
+    """y[t] += (sum over splits of v[:, t, :rank]) @ B^T for every row of every segment; other rows
+    untouched. v: float32 [splits, T, max_rank]; y: [T, out], any strides."""
+    require_triton()
+    splits, num_rows, width = v.shape
+    page = table.pool.page_elems
+    _, out_dim = table.shapes[proj]
+    _, chunks_out = table.chunks[proj]
+    slot_stride, offset = table_offsets(table, layer, proj)
+    block_m = block_m or _block_m(segments.max_len)
+    block_n, aligned = page_block(page, out_dim, block_n)
+    grid = (segments.num_segments, cdiv(segments.max_len, block_m), cdiv(out_dim, block_n))
+    _mbgmm_expand_kernel[grid](
+        v, y, segments.rows, segments.meta, segments.num_segments, table.rank, table.b_start, table.page_ids, table.pool.pages,
+        out_dim, width, num_rows, splits, y.stride(0), y.stride(1), slot_stride, offset, chunks_out,
+        PAGE=page, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, ALIGNED=aligned,
+        PRECISION=_precision(table.pool.pages.dtype), UPCAST=_upcast(table.pool.pages.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def mbgmm_splits(segments: Segments, in_dim: int, page_elems: int, device) -> int:
+    """Split-K of the shrink: enough programs for the SMs, at most MAX_SPLITS (each split adds a
+    float32 [T, max_rank] partial that every expand program re-reads)."""
+    block_m = _block_m(segments.max_len)
+    block_k, _ = page_block(page_elems, in_dim, BLOCK_K)
+    programs = segments.m_blocks(block_m) * cdiv(segments.max_rank, _block_r_shrink(segments.max_rank))
+    return num_splits(programs, cdiv(in_dim, block_k), device, per_sm=2, most=MAX_SPLITS)
+
+
+def mbgmm(x, y, layer, proj, segments: Segments, table, workspace=None):
+    """y[t] += (x[t] @ A^T) @ B^T for the rows of each segment with the segment's adapter
+    (apply_lora_ref's semantics); two launches, no host sync.
+
+    x: [T, in], y: [T, out] of the model dtype (y may be a strided column slice of a fused output);
+    segments: `Segments.build(batch, table)`, once per step; workspace: optional float32 buffer of
+    >= workspace_numel(T, segments.max_rank) elements. Rows in no segment are untouched.
+    Roofline: bytes ~ e*(sum_seg r_s*(in+out) + T*(in+2*out)) (+ x re-read per 64 ranks, from L2);
+    flops = 2*sum_seg len_s*r_s*(in+out), on the tensor cores.
+    """
+    in_dim, _ = check_operands(x, y, proj, table)
+    num_rows = x.shape[0]
+    if num_rows == 0 or segments.num_segments == 0 or segments.max_rank <= 0:
+        return
+    splits = mbgmm_splits(segments, in_dim, table.pool.page_elems, x.device)
+    v = workspace_view(workspace, splits, num_rows, segments.max_rank, x.device)
+    mbgmm_shrink(x, v, layer, proj, segments, table)
+    mbgmm_expand(v, y, layer, proj, segments, table)
+
+
+def mbgmm_ref(x, y, layer, proj, segments: Segments, table, workspace=None):
+    """Pure-torch `mbgmm` (same signature and result): per segment one gather and two fp32 GEMMs.
+    Ranks come from the table's host mirror, like apply_lora_ref."""
+    in_dim, out_dim = check_operands(x, y, proj, table)
+    chunks_in, chunks_out = table.chunks[proj]
+    pages = table.pool.pages
+    offset = 0
+    for slot, length in zip(segments.slots, segments.lengths):
+        rows = segments.rows[offset : offset + length].long()
+        offset += length
+        rank = min(int(table.rank_host[slot, layer, proj]), segments.max_rank)
+        if rank == 0 or length == 0:
+            continue
+        a = gather_rows(pages, table.page_ids, int(table.a_start_host[slot, layer, proj]), rank, chunks_in, in_dim)
+        b_t = gather_rows(pages, table.page_ids, int(table.b_start_host[slot, layer, proj]), rank, chunks_out, out_dim)
+        delta = (x.index_select(0, rows).float() @ a.float().t()) @ b_t.float()
+        y[rows] = (y.index_select(0, rows).float() + delta).to(y.dtype)
+
+
+def lora_prefill(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    layer: int,
+    proj: int,
+    batch: LoraBatch,
+    table: AdapterTable,
+    *,
+    segments: Segments,
+    workspace: torch.Tensor | None = None,
+) -> None:
+    """Drop-in for `apply_lora_ref(x, y, layer, proj, batch, table)` on the GPU for steps whose rows
+    share adapters (prefill, chunked prefill mixed with decode). segments: `Segments.build(batch,
+    table)` once per step; `batch` itself is not read again (its rows are in `segments`)."""
+    mbgmm(x, y, layer, proj, segments, table, workspace)

@@ -1,0 +1,431 @@
+"""The LoRA kernels (gpu_ops/bgmv.py, mbgmv.py, mbgmm.py) checked three ways, always on fresh random
+inputs against a float64 product of the weights that were placed in the pool:
+
+- the pure-torch references against apply_lora_ref and the float64 product (CPU, CI);
+- the Triton kernels in Triton's CPU interpreter on small shapes (CPU, CI, when triton imports);
+- the compiled kernels at Llama-7B sizes (`pytest -m gpu`), plus CUDA-graph capture and a sync check.
+
+The pool is filled with NaN before the adapters are placed, so a read of any page a kernel should not
+touch (a row past the rank, a chunk past the row) turns the result into NaN.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+# The interpreter is chosen when a kernel is decorated, so the variable is set before the kernel
+# modules are first imported (and they are reloaded below if another test imported them earlier).
+if HAS_TRITON and not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from lorad.gpu_ops import bgmv, mbgmm, mbgmv  # noqa: E402
+from lorad.gpu_ops.lora import LoraBatch, apply_lora_ref  # noqa: E402
+from lorad.gpu_ops.page_pool import AdapterTable, PagePool  # noqa: E402
+
+Q, K, V, O, GATE, UP, DOWN = range(7)
+KERNELS = ("bgmv", "mbgmv", "mbgmm")
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+
+needs_interpreter = pytest.mark.skipif(
+    not HAS_TRITON or CUDA,
+    reason="triton is not importable" if not HAS_TRITON else "a GPU is present: the compiled kernels are tested by -m gpu",
+)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The three kernel modules, their kernels interpreted when there is no GPU."""
+    if not CUDA and HAS_TRITON and type(bgmv._bgmv_shrink_kernel).__name__ != "InterpretedFunction":
+        for module in (bgmv, mbgmv, mbgmm):
+            importlib.reload(module)
+    return bgmv, mbgmv, mbgmm
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fixtures: a pool with adapters of chosen ranks, and the float64 truth
+
+
+def model_shapes(hidden: int, kv: int, intermediate: int) -> list[tuple[int, int]]:
+    return [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden), (hidden, intermediate), (hidden, intermediate), (intermediate, hidden)]
+
+
+@dataclass
+class Setup:
+    table: AdapterTable
+    weights: dict[int, dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]]  # slot -> (A, B) fp32
+    ranks: list[int]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def build_setup(page: int, shapes, ranks: list[int], dtype, device, layers: int = 2, skip=(), seed: int = 0, num_pages=None) -> Setup:
+    """Slot i holds an adapter of rank ranks[i] on every (layer, proj) except those in `skip`
+    ((slot, proj) pairs: projections that adapter does not target, rank 0 in the table)."""
+    generator = torch.Generator().manual_seed(seed)
+    chunks = [(-(-i // page), -(-o // page)) for i, o in shapes]
+    need = 1 + sum(r * (ci + co) for r in ranks for ci, co in chunks) * layers
+    pool = PagePool(num_pages or need + 8, page, dtype, device)
+    pool.pages.fill_(float("nan"))  # poison: every page no adapter owns
+    table = AdapterTable(pool, len(ranks), layers, shapes)
+    weights = {}
+    for slot, rank in enumerate(ranks):
+        adapter = {}
+        for layer in range(layers):
+            for proj, (in_dim, out_dim) in enumerate(shapes):
+                if (slot, proj) in skip:
+                    continue
+                a = torch.randn(rank, in_dim, generator=generator) / in_dim**0.5
+                b = torch.randn(out_dim, rank, generator=generator) / rank**0.5
+                adapter[(layer, proj)] = (a, b)
+        assert table.place(slot, adapter)
+        weights[slot] = adapter
+    return Setup(table, weights, ranks, dtype, device)
+
+
+def truth(setup: Setup, x: torch.Tensor, row_slots: list[int], layer: int, proj: int) -> torch.Tensor:
+    """float64 [T, out]: the LoRA delta of every row from the weights as the pool holds them."""
+    out_dim = setup.table.shapes[proj][1]
+    delta = torch.zeros(x.shape[0], out_dim, dtype=torch.float64, device=x.device)
+    for slot in set(row_slots):
+        if slot < 0 or (layer, proj) not in setup.weights[slot]:
+            continue
+        a, b = setup.weights[slot][(layer, proj)]
+        a = a.to(setup.dtype).double().to(x.device)
+        b_t = b.t().to(setup.dtype).double().to(x.device)
+        rows = torch.tensor([t for t, s in enumerate(row_slots) if s == slot], device=x.device)
+        delta[rows] = (x[rows].double() @ a.t()) @ b_t
+    return delta
+
+
+def launch(name: str, modules, x, y, layer, proj, batch: LoraBatch, table, max_rank, segments) -> None:
+    bgmv_module, mbgmv_module, mbgmm_module = modules
+    if name == "bgmv":
+        bgmv_module.bgmv(x, y, layer, proj, batch.row_slot, table, max_rank)
+    elif name == "mbgmv":
+        mbgmv_module.lora_decode(x, y, layer, proj, batch, table, max_rank=max_rank)
+    elif name == "mbgmm":
+        mbgmm_module.lora_prefill(x, y, layer, proj, batch, table, segments=segments)
+    elif name == "bgmv_ref":
+        bgmv_module.bgmv_ref(x, y, layer, proj, batch.row_slot, table, max_rank)
+    elif name == "mbgmv_ref":
+        mbgmv_module.mbgmv_ref(x, y, layer, proj, batch.row_slot, table, max_rank)
+    elif name == "mbgmm_ref":
+        mbgmm_module.mbgmm_ref(x, y, layer, proj, segments, table)
+    elif name == "apply_lora_ref":
+        apply_lora_ref(x, y, layer, proj, batch, table)
+    else:
+        raise AssertionError(name)
+
+
+def check(name, modules, setup: Setup, row_slots: list[int], layer: int, proj: int, seed: int, tolerance=None) -> float:
+    """Run one kernel on a fresh x and a y that is a column slice of a wider buffer; check the delta
+    against the truth, and that base rows, rank-0 rows and the columns around y are untouched."""
+    table, device, dtype = setup.table, setup.device, setup.dtype
+    in_dim, out_dim = table.shapes[proj]
+    generator = torch.Generator().manual_seed(seed)
+    rows = len(row_slots)
+    x = torch.randn(rows, in_dim, generator=generator).to(device, dtype)
+    # y's own values are small next to the delta, so y's rounding does not hide the delta's error,
+    # yet an overwrite instead of an add would show as a 10% error.
+    fused = (0.1 * torch.randn(rows, out_dim + 24, generator=generator)).to(device, dtype)
+    before = fused.clone()
+    y = fused[:, 8 : 8 + out_dim]
+    batch = LoraBatch.build(row_slots, device)
+    max_rank = bgmv.batch_max_rank(batch, table)
+    segments = mbgmm.Segments.build(batch, table)
+    launch(name, modules, x, y, layer, proj, batch, table, max_rank, segments)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    expected = truth(setup, x, row_slots, layer, proj)
+    delta = y.double() - before[:, 8 : 8 + out_dim].double()
+    assert torch.isfinite(delta).all(), f"{name}: non-finite output (a read outside the adapter's pages?)"
+    assert torch.equal(fused[:, :8], before[:, :8]) and torch.equal(fused[:, 8 + out_dim :], before[:, 8 + out_dim :]), f"{name}: wrote outside y"
+    idle = [t for t, s in enumerate(row_slots) if s < 0 or (layer, proj) not in setup.weights[s]]
+    assert torch.equal(fused[idle], before[idle]), f"{name}: touched a base-only or rank-0 row"
+    scale = expected.norm().item()
+    error = (delta - expected).norm().item() / max(scale, 1e-30)
+    limit = tolerance if tolerance is not None else TOLERANCE[dtype]
+    assert error <= limit, f"{name} layer={layer} proj={proj} rows={rows}: relative error {error:.2e} > {limit:.0e}"
+    return error
+
+
+def mixed_rows(slots: list[int], count: int, seed: int, base_every: int = 5) -> list[int]:
+    """`count` row slots drawn from `slots`, every base_every-th row base-only (when count > 1)."""
+    rng = np.random.default_rng(seed)
+    row_slots = [int(s) for s in rng.choice(slots, size=count)]
+    if count > 1:
+        for t in range(0, count, base_every):
+            row_slots[t] = -1
+    return row_slots
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: the references (always)
+
+CPU_RANKS = [1, 8, 16, 64, 128, 256, 3, 40]
+CPU_SHAPES = model_shapes(hidden=96, kv=24, intermediate=200)  # 200: three pages, the last one 8/96 used
+
+
+@pytest.fixture(scope="module")
+def cpu_setup():
+    skip = {(2, Q), (5, DOWN)}  # adapters that do not target these projections
+    return build_setup(96, CPU_SHAPES, CPU_RANKS, torch.float32, torch.device("cpu"), skip=skip)
+
+
+@pytest.mark.parametrize("name", ["bgmv_ref", "mbgmv_ref", "mbgmm_ref", "apply_lora_ref"])
+@pytest.mark.parametrize("proj", [Q, K, DOWN, UP])
+def test_refs_match_truth(name, proj, cpu_setup):
+    row_slots = mixed_rows(list(range(len(CPU_RANKS))), 23, seed=proj)
+    check(name, (bgmv, mbgmv, mbgmm), cpu_setup, row_slots, layer=1, proj=proj, seed=proj, tolerance=1e-5)
+
+
+def test_refs_agree_with_apply_lora_ref_bf16():
+    setup = build_setup(64, model_shapes(64, 16, 80), [8, 33, 2], torch.bfloat16, torch.device("cpu"), skip={(1, K)})
+    row_slots = [0, -1, 2, 1, 1, 0, -1, 2]
+    for proj in (Q, K, DOWN):
+        errors = {name: check(name, (bgmv, mbgmv, mbgmm), setup, row_slots, 0, proj, seed=proj) for name in ("apply_lora_ref", "bgmv_ref", "mbgmm_ref")}
+        # The fp32 references are at least as close to the truth as the all-bf16 apply_lora_ref.
+        assert errors["bgmv_ref"] <= errors["apply_lora_ref"] + 1e-3
+        assert errors["mbgmm_ref"] <= errors["apply_lora_ref"] + 1e-3
+
+
+def test_segments_build(cpu_setup):
+    row_slots = [3, -1, 0, 3, 3, 0, -1, 7]
+    batch = LoraBatch.build(row_slots, torch.device("cpu"))
+    segments = mbgmm.Segments.build(batch, cpu_setup.table)
+    assert segments.slots == [0, 3, 7] and segments.lengths == [2, 3, 1] and segments.max_len == 3
+    assert segments.rows.dtype == torch.int32 and segments.rows.tolist() == [2, 5, 0, 3, 4, 7]
+    assert segments.meta.tolist() == [[0, 3, 7], [0, 2, 5], [2, 3, 1]]
+    assert segments.max_rank == max(CPU_RANKS[s] for s in (0, 3, 7))
+    empty = mbgmm.Segments.build(LoraBatch.build([-1, -1], torch.device("cpu")), cpu_setup.table)
+    assert empty.num_segments == 0 and empty.max_rank == 0 and empty.meta.shape == (3, 0)
+
+
+def test_batch_max_rank_reads_the_host_mirror(cpu_setup):
+    batch = LoraBatch.build([1, -1, 6], torch.device("cpu"))
+    assert bgmv.batch_max_rank(batch, cpu_setup.table) == max(CPU_RANKS[1], CPU_RANKS[6])
+    assert bgmv.batch_max_rank(LoraBatch.build([-1], torch.device("cpu")), cpu_setup.table) == 0
+
+
+def test_page_block():
+    assert bgmv.page_block(4096, 4096, 256) == (256, True)
+    assert bgmv.page_block(4096, 1024, 256) == (256, True)
+    assert bgmv.page_block(5120, 13824, 256) == (256, True)
+    assert bgmv.page_block(96, 200, 256) == (32, True)  # 96 = 3 * 32: tiles of 32 never straddle
+    assert bgmv.page_block(40, 100, 256) == (128, False)  # no power-of-two factor >= 16: per-element pages
+    assert bgmv.page_block(4096, 8, 256) == (16, True)
+
+
+def test_launchers_reject_bad_operands(cpu_setup):
+    table = cpu_setup.table
+    x = torch.randn(4, 96)
+    y = torch.zeros(4, 96)
+    row_slot = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="projection"):
+        bgmv.check_operands(x, torch.zeros(4, 24), Q, table)
+    with pytest.raises(ValueError, match="row_slot"):
+        bgmv.check_operands(x, y, Q, table, row_slot.long())
+    with pytest.raises(ValueError, match="page pool"):
+        bgmv.check_operands(x.double(), y, Q, table)
+    with pytest.raises(ValueError, match="workspace"):
+        bgmv.workspace_view(torch.zeros(10), 2, 4, 8, x.device)
+    assert bgmv.workspace_view(torch.zeros(bgmv.workspace_numel(4, 8)), 2, 4, 8, x.device).shape == (2, 4, 16)  # rows 16-aligned
+
+
+def test_empty_batches_do_nothing(cpu_setup):
+    x = torch.randn(3, 96)
+    y = torch.randn(3, 96)
+    before = y.clone()
+    batch = LoraBatch.build([-1, -1, -1], torch.device("cpu"))
+    segments = mbgmm.Segments.build(batch, cpu_setup.table)
+    mbgmv.lora_decode(x, y, 0, Q, batch, cpu_setup.table, max_rank=0)
+    mbgmm.lora_prefill(x, y, 0, Q, batch, cpu_setup.table, segments=segments)
+    bgmv.bgmv(x, y, 0, Q, batch.row_slot, cpu_setup.table, 0)
+    assert torch.equal(y, before)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: the Triton kernels in the interpreter (small shapes)
+
+INTERPRETER_RANKS = [1, 8, 16, 64, 5, 24]
+
+
+@pytest.fixture(scope="module")
+def interpreter_setups():
+    built = {}
+
+    def get(page: int, dtype) -> Setup:
+        if (page, dtype) not in built:
+            # page 64: tiles aligned to pages; page 40: no power-of-two tile divides it (per-element pages).
+            shapes = model_shapes(page, page // 4, 2 * page + page // 2)
+            built[(page, dtype)] = build_setup(page, shapes, INTERPRETER_RANKS, dtype, torch.device("cpu"), skip={(4, K)})
+        return built[(page, dtype)]
+
+    return get
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("rank_case", ["1", "8", "16", "64", "mixed"])
+def test_kernels_interpreted_ranks(name, rank_case, kernels, interpreter_setups):
+    setup = interpreter_setups(64, torch.bfloat16)
+    slots = list(range(len(INTERPRETER_RANKS))) if rank_case == "mixed" else [INTERPRETER_RANKS.index(int(rank_case))]
+    row_slots = mixed_rows(slots, 9, seed=len(rank_case))
+    for proj in (Q, K, DOWN):
+        check(name, kernels, setup, row_slots, layer=1, proj=proj, seed=proj)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_kernels_interpreted_dtypes(name, dtype, kernels, interpreter_setups):
+    setup = interpreter_setups(64, dtype)
+    row_slots = mixed_rows(list(range(len(INTERPRETER_RANKS))), 7, seed=3)
+    for proj in (UP, V):
+        check(name, kernels, setup, row_slots, layer=0, proj=proj, seed=proj)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", KERNELS)
+def test_kernels_interpreted_unaligned_pages_and_single_row(name, kernels, interpreter_setups):
+    setup = interpreter_setups(40, torch.bfloat16)
+    for proj in (Q, K, DOWN, GATE):
+        check(name, kernels, setup, mixed_rows(list(range(len(INTERPRETER_RANKS))), 6, seed=proj), 1, proj, seed=proj)
+    check(name, kernels, setup, [3], 0, DOWN, seed=11)  # batch of one row
+    check(name, kernels, setup, [4], 0, K, seed=12)  # one row whose adapter skips k_proj
+
+
+@needs_interpreter
+def test_kernels_interpreted_shrink_expand_split(kernels, interpreter_setups):
+    """The split-K partials: shrink into a workspace with several splits, expand sums them."""
+    _, mbgmv_module, _ = kernels
+    setup = interpreter_setups(64, torch.float32)
+    table = setup.table
+    row_slots = [0, 3, -1, 5]
+    batch = LoraBatch.build(row_slots, torch.device("cpu"))
+    in_dim, out_dim = table.shapes[DOWN]
+    x = torch.randn(4, in_dim)
+    v = torch.full((4, 4, 64), float("nan"))
+    mbgmv_module.mbgmv_shrink(x, v, 0, DOWN, batch.row_slot, table, 64)
+    y = torch.zeros(4, out_dim) + 0.5
+    mbgmv_module.mbgmv_expand(v, y, 0, DOWN, batch.row_slot, table, 64)
+    expected = truth(setup, x, row_slots, 0, DOWN) + 0.5
+    assert torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: the compiled kernels at Llama-7B sizes
+
+GPU_RANKS = [1, 1, 8, 8, 16, 16, 64, 64, 128, 128, 256, 256, 3, 24, 40, 100, 255]
+GPU_SHAPES = model_shapes(hidden=4096, kv=1024, intermediate=11000)  # 11000: last page 2808/4096 used
+GPU_PROJECTIONS = (Q, K, UP, DOWN)
+
+
+@pytest.fixture(scope="module")
+def gpu_setups():
+    built = {}
+
+    def get(dtype) -> Setup:
+        if dtype not in built:
+            built.clear()  # one pool at a time
+            torch.cuda.empty_cache()
+            built[dtype] = build_setup(4096, GPU_SHAPES, GPU_RANKS, dtype, torch.device("cuda"), layers=1, skip={(13, K), (14, DOWN)})
+        return built[dtype]
+
+    return get
+
+
+def gpu_rows(rank_case: str, count: int, seed: int) -> list[int]:
+    if rank_case == "mixed":
+        slots = list(range(len(GPU_RANKS)))
+    else:
+        slots = [slot for slot, rank in enumerate(GPU_RANKS[:12]) if rank == int(rank_case)]
+    return mixed_rows(slots, count, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("rows", [1, 256])
+@pytest.mark.parametrize("rank_case", ["1", "8", "16", "64", "128", "256", "mixed"])
+def test_kernels_gpu_bf16(name, rows, rank_case, kernels, gpu_setups):
+    setup = gpu_setups(torch.bfloat16)
+    for proj in GPU_PROJECTIONS:
+        check(name, kernels, setup, gpu_rows(rank_case, rows, seed=proj + rows), 0, proj, seed=proj)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_kernels_gpu_dtypes(name, dtype, kernels, gpu_setups):
+    setup = gpu_setups(dtype)
+    for rows in (1, 64):
+        for proj in GPU_PROJECTIONS:
+            check(name, kernels, setup, gpu_rows("mixed", rows, seed=proj), 0, proj, seed=proj)
+
+
+@pytest.mark.gpu
+def test_kernels_gpu_match_refs_and_each_other(kernels, gpu_setups):
+    """All kernels and references on one input: the same function."""
+    setup = gpu_setups(torch.bfloat16)
+    for name in (*KERNELS, "bgmv_ref", "mbgmv_ref", "mbgmm_ref", "apply_lora_ref"):
+        check(name, kernels, setup, gpu_rows("mixed", 48, seed=5), 0, UP, seed=5, tolerance=2e-2 if name == "apply_lora_ref" else None)
+
+
+@pytest.mark.gpu
+def test_kernels_gpu_prefill_segments(kernels, gpu_setups):
+    """Long segments (several BLOCK_M tiles each), rows interleaved across adapters."""
+    setup = gpu_setups(torch.bfloat16)
+    rng = np.random.default_rng(0)
+    row_slots = [int(s) for s in rng.choice([0, 7, 11, 16, -1], size=700)]
+    for name in ("mbgmm", "mbgmv"):
+        for proj in GPU_PROJECTIONS:
+            check(name, kernels, setup, row_slots, 0, proj, seed=proj)
+
+
+@pytest.mark.gpu
+def test_kernels_gpu_no_host_sync_and_graph_capture(kernels, gpu_setups):
+    """The launch path never synchronises (sync debug mode raises on a sync) and can be captured
+    into a CUDA graph whose replay gives the eager result."""
+    setup = gpu_setups(torch.bfloat16)
+    table = setup.table
+    row_slots = gpu_rows("mixed", 64, seed=1)
+    batch = LoraBatch.build(row_slots, torch.device("cuda"))
+    max_rank = bgmv.batch_max_rank(batch, table)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    fused = torch.randn(64, 4096 + 2048, device="cuda", dtype=torch.bfloat16)
+    workspace = torch.empty(bgmv.workspace_numel(64, max_rank), device="cuda")
+
+    def three_calls(out: torch.Tensor, segments) -> None:
+        mbgmv.lora_decode(x, out[:, :4096], 0, Q, batch, table, max_rank=max_rank, workspace=workspace)
+        mbgmm.lora_prefill(x, out[:, 4096:5120], 0, K, batch, table, segments=segments, workspace=workspace)
+        bgmv.bgmv(x, out[:, 5120:], 0, V, batch.row_slot, table, max_rank, workspace)
+
+    segments = mbgmm.Segments.build(batch, table)
+    three_calls(fused.clone(), segments)  # compile first: compilation is no part of the launch path
+    torch.cuda.synchronize()
+    eager = fused.clone()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        three_calls(eager, mbgmm.Segments.build(batch, table))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    captured = fused.clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            three_calls(captured, segments)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
