@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from lorad.errors import Overloaded
-from lorad.scheduler.perf_model import DecodeStepModel, PrefillModel
+from lorad.scheduler.perf_model import BgmvModel, DecodeStepModel, PrefillModel
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class EngineView:
     num_queued: int = 0
     rank_counts: dict[int, int] = field(default_factory=dict)  # rank -> requests of that rank
     rank_sum: int = 0
+    max_rank: int = 0  # max(rank_counts), kept by add and remove
     context_tokens: int = 0  # KV positions the requests will hold at their next decode step
     remaining_tokens: int = 0  # output tokens the requests have still to generate, where known
     free_kv_tokens: int = 1 << 62
@@ -65,6 +66,8 @@ class EngineView:
     def add(self, rank: int, context_tokens: int) -> None:
         self.rank_counts[rank] = self.rank_counts.get(rank, 0) + 1
         self.rank_sum += rank
+        if rank > self.max_rank:
+            self.max_rank = rank
         self.context_tokens += context_tokens
 
     def remove(self, rank: int, context_tokens: int) -> None:
@@ -73,6 +76,8 @@ class EngineView:
             self.rank_counts[rank] = left
         else:
             del self.rank_counts[rank]
+            if rank == self.max_rank:
+                self.max_rank = max(self.rank_counts, default=0)
         self.rank_sum -= rank
         self.context_tokens -= context_tokens
 
@@ -80,9 +85,6 @@ class EngineView:
     def num_requests(self) -> int:
         return self.num_running + self.num_queued
 
-    @property
-    def max_rank(self) -> int:
-        return max(self.rank_counts, default=0)
 
 
 class Policy(Protocol):
@@ -133,9 +135,32 @@ class RankAware:
         return cost
 
     def choose(self, request, engines):
+        """argmin over candidates of cost * requests: `cost` inlined, since the simulator calls this for
+        every arrival on every engine (tests check the two agree)."""
+        decode, lora = self.decode, self.decode.lora
+        padded = isinstance(lora, BgmvModel)
+        rank, prompt = request.rank, request.prompt_tokens
+        prefill_alone = self.prefill.predict([(prompt, rank)]) / self.avg_response_tokens
+        prefill_joining = prefill_alone - self.prefill.fixed_s / self.avg_response_tokens
+        added_base = decode.per_request_s + decode.per_context_token_s * prompt
         best, best_cost = None, float("inf")
         for engine in candidates(request, engines):
-            total = self.cost(request, engine) * engine.num_requests
+            count = engine.num_running + engine.num_queued
+            max_rank = engine.max_rank
+            if count == 0:
+                before = 0.0
+                after = decode.fixed_s + added_base + lora.alpha * rank + lora.beta
+            else:
+                before = (
+                    decode.fixed_s + decode.per_request_s * count + decode.per_context_token_s * engine.context_tokens
+                    + lora.alpha * (count * max_rank if padded else engine.rank_sum) + lora.beta
+                )
+                grown = (count + 1) * (rank if rank > max_rank else max_rank) - count * max_rank if padded else rank
+                after = before + added_base + lora.alpha * grown
+            cost = (prefill_joining if engine.num_queued else prefill_alone) + (after - before)
+            if after > self.slo_tpot_s:
+                cost += self.penalty_s
+            total = cost * count
             if total < best_cost:
                 best, best_cost = engine, total
         return best.engine_id

@@ -3,10 +3,11 @@ MBGMV, the SLO penalty, the weight by requests), the baselines, and candidate fi
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from lorad.errors import Overloaded
-from lorad.scheduler.perf_model import BgmvModel, DecodeStepModel, MbgmvModel, PrefillModel
+from lorad.scheduler.perf_model import BgmvModel, DecodeStepModel, MbgmvModel, PrefillModel, example_profile
 from lorad.scheduler.router import EngineView, FirstFit, MostIdle, Random, RankAware, RouteRequest
 
 NO_PREFILL = PrefillModel(0.0, 0.0, 0.0, 0.0)
@@ -117,3 +118,22 @@ def test_candidates_need_base_model_and_prefer_room():
     assert MostIdle().choose(request, [no_room, without_base]) == 0  # nowhere has room: queue anyway
     with pytest.raises(Overloaded):
         MostIdle().choose(request, [without_base])
+
+
+@pytest.mark.parametrize("kernel", ["bgmv", "mbgmv"])
+def test_choose_is_argmin_of_weighted_cost(kernel):
+    """RankAware.choose (inlined for speed) picks an engine of least cost(request, engine) * requests."""
+    profile = example_profile(kernel)
+    policy = RankAware(profile.decode, profile.prefill, slo_tpot_s=0.045, avg_response_tokens=80)
+    rng = np.random.default_rng(0)
+    ranks = [8, 16, 32, 64, 128]
+    for _ in range(300):
+        engines = [
+            engine(i, list(rng.choice(ranks, size=rng.integers(0, 40))), context=int(rng.integers(10, 3000)),
+                   queued=[(int(rng.choice(ranks)), int(rng.integers(8, 512))) for _ in range(rng.integers(0, 3))])
+            for i in range(6)
+        ]
+        request = RouteRequest(int(rng.choice(ranks)), int(rng.integers(8, 1024)))
+        totals = [policy.cost(request, e) * e.num_requests for e in engines]
+        chosen = policy.choose(request, engines)
+        assert totals[chosen] == pytest.approx(min(totals), rel=1e-9, abs=1e-12)
