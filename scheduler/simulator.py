@@ -109,6 +109,9 @@ def simulate(trace: Trace, profile: Profile, policy: Policy, config: SimConfig =
         raise BadRequest("num_engines and max_running must be at least 1")
     requests = trace.requests
     count = len(requests)
+    unranked = {r.adapter for r in requests} - trace.adapter_ranks.keys()
+    if unranked:
+        raise BadRequest(f"the trace gives no rank for adapters {sorted(unranked)[:5]}")
     arrival = np.array([r.arrival_s for r in requests], dtype=np.float64)
     prompt = [r.prompt_tokens for r in requests]
     output = [max(1, r.output_tokens) for r in requests]
