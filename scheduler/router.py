@@ -86,7 +86,6 @@ class EngineView:
         return self.num_running + self.num_queued
 
 
-
 class Policy(Protocol):
     name: str
 
