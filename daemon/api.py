@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from lorad.errors import BadRequest, LoradError, NotFound, Overloaded, PromptTooLong
+from lorad.errors import (
+    BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, ModelNotFound, NotFound, Overloaded, PromptTooLong,
+)
 from lorad.daemon.request import GenerationRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -29,20 +31,6 @@ _TOKENIZE_INLINE_CHARS = 4096
 ENGINE = web.AppKey("engine", object)
 STARTED = web.AppKey("started", int)
 IN_FLIGHT = web.AppKey("in_flight", set)  # request ids submitted and not yet finished
-
-
-class ModelNotFound(NotFound):
-    type = "model_not_found"
-
-
-class MethodNotAllowed(LoradError):
-    status = 405
-    type = "method_not_allowed"
-
-
-class BodyTooLarge(LoradError):
-    status = 413
-    type = "request_too_large"
 
 
 # --- errors: the one place a LoradError becomes an HTTP answer ---------------------------------------
@@ -263,10 +251,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     submitted = loop.run_in_executor(None, engine.submit, generation)
     try:
         await asyncio.shield(submitted)
-    except NotFound:
-        raise ModelNotFound(
-            f"the model {completion.model!r} does not exist (GET /v1/models lists the base model and adapters)"
-        ) from None
     except asyncio.CancelledError:  # the client left while submit() ran: abort once it is queued
         submitted.add_done_callback(lambda done: done.cancelled() or done.exception() or engine.abort(request_id))
         raise

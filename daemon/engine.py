@@ -25,7 +25,7 @@ from lorad.daemon.model import LlamaModel, Ops, Step
 from lorad.daemon.request import GenerationRequest, GenerationResult, RequestOutput
 from lorad.daemon.sampler import make_generator, sample
 from lorad.daemon.tokenizer import Detokenizer, NoTokenizer, Tokenizer
-from lorad.errors import BadRequest, LoradError, ModelError, NotFound, Overloaded, PromptTooLong
+from lorad.errors import BadRequest, LoradError, ModelError, ModelNotFound, Overloaded, PromptTooLong
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import AdapterTable, KVCache, PagePool
@@ -170,7 +170,9 @@ class Engine:
             )
         if request.adapter is not None:
             if request.adapter not in self.registry:
-                raise NotFound(f"the model {request.adapter!r} does not exist")
+                raise ModelNotFound(
+                    f"the model {request.adapter!r} does not exist (GET /v1/models lists the base model and adapters)"
+                )
             self.registry.get(request.adapter)  # read it now, in the caller's thread: errors go to the caller
         state = RequestState(request, Detokenizer(self.tokenizer, request.sampling.stop), make_generator(request.sampling))
         seq = Sequence(request.request_id, list(prompt), len(prompt), request.adapter, state=state)

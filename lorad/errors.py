@@ -30,6 +30,22 @@ class NotFound(LoradError):
     type = "not_found_error"
 
 
+class ModelNotFound(NotFound):
+    """The `model` of a request names neither the base model nor a registered adapter."""
+
+    type = "model_not_found"
+
+
+class MethodNotAllowed(LoradError):
+    status = 405
+    type = "method_not_allowed"
+
+
+class BodyTooLarge(LoradError):
+    status = 413
+    type = "request_too_large"
+
+
 class AdapterError(LoradError):
     """An adapter that cannot be served: missing, corrupt, pickled, of the wrong shape..."""
 

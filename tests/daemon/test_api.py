@@ -21,7 +21,7 @@ import pytest
 from lorad.daemon.api import MAX_BODY_BYTES, create_app, serve_unix
 from lorad.daemon.client import Client
 from lorad.daemon.request import RequestOutput
-from lorad.errors import AdapterError, BadRequest, LoradError, NotFound, Overloaded, PromptTooLong
+from lorad.errors import AdapterError, BadRequest, LoradError, ModelNotFound, NotFound, Overloaded, PromptTooLong
 
 EOS = 0
 
@@ -72,7 +72,7 @@ class FakeEngine:
         if adapter == "explode":
             raise RuntimeError("a bug in the engine")
         if adapter is not None and adapter not in {m["id"] for m in self.models()}:
-            raise NotFound(f"the model {adapter!r} does not exist")
+            raise ModelNotFound(f"the model {adapter!r} does not exist")
         with self._lock:
             if len(self._active) >= self.max_waiting:
                 raise Overloaded("the queue is full", retry_after_s=2.5)
