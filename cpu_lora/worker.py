@@ -197,14 +197,19 @@ class WorkerPool:
         self.restarts += 1
         log.warning("worker=%d pid=%d %s (exit code %s); restarting", worker, process.pid, why, process.exitcode)
         process.close()
+        # The old worker is gone, so the pool may write its line: close the failed job's books.
+        self.exchange.slots[worker].finish(self._seq[worker], STATUS_ERROR)
         self._start(worker)
 
     def submit(self, worker: int, job: Job) -> int:
         """Post `job` to `worker` (its input rows written already); returns the seq to `wait` for."""
         if self._processes[worker].exitcode is not None:
             self._replace(worker, "found dead")
+        slot = self.exchange.slots[worker]
+        if slot.done_flag.load() < self._seq[worker]:
+            raise RuntimeError(f"worker {worker} is still on job seq={self._seq[worker]}: wait for it first")
         self._seq[worker] += 1
-        self.exchange.slots[worker].post(self._seq[worker], job)
+        slot.post(self._seq[worker], job)
         return self._seq[worker]
 
     def wait(self, worker: int, seq: int, timeout_s: float | None = None) -> bool:

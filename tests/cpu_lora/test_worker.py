@@ -44,9 +44,11 @@ def random_adapter(name: str, seed: int, rank_scale: int = 1) -> FakeAdapter:
 
 @pytest.fixture(autouse=True)
 def no_leftover_segments():
-    before = set(lorad_segments())
+    # Only this process's names: other test sessions may be creating theirs at the same time.
+    mine = f"/lorad-{os.getpid()}x"
+    before = set(lorad_segments(mine))
     yield
-    leaked = set(lorad_segments()) - before
+    leaked = set(lorad_segments(mine)) - before
     for name in leaked:
         posix_ipc.unlink_shared_memory(name)
     assert not leaked, f"test left segments behind: {sorted(leaked)}"
@@ -62,7 +64,7 @@ def store():
 
 @pytest.fixture
 def pool(store):
-    with WorkerPool(2, store, MAX_TOKENS, HIDDEN, MAX_OUT, job_timeout_s=2.0) as pool:
+    with WorkerPool(2, store, MAX_TOKENS, HIDDEN, MAX_OUT, job_timeout_s=5.0) as pool:
         yield pool
 
 
@@ -105,6 +107,17 @@ def test_a_bad_job_fails_alone(pool, store):
     run_and_check(pool, store, "full", 0, 0, 16, [(0, 8), (8, 16)], seed=1)
 
 
+def test_one_job_per_worker_at_a_time(pool, store):
+    os.kill(pool._processes[0].pid, signal.SIGSTOP)
+    job = Job(store.adapter_id("full"), 0, 0, 0, 8, 96, 96)
+    seq = pool.submit(0, job)
+    with pytest.raises(RuntimeError):
+        pool.submit(0, job)  # it would overwrite the descriptor the worker may be reading
+    os.kill(pool._processes[0].pid, signal.SIGCONT)
+    assert pool.wait(0, seq) is True
+    assert pool.wait(0, pool.submit(0, job)) is True
+
+
 def test_a_killed_worker_is_detected_restarted_and_its_job_failed(pool, store):
     old_pid = pool._processes[0].pid
     os.kill(old_pid, signal.SIGSTOP)  # so that it cannot finish the job before it is killed
@@ -112,7 +125,7 @@ def test_a_killed_worker_is_detected_restarted_and_its_job_failed(pool, store):
     os.kill(old_pid, signal.SIGKILL)
     start = time.monotonic()
     assert pool.wait(0, seq) is False
-    assert time.monotonic() - start < 0.5  # within the bound, not at the 2 s job deadline
+    assert time.monotonic() - start < 1.0  # seen by the exit check, long before the 5 s job deadline
     assert pool.restarts == 1 and pool._processes[0].pid != old_pid
     assert not pid_alive(old_pid)
     run_and_check(pool, store, "half", 1, 3, 40, [(0, 20), (20, 40)], seed=2)  # the new worker serves
@@ -126,7 +139,7 @@ def test_a_stalled_worker_misses_its_deadline_and_is_replaced(store):
         start = time.monotonic()
         failed = pool.run(store.adapter_id("full"), 0, 0, [(0, 8), (8, 16)], 96, 96)
         assert failed == [(8, 16)]  # worker 0 did its half
-        assert 0.3 <= time.monotonic() - start < 2.0
+        assert 0.3 <= time.monotonic() - start < 3.0
         assert pool.restarts == 1 and not pid_alive(stalled)
         run_and_check(pool, store, "full", 0, 0, 16, [(0, 8), (8, 16)], seed=3)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 
 import numpy as np
 import posix_ipc
@@ -16,9 +17,11 @@ fork = multiprocessing.get_context("fork")
 
 @pytest.fixture(autouse=True)
 def no_leftover_segments():
-    before = set(lorad_segments())
+    # Only this process's names: other test sessions may be creating theirs at the same time.
+    mine = f"/lorad-{os.getpid()}x"
+    before = set(lorad_segments(mine))
     yield
-    leaked = set(lorad_segments()) - before
+    leaked = set(lorad_segments(mine)) - before
     for name in leaked:
         posix_ipc.unlink_shared_memory(name)
     assert not leaked, f"test left segments behind: {sorted(leaked)}"

@@ -19,9 +19,11 @@ fork = multiprocessing.get_context("fork")
 
 @pytest.fixture(autouse=True)
 def no_leftover_segments():
-    before = set(lorad_segments())
+    # Only this process's names: other test sessions may be creating theirs at the same time.
+    mine = f"/lorad-{os.getpid()}x"
+    before = set(lorad_segments(mine))
     yield
-    leaked = set(lorad_segments()) - before
+    leaked = set(lorad_segments(mine)) - before
     for name in leaked:
         posix_ipc.unlink_shared_memory(name)
     assert not leaked, f"test left segments behind: {sorted(leaked)}"
@@ -116,14 +118,14 @@ def test_sweep_removes_the_segments_of_a_killed_process():
     assert creator_pid(name) == child.pid
     mine = segment_name(new_instance(), "alive")
     with Segment.create(mine, 4096):
-        assert sweep_stale() == [] or name not in sweep_stale()  # the child is alive: kept
+        # (Sweeps are limited to our own names: other test sessions may be running beside us.)
+        assert sweep_stale(prefix=f"/lorad-{child.pid}x") == []  # the child is alive: kept
         assert name in lorad_segments()
         os.kill(child.pid, signal.SIGKILL)
         child.join(20)
         assert sweep_stale(prefix=f"/lorad-{child.pid}x") == [name]
         assert name not in lorad_segments()
-        assert mine in lorad_segments()  # a live process's segment survives a full sweep
-        sweep_stale()
+        assert sweep_stale(prefix=f"/lorad-{os.getpid()}x") == []  # a live process's segment survives
         assert mine in lorad_segments()
     assert not [n for n in lorad_segments() if creator_pid(n) in (child.pid, os.getpid())]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,9 +19,11 @@ fork = multiprocessing.get_context("fork")
 
 @pytest.fixture(autouse=True)
 def no_leftover_segments():
-    before = set(lorad_segments())
+    # Only this process's names: other test sessions may be creating theirs at the same time.
+    mine = f"/lorad-{os.getpid()}x"
+    before = set(lorad_segments(mine))
     yield
-    leaked = set(lorad_segments()) - before
+    leaked = set(lorad_segments(mine)) - before
     for name in leaked:
         posix_ipc.unlink_shared_memory(name)
     assert not leaked, f"test left segments behind: {sorted(leaked)}"
@@ -98,13 +101,13 @@ def test_a_full_index_is_refused():
         assert "a" in store.names()
 
 
-def _read_store(name, queue):
+def _read_store(name, replies, go):
     store = AdapterStore.attach(name)
     try:
-        queue.put({store.adapter_id(n): {key: (a.numpy().copy(), bt.numpy().copy())
-                   for key, (a, bt) in store.get_views(n).items()} for n in store.names()})
-        queue.get(timeout=20)  # the owner has put another adapter meanwhile
-        queue.put(store.names())
+        replies.put({store.adapter_id(n): {key: (a.numpy().copy(), bt.numpy().copy())
+                     for key, (a, bt) in store.get_views(n).items()} for n in store.names()})
+        go.get(timeout=20)  # the owner has changed the store meanwhile
+        replies.put(store.names())
         with pytest.raises(PermissionError):
             store.put(random_adapter("x", 9))
     finally:
@@ -115,18 +118,18 @@ def test_another_process_reads_the_index_by_attaching():
     adapters = [random_adapter("alpha", 1), random_adapter("beta", 2)]
     with AdapterStore.create(new_instance(), 1 << 20) as store:
         ids = [store.put(adapter) for adapter in adapters]
-        queue = fork.Queue()
-        child = fork.Process(target=_read_store, args=(store.name, queue))
+        replies, go = fork.Queue(), fork.Queue()
+        child = fork.Process(target=_read_store, args=(store.name, replies, go))
         child.start()
-        seen = queue.get(timeout=20)
+        seen = replies.get(timeout=20)
         for adapter_id, adapter in zip(ids, adapters):
             for key, (a, b) in adapter.weights.items():
                 assert np.array_equal(seen[adapter_id][key][0], a.numpy())
                 assert np.array_equal(seen[adapter_id][key][1], b.T.numpy())
         store.put(random_adapter("gamma", 3))
         store.remove("alpha")
-        queue.put("go")
-        assert queue.get(timeout=20) == ["beta", "gamma"]
+        go.put("go")
+        assert replies.get(timeout=20) == ["beta", "gamma"]
         child.join(20)
         assert child.exitcode == 0
 
