@@ -34,7 +34,7 @@ except ImportError:
 
 __all__ = ["Segments", "lora_prefill", "mbgmm", "mbgmm_ref", "mbgmm_shrink", "mbgmm_expand"]
 
-BLOCK_K = 64  # shrink's reduction tile along `in` (divides any page of a multiple of 64 elements)
+BLOCK_K = 128  # shrink's reduction tile along `in` (the H100 sweep's best; BENCHMARKS.md)
 BLOCK_N = 128  # expand's output tile along `out`
 BLOCK_R_EXPAND = 32  # expand's reduction tile along the rank
 MAX_SPLITS = 4
