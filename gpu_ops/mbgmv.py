@@ -5,7 +5,6 @@ page pool. `lora_decode` is what the model calls for a decode step in place of `
 
 from __future__ import annotations
 
-
 import torch
 
 from lorad.gpu_ops.bgmv import (
