@@ -8,6 +8,7 @@ new tokens through its `on_output` callback.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -84,12 +85,22 @@ class Engine:
             self.registry.register(name, path)
         for root in config.adapter_dirs:
             self.registry.register_dir(root)
-        self.residency = LoraResidency(self.registry, self.table)
+        self._adapter_roots = [Path(root).resolve() for root in config.adapter_roots]
+        if demo_adapters:
+            self._adapter_roots.append(Path(demo_adapters[0][1]).resolve().parent)
+        self._state_file = Path(config.state_dir) / "adapters.json" if config.state_dir else None
+        self._api_registrations = self._restore_registrations()
+        # Adapters of requests in flight, held by name until their last request ends: an adapter
+        # unloaded meanwhile still serves what was admitted before.
+        self._held: dict[str, list] = {}  # name -> [LoraAdapter, number of requests]
+        self._draining: set[str] = set()
+        self.residency = LoraResidency(lambda name: self._held[name][0], self.table)
         self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency)
 
         self._lock = threading.Condition()
         self._inbox: list[Sequence] = []
         self._aborts: list[str] = []
+        self._drops: list[str] = []
         self._sequences: dict[str, Sequence] = {}
         self._finished: dict[str, Sequence] = {}  # read back by generate(); unused when started
         self._thread: threading.Thread | None = None
@@ -173,7 +184,7 @@ class Engine:
                 raise ModelNotFound(
                     f"the model {request.adapter!r} does not exist (GET /v1/models lists the base model and adapters)"
                 )
-            self.registry.get(request.adapter)  # read it now, in the caller's thread: errors go to the caller
+            adapter = self.registry.get(request.adapter)  # read now, in the caller's thread: errors go to the caller
         state = RequestState(request, Detokenizer(self.tokenizer, request.sampling.stop), make_generator(request.sampling))
         seq = Sequence(request.request_id, list(prompt), len(prompt), request.adapter, state=state)
         with self._lock:
@@ -184,6 +195,9 @@ class Engine:
             if request.request_id in self._sequences:
                 raise BadRequest(f"request id {request.request_id} is already in use")
             self._sequences[request.request_id] = seq
+            if request.adapter is not None:
+                held = self._held.setdefault(request.adapter, [adapter, 0])
+                held[1] += 1
             self._inbox.append(seq)
             self._lock.notify()
 
@@ -191,6 +205,70 @@ class Engine:
         with self._lock:
             self._aborts.append(request_id)
             self._lock.notify()
+
+    def load_adapter(self, name: str, path: str) -> dict:
+        """Registers an adapter through the API: the path must lie under an adapter root; the adapter is
+        read and checked now, and nothing already registered changes if it is refused."""
+        resolved = Path(path).resolve()  # follows symlinks: a link out of the roots is outside
+        if not any(resolved.is_relative_to(root) for root in self._adapter_roots):
+            if not self._adapter_roots:
+                raise BadRequest("no adapter roots are configured (adapter_roots): loading through the API is off")
+            roots = ", ".join(str(root) for root in self._adapter_roots)
+            raise BadRequest(f"{path} is not under an adapter root ({roots})")
+        with self._lock:
+            if name in self._draining:
+                raise BadRequest(f"adapter {name!r} is still finishing its requests after an unload; try again")
+            if name == self.model_name:
+                raise BadRequest(f"{name!r} is the base model's name")
+        self.registry.register(name, str(resolved))
+        try:
+            adapter = self.registry.get(name)
+        except LoradError:
+            self.registry.unregister(name)
+            raise
+        self._api_registrations[name] = str(resolved)
+        self._save_registrations()
+        return adapter.describe()
+
+    def unload_adapter(self, name: str) -> None:
+        """New requests for it are refused at once; requests already submitted finish first, then its
+        pool pages go back."""
+        if name not in self.registry:
+            raise ModelNotFound(f"no adapter {name!r} is registered")
+        self.registry.unregister(name)
+        with self._lock:
+            if name in self._held:
+                self._draining.add(name)
+            else:
+                self._drops.append(name)  # the pool belongs to the engine thread
+            self._lock.notify()
+        if self._api_registrations.pop(name, None) is not None:
+            self._save_registrations()
+
+    def _restore_registrations(self) -> dict[str, str]:
+        if self._state_file is None or not self._state_file.exists():
+            return {}
+        try:
+            saved = json.loads(self._state_file.read_text())
+        except (OSError, ValueError) as error:
+            log.warning("cannot read %s (%s): API registrations not restored", self._state_file, error)
+            return {}
+        restored = {}
+        for name, path in saved.items():
+            try:
+                self.registry.register(name, path)
+                restored[name] = path
+            except LoradError as error:
+                log.warning("registration not restored name=%s reason=%s", name, error.message)
+        return restored
+
+    def _save_registrations(self) -> None:
+        if self._state_file is None:
+            return
+        self._state_file.parent.mkdir(parents=True, exist_ok=True)
+        partial = self._state_file.with_suffix(".tmp")
+        partial.write_text(json.dumps(self._api_registrations, indent=1, sort_keys=True))
+        partial.replace(self._state_file)  # atomic: a crash leaves the old file or the new one
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Runs the requests together to completion in this thread (the engine must not be started)."""
@@ -235,7 +313,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._stopping or self._inbox or self._aborts or self.scheduler.has_work()):
+                while not (self._stopping or self._inbox or self._aborts or self._drops or self.scheduler.has_work()):
                     self._lock.wait()
                 if self._stopping:
                     break
@@ -284,6 +362,9 @@ class Engine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            drops, self._drops = self._drops, []
+        for name in drops:
+            self.residency.drop(name)
         for seq in inbox:
             self.scheduler.add(seq)
         for request_id in aborts:
@@ -360,6 +441,14 @@ class Engine:
         self.scheduler.finish(seq)
         with self._lock:
             self._sequences.pop(seq.request_id, None)
+            if seq.adapter is not None:
+                held = self._held[seq.adapter]
+                held[1] -= 1
+                if held[1] == 0:
+                    del self._held[seq.adapter]
+                    if seq.adapter in self._draining:
+                        self._draining.discard(seq.adapter)
+                        self.residency.drop(seq.adapter)
         if self._thread is None:
             self._finished[seq.request_id] = seq
         text = state.detokenizer.take(final=True) if reason in ("stop", "length") else ""

@@ -16,8 +16,8 @@ log = logging.getLogger(__name__)
 
 
 class LoraResidency:
-    def __init__(self, registry, table: AdapterTable):
-        self.registry = registry
+    def __init__(self, lookup, table: AdapterTable):
+        self.lookup = lookup  # name -> LoraAdapter (host copy)
         self.table = table
         self.slots: dict[str, int] = {}
         self.pins: dict[str, int] = {}
@@ -32,7 +32,7 @@ class LoraResidency:
             self.pins[name] += 1
             self.idle.pop(name, None)
             return True
-        adapter = self.registry.get(name)  # host copy; loads from disk if it was dropped
+        adapter = self.lookup(name)
         slot = self.table.free_slot()
         while slot is None:
             if not self.idle:

@@ -18,6 +18,8 @@ class EngineConfig:
     demo: bool = False  # serve the built-in tiny random Llama and its adapters
     adapters: tuple[tuple[str, str], ...] = ()  # (name, directory) pairs
     adapter_dirs: tuple[str, ...] = ()  # every subdirectory holding an adapter is registered by its name
+    adapter_roots: tuple[str, ...] = ()  # where POST /v1/load_lora_adapter may read from (none: API loads refused)
+    state_dir: str | None = None  # adapters registered through the API are remembered here across restarts
     device: str = "auto"  # auto: cuda when available
     dtype: str = "auto"  # auto: the checkpoint's torch_dtype on cuda, float32 on the cpu
     max_lora_rank: int = 256
