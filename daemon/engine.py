@@ -67,7 +67,7 @@ class Engine:
 
         started = time.perf_counter()
         weights = load_weights(model_dir, self.dtype, self.device)
-        self.ops = Ops()
+        self.ops = Ops.for_device(self.device, config.max_batch_tokens, config.max_lora_rank)
         self.model = LlamaModel(self.spec, weights, self.max_model_len, self.ops)
         del weights
         self.pool = PagePool(self._pool_pages(), self.spec.hidden_size, self.dtype, self.device)
@@ -412,6 +412,7 @@ class Engine:
             attention=attention,
             lora=LoraBatch.build(row_slots, device),
         )
+        self.ops.prepare_lora(step.lora, self.table)
         return step, sampled
 
     def _advance(self, seq: Sequence, token: int) -> None:

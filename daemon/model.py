@@ -42,21 +42,59 @@ class Layer:
 
 
 class Ops:
-    """The op functions the model calls: the pure-torch references here, the GPU kernels on cuda
-    (the runner picks one set at start-up and says which)."""
+    """The op functions the model calls. `Ops.reference()`: the pure-torch references (the CPU engine,
+    and any device where the kernels cannot run); `Ops.for_device()` picks the Triton kernels on cuda.
+    `name` says which set runs: the engine logs it and /v1/status shows it."""
 
-    def __init__(self):
+    def __init__(self, name: str, rms_norm, rope, write_kv, attention, lora, prepare_lora=None):
+        self.name = name
+        self.rms_norm = rms_norm
+        self.rope = rope
+        self.write_kv = write_kv
+        self.attention = attention
+        self.lora = lora
+        # Per-step LoRA metadata the kernels need beyond LoraBatch (segments, max rank): built once
+        # per step by the runner, never per layer.
+        self.prepare_lora = prepare_lora or (lambda batch, table: None)
+
+    @classmethod
+    def reference(cls, name: str = "torch-reference") -> Ops:
         from lorad.gpu_ops.attention import paged_attention_ref, write_kv_ref
         from lorad.gpu_ops.lora import apply_lora_ref
         from lorad.gpu_ops.norm import rms_norm_ref
         from lorad.gpu_ops.rope import apply_rope_ref
 
-        self.name = "torch-reference"
-        self.rms_norm = rms_norm_ref
-        self.rope = apply_rope_ref
-        self.write_kv = write_kv_ref
-        self.attention = paged_attention_ref
-        self.lora = apply_lora_ref
+        return cls(name, rms_norm_ref, apply_rope_ref, write_kv_ref, paged_attention_ref, apply_lora_ref)
+
+    @classmethod
+    def for_device(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int) -> Ops:
+        if device.type != "cuda":
+            return cls.reference()
+        try:
+            from lorad.gpu_ops import bgmv, mbgmm, mbgmv
+
+            bgmv.require_triton()
+        except (ImportError, RuntimeError) as error:
+            return cls.reference(f"torch-reference (triton unavailable: {error})")
+        ops = cls.reference("triton-lora[mbgmv,mbgmm]+torch-reference-attention")
+        workspace = torch.empty(bgmv.workspace_numel(max_batch_tokens, max_lora_rank), dtype=torch.float32, device=device)
+
+        def prepare_lora(batch, table):
+            if batch.slot_rows:
+                batch.segments = mbgmm.Segments.build(batch, table)
+                batch.max_rank = batch.segments.max_rank
+
+        def lora(x, y, layer, proj, batch, table):
+            if batch.segments is None:
+                return
+            if batch.segments.max_len == 1:  # every adapter has one row: decode
+                mbgmv.lora_decode(x, y, layer, proj, batch, table, max_rank=batch.max_rank, workspace=workspace)
+            else:
+                mbgmm.lora_prefill(x, y, layer, proj, batch, table, segments=batch.segments, workspace=workspace)
+
+        ops.lora = lora
+        ops.prepare_lora = prepare_lora
+        return ops
 
 
 class LlamaModel:

@@ -24,6 +24,8 @@ class LoraBatch:
 
     row_slot: torch.Tensor
     slot_rows: list[tuple[int, torch.Tensor]]
+    segments: object = None  # the kernels' per-step metadata (mbgmm.Segments), when they run
+    max_rank: int = 0
 
     @classmethod
     def build(cls, row_slots: list[int], device: torch.device) -> LoraBatch:

@@ -46,3 +46,8 @@ def test_cuda_bfloat16_close_to_float32(demo_assets):
         first_a, first_b = a.logits[0], b.logits[0]  # same context: the prompt
         rel = (first_a - first_b).norm() / first_a.norm()
         assert rel < 3e-2, rel
+
+
+def test_cuda_engine_says_it_runs_the_triton_lora_kernels(demo_assets):
+    engine = Engine(EngineConfig(model=str(demo_assets.model_dir), device="cuda", dtype="bfloat16"))
+    assert engine.status()["ops"].startswith("triton-lora")
