@@ -109,6 +109,21 @@ def profile_cpu_lora(
     return fit_cost(samples, dispatch_ms, rank=rank, in_features=in_features, out_features=out_features)
 
 
+def profile_dispatch(pool, adapter_id: int, layer: int, proj: int, in_features: int, out_features: int,
+                     repeats: int = 50) -> float:
+    """The engine-side cost of one job through `pool` (post, the worker's wake-up, done flag), in ms:
+    the median round trip of a one-token job on worker 0. Use it as `CostModel.dispatch_ms`; it
+    includes one token's compute, which is noise next to the wake-up at the ranks that matter."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        failed = pool.run(adapter_id, layer, proj, [(0, 1)], in_features, out_features)
+        times.append((time.perf_counter() - start) * 1e3)
+        if failed:
+            raise RuntimeError(f"profiling job failed on adapter {adapter_id} ({layer}, {proj})")
+    return statistics.median(times)
+
+
 def workers_for(tokens: int, workers: int, cost: CostModel, min_gain: float = 0.1, target_ms: float | None = None) -> int:
     """How many workers (1..workers, at most one per token) `tokens` should use.
 

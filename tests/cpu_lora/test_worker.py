@@ -14,6 +14,7 @@ import posix_ipc
 import pytest
 import torch
 
+from lorad.cpu_lora.partition import profile_dispatch
 from lorad.cpu_lora.worker import WorkerPool
 from lorad.shm.exchange import Job
 from lorad.shm.segment import creator_pid, lorad_segments, new_instance, pid_alive, sweep_stale
@@ -90,6 +91,11 @@ def test_results_equal_the_in_process_product(pool, store):
                 run_and_check(pool, store, name, layer, proj, tokens, ranges, seed)
                 seed += 1
     assert pool.restarts == 0
+
+
+def test_dispatch_cost_is_measured_through_the_pool(pool, store):
+    dispatch_ms = profile_dispatch(pool, store.adapter_id("full"), 0, 0, 96, 96, repeats=20)
+    assert 0 < dispatch_ms < 50  # a wake-up and two flags, not a pickled tensor
 
 
 def test_workers_are_pinned_one_core_each(pool):
