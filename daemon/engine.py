@@ -22,6 +22,7 @@ from lorad.config import EngineConfig
 from lorad.daemon.adapters import AdapterRegistry
 from lorad.daemon.checkpoint import PROJECTIONS, load_spec, load_weights
 from lorad.daemon.lora_residency import LoraResidency
+from lorad.daemon.metrics import Metrics
 from lorad.daemon.model import LlamaModel, Ops, Step
 from lorad.daemon.request import GenerationRequest, GenerationResult, RequestOutput
 from lorad.daemon.sampler import make_generator, sample
@@ -94,7 +95,8 @@ class Engine:
         # unloaded meanwhile still serves what was admitted before.
         self._held: dict[str, list] = {}  # name -> [LoraAdapter, number of requests]
         self._draining: set[str] = set()
-        self.residency = LoraResidency(lambda name: self._held[name][0], self.table)
+        self.stats = Metrics()  # counters for GET /metrics; Engine.metrics() snapshots them
+        self.residency = LoraResidency(lambda name: self._held[name][0], self.table, self.stats)
         self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency)
 
         self._lock = threading.Condition()
@@ -166,6 +168,17 @@ class Engine:
                 "steps": self.steps,
             }
 
+    def metrics(self) -> dict:
+        """A picklable snapshot of the counters and gauges for GET /metrics (daemon/metrics.py renders it)."""
+        with self._lock:
+            running = [seq.adapter for seq in list(self.scheduler.running)]
+            waiting = [seq.adapter for seq in list(self.scheduler.waiting) + self._inbox]
+        return self.stats.snapshot(
+            model=self.model_name, running=len(running), waiting=len(waiting), running_adapters=running,
+            waiting_adapters=waiting, max_lora=ADAPTER_SLOTS, pool=self.pool.occupancy(),
+            adapters_resident=len(self.residency.slots), adapter_evictions=self.residency.evictions,
+        )
+
     def submit(self, request: GenerationRequest) -> None:
         """Checks the request and queues it; raises BadRequest, NotFound, AdapterError, Overloaded."""
         prompt = request.prompt_token_ids
@@ -184,7 +197,7 @@ class Engine:
                 raise ModelNotFound(
                     f"the model {request.adapter!r} does not exist (GET /v1/models lists the base model and adapters)"
                 )
-            adapter = self.registry.get(request.adapter)  # read now, in the caller's thread: errors go to the caller
+            adapter = self._read_adapter(request.adapter)  # read now, in the caller's thread: errors go to the caller
         state = RequestState(request, Detokenizer(self.tokenizer, request.sampling.stop), make_generator(request.sampling))
         seq = Sequence(request.request_id, list(prompt), len(prompt), request.adapter, state=state)
         with self._lock:
@@ -222,7 +235,7 @@ class Engine:
                 raise BadRequest(f"{name!r} is the base model's name")
         self.registry.register(name, str(resolved))
         try:
-            adapter = self.registry.get(name)
+            adapter = self._read_adapter(name)
         except LoradError:
             self.registry.unregister(name)
             raise
@@ -244,6 +257,15 @@ class Engine:
             self._lock.notify()
         if self._api_registrations.pop(name, None) is not None:
             self._save_registrations()
+
+    def _read_adapter(self, name: str):
+        """registry.get, timed as a disk -> host load when the adapter was not in host memory."""
+        on_disk = self.registry.describe(name)["location"] == "disk"
+        started = time.perf_counter()
+        adapter = self.registry.get(name)
+        if on_disk:
+            self.stats.adapter_loaded("disk_to_host", time.perf_counter() - started)
+        return adapter
 
     def _restore_registrations(self) -> dict[str, str]:
         if self._state_file is None or not self._state_file.exists():
@@ -355,6 +377,7 @@ class Engine:
                 state.logits.append(logits[row].cpu())
             if state.first_token_time is None:
                 state.first_token_time = now
+                self.stats.first_token(now - state.arrival)
             seq.tokens.append(token)
             self._advance(seq, token)
 
@@ -439,6 +462,9 @@ class Engine:
             return
         state.finished = True
         state.finish_reason = reason
+        now = time.perf_counter()
+        decode_s = None if state.first_token_time is None else now - state.first_token_time
+        self.stats.request_finished(reason, seq.prompt_len, seq.num_generated, now - state.arrival, decode_s)
         self.scheduler.finish(seq)
         with self._lock:
             self._sequences.pop(seq.request_id, None)

@@ -16,9 +16,10 @@ log = logging.getLogger(__name__)
 
 
 class LoraResidency:
-    def __init__(self, lookup, table: AdapterTable):
+    def __init__(self, lookup, table: AdapterTable, metrics=None):
         self.lookup = lookup  # name -> LoraAdapter (host copy)
         self.table = table
+        self.metrics = metrics  # daemon/metrics.py's Metrics, or None
         self.slots: dict[str, int] = {}
         self.pins: dict[str, int] = {}
         self.idle: OrderedDict[str, None] = OrderedDict()  # resident, unpinned, oldest first
@@ -45,7 +46,11 @@ class LoraResidency:
                 return False
             self._evict_oldest()
         self.loads += 1
-        log.info("adapter resident name=%s slot=%d ms=%.2f", name, slot, (time.perf_counter() - started) * 1e3)
+        seconds = time.perf_counter() - started
+        if self.metrics is not None:  # the request being admitted waited for this load: a cold start
+            self.metrics.adapter_loaded("host_to_pool", seconds)
+            self.metrics.cold_start()
+        log.info("adapter resident name=%s slot=%d ms=%.2f", name, slot, seconds * 1e3)
         self.slots[name] = slot
         self.pins[name] = 1
         return True
