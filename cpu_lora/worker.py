@@ -116,7 +116,7 @@ class WorkerPool:
     worker is in flight at a time. A worker that exits is noticed within about `max_pause_s` of a
     wait; one that does not finish a job within `job_timeout_s`, or that stops its heartbeat while
     idle for `stall_s` (see `check()`), is killed; either way it is replaced (`restarts` counts them)
-    and its job is reported as failed.
+    and its job is reported as failed. One thread (the engine's step loop) drives a pool.
     """
 
     def __init__(

@@ -75,7 +75,8 @@ def expected(store: AdapterStore, name: str, layer: int, proj: int, x: torch.Ten
 
 
 def run_and_check(pool, store, name, layer, proj, tokens, ranges, seed):
-    in_features, out_features = store.get_views(name)[(layer, proj)][0].shape[1], store.get_views(name)[(layer, proj)][1].shape[1]
+    a, b_t = store.get_views(name)[(layer, proj)]
+    in_features, out_features = a.shape[1], b_t.shape[1]
     x = torch.randn(tokens, in_features, generator=torch.Generator().manual_seed(seed))
     failed = pool.run(store.adapter_id(name), layer, proj, ranges, in_features, out_features, x=x)
     assert failed == []
