@@ -1,6 +1,7 @@
-"""The daemon's HTTP face: an OpenAI-compatible subset (/v1/completions, /v1/models, /health) served by
-aiohttp on a Unix socket. A request is checked here, handed to the engine, and the engine's outputs
-(called from its step thread) hop onto the event loop through one asyncio.Queue per request.
+"""The daemon's HTTP face: an OpenAI-compatible subset (/v1/completions, /v1/models, /health), vLLM's
+adapter admin routes and Prometheus /metrics, served by aiohttp on a Unix socket. A request is checked
+here, handed to the engine, and the engine's outputs (called from its step thread) hop onto the event
+loop through one asyncio.Queue per request.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import math
 import os
 import socket
+import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,11 +22,13 @@ from aiohttp import web
 from lorad.errors import (
     BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, ModelNotFound, NotFound, Overloaded, PromptTooLong,
 )
+from lorad.daemon import metrics as metrics_format
 from lorad.daemon.request import GenerationRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20
+LISTEN_BACKLOG = 1024  # connections the kernel holds before accept(): bursts of many clients
 # Prompts longer than this are tokenized off the event loop, so one huge prompt does not stall the others.
 _TOKENIZE_INLINE_CHARS = 4096
 
@@ -217,18 +221,90 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response(request.app[ENGINE].status())
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    arrived = time.monotonic()
+async def metrics(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    loop = asyncio.get_running_loop()
+    snapshot = await asyncio.get_running_loop().run_in_executor(None, engine.metrics)
+    return web.Response(body=metrics_format.render(snapshot).encode(),
+                        headers={"Content-Type": metrics_format.CONTENT_TYPE})
+
+
+async def _json_body(request: web.Request):
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
         raise BodyTooLarge(f"request body is larger than {MAX_BODY_BYTES} bytes")
     raw = await request.read()  # aiohttp raises 413 past client_max_size
     try:
-        body = json.loads(raw)
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise BadRequest(f"the request body is not JSON: {error}") from None
-    completion = parse_completion(body)
+
+
+# --- adapter admin (vLLM's routes) --------------------------------------------------------------------
+
+
+def parse_admin(body, required: tuple[str, ...]) -> dict[str, str]:
+    """A /v1/load_lora_adapter or /v1/unload_lora_adapter body: exactly `required`, all non-empty strings."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    unknown = sorted(set(body) - set(required))
+    if unknown:
+        raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
+    for name in required:
+        if not isinstance(body.get(name), str) or not body[name]:
+            raise BadRequest(f"{name} is required: a non-empty string")
+        if "\0" in body[name]:
+            raise BadRequest(f"{name} must not contain NUL characters")
+    return body
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    fields = parse_admin(await _json_body(request), ("lora_name", "lora_path"))
+    name, path = fields["lora_name"], fields["lora_path"]
+    # load_adapter reads and checks the weights from disk: off the event loop.
+    description = await asyncio.get_running_loop().run_in_executor(None, engine.load_adapter, name, path)
+    log.info("adapter loaded through the API name=%s path=%s%s", name, path, _peer_fields(request))
+    entry = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "lorad",
+             "parent": engine.model_name, "kind": "lora", "location": "host", **description}
+    return web.json_response(entry)
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    name = parse_admin(await _json_body(request), ("lora_name",))["lora_name"]
+    await asyncio.get_running_loop().run_in_executor(None, engine.unload_adapter, name)
+    log.info("adapter unloaded through the API name=%s%s", name, _peer_fields(request))
+    return web.json_response({"id": name, "object": "model", "deleted": True})
+
+
+def peer_credentials(request: web.Request) -> tuple[int, int] | None:
+    """(uid, pid) of the process at the other end of the Unix socket, when the kernel says."""
+    transport = request.transport
+    if transport is None:
+        return None
+    sock = transport.get_extra_info("socket")
+    if sock is None or getattr(sock, "family", None) != socket.AF_UNIX or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    try:
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except OSError:
+        return None
+    return uid, pid
+
+
+def _peer_fields(request: web.Request) -> str:
+    peer = peer_credentials(request)
+    return "" if peer is None else f" peer_uid={peer[0]} peer_pid={peer[1]}"
+
+
+# --- completions ------------------------------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    arrived = time.monotonic()
+    engine = request.app[ENGINE]
+    loop = asyncio.get_running_loop()
+    peer = peer_credentials(request)  # now: the transport is gone once the client leaves
+    completion = parse_completion(await _json_body(request))
 
     prompt_ids = completion.prompt
     if isinstance(prompt_ids, str):
@@ -257,7 +333,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     in_flight = request.app[IN_FLIGHT]
     in_flight.add(request_id)
-    tally = _Tally(request_id, completion.model, len(prompt_ids), arrived)
+    tally = _Tally(request_id, completion.model, len(prompt_ids), arrived, peer)
     try:
         if completion.stream:
             return await _stream_response(request, completion, generation, stream, tally)
@@ -297,6 +373,7 @@ class _Tally:
     model: str
     prompt_tokens: int
     arrived: float
+    peer: tuple[int, int] | None = None  # (uid, pid) of the client
     completion_tokens: int = 0
     first_token_at: float | None = None
     finish_reason: str | None = None
@@ -317,11 +394,12 @@ class _Tally:
 
     def log(self) -> None:
         ttft = "-" if self.first_token_at is None else f"{(self.first_token_at - self.arrived) * 1e3:.1f}"
+        uid, pid = self.peer or ("-", "-")
         log.info(
-            "request finished request_id=%s model=%s prompt_tokens=%d completion_tokens=%d ttft_ms=%s "
-            "latency_ms=%.1f finish_reason=%s",
+            "request finished request_id=%s adapter=%s prompt_tokens=%d completion_tokens=%d ttft_ms=%s "
+            "latency_ms=%.1f finish_reason=%s peer_uid=%s peer_pid=%s",
             self.request_id, self.model, self.prompt_tokens, self.completion_tokens, ttft,
-            (time.monotonic() - self.arrived) * 1e3, self.finish_reason,
+            (time.monotonic() - self.arrived) * 1e3, self.finish_reason, uid, pid,
         )
 
 
@@ -403,6 +481,9 @@ def create_app(engine) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/status", status)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
+    app.router.add_get("/metrics", metrics)
     app.on_shutdown.append(_abort_in_flight)
     return app
 
@@ -418,7 +499,7 @@ async def serve_unix(app: web.Application, path: str, mode: int = 0o660) -> web.
     try:
         listener.bind(path)
         os.chmod(path, mode)  # before listen(): nobody connects while the mode is still the umask's
-        site = web.SockSite(runner, listener)
+        site = web.SockSite(runner, listener, backlog=LISTEN_BACKLOG)
         await site.start()
     except BaseException:
         listener.close()

@@ -563,7 +563,7 @@ def test_one_log_line_per_finished_request(client, caplog):
     lines = [record.getMessage() for record in caplog.records if "request finished" in record.getMessage()]
     assert len(lines) == 1
     fields = dict(part.split("=", 1) for part in lines[0].split() if "=" in part)
-    assert fields["request_id"] == answer["id"] and fields["model"] == "sql"
+    assert fields["request_id"] == answer["id"] and fields["adapter"] == "sql"
     assert fields["prompt_tokens"] == "5" and fields["completion_tokens"] == "3"
     assert fields["finish_reason"] == "length"
     assert float(fields["ttft_ms"]) <= float(fields["latency_ms"])
