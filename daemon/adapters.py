@@ -436,7 +436,8 @@ class AdapterRegistry:
         with self._lock:
             entry = self._entry_locked(name)
             if entry.adapter is not None:
-                self._loaded.move_to_end(name)
+                if name in self._loaded:  # in-memory adapters are outside the LRU
+                    self._loaded.move_to_end(name)
                 return entry.adapter
         # The disk read happens outside the registry lock: other adapters stay served meanwhile.
         with entry.load_lock:
@@ -510,6 +511,14 @@ class AdapterRegistry:
     def _add_locked(self, entry: _Entry) -> None:
         self._check_free_locked(entry)
         self._entries.setdefault(entry.name, entry)  # the same name and path again is a no-op
+
+    def add_in_memory(self, adapter: LoraAdapter) -> None:
+        """Registers an adapter that exists only in host memory (benchmarks' --dummy-adapters). It has
+        no files to be read again from, so the LRU budget never drops it."""
+        with self._lock:
+            if adapter.name in self._entries:
+                raise AdapterError(f"adapter {adapter.name!r} is already registered")
+            self._entries[adapter.name] = _Entry(adapter.name, Path(adapter.path), adapter)
 
     def _entry_locked(self, name: str) -> _Entry:
         entry = self._entries.get(name)

@@ -25,6 +25,27 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+# Shapes of well-known models (from their public config.json), for benchmarks with random weights
+# (`--model-config NAME --dummy-weights`): no checkpoint is read.
+_LLAMA = {"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+MODEL_CONFIGS = {
+    "llama-2-7b": {**_LLAMA, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+                   "max_position_embeddings": 4096, "rope_theta": 10000.0},
+    "llama-2-13b": {**_LLAMA, "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+                    "num_attention_heads": 40, "num_key_value_heads": 40, "vocab_size": 32000,
+                    "max_position_embeddings": 4096, "rope_theta": 10000.0},
+    "llama-3-8b": {**_LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                   "max_position_embeddings": 8192, "rope_theta": 500000.0, "bos_token_id": 128000,
+                   "eos_token_id": 128001},
+    # The demo's shape: lets the dummy-weights path run in CI.
+    "tiny-llama": {**_LLAMA, "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+                   "max_position_embeddings": 2048, "rope_theta": 10000.0, "torch_dtype": "float32"},
+}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The shape of a Llama-family decoder, read from config.json."""
@@ -168,6 +189,35 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def dummy_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights of the right names and shapes, drawn on the device (seconds for a 7B model on
+    a GPU). Scaled like a trained model's (std ~ 1/sqrt(fan_in)) so activations stay finite."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator, device=device, dtype=torch.float32) * std).to(dtype)
+
+    def ones(size: int) -> torch.Tensor:
+        return torch.ones(size, device=device, dtype=dtype)
+
+    h = spec.hidden_size
+    weights = {"model.embed_tokens.weight": normal(spec.vocab_size, h, std=1.0), "model.norm.weight": ones(h)}
+    for layer in range(spec.num_layers):
+        prefix = f"model.layers.{layer}."
+        weights[prefix + "input_layernorm.weight"] = ones(h)
+        weights[prefix + "post_attention_layernorm.weight"] = ones(h)
+        for projection in PROJECTIONS:
+            fan_in, fan_out = spec.projection_shape(projection)
+            module = "mlp." if projection in ("gate_proj", "up_proj", "down_proj") else "self_attn."
+            weights[prefix + module + projection + ".weight"] = normal(fan_out, fan_in, std=fan_in**-0.5)
+        if spec.qkv_bias:
+            for projection in ("q_proj", "k_proj", "v_proj"):
+                weights[prefix + f"self_attn.{projection}.bias"] = normal(spec.projection_shape(projection)[1], std=0.02)
+    if not spec.tie_word_embeddings:
+        weights["lm_head.weight"] = normal(spec.vocab_size, h, std=h**-0.5)
+    return weights
 
 
 def read_json(path: Path) -> dict:

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from lorad.config import EngineConfig
-from lorad.daemon.adapters import AdapterRegistry
-from lorad.daemon.checkpoint import PROJECTIONS, load_spec, load_weights
+from lorad.daemon.adapters import AdapterRegistry, LoraAdapter
+from lorad.daemon.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
 from lorad.daemon.lora_residency import LoraResidency
 from lorad.daemon.metrics import Metrics
 from lorad.daemon.model import LlamaModel, Ops, Step
@@ -58,16 +58,24 @@ class Engine:
         self.config = config
         model_dir, demo_adapters = self._model_dir(config)
         self.device = _resolve_device(config.device)
-        self.spec = load_spec(model_dir)
+        if model_dir is None:  # a known shape with random weights (benchmarks)
+            self.spec = ModelSpec.from_hf_config(MODEL_CONFIGS[config.model_config])
+            self.model_name = config.model_config
+        else:
+            self.spec = load_spec(model_dir)
+            self.model_name = "lorad-demo" if config.demo else model_dir.name
         self.dtype = _resolve_dtype(config.dtype, self.spec.torch_dtype, self.device)
-        self.model_name = "lorad-demo" if config.demo else model_dir.name
-        tokenizer_path = model_dir / "tokenizer.json"
-        self.tokenizer = Tokenizer(tokenizer_path) if tokenizer_path.exists() else NoTokenizer()
+        tokenizer_path = model_dir / "tokenizer.json" if model_dir is not None else None
+        self.model_dir = model_dir
+        self.tokenizer = Tokenizer(tokenizer_path) if tokenizer_path and tokenizer_path.exists() else NoTokenizer()
         self.vocab_size = self.spec.vocab_size
         self.max_model_len = min(config.max_model_len or min(self.spec.max_position_embeddings, MAX_DEFAULT_MODEL_LEN), self.spec.max_position_embeddings)
 
         started = time.perf_counter()
-        weights = load_weights(model_dir, self.dtype, self.device)
+        if model_dir is None:
+            weights = dummy_weights(self.spec, self.dtype, self.device, seed=config.seed)
+        else:
+            weights = load_weights(model_dir, self.dtype, self.device)
         self.ops = Ops.for_device(self.device, config.max_batch_tokens, config.max_lora_rank)
         self.model = LlamaModel(self.spec, weights, self.max_model_len, self.ops)
         del weights
@@ -86,6 +94,8 @@ class Engine:
             self.registry.register(name, path)
         for root in config.adapter_dirs:
             self.registry.register_dir(root)
+        for adapter in _dummy_adapters(self.spec, config):
+            self.registry.add_in_memory(adapter)
         self._adapter_roots = [Path(root).resolve() for root in config.adapter_roots]
         if demo_adapters:
             self._adapter_roots.append(Path(demo_adapters[0][1]).resolve().parent)
@@ -124,8 +134,14 @@ class Engine:
 
             assets = build_demo(default_demo_root())
             return assets.model_dir, [(name, str(path)) for name, path in assets.adapters.items()]
+        if config.model_config is not None:
+            if config.model is not None or not config.dummy_weights:
+                raise BadRequest("--model-config goes with --dummy-weights and without --model")
+            if config.model_config not in MODEL_CONFIGS:
+                raise BadRequest(f"unknown model config {config.model_config!r}: one of {', '.join(MODEL_CONFIGS)}")
+            return None, []
         if config.model is None:
-            raise BadRequest("no model: give --model DIR or --demo")
+            raise BadRequest("no model: give --model DIR, --demo, or --model-config NAME --dummy-weights")
         return Path(config.model), []
 
     def _pool_pages(self) -> int:
@@ -493,6 +509,43 @@ class Engine:
             callback(output)
         except Exception:  # a consumer's failure is the consumer's problem, never the engine's
             log.exception("on_output callback failed request=%s", seq.request_id)
+
+
+def _dummy_adapters(spec: ModelSpec, config: EngineConfig) -> list[LoraAdapter]:
+    """`dummy_adapters` random adapters of one rank and target set, straight into host memory.
+
+    A handful of distinct weight sets is shared by all of them (generating thousands of 7B-sized
+    adapters would take minutes and tens of GB); each still has its own name, its own pool pages and
+    its own host->device load, which is what serving costs depend on."""
+    if config.dummy_adapters <= 0:
+        return []
+    targets = tuple(t.strip() for t in config.dummy_adapter_targets.split(",") if t.strip())
+    unknown = [t for t in targets if t not in PROJECTIONS]
+    if unknown or not targets:
+        raise BadRequest(f"dummy_adapter_targets: unknown projections {unknown}; use {', '.join(PROJECTIONS)}")
+    rank = config.dummy_adapter_rank
+    if not 1 <= rank <= config.max_lora_rank:
+        raise BadRequest(f"dummy_adapter_rank must be in 1..{config.max_lora_rank}")
+    generator = torch.Generator().manual_seed(config.seed)
+    weight_sets = []
+    for _ in range(min(4, config.dummy_adapters)):
+        weights = {}
+        for layer in range(spec.num_layers):
+            for projection in targets:
+                fan_in, fan_out = spec.projection_shape(projection)
+                a = torch.randn(rank, fan_in, generator=generator) * fan_in**-0.5
+                b = torch.randn(fan_out, rank, generator=generator) * (0.5 / rank)
+                weights[(layer, PROJECTIONS.index(projection))] = (a, b)
+        weight_sets.append(weights)
+    nbytes = sum(a.nbytes + b.nbytes for a, b in weight_sets[0].values())
+    return [
+        LoraAdapter(
+            name=f"dummy-{index}", path="<memory>", rank=rank, targets=tuple(p for p in PROJECTIONS if p in targets),
+            weights=weight_sets[index % len(weight_sets)], nbytes=nbytes,
+            scaling={key: 1.0 for key in weight_sets[0]},
+        )
+        for index in range(config.dummy_adapters)
+    ]
 
 
 def _resolve_device(device: str) -> torch.device:

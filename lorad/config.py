@@ -16,6 +16,11 @@ DEVICES = ("auto", "cpu", "cuda")
 class EngineConfig:
     model: str | None = None  # HF checkpoint directory; None with demo=True
     demo: bool = False  # serve the built-in tiny random Llama and its adapters
+    model_config: str | None = None  # a known shape instead of --model (benchmarks): llama-2-7b, llama-2-13b, llama-3-8b, tiny-llama
+    dummy_weights: bool = False  # with model_config: random base weights drawn on the device
+    dummy_adapters: int = 0  # register this many random adapters held in host memory only (benchmarks)
+    dummy_adapter_rank: int = 8
+    dummy_adapter_targets: str = "q_proj,k_proj,v_proj,o_proj"  # comma-separated projections
     adapters: tuple[tuple[str, str], ...] = ()  # (name, directory) pairs
     adapter_dirs: tuple[str, ...] = ()  # every subdirectory holding an adapter is registered by its name
     adapter_roots: tuple[str, ...] = ()  # where POST /v1/load_lora_adapter may read from (none: API loads refused)
@@ -52,6 +57,7 @@ class ServerConfig:
     socket: str = "/tmp/lorad/lorad.sock"
     socket_mode: int = 0o660
     log_level: str = "info"
+    shutdown_grace_s: float = 30.0  # on SIGTERM/SIGINT, running requests get this long to finish, then are aborted
 
 
 @dataclass(frozen=True)
