@@ -1,0 +1,513 @@
+"""Attention over the paged KV cache on the GPU: Triton kernels that read K and V pages in place from
+the unified pool (layout: DESIGN.md), with `gpu_ops/attention.py`'s references as their semantics.
+
+- `write_kv`: a step's k and v into their pages, one launch (drop-in for `write_kv_ref`).
+- `decode_attention`: sequences with one new token; a program per (sequence, kv head, split) reads
+  each K/V row once for all the query heads sharing it (GQA), online softmax, split-K over the context
+  (flash-decoding) when there are too few sequences to fill the GPU, then a small combine launch.
+- `prefill_attention`: sequences with several new tokens (a prompt, or a chunk of one whose earlier
+  chunks are cached): causal flash attention over query tiles of 64 rows, K/V gathered from pages.
+- `attention`: drop-in for `paged_attention_ref` on a mixed batch: decode rows to the first, prefill
+  rows to the second. Its device metadata (`AttentionMeta`) is built once per step.
+
+Nothing here reads the device from the host: grids come from host-known sizes, so a decode step can be
+captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from lorad.gpu_ops.attention import AttentionBatch, paged_attention_ref, write_kv_ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU engine runs the references only
+    triton = None
+
+__all__ = [
+    "AttentionMeta",
+    "attention",
+    "attention_meta",
+    "decode_attention",
+    "decode_splits",
+    "prefill_attention",
+    "write_kv",
+    "paged_attention_ref",
+    "write_kv_ref",
+]
+
+LOG2E = 1.4426950408889634
+PREFILL_BLOCK_M = 64  # query rows per prefill program; AttentionMeta cuts prompts into tiles of this
+DECODE_BLOCK_N = 64  # context positions per step of the decode loop
+MAX_SPLITS = 16
+MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in the combine than it saves
+PROGRAMS_PER_SM = 2
+
+
+def require_triton() -> None:
+    if triton is None:
+        raise RuntimeError("the paged attention kernels need triton; use gpu_ops/attention.py's references")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-step metadata
+
+
+@dataclass
+class AttentionMeta:
+    """Device metadata for `attention`, built once per step from an AttentionBatch (host lists).
+
+    seq_info: int32 [3, S] rows query_start, query_len, kv_len (device).
+    decode_seqs: int32 [num_decode] the sequences with query_len == 1.
+    tile_seq, tile_row: int32 [num_tiles] each prefill tile's sequence and first query row within it.
+    num_decode, num_tiles: host ints (grid sizes); max_context: host int, the widest block table row in
+    positions (block_table.shape[-1] * tokens_per_page), for the split choice.
+    """
+
+    seq_info: torch.Tensor
+    decode_seqs: torch.Tensor
+    tile_seq: torch.Tensor
+    tile_row: torch.Tensor
+    num_decode: int
+    num_tiles: int
+    max_context: int
+
+    @property
+    def query_start(self) -> torch.Tensor:
+        return self.seq_info[0]
+
+    @property
+    def query_len(self) -> torch.Tensor:
+        return self.seq_info[1]
+
+    @property
+    def kv_len(self) -> torch.Tensor:
+        return self.seq_info[2]
+
+    @staticmethod
+    def build(batch: AttentionBatch, tokens_per_page: int, device) -> "AttentionMeta":
+        """One host-to-device copy of a few int32 rows."""
+        num_seqs = len(batch.query_len)
+        decode = [seq for seq, length in enumerate(batch.query_len) if length == 1]
+        tile_seq, tile_row = [], []
+        for seq, length in enumerate(batch.query_len):
+            if length > 1:
+                for row in range(0, length, PREFILL_BLOCK_M):
+                    tile_seq.append(seq)
+                    tile_row.append(row)
+        packed = torch.tensor(
+            [*batch.query_start, *batch.query_len, *batch.kv_len, *decode, *tile_seq, *tile_row], dtype=torch.int32
+        ).to(device, non_blocking=True)
+        parts = packed.split([3 * num_seqs, len(decode), len(tile_seq), len(tile_row)])
+        return AttentionMeta(
+            seq_info=parts[0].view(3, num_seqs),
+            decode_seqs=parts[1],
+            tile_seq=parts[2],
+            tile_row=parts[3],
+            num_decode=len(decode),
+            num_tiles=len(tile_seq),
+            max_context=batch.block_table.shape[-1] * tokens_per_page,
+        )
+
+
+def attention_meta(batch: AttentionBatch, tokens_per_page: int, device) -> AttentionMeta:
+    """The step's AttentionMeta, built on the first layer's call and kept on the batch for the rest."""
+    meta = getattr(batch, "_paged_meta", None)
+    if meta is None:
+        meta = AttentionMeta.build(batch, tokens_per_page, device)
+        batch._paged_meta = meta
+    return meta
+
+
+def decode_splits(num_seqs: int, kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Split-K factor (a power of two) so that about PROGRAMS_PER_SM programs run per SM, each split
+    keeping at least MIN_SPLIT_TOKENS positions of the longest context."""
+    want = PROGRAMS_PER_SM * _sm_count(device)
+    splits = 1
+    while splits < MAX_SPLITS and num_seqs * kv_heads * splits < want and max_context >= 2 * splits * MIN_SPLIT_TOKENS:
+        splits *= 2
+    return splits
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _as_operand(p, kv_ptr, UPCAST: tl.constexpr):
+        """Probabilities as the P @ V operand: rounded to the cache dtype (float32 when upcast)."""
+        p = p.to(kv_ptr.dtype.element_ty)
+        if UPCAST:
+            p = p.to(tl.float32)
+        return p
+
+    @triton.jit
+    def _write_kv_kernel(
+        k_ptr, v_ptr, kv_ptr, dest_k_ptr, dest_v_ptr, dest_offset_ptr, stride_kt, stride_vt,
+        ROW: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < ROW
+        offset = tl.load(dest_offset_ptr + token)
+        k_page = tl.load(dest_k_ptr + token)
+        v_page = tl.load(dest_v_ptr + token)
+        k = tl.load(k_ptr + token.to(tl.int64) * stride_kt + cols, mask=ok)
+        v = tl.load(v_ptr + token.to(tl.int64) * stride_vt + cols, mask=ok)
+        tl.store(kv_ptr + k_page.to(tl.int64) * PAGE + offset * ROW + cols, k, mask=ok)
+        tl.store(kv_ptr + v_page.to(tl.int64) * PAGE + offset * ROW + cols, v, mask=ok)
+
+    @triton.jit
+    def _decode_kernel(
+        q_ptr, kv_ptr, k_table_ptr, v_table_ptr, seqs_ptr, query_start_ptr, kv_len_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr,
+        stride_qt, stride_qh, stride_ot, stride_table, qk_scale,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+        KV_HEADS: tl.constexpr, TOKENS_PER_PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        index = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        seq = tl.load(seqs_ptr + index)
+        row = tl.load(query_start_ptr + seq)
+        kv_len = tl.load(kv_len_ptr + seq)
+        per_split = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, kv_len)
+
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_PAD)
+        offs_n = tl.arange(0, BLOCK_N)
+        g_ok = offs_g < GROUP
+        d_ok = offs_d < HEAD_DIM
+        heads = kv_head * GROUP + offs_g
+        q_ptrs = q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        table_row = seq.to(tl.int64) * stride_table
+
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            positions = start + offs_n
+            n_ok = positions < hi
+            block = positions // TOKENS_PER_PAGE
+            slot = (positions % TOKENS_PER_PAGE) * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+            k_page = tl.load(k_table_ptr + table_row + block, mask=n_ok, other=0).to(tl.int64)
+            v_page = tl.load(v_table_ptr + table_row + block, mask=n_ok, other=0).to(tl.int64)
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            page_elems = TOKENS_PER_PAGE * KV_HEADS * HEAD_DIM
+            k = tl.load(kv_ptr + (k_page * page_elems + slot)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(kv_ptr + (v_page * page_elems + slot)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            if USE_DOT:
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            else:
+                scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            scores = tl.where(n_ok[None, :], scores * qk_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            if USE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(_as_operand(p, kv_ptr, UPCAST), v.to(k.dtype), input_precision=PRECISION)
+            else:
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            m = m_new
+
+        has = l > 0
+        result = acc / tl.where(has, l, 1.0)[:, None]
+        store_mask = g_ok[:, None] & d_ok[None, :]
+        if SPLITS == 1:
+            out_ptrs = out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=store_mask)
+        else:
+            # partials: [num_decode, heads, SPLITS, HEAD_PAD] and lse (base 2) [num_decode, heads, SPLITS]
+            part = (index.to(tl.int64) * (KV_HEADS * GROUP) + heads) * SPLITS + split
+            tl.store(part_out_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], result, mask=store_mask)
+            lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+            tl.store(part_lse_ptr + part, lse, mask=g_ok)
+
+    @triton.jit
+    def _combine_kernel(
+        part_out_ptr, part_lse_ptr, seqs_ptr, query_start_ptr, out_ptr, stride_ot,
+        HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS: tl.constexpr,
+    ):
+        index = tl.program_id(0)
+        head = tl.program_id(1)
+        row = tl.load(query_start_ptr + tl.load(seqs_ptr + index))
+        offs_s = tl.arange(0, SPLITS)
+        offs_d = tl.arange(0, HEAD_PAD)
+        base = (index.to(tl.int64) * HEADS + head) * SPLITS
+        lse = tl.load(part_lse_ptr + base + offs_s)
+        weights = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always has positions: the max is finite
+        parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
+        parts = tl.where(weights[:, None] > 0, parts, 0.0)  # empty splits hold undefined values
+        result = tl.sum(parts * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+        out_ptrs = out_ptr + row.to(tl.int64) * stride_ot + head * HEAD_DIM + offs_d
+        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+    @triton.jit
+    def _prefill_kernel(
+        q_ptr, kv_ptr, k_table_ptr, v_table_ptr, tile_seq_ptr, tile_row_ptr,
+        query_start_ptr, query_len_ptr, kv_len_ptr, out_ptr,
+        stride_qt, stride_qh, stride_ot, stride_table, qk_scale,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
+        TOKENS_PER_PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        head = tl.program_id(1)
+        kv_head = head // GROUP
+        seq = tl.load(tile_seq_ptr + tile)
+        first = tl.load(tile_row_ptr + tile)
+        query_start = tl.load(query_start_ptr + seq)
+        query_len = tl.load(query_len_ptr + seq)
+        kv_len = tl.load(kv_len_ptr + seq)
+
+        offs_m = first + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_PAD)
+        offs_n = tl.arange(0, BLOCK_N)
+        m_ok = offs_m < query_len
+        d_ok = offs_d < HEAD_DIM
+        query_pos = kv_len - query_len + offs_m  # rows past query_len see everything: finite, never stored
+        rows = (query_start + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        table_row = seq.to(tl.int64) * stride_table
+        page_elems = TOKENS_PER_PAGE * KV_HEADS * HEAD_DIM
+
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        # Causal: the tile's last row sees up to its own position; the first block (position 0) is
+        # visible to every row, so m is finite after the first step and fully masked blocks add zeros.
+        hi = tl.minimum(kv_len, kv_len - query_len + first + BLOCK_M)
+        for start in range(0, hi, BLOCK_N):
+            positions = start + offs_n
+            n_ok = positions < hi
+            block = positions // TOKENS_PER_PAGE
+            slot = (positions % TOKENS_PER_PAGE) * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+            k_page = tl.load(k_table_ptr + table_row + block, mask=n_ok, other=0).to(tl.int64)
+            v_page = tl.load(v_table_ptr + table_row + block, mask=n_ok, other=0).to(tl.int64)
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(kv_ptr + (k_page * page_elems + slot)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(kv_ptr + (v_page * page_elems + slot)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            visible = (positions[None, :] <= query_pos[:, None]) & n_ok[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(_as_operand(p, kv_ptr, UPCAST), v, input_precision=PRECISION)
+            m = m_new
+
+        result = acc / l[:, None]
+        out_ptrs = out_ptr + rows[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :]
+        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _check_q(q: torch.Tensor, kv_view: torch.Tensor) -> tuple[int, int, int, int]:
+    """q: [T, heads, head_dim] with unit stride along head_dim (it may be a view of a fused qkv)."""
+    if kv_view.dim() != 4 or not kv_view.is_contiguous():
+        raise ValueError(f"kv_view must be a contiguous [pages, tokens_per_page, kv_heads, head_dim] view, got {tuple(kv_view.shape)}")
+    _, tokens_per_page, kv_heads, head_dim = kv_view.shape
+    if q.dim() != 3 or q.shape[2] != head_dim or q.stride(2) != 1:
+        raise ValueError(f"q must be [T, heads, {head_dim}] with unit stride on the last dim, got {tuple(q.shape)} strides {q.stride()}")
+    heads = q.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads cannot share {kv_heads} kv heads")
+    if q.dtype != kv_view.dtype:
+        raise ValueError(f"q is {q.dtype} but the KV pages hold {kv_view.dtype}")
+    if q.device != kv_view.device:
+        raise ValueError("q and the KV pages must be on one device")
+    return heads, kv_heads, head_dim, tokens_per_page
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 or _upcast(dtype) else "tf32"
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    """Triton's CPU interpreter multiplies bf16 dot operands as raw bits (triton 3.9); there the
+    operands, exact in fp32, are widened first. Compiled kernels never take this branch."""
+    return dtype == torch.bfloat16 and type(_decode_kernel).__name__ == "InterpretedFunction"
+
+
+def write_kv(kv_view: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> None:
+    """Drop-in for `write_kv_ref`: k, v [T, kv_heads, head_dim] (strided rows allowed, e.g. views of a
+    fused qkv output) into kv_view[dest_pages[layer, 0|1, t], dest_offsets[t]]. One launch, one program
+    per token. Bytes: 4 * T * kv_heads * head_dim * element size."""
+    require_triton()
+    _, tokens_per_page, kv_heads, head_dim = kv_view.shape
+    row = kv_heads * head_dim
+    tokens = k.shape[0]
+    if tokens == 0:
+        return
+    for name, x in (("k", k), ("v", v)):
+        if x.shape != (tokens, kv_heads, head_dim) or x.dtype != kv_view.dtype:
+            raise ValueError(f"{name} must be [{tokens}, {kv_heads}, {head_dim}] {kv_view.dtype}, got {tuple(x.shape)} {x.dtype}")
+    k = k if k.stride(2) == 1 and k.stride(1) == head_dim else k.contiguous()
+    v = v if v.stride(2) == 1 and v.stride(1) == head_dim else v.contiguous()
+    dest = batch.dest_pages[layer]
+    _write_kv_kernel[(tokens,)](
+        k, v, kv_view, dest[0].contiguous(), dest[1].contiguous(), batch.dest_offsets, k.stride(0), v.stride(0),
+        ROW=row, PAGE=tokens_per_page * row, BLOCK=next_power_of_2(row), num_warps=4 if row <= 2048 else 8,
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_view: torch.Tensor,
+    k_table: torch.Tensor,
+    v_table: torch.Tensor,
+    seqs: torch.Tensor,
+    query_start: torch.Tensor,
+    kv_len: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    *,
+    num_seqs: int,
+    splits: int = 1,
+    block_n: int = DECODE_BLOCK_N,
+    num_warps: int = 4,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """out[query_start[s]] = attention of that row's query over positions 0..kv_len[s)-1 of sequence s,
+    for s in seqs[:num_seqs] (all on the device, int32).
+
+    q: [T, heads, head_dim]; kv_view: [pages, tokens_per_page, kv_heads, head_dim]; k_table, v_table:
+    int32 [S, max_blocks] (block_table[layer, 0|1], unit stride on blocks); out: [T, heads * head_dim].
+    Grid (num_seqs, kv_heads, splits): each program reads its kv head's K and V rows once for the
+    `heads / kv_heads` queries sharing them. splits > 1: flash-decoding partials (float32) and a
+    combine launch; workspace: optional (out [>= num_seqs*heads*splits*head_pad], lse [>= num_seqs*heads*splits]).
+    Roofline: bytes = sum_s 2 * kv_len[s] * kv_heads * head_dim * element size; flops = 4 * that / size * group.
+    """
+    require_triton()
+    heads, kv_heads, head_dim, tokens_per_page = _check_q(q, kv_view)
+    if num_seqs == 0:
+        return
+    if splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two, got {splits}")
+    group = heads // kv_heads
+    head_pad = max(16, next_power_of_2(head_dim))
+    use_dot = group > 1
+    group_pad = max(16, next_power_of_2(group)) if use_dot else next_power_of_2(group)
+    if splits > 1:
+        if workspace is None:
+            part_out = torch.empty(num_seqs * heads * splits * head_pad, dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(num_seqs * heads * splits, dtype=torch.float32, device=q.device)
+        else:
+            part_out, part_lse = workspace
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(num_seqs, kv_heads, splits)](
+        q, kv_view, k_table, v_table, seqs, query_start, kv_len, out, part_out, part_lse,
+        q.stride(0), q.stride(1), out.stride(0), k_table.stride(0), scale * LOG2E,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_PAD=head_pad, KV_HEADS=kv_heads,
+        TOKENS_PER_PAGE=tokens_per_page, BLOCK_N=block_n, SPLITS=splits, USE_DOT=use_dot,
+        PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=num_warps,
+    )
+    if splits > 1:
+        _combine_kernel[(num_seqs, heads)](
+            part_out, part_lse, seqs, query_start, out, out.stride(0),
+            HEADS=heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS=splits, num_warps=4,
+        )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_view: torch.Tensor,
+    k_table: torch.Tensor,
+    v_table: torch.Tensor,
+    meta: AttentionMeta,
+    out: torch.Tensor,
+    scale: float,
+    *,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> None:
+    """Causal attention for the prefill tiles of `meta` (query rows of sequences with query_len > 1
+    over all their cached positions, the rows' own K/V already written). Grid (num_tiles, heads);
+    query tiles of PREFILL_BLOCK_M rows. Shapes as in `decode_attention`."""
+    require_triton()
+    heads, kv_heads, head_dim, tokens_per_page = _check_q(q, kv_view)
+    if meta.num_tiles == 0:
+        return
+    head_pad = max(16, next_power_of_2(head_dim))
+    if block_n is None:
+        block_n = 32 if q.dtype == torch.float32 or head_pad > 128 else 64
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    _prefill_kernel[(meta.num_tiles, heads)](
+        q, kv_view, k_table, v_table, meta.tile_seq, meta.tile_row, meta.query_start, meta.query_len, meta.kv_len, out,
+        q.stride(0), q.stride(1), out.stride(0), k_table.stride(0), scale * LOG2E,
+        GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, KV_HEADS=kv_heads,
+        TOKENS_PER_PAGE=tokens_per_page, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=block_n,
+        PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=num_warps, **extra,
+    )
+
+
+def attention(
+    q: torch.Tensor,
+    kv_view: torch.Tensor,
+    layer: int,
+    batch: AttentionBatch,
+    scale: float,
+    meta: AttentionMeta | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Drop-in for `paged_attention_ref` on any batch (decode and prefill rows mixed): q [T, heads,
+    head_dim] -> [T, heads * head_dim]. Decode sequences (query_len 1) go to `decode_attention`
+    (split-K chosen from the batch's sizes), the others to `prefill_attention`; two launches at most
+    (three with the split combine), no host sync. meta: the step's AttentionMeta (built on the first
+    call and kept on the batch when not given)."""
+    heads, kv_heads, head_dim, tokens_per_page = _check_q(q, kv_view)
+    if meta is None:
+        meta = attention_meta(batch, tokens_per_page, q.device)
+    if out is None:
+        out = torch.empty(q.shape[0], heads * head_dim, dtype=q.dtype, device=q.device)
+    k_table, v_table = batch.block_table[layer, 0], batch.block_table[layer, 1]
+    if meta.num_decode:
+        splits = decode_splits(meta.num_decode, kv_heads, meta.max_context, q.device)
+        decode_attention(
+            q, kv_view, k_table, v_table, meta.decode_seqs, meta.query_start, meta.kv_len, out, scale,
+            num_seqs=meta.num_decode, splits=splits,
+        )
+    prefill_attention(q, kv_view, k_table, v_table, meta, out, scale)
+    return out
+
