@@ -39,6 +39,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MAX_DEFAULT_MODEL_LEN = 8192
 CPU_POOL_BYTES = 256 << 20
 ADAPTER_SLOTS = 1024
+PREFETCH_DEPTH = 8  # queued requests whose adapters are loaded ahead, while a step runs
 
 
 @dataclass(eq=False)
@@ -178,6 +179,7 @@ class Engine:
                 "pool": self.pool.occupancy(),
                 "adapters_resident": sorted(self.residency.slots),
                 "adapter_loads": self.residency.loads,
+                "adapter_prefetches": self.residency.prefetches,
                 "adapter_evictions": self.residency.evictions,
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting) + len(self._inbox),
@@ -381,6 +383,7 @@ class Engine:
             return
         step, sampled = self._build_step(plan)
         logits = self.model.forward(step, self.kv.view, self.table)
+        self._prefetch()  # on a GPU the step above is still running: its adapters' copies overlap it
         for seq, count in plan:
             seq.num_computed += count
         params = [seq.state.request.sampling for seq in sampled]
@@ -396,6 +399,12 @@ class Engine:
                 self.stats.first_token(now - state.arrival)
             seq.tokens.append(token)
             self._advance(seq, token)
+
+    def _prefetch(self) -> None:
+        reserve = len(self.scheduler.running) * self.kv.pages_per_block  # one more block for each runner
+        for seq in list(self.scheduler.waiting)[:PREFETCH_DEPTH]:
+            if seq.adapter is not None and not self.residency.prefetch(seq.adapter, reserve):
+                break
 
     def _take_inbox(self) -> None:
         with self._lock:

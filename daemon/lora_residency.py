@@ -10,7 +10,7 @@ import logging
 import time
 from collections import OrderedDict
 
-from lorad.gpu_ops.page_pool import AdapterTable
+from lorad.gpu_ops.page_pool import AdapterTable, StagedAdapter
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +24,7 @@ class LoraResidency:
         self.pins: dict[str, int] = {}
         self.idle: OrderedDict[str, None] = OrderedDict()  # resident, unpinned, oldest first
         self.loads = 0
+        self.prefetches = 0
         self.evictions = 0
 
     def acquire(self, name: str | None) -> bool:
@@ -41,7 +42,8 @@ class LoraResidency:
             self._evict_oldest()
             slot = self.table.free_slot()
         started = time.perf_counter()
-        while not self.table.place(slot, adapter.weights):
+        staged = self._staged(adapter)
+        while not self.table.place(slot, staged):
             if not self.idle:
                 return False
             self._evict_oldest()
@@ -53,6 +55,41 @@ class LoraResidency:
         log.info("adapter resident name=%s slot=%d ms=%.2f", name, slot, seconds * 1e3)
         self.slots[name] = slot
         self.pins[name] = 1
+        return True
+
+    def _staged(self, adapter) -> StagedAdapter:
+        """The adapter in page layout; on cuda kept pinned (keyed by its weights, which benchmark
+        adapters share) within `pinned_bytes`, least recently used dropped first."""
+        if not self.table.pool.pages.is_cuda:
+            return self.table.stage(adapter.weights)
+        key = id(adapter.weights)
+        if key in self.pinned:
+            self.pinned.move_to_end(key)
+            return self.pinned[key][1]
+        staged = self.table.stage(adapter.weights)
+        self.pinned[key] = (adapter.weights, staged)  # holding the weights keeps the id unique
+        self.pinned_used += staged.pages.nbytes
+        while self.pinned_used > self.pinned_bytes and len(self.pinned) > 1:
+            _, (_, dropped) = self.pinned.popitem(last=False)
+            self.pinned_used -= dropped.pages.nbytes
+        return staged
+
+    def prefetch(self, name: str, reserve_pages: int) -> bool:
+        """Loads a queued request's adapter into free pages while the current step runs, evicting
+        nothing and leaving `reserve_pages` free for KV growth. It waits idle until admitted."""
+        if name in self.slots:
+            return True
+        slot = self.table.free_slot()
+        if slot is None:
+            return False
+        staged = self._staged(self.lookup(name))
+        if self.table.pool.num_free - staged.pages.shape[0] < reserve_pages or not self.table.place(slot, staged):
+            return False
+        self.loads += 1
+        self.prefetches += 1
+        self.slots[name] = slot
+        self.pins[name] = 0
+        self.idle[name] = None
         return True
 
     def release(self, name: str | None) -> None:

@@ -106,6 +106,15 @@ class KVCache:
 
 
 @dataclass
+class StagedAdapter:
+    """pages: [n, page_elems] host tensor (pinned on cuda); layout: (layer, proj, rank, a_offset,
+    b_offset) per module, offsets in pages from the adapter's first page."""
+
+    pages: torch.Tensor
+    layout: list[tuple[int, int, int, int, int]]
+
+
+@dataclass
 class AdapterPlacement:
     slot: int
     page_ids: list[int]
@@ -140,6 +149,7 @@ class AdapterTable:
         self.page_ids = torch.zeros(pool.num_pages, dtype=torch.int32, device=device)
         self.placements: dict[int, AdapterPlacement] = {}
         self._index_end = 0  # bump allocator over page_ids; compacted when it runs out
+        self._copy_stream = None
 
     def pages_needed(self, weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]) -> int:
         total = 0
@@ -154,33 +164,58 @@ class AdapterTable:
                 return slot
         return None
 
-    def place(self, slot: int, weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Copy an adapter's weights into pool pages and publish its table rows. False: pool short."""
+    def stage(self, weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]) -> StagedAdapter:
+        """An adapter laid out as whole pool pages in host memory, in the pool's dtype: every A row and
+        B^T row padded to whole pages. On cuda the pages are pinned, so a load is one DMA copy."""
+        page = self.pool.page_elems
         needed = self.pages_needed(weights)
+        pages = torch.zeros(needed, page, dtype=self.pool.pages.dtype)
+        layout, cursor = [], 0
+        for (layer, proj), (a, b) in sorted(weights.items()):
+            chunks_in, chunks_out = self.chunks[proj]
+            a_offset = cursor
+            cursor = _stage_rows(pages, cursor, a, chunks_in, page)
+            layout.append((layer, proj, a.shape[0], a_offset, cursor))
+            cursor = _stage_rows(pages, cursor, b.t(), chunks_out, page)
+        if self.pool.pages.is_cuda:
+            pages = pages.pin_memory()
+        return StagedAdapter(pages, layout)
+
+    def place(self, slot: int, staged: StagedAdapter | dict) -> bool:
+        """Sends a staged adapter (or its weights, staged here) into free pool pages and publishes its
+        table rows. False (nothing taken) when the pool is short.
+
+        On cuda the copy runs on a side stream; the compute stream waits for it on an event, so the
+        host never blocks and a prefetch overlaps the step in flight. Free pages are never read by work
+        in flight (their last owner's steps ended before they were freed), so the copy needs no wait."""
+        if not isinstance(staged, StagedAdapter):
+            staged = self.stage(staged)
+        needed = staged.pages.shape[0]
         page_ids = self.pool.alloc(needed, "adapter")
         if page_ids is None:
             return False
         if self._index_end + needed > len(self.page_ids_host):
             self._compact()
         start = self._index_end
-        page = self.pool.page_elems
-        # Lay every row out padded to whole pages on the host, then send it with one copy.
-        staged = torch.zeros(needed, page, dtype=self.pool.pages.dtype)
-        cursor = 0
-        for (layer, proj), (a, b) in sorted(weights.items()):
-            rank = a.shape[0]
-            chunks_in, chunks_out = self.chunks[proj]
+        for layer, proj, rank, a_offset, b_offset in staged.layout:
             self.rank_host[slot, layer, proj] = rank
-            self.a_start_host[slot, layer, proj] = start + cursor
-            cursor = _stage_rows(staged, cursor, a, chunks_in, page)
-            self.b_start_host[slot, layer, proj] = start + cursor
-            cursor = _stage_rows(staged, cursor, b.t(), chunks_out, page)
+            self.a_start_host[slot, layer, proj] = start + a_offset
+            self.b_start_host[slot, layer, proj] = start + b_offset
         ids = np.asarray(page_ids, dtype=np.int32)
         self.page_ids_host[start : start + needed] = ids
         self._index_end = start + needed
-        device = self.pool.pages.device
-        ids_device = torch.from_numpy(ids).to(device=device, dtype=torch.long)
-        self.pool.pages[ids_device] = staged.to(device, non_blocking=True)
+        pages = self.pool.pages
+        if pages.is_cuda:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(pages.device)
+            with torch.cuda.stream(self._copy_stream):
+                ids_device = torch.from_numpy(ids).to(pages.device, dtype=torch.long, non_blocking=True)
+                pages.index_copy_(0, ids_device, staged.pages.to(pages.device, non_blocking=True))
+                done = torch.cuda.Event()
+                done.record()
+            torch.cuda.current_stream(pages.device).wait_event(done)
+        else:
+            pages.index_copy_(0, torch.from_numpy(ids).long(), staged.pages)
         self.placements[slot] = AdapterPlacement(slot, page_ids, start, needed)
         self._publish(slot, start, needed)
         return True
