@@ -1,0 +1,197 @@
+"""Fused element-wise kernels of the decoder layer: RMSNorm, RoPE on q and k together, SiLU(gate) * up.
+Each replaces several PyTorch launches (and their intermediate tensors) by one pass over the rows;
+the references are `rms_norm_ref` (gpu_ops/norm.py), `rope_qk_ref` (from apply_rope_ref in
+gpu_ops/rope.py) and `silu_mul_ref`. All three are memory-bound: one read and one write of each row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lorad.gpu_ops.norm import rms_norm_ref
+from lorad.gpu_ops.rope import apply_rope_ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU engine runs the references only
+    triton = None
+
+__all__ = ["rms_norm", "rms_norm_ref", "rope_qk", "rope_qk_ref", "silu_mul", "silu_mul_ref"]
+
+SILU_BLOCK = 1024
+
+
+def require_triton() -> None:
+    if triton is None:
+        raise RuntimeError("the fused kernels need triton; use the *_ref functions")
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _warps(elements: int) -> int:
+    return max(1, min(16, elements // 512))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_xt, stride_ot, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < HIDDEN
+        x = tl.load(x_ptr + row * stride_xt + cols, mask=ok, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
+        # Llama: normalise in float32, cast to the input dtype, then scale by the weight.
+        normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_ot + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _rope_rows(x_ptr, out_ptr, token, stride_t, stride_h, stride_ot, stride_oh, cos1, cos2, sin1, sin2,
+                   HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+        heads = tl.arange(0, HEADS_PAD)
+        offs = tl.arange(0, HALF_PAD)
+        mask = (heads < HEADS)[:, None] & (offs < HALF)[None, :]
+        first = x_ptr + token * stride_t + heads[:, None] * stride_h + offs[None, :]
+        x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+        out = out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs[None, :]
+        tl.store(out, (x1 * cos1 - x2 * sin1).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + HALF, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_qk_kernel(
+        q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, positions_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos,
+        HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        if HAS_POSITIONS:
+            position = tl.load(positions_ptr + token).to(tl.int64)
+        else:
+            position = token  # cos, sin already hold each token's row
+        offs = tl.arange(0, HALF_PAD)
+        ok = offs < HALF
+        row = position * stride_cos + offs
+        cos1 = tl.load(cos_ptr + row, mask=ok, other=0.0).to(tl.float32)[None, :]
+        cos2 = tl.load(cos_ptr + row + HALF, mask=ok, other=0.0).to(tl.float32)[None, :]
+        sin1 = tl.load(sin_ptr + row, mask=ok, other=0.0).to(tl.float32)[None, :]
+        sin2 = tl.load(sin_ptr + row + HALF, mask=ok, other=0.0).to(tl.float32)[None, :]
+        _rope_rows(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh, cos1, cos2, sin1, sin2, HEADS, HEADS_PAD, HALF, HALF_PAD)
+        _rope_rows(k_ptr, k_out_ptr, token, stride_kt, stride_kh, stride_kot, stride_koh, cos1, cos2, sin1, sin2, KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD)
+
+    @triton.jit
+    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gt, stride_ut, stride_ot, width, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < width
+        gate = tl.load(gate_ptr + row * stride_gt + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(up_ptr + row * stride_ut + cols, mask=ok, other=0.0).to(tl.float32)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + row * stride_ot + cols, act.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _rows(x: torch.Tensor, name: str) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"{name} must be [T, n] with unit stride along n, got {tuple(x.shape)} strides {x.stride()}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Drop-in for `rms_norm_ref`: x [T, hidden] (rows may be strided), weight [hidden] -> [T, hidden] of
+    x's dtype. One program per row. Bytes: 2 * T * hidden * element size (+ the weight, cached)."""
+    require_triton()
+    _rows(x, "x")
+    tokens, hidden = x.shape
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must be [{hidden}], got {tuple(weight.shape)}")
+    if out is None:
+        out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if tokens:
+        block = next_power_of_2(hidden)
+        _rms_norm_kernel[(tokens,)](x, weight, out, x.stride(0), out.stride(0), eps, HIDDEN=hidden, BLOCK=block, num_warps=_warps(block))
+    return out
+
+
+def rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    *,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding (HF Llama's half-split layout) of q [T, heads, head_dim] and k [T, kv_heads,
+    head_dim] in one launch, computed in float32 and rounded once.
+
+    cos, sin: the cache [max_positions, head_dim] (`rope_cache`) with positions: int [T] on the device,
+    or, with positions None, the rows already gathered per token ([T, head_dim], as apply_rope_ref takes).
+    q and k may be strided views (e.g. of a fused qkv output) with unit stride along head_dim;
+    inplace=True rotates them where they are and returns them, else new contiguous tensors.
+    Bytes: 2 * T * (heads + kv_heads) * head_dim * element size + the cos/sin rows.
+    """
+    require_triton()
+    tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if k.shape != (tokens, kv_heads, head_dim) or q.stride(2) != 1 or k.stride(2) != 1 or head_dim % 2:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, head_dim] with unit stride on an even head_dim")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim or cos.stride(1) != 1:
+        raise ValueError(f"cos and sin must be [rows, {head_dim}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if positions is None and cos.shape[0] != tokens:
+        raise ValueError(f"without positions, cos and sin must hold one row per token ({tokens}), got {cos.shape[0]}")
+    q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if tokens:
+        half = head_dim // 2
+        _rope_qk_kernel[(tokens,)](
+            q, k, q_out, k_out, cos, sin, positions if positions is not None else cos,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
+            k_out.stride(0), k_out.stride(1), cos.stride(0),
+            HEADS=heads, HEADS_PAD=next_power_of_2(heads), KV_HEADS=kv_heads, KV_HEADS_PAD=next_power_of_2(kv_heads),
+            HALF=half, HALF_PAD=next_power_of_2(half), HAS_POSITIONS=positions is not None,
+            num_warps=_warps(next_power_of_2(heads) * next_power_of_2(half)),
+        )
+    return q_out, k_out
+
+
+def rope_qk_ref(q, k, cos, sin, positions=None, *, inplace: bool = False):
+    """`rope_qk` through apply_rope_ref (the model dtype throughout, as HF computes it)."""
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]
+    q_out, k_out = apply_rope_ref(q, cos, sin), apply_rope_ref(k, cos, sin)
+    if inplace:
+        q.copy_(q_out)
+        k.copy_(k_out)
+        return q, k
+    return q_out, k_out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(gate) * up -> [T, n] of gate's dtype; gate, up [T, n] may be column slices of a fused gate_up
+    output. Computed in float32, rounded once. Bytes: 3 * T * n * element size."""
+    require_triton()
+    _rows(gate, "gate")
+    _rows(up, "up")
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    tokens, width = gate.shape
+    if out is None:
+        out = torch.empty(tokens, width, dtype=gate.dtype, device=gate.device)
+    if tokens:
+        grid = (tokens, triton.cdiv(width, SILU_BLOCK))
+        _silu_mul_kernel[grid](gate, up, out, gate.stride(0), up.stride(0), out.stride(0), width, BLOCK=SILU_BLOCK, num_warps=4)
+    return out
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    result = F.silu(gate) * up
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
+

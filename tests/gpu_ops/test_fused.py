@@ -1,0 +1,168 @@
+"""The fused element-wise kernels (gpu_ops/fused.py) against float64 truth and their references, on
+fresh random inputs: in Triton's CPU interpreter on small shapes (CI, when triton imports) and compiled
+on Llama shapes (`pytest -m gpu`). Outputs are filled with NaN first, so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is first imported
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+from lorad.gpu_ops import fused  # noqa: E402
+from lorad.gpu_ops.rope import rope_cache  # noqa: E402
+
+needs_interpreter = pytest.mark.skipif(
+    not HAS_TRITON or CUDA,
+    reason="triton is not importable" if not HAS_TRITON else "a GPU is present: the compiled kernels are tested by -m gpu",
+)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+IDS = ["fp32", "bf16", "fp16"]
+# Relative error vs float64: the kernels round once, so they are held to about one rounding.
+LIMIT = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def exact_rounding(dtype) -> bool:
+    """Triton's CPU interpreter (3.9) truncates float32 -> bf16 instead of rounding to nearest, so
+    there a bf16 kernel is only held to the truth, not to beating the reference."""
+    return CUDA or dtype != torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if not CUDA and HAS_TRITON and type(fused._rms_norm_kernel).__name__ != "InterpretedFunction":
+        importlib.reload(fused)
+    return fused
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    assert not torch.isnan(got).any(), "NaN in the output: an unwritten element"
+    return float((got.double() - expected).norm() / expected.norm())
+
+
+def check_rms_norm(kernels, tokens, hidden, dtype, device, seed):
+    generator = torch.Generator().manual_seed(seed)
+    wide = (torch.randn(tokens, hidden + 8, generator=generator) * 3).to(dtype).to(device)
+    x = wide[:, 4 : 4 + hidden]  # strided rows
+    weight = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(dtype).to(device)
+    out = torch.full((tokens, hidden), float("nan"), dtype=dtype, device=device)
+    got = kernels.rms_norm(x, weight, 1e-5, out=out)
+    h = x.double()
+    expected = weight.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+    reference = kernels.rms_norm_ref(x, weight, 1e-5)
+    assert got.dtype == dtype
+    assert relative_error(got, expected) <= LIMIT[dtype] * 2  # two roundings, as Llama casts
+    # The same roundings as the reference: at most a last-place difference on a few elements.
+    assert relative_error(got, reference.double()) <= LIMIT[dtype] * (1 if exact_rounding(dtype) else 2)
+
+
+def check_rope(kernels, tokens, heads, kv_heads, head_dim, dtype, device, seed, inplace, gathered=False):
+    generator = torch.Generator().manual_seed(seed)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = rope_cache(inv_freq, 4096, dtype, device)
+    positions = torch.randint(0, 4096, (tokens,), generator=generator).to(device)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype).to(device)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    expected = [_rope64(x, cos, sin, positions) for x in (q, k)]
+    reference = fused.rope_qk_ref(q.clone(), k.clone(), cos, sin, positions)
+    if gathered:
+        got = kernels.rope_qk(q, k, cos[positions], sin[positions], inplace=inplace)
+    else:
+        got = kernels.rope_qk(q, k, cos, sin, positions, inplace=inplace)
+    if inplace:
+        assert got[0].data_ptr() == q.data_ptr() and got[1].data_ptr() == k.data_ptr()
+        assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
+    for g, e, r in zip(got, expected, reference):
+        assert g.dtype == dtype
+        error = relative_error(g, e)
+        assert error <= LIMIT[dtype]
+        if exact_rounding(dtype):
+            assert error <= relative_error(r, e) + 1e-7  # one rounding beats the reference's three
+
+
+def _rope64(x, cos, sin, positions):
+    c, s = cos[positions].double()[:, None, :], sin[positions].double()[:, None, :]
+    x = x.double()
+    half = x.shape[-1] // 2
+    return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+
+
+def check_silu_mul(kernels, tokens, width, dtype, device, seed):
+    generator = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(tokens, 2 * width, generator=generator) * 2).to(dtype).to(device)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.full((tokens, width), float("nan"), dtype=dtype, device=device)
+    got = kernels.silu_mul(gate, up, out=out)
+    g = gate.double()
+    expected = g * torch.sigmoid(g) * up.double()
+    assert relative_error(got, expected) <= LIMIT[dtype]
+    if exact_rounding(dtype):
+        assert relative_error(got, expected) <= relative_error(kernels.silu_mul_ref(gate, up), expected) + 1e-7
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: the Triton kernels in the interpreter
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("tokens,hidden", [(5, 64), (3, 96), (1, 200)])
+def test_rms_norm_interpreted(tokens, hidden, dtype, kernels):
+    check_rms_norm(kernels, tokens, hidden, dtype, "cpu", seed=hidden)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 32), (6, 3, 24)])
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
+def test_rope_qk_interpreted(heads, kv_heads, head_dim, dtype, inplace, kernels):
+    check_rope(kernels, 7, heads, kv_heads, head_dim, dtype, "cpu", seed=heads, inplace=inplace)
+
+
+@needs_interpreter
+def test_rope_qk_interpreted_gathered_rows(kernels):
+    check_rope(kernels, 5, 4, 2, 16, torch.bfloat16, "cpu", seed=1, inplace=False, gathered=True)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("tokens,width", [(4, 100), (2, 2500)])
+def test_silu_mul_interpreted(tokens, width, dtype, kernels):
+    check_silu_mul(kernels, tokens, width, dtype, "cpu", seed=width)
+
+
+def test_refs_and_empty_inputs():
+    x = torch.zeros(0, 64)
+    assert fused.rms_norm_ref(x, torch.ones(64), 1e-5).shape == (0, 64)
+    with pytest.raises(ValueError, match="unit stride"):
+        fused._rows(torch.zeros(4, 8).t(), "x")
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: Llama shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("tokens", [1, 256, 4096])
+def test_fused_gpu(tokens, dtype, kernels):
+    check_rms_norm(kernels, tokens, 4096, dtype, "cuda", seed=tokens)
+    check_rms_norm(kernels, tokens, 8192, dtype, "cuda", seed=tokens + 1)
+    check_rope(kernels, tokens, 32, 32, 128, dtype, "cuda", seed=tokens, inplace=False)
+    check_rope(kernels, tokens, 32, 8, 128, dtype, "cuda", seed=tokens, inplace=True)
+    check_silu_mul(kernels, tokens, 11008, dtype, "cuda", seed=tokens)
+    check_silu_mul(kernels, tokens, 14336, dtype, "cuda", seed=tokens + 1)
