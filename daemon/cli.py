@@ -1,6 +1,6 @@
-"""The `lorad` command: `lorad serve` runs the daemon on a Unix socket, `lorad generate` streams one
-completion from a running daemon. Flags map one to one onto lorad.config's fields, whose defaults are
-the only ones.
+"""The `lorad` command: `lorad serve` runs the daemon on a Unix socket (flags over the config file over
+lorad.config's defaults, which are the only ones), `lorad generate` streams one completion from a running
+daemon, `lorad install-systemd` puts the unit files and a sample config in place.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import os
 import signal
 import socket
 import stat
+import struct
 import sys
+import weakref
 from pathlib import Path
 
 from lorad.config import DTYPES, Config, EngineConfig, ServerConfig
@@ -31,6 +33,8 @@ _ENGINE_FLAG_HELP = {
     "demo": "serve the built-in tiny random Llama and its adapters (no other flags needed)",
     "adapters": "register an adapter: NAME=DIR (repeatable)",
     "adapter_dirs": "register every adapter found in the subdirectories of DIR, by name (repeatable)",
+    "adapter_roots": "where adapters may be loaded from through the API (repeatable; none: API loads refused)",
+    "state_dir": "where adapters registered through the API are remembered across restarts",
     "device": "auto|cpu|cuda|cuda:N",
     "dtype": "|".join(DTYPES),
     "max_model_len": "default: the checkpoint's max_position_embeddings, capped at 8192",
@@ -41,6 +45,7 @@ _SERVER_FLAG_HELP = {
     "socket": "Unix socket to listen on",
     "socket_mode": "permissions of the socket, in octal",
     "log_level": "debug|info|warning|error",
+    "shutdown_grace_s": "on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted",
 }
 
 
@@ -54,15 +59,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _byte_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    value = text.strip().lower().removesuffix("ib").removesuffix("b")
-    scale = units.get(value[-1:], 1)
-    if scale != 1:
-        value = value[:-1]
+    from lorad.daemon.settings import parse_byte_size
+
     try:
-        return int(float(value) * scale) if scale != 1 else int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 8G, 512M, 1048576)") from None
+        return parse_byte_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _adapter_pair(text: str) -> tuple[str, str]:
@@ -98,8 +100,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, config_class, helps: dict
         if field.name == "adapters":  # repeated NAME=DIR pairs
             parser.add_argument("--adapter", action="append", type=_adapter_pair, metavar="NAME=DIR",
                                 help=help_text, **options)
-        elif field.name == "adapter_dirs":
-            parser.add_argument("--adapter-dir", action="append", metavar="DIR", help=help_text, **options)
+        elif str(field.type) == "tuple[str, ...]":  # repeated: adapter_dirs is --adapter-dir DIR ...
+            singular = field.name.removesuffix("s").replace("_", "-")
+            parser.add_argument(f"--{singular}", action="append", metavar="DIR", help=help_text, **options)
         elif str(field.type) == "bool":
             parser.add_argument(flag, action="store_true", help=helps.get(field.name), **options)
         else:
@@ -119,9 +122,9 @@ def _show(field: dataclasses.Field) -> str:
 
 def _config_values(args: argparse.Namespace, prefix: str) -> dict:
     values = {name[len(prefix):]: value for name, value in vars(args).items() if name.startswith(prefix)}
-    for name in ("adapters", "adapter_dirs"):
-        if name in values:
-            values[name] = tuple(values[name])
+    for name, value in values.items():
+        if isinstance(value, list):  # repeated flags
+            values[name] = tuple(value)
     return values
 
 
@@ -130,20 +133,29 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     serve = commands.add_parser("serve", help="run the daemon on a Unix socket")
+    serve.add_argument("--config", metavar="PATH",
+                       help="TOML config file ([engine], [server]; flags given win over it) "
+                            "(default: /etc/lorad/lorad.toml when it exists)")
     _add_config_flags(serve, EngineConfig, _ENGINE_FLAG_HELP, "engine.")
     _add_config_flags(serve, ServerConfig, _SERVER_FLAG_HELP, "server.")
 
-    generate = commands.add_parser("generate", help="stream one completion from a running daemon")
-    generate.add_argument("prompt")
-    generate.add_argument("--socket", default=ServerConfig.socket, help=f"(default: {ServerConfig.socket})")
-    generate.add_argument("--model", help="base model or adapter name (default: the base model)")
-    generate.add_argument("--max-tokens", type=int)
-    generate.add_argument("--temperature", type=float)
-    generate.add_argument("--seed", type=int)
+    for name, what in (("generate", "stream one completion from a running daemon"),
+                       ("adapters", "list, load or unload the adapters of a running daemon"),
+                       ("status", "the running daemon's engine state")):
+        commands.add_parser(name, help=f"{what} (lorad {name} --help)", add_help=False)  # client_cli.py parses these
+
+    install = commands.add_parser("install-systemd", help="install lorad.service, lorad.socket and a sample config")
+    install.add_argument("--prefix", default="/", help="root to install under (default: /)")
+    install.add_argument("--dry-run", action="store_true", help="say what would be written, write nothing")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    from lorad.daemon.client_cli import COMMANDS, client_main
+
+    if argv and argv[0] in COMMANDS:  # the commands that talk to a running daemon
+        return client_main(argv)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -155,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return serve(args)
-        return generate(args)
+        return install_systemd(args)
     except LoradError as error:
         print(f"lorad: {error.message}", file=sys.stderr)
         return 2
@@ -164,43 +176,69 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # --- lorad serve --------------------------------------------------------------------------------------
+#
+# Two processes: this one (the API: aiohttp on the Unix socket, no torch) and the engine's
+# (daemon/engine_process.py). Signals come here: SIGTERM/SIGINT stop accepting, let running requests
+# finish for shutdown_grace_s, abort the rest and exit 0; SIGHUP re-reads the config file's adapters.
+# If the engine process dies, every request in flight fails at once and serve exits 1 (systemd's
+# Restart=on-failure starts a fresh daemon).
+
+EXIT_ENGINE_DIED = 1
 
 
 def serve(args: argparse.Namespace) -> int:
-    engine_values = _config_values(args, "engine.")
-    if not engine_values.get("demo") and not engine_values.get("model"):
-        raise BadRequest("serve needs --model DIR (or --demo)")
-    if engine_values.get("demo") and engine_values.get("model"):
-        raise BadRequest("--demo serves the built-in model: leave out --model")
-    server_values = _config_values(args, "server.")
-    config = Config(engine=EngineConfig(**engine_values), server=ServerConfig(**server_values))
-    _setup_logging(config.server.log_level)
-    path = config.server.socket
-    try:
-        _claim_socket_path(path)
-    except OSError as error:
-        raise BadRequest(f"cannot use the socket {path}: {error.strerror or error}") from None
+    from lorad.daemon import systemd
+    from lorad.daemon.settings import resolve
 
+    cli_engine, cli_server = _config_values(args, "engine."), _config_values(args, "server.")
+    config_path = getattr(args, "config", None)
+    config, used_path = resolve(cli_engine, cli_server, config_path)
+    _setup_logging(config.server.log_level)
+    if used_path is not None:
+        log.info("config file=%s", used_path)
+
+    passed = systemd.listen_fds()
+    if len(passed) > 1:
+        raise BadRequest(f"systemd passed {len(passed)} sockets; lorad.socket must have exactly one ListenStream")
+    if passed:
+        try:
+            listener = systemd.unix_listener(passed[0])
+        except ValueError as error:
+            raise BadRequest(str(error)) from None
+        path = listener.getsockname()
+        path = path.decode(errors="replace") if isinstance(path, bytes) else path
+    else:
+        listener, path = None, config.server.socket
+        try:
+            _claim_socket_path(path)
+        except OSError as error:
+            raise BadRequest(f"cannot use the socket {path}: {error.strerror or error}") from None
+
+    from lorad.daemon.engine_process import EngineProcess
+
+    engine = EngineProcess(config.engine)
     # A stop asked for while the model loads is a clean stop too (SIGINT already raises KeyboardInterrupt).
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        from lorad.daemon.engine import Engine  # torch and the model: only once the flags are good
-
-        engine = Engine(config.engine)
+        systemd.notify(f"STATUS=loading the model ({'demo' if config.engine.demo else config.engine.model})")
+        engine.start()
     except KeyboardInterrupt:
         log.info("stopped while loading the model")
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
-    _log_engine(engine, config.engine)
-    engine.start()
     try:
-        _run_event_loop(_serve(engine, config.server))
+        _log_engine(engine, config.engine)
+
+        def reload_config() -> Config:
+            return resolve(cli_engine, cli_server, config_path)[0]
+
+        return _run_event_loop(_serve(engine, config, listener, path, reload_config))
     finally:
         engine.stop()
-        _remove_socket(path)
+        if listener is None:  # a socket systemd passed is systemd's to remove
+            _remove_socket(path)
         log.info("stopped")
-    return 0
 
 
 def _interrupt(signum, frame):
@@ -240,6 +278,18 @@ def _claim_socket_path(path: str) -> None:
     raise BadRequest(f"another lorad is already listening on {path}")
 
 
+def _bind(path: str, mode: int) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        os.chmod(path, mode)  # before listen(): nobody connects while the mode is still the umask's
+        listener.listen(1024)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
 def _remove_socket(path: str) -> None:
     try:
         if stat.S_ISSOCK(os.lstat(path).st_mode):
@@ -249,72 +299,179 @@ def _remove_socket(path: str) -> None:
 
 
 def _log_engine(engine, config: EngineConfig) -> None:
-    model_dir, adapter_paths = config.model, [path for _, path in config.adapters] + list(config.adapter_dirs)
-    if config.demo:
-        from lorad.daemon.demo import default_demo_root
-
-        model_dir = default_demo_root() / "model"
-        adapter_paths.append(str(default_demo_root() / "adapters"))
+    adapter_paths = [path for _, path in config.adapters] + list(config.adapter_dirs)
     log.info(
-        "serving model=%s model_dir=%s device=%s dtype=%s max_model_len=%d adapters=%d adapter_paths=%s",
-        engine.model_name,
-        model_dir,
-        engine.device,
-        str(engine.dtype).removeprefix("torch."),
-        engine.max_model_len,
-        len(engine.models()) - 1,
-        ",".join(adapter_paths) or "-",
+        "serving model=%s model_dir=%s device=%s dtype=%s max_model_len=%d adapters=%d adapter_paths=%s engine_pid=%d",
+        engine.model_name, engine.model_dir, engine.device, engine.dtype, engine.max_model_len,
+        len(engine.models()) - 1, ",".join(adapter_paths) or "-", engine.pid,
     )
 
 
-def _run_event_loop(main_coroutine) -> None:
+def _run_event_loop(main_coroutine):
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main_coroutine)
-    else:
-        uvloop.run(main_coroutine)
+        return asyncio.run(main_coroutine)
+    return uvloop.run(main_coroutine)
 
 
-async def _serve(engine, server: ServerConfig) -> None:
-    from lorad.daemon.api import create_app, serve_unix
+async def _serve(engine, config: Config, listener: socket.socket | None, path: str, reload_config) -> int:
+    from aiohttp import web
 
-    stop = asyncio.Event()
+    from lorad.daemon import systemd
+    from lorad.daemon.api import IN_FLIGHT, create_app
+
+    server = config.server
     loop = asyncio.get_running_loop()
+    stop, died = asyncio.Event(), asyncio.Event()
+    engine.on_death = lambda reason: loop.call_soon_threadsafe(died.set)
+    if not engine.alive:
+        died.set()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    reloads: set[asyncio.Task] = set()
+
+    def on_sighup() -> None:
+        task = loop.create_task(_reload_adapters(engine, config.engine, reload_config))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
+
+    app = create_app(engine)
+    app.middlewares.insert(0, _peer_middleware)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
     try:
-        runner = await serve_unix(create_app(engine), server.socket, server.socket_mode)
-    except OSError as error:
-        raise BadRequest(f"cannot listen on {server.socket}: {error.strerror or error}") from None
-    log.info("listening socket=%s mode=%o event_loop=%s", server.socket, server.socket_mode, type(loop).__module__)
-    await stop.wait()
-    log.info("shutting down: no new connections, aborting running requests")
-    await runner.cleanup()
+        if listener is None:
+            try:
+                listener = _bind(path, server.socket_mode)
+            except OSError as error:
+                raise BadRequest(f"cannot listen on {path}: {error.strerror or error}") from None
+            log.info("listening socket=%s mode=%o event_loop=%s", path, server.socket_mode, type(loop).__module__)
+        else:
+            log.info("listening socket=%s (from systemd) event_loop=%s", path, type(loop).__module__)
+        site = web.SockSite(runner, listener)
+        await site.start()
+        systemd.notify(f"READY=1\nSTATUS=serving model={engine.model_name} socket={path}")
+        watchdog = systemd.watchdog_interval()
+        pinger = loop.create_task(_watchdog(engine, watchdog)) if watchdog else None
+
+        waiters = [loop.create_task(stop.wait()), loop.create_task(died.wait())]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in waiters:
+            waiter.cancel()
+        engine_died = died.is_set()
+        systemd.notify("STOPPING=1\nSTATUS=" + ("the engine process died" if engine_died else "stopping"))
+        await site.stop()  # the listener is closed: no new connections
+        runner.server.pre_shutdown()  # idle keep-alive connections close; running requests go on
+        in_flight = app[IN_FLIGHT]
+        if not engine_died and in_flight:
+            log.info("shutting down: no new connections, %d requests running, grace_s=%.0f", len(in_flight), server.shutdown_grace_s)
+            deadline = loop.time() + server.shutdown_grace_s
+            while in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            if in_flight:
+                log.warning("shutdown grace over: aborting %d requests still running", len(in_flight))
+        else:
+            log.info("shutting down: no new connections, nothing running" if not engine_died else
+                     "shutting down: the engine process died")
+        if pinger is not None:
+            pinger.cancel()
+    finally:
+        await runner.cleanup()  # the API aborts whatever still runs, handlers answer, connections close
+    return EXIT_ENGINE_DIED if engine_died else 0
 
 
-# --- lorad generate -------------------------------------------------------------------------------------
+async def _watchdog(engine, interval: float) -> None:
+    from lorad.daemon import systemd
+
+    while True:
+        # A dead engine gets no pings: if serve somehow did not exit, systemd's watchdog restarts it.
+        if engine.alive:
+            systemd.notify("WATCHDOG=1")
+        await asyncio.sleep(interval)
 
 
-def generate(args: argparse.Namespace) -> int:
-    from lorad.daemon.client import Client
-
-    client = Client(args.socket)
-    fields = {"prompt": args.prompt}
-    for name in ("max_tokens", "temperature", "seed"):
-        if getattr(args, name) is not None:
-            fields[name] = getattr(args, name)
+async def _reload_adapters(engine, current: EngineConfig, reload_config) -> None:
+    """SIGHUP: the config file's adapters become the registered ones (API registrations untouched)."""
+    log.info("SIGHUP: reloading the adapters of the config file")
     try:
-        fields["model"] = args.model or client.models()[0]["id"]
-        for chunk in client.stream_completions(**fields):
-            if chunk["choices"]:
-                sys.stdout.write(chunk["choices"][0]["text"])
-                sys.stdout.flush()
-    except OSError as error:
-        print(f"lorad: cannot talk to the daemon at {args.socket}: {error.strerror or error}", file=sys.stderr)
-        return 1
-    sys.stdout.write("\n")
+        fresh = reload_config()
+    except LoradError as error:
+        log.error("reload refused, nothing changed: %s", error.message)
+        return
+    ignored = [field.name for field in dataclasses.fields(EngineConfig)
+               if field.name not in ("adapters", "adapter_dirs") and getattr(fresh.engine, field.name) != getattr(current, field.name)]
+    if ignored:
+        log.warning("reload: changes to %s take effect at the next restart", ",".join(ignored))
+    loop = asyncio.get_running_loop()
+    try:
+        changes = await loop.run_in_executor(None, engine.reload_adapters, fresh.engine.adapters, fresh.engine.adapter_dirs)
+    except LoradError as error:
+        log.error("reload failed: %s", error.message)
+        return
+    log.info(
+        "adapters reloaded added=%s removed=%s changed=%s failed=%d",
+        ",".join(changes["added"]) or "-", ",".join(changes["removed"]) or "-", ",".join(changes["changed"]) or "-",
+        len(changes["failed"]),
+    )
+    for name, reason in changes["failed"].items():
+        log.error("adapter not registered name=%s reason=%s", name, reason)
+
+
+# Peer credentials (SO_PEERCRED) of each connection, logged once per connection at debug level (the
+# API's request log line carries them too, see api.peer_credentials).
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_seen_connections: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _peer_credentials(transport) -> tuple[int, int, int] | None:
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    try:
+        return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    except OSError:
+        return None
+
+
+async def _peer_middleware(request, handler):
+    transport = request.transport
+    if log.isEnabledFor(logging.DEBUG) and transport is not None:
+        try:
+            first = transport not in _seen_connections
+            _seen_connections.add(transport)
+        except TypeError:  # a transport that cannot be weakly referenced: log every request's
+            first = True
+        peer = _peer_credentials(transport) if first else None
+        if peer is not None:
+            log.debug("connection peer_pid=%d peer_uid=%d peer_gid=%d", *peer)
+    return await handler(request)
+
+
+_peer_middleware.__middleware_version__ = 1  # aiohttp's new-style middleware marker (web.middleware)
+
+
+# --- lorad install-systemd ---------------------------------------------------------------------------------
+
+
+def install_systemd(args: argparse.Namespace) -> int:
+    from lorad.daemon.systemd import install
+
+    actions, next_steps = install(args.prefix, args.dry_run, _lorad_command())
+    for line in actions:
+        print(line)
+    print("\nnext:" if not args.dry_run else "\nthen:")
+    for line in next_steps:
+        print(f"  {line}")
     return 0
+
+
+def _lorad_command() -> str:
+    """How the unit should start this lorad: the script next to this Python (a venv's), else via PATH."""
+    script = Path(sys.executable).with_name("lorad")
+    return str(script) if script.exists() else "/usr/bin/env lorad"
 
 
 if __name__ == "__main__":

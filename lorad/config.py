@@ -36,6 +36,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     host_adapter_bytes: int = 8 << 30  # host-memory budget of loaded adapters (LRU beyond it)
     seed: int = 0
+    eager: bool = False  # on cuda: no CUDA graphs for decode steps (slower; for comparison and debugging)
 
     def __post_init__(self):
         # Values that come from the user (CLI, TOML) are checked here, once.

@@ -154,18 +154,18 @@ def test_generate_errors(capsys, fake_daemon, short_tmp):
     code, out, err = run_main(capsys, "generate", "--socket", fake_daemon.path, "--model", "nope", "hi")
     assert code == 2 and "'nope' does not exist" in err and err.count("\n") == 1
     code, out, err = run_main(capsys, "generate", "--socket", str(short_tmp / "nobody.sock"), "hi")
-    assert code == 1 and "cannot talk to the daemon" in err
+    assert code == 1 and "cannot reach the daemon" in err
 
 
 # --- lorad serve --demo as a process --------------------------------------------------------------------------
 
 
-def start_daemon(demo_assets, path: Path) -> subprocess.Popen:
-    env = {**os.environ, "LORAD_DEMO_DIR": str(demo_assets.model_dir.parent)}
+def start_daemon(demo_assets, path: Path, *extra: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    env = {**os.environ, "LORAD_DEMO_DIR": str(demo_assets.model_dir.parent), **(env or {})}
     return subprocess.Popen(
         COMMAND + ["serve", "--demo", "--socket", str(path), "--device", "cpu", "--pool-bytes", "8M",
-                   "--max-model-len", "128"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                   "--max-model-len", "128", *extra],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
     )
 
 
@@ -220,16 +220,19 @@ def test_serve_demo_then_sigterm(demo_assets, short_tmp):
     assert "listening socket=" in log and "request finished" in log and "device=cpu" in log
 
 
-def test_sigint_during_a_stream_exits_0(demo_assets, short_tmp):
+@pytest.mark.parametrize("grace, finish_reason", [(None, "length"), ("0", "abort")])
+def test_sigint_during_a_stream_exits_0(demo_assets, short_tmp, grace, finish_reason):
+    """The running request finishes within the grace period (30 s by default), or is aborted at once
+    with --shutdown-grace-s 0; either way its stream ends properly and serve exits 0."""
     path = short_tmp / "lorad.sock"
-    process = start_daemon(demo_assets, path)
+    process = start_daemon(demo_assets, path, *(["--shutdown-grace-s", grace] if grace else []))
     try:
         client = wait_healthy(process, path)
         chunks = client.stream_completions(model="demo-r8", prompt="Once", max_tokens=100, ignore_eos=True)
         next(chunks)
         process.send_signal(signal.SIGINT)
-        rest = list(chunks)  # the running request is aborted, its stream ends properly
-        assert rest[-1]["choices"][0]["finish_reason"] == "abort"
+        rest = list(chunks)
+        assert rest[-1]["choices"][0]["finish_reason"] == finish_reason
         assert process.wait(30) == 0
     finally:
         if process.poll() is None:
