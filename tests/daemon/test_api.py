@@ -9,6 +9,7 @@ import asyncio
 import http.client
 import json
 import logging
+import os
 import shutil
 import socket
 import tempfile
@@ -567,6 +568,8 @@ def test_one_log_line_per_finished_request(client, caplog):
     assert fields["prompt_tokens"] == "5" and fields["completion_tokens"] == "3"
     assert fields["finish_reason"] == "length"
     assert float(fields["ttft_ms"]) <= float(fields["latency_ms"])
+    # the client is this process, at the other end of the Unix socket
+    assert fields["peer_uid"] == str(os.getuid()) and fields["peer_pid"] == str(os.getpid())
 
 
 def test_fifty_requests_at_once(client):
@@ -667,3 +670,121 @@ def test_demo_concurrent_adapters_and_disconnect(demo_server):
     request_id = next(chunks)["id"]
     chunks.close()
     wait_until(lambda: engine.status()["running"] == 0 and engine.status()["waiting"] == 0)
+
+
+# --- bad input and load on the demo engine ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        (b'{"model": "lorad-demo", "prompt": "hi"', 400, "not JSON"),
+        (b'{"model": "lorad-demo", "prompt": "hi", "temperature": NaN}', 400, "temperature"),
+        (b'{"model": "lorad-demo", "prompt": "hi", "max_tokens": 1e999}', 400, "max_tokens"),
+        (b'{"model": ["lorad-demo"], "prompt": "hi"}', 400, "model is required"),
+        (b'{"model": "lorad-demo", "prompt": {"text": "hi"}}', 400, "prompt must be"),
+        (b'{"model": "lorad-demo", "prompt": "hi", "max_tokens": "4"}', 400, "max_tokens"),
+        (b'{"model": "lorad-demo", "prompt": "hi", "extra": 1}', 400, "unknown field(s): extra"),
+        (b'{"model": "demo-nope", "prompt": "hi"}', 404, "'demo-nope'"),
+        (b'{"model": "lorad-demo", "prompt": ""}', 400, "prompt is empty"),
+        (b'{"model": "lorad-demo", "prompt": "' + b"word " * 100 + b'"}', 400, "context"),
+        (b'{"model": "lorad-demo", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+        (b'{"model": "lorad-demo", "prompt": "hi", "max_tokens": -3}', 400, "max_tokens"),
+        (b'{"model": "lorad-demo", "prompt": "hi", "max_tokens": 100000000000000000000}', 400, "context"),
+        (b'{"model": "lorad-demo", "prompt": "hi", "max_tokens": 64}', 400, "context"),
+        (b'{"model": "lorad-demo", "prompt": "hi", "temperature": -0.5}', 400, "temperature"),
+        (b'{"model": "lorad-demo", "prompt": "hi", "top_p": 1.5}', 400, "top_p"),
+        (b'{"model": "lorad-demo", "prompt": "hi", "top_k": -2}', 400, "top_k"),
+        (b'{"model": "lorad-demo", "prompt": "hi", "seed": 1.5}', 400, "seed"),
+        (b'{"model": "lorad-demo", "prompt": [1, 2, 99999]}', 400, "out of the vocabulary"),
+        (b'{"model": "lorad-demo", "prompt": "hi", "stop": [""]}', 400, "stop must be"),
+        (b'{"model": "lorad-demo", "prompt": "hi", "stream": 1}', 400, "stream must be true or false"),
+    ],
+)
+def test_demo_bad_input_is_refused_and_serving_goes_on(demo_server, body, status, fragment):
+    server, engine, _ = demo_server
+    answer_status, headers, payload = raw_request(server.path, "POST", "/v1/completions", body,
+                                                  {"Content-Type": "application/json"})
+    error = json.loads(payload)["error"]
+    assert answer_status == status and error["code"] == status and fragment in error["message"], error
+    assert headers["Content-Type"].startswith("application/json")
+    answer = Client(server.path, timeout=30).completions(model="demo-r1", prompt="hi", max_tokens=2, ignore_eos=True)
+    assert answer["usage"]["completion_tokens"] == 2
+
+
+def _demo_engine(demo_assets, **config):
+    from lorad.config import EngineConfig
+    from lorad.daemon.engine import Engine
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LORAD_DEMO_DIR", str(demo_assets.model_dir.parent))
+        return Engine(EngineConfig(demo=True, device="cpu", pool_bytes=8 << 20, max_model_len=64, **config))
+
+
+def test_demo_full_queue_is_503_with_retry_after(demo_assets, short_tmp):
+    engine = _demo_engine(demo_assets, max_running_requests=1, max_waiting_requests=2)
+    forward = engine.model.forward
+
+    def slow_forward(*args, **kwargs):  # about 20 ms a step, so the queue stays full while we look
+        time.sleep(0.02)
+        return forward(*args, **kwargs)
+
+    engine.model.forward = slow_forward
+    engine.start()
+    server = ServerThread(engine, f"{short_tmp}/queue.sock")
+    client = Client(server.path, timeout=30)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            running = pool.submit(client.completions, model="demo-r1", prompt="abc", max_tokens=20, ignore_eos=True)
+            wait_until(lambda: engine.status()["running"] == 1)
+            waiting = [pool.submit(client.completions, model="demo-r2", prompt="abc", max_tokens=2, ignore_eos=True)
+                       for _ in range(2)]
+            wait_until(lambda: engine.status()["waiting"] == 2)
+            body = json.dumps({"model": "demo-r1", "prompt": "abc", "max_tokens": 2, "stream": True}).encode()
+            status, headers, payload = raw_request(server.path, "POST", "/v1/completions", body)
+            assert status == 503 and int(headers["Retry-After"]) >= 1
+            assert json.loads(payload)["error"]["type"] == "overloaded_error"
+            with pytest.raises(Overloaded):
+                client.completions(model="lorad-demo", prompt="abc", max_tokens=2)
+            assert running.result(30)["usage"]["completion_tokens"] == 20
+            assert all(w.result(30)["usage"]["completion_tokens"] == 2 for w in waiting)
+        assert client.completions(model="demo-r1", prompt="abc", max_tokens=2)["choices"][0]["finish_reason"]
+    finally:
+        server.close()
+        engine.stop()
+
+
+def test_demo_500_concurrent_streams_are_answered_or_refused(demo_assets, short_tmp, caplog):
+    from lorad.daemon.client import AsyncClient
+
+    engine = _demo_engine(demo_assets, max_running_requests=64, max_waiting_requests=64)
+    engine.start()
+    server = ServerThread(engine, f"{short_tmp}/load.sock")
+    adapters = ["lorad-demo", "demo-r1", "demo-r2", "demo-r4", "demo-r8", "demo-r16", "demo-r16-mlp", "demo-r32"]
+
+    async def one(client, index):
+        try:
+            chunks = [chunk async for chunk in client.stream_completions(
+                model=adapters[index % len(adapters)], prompt=f"request {index}", max_tokens=4, ignore_eos=True)]
+        except Overloaded as refusal:
+            assert refusal.retry_after_s >= 1
+            return 503
+        assert len(chunks) == 4 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        return 200
+
+    async def burst():
+        async with AsyncClient(server.path, timeout=120, max_connections=0) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(500))), 120)
+
+    try:
+        with caplog.at_level(logging.WARNING):
+            outcomes = asyncio.run(burst())
+        print(f"answered={outcomes.count(200)} refused={outcomes.count(503)}")
+        assert len(outcomes) == 500 and set(outcomes) <= {200, 503}
+        assert outcomes.count(200) >= 64, outcomes.count(200)
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+        wait_until(lambda: engine.status()["running"] == 0 and engine.status()["waiting"] == 0)
+        assert Client(server.path).completions(model="demo-r1", prompt="ok", max_tokens=2)["usage"]["completion_tokens"] == 2
+    finally:
+        server.close()
+        engine.stop()
