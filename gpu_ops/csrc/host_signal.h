@@ -1,0 +1,39 @@
+// lorad's CUDA side of CPU-assisted LoRA (CaraServe §4.2): the launchers that host_signal.cu defines and
+// bindings.cpp exposes to Python. Plain C++ types only, so that the bindings need no CUDA compiler.
+// Every launcher only enqueues work on `stream` and returns: no host synchronisation.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace lorad {
+
+enum DtypeCode : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Throws std::runtime_error("<what>: <CUDA error name>: <description>") when `status` is not success.
+void check_cuda(int status, const char* what);
+
+int device_count();                // cudaGetDeviceCount; throws when there is no usable driver/device
+int runtime_version();             // cudaRuntimeGetVersion: 13000 for CUDA 13.0
+
+void register_host(std::uintptr_t host_ptr, std::size_t nbytes);  // portable | mapped
+void unregister_host(std::uintptr_t host_ptr);
+std::uintptr_t device_pointer(std::uintptr_t host_ptr);
+
+// Copies `nbytes` from device memory `src` to mapped host memory `dst`, then, once every block's
+// stores are visible system-wide, stores `seq` into the `num_flags` 64-bit flags at `flag`,
+// `flag_stride` bytes apart (the workers' job flags). One kernel.
+void copy_and_signal(std::uintptr_t dst, std::uintptr_t src, std::size_t nbytes, std::uintptr_t flag,
+                     std::int64_t seq, std::uintptr_t stream, int num_flags, std::int64_t flag_stride);
+
+// Waits (on the GPU) until every one of the `num_flags` flags is >= `seq`, then
+// out[r, c] += result[r, c] for r < nrows, c < ncols (result fp32 in mapped host memory, out in the
+// dtype `dtype_code`; strides in elements). After `timeout_ns` it gives up, adds nothing and stores
+// `seq` into the 64-bit word `error` (device or mapped host memory) if that word is 0. One kernel.
+void wait_and_add(std::uintptr_t out, std::uintptr_t result, std::int64_t nrows, std::int64_t ncols,
+                  std::int64_t out_row_stride, std::int64_t result_row_stride, int dtype_code,
+                  std::uintptr_t flag, std::int64_t seq, std::uintptr_t stream, std::int64_t timeout_ns,
+                  std::uintptr_t error, int num_flags, std::int64_t flag_stride);
+
+}  // namespace lorad
