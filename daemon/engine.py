@@ -21,6 +21,7 @@ import torch
 from lorad.config import EngineConfig
 from lorad.daemon.adapters import AdapterRegistry, LoraAdapter
 from lorad.daemon.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
+from lorad.daemon.cuda_graphs import DecodeGraphs
 from lorad.daemon.lora_residency import LoraResidency
 from lorad.daemon.metrics import Metrics
 from lorad.daemon.model import LlamaModel, Ops, Step
@@ -107,6 +108,11 @@ class Engine:
         self._held: dict[str, list] = {}  # name -> [LoraAdapter, number of requests]
         self._draining: set[str] = set()
         self.stats = Metrics()  # counters for GET /metrics; Engine.metrics() snapshots them
+        self.graphs = None
+        self.graph_steps = 0
+        if self.device.type == "cuda" and not config.eager and self.ops.name.startswith("triton"):
+            self.graphs = DecodeGraphs(self.model, self.kv, self.table, config.max_running_requests, self.max_model_len, config.max_lora_rank)
+            self.graphs.capture()
         self.residency = LoraResidency(lambda name: self._held[name][0], self.table, self.stats)
         self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency)
 
@@ -120,10 +126,10 @@ class Engine:
         self._stopping = False
         self.steps = 0
         log.info(
-            "engine ready model=%s arch=%s device=%s dtype=%s ops=%s pool_pages=%d page_elems=%d "
+            "engine ready model=%s arch=%s device=%s dtype=%s ops=%s cuda_graphs=%s pool_pages=%d page_elems=%d "
             "kv_tokens=%d adapters=%d load_s=%.2f",
             self.model_name, self.spec.architecture, self.device, str(self.dtype).removeprefix("torch."),
-            self.ops.name, self.pool.capacity, self.pool.page_elems, self.kv.free_tokens(),
+            self.ops.name, "off" if self.graphs is None else "on", self.pool.capacity, self.pool.page_elems, self.kv.free_tokens(),
             len(self.registry.names()), time.perf_counter() - started,
         )
 
@@ -184,6 +190,8 @@ class Engine:
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting) + len(self._inbox),
                 "steps": self.steps,
+                "cuda_graph_steps": self.graph_steps,
+                "cuda_graphs": self.graphs.buckets if self.graphs is not None else "off",
             }
 
     def metrics(self) -> dict:
@@ -381,8 +389,7 @@ class Engine:
                 seq = self.scheduler.waiting[0]
                 self._finish(seq, "error", error="the request does not fit in the page pool even alone (adapter too large)")
             return
-        step, sampled = self._build_step(plan)
-        logits = self.model.forward(step, self.kv.view, self.table)
+        logits, sampled = self._forward(plan)
         self._prefetch()  # on a GPU the step above is still running: its adapters' copies overlap it
         for seq, count in plan:
             seq.num_computed += count
@@ -399,6 +406,26 @@ class Engine:
                 self.stats.first_token(now - state.arrival)
             seq.tokens.append(token)
             self._advance(seq, token)
+
+    def _forward(self, plan: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Runs the step's forward: replayed from a CUDA graph when every sequence decodes one token."""
+        if self.graphs is not None and all(count == 1 and seq.num_computed + 1 == seq.num_tokens for seq, count in plan):
+            max_blocks = max(len(seq.blocks) for seq, _ in plan)
+            if self.graphs.fits(len(plan), max_blocks):
+                seqs = [seq for seq, _ in plan]
+                blocks = np.zeros((len(seqs), max_blocks, self.spec.num_layers, 2), dtype=np.int32)
+                for index, seq in enumerate(seqs):
+                    blocks[index, : len(seq.blocks)] = np.stack(seq.blocks)
+                logits = self.graphs.run(
+                    np.array([seq.tokens[-1] for seq in seqs]),
+                    np.array([seq.num_computed for seq in seqs]),
+                    np.array([self.residency.slot(seq.adapter) for seq in seqs]),
+                    blocks,
+                )
+                self.graph_steps += 1
+                return logits, seqs
+        step, sampled = self._build_step(plan)
+        return self.model.forward(step, self.kv.view, self.table), sampled
 
     def _prefetch(self) -> None:
         reserve = len(self.scheduler.running) * self.kv.pages_per_block  # one more block for each runner

@@ -71,12 +71,14 @@ class Ops:
         if device.type != "cuda":
             return cls.reference()
         try:
-            from lorad.gpu_ops import bgmv, mbgmm, mbgmv
+            from lorad.gpu_ops import bgmv, mbgmm, mbgmv, paged_attention
 
             bgmv.require_triton()
         except (ImportError, RuntimeError) as error:
             return cls.reference(f"torch-reference (triton unavailable: {error})")
-        ops = cls.reference("triton-lora[mbgmv,mbgmm]+torch-reference-attention")
+        ops = cls.reference("triton[lora:mbgmv+mbgmm,paged-attention]")
+        ops.attention = paged_attention.attention
+        ops.write_kv = paged_attention.write_kv
         workspace = torch.empty(bgmv.workspace_numel(max_batch_tokens, max_lora_rank), dtype=torch.float32, device=device)
 
         def prepare_lora(batch, table):
@@ -85,9 +87,9 @@ class Ops:
                 batch.max_rank = batch.segments.max_rank
 
         def lora(x, y, layer, proj, batch, table):
-            if batch.segments is None:
+            if batch.max_rank == 0:  # no row uses an adapter
                 return
-            if batch.segments.max_len == 1:  # every adapter has one row: decode
+            if batch.segments is None or batch.segments.max_len == 1:  # each adapter has one row: decode
                 mbgmv.lora_decode(x, y, layer, proj, batch, table, max_rank=batch.max_rank, workspace=workspace)
             else:
                 mbgmm.lora_prefill(x, y, layer, proj, batch, table, segments=batch.segments, workspace=workspace)

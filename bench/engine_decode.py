@@ -1,0 +1,150 @@
+"""Decode throughput and latency of the whole engine on a GPU, against the baselines measured in the
+same run: the same engine serving the base model alone, the memory-bandwidth floor, and the pinned
+host->GPU copy bandwidth for adapter loads (issue 3's figures 3, 4 and 5).
+
+    python3 bench/engine_decode.py --model-config llama-2-7b --out bench/results/engine_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from lorad.config import EngineConfig
+from lorad.daemon.checkpoint import PROJECTIONS
+from lorad.daemon.engine import Engine
+from lorad.daemon.request import GenerationRequest, SamplingParams
+
+
+def device_copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes read plus bytes written per second of a large device-to-device copy."""
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / median_ms(lambda: dst.copy_(src)) * 1e3
+
+
+def pinned_h2d_bandwidth(nbytes: int = 100 << 20) -> float:
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16).pin_memory()
+    dst = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    return nbytes / median_ms(lambda: dst.copy_(src, non_blocking=True)) * 1e3
+
+
+def median_ms(fn, repeats: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def decode_rate(engine: Engine, adapters: list[str | None], prompt_len: int, steps: int) -> tuple[float, float]:
+    """(tokens/s, ms per step) over `steps` decode steps of len(adapters) running requests."""
+    generator = torch.Generator().manual_seed(len(adapters))
+    sampling = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    requests = [
+        GenerationRequest(torch.randint(0, engine.vocab_size, (prompt_len,), generator=generator).tolist(), adapter=a, sampling=sampling)
+        for a in adapters
+    ]
+    for request in requests:
+        engine.submit(request)
+    while len(engine.scheduler.running) < len(requests) or any(s.num_generated == 0 for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):  # warm
+        engine.step()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    for request in requests:
+        engine.abort(request.request_id)
+    engine.step()
+    assert not engine.scheduler.has_work()
+    return len(requests) * steps / elapsed, elapsed / steps * 1e3
+
+
+def adapter_load(engine: Engine, rank: int, targets: tuple[str, ...], repeats: int = 10) -> dict:
+    """Time for a staged (pinned) adapter to reach the pool: one side-stream copy plus the page scatter."""
+    spec = engine.spec
+    weights = {}
+    for layer in range(spec.num_layers):
+        for projection in targets:
+            fan_in, fan_out = spec.projection_shape(projection)
+            weights[(layer, PROJECTIONS.index(projection))] = (torch.randn(rank, fan_in), torch.randn(fan_out, rank))
+    staged = engine.table.stage(weights)
+    slot = engine.table.free_slot()
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        assert engine.table.place(slot, staged)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - started) * 1e3)
+        engine.table.evict(slot)
+    return {"bytes": staged.pages.nbytes, "ms": statistics.median(times[1:])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-config", default="llama-2-7b")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    hbm = device_copy_bandwidth()
+    pinned = pinned_h2d_bandwidth()
+    engine = Engine(EngineConfig(
+        model_config=args.model_config, dummy_weights=True, dummy_adapters=args.batch, dummy_adapter_rank=args.rank,
+        dummy_adapter_targets=",".join(PROJECTIONS), device="cuda", dtype="bfloat16",
+        max_running_requests=args.batch, max_batch_tokens=max(2048, args.batch * args.prompt), max_lora_rank=max(64, args.rank),
+        max_model_len=2048,
+    ))
+    weight_bytes = sum(t.nbytes for name, t in _model_tensors(engine))
+    base_rate, base_ms = decode_rate(engine, [None] * args.batch, args.prompt, args.steps)
+    lora_rate, lora_ms = decode_rate(engine, [f"dummy-{i}" for i in range(args.batch)], args.prompt, args.steps)
+    _, single_ms = decode_rate(engine, [None], args.prompt, args.steps)
+    floor_ms = weight_bytes / hbm * 1e3
+    load = adapter_load(engine, 64, ("q_proj", "k_proj", "v_proj"))
+    load_floor_ms = load["bytes"] / pinned * 1e3
+    result = {
+        "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model_config,
+        "ops": engine.ops.name, "cuda_graph_steps": engine.graph_steps,
+        "hbm_copy_GBps": hbm / 1e9, "pinned_h2d_GBps": pinned / 1e9,
+        "decode": {"batch": args.batch, "rank": args.rank, "targets": "all seven", "prompt": args.prompt, "steps": args.steps,
+                   "base_tok_s": base_rate, "lora_tok_s": lora_rate, "lora_over_base": lora_rate / base_rate,
+                   "base_step_ms": base_ms, "lora_step_ms": lora_ms},
+        "batch1": {"step_ms": single_ms, "weight_bytes": weight_bytes, "floor_ms": floor_ms, "over_floor": single_ms / floor_ms},
+        "adapter_load": {"rank": 64, "targets": "q,k,v", **load, "floor_ms": load_floor_ms, "over_floor": load["ms"] / load_floor_ms},
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(result, handle, indent=1)
+
+
+def _model_tensors(engine: Engine):
+    """The weights a decode step reads (the embedding table is gathered, not streamed)."""
+    model = engine.model
+    yield "lm_head", model.lm_head
+    yield "norm", model.norm
+    for index, layer in enumerate(model.layers):
+        for name, value in vars(layer).items():
+            if isinstance(value, torch.Tensor):
+                yield f"{index}.{name}", value
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step (every sequence adds one token) launches hundreds of small kernels; replaying a captured
+graph removes their launch cost. Everything a graph reads lives in static buffers filled before each
+replay: token ids, positions, the KV block table and write destinations, each row's adapter slot and
+the attention metadata. Rows beyond the live batch are padding: they read and write only the scratch
+page and use no adapter. LoRA kernels are captured for the configured maximum rank; each row's own
+rank decides its work, so the graph serves any mix of adapters.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from lorad.daemon.model import Step
+from lorad.gpu_ops.attention import AttentionBatch
+from lorad.gpu_ops.lora import LoraBatch
+from lorad.gpu_ops.page_pool import SCRATCH_PAGE
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv, table, max_batch: int, max_model_len: int, max_lora_rank: int):
+        self.model, self.kv, self.table = model, kv, table
+        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        self.max_rank = max_lora_rank
+        self.max_blocks = kv.blocks_for(max_model_len)
+        device = kv.view.device
+        size, layers = self.buckets[-1], kv.num_layers
+        long = dict(dtype=torch.long, device=device)
+        int32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(size, **long)
+        self.positions = torch.zeros(size, **long)
+        self.dest_pages = torch.full((layers, 2, size), SCRATCH_PAGE, **long)
+        self.dest_offsets = torch.zeros(size, **long)
+        self.block_table = torch.full((layers, 2, size, self.max_blocks), SCRATCH_PAGE, **int32)
+        self.row_slot = torch.full((size,), -1, **int32)
+        self.seq_ids = torch.arange(size, **int32)  # every row is its own decode sequence
+        self.seq_info = torch.ones(3, size, **int32)  # query_start, query_len, kv_len
+        self.seq_info[0] = self.seq_ids
+        self.rows = torch.arange(size, **long)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def capture(self) -> None:
+        """Captures every bucket, largest first so the smaller graphs reuse its memory pool."""
+        for size in reversed(self.buckets):
+            step = self._static_step(size)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: Triton compiles, the allocator settles
+                for _ in range(2):
+                    self.model.forward(step, self.kv.view, self.table)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self.model.forward(step, self.kv.view, self.table)
+            self.pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        log.info("cuda graphs captured buckets=%s max_rank=%d", ",".join(map(str, self.buckets)), self.max_rank)
+
+    def fits(self, num_seqs: int, max_blocks: int) -> bool:
+        return num_seqs <= self.buckets[-1] and max_blocks <= self.max_blocks
+
+    def run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, blocks: np.ndarray) -> torch.Tensor:
+        """One decode step of n sequences -> logits [n, vocab] float32 (a view of static memory, valid
+        until the next replay). tokens, positions, slots: [n]; blocks: [n, num_blocks, L, 2] page ids."""
+        n = len(tokens)
+        size = next(b for b in self.buckets if b >= n)
+        tokens_per_page = self.kv.tokens_per_page
+        own = blocks[np.arange(n), positions // tokens_per_page]  # [n, L, 2]: the pages the new K/V go to
+        self._fill(self.input_ids, size, tokens, 0, np.int64)
+        self._fill(self.positions, size, positions, 0, np.int64)
+        self._fill(self.dest_offsets, size, positions % tokens_per_page, 0, np.int64)
+        self._fill(self.row_slot, size, slots, -1, np.int32)
+        self._fill(self.seq_info[2], size, positions + 1, 1, np.int32)
+        dest = np.full((self.kv.num_layers, 2, size), SCRATCH_PAGE, dtype=np.int64)
+        dest[:, :, :n] = own.transpose(1, 2, 0)
+        self.dest_pages[:, :, :size].copy_(torch.from_numpy(dest))
+        table = np.full((self.kv.num_layers, 2, size, blocks.shape[1]), SCRATCH_PAGE, dtype=np.int32)
+        table[:, :, :n] = blocks.transpose(2, 3, 0, 1)
+        self.block_table[:, :, :size, : blocks.shape[1]].copy_(torch.from_numpy(table))
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:n]
+
+    @staticmethod
+    def _fill(buffer: torch.Tensor, size: int, values: np.ndarray, pad_value, dtype) -> None:
+        host = np.full(size, pad_value, dtype=dtype)
+        host[: len(values)] = values
+        buffer[:size].copy_(torch.from_numpy(host))
+
+    def _static_step(self, size: int) -> Step:
+        from lorad.gpu_ops.paged_attention import AttentionMeta
+
+        attention = AttentionBatch(
+            block_table=self.block_table[:, :, :size],
+            dest_pages=self.dest_pages[:, :, :size],
+            dest_offsets=self.dest_offsets[:size],
+            query_start=list(range(size)),
+            query_len=[1] * size,
+            kv_len=[1] * size,
+        )
+        empty = torch.zeros(0, dtype=torch.int32, device=self.rows.device)
+        attention._paged_meta = AttentionMeta(
+            seq_info=self.seq_info[:, :size], decode_seqs=self.seq_ids[:size], tile_seq=empty, tile_row=empty,
+            num_decode=size, num_tiles=0, max_context=self.max_blocks * self.kv.tokens_per_page,
+        )
+        lora = LoraBatch(row_slot=self.row_slot[:size], slot_rows=[], max_rank=self.max_rank)
+        return Step(self.input_ids[:size], self.positions[:size], self.rows[:size], attention, lora)
