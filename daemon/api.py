@@ -208,7 +208,10 @@ async def health(request: web.Request) -> web.Response:
 async def models(request: web.Request) -> web.Response:
     created = request.app[STARTED]
     data = []
-    for entry in request.app[ENGINE].models():
+    # Engine calls that may block (locks, or a round trip when the engine runs in its own process) run
+    # off the event loop, so streams keep flowing meanwhile.
+    entries = await asyncio.get_running_loop().run_in_executor(None, request.app[ENGINE].models)
+    for entry in entries:
         extra = {key: value for key, value in entry.items() if key not in ("id", "parent")}
         data.append(
             {"id": entry["id"], "object": "model", "created": created, "owned_by": "lorad",
@@ -218,7 +221,7 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[ENGINE].status())
+    return web.json_response(await asyncio.get_running_loop().run_in_executor(None, request.app[ENGINE].status))
 
 
 async def metrics(request: web.Request) -> web.Response:

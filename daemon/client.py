@@ -173,7 +173,8 @@ class AsyncClient:
             async for chunk in client.stream_completions(model="demo-r8", prompt="hi"):
                 ...
 
-    `max_connections`: connections open at once (0: no limit); further calls wait for one.
+    `max_connections`: connections open at once (0: no limit); further calls wait for one. The session
+    opens on the first call; `close()` (or leaving `async with`) closes it.
     """
 
     def __init__(self, socket_path: str = ServerConfig.socket, timeout: float | None = 600.0,
