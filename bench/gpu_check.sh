@@ -39,6 +39,7 @@ step install 100 python3 -m pip install -q --no-deps --no-build-isolation -e .
 
 # --- benchmarks -----------------------------------------------------------------------------------
 step bench_lora_kernels 300 python3 bench/lora_kernels.py --out "$OUTDIR/lora_kernels.json"
+step bench_attention 240 python3 bench/attention.py --out "$OUTDIR/attention.json"
 
 # --- tests ----------------------------------------------------------------------------------------
 if ! step pytest_gpu 180 python3 -m pytest -m gpu tests/gpu_ops -q -p no:cacheprovider --durations=8; then

@@ -284,7 +284,8 @@ def gpu_shapes(batch: int, seed: int, max_context: int = 4096, prefill: int = 0)
     rng = np.random.default_rng(seed)
     contexts = rng.integers(1, max_context + 1, size=batch)
     contexts[0] = max_context
-    contexts[-1] = 1
+    if batch > 2:
+        contexts[-1] = 1
     shapes = [(int(c), 1) for c in contexts]
     for i in range(prefill):  # a fresh prompt, a chunk over a cached prefix
         shapes.append((300 + 37 * i, 300 + 37 * i) if i % 2 == 0 else (2000 + i, 129))

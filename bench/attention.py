@@ -1,0 +1,371 @@
+"""Benchmark of the paged attention kernels (gpu_ops/paged_attention.py) and the fused element-wise
+kernels (gpu_ops/fused.py) against the pure-torch references.
+
+Decode: the Llama-7B shape (32 heads x 128, MHA, 1 token per page), bf16, batch 1/16/64/256 at
+context 512/2048, plus the Llama-3-8B shape (8 kv heads, 4 tokens per page). Each time is set against
+the bytes floor: the K and V bytes the call must read over the device-to-device copy bandwidth measured
+in the same run. Prefill: the Triton kernel vs the reference (gather + SDPA per sequence) and vs SDPA
+on K/V already contiguous (what a flash kernel does without paging).
+
+    python3 bench/attention.py --out bench/results/attention.json
+    python3 bench/attention.py --smoke   # tiny shapes on the CPU (Triton interpreter): checks the script
+
+Timing: CUDA events around replays of a CUDA graph that holds one call per rotated layer (device time),
+median of many; pages are scattered at random over a pool and the layers rotated so that each timed
+round reads >= 256 MB (5x the H100's L2); random data, never zeros.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+
+from lorad.gpu_ops import fused, paged_attention  # noqa: E402
+from lorad.gpu_ops.attention import AttentionBatch, paged_attention_ref, write_kv_ref  # noqa: E402
+from lorad.gpu_ops.rope import rope_cache  # noqa: E402
+
+ROTATE_BYTES = 256 << 20
+
+
+class Timer:
+    """Microseconds per call: CUDA events on the GPU, perf_counter on the CPU (smoke)."""
+
+    def __init__(self, device: torch.device, reps: int):
+        self.cuda = device.type == "cuda"
+        self.reps = reps
+
+    def _span(self, body) -> float:
+        if not self.cuda:
+            start = time.perf_counter()
+            body()
+            return (time.perf_counter() - start) * 1e6
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        body()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) * 1e3
+
+    def eager(self, calls: list, reps: int | None = None) -> float:
+        for call in calls:
+            call()
+        if self.cuda:
+            torch.cuda.synchronize()
+
+        def body():
+            for call in calls:
+                call()
+
+        return statistics.median(self._span(body) for _ in range(reps or self.reps)) / len(calls)
+
+    def graph(self, calls: list, reps: int | None = None) -> float:
+        """Device time per call from replays of a CUDA graph of the calls (eager time on the CPU)."""
+        if not self.cuda:
+            return self.eager(calls, reps=1)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for call in calls:  # compile and warm up outside the capture
+                call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        graph.replay()
+        torch.cuda.synchronize()
+        result = statistics.median(self._span(graph.replay) for _ in range(reps or self.reps)) / len(calls)
+        del graph
+        return result
+
+
+def copy_bandwidth(device, timer: Timer, mebibytes: int) -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s)."""
+    elements = mebibytes * (1 << 20) // 2
+    source = torch.randn(elements, device=device, dtype=torch.bfloat16)
+    target = torch.empty_like(source)
+    microseconds = timer.eager([lambda: target.copy_(source)], reps=20)
+    del source, target
+    return 2 * elements * 2 / (microseconds * 1e-6) / 1e9
+
+
+class PagedCache:
+    """A pool of random K/V pages for `layers` layers of `shapes` [(kv_len, query_len)], each block's
+    pages drawn at random from the whole pool."""
+
+    def __init__(self, heads, kv_heads, head_dim, tokens_per_page, shapes, layers, dtype, device, seed=0):
+        rng = np.random.default_rng(seed)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.shapes, self.layers = shapes, layers
+        blocks = [-(-kv // tokens_per_page) for kv, _ in shapes]
+        num_pages = 1 + 2 * layers * sum(blocks)
+        self.kv_view = torch.empty(num_pages, tokens_per_page, kv_heads, head_dim, dtype=dtype, device=device).normal_()
+        page_ids = rng.permutation(np.arange(1, num_pages, dtype=np.int32))
+        table = np.zeros((layers, 2, len(shapes), max(blocks)), dtype=np.int32)
+        used = 0
+        for seq, count in enumerate(blocks):
+            table[:, :, seq, :count] = page_ids[used : used + 2 * layers * count].reshape(layers, 2, count)
+            used += 2 * layers * count
+        dest, offsets, starts, start = [], [], [], 0
+        for seq, (kv_len, query_len) in enumerate(shapes):
+            positions = np.arange(kv_len - query_len, kv_len)
+            dest.append(table[:, :, seq, positions // tokens_per_page])
+            offsets.append(positions % tokens_per_page)
+            starts.append(start)
+            start += query_len
+        self.tokens = start
+        self.batch = AttentionBatch(
+            block_table=torch.from_numpy(table).to(device),
+            dest_pages=torch.from_numpy(np.concatenate(dest, axis=2).astype(np.int64)).to(device),
+            dest_offsets=torch.from_numpy(np.concatenate(offsets).astype(np.int64)).to(device),
+            query_start=starts,
+            query_len=[q for _, q in shapes],
+            kv_len=[kv for kv, _ in shapes],
+        )
+        self.meta = paged_attention.AttentionMeta.build(self.batch, tokens_per_page, device)
+        self.q = [torch.randn(self.tokens, heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.out = torch.empty(self.tokens, heads * head_dim, dtype=dtype, device=device)
+        self.scale = head_dim**-0.5
+
+    def kv_bytes(self) -> int:
+        """K and V bytes one layer's attention must read (every cached position once)."""
+        element = self.kv_view.element_size()
+        return sum(2 * kv * self.kv_heads * self.head_dim * element for kv, _ in self.shapes)
+
+    def kernel_calls(self, **decode_options):
+        def call(layer):
+            if decode_options:
+                table = self.batch.block_table
+                paged_attention.decode_attention(
+                    self.q[layer], self.kv_view, table[layer, 0], table[layer, 1], self.meta.decode_seqs,
+                    self.meta.query_start, self.meta.kv_len, self.out, self.scale, num_seqs=self.meta.num_decode, **decode_options,
+                )
+            else:
+                paged_attention.attention(self.q[layer], self.kv_view, layer, self.batch, self.scale, meta=self.meta, out=self.out)
+
+        return [lambda layer=layer: call(layer) for layer in range(self.layers)]
+
+    def reference_call(self):
+        return lambda: paged_attention_ref(self.q[0], self.kv_view, 0, self.batch, self.scale)
+
+    def error(self) -> float | None:
+        """Relative error of layer 0 against the reference run in float64 (None for pools over 1 GB)."""
+        if self.kv_view.numel() * self.kv_view.element_size() > (1 << 30):
+            return None
+        got = paged_attention.attention(self.q[0], self.kv_view, 0, self.batch, self.scale, meta=self.meta).double()
+        expected = paged_attention_ref(self.q[0].double(), self.kv_view.double(), 0, self.batch, self.scale)
+        return float((got - expected).norm() / expected.norm())
+
+
+def layers_for(bytes_per_layer: int, cap: int = 64) -> int:
+    return max(1, min(cap, -(-ROTATE_BYTES // bytes_per_layer)))
+
+
+def decode_bench(args, device, timer: Timer, bandwidth: float, shape_name: str, heads, kv_heads, head_dim, tpp, batches, contexts, sweep_at=None) -> list:
+    results = []
+    for context in contexts:
+        for batch in batches:
+            shapes = [(context, 1)] * batch
+            per_layer = 2 * batch * context * kv_heads * head_dim * 2
+            layers = layers_for(per_layer) if not SMOKE else 1
+            cache = PagedCache(heads, kv_heads, head_dim, tpp, shapes, layers, args.dtype, device, seed=batch)
+            floor_us = cache.kv_bytes() / (bandwidth * 1e9) * 1e6
+            splits = paged_attention.decode_splits(batch, kv_heads, context, device)
+            kernel = timer.graph(cache.kernel_calls())
+            row = {
+                "shape": shape_name, "batch": batch, "context": context, "splits": splits, "layers_rotated": layers,
+                "kv_bytes": cache.kv_bytes(), "floor_us": round(floor_us, 2), "kernel_us": round(kernel, 2),
+                "achieved_GBps": round(cache.kv_bytes() / (kernel * 1e-6) / 1e9, 1),
+                "floor_percent": round(100 * floor_us / kernel, 1),
+                "relative_error_vs_fp64_ref": cache.error(),
+            }
+            if args.reference and (batch <= 64 or SMOKE):
+                row["reference_eager_us"] = round(timer.eager([cache.reference_call()], reps=5), 1)
+                row["speedup_vs_reference"] = round(row["reference_eager_us"] / kernel, 1)
+            if sweep_at and (batch, context) in sweep_at:
+                sweep = {}
+                configs = [(32, 4, splits), (64, 4, splits), (128, 4, splits), (64, 8, splits), (128, 8, splits),
+                           (64, 4, max(1, splits // 2)), (64, 4, min(16, splits * 2))]
+                for block_n, warps, split_choice in dict.fromkeys(configs):
+                    key = f"block_n={block_n},warps={warps},splits={split_choice}"
+                    try:
+                        sweep[key] = round(timer.graph(cache.kernel_calls(splits=split_choice, block_n=block_n, num_warps=warps), reps=20), 2)
+                    except Exception as error:  # noqa: BLE001 - a config that does not compile is data
+                        sweep[key] = repr(error)[:200]
+                print(f"  sweep: {sweep}", flush=True)
+                row["sweep_us"] = sweep
+            print(f"decode {shape_name} b={batch:3d} ctx={context:5d} splits={splits:2d}: {kernel:9.2f} us, floor {floor_us:8.2f} us "
+                  f"({row['floor_percent']}%), ref {row.get('reference_eager_us', '-')} us, err {row['relative_error_vs_fp64_ref']}", flush=True)
+            results.append(row)
+            del cache
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return results
+
+
+def prefill_bench(args, device, timer: Timer, cases) -> list:
+    """cases: (name, [(kv_len, query_len)]) on the 7B shape."""
+    heads, head_dim = 32, 128
+    results = []
+    for name, shapes in cases:
+        cache = PagedCache(heads, heads, head_dim, 1, shapes, 1, args.dtype, device)
+        kernel = timer.graph(cache.kernel_calls())
+        reference = timer.eager([cache.reference_call()], reps=10)
+        # SDPA on K/V already contiguous per sequence (no gather): the unpaged lower bound.
+        contiguous = []
+        for seq, (kv_len, query_len) in enumerate(shapes):
+            start = cache.batch.query_start[seq]
+            q = cache.q[0][start : start + query_len].transpose(0, 1)
+            k = torch.randn(heads, kv_len, head_dim, dtype=args.dtype, device=device)
+            v = torch.randn(heads, kv_len, head_dim, dtype=args.dtype, device=device)
+            if kv_len == query_len:
+                contiguous.append(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            else:
+                mask = torch.arange(kv_len, device=device)[None, :] <= torch.arange(kv_len - query_len, kv_len, device=device)[:, None]
+                contiguous.append(lambda q=q, k=k, v=v, mask=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        sdpa = timer.eager([lambda: [c() for c in contiguous]], reps=10)
+        flops = sum(4 * heads * head_dim * (q * (kv - q) + q * (q + 1) / 2) for kv, q in shapes)
+        row = {
+            "case": name, "shapes": shapes, "kernel_us": round(kernel, 1), "reference_eager_us": round(reference, 1),
+            "sdpa_contiguous_eager_us": round(sdpa, 1), "kernel_TFLOPs": round(flops / (kernel * 1e-6) / 1e12, 1),
+            "relative_error_vs_fp64_ref": cache.error(),
+        }
+        print(f"prefill {name:28s}: kernel {kernel:9.1f} us ({row['kernel_TFLOPs']} TFLOP/s), reference {reference:9.1f} us, "
+              f"SDPA contiguous {sdpa:9.1f} us, err {row['relative_error_vs_fp64_ref']}", flush=True)
+        results.append(row)
+        del cache
+    return results
+
+
+def fused_bench(args, device, timer: Timer, bandwidth: float, token_counts) -> list:
+    dtype, results = args.dtype, []
+    hidden, heads, kv_heads, head_dim, inter = (4096, 32, 32, 128, 11008) if not SMOKE else (64, 4, 4, 16, 96)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = rope_cache(inv_freq, 4096, dtype, device)
+    for tokens in token_counts:
+        rounds = 4 if not SMOKE else 1
+        xs = [torch.randn(tokens, hidden, dtype=dtype, device=device) for _ in range(rounds)]
+        weight = torch.randn(hidden, dtype=dtype, device=device)
+        qkvs = [torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device) for _ in range(rounds)]
+        positions = torch.randint(0, 4096, (tokens,), device=device)
+        gate_ups = [torch.randn(tokens, 2 * inter, dtype=dtype, device=device) for _ in range(rounds)]
+
+        def qk(i):
+            qkv = qkvs[i]
+            return qkv[:, : heads * head_dim].view(tokens, heads, head_dim), qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+
+        cases = {
+            "rms_norm": ([lambda i=i: fused.rms_norm(xs[i], weight, 1e-5) for i in range(rounds)],
+                         [lambda i=i: fused.rms_norm_ref(xs[i], weight, 1e-5) for i in range(rounds)], 2 * tokens * hidden * 2),
+            "rope_qk": ([lambda i=i: fused.rope_qk(*qk(i), cos, sin, positions, inplace=True) for i in range(rounds)],
+                        [lambda i=i: fused.rope_qk_ref(*qk(i), cos, sin, positions) for i in range(rounds)], 2 * tokens * (heads + kv_heads) * head_dim * 2),
+            "silu_mul": ([lambda i=i: fused.silu_mul(*gate_ups[i].chunk(2, dim=-1)) for i in range(rounds)],
+                         [lambda i=i: fused.silu_mul_ref(*gate_ups[i].chunk(2, dim=-1)) for i in range(rounds)], 3 * tokens * inter * 2),
+        }
+        for name, (kernel_calls, reference_calls, moved) in cases.items():
+            kernel = timer.graph(kernel_calls)
+            reference = timer.graph(reference_calls)
+            kernel_eager = timer.eager(kernel_calls)
+            reference_eager = timer.eager(reference_calls)
+            floor_us = moved / (bandwidth * 1e9) * 1e6
+            row = {"op": name, "tokens": tokens, "kernel_graph_us": round(kernel, 2), "reference_graph_us": round(reference, 2),
+                   "kernel_eager_us": round(kernel_eager, 2), "reference_eager_us": round(reference_eager, 2), "floor_us": round(floor_us, 2)}
+            print(f"fused {name:8s} T={tokens:5d}: kernel {kernel:8.2f} us (eager {kernel_eager:7.1f}), reference {reference:8.2f} us "
+                  f"(eager {reference_eager:7.1f}), floor {floor_us:7.2f} us", flush=True)
+            results.append(row)
+    return results
+
+
+def write_kv_bench(args, device, timer: Timer, batch: int) -> dict:
+    cache = PagedCache(32, 32, 128, 1, [(1024, 1)] * batch, 1, args.dtype, device) if not SMOKE else PagedCache(4, 4, 16, 1, [(9, 1)] * batch, 1, args.dtype, device)
+    k = torch.randn(batch, cache.kv_heads, cache.head_dim, dtype=args.dtype, device=device)
+    v = torch.randn(batch, cache.kv_heads, cache.head_dim, dtype=args.dtype, device=device)
+    kernel = timer.graph([lambda: paged_attention.write_kv(cache.kv_view, 0, k, v, cache.batch)])
+    reference = timer.graph([lambda: write_kv_ref(cache.kv_view, 0, k, v, cache.batch)])
+    row = {"tokens": batch, "kernel_graph_us": round(kernel, 2), "reference_graph_us": round(reference, 2)}
+    print(f"write_kv T={batch}: kernel {kernel:.2f} us, reference {reference:.2f} us", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--no-reference", dest="reference", action="store_false")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="sections past this many seconds are skipped")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not SMOKE:
+        sys.exit("no GPU: run with --smoke to check the script on the CPU")
+    args.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    timer = Timer(device, 3 if SMOKE else args.reps)
+    started = time.perf_counter()
+    report = {
+        "machine": {
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__,
+            "triton": getattr(paged_attention.triton, "__version__", None),
+            "python": platform.python_version(),
+        },
+        "dtype": str(args.dtype),
+    }
+    bandwidth = copy_bandwidth(device, timer, 1024 if not SMOKE else 8)
+    report["copy_bandwidth_GBps"] = round(bandwidth, 1)
+    print(f"device copy bandwidth: {bandwidth:.0f} GB/s (read + write)", flush=True)
+
+    def save():
+        if args.out:
+            with open(args.out, "w") as handle:
+                json.dump(report, handle, indent=1)
+
+    if SMOKE:
+        sections = [
+            ("decode_7b", lambda: decode_bench(args, device, timer, bandwidth, "tiny", 4, 4, 16, 1, [1, 3], [40], sweep_at={(3, 40)})),
+            ("prefill", lambda: prefill_bench(args, device, timer, [("fresh 20", [(20, 20)]), ("chunk 5 on 30", [(35, 5)])])),
+            ("fused", lambda: fused_bench(args, device, timer, bandwidth, [3])),
+            ("write_kv", lambda: write_kv_bench(args, device, timer, 3)),
+        ]
+    else:
+        sections = [
+            ("decode_7b", lambda: decode_bench(args, device, timer, bandwidth, "llama7b", 32, 32, 128, 1, [1, 16, 64, 256], [512, 2048], sweep_at={(64, 2048), (1, 2048)})),
+            ("prefill", lambda: prefill_bench(args, device, timer, [
+                ("fresh 1x2048", [(2048, 2048)]), ("fresh 4x512", [(512, 512)] * 4),
+                ("chunk 512 on 1536 cached", [(2048, 512)]), ("mixed 63 decodes ctx1024 + 512", [(1024, 1)] * 63 + [(512, 512)]),
+            ])),
+            ("fused", lambda: fused_bench(args, device, timer, bandwidth, [64, 2048])),
+            ("write_kv", lambda: write_kv_bench(args, device, timer, 256)),
+            ("decode_llama3_8b", lambda: decode_bench(args, device, timer, bandwidth, "llama3_8b", 32, 8, 128, 4, [1, 64, 256], [2048])),
+        ]
+    for name, section in sections:
+        if time.perf_counter() - started > args.budget_s:
+            report[name] = "skipped: over the time budget"
+            print(f"{name}: skipped (budget)", flush=True)
+            continue
+        try:
+            report[name] = section()
+        except Exception as error:  # noqa: BLE001 - one broken section must not cost the others
+            report[name] = {"error": repr(error)[:2000]}
+            print(f"{name}: FAILED {error!r}"[:2000], flush=True)
+        save()
+    report["elapsed_s"] = round(time.perf_counter() - started, 1)
+    save()
+    print(f"done in {report['elapsed_s']} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
