@@ -311,6 +311,7 @@ def python_copy_and_signal(dst: torch.Tensor, src: torch.Tensor, flags, seq: int
     """Same interface as `fused_copy_and_signal`. A CUDA `src` is copied asynchronously, then the host
     synchronises the stream before storing the flags: the sync the fused kernel removes."""
     _check_copy(dst, src)
+    _flag_layout(flags)
     if src.is_cuda:
         stream = stream if stream is not None else torch.cuda.current_stream(src.device)
         with torch.cuda.stream(stream):
@@ -333,6 +334,7 @@ def python_wait_and_add(
     """Same interface as `fused_wait_and_add`: the host waits for the flags, then adds (on `stream`
     for a CUDA `out`). On timeout it adds nothing and stores `seq` into `error` if it holds 0."""
     _check_add(out, result, error)
+    _flag_layout(flags)
     if not _wait_flags(flags, seq, timeout_s):
         if int(error.view(-1)[0]) == 0:
             error.fill_(seq)

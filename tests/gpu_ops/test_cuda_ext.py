@@ -1,0 +1,377 @@
+"""The CPU LoRA invocation ops (gpu_ops/cuda_ext.py, gpu_ops/csrc): the extension's build and import,
+the python path on the CPU against real shared memory and a worker process, and (`pytest -m gpu`) the
+fused kernels: copy + flags over the mapped exchange, a worker process answering through it with no
+host sync in the launches, the add for every dtype and stride, and the timeout that reports instead
+of hanging.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing
+import os
+import shutil
+import time
+
+import numpy as np
+import posix_ipc
+import pytest
+import torch
+
+from lorad.gpu_ops import cuda_ext
+from lorad.shm.exchange import DONE_SEQ, JOB_SEQ, STATUS_OK, Exchange, ExchangeConfig
+from lorad.shm.segment import Segment, lorad_segments, new_instance, segment_name
+
+fork = multiprocessing.get_context("fork")
+spawn = multiprocessing.get_context("spawn")  # the GPU tests' parent has a CUDA context: never fork it
+FLAG_STRIDE = 128  # bytes between two workers' job flags (or done flags) in the exchange
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_segments():
+    mine = f"/lorad-{os.getpid()}x"
+    before = set(lorad_segments(mine))
+    yield
+    leaked = set(lorad_segments(mine)) - before
+    for name in leaked:
+        posix_ipc.unlink_shared_memory(name)
+    assert not leaked, f"test left segments behind: {sorted(leaked)}"
+
+
+def job_flags(exchange: Exchange) -> np.ndarray:
+    """The workers' job flags as one strided int64 view (what copy_and_signal raises)."""
+    return _flag_view(exchange, exchange.layout.job_line(0) + JOB_SEQ * 8)
+
+
+def done_flags(exchange: Exchange) -> np.ndarray:
+    return _flag_view(exchange, exchange.layout.worker_line(0) + DONE_SEQ * 8)
+
+
+def _flag_view(exchange: Exchange, offset: int) -> np.ndarray:
+    workers = exchange.config.workers
+    assert exchange.layout.job_line(1 % workers) - exchange.layout.job_line(0) in (0, FLAG_STRIDE)
+    return np.ndarray((workers,), np.int64, buffer=exchange.segment.buffer, offset=offset, strides=(FLAG_STRIDE,))
+
+
+def lora_worker(exchange_name: str, worker: int, a: np.ndarray, b_t: np.ndarray, rows: tuple, rounds: int, delay_s: float):
+    """A stand-in CPU LoRA worker: for job seq 1..rounds, wait for the job flag, compute its rows of
+    x @ A^T @ B^T from the exchange (float64, stored fp32), publish done. Plain numpy, no torch."""
+    exchange = Exchange.attach(exchange_name)
+    slot = exchange.slots[worker]
+    slot.pid = os.getpid()
+    start, end = rows
+    in_features, out_features = a.shape[1], b_t.shape[1]
+    try:
+        for seq in range(1, rounds + 1):
+            slot.job_flag.wait(seq, timeout_s=60)
+            time.sleep(delay_s)  # a slow CPU: the GPU side must not need the host to wait for this
+            x = exchange.input[start:end, :in_features].astype(np.float64)
+            exchange.output[start:end, :out_features] = (x @ a.T.astype(np.float64)) @ b_t.astype(np.float64)
+            slot.finish(seq, STATUS_OK)
+    finally:
+        del slot
+        exchange.close()
+
+
+def start_workers(context, exchange: Exchange, a, b_t, tokens: int, rounds: int, delay_s: float):
+    workers = exchange.config.workers
+    bounds = np.linspace(0, tokens, workers + 1).astype(int)
+    processes = []
+    for worker in range(workers):
+        rows = (int(bounds[worker]), int(bounds[worker + 1]))
+        process = context.Process(target=lora_worker, args=(exchange.name, worker, a, b_t, rows, rounds, delay_s), daemon=True)
+        process.start()
+        processes.append(process)
+    deadline = time.monotonic() + 120
+    for worker, process in enumerate(processes):
+        while exchange.slots[worker].pid != process.pid:
+            assert process.exitcode is None, f"worker {worker} exited with {process.exitcode}"
+            assert time.monotonic() < deadline, "worker not ready"
+            time.sleep(1e-3)
+    return processes
+
+
+def join(processes) -> None:
+    for process in processes:
+        process.join(30)
+        assert process.exitcode == 0, f"worker exit code {process.exitcode}"
+
+
+def lora_reference(x: torch.Tensor, a: np.ndarray, b_t: np.ndarray) -> torch.Tensor:
+    return (x.double().cpu() @ torch.from_numpy(a).double().t() @ torch.from_numpy(b_t).double()).float()
+
+
+# ---- build and import (CI) -----------------------------------------------------------------------------
+
+
+def test_extension_is_built_where_a_cuda_compiler_exists():
+    path = cuda_ext.invocation_path()
+    if shutil.which("nvcc") or os.environ.get("CUDACXX"):
+        assert cuda_ext.built(), f"nvcc is on PATH but the extension was not built: {path}"
+    if path != "fused-cuda":
+        assert path.startswith("python: ") and not cuda_ext.available()
+        if cuda_ext.built():
+            # Says what is missing (a device) and what was built (the runtime version).
+            assert "device" in path and "CUDA runtime 1" in path, path
+        else:
+            assert "not built" in path and "nvcc" in path, path
+
+
+@pytest.mark.skipif(not cuda_ext.built() or torch.cuda.is_available(), reason="needs the extension and no GPU")
+def test_without_a_gpu_the_module_imports_and_calls_fail_cleanly():
+    from lorad.gpu_ops import _lorad_cuda as ext
+
+    assert ext.runtime_version() >= 12000
+    with pytest.raises(RuntimeError, match="cuda"):
+        ext.device_count()
+    # Arguments are checked before CUDA is touched.
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        ext.copy_and_signal(0, 0, 0, 3, 1, 0)
+    with pytest.raises(ValueError, match="timeout"):
+        ext.wait_and_add(0, 0, 0, 0, 0, 0, 0, 8, 1, 0, 0, 8)
+    with pytest.raises(RuntimeError, match="not usable here"):
+        cuda_ext.register_host(np.zeros(16))
+
+
+# ---- python path (CPU, CI) -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_python_copy_and_signal_writes_data_then_flags(dtype):
+    config = ExchangeConfig(workers=3, max_tokens=16, hidden=96, max_out=64)
+    with Exchange.create(new_instance(), config) as exchange:
+        flags = job_flags(exchange)
+        # A bf16 view of the exchange's input bytes: the op copies bytes, whatever the dtype.
+        raw = torch.from_numpy(exchange.input.view(np.uint16) if dtype == torch.bfloat16 else exchange.input)
+        dst = raw.view(dtype).view(-1)[: 10 * 96]
+        for seq in (1, 2):
+            src = torch.randn(10, 96).to(dtype)
+            cuda_ext.copy_and_signal(dst, src, flags, seq)
+            assert torch.equal(dst.view(10, 96), src)
+            assert flags.tolist() == [seq] * 3
+            assert [slot.job_flag.load() for slot in exchange.slots] == [seq] * 3
+        with pytest.raises(ValueError):
+            cuda_ext.copy_and_signal(dst, torch.randn(11, 96).to(dtype), flags, 3)
+        with pytest.raises(ValueError):
+            cuda_ext.copy_and_signal(dst, src, flags.astype(np.int32), 3)
+        del raw, dst, flags
+
+
+@pytest.mark.parametrize("context", [fork, spawn], ids=["fork", "spawn"])  # spawn: as the GPU tests start them
+def test_python_round_trip_through_a_worker_process(context):
+    tokens, hidden, out_features, rank, rounds = 24, 64, 48, 8, 3
+    config = ExchangeConfig(workers=2, max_tokens=32, hidden=hidden, max_out=out_features)
+    a = np.random.randn(rank, hidden).astype(np.float32) / 8
+    b_t = np.random.randn(rank, out_features).astype(np.float32) / 8
+    with Exchange.create(new_instance(), config) as exchange:
+        processes = start_workers(context, exchange, a, b_t, tokens, rounds, delay_s=0.0)
+        inputs = torch.from_numpy(exchange.input)[:tokens, :hidden]
+        results = torch.from_numpy(exchange.output)[:tokens, :out_features]
+        error = torch.zeros(1, dtype=torch.int64)
+        for seq in range(1, rounds + 1):
+            x = torch.randn(tokens, hidden)
+            y = torch.randn(tokens, out_features).to(torch.bfloat16)
+            base = y.clone()
+            staged = torch.empty(tokens, config.in_stride)
+            staged[:, :hidden] = x  # the exchange's rows are padded to 64 bytes
+            cuda_ext.copy_and_signal(torch.from_numpy(exchange.input)[:tokens], staged, job_flags(exchange), seq)
+            cuda_ext.wait_and_add(y, results, done_flags(exchange), seq, error, timeout_s=30)
+            assert int(error) == 0
+            torch.testing.assert_close(results, lora_reference(x, a, b_t), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(y, (base.float() + results).to(torch.bfloat16), rtol=0, atol=0)
+        del inputs, results
+        join(processes)
+
+
+def test_python_wait_times_out_and_reports():
+    with Exchange.create(new_instance(), ExchangeConfig(workers=2, max_tokens=4, hidden=16, max_out=16)) as exchange:
+        out = torch.randn(4, 16)
+        before = out.clone()
+        error = torch.zeros(1, dtype=torch.int64)
+        results = torch.from_numpy(exchange.output)[:4, :16]
+        exchange.slots[0].done_flag.store(5)  # one worker done, the other never answers
+        start = time.monotonic()
+        cuda_ext.wait_and_add(out, results, done_flags(exchange), 5, error, timeout_s=0.05)
+        assert time.monotonic() - start < 5
+        assert int(error) == 5 and torch.equal(out, before)
+        cuda_ext.wait_and_add(out, results, done_flags(exchange), 6, error, timeout_s=0.01)
+        assert int(error) == 5  # the first failure is kept until the caller resets the word
+        del results
+
+
+def test_argument_checks():
+    out, result, error = torch.zeros(4, 8), torch.zeros(4, 8), torch.zeros(1, dtype=torch.int64)
+    flags = np.zeros(1, np.int64)
+    with pytest.raises(ValueError):
+        cuda_ext.wait_and_add(out.int(), result, flags, 1, error)
+    with pytest.raises(ValueError):
+        cuda_ext.wait_and_add(out, result[:, :4], flags, 1, error)
+    with pytest.raises(ValueError):
+        cuda_ext.wait_and_add(out, result.double(), flags, 1, error)
+    with pytest.raises(ValueError):
+        cuda_ext.wait_and_add(out, result, flags, 1, error.int())
+    with pytest.raises(ValueError):
+        cuda_ext.copy_and_signal(out.t(), result, flags, 1)
+    with pytest.raises(TypeError):
+        cuda_ext.copy_and_signal(out, result, [0], 1)
+
+
+# ---- fused kernels (GPU) -------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture
+def mapped_exchange():
+    """(exchange, mapping): a 3-worker exchange whose whole segment is registered for the GPU."""
+    if not cuda_ext.available():
+        pytest.fail(f"the fused path is not usable: {cuda_ext.invocation_path()}")
+    config = ExchangeConfig(workers=3, max_tokens=512, hidden=1024, max_out=1024)
+    exchange = Exchange.create(new_instance(), config)
+    mapping = cuda_ext.register_host(exchange.segment.buffer)
+    try:
+        yield exchange, mapping
+    finally:
+        torch.cuda.synchronize()
+        mapping.close()
+        exchange.close()
+
+
+def wait_host(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1e-4)
+    return True
+
+
+@gpu
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "nbytes, src_offset, dst_offset",
+    [(1 << 20, 0, 0), (12345, 0, 0), (1000, 8, 8), (1000, 4, 4), (999, 1, 3), (0, 0, 0), (3 << 20, 16, 48)],
+)
+def test_fused_copy_and_signal(mapped_exchange, nbytes, src_offset, dst_offset):
+    exchange, _ = mapped_exchange
+    region = torch.from_numpy(exchange.input.view(np.uint8).reshape(-1))
+    region.fill_(0xAB)
+    flags = job_flags(exchange)
+    flags[:] = 0
+    for seq in (1, 2):  # twice: the grid's block counter must be back at zero after a launch
+        source = torch.randint(0, 256, (nbytes + src_offset,), dtype=torch.uint8, device="cuda")
+        src = source[src_offset:]
+        dst = region[dst_offset : dst_offset + nbytes]
+        cuda_ext.fused_copy_and_signal(dst, src, flags, seq)
+        # The host learns the data is there from the flags alone, without synchronising.
+        assert wait_host(lambda: int(flags.min()) >= seq), f"flags {flags.tolist()} never reached {seq}"
+        assert torch.equal(dst, src.cpu())
+        assert (region[:dst_offset] == 0xAB).all() and (region[dst_offset + nbytes : dst_offset + nbytes + 64] == 0xAB).all()
+        assert flags.tolist() == [seq] * 3
+    del region, dst
+
+
+@gpu
+@pytest.mark.timeout(120)
+def test_fused_round_trip_with_worker_processes_and_no_host_sync(mapped_exchange):
+    exchange, _ = mapped_exchange
+    tokens, hidden, out_features, rank, rounds, delay_s = 200, 1024, 768, 16, 3, 0.4
+    a = (np.random.randn(rank, hidden) / 16).astype(np.float32)
+    b_t = (np.random.randn(rank, out_features) / 4).astype(np.float32)
+    weight = torch.randn(out_features, hidden, device="cuda", dtype=torch.bfloat16) / 32
+    xs = [torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(rounds)]
+    staged = torch.empty(tokens, exchange.config.in_stride, device="cuda")  # fp32, the exchange's padded rows
+    inputs = torch.from_numpy(exchange.input)[:tokens]
+    results = torch.from_numpy(exchange.output)[:tokens, :out_features]
+    error = torch.zeros(1, dtype=torch.int64, device="cuda")
+    torch.matmul(xs[0], weight.t())  # cuBLAS set up outside the measured launches
+    processes = start_workers(spawn, exchange, a, b_t, tokens, rounds, delay_s)
+    torch.cuda.synchronize()
+    outputs = []
+    start = time.perf_counter()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for seq in range(1, rounds + 1):
+            x = xs[seq - 1]
+            staged[:, :hidden].copy_(x)
+            cuda_ext.copy_and_signal(inputs, staged, job_flags(exchange), seq)
+            y = x @ weight.t()  # the base projection runs while the workers compute
+            cuda_ext.wait_and_add(y, results, done_flags(exchange), seq, error, timeout_s=60)
+            outputs.append(y)
+        launch_s = time.perf_counter() - start
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    done = int(done_flags(exchange).min())
+    # Every launch returned while the workers were still busy: the host never waited for them.
+    assert done < rounds and launch_s < delay_s, f"launches took {launch_s:.3f} s, done flags at {done}"
+    torch.cuda.synchronize()
+    assert int(error) == 0
+    for x, y in zip(xs, outputs):
+        expected = x.float() @ weight.float().t() + lora_reference(x, a, b_t).cuda()
+        relative = ((y.float() - expected).norm() / expected.norm()).item()
+        assert relative < 1e-2, relative
+    assert int(done_flags(exchange).min()) == rounds
+    del inputs, results
+    join(processes)
+
+
+@gpu
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cols", [768, 383])  # 16-byte path; one column at a time
+def test_fused_wait_and_add_dtypes_and_strides(mapped_exchange, dtype, cols):
+    exchange, _ = mapped_exchange
+    rows = 77
+    fused_qkv = torch.randn(rows, 3 * cols, device="cuda").to(dtype)  # add into the middle third (a slice)
+    before = fused_qkv.clone()
+    out = fused_qkv[:, cols : 2 * cols]
+    results = torch.from_numpy(exchange.output)[:rows, :cols]  # padded row stride
+    results.copy_(torch.randn(rows, cols))
+    flags = done_flags(exchange)
+    flags[:] = 9  # the workers have already answered
+    error = torch.zeros(1, dtype=torch.int64, device="cuda")
+    cuda_ext.fused_wait_and_add(out, results, flags, 9, error, timeout_s=10)
+    torch.cuda.synchronize()
+    assert int(error) == 0
+    expected = before.clone()
+    expected[:, cols : 2 * cols] = (before[:, cols : 2 * cols].float() + results.cuda()).to(dtype)
+    torch.testing.assert_close(fused_qkv, expected, rtol=0, atol=0)
+    del results, out
+
+
+@gpu
+@pytest.mark.timeout(60)
+def test_fused_wait_times_out_reports_and_recovers(mapped_exchange):
+    exchange, _ = mapped_exchange
+    out = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    before = out.clone()
+    results = torch.from_numpy(exchange.output)[:64, :512]
+    results.fill_(1.0)
+    flags = done_flags(exchange)
+    flags[:] = 3
+    flags[1] = 2  # one worker never answers job 3
+    with mmap.mmap(-1, mmap.PAGESIZE) as page:  # the error word in mapped host memory
+        word = np.frombuffer(page, np.int64, count=1)
+        with cuda_ext.register_host(page):
+            error = torch.from_numpy(word)
+            start = time.monotonic()
+            cuda_ext.fused_wait_and_add(out, results, flags, 3, error, timeout_s=0.2)
+            # The host reads the error word without a sync...
+            assert wait_host(lambda: int(word[0]) != 0, timeout_s=20), "no error reported"
+            assert int(word[0]) == 3 and 0.15 < time.monotonic() - start < 20
+            torch.cuda.synchronize()  # ...and the stream is free again: nothing hangs
+            assert torch.equal(out, before)
+            # The next wait on the same stream works (the grid's shared state was reset).
+            flags[1] = 3
+            cuda_ext.fused_wait_and_add(out, results, flags, 3, error, timeout_s=10)
+            torch.cuda.synchronize()
+            assert torch.equal(out, (before.float() + 1.0).to(torch.bfloat16))
+            assert int(word[0]) == 3  # kept until the caller resets it
+            del error
+        del word
+    del results
+
+
+@gpu
+def test_invocation_path_on_the_gpu_machine():
+    assert cuda_ext.invocation_path() == "fused-cuda"
