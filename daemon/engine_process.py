@@ -106,7 +106,8 @@ class EngineProcess:
             self.stop(timeout=5)
             raise
         self.model_name, self.vocab_size, self.max_model_len = info["model_name"], info["vocab_size"], info["max_model_len"]
-        self.device, self.dtype, self.model_dir = info["device"], info["dtype"], Path(info["model_dir"])
+        self.device, self.dtype = info["device"], info["dtype"]
+        self.model_dir = None if info["model_dir"] is None else Path(info["model_dir"])
         self.tokenizer = _load_tokenizer(self.model_dir)
         log.info("engine process ready pid=%d model=%s device=%s dtype=%s", self.pid, self.model_name, self.device, self.dtype)
 
@@ -273,11 +274,11 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _load_tokenizer(model_dir: Path):
+def _load_tokenizer(model_dir: Path | None):
     from lorad.daemon.tokenizer import NoTokenizer, Tokenizer
 
-    path = model_dir / "tokenizer.json"
-    return Tokenizer(path) if path.exists() else NoTokenizer()
+    path = None if model_dir is None else model_dir / "tokenizer.json"
+    return Tokenizer(path) if path is not None and path.exists() else NoTokenizer()
 
 
 class _Outbox:
@@ -417,7 +418,8 @@ def _engine_main(config: EngineConfig, inbox, outbox_connection, log_level: int,
     server = _EngineServer(engine, outbox, config)
     outbox.put(("ready", {
         "model_name": engine.model_name, "vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
-        "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."), "model_dir": str(model_dir),
+        "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+        "model_dir": None if model_dir is None else str(model_dir),  # None: a --model-config shape, no files
     }))
     engine.start()
     try:

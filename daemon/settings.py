@@ -33,7 +33,7 @@ def resolve(cli_engine: dict, cli_server: dict, config_path: str | None = None,
     sections = read_file(path) if used else {}
     engine = {**_systemd_engine(environ), **sections.get("engine", {}), **cli_engine}
     server = {**_systemd_server(environ), **sections.get("server", {}), **cli_server}
-    if not engine.get("demo") and not engine.get("model"):
+    if not engine.get("demo") and not engine.get("model") and not engine.get("model_config"):
         raise BadRequest('serve needs --model DIR (or --demo), or model = "DIR" in [engine] of the config file')
     if engine.get("demo") and engine.get("model"):
         raise BadRequest("--demo serves the built-in model: leave out --model (from the flags or the config file)")
@@ -74,6 +74,8 @@ def _section(path: Path, section: str, config_class, table: dict) -> dict:
         value = _typed(where, key, types[key], value)
         if key in _PATH_FIELDS:
             value = _relative_to(path.parent, value)
+        elif key == "adapters":
+            value = tuple((name, _relative_to(path.parent, directory)) for name, directory in value)
         values[key] = value
     return values
 
