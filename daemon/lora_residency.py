@@ -16,9 +16,12 @@ log = logging.getLogger(__name__)
 
 
 class LoraResidency:
-    def __init__(self, lookup, table: AdapterTable, metrics=None):
+    def __init__(self, lookup, table: AdapterTable, metrics=None, pinned_bytes: int = 4 << 30):
         self.lookup = lookup  # name -> LoraAdapter (host copy)
         self.table = table
+        self.pinned: OrderedDict[int, tuple] = OrderedDict()  # staged adapters in pinned host memory
+        self.pinned_bytes = pinned_bytes
+        self.pinned_used = 0
         self.metrics = metrics  # daemon/metrics.py's Metrics, or None
         self.slots: dict[str, int] = {}
         self.pins: dict[str, int] = {}
