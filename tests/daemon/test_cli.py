@@ -10,6 +10,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 
 from lorad.daemon.cli import main
 from lorad.daemon.client import Client
+from lorad.errors import LoradError
 
 # test_api.py's fake engine and threaded server (pytest puts this folder on sys.path).
 from test_api import FakeEngine, ServerThread
@@ -240,3 +242,89 @@ def test_sigint_during_a_stream_exits_0(demo_assets, short_tmp, grace, finish_re
             process.wait()
     assert not path.exists()
     assert "Traceback" not in process.stderr.read()
+
+
+# --- the config file, SIGHUP, SIGTERM's grace, a dying engine -------------------------------------------------
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("[engine]\ndemo = true\nmax_lora_ranks = 8\n", "unknown key 'max_lora_ranks' in [engine]"),
+    ("[engine]\ndemo = 'yes'\n", "[engine] demo must be true or false"),
+    ("[engine\n", "not valid TOML"),
+])
+def test_bad_config_file_is_one_line(capsys, short_tmp, text, fragment):
+    path = short_tmp / "lorad.toml"
+    path.write_text(text)
+    code, out, err = run_main(capsys, "serve", "--config", str(path), "--socket", str(short_tmp / "s.sock"))
+    assert code == 2 and out == "" and err.count("\n") == 1 and fragment in err, err
+    code, _, err = run_main(capsys, "serve", "--config", str(short_tmp / "none.toml"))
+    assert code == 2 and "does not exist" in err
+
+
+def _models(client: Client) -> set[str]:
+    return {entry["id"] for entry in client.models()}
+
+
+def test_sighup_reloads_adapters_and_sigterm_lets_a_request_finish(demo_assets, short_tmp):
+    adapters = demo_assets.adapters
+    config = short_tmp / "lorad.toml"
+    config.write_text(f'[engine]\ndemo = true\n[engine.adapters]\nold = "{adapters["demo-r1"]}"\n'
+                      f'[server]\nshutdown_grace_s = 20\n')
+    path = short_tmp / "lorad.sock"
+    process = start_daemon(demo_assets, path, "--config", str(config))
+    try:
+        client = wait_healthy(process, path)
+        assert "old" in _models(client)
+        client.load_adapter("by-api", str(adapters["demo-r2"]))  # not the file's: SIGHUP leaves it alone
+
+        config.write_text(f'[engine]\ndemo = true\n[engine.adapters]\nnew = "{adapters["demo-r4"]}"\n'
+                          f'bad = "{short_tmp / "missing"}"\n[server]\nshutdown_grace_s = 20\n')
+        process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while not ("new" in _models(client) and "old" not in _models(client)):
+            assert time.monotonic() < deadline, _models(client)
+            time.sleep(0.05)
+        assert "by-api" in _models(client) and "bad" not in _models(client)
+        answer = client.completions(model="new", prompt="hi", max_tokens=2)
+        assert answer["usage"]["completion_tokens"] == 2
+
+        # SIGTERM with a request running: it finishes (within the grace), then serve exits 0
+        result = {}
+        running = threading.Thread(target=lambda: result.update(client.completions(
+            model="demo-r8", prompt="Once", max_tokens=100, ignore_eos=True)))
+        running.start()
+        deadline = time.monotonic() + 10
+        while client.status()["running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        process.send_signal(signal.SIGTERM)
+        running.join(30)
+        assert result["choices"][0]["finish_reason"] == "length" and result["usage"]["completion_tokens"] == 100
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    log = process.stderr.read()
+    assert "Traceback" not in log and not path.exists()
+    assert "adapters reloaded added=new removed=old" in log and "adapter not registered name=bad" in log
+    assert "requests running, grace_s=20" in log
+
+
+def test_engine_death_ends_serve_with_exit_1(demo_assets, short_tmp):
+    path = short_tmp / "lorad.sock"
+    process = start_daemon(demo_assets, path)
+    try:
+        client = wait_healthy(process, path)
+        chunks = client.stream_completions(model="demo-r8", prompt="Once", max_tokens=100, ignore_eos=True)
+        next(chunks)
+        os.kill(client.status()["engine_pid"], signal.SIGKILL)
+        with pytest.raises(LoradError, match="engine process died"):
+            list(chunks)
+        assert process.wait(30) == 1  # systemd's Restart=on-failure starts a fresh one
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    log = process.stderr.read()
+    assert "killed by SIGKILL" in log and "Traceback" not in log and not path.exists()
