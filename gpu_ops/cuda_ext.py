@@ -103,6 +103,8 @@ class HostMapping:
     def __init__(self, region):
         _require_extension()
         self.host_address, self.nbytes = _region_address(region)
+        if self.nbytes == 0:
+            raise ValueError("register_host: the region is empty (CUDA rejects a zero-byte registration)")
         _ext.register_host(self.host_address, self.nbytes)
         self.device_address = _ext.device_pointer(self.host_address)
         self._region = region  # keep it alive while registered (an mmap is not pinned open by this)
