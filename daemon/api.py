@@ -266,7 +266,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     # load_adapter reads and checks the weights from disk: off the event loop.
     description = await asyncio.get_running_loop().run_in_executor(None, engine.load_adapter, name, path)
     log.info("adapter loaded through the API name=%s path=%s%s", name, path, _peer_fields(request))
-    entry = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "lorad",
+    entry = {"id": name, "object": "model", "created": request.app[STARTED], "owned_by": "lorad",
              "parent": engine.model_name, "kind": "lora", "location": "host", **description}
     return web.json_response(entry)
 
