@@ -43,7 +43,10 @@ __all__ = [
 
 LOG2E = 1.4426950408889634
 PREFILL_BLOCK_M = 64  # query rows per prefill program; AttentionMeta cuts prompts into tiles of this
-DECODE_BLOCK_N = 64  # context positions per step of the decode loop
+# Context positions per step of the decode loop. MHA (one query per K row, no tensor cores): 32 was the
+# H100 sweep's best (b=64 ctx=2048: 978 us vs 1277 us at 64; b=1: 24 vs 34 us); GQA (tl.dot on the
+# padded group): 64, at 94-99% of the copy bandwidth (BENCHMARKS.md).
+DECODE_BLOCK_N = {"mha": 32, "gqa": 64}
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in the combine than it saves
 PROGRAMS_PER_SM = 2
@@ -403,7 +406,7 @@ def decode_attention(
     *,
     num_seqs: int,
     splits: int = 1,
-    block_n: int = DECODE_BLOCK_N,
+    block_n: int | None = None,
     num_warps: int = 4,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
@@ -426,6 +429,8 @@ def decode_attention(
     group = heads // kv_heads
     head_pad = max(16, next_power_of_2(head_dim))
     use_dot = group > 1
+    if block_n is None:
+        block_n = DECODE_BLOCK_N["gqa" if use_dot else "mha"]
     group_pad = max(16, next_power_of_2(group)) if use_dot else next_power_of_2(group)
     if splits > 1:
         if workspace is None:
