@@ -110,9 +110,12 @@ def truth(setup: Setup, x: torch.Tensor, row_slots: list[int], layer: int, proj:
     return delta
 
 
-def launch(name: str, modules, x, y, layer, proj, batch: LoraBatch, table, max_rank, segments) -> None:
+def launch(name: str, modules, x, y, layer, proj, batch: LoraBatch, table, max_rank, segments, config=None) -> None:
     bgmv_module, mbgmv_module, mbgmm_module = modules
-    if name == "bgmv":
+    if config is not None:
+        assert name == "mbgmv", "a tile config is MBGMV's"
+        mbgmv_module.mbgmv(x, y, layer, proj, batch.row_slot, table, max_rank, config=config)
+    elif name == "bgmv":
         bgmv_module.bgmv(x, y, layer, proj, batch.row_slot, table, max_rank)
     elif name == "mbgmv":
         mbgmv_module.lora_decode(x, y, layer, proj, batch, table, max_rank=max_rank)
@@ -130,7 +133,7 @@ def launch(name: str, modules, x, y, layer, proj, batch: LoraBatch, table, max_r
         raise AssertionError(name)
 
 
-def check(name, modules, setup: Setup, row_slots: list[int], layer: int, proj: int, seed: int, tolerance=None) -> float:
+def check(name, modules, setup: Setup, row_slots: list[int], layer: int, proj: int, seed: int, tolerance=None, config=None) -> float:
     """Run one kernel on a fresh x and a y that is a column slice of a wider buffer; check the delta
     against the truth, and that base rows, rank-0 rows and the columns around y are untouched."""
     table, device, dtype = setup.table, setup.device, setup.dtype
@@ -146,7 +149,7 @@ def check(name, modules, setup: Setup, row_slots: list[int], layer: int, proj: i
     batch = LoraBatch.build(row_slots, device)
     max_rank = bgmv.batch_max_rank(batch, table)
     segments = mbgmm.Segments.build(batch, table)
-    launch(name, modules, x, y, layer, proj, batch, table, max_rank, segments)
+    launch(name, modules, x, y, layer, proj, batch, table, max_rank, segments, config)
     if device.type == "cuda":
         torch.cuda.synchronize()
     expected = truth(setup, x, row_slots, layer, proj)
@@ -326,6 +329,49 @@ def test_kernels_interpreted_shrink_expand_split(kernels, interpreter_setups):
     assert torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-4)
 
 
+def mbgmv_configs(module) -> list:
+    """MBGMV tile configurations that take each branch: fused and two launches, rank blocks smaller and
+    larger than the ranks, several K tiles per shrink program, a rank loop in the expand."""
+    config = module.DecodeConfig
+    return [
+        config(),
+        config(fused=False),
+        config(shrink_r=8, block_k=32, expand_r=16, block_n=32),
+        config(shrink_r=32, block_k=16, k_tiles=2, expand_r=32, block_n=16, num_warps=2),
+        config(shrink_r=16, block_k=64, k_tiles=4, expand_r=16, block_n=64, fused=False),
+    ]
+
+
+def sync_counters_clear(module, device) -> bool:
+    """The fused launch leaves every per-row counter at zero and no error flagged."""
+    buffer = module._SYNC.get(device)
+    return buffer is None or not bool(buffer.any())
+
+
+@needs_interpreter
+@pytest.mark.parametrize("index", range(5))
+def test_mbgmv_configs_interpreted(index, kernels, interpreter_setups):
+    _, mbgmv_module, _ = kernels
+    config = mbgmv_configs(mbgmv_module)[index]
+    for page in (64, 40):
+        setup = interpreter_setups(page, torch.bfloat16)
+        for proj in (Q, K, DOWN):
+            check("mbgmv", kernels, setup, mixed_rows(list(range(len(INTERPRETER_RANKS))), 7, seed=proj + index), 1, proj, seed=proj, config=config)
+    assert sync_counters_clear(mbgmv_module, torch.device("cpu"))
+    assert mbgmv_module.decode_sync_errors(torch.device("cpu")) == 0
+
+
+def test_decode_config_covers_shapes():
+    """Every Llama-7B projection shape has a tuned config; unknown shapes get one too; tiles fit the
+    workspace's MAX_SPLITS."""
+    for shape in [(4096, 4096), (4096, 1024), (4096, 11008), (11008, 4096), (5120, 13824), (13824, 5120), (96, 24)]:
+        for max_rank in (1, 16, 64, 256):
+            config = mbgmv.decode_config(*shape, max_rank)
+            assert config.block_k & (config.block_k - 1) == 0 and config.block_n & (config.block_n - 1) == 0
+            splits = mbgmv._plan(4096, shape[0], shape[1], max_rank, None, config)[0]
+            assert 1 <= splits <= bgmv.MAX_SPLITS
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU: the compiled kernels at Llama-7B sizes
 
@@ -433,3 +479,43 @@ def test_kernels_gpu_no_host_sync_and_graph_capture(kernels, gpu_setups):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(5))
+def test_mbgmv_configs_gpu(index, kernels, gpu_setups):
+    """Each MBGMV tile configuration (fused and two launches) at 7B sizes, ranks 1..256."""
+    _, mbgmv_module, _ = kernels
+    config = mbgmv_module.DecodeConfig(**{**mbgmv_configs(mbgmv_module)[index].__dict__, "block_k": 512, "block_n": 128})
+    setup = gpu_setups(torch.bfloat16)
+    for rows in (1, 64):
+        for proj in GPU_PROJECTIONS:
+            check("mbgmv", kernels, setup, gpu_rows("mixed", rows, seed=proj + index), 0, proj, seed=proj, config=config)
+    torch.cuda.synchronize()
+    assert sync_counters_clear(mbgmv_module, torch.device("cuda", torch.cuda.current_device()))
+
+
+@pytest.mark.gpu
+def test_mbgmv_fused_is_deterministic_and_leaves_counters_clear(kernels, gpu_setups):
+    """The fused launch's expand waits on counters: a missing wait or a stale counter shows as a result
+    that changes between identical calls, or a counter left nonzero."""
+    _, mbgmv_module, _ = kernels
+    setup = gpu_setups(torch.bfloat16)
+    table = setup.table
+    row_slots = gpu_rows("mixed", 256, seed=3)
+    batch = LoraBatch.build(row_slots, torch.device("cuda"))
+    max_rank = bgmv.batch_max_rank(batch, table)
+    for proj in (Q, K, UP, DOWN):
+        in_dim, out_dim = table.shapes[proj]
+        x = torch.randn(256, in_dim, device="cuda", dtype=torch.bfloat16)
+        start = torch.randn(256, out_dim, device="cuda", dtype=torch.bfloat16)
+        results = []
+        for _ in range(20):
+            y = start.clone()
+            mbgmv_module.lora_decode(x, y, 0, proj, batch, table, max_rank=max_rank)
+            results.append(y)
+        torch.cuda.synchronize()
+        assert all(torch.equal(results[0], other) for other in results[1:]), f"projection {proj}: results differ between calls"
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert sync_counters_clear(mbgmv_module, device)
+    assert mbgmv_module.decode_sync_errors(device) == 0
