@@ -1,20 +1,26 @@
 """Benchmark of the LoRA kernels (gpu_ops/bgmv.py, mbgmv.py, mbgmm.py) against apply_lora_ref.
 
 Decode: 64 rows, each its own adapter, ranks drawn from 8..64, q_proj of a 7B model (4096 -> 4096),
-bf16, weights in the unified page pool. Prefill: 2048 rows in 4 segments. Each figure is set against
-the bytes the call must move over the device-to-device copy bandwidth measured in the same run.
+bf16, weights in the unified page pool; then MBGMV's tiles swept on each projection shape (q/o, k/v
+with GQA out 1024, gate/up 4096 -> 11008, down 11008 -> 4096). Prefill: 2048 rows in 4 segments. Each
+figure is set against the bytes the call must move over the device-to-device copy bandwidth measured
+in the same run.
 
-    python3 bench/lora_kernels.py --out bench/results/lora_kernels.json
+    python3 bench/lora_kernels.py --out bench/results/lora_kernels.json [--baseline OLD_MBGMV.py]
     python3 bench/lora_kernels.py --smoke   # tiny shapes on the CPU (Triton interpreter): checks the script
 
+--baseline times an earlier gpu_ops/mbgmv.py beside the current one (`git show REV:gpu_ops/mbgmv.py`).
 Timing: CUDA events, warm-up first, median of many; the inputs rotate over 4 layers of adapters
-(~150 MB of weights, 3x the H100's 50 MB L2) and 4 activation buffers; random data, never zeros.
-"graph" times replay a CUDA graph of many calls (device time); "eager" times Python launches back to back.
+(~150 MB of weights for q_proj, 3x the H100's 50 MB L2) and 4 activation buffers; random data, never
+zeros. "graph" times replay a CUDA graph of many calls (device time); "eager" times Python launches
+back to back.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -105,19 +111,20 @@ def copy_bandwidth(device: torch.device, timer: Timer, mebibytes: int) -> float:
     return 2 * elements * 2 / (microseconds * 1e-6) / 1e9
 
 
-def build_table(page: int, hidden: int, ranks: list[int], layers: int, dtype, device, seed: int):
-    """A pool holding len(ranks) adapters targeting q_proj in every layer, rank ranks[slot]."""
-    shapes = [(hidden, hidden)] * 7
+def build_table(page: int, in_dim: int, out_dim: int, ranks: list[int], layers: int, dtype, device, seed: int):
+    """A pool holding len(ranks) adapters of rank ranks[slot] on projection 0 (in_dim -> out_dim) of
+    every layer."""
+    shapes = [(in_dim, out_dim)] * 7
     generator = torch.Generator().manual_seed(seed)
-    chunks = -(-hidden // page)
-    pages = 1 + 2 * chunks * sum(ranks) * layers + 8
+    chunks = -(-in_dim // page) + -(-out_dim // page)
+    pages = 1 + chunks * sum(ranks) * layers + 8
     pool = PagePool(pages, page, dtype, device)
     table = AdapterTable(pool, len(ranks), layers, shapes)
     for slot, rank in enumerate(ranks):
         adapter = {}
         for layer in range(layers):
-            a = torch.randn(rank, hidden, generator=generator) / hidden**0.5
-            b = torch.randn(hidden, rank, generator=generator) / rank**0.5
+            a = torch.randn(rank, in_dim, generator=generator) / in_dim**0.5
+            b = torch.randn(out_dim, rank, generator=generator) / rank**0.5
             adapter[(layer, Q)] = (a, b)
         assert table.place(slot, adapter)
     return table
@@ -128,76 +135,105 @@ def lora_bytes(row_ranks: list[int], in_dim: int, out_dim: int, element: int) ->
     return element * (sum(row_ranks) * (in_dim + out_dim) + len(row_ranks) * (in_dim + 2 * out_dim))
 
 
-def decode_bench(args, device, timer: Timer, bandwidth: float) -> dict:
-    rng = np.random.default_rng(0)
-    rows, hidden, layers = args.decode_rows, args.hidden, args.layers
-    ranks = [int(r) for r in rng.integers(args.min_rank, args.max_rank + 1, size=rows)]
-    dtype = torch.bfloat16
-    table = build_table(args.page, hidden, ranks, layers, dtype, device, seed=1)
-    batch = LoraBatch.build(list(range(rows)), device)
-    max_rank = bgmv.batch_max_rank(batch, table)
-    kv = hidden // 4
-    xs = [torch.randn(rows, hidden, device=device, dtype=dtype) for _ in range(layers)]
-    fused = [torch.randn(rows, hidden + 2 * kv, device=device, dtype=dtype) for _ in range(layers)]
-    ys = [f[:, :hidden] for f in fused]  # q's columns of a fused qkv output: a strided view
-    workspace = torch.empty(bgmv.workspace_numel(rows, max_rank), device=device)
+def load_baseline(path: str | None):
+    """An earlier gpu_ops/mbgmv.py (e.g. `git show REV:gpu_ops/mbgmv.py > .devcarry/mbgmv_before.py`),
+    timed beside the current one in the same run."""
+    if not path:
+        return None
+    spec = importlib.util.spec_from_file_location("mbgmv_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class DecodeCase:
+    """One decode benchmark input: `rows` rows, each its own adapter (ranks uniform in min..max_rank),
+    on projection in_dim -> out_dim, rotating over args.layers layers; y a column slice of a wider output."""
+
+    def __init__(self, args, device, in_dim: int, out_dim: int, bandwidth: float):
+        rng = np.random.default_rng(0)  # the same ranks for every shape
+        rows, layers = args.decode_rows, args.layers
+        self.ranks = [int(r) for r in rng.integers(args.min_rank, args.max_rank + 1, size=rows)]
+        self.in_dim, self.out_dim = in_dim, out_dim
+        self.table = build_table(args.page, in_dim, out_dim, self.ranks, layers, torch.bfloat16, device, seed=in_dim + out_dim)
+        self.batch = LoraBatch.build(list(range(rows)), device)
+        self.max_rank = bgmv.batch_max_rank(self.batch, self.table)
+        self.xs = [torch.randn(rows, in_dim, device=device, dtype=torch.bfloat16) for _ in range(layers)]
+        fused = [torch.randn(rows, out_dim + 256, device=device, dtype=torch.bfloat16) for _ in range(layers)]
+        self.ys = [f[:, :out_dim] for f in fused]  # a strided view, as a fused qkv output's q columns
+        self.workspace = torch.empty(bgmv.workspace_numel(rows, self.max_rank), device=device)
+        self.moved = lora_bytes(self.ranks, in_dim, out_dim, 2)
+        self.floor_us = self.moved / (bandwidth * 1e9) * 1e6
+        self.start = 0.1 * torch.randn_like(self.ys[0])  # fresh: the timed buffers grow by many adds
+        self.expected = self.start.clone()
+        bgmv.lora_rows_ref(self.xs[0], self.expected, 0, Q, self.batch.row_slot, self.table, self.max_rank)
+
+    def calls(self, fn) -> list:
+        return [lambda layer=layer: fn(self.xs[layer], self.ys[layer], layer) for layer in range(len(self.xs))]
+
+    def error(self, fn) -> float:
+        out = self.start.clone()
+        fn(self.xs[0], out, 0)
+        return round(relative_error(out, self.start, self.expected), 5)
+
+    def figures(self, us: float) -> dict:
+        return {"achieved_GBps": round(self.moved / (us * 1e-6) / 1e9, 1), "roofline_percent": round(100 * self.floor_us / us, 1)}
+
+
+def decode_methods(case: DecodeCase, baseline) -> dict:
+    """Every decode implementation on one case, by name: fn(x, y, layer)."""
+    table, batch, max_rank, workspace = case.table, case.batch, case.max_rank, case.workspace
     segments = mbgmm.Segments.build(batch, table)
-    moved = lora_bytes(ranks, hidden, hidden, 2)
-    flops = 2 * sum(ranks) * 2 * hidden
-    floor_us = moved / (bandwidth * 1e9) * 1e6
-
-    def calls(fn):
-        return [lambda layer=layer: fn(xs[layer], ys[layer], layer) for layer in range(layers)]
-
+    two = dataclasses.replace(mbgmv.decode_config(case.in_dim, case.out_dim, max_rank), fused=False)
     methods = {
         "mbgmv": lambda x, y, layer: mbgmv.lora_decode(x, y, layer, Q, batch, table, max_rank=max_rank, workspace=workspace),
-        "bgmv": lambda x, y, layer: bgmv.bgmv(x, y, layer, Q, batch.row_slot, table, max_rank, workspace),
-        "mbgmm": lambda x, y, layer: mbgmm.lora_prefill(x, y, layer, Q, batch, table, segments=segments, workspace=workspace),
-        "apply_lora_ref": lambda x, y, layer: apply_lora_ref(x, y, layer, Q, batch, table),
+        "mbgmv_two_launches": lambda x, y, layer: mbgmv.mbgmv(x, y, layer, Q, batch.row_slot, table, max_rank, workspace, config=two),
     }
+    if baseline is not None:
+        methods["mbgmv_before"] = lambda x, y, layer: baseline.lora_decode(x, y, layer, Q, batch, table, max_rank=max_rank, workspace=workspace)
+    methods["bgmv"] = lambda x, y, layer: bgmv.bgmv(x, y, layer, Q, batch.row_slot, table, max_rank, workspace)
+    methods["mbgmm"] = lambda x, y, layer: mbgmm.lora_prefill(x, y, layer, Q, batch, table, segments=segments, workspace=workspace)
+    methods["apply_lora_ref"] = lambda x, y, layer: apply_lora_ref(x, y, layer, Q, batch, table)
+    return methods
+
+
+def decode_bench(args, device, timer: Timer, bandwidth: float, baseline) -> dict:
+    """q_proj: every method, eager and graph, each checked against the reference."""
+    case = DecodeCase(args, device, args.hidden, args.hidden, bandwidth)
     results = {}
-    for name, fn in methods.items():
+    for name, fn in decode_methods(case, baseline).items():
         is_ref = name == "apply_lora_ref"
+        reps = max(5, timer.reps // 10) if is_ref else None
         try:
-            eager = timer.eager(calls(fn), reps=max(5, timer.reps // 10) if is_ref else None)
-        except Exception as error:  # one broken method must not cost the run's other figures
-            results[name] = {"error": repr(error)[:2000]}
-            print(f"decode {name}: FAILED {error!r}"[:2000], flush=True)
+            error = case.error(fn)
+            eager = timer.eager(case.calls(fn), reps=reps)
+        except Exception as failure:  # one broken method must not cost the run's other figures
+            results[name] = {"error": repr(failure)[:2000]}
+            print(f"decode {name}: FAILED {failure!r}"[:2000], flush=True)
             continue
         try:
-            graph = timer.graph(calls(fn), repeat_inside=2 if is_ref else args.graph_rounds, reps=max(5, timer.reps // 10) if is_ref else None)
-        except RuntimeError as error:  # a reference that cannot be captured is still timed eagerly
+            graph = timer.graph(case.calls(fn), repeat_inside=2 if is_ref else args.graph_rounds, reps=reps)
+        except RuntimeError as failure:  # a reference that cannot be captured is still timed eagerly
             graph = None
-            print(f"graph capture of {name} failed: {error}", file=sys.stderr)
-        best = graph if graph is not None else eager
-        results[name] = {
-            "eager_us": round(eager, 2),
-            "graph_us": None if graph is None else round(graph, 2),
-            "achieved_GBps": round(moved / (best * 1e-6) / 1e9, 1),
-            "roofline_percent": round(100 * floor_us / best, 1),
-        }
-        print(f"decode {name:15s} eager {eager:9.2f} us  graph {graph if graph is None else round(graph, 2)} us  "
-              f"{results[name]['roofline_percent']}% of roofline", flush=True)
-
-    try:
-        sweep = mbgmv_sweep(args, device, timer, table, batch, xs, ys, max_rank, moved, floor_us)
-    except Exception as error:
-        sweep = {"error": repr(error)[:2000]}
-        print(f"mbgmv sweep: FAILED {error!r}"[:2000], flush=True)
+            print(f"graph capture of {name} failed: {failure}", file=sys.stderr)
+        results[name] = {"eager_us": round(eager, 2), "graph_us": None if graph is None else round(graph, 2), "rel_error": error,
+                         **case.figures(graph if graph is not None else eager)}
+        print(f"decode {name:18s} eager {eager:9.2f} us  graph {graph if graph is None else round(graph, 2)} us  "
+              f"{results[name]['roofline_percent']}% of roofline  error {error}", flush=True)
+    ranks = case.ranks
     return {
-        "rows": rows,
-        "in_out": [hidden, hidden],
+        "rows": len(ranks),
+        "in_out": [case.in_dim, case.out_dim],
         "ranks": ranks,
-        "mean_rank": round(sum(ranks) / rows, 2),
-        "max_rank": max_rank,
+        "mean_rank": round(sum(ranks) / len(ranks), 2),
+        "max_rank": case.max_rank,
         "dtype": "bfloat16",
-        "layers_rotated": layers,
-        "weight_bytes_all_layers": 2 * sum(ranks) * 2 * hidden * layers,
-        "bytes_per_call": moved,
-        "flops_per_call": flops,
-        "roofline_floor_us": round(floor_us, 2),
+        "layers_rotated": len(case.xs),
+        "weight_bytes_all_layers": 2 * sum(ranks) * (case.in_dim + case.out_dim) * len(case.xs),
+        "bytes_per_call": case.moved,
+        "flops_per_call": 2 * sum(ranks) * (case.in_dim + case.out_dim),
+        "roofline_floor_us": round(case.floor_us, 2),
         "methods": results,
-        "mbgmv_sweep": sweep,
     }
 
 
@@ -207,79 +243,67 @@ def relative_error(result: torch.Tensor, before: torch.Tensor, expected: torch.T
     return float((delta - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def mbgmv_sweep(args, device, timer: Timer, table, batch, xs, ys, max_rank, moved, floor_us) -> dict:
-    """Block shapes, warps and split counts of MBGMV's two kernels, timed apart (graph replays); every
-    configuration's result is checked against the reference on one layer first."""
-    rows, hidden = xs[0].shape
-    layers = len(xs)
-    row_slot = batch.row_slot
-    splits_options = [s for s in (4, 8, 16) if s * 256 <= hidden] or [1]
-    start = 0.1 * torch.randn_like(ys[0])  # fresh: the timed buffers have grown by many adds
-    expected = start.clone()
-    bgmv.lora_rows_ref(xs[0], expected, 0, Q, row_slot, table, max_rank)
-    default_splits = splits_options[len(splits_options) // 2]
+# Candidate tiles for the per-shape sweep (fused unless said otherwise); the defaults in
+# gpu_ops/mbgmv.py's TUNED table come from this sweep.
+SWEEP_CONFIGS = [
+    mbgmv.DecodeConfig(),
+    mbgmv.DecodeConfig(block_n=64),
+    mbgmv.DecodeConfig(block_n=256, num_warps=8),
+    mbgmv.DecodeConfig(block_k=1024),
+    mbgmv.DecodeConfig(block_k=256),
+    mbgmv.DecodeConfig(shrink_r=32, block_k=256),
+    mbgmv.DecodeConfig(shrink_r=8, block_k=1024),
+    mbgmv.DecodeConfig(k_tiles=2),
+    mbgmv.DecodeConfig(num_warps=8),
+    mbgmv.DecodeConfig(fused=False),
+    mbgmv.DecodeConfig(block_k=1024, fused=False),
+]
 
-    def checked(shrink_config, expand_config, splits):
-        v = torch.empty(splits, rows, max_rank, device=device)
-        out = start.clone()
-        mbgmv.mbgmv_shrink(xs[0], v, 0, Q, row_slot, table, max_rank, *shrink_config)
-        mbgmv.mbgmv_expand(v, out, 0, Q, row_slot, table, max_rank, *expand_config)
-        return round(relative_error(out, start, expected), 5)
 
-    shrink, expand = [], []
-    v_by_splits = {s: torch.randn(s, rows, max_rank, device=device) for s in splits_options}
-    for block_r, block_k in ((16, 256), (16, 512), (16, 1024), (32, 256), (32, 128), (64, 128)):
-        for warps in (4, 8):
-            for splits in splits_options:
-                config = (block_r, block_k, warps)
-                try:
-                    error = checked(config, (), splits)
-                    v = v_by_splits[splits]
-                    calls = [lambda layer=layer: mbgmv.mbgmv_shrink(xs[layer], v, layer, Q, row_slot, table, max_rank, *config) for layer in range(layers)]
-                    us = timer.graph(calls, args.graph_rounds) or timer.eager(calls)
-                except Exception as failure:
-                    shrink.append({"block_r": block_r, "block_k": block_k, "num_warps": warps, "splits": splits, "error": repr(failure)[:300]})
-                    continue
-                shrink.append({"block_r": block_r, "block_k": block_k, "num_warps": warps, "splits": splits, "us": round(us, 2), "rel_error": error})
-    v = v_by_splits[default_splits]
-    for block_r, block_n in ((16, 256), (32, 256), (16, 512), (32, 128), (64, 64), (16, 128), (64, 128)):
-        for warps in (4, 8):
-            config = (block_r, block_n, warps)
+def shape_sweep(args, device, timer: Timer, bandwidth: float, baseline, deadline: float) -> dict:
+    """Each projection shape of a 7B model: the shipped config, the baseline, and SWEEP_CONFIGS, each
+    checked against the reference, timed as graph replays. Stops adding configs past `deadline`."""
+    shapes = {name: shape for name, shape in args.shapes.items()}
+    report = {}
+    for name, (in_dim, out_dim) in shapes.items():
+        if time.monotonic() > deadline:
+            report[name] = {"skipped": "time budget"}
+            continue
+        case = DecodeCase(args, device, in_dim, out_dim, bandwidth)
+        table, batch, max_rank, workspace = case.table, case.batch, case.max_rank, case.workspace
+        shipped = mbgmv.decode_config(in_dim, out_dim, max_rank)
+        entries = []
+
+        def measure(label: str, fn, config=None):
+            entry = {"label": label, **({} if config is None else dataclasses.asdict(config))}
             try:
-                error = checked((), config, default_splits)
-                calls = [lambda layer=layer: mbgmv.mbgmv_expand(v, ys[layer], layer, Q, row_slot, table, max_rank, *config) for layer in range(layers)]
-                us = timer.graph(calls, args.graph_rounds) or timer.eager(calls)
+                entry["rel_error"] = case.error(fn)
+                us = timer.graph(case.calls(fn), args.graph_rounds, reps=max(5, timer.reps // 2)) or timer.eager(case.calls(fn))
+                entry.update(us=round(us, 2), **case.figures(us))
             except Exception as failure:
-                expand.append({"block_r": block_r, "block_n": block_n, "num_warps": warps, "error": repr(failure)[:300]})
+                entry["error"] = repr(failure)[:300]
+            entries.append(entry)
+            print(f"  {name} {label:10s} {entry.get('us')} us {entry.get('roofline_percent')}% err {entry.get('rel_error')} "
+                  f"{entry.get('error', '')} {'' if config is None else config}", flush=True)
+
+        print(f"decode sweep {name} {in_dim}->{out_dim}: floor {case.floor_us:.2f} us", flush=True)
+        measure("shipped", lambda x, y, layer: mbgmv.mbgmv(x, y, layer, Q, batch.row_slot, table, max_rank, workspace), shipped)
+        if baseline is not None:
+            measure("before", lambda x, y, layer: baseline.lora_decode(x, y, layer, Q, batch, table, max_rank=max_rank, workspace=workspace))
+        for config in SWEEP_CONFIGS:
+            if time.monotonic() > deadline:
+                entries.append({"skipped": "time budget", **dataclasses.asdict(config)})
                 continue
-            expand.append({"block_r": block_r, "block_n": block_n, "num_warps": warps, "us": round(us, 2), "rel_error": error})
-    valid = lambda entry: "us" in entry and entry["rel_error"] < 2e-2  # noqa: E731
-    best_shrink = min(filter(valid, shrink), key=lambda r: r["us"])
-    best_expand = min(filter(valid, expand), key=lambda r: r["us"])
-    shrink_config = (best_shrink["block_r"], best_shrink["block_k"], best_shrink["num_warps"])
-    expand_config = (best_expand["block_r"], best_expand["block_n"], best_expand["num_warps"])
-    v_best = v_by_splits[best_shrink["splits"]]
-
-    def both(layer):
-        mbgmv.mbgmv_shrink(xs[layer], v_best, layer, Q, row_slot, table, max_rank, *shrink_config)
-        mbgmv.mbgmv_expand(v_best, ys[layer], layer, Q, row_slot, table, max_rank, *expand_config)
-
-    calls = [lambda layer=layer: both(layer) for layer in range(layers)]
-    us = timer.graph(calls, args.graph_rounds) or timer.eager(calls)
-    eager = timer.eager(calls)
-    error = checked(shrink_config, expand_config, best_shrink["splits"])
-    print(f"decode mbgmv best blocks  graph {us:.2f} us  eager {eager:.2f} us  ({100 * floor_us / us:.1f}% of roofline, error {error})  "
-          f"shrink {best_shrink}  expand {best_expand}", flush=True)
-    return {
-        "shrink": shrink,
-        "expand": expand,
-        "best_shrink": best_shrink,
-        "best_expand": best_expand,
-        "best_total_us": round(us, 2),
-        "best_total_eager_us": round(eager, 2),
-        "best_rel_error": error,
-        "best_roofline_percent": round(100 * floor_us / us, 1),
-    }
+            measure("candidate", lambda x, y, layer, config=config: mbgmv.mbgmv(x, y, layer, Q, batch.row_slot, table, max_rank, workspace, config=config), config)
+        valid = [e for e in entries if "us" in e and e["rel_error"] < 2e-2 and e["label"] != "before"]
+        best = min(valid, key=lambda e: e["us"]) if valid else None
+        report[name] = {"in_out": [in_dim, out_dim], "bytes_per_call": case.moved, "roofline_floor_us": round(case.floor_us, 2),
+                        "entries": entries, "best": best}
+        del case
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    if device.type == "cuda":
+        report["sync_errors"] = mbgmv.decode_sync_errors(device)
+    return report
 
 
 def mbgmm_sweep(args, device, timer: Timer, table, segments, xs, ys, floor_us) -> dict:
@@ -362,7 +386,7 @@ def prefill_bench(args, device, timer: Timer, bandwidth: float) -> dict:
     segment_ranks = [16, 64, 8, 32]
     rows = args.prefill_rows
     dtype = torch.bfloat16
-    table = build_table(args.page, hidden, segment_ranks, layers, dtype, device, seed=2)
+    table = build_table(args.page, hidden, hidden, segment_ranks, layers, dtype, device, seed=2)
     per = rows // len(segment_ranks)
     row_slots = [min(t // per, len(segment_ranks) - 1) for t in range(rows)]
     batch = LoraBatch.build(row_slots, device)
@@ -408,7 +432,7 @@ def prefill_bench(args, device, timer: Timer, bandwidth: float) -> dict:
         print(f"prefill {name:15s} eager {eager:9.2f} us  graph {graph if graph is None else round(graph, 2)} us  "
               f"{results[name]['roofline_percent']}% of the bytes roofline", flush=True)
     try:
-        sweep = mbgmm_sweep(args, device, timer, table, segments, xs, ys, floor_us)
+        sweep = mbgmm_sweep(args, device, timer, table, segments, xs, ys, floor_us) if args.prefill_sweep else {"skipped": "no --prefill-sweep"}
     except Exception as error:
         sweep = {"error": repr(error)[:2000]}
         print(f"mbgmm sweep: FAILED {error!r}"[:2000], flush=True)
@@ -445,30 +469,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="JSON file to write")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU allowed: checks the script runs")
+    parser.add_argument("--baseline", help="an earlier gpu_ops/mbgmv.py to time beside the current one")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the per-shape MBGMV tile sweep")
+    parser.add_argument("--prefill-sweep", action="store_true", help="also sweep MBGMM's tiles")
+    parser.add_argument("--budget-s", type=float, default=150.0, help="stop starting sweep configs after this many seconds")
     args = parser.parse_args()
+    began = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         sys.exit("no GPU: run on the GPU machine (bench/gpu_check.sh), or with --smoke")
     if args.smoke:
         args.page = args.hidden = 64
+        args.shapes = {"q_proj": (64, 64), "k_proj": (64, 16), "down_proj": (160, 64)}
         args.decode_rows, args.prefill_rows, args.layers = 4, 32, 2
         args.min_rank, args.max_rank, args.graph_rounds = 8, 24, 1
         timer, copy_mib = Timer(device, reps=2), 1
     else:
         args.page = args.hidden = 4096
+        args.shapes = {"q_proj": (4096, 4096), "k_proj": (4096, 1024), "gate_proj": (4096, 11008), "down_proj": (11008, 4096)}
         args.decode_rows, args.prefill_rows, args.layers = 64, 2048, 4
         args.min_rank, args.max_rank, args.graph_rounds = 8, 64, 16
         timer, copy_mib = Timer(device, reps=100), 1024
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device, timer, copy_mib)
     print(f"device-to-device copy: {bandwidth:.0f} GB/s (read + write)", flush=True)
+    baseline = load_baseline(args.baseline)
     report = {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "machine": machine(device),
         "copy_bandwidth_GBps": round(bandwidth, 1),
-        "decode": decode_bench(args, device, timer, bandwidth),
-        "prefill": prefill_bench(args, device, timer, bandwidth),
+        "decode": decode_bench(args, device, timer, bandwidth, baseline),
     }
+    if not args.no_sweep:
+        report["decode_shapes"] = shape_sweep(args, device, timer, bandwidth, baseline, began + args.budget_s)
+    report["prefill"] = prefill_bench(args, device, timer, bandwidth)
     decode, prefill = report["decode"], report["prefill"]
     print("\n| case | method | eager us | graph us | % of HBM roofline |")
     print("| --- | --- | --- | --- | --- |")
@@ -478,6 +512,14 @@ def main() -> None:
                 print(f"| {case} | {name} | failed | | |")
                 continue
             print(f"| {case} | {name} | {result['eager_us']} | {result['graph_us']} | {result['roofline_percent']} |")
+    for name, section in report.get("decode_shapes", {}).items():
+        if isinstance(section, dict) and section.get("best"):
+            shipped = next((e for e in section["entries"] if e.get("label") == "shipped" and "us" in e), {})
+            before = next((e for e in section["entries"] if e.get("label") == "before" and "us" in e), {})
+            best = section["best"]
+            print(f"| decode {name} {section['in_out']} | shipped {shipped.get('us')} us ({shipped.get('roofline_percent')}%) | "
+                  f"best {best['us']} us ({best['roofline_percent']}%) | before {before.get('us')} us ({before.get('roofline_percent')}%) | "
+                  f"best config {({k: best[k] for k in ('shrink_r', 'block_k', 'k_tiles', 'expand_r', 'block_n', 'num_warps', 'fused')})}")
     print(f"decode floor {decode['roofline_floor_us']} us, prefill floor {prefill['roofline_floor_us']} us, copy {bandwidth:.0f} GB/s")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
