@@ -99,7 +99,9 @@ def main() -> None:
     parser.add_argument("--model-config", default="llama-2-7b")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens of the batch-1 run")
+    parser.add_argument("--prompts", type=lambda text: [int(x) for x in text.split(",")], default=[128, 512],
+                        help="prompt lengths of the batch runs")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -109,12 +111,25 @@ def main() -> None:
     engine = Engine(EngineConfig(
         model_config=args.model_config, dummy_weights=True, dummy_adapters=args.batch, dummy_adapter_rank=args.rank,
         dummy_adapter_targets=",".join(PROJECTIONS), device="cuda", dtype="bfloat16",
-        max_running_requests=args.batch, max_batch_tokens=max(2048, args.batch * args.prompt), max_lora_rank=max(64, args.rank),
+        max_running_requests=args.batch, max_batch_tokens=max(2048, args.batch * max(args.prompts)), max_lora_rank=max(64, args.rank),
         max_model_len=2048,
     ))
     weight_bytes = sum(t.nbytes for name, t in _model_tensors(engine))
-    base_rate, base_ms = decode_rate(engine, [None] * args.batch, args.prompt, args.steps)
-    lora_rate, lora_ms = decode_rate(engine, [f"dummy-{i}" for i in range(args.batch)], args.prompt, args.steps)
+    spec = engine.spec
+    lora_bytes = args.batch * spec.num_layers * args.rank * 2 * sum(sum(spec.projection_shape(p)) for p in PROJECTIONS)
+    decode = []
+    for prompt in args.prompts:
+        base_rate, base_ms = decode_rate(engine, [None] * args.batch, prompt, args.steps)
+        lora_rate, lora_ms = decode_rate(engine, [f"dummy-{i}" for i in range(args.batch)], prompt, args.steps)
+        context = prompt + args.steps // 2  # mean context over the timed steps
+        kv_bytes = args.batch * context * spec.num_layers * 2 * spec.kv_size * 2
+        decode.append({
+            "prompt": prompt, "base_tok_s": base_rate, "lora_tok_s": lora_rate, "lora_over_base": lora_rate / base_rate,
+            "base_step_ms": base_ms, "lora_step_ms": lora_ms,
+            "base_floor_ms": (weight_bytes + kv_bytes) / hbm * 1e3,
+            "lora_floor_ms": (weight_bytes + kv_bytes + lora_bytes) / hbm * 1e3,
+            "ratio_at_floor": (weight_bytes + kv_bytes) / (weight_bytes + kv_bytes + lora_bytes),
+        })
     _, single_ms = decode_rate(engine, [None], args.prompt, args.steps)
     floor_ms = weight_bytes / hbm * 1e3
     load = adapter_load(engine, 64, ("q_proj", "k_proj", "v_proj"))
@@ -123,9 +138,8 @@ def main() -> None:
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model_config,
         "ops": engine.ops.name, "cuda_graph_steps": engine.graph_steps,
         "hbm_copy_GBps": hbm / 1e9, "pinned_h2d_GBps": pinned / 1e9,
-        "decode": {"batch": args.batch, "rank": args.rank, "targets": "all seven", "prompt": args.prompt, "steps": args.steps,
-                   "base_tok_s": base_rate, "lora_tok_s": lora_rate, "lora_over_base": lora_rate / base_rate,
-                   "base_step_ms": base_ms, "lora_step_ms": lora_ms},
+        "decode": {"batch": args.batch, "rank": args.rank, "targets": "all seven", "steps": args.steps,
+                   "lora_bytes_per_step": lora_bytes, "by_prompt": decode},
         "batch1": {"step_ms": single_ms, "weight_bytes": weight_bytes, "floor_ms": floor_ms, "over_floor": single_ms / floor_ms},
         "adapter_load": {"rank": 64, "targets": "q,k,v", **load, "floor_ms": load_floor_ms, "over_floor": load["ms"] / load_floor_ms},
     }

@@ -45,24 +45,27 @@ class DecodeGraphs:
         self.seq_info = torch.ones(3, size, **int32)  # query_start, query_len, kv_len
         self.seq_info[0] = self.seq_ids
         self.rows = torch.arange(size, **long)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
     def capture(self) -> None:
         """Captures every bucket, largest first so the smaller graphs reuse its memory pool."""
+        # Two graphs a bucket: with the LoRA kernels, and without them for steps where no row uses an
+        # adapter (the base model alone then pays nothing for LoRA).
         for size in reversed(self.buckets):
-            step = self._static_step(size)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: Triton compiles, the allocator settles
-                for _ in range(2):
-                    self.model.forward(step, self.kv.view, self.table)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.model.forward(step, self.kv.view, self.table)
-            self.pool = graph.pool()
-            self.graphs[size] = (graph, logits)
+            for with_lora in (True, False):
+                step = self._static_step(size, self.max_rank if with_lora else 0)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up: Triton compiles, the allocator settles
+                    for _ in range(2):
+                        self.model.forward(step, self.kv.view, self.table)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    logits = self.model.forward(step, self.kv.view, self.table)
+                self.pool = graph.pool()
+                self.graphs[(size, with_lora)] = (graph, logits)
         log.info("cuda graphs captured buckets=%s max_rank=%d", ",".join(map(str, self.buckets)), self.max_rank)
 
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
@@ -86,7 +89,7 @@ class DecodeGraphs:
         table = np.full((self.kv.num_layers, 2, size, blocks.shape[1]), SCRATCH_PAGE, dtype=np.int32)
         table[:, :, :n] = blocks.transpose(2, 3, 0, 1)
         self.block_table[:, :, :size, : blocks.shape[1]].copy_(torch.from_numpy(table))
-        graph, logits = self.graphs[size]
+        graph, logits = self.graphs[(size, bool((slots >= 0).any()))]
         graph.replay()
         return logits[:n]
 
@@ -96,7 +99,7 @@ class DecodeGraphs:
         host[: len(values)] = values
         buffer[:size].copy_(torch.from_numpy(host))
 
-    def _static_step(self, size: int) -> Step:
+    def _static_step(self, size: int, max_rank: int) -> Step:
         from lorad.gpu_ops.paged_attention import AttentionMeta
 
         attention = AttentionBatch(
@@ -112,5 +115,5 @@ class DecodeGraphs:
             seq_info=self.seq_info[:, :size], decode_seqs=self.seq_ids[:size], tile_seq=empty, tile_row=empty,
             num_decode=size, num_tiles=0, max_context=self.max_blocks * self.kv.tokens_per_page,
         )
-        lora = LoraBatch(row_slot=self.row_slot[:size], slot_rows=[], max_rank=self.max_rank)
+        lora = LoraBatch(row_slot=self.row_slot[:size], slot_rows=[], max_rank=max_rank)
         return Step(self.input_ids[:size], self.positions[:size], self.rows[:size], attention, lora)

@@ -46,10 +46,11 @@ class Ops:
     and any device where the kernels cannot run); `Ops.for_device()` picks the Triton kernels on cuda.
     `name` says which set runs: the engine logs it and /v1/status shows it."""
 
-    def __init__(self, name: str, rms_norm, rope, write_kv, attention, lora, prepare_lora=None):
+    def __init__(self, name: str, rms_norm, rope_qk, silu_mul, write_kv, attention, lora, prepare_lora=None):
         self.name = name
         self.rms_norm = rms_norm
-        self.rope = rope
+        self.rope_qk = rope_qk
+        self.silu_mul = silu_mul
         self.write_kv = write_kv
         self.attention = attention
         self.lora = lora
@@ -60,25 +61,28 @@ class Ops:
     @classmethod
     def reference(cls, name: str = "torch-reference") -> Ops:
         from lorad.gpu_ops.attention import paged_attention_ref, write_kv_ref
+        from lorad.gpu_ops.fused import rope_qk_ref, silu_mul_ref
         from lorad.gpu_ops.lora import apply_lora_ref
         from lorad.gpu_ops.norm import rms_norm_ref
-        from lorad.gpu_ops.rope import apply_rope_ref
 
-        return cls(name, rms_norm_ref, apply_rope_ref, write_kv_ref, paged_attention_ref, apply_lora_ref)
+        return cls(name, rms_norm_ref, rope_qk_ref, silu_mul_ref, write_kv_ref, paged_attention_ref, apply_lora_ref)
 
     @classmethod
     def for_device(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int) -> Ops:
         if device.type != "cuda":
             return cls.reference()
         try:
-            from lorad.gpu_ops import bgmv, mbgmm, mbgmv, paged_attention
+            from lorad.gpu_ops import bgmv, fused, mbgmm, mbgmv, paged_attention
 
             bgmv.require_triton()
         except (ImportError, RuntimeError) as error:
             return cls.reference(f"torch-reference (triton unavailable: {error})")
-        ops = cls.reference("triton[lora:mbgmv+mbgmm,paged-attention]")
+        ops = cls.reference("triton[lora:mbgmv+mbgmm,paged-attention,fused-norm-rope-silu]")
         ops.attention = paged_attention.attention
         ops.write_kv = paged_attention.write_kv
+        ops.rms_norm = fused.rms_norm
+        ops.rope_qk = lambda q, k, cos, sin: fused.rope_qk(q, k, cos, sin, inplace=True)
+        ops.silu_mul = fused.silu_mul
         workspace = torch.empty(bgmv.workspace_numel(max_batch_tokens, max_lora_rank), dtype=torch.float32, device=device)
 
         def prepare_lora(batch, table):
@@ -147,8 +151,7 @@ class LlamaModel:
         q, k, v = qkv.split(self.splits, dim=-1)
         for proj, out in ((Q, q), (K, k), (V, v)):
             ops.lora(x, out, index, proj, lora, table)
-        q = ops.rope(q.view(-1, spec.num_heads, spec.head_dim), cos, sin)
-        k = ops.rope(k.view(-1, spec.num_kv_heads, spec.head_dim), cos, sin)
+        q, k = ops.rope_qk(q.view(-1, spec.num_heads, spec.head_dim), k.view(-1, spec.num_kv_heads, spec.head_dim), cos, sin)
         ops.write_kv(kv_view, index, k, v.view(-1, spec.num_kv_heads, spec.head_dim), step.attention)
         attended = ops.attention(q, kv_view, index, step.attention, self.scale)
         o = attended @ layer.o.t()
@@ -160,7 +163,7 @@ class LlamaModel:
         gate, up = gate_up.chunk(2, dim=-1)
         ops.lora(x, gate, index, GATE, lora, table)
         ops.lora(x, up, index, UP, lora, table)
-        act = F.silu(gate) * up
+        act = ops.silu_mul(gate, up)
         down = act @ layer.down.t()
         ops.lora(act, down, index, DOWN, lora, table)
         return h + down

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 NUM_PROJECTIONS = 7
 SCRATCH_PAGE = 0  # never handed out: padded rows and table entries point here
+MAX_DIRECT_RUNS = 16  # an adapter in at most this many runs of pages is copied run by run
 
 
 class PagePool:
@@ -49,6 +50,7 @@ class PagePool:
             return None
         taken = self._free[len(self._free) - count :]
         del self._free[len(self._free) - count :]
+        taken.reverse()  # ascending: a fresh region comes out as one run of consecutive pages
         self.used[owner] += count
         return taken
 
@@ -208,9 +210,14 @@ class AdapterTable:
         if pages.is_cuda:
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(pages.device)
+            runs = _runs(ids)
             with torch.cuda.stream(self._copy_stream):
-                ids_device = torch.from_numpy(ids).to(pages.device, dtype=torch.long, non_blocking=True)
-                pages.index_copy_(0, ids_device, staged.pages.to(pages.device, non_blocking=True))
+                if len(runs) <= MAX_DIRECT_RUNS:  # DMA straight from pinned memory into the pages
+                    for offset, first, length in runs:
+                        pages[first : first + length].copy_(staged.pages[offset : offset + length], non_blocking=True)
+                else:  # scattered pages: one copy up, then one scatter on the device
+                    ids_device = torch.from_numpy(ids).to(pages.device, dtype=torch.long, non_blocking=True)
+                    pages.index_copy_(0, ids_device, staged.pages.to(pages.device, non_blocking=True))
                 done = torch.cuda.Event()
                 done.record()
             torch.cuda.current_stream(pages.device).wait_event(done)
@@ -251,6 +258,14 @@ class AdapterTable:
             end += placement.index_len
         self._index_end = end
         log.debug("adapter index compacted end=%d", end)
+
+
+def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """(offset in ids, first page, length) of each run of consecutive page ids."""
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(ids)])))
+    return [(int(start), int(ids[start]), int(length)) for start, length in zip(starts, lengths)]
 
 
 def _stage_rows(staged: torch.Tensor, cursor: int, rows: torch.Tensor, chunks: int, page: int) -> int:
