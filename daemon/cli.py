@@ -380,16 +380,26 @@ async def _serve(engine, config: Config, listener: socket.socket | None, path: s
             pinger.cancel()
     finally:
         await runner.cleanup()  # the API aborts whatever still runs, handlers answer, connections close
+        # Before the loop closes: that waits for its executor's threads, and a call to an engine that
+        # stopped answering only returns once the engine process is gone.
+        engine.stop()
     return EXIT_ENGINE_DIED if engine_died else 0
 
 
 async def _watchdog(engine, interval: float) -> None:
+    """WATCHDOG=1 every `interval` while the engine process lives and answers: each ping waits for the
+    answer to a status() sent one interval before, so an engine that stopped answering (a deadlock, a
+    wedged device call holding its lock) stops the pings and systemd restarts the daemon."""
     from lorad.daemon import systemd
 
+    loop = asyncio.get_running_loop()
+    probe = None
     while True:
-        # A dead engine gets no pings: if serve somehow did not exit, systemd's watchdog restarts it.
-        if engine.alive:
+        answered = probe is None or (probe.done() and probe.exception() is None)
+        if engine.alive and answered:  # a dead engine gets no pings either
             systemd.notify("WATCHDOG=1")
+        if probe is None or probe.done():
+            probe = loop.run_in_executor(None, engine.status)
         await asyncio.sleep(interval)
 
 

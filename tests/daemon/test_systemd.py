@@ -11,6 +11,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,8 +113,14 @@ def test_watchdog_pings_only_while_the_engine_lives(notify_socket, monkeypatch):
 
     class Engine:
         alive = True
+        answers = threading.Event()
+
+        def status(self):
+            self.answers.wait()
+            return {}
 
     engine = Engine()
+    engine.answers.set()
 
     async def run(seconds: float) -> None:
         task = asyncio.ensure_future(_watchdog(engine, 0.01))
@@ -132,6 +139,15 @@ def test_watchdog_pings_only_while_the_engine_lives(notify_socket, monkeypatch):
     asyncio.run(run(0.05))
     with pytest.raises(BlockingIOError):
         sock.recv(100)
+    # alive but not answering: the first ping goes out, then none while status() hangs
+    engine.alive = True
+    engine.answers.clear()
+    threading.Timer(0.5, engine.answers.set).start()  # asyncio.run waits for the executor's threads
+    asyncio.run(run(0.05))
+    assert sock.recv(100) == b"WATCHDOG=1"
+    with pytest.raises(BlockingIOError):
+        sock.recv(100)
+    engine.answers.set()
 
 
 def test_serve_on_a_socket_passed_by_systemd(demo_assets, short_tmp, notify_socket):
