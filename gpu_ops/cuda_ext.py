@@ -244,7 +244,7 @@ def fused_copy_and_signal(dst: torch.Tensor, src: torch.Tensor, flags, seq: int,
     nbytes = src.numel() * src.element_size()
     flag_address, count, stride = _flag_layout(flags)
     _ext.copy_and_signal(
-        _device_address(dst.data_ptr(), nbytes, "dst"),
+        _device_address(dst.data_ptr(), nbytes, "dst") if nbytes else 0,  # an empty tensor's data_ptr is 0
         src.data_ptr(),
         nbytes,
         _device_address(flag_address, (count - 1) * stride + FLAG_BYTES, "flags"),
