@@ -243,62 +243,82 @@ def relative_error(result: torch.Tensor, before: torch.Tensor, expected: torch.T
     return float((delta - want).norm() / want.norm().clamp_min(1e-30))
 
 
-# Candidate tiles for the per-shape sweep (fused unless said otherwise); the defaults in
-# gpu_ops/mbgmv.py's TUNED table come from this sweep.
-SWEEP_CONFIGS = [
-    mbgmv.DecodeConfig(),
-    mbgmv.DecodeConfig(block_n=64),
-    mbgmv.DecodeConfig(block_n=256, num_warps=8),
-    mbgmv.DecodeConfig(block_k=1024),
-    mbgmv.DecodeConfig(block_k=256),
-    mbgmv.DecodeConfig(shrink_r=32, block_k=256),
-    mbgmv.DecodeConfig(shrink_r=8, block_k=1024),
-    mbgmv.DecodeConfig(k_tiles=2),
-    mbgmv.DecodeConfig(num_warps=8),
-    mbgmv.DecodeConfig(fused=False),
-    mbgmv.DecodeConfig(block_k=1024, fused=False),
-]
+# Candidates of the per-shape sweep: the shrink's (rank rows, columns, warps) and the expand's (rank
+# rows, columns, warps), each kernel timed apart, then the best pair timed together; and fused
+# configurations. gpu_ops/mbgmv.py's TUNED table comes from this sweep.
+SHRINK_TILES = [(16, 512, 4), (16, 1024, 4), (8, 1024, 4), (16, 1024, 8), (8, 2048, 4), (8, 2048, 8), (16, 2048, 8), (32, 1024, 8), (4, 4096, 4)]
+EXPAND_TILES = [(64, 128, 4), (64, 64, 4), (64, 256, 4), (64, 256, 8), (64, 512, 8), (32, 256, 4), (32, 512, 8), (16, 512, 4)]
+FUSED_CONFIGS = [mbgmv.DecodeConfig(shrink_r=8, block_k=1024, fused=True), mbgmv.DecodeConfig(shrink_r=8, block_k=2048, num_warps=8, fused=True)]
 
 
 def shape_sweep(args, device, timer: Timer, bandwidth: float, baseline, deadline: float) -> dict:
-    """Each projection shape of a 7B model: the shipped config, the baseline, and SWEEP_CONFIGS, each
-    checked against the reference, timed as graph replays. Stops adding configs past `deadline`."""
-    shapes = {name: shape for name, shape in args.shapes.items()}
+    """Each projection shape of a 7B model: the shipped config, the baseline, the shrink and expand
+    tiles timed apart (graph replays), the best pair together, and FUSED_CONFIGS; every combination
+    checked against the reference. Stops starting new measurements past `deadline`."""
     report = {}
-    for name, (in_dim, out_dim) in shapes.items():
+    for name, (in_dim, out_dim) in args.shapes.items():
         if time.monotonic() > deadline:
             report[name] = {"skipped": "time budget"}
             continue
         case = DecodeCase(args, device, in_dim, out_dim, bandwidth)
         table, batch, max_rank, workspace = case.table, case.batch, case.max_rank, case.workspace
+        row_slot, page = batch.row_slot, table.pool.page_elems
         shipped = mbgmv.decode_config(in_dim, out_dim, max_rank)
-        entries = []
+        entries, shrinks, expands = [], [], []
 
-        def measure(label: str, fn, config=None):
-            entry = {"label": label, **({} if config is None else dataclasses.asdict(config))}
+        def run_config(config):
+            return lambda x, y, layer: mbgmv.mbgmv(x, y, layer, Q, row_slot, table, max_rank, workspace, config=config)
+
+        def measure(label: str, fn, config=None, check=True, into=entries, **fields):
+            entry = {"label": label, **fields, **({} if config is None else dataclasses.asdict(config))}
+            if time.monotonic() > deadline:
+                entry["skipped"] = "time budget"
+                into.append(entry)
+                return entry
             try:
-                entry["rel_error"] = case.error(fn)
-                us = timer.graph(case.calls(fn), args.graph_rounds, reps=max(5, timer.reps // 2)) or timer.eager(case.calls(fn))
+                if check:
+                    entry["rel_error"] = case.error(fn)
+                us = timer.graph(case.calls(fn), args.graph_rounds, reps=max(5, timer.reps * 3 // 10)) or timer.eager(case.calls(fn))
                 entry.update(us=round(us, 2), **case.figures(us))
             except Exception as failure:
                 entry["error"] = repr(failure)[:300]
-            entries.append(entry)
-            print(f"  {name} {label:10s} {entry.get('us')} us {entry.get('roofline_percent')}% err {entry.get('rel_error')} "
-                  f"{entry.get('error', '')} {'' if config is None else config}", flush=True)
+            into.append(entry)
+            print(f"  {name} {label:8s} {entry.get('us')} us {entry.get('roofline_percent')}% err {entry.get('rel_error')} "
+                  f"{entry.get('error', '')} {fields or ''} {'' if config is None else config}", flush=True)
+            return entry
+
+        def splits_of(config) -> int:
+            return mbgmv._plan(page, in_dim, out_dim, max_rank, None, config)[0]
+
+        def view(splits: int):
+            return bgmv.workspace_view(workspace, splits, len(case.ranks), max_rank, device)
 
         print(f"decode sweep {name} {in_dim}->{out_dim}: floor {case.floor_us:.2f} us", flush=True)
-        measure("shipped", lambda x, y, layer: mbgmv.mbgmv(x, y, layer, Q, batch.row_slot, table, max_rank, workspace), shipped)
+        measure("shipped", run_config(shipped), shipped)
         if baseline is not None:
             measure("before", lambda x, y, layer: baseline.lora_decode(x, y, layer, Q, batch, table, max_rank=max_rank, workspace=workspace))
-        for config in SWEEP_CONFIGS:
-            if time.monotonic() > deadline:
-                entries.append({"skipped": "time budget", **dataclasses.asdict(config)})
-                continue
-            measure("candidate", lambda x, y, layer, config=config: mbgmv.mbgmv(x, y, layer, Q, batch.row_slot, table, max_rank, workspace, config=config), config)
+        for block_r, block_k, warps in SHRINK_TILES:  # alone: the figure counts the whole call's bytes
+            config = mbgmv.DecodeConfig(shrink_r=block_r, block_k=block_k, num_warps=warps)
+            v = view(splits_of(config))
+            measure("shrink", lambda x, y, layer, v=v, t=(block_r, block_k, warps): mbgmv.mbgmv_shrink(x, v, layer, Q, row_slot, table, max_rank, *t),
+                    check=False, into=shrinks, shrink=[block_r, block_k, warps], splits=v.shape[0])
+        v_shipped = view(splits_of(shipped))
+        mbgmv.mbgmv_shrink(case.xs[0], v_shipped, 0, Q, row_slot, table, max_rank, shipped.shrink_r, shipped.block_k, shipped.num_warps)
+        for block_r, block_n, warps in EXPAND_TILES:
+            measure("expand", lambda x, y, layer, t=(block_r, block_n, warps): mbgmv.mbgmv_expand(v_shipped, y, layer, Q, row_slot, table, max_rank, *t),
+                    check=False, into=expands, expand=[block_r, block_n, warps])
+        timed = lambda group: [e for e in group if "us" in e]  # noqa: E731
+        if timed(shrinks) and timed(expands):
+            (sr, bk, sw), (er, bn, ew) = min(timed(shrinks), key=lambda e: e["us"])["shrink"], min(timed(expands), key=lambda e: e["us"])["expand"]
+            pair = mbgmv.DecodeConfig(shrink_r=sr, block_k=bk, num_warps=sw, expand_r=er, block_n=bn, expand_warps=ew)
+            measure("pair", run_config(pair), pair)
+            measure("pair", run_config(pair), pair)  # twice: the spread between identical runs
+        for config in FUSED_CONFIGS:
+            measure("fused", run_config(config), config)
         valid = [e for e in entries if "us" in e and e["rel_error"] < 2e-2 and e["label"] != "before"]
         best = min(valid, key=lambda e: e["us"]) if valid else None
         report[name] = {"in_out": [in_dim, out_dim], "bytes_per_call": case.moved, "roofline_floor_us": round(case.floor_us, 2),
-                        "entries": entries, "best": best}
+                        "entries": entries, "shrink_alone": shrinks, "expand_alone": expands, "best": best}
         del case
         torch.cuda.empty_cache() if device.type == "cuda" else None
     if device.type == "cuda":
@@ -480,13 +500,13 @@ def main() -> None:
         sys.exit("no GPU: run on the GPU machine (bench/gpu_check.sh), or with --smoke")
     if args.smoke:
         args.page = args.hidden = 64
-        args.shapes = {"q_proj": (64, 64), "k_proj": (64, 16), "down_proj": (160, 64)}
+        args.shapes = {"q_proj": (64, 64), "down_proj": (160, 64)}
         args.decode_rows, args.prefill_rows, args.layers = 4, 32, 2
         args.min_rank, args.max_rank, args.graph_rounds = 8, 24, 1
         timer, copy_mib = Timer(device, reps=2), 1
     else:
         args.page = args.hidden = 4096
-        args.shapes = {"q_proj": (4096, 4096), "k_proj": (4096, 1024), "gate_proj": (4096, 11008), "down_proj": (11008, 4096)}
+        args.shapes = {"q_proj": (4096, 4096), "down_proj": (11008, 4096), "gate_proj": (4096, 11008), "k_proj": (4096, 1024)}
         args.decode_rows, args.prefill_rows, args.layers = 64, 2048, 4
         args.min_rank, args.max_rank, args.graph_rounds = 8, 64, 16
         timer, copy_mib = Timer(device, reps=100), 1024
@@ -519,7 +539,7 @@ def main() -> None:
             best = section["best"]
             print(f"| decode {name} {section['in_out']} | shipped {shipped.get('us')} us ({shipped.get('roofline_percent')}%) | "
                   f"best {best['us']} us ({best['roofline_percent']}%) | before {before.get('us')} us ({before.get('roofline_percent')}%) | "
-                  f"best config {({k: best[k] for k in ('shrink_r', 'block_k', 'k_tiles', 'expand_r', 'block_n', 'num_warps', 'fused')})}")
+                  f"best config {({k: best[k] for k in ('shrink_r', 'block_k', 'num_warps', 'expand_r', 'block_n', 'expand_warps', 'fused')})}")
     print(f"decode floor {decode['roofline_floor_us']} us, prefill floor {prefill['roofline_floor_us']} us, copy {bandwidth:.0f} GB/s")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -11,6 +11,7 @@ independent, which is what a ~40 MB, latency-bound call needs to keep HBM busy.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -45,23 +46,25 @@ __all__ = ["DecodeConfig", "decode_config", "decode_sync_errors", "lora_decode",
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tiles of one MBGMV call. A shrink program reads shrink_r rank rows x (k_tiles * block_k)
-    columns of A; an expand program reads expand_r rank rows x block_n columns of B^T per step of its
-    rank loop. fused: one launch (the expand waits on per-row counters), else two."""
+    columns of A with num_warps warps; an expand program reads expand_r rank rows x block_n columns of
+    B^T per step of its rank loop with expand_warps (0: num_warps). fused: one launch, the expand
+    waiting on per-row counters (slower on the H100 so far: BENCHMARKS.md), else two launches."""
 
     shrink_r: int = 16
-    block_k: int = 512
+    block_k: int = 1024
     k_tiles: int = 1
     expand_r: int = 64
     block_n: int = 128
     num_warps: int = 4
-    fused: bool = True
+    expand_warps: int = 0
+    fused: bool = False
 
 
 # Per projection shape (in, out): the best of bench/lora_kernels.py's sweep on an H100 with 64 rows of
 # ranks 8..64 (BENCHMARKS.md). Other shapes take the nearest rule in `decode_config`.
 TUNED = {
     (4096, 4096): DecodeConfig(),
-    (4096, 1024): DecodeConfig(block_n=64),
+    (4096, 1024): DecodeConfig(),
     (4096, 11008): DecodeConfig(),
     (11008, 4096): DecodeConfig(),
 }
@@ -70,11 +73,9 @@ TUNED = {
 @functools.lru_cache(maxsize=None)
 def decode_config(in_dim: int, out_dim: int, max_rank: int) -> DecodeConfig:
     """The tiles for a projection shape; cached, so the launch path pays a dict lookup."""
-    config = TUNED.get((in_dim, out_dim))
-    if config is None:
-        config = DecodeConfig(block_n=64 if out_dim <= 2048 else 128)
+    config = TUNED.get((in_dim, out_dim)) or DecodeConfig()
     if max_rank <= 16:
-        config = DecodeConfig(**{**config.__dict__, "expand_r": 16})
+        config = dataclasses.replace(config, expand_r=16)
     return config
 
 
@@ -281,11 +282,12 @@ def _launch(mode: int, x, v, y, layer, proj, row_slot, table, max_rank, config: 
         table.page_ids, table.pool.pages, sync,
         in_dim, out_dim, max_rank, width, num_rows, splits, k_per_split, rank_blocks, n_tiles, num_shrink,
         x_strides[0], x_strides[1], y_strides[0], y_strides[1], slot_stride, offset, chunks_in, chunks_out, sync.numel() - 1,
-        MODE=mode, SPIN_LIMIT=16 if _interpreted() else 1 << 20, num_warps=config.num_warps, num_stages=1, **constants,
+        MODE=mode, SPIN_LIMIT=16 if _interpreted() else 1 << 20, num_stages=1, **constants,
+        num_warps=config.expand_warps if mode == 1 and config.expand_warps else config.num_warps,
     )
 
 
-def mbgmv_shrink(x, v, layer, proj, row_slot, table, max_rank, block_r=16, block_k=512, num_warps=4):
+def mbgmv_shrink(x, v, layer, proj, row_slot, table, max_rank, block_r=16, block_k=1024, num_warps=4):
     """v[s, t, :rank_t] = partial sums of x[t] @ A^T over K split s (columns past the rank unwritten).
 
     x: [T, in]; v: float32 [splits, T, width >= max_rank] contiguous; row_slot: int32 [T]. Grid: one

@@ -335,9 +335,9 @@ def mbgmv_configs(module) -> list:
     config = module.DecodeConfig
     return [
         config(),
-        config(fused=False),
-        config(shrink_r=8, block_k=32, expand_r=16, block_n=32),
-        config(shrink_r=32, block_k=16, k_tiles=2, expand_r=32, block_n=16, num_warps=2),
+        config(fused=True),
+        config(shrink_r=8, block_k=32, expand_r=16, block_n=32, fused=True),
+        config(shrink_r=32, block_k=16, k_tiles=2, expand_r=32, block_n=16, num_warps=2, expand_warps=8),
         config(shrink_r=16, block_k=64, k_tiles=4, expand_r=16, block_n=64, fused=False),
     ]
 
@@ -497,9 +497,10 @@ def test_mbgmv_configs_gpu(index, kernels, gpu_setups):
 
 @pytest.mark.gpu
 def test_mbgmv_fused_is_deterministic_and_leaves_counters_clear(kernels, gpu_setups):
-    """The fused launch's expand waits on counters: a missing wait or a stale counter shows as a result
+    """The fused launch (opt-in) waits on counters: a missing wait or a stale counter shows as a result
     that changes between identical calls, or a counter left nonzero."""
     _, mbgmv_module, _ = kernels
+    fused = mbgmv_module.DecodeConfig(fused=True)
     setup = gpu_setups(torch.bfloat16)
     table = setup.table
     row_slots = gpu_rows("mixed", 256, seed=3)
@@ -512,7 +513,7 @@ def test_mbgmv_fused_is_deterministic_and_leaves_counters_clear(kernels, gpu_set
         results = []
         for _ in range(20):
             y = start.clone()
-            mbgmv_module.lora_decode(x, y, 0, proj, batch, table, max_rank=max_rank)
+            mbgmv_module.mbgmv(x, y, 0, proj, batch.row_slot, table, max_rank, config=fused)
             results.append(y)
         torch.cuda.synchronize()
         assert all(torch.equal(results[0], other) for other in results[1:]), f"projection {proj}: results differ between calls"
