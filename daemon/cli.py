@@ -217,28 +217,31 @@ def serve(args: argparse.Namespace) -> int:
     from lorad.daemon.engine_process import EngineProcess
 
     engine = EngineProcess(config.engine)
-    # A stop asked for while the model loads is a clean stop too (SIGINT already raises KeyboardInterrupt).
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    # Until the event loop takes the signals over: a stop is a clean stop (SIGINT already raises
+    # KeyboardInterrupt), a reload has nothing to reload yet.
+    previous_term = signal.signal(signal.SIGTERM, _interrupt)
+    previous_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        systemd.notify(f"STATUS=loading the model ({'demo' if config.engine.demo else config.engine.model})")
+        model = "demo" if config.engine.demo else config.engine.model or config.engine.model_config
+        systemd.notify(f"STATUS=loading the model ({model})")
         engine.start()
-    except KeyboardInterrupt:
-        log.info("stopped while loading the model")
-        return 0
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    try:
         _log_engine(engine, config.engine)
 
         def reload_config() -> Config:
             return resolve(cli_engine, cli_server, config_path)[0]
 
         return _run_event_loop(_serve(engine, config, listener, path, reload_config))
+    except KeyboardInterrupt:
+        log.info("stopped while loading the model" if engine.model_name is None else "stop signal before serving")
+        return 0
     finally:
+        signal.signal(signal.SIGTERM, previous_term)
+        signal.signal(signal.SIGHUP, previous_hup)
         engine.stop()
         if listener is None:  # a socket systemd passed is systemd's to remove
             _remove_socket(path)
-        log.info("stopped")
+        if engine.model_name is not None:
+            log.info("stopped")
 
 
 def _interrupt(signum, frame):
@@ -327,8 +330,13 @@ async def _serve(engine, config: Config, listener: socket.socket | None, path: s
     engine.on_death = lambda reason: loop.call_soon_threadsafe(died.set)
     if not engine.alive:
         died.set()
+    hurry = asyncio.Event()  # a second SIGTERM/SIGINT: no more grace
+
+    def on_stop_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_stop_signal)
     reloads: set[asyncio.Task] = set()
 
     def on_sighup() -> None:
@@ -369,7 +377,7 @@ async def _serve(engine, config: Config, listener: socket.socket | None, path: s
         if not engine_died and in_flight:
             log.info("shutting down: no new connections, %d requests running, grace_s=%.0f", len(in_flight), server.shutdown_grace_s)
             deadline = loop.time() + server.shutdown_grace_s
-            while in_flight and loop.time() < deadline:
+            while in_flight and loop.time() < deadline and not hurry.is_set():
                 await asyncio.sleep(0.02)
             if in_flight:
                 log.warning("shutdown grace over: aborting %d requests still running", len(in_flight))

@@ -222,10 +222,10 @@ def test_serve_demo_then_sigterm(demo_assets, short_tmp):
     assert "listening socket=" in log and "request finished" in log and "device=cpu" in log
 
 
-@pytest.mark.parametrize("grace, finish_reason", [(None, "length"), ("0", "abort")])
-def test_sigint_during_a_stream_exits_0(demo_assets, short_tmp, grace, finish_reason):
+@pytest.mark.parametrize("grace, signals, finish_reason", [(None, 1, "length"), ("0", 1, "abort"), (None, 2, "abort")])
+def test_sigint_during_a_stream_exits_0(demo_assets, short_tmp, grace, signals, finish_reason):
     """The running request finishes within the grace period (30 s by default), or is aborted at once
-    with --shutdown-grace-s 0; either way its stream ends properly and serve exits 0."""
+    with --shutdown-grace-s 0 or a second signal; either way its stream ends properly and serve exits 0."""
     path = short_tmp / "lorad.sock"
     process = start_daemon(demo_assets, path, *(["--shutdown-grace-s", grace] if grace else []))
     try:
@@ -233,6 +233,9 @@ def test_sigint_during_a_stream_exits_0(demo_assets, short_tmp, grace, finish_re
         chunks = client.stream_completions(model="demo-r8", prompt="Once", max_tokens=100, ignore_eos=True)
         next(chunks)
         process.send_signal(signal.SIGINT)
+        if signals == 2:
+            next(chunks)
+            process.send_signal(signal.SIGINT)
         rest = list(chunks)
         assert rest[-1]["choices"][0]["finish_reason"] == finish_reason
         assert process.wait(30) == 0

@@ -187,6 +187,25 @@ def test_serve_on_a_socket_passed_by_systemd(demo_assets, short_tmp, notify_sock
     assert not (short_tmp / "unused.sock").exists()
 
 
+def test_sigterm_while_the_model_loads_exits_0(demo_assets, short_tmp, notify_socket):
+    notify_path, notify = notify_socket
+    path = short_tmp / "lorad.sock"
+    env = {**os.environ, "LORAD_DEMO_DIR": str(demo_assets.model_dir.parent), "NOTIFY_SOCKET": notify_path}
+    process = subprocess.Popen(COMMAND + ["serve", "--demo", "--device", "cpu", "--socket", str(path)],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        messages = received(notify, "STATUS=loading the model (demo)")
+        process.terminate()
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    log = process.stderr.read()
+    assert "stopped while loading the model" in log and "Traceback" not in log, log
+    assert not path.exists() and not any("READY=1" in message for message in messages)
+
+
 # --- the unit files -------------------------------------------------------------------------------------
 
 
