@@ -99,6 +99,8 @@ class EngineProcess:
             thread.start()
         try:
             info = self._ready.result()
+            # the API process tokenizes prompts itself, with the engine's tokenizer.json
+            tokenizer = _load_tokenizer(None if info["model_dir"] is None else Path(info["model_dir"]))
         except KeyboardInterrupt:  # a stop asked for while the model loads: nothing to wait for
             self.stop(timeout=0)
             raise
@@ -108,7 +110,7 @@ class EngineProcess:
         self.model_name, self.vocab_size, self.max_model_len = info["model_name"], info["vocab_size"], info["max_model_len"]
         self.device, self.dtype = info["device"], info["dtype"]
         self.model_dir = None if info["model_dir"] is None else Path(info["model_dir"])
-        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tokenizer = tokenizer
         log.info("engine process ready pid=%d model=%s device=%s dtype=%s", self.pid, self.model_name, self.device, self.dtype)
 
     def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
