@@ -291,3 +291,29 @@ def test_outbox_sheds_the_requests_with_most_undelivered_outputs():
     short = [output for output in delivered if output.request_id == "short"]
     assert short[-1].finish_reason == "length"  # finished before the reader stalled: delivered whole
     assert outbox._pending_total == 0 and not outbox._pending
+
+
+def test_a_stalled_reader_costs_requests_not_memory(demo_assets):
+    """The API process's reader thread blocks (its callback hangs): the pipe fills, the engine's outbox
+    reaches its bound, and requests are aborted with an error that says why, instead of piling up."""
+    engine = start_engine(demo_assets, demo_config(max_model_len=512), max_pending_outputs=32)
+    try:
+        stalled, release = threading.Event(), threading.Event()
+        collectors = []
+
+        def stall(output: RequestOutput) -> None:
+            stalled.set()
+            release.wait()
+
+        engine.submit(request([1, 2, 3], None, stall, max_tokens=400, ignore_eos=True))
+        for _ in range(8):
+            collectors.append(Collector())
+            engine.submit(request([4, 5, 6], "demo-r1", collectors[-1], max_tokens=400, ignore_eos=True))
+        assert stalled.wait(10)
+        time.sleep(3)  # the step loop goes on, the pipe fills, the outbox sheds
+        release.set()
+        finals = [collector.wait(30) for collector in collectors]
+        assert any(final.finish_reason == "error" and final.error == SHED_MESSAGE for final in finals), finals
+        assert engine.alive and engine.status()["running"] == 0
+    finally:
+        engine.stop()
