@@ -31,7 +31,7 @@ from lorad.daemon.tokenizer import Detokenizer, NoTokenizer, Tokenizer
 from lorad.errors import BadRequest, LoradError, ModelError, ModelNotFound, Overloaded, PromptTooLong
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
-from lorad.gpu_ops.page_pool import AdapterTable, KVCache, PagePool
+from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool
 from lorad.scheduler.batching import Scheduler, Sequence
 
 log = logging.getLogger(__name__)
@@ -225,7 +225,7 @@ class Engine:
                 )
             adapter = self._read_adapter(request.adapter)  # read now, in the caller's thread: errors go to the caller
         state = RequestState(request, Detokenizer(self.tokenizer, request.sampling.stop), make_generator(request.sampling))
-        seq = Sequence(request.request_id, list(prompt), len(prompt), request.adapter, state=state)
+        seq = Sequence(request.request_id, list(prompt), len(prompt), request.adapter, blocks=BlockList(), state=state)
         with self._lock:
             if self._stopping:
                 raise Overloaded("the engine is shutting down")
@@ -415,7 +415,7 @@ class Engine:
                 seqs = [seq for seq, _ in plan]
                 blocks = np.zeros((len(seqs), max_blocks, self.spec.num_layers, 2), dtype=np.int32)
                 for index, seq in enumerate(seqs):
-                    blocks[index, : len(seq.blocks)] = np.stack(seq.blocks)
+                    blocks[index, : len(seq.blocks)] = seq.blocks.array()
                 logits = self.graphs.run(
                     np.array([seq.tokens[-1] for seq in seqs]),
                     np.array([seq.num_computed for seq in seqs]),
@@ -464,7 +464,7 @@ class Engine:
             input_ids.extend(seq.tokens[start : start + count])
             positions.extend(range(start, start + count))
             row_slots.extend([self.residency.slot(seq.adapter)] * count)
-            blocks = np.stack(seq.blocks)
+            blocks = seq.blocks.array()
             block_table[index, : len(blocks)] = blocks
             dest.append(blocks[np.arange(start, start + count) // tokens_per_page])
             if start + count == seq.num_tokens:

@@ -98,13 +98,48 @@ class KVCache:
         blocks.extend(rows)
         return True
 
-    def release(self, blocks: list[np.ndarray]) -> None:
-        for block in blocks:
-            self.pool.free(block.ravel().tolist(), "kv")
+    def release(self, blocks) -> None:
+        if len(blocks):
+            self.pool.free(np.asarray(blocks.array() if isinstance(blocks, BlockList) else blocks).ravel().tolist(), "kv")
         blocks.clear()
 
     def free_tokens(self) -> int:
         return self.pool.num_free // self.pages_per_block * self.tokens_per_page
+
+
+class BlockList:
+    """A sequence's KV blocks, page ids [n, num_layers, 2], in one growing numpy buffer: the runner
+    reads them as one array each step instead of stacking per-block rows."""
+
+    def __init__(self):
+        self._buffer: np.ndarray | None = None
+        self._length = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    def extend(self, rows: np.ndarray) -> None:
+        rows = np.asarray(rows)
+        needed = self._length + len(rows)
+        if self._buffer is None or needed > len(self._buffer):
+            grown = np.empty((max(needed, 2 * self._length, 16), *rows.shape[1:]), dtype=np.int32)
+            if self._buffer is not None:
+                grown[: self._length] = self._buffer[: self._length]
+            self._buffer = grown
+        self._buffer[self._length : needed] = rows
+        self._length = needed
+
+    def array(self) -> np.ndarray:
+        """A view of the blocks [n, num_layers, 2]; valid until the next extend."""
+        if self._buffer is None:
+            return np.empty((0, 0, 2), dtype=np.int32)
+        return self._buffer[: self._length]
+
+    def __iter__(self):
+        return iter(self.array())
+
+    def clear(self) -> None:
+        self._length = 0
 
 
 @dataclass
@@ -212,6 +247,9 @@ class AdapterTable:
                 self._copy_stream = torch.cuda.Stream(pages.device)
             runs = _runs(ids)
             with torch.cuda.stream(self._copy_stream):
+                # The small table rows first: their pageable copies make the host wait for this stream,
+                # which must not be behind the big copy.
+                self._publish(slot, start, needed)
                 if len(runs) <= MAX_DIRECT_RUNS:  # DMA straight from pinned memory into the pages
                     for offset, first, length in runs:
                         pages[first : first + length].copy_(staged.pages[offset : offset + length], non_blocking=True)
@@ -223,8 +261,8 @@ class AdapterTable:
             torch.cuda.current_stream(pages.device).wait_event(done)
         else:
             pages.index_copy_(0, torch.from_numpy(ids).long(), staged.pages)
+            self._publish(slot, start, needed)
         self.placements[slot] = AdapterPlacement(slot, page_ids, start, needed)
-        self._publish(slot, start, needed)
         return True
 
     def evict(self, slot: int) -> None:
