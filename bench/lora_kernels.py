@@ -184,10 +184,8 @@ def decode_methods(case: DecodeCase, baseline) -> dict:
     """Every decode implementation on one case, by name: fn(x, y, layer)."""
     table, batch, max_rank, workspace = case.table, case.batch, case.max_rank, case.workspace
     segments = mbgmm.Segments.build(batch, table)
-    two = dataclasses.replace(mbgmv.decode_config(case.in_dim, case.out_dim, max_rank), fused=False)
     methods = {
         "mbgmv": lambda x, y, layer: mbgmv.lora_decode(x, y, layer, Q, batch, table, max_rank=max_rank, workspace=workspace),
-        "mbgmv_two_launches": lambda x, y, layer: mbgmv.mbgmv(x, y, layer, Q, batch.row_slot, table, max_rank, workspace, config=two),
     }
     if baseline is not None:
         methods["mbgmv_before"] = lambda x, y, layer: baseline.lora_decode(x, y, layer, Q, batch, table, max_rank=max_rank, workspace=workspace)
@@ -244,17 +242,16 @@ def relative_error(result: torch.Tensor, before: torch.Tensor, expected: torch.T
 
 
 # Candidates of the per-shape sweep: the shrink's (rank rows, columns, warps) and the expand's (rank
-# rows, columns, warps), each kernel timed apart, then the best pair timed together; and fused
-# configurations. gpu_ops/mbgmv.py's TUNED table comes from this sweep.
+# rows, columns, warps), each kernel timed apart, then the best pair timed together.
+# gpu_ops/mbgmv.py's TUNED table comes from this sweep.
 SHRINK_TILES = [(16, 512, 4), (16, 1024, 4), (8, 1024, 4), (16, 1024, 8), (8, 2048, 4), (8, 2048, 8), (16, 2048, 8), (32, 1024, 8), (4, 4096, 4)]
 EXPAND_TILES = [(64, 128, 4), (64, 64, 4), (64, 256, 4), (64, 256, 8), (64, 512, 8), (32, 256, 4), (32, 512, 8), (16, 512, 4)]
-FUSED_CONFIGS = [mbgmv.DecodeConfig(shrink_r=8, block_k=1024, fused=True), mbgmv.DecodeConfig(shrink_r=8, block_k=2048, num_warps=8, fused=True)]
 
 
 def shape_sweep(args, device, timer: Timer, bandwidth: float, baseline, deadline: float) -> dict:
     """Each projection shape of a 7B model: the shipped config, the baseline, the shrink and expand
-    tiles timed apart (graph replays), the best pair together, and FUSED_CONFIGS; every combination
-    checked against the reference. Stops starting new measurements past `deadline`."""
+    tiles timed apart (graph replays) and the best pair together; every whole call checked against
+    the reference. Stops starting new measurements past `deadline`."""
     report = {}
     for name, (in_dim, out_dim) in args.shapes.items():
         if time.monotonic() > deadline:
@@ -288,7 +285,7 @@ def shape_sweep(args, device, timer: Timer, bandwidth: float, baseline, deadline
             return entry
 
         def splits_of(config) -> int:
-            return mbgmv._plan(page, in_dim, out_dim, max_rank, None, config)[0]
+            return mbgmv._shrink_plan(page, in_dim, None, config)[0]
 
         def view(splits: int):
             return bgmv.workspace_view(workspace, splits, len(case.ranks), max_rank, device)
@@ -313,16 +310,12 @@ def shape_sweep(args, device, timer: Timer, bandwidth: float, baseline, deadline
             pair = mbgmv.DecodeConfig(shrink_r=sr, block_k=bk, num_warps=sw, expand_r=er, block_n=bn, expand_warps=ew)
             measure("pair", run_config(pair), pair)
             measure("pair", run_config(pair), pair)  # twice: the spread between identical runs
-        for config in FUSED_CONFIGS:
-            measure("fused", run_config(config), config)
         valid = [e for e in entries if "us" in e and e["rel_error"] < 2e-2 and e["label"] != "before"]
         best = min(valid, key=lambda e: e["us"]) if valid else None
         report[name] = {"in_out": [in_dim, out_dim], "bytes_per_call": case.moved, "roofline_floor_us": round(case.floor_us, 2),
                         "entries": entries, "shrink_alone": shrinks, "expand_alone": expands, "best": best}
         del case
         torch.cuda.empty_cache() if device.type == "cuda" else None
-    if device.type == "cuda":
-        report["sync_errors"] = mbgmv.decode_sync_errors(device)
     return report
 
 
@@ -539,7 +532,7 @@ def main() -> None:
             best = section["best"]
             print(f"| decode {name} {section['in_out']} | shipped {shipped.get('us')} us ({shipped.get('roofline_percent')}%) | "
                   f"best {best['us']} us ({best['roofline_percent']}%) | before {before.get('us')} us ({before.get('roofline_percent')}%) | "
-                  f"best config {({k: best[k] for k in ('shrink_r', 'block_k', 'num_warps', 'expand_r', 'block_n', 'expand_warps', 'fused')})}")
+                  f"best config {({k: best[k] for k in ('shrink_r', 'block_k', 'num_warps', 'expand_r', 'block_n', 'expand_warps')})}")
     print(f"decode floor {decode['roofline_floor_us']} us, prefill floor {prefill['roofline_floor_us']} us, copy {bandwidth:.0f} GB/s")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
