@@ -86,18 +86,18 @@ class EngineProcess:
             args=(self.config, engine_end_in, engine_end_out, logging.getLogger().getEffectiveLevel(),
                   self.max_pending_outputs),
         )
-        self._process.start()
-        self.pid = self._process.pid
-        engine_end_in.close()  # ours closed: the engine's reads end when this process does
-        engine_end_out.close()
         self._outbox = _Outbox(to_engine)
-        self._threads = [
-            threading.Thread(target=self._outbox.run, name="lorad-engine-sender", daemon=True),
-            threading.Thread(target=self._read, args=(from_engine,), name="lorad-engine-reader", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
         try:
+            self._process.start()
+            self.pid = self._process.pid
+            engine_end_in.close()  # ours closed: the engine's reads end when this process does
+            engine_end_out.close()
+            self._threads = [
+                threading.Thread(target=self._outbox.run, name="lorad-engine-sender", daemon=True),
+                threading.Thread(target=self._read, args=(from_engine,), name="lorad-engine-reader", daemon=True),
+            ]
+            for thread in self._threads:
+                thread.start()
             info = self._ready.result()
             # the API process tokenizes prompts itself, with the engine's tokenizer.json
             tokenizer = _load_tokenizer(None if info["model_dir"] is None else Path(info["model_dir"]))
@@ -115,7 +115,8 @@ class EngineProcess:
 
     def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
         """Asks the engine to abort what runs and exit; kills it if it has not within `timeout`."""
-        if self._process is None:
+        if self._process is None or self._process.pid is None:  # never started
+            self._process = None
             return
         self._stopping = True
         if self._dead is None:
@@ -127,7 +128,8 @@ class EngineProcess:
             self._process.join(5)
         self._outbox.close()
         for thread in self._threads:
-            thread.join(5)
+            if thread.is_alive():
+                thread.join(5)
         self._died("the engine was stopped")  # whatever is still waiting hears so
 
     @property
