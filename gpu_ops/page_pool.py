@@ -55,7 +55,9 @@ class PagePool:
         return taken
 
     def free(self, page_ids: list[int], owner: str) -> None:
-        self._free.extend(page_ids)
+        # Highest first, so the freed pages come back out ascending: an adapter freed and placed again
+        # gets consecutive pages, which load with one copy.
+        self._free.extend(sorted(page_ids, reverse=True))
         self.used[owner] -= len(page_ids)
 
     def occupancy(self) -> dict:

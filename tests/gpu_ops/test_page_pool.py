@@ -265,3 +265,11 @@ def test_churn_forces_compaction():
         for slot, weights in resident.items():
             check_reads_back(table, slot, weights)
     assert compactions > 0, "the churn never filled the index: make the test place more"
+
+
+def test_freed_pages_come_back_as_one_ascending_run():
+    pool = PagePool(64, 16, torch.float32, torch.device("cpu"))
+    first = pool.alloc(20, "adapter")
+    assert first == list(range(1, 21))
+    pool.free(first, "adapter")
+    assert pool.alloc(20, "adapter") == list(range(1, 21))
