@@ -40,9 +40,11 @@ step install 100 python3 -m pip install -q --no-deps --no-build-isolation -e .
 # --- benchmarks -----------------------------------------------------------------------------------
 step bench_lora_kernels 300 python3 bench/lora_kernels.py --out "$OUTDIR/lora_kernels.json"
 step bench_attention 240 python3 bench/attention.py --out "$OUTDIR/attention.json"
+step bench_engine_decode 300 python3 bench/engine_decode.py --out "$OUTDIR/engine_decode.json"
+step bench_invoke 240 python3 bench/invoke.py --out "$OUTDIR/invoke.json"
 
 # --- tests ----------------------------------------------------------------------------------------
-if ! step pytest_gpu 180 python3 -m pytest -m gpu tests/gpu_ops -q -p no:cacheprovider --durations=8; then
+if ! step pytest_gpu 400 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=8; then
     # A collection error elsewhere (a conftest another change broke) must not hide the kernels' results.
     if grep -q "ERROR collecting\|ImportError while loading conftest" "$OUTDIR/pytest_gpu.log"; then
         step pytest_gpu_lora_only 120 python3 -m pytest -m gpu --noconftest tests/gpu_ops/test_lora_kernels.py -q -p no:cacheprovider
