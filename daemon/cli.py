@@ -322,7 +322,7 @@ async def _serve(engine, config: Config, listener: socket.socket | None, path: s
     from aiohttp import web
 
     from lorad.daemon import systemd
-    from lorad.daemon.api import IN_FLIGHT, create_app
+    from lorad.daemon.api import IN_FLIGHT, LISTEN_BACKLOG, create_app
 
     server = config.server
     loop = asyncio.get_running_loop()
@@ -359,7 +359,7 @@ async def _serve(engine, config: Config, listener: socket.socket | None, path: s
             log.info("listening socket=%s mode=%o event_loop=%s", path, server.socket_mode, type(loop).__module__)
         else:
             log.info("listening socket=%s (from systemd) event_loop=%s", path, type(loop).__module__)
-        site = web.SockSite(runner, listener)
+        site = web.SockSite(runner, listener, backlog=LISTEN_BACKLOG)  # aiohttp re-listens: keep the depth
         await site.start()
         systemd.notify(f"READY=1\nSTATUS=serving model={engine.model_name} socket={path}")
         watchdog = systemd.watchdog_interval()
