@@ -144,6 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
                        ("status", "the running daemon's engine state")):
         commands.add_parser(name, help=f"{what} (lorad {name} --help)", add_help=False)  # client_cli.py parses these
 
+    demo = commands.add_parser("demo", help="write random PEFT adapters for a model shape (benchmarks)")
+    demo_commands = demo.add_subparsers(dest="demo_command", required=True, parser_class=_Parser)
+    adapters = demo_commands.add_parser("adapters", help="write N random PEFT adapters")
+    shape = adapters.add_mutually_exclusive_group(required=True)
+    shape.add_argument("--model", metavar="DIR", help="a checkpoint directory whose config.json gives the shape")
+    shape.add_argument("--model-config", metavar="NAME", help="a known shape: llama-2-7b, llama-2-13b, llama-3-8b, tiny-llama")
+    adapters.add_argument("--count", type=int, required=True, metavar="N")
+    adapters.add_argument("--ranks", default="8", metavar="R,R,...", help="ranks, round robin (default: 8)")
+    adapters.add_argument("--targets", default="q,k,v,o", metavar="P,P,...", help="projections (default: q,k,v,o)")
+    adapters.add_argument("--seed", type=int, default=0)
+    adapters.add_argument("--out", required=True, metavar="DIR")
+
     install = commands.add_parser("install-systemd", help="install lorad.service, lorad.socket and a sample config")
     install.add_argument("--prefix", default="/", help="root to install under (default: /)")
     install.add_argument("--dry-run", action="store_true", help="say what would be written, write nothing")
@@ -167,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return serve(args)
+        if args.command == "demo":
+            return demo_adapters(args)
         return install_systemd(args)
     except LoradError as error:
         print(f"lorad: {error.message}", file=sys.stderr)
@@ -469,6 +483,28 @@ async def _peer_middleware(request, handler):
 
 
 _peer_middleware.__middleware_version__ = 1  # aiohttp's new-style middleware marker (web.middleware)
+
+
+# --- lorad demo adapters --------------------------------------------------------------------------------
+
+
+def demo_adapters(args: argparse.Namespace) -> int:
+    from lorad.daemon.checkpoint import MODEL_CONFIGS, ModelSpec, load_spec
+    from lorad.daemon.demo import write_adapter_set
+
+    if args.model_config is not None:
+        if args.model_config not in MODEL_CONFIGS:
+            raise BadRequest(f"unknown model config {args.model_config!r}: one of {', '.join(MODEL_CONFIGS)}")
+        spec = ModelSpec.from_hf_config(MODEL_CONFIGS[args.model_config])
+    else:
+        spec = load_spec(args.model)
+    try:
+        ranks = [int(rank) for rank in args.ranks.split(",")]
+        written = write_adapter_set(args.out, spec, args.count, ranks, args.targets.split(","), args.seed)
+    except ValueError as error:
+        raise BadRequest(str(error)) from None
+    print(f"wrote {len(written)} adapters under {args.out} (serve them with --adapter-dir {args.out})")
+    return 0
 
 
 # --- lorad install-systemd ---------------------------------------------------------------------------------

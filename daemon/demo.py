@@ -330,6 +330,23 @@ def write_random_adapter(
     return directory
 
 
+def write_adapter_set(out: str | Path, spec: ModelSpec, count: int, ranks: list[int], targets: list[str], seed: int = 0) -> list[Path]:
+    """`count` random PEFT adapters under `out` (adapter-0000, ...), ranks taken round robin (S-LoRA's
+    S2 workload), for `lorad serve --adapter-dir out` and the benchmarks. Targets may be short names
+    (q, k, v, o, gate, up, down)."""
+    full = [t if t.endswith("_proj") else f"{t}_proj" for t in targets]
+    unknown = [t for t in full if t not in PROJECTIONS]
+    if unknown or not full:
+        raise ValueError(f"targets must name projections among {', '.join(PROJECTIONS)}; not {unknown or targets}")
+    if count < 1 or not ranks or min(ranks) < 1:
+        raise ValueError("count and every rank must be positive")
+    width = max(4, len(str(count - 1)))
+    return [
+        write_random_adapter(Path(out) / f"adapter-{index:0{width}d}", spec, ranks[index % len(ranks)], full, seed + index)
+        for index in range(count)
+    ]
+
+
 def _peft_config(rank: int, alpha: float, targets, use_rslora: bool, base_model: str) -> dict:
     """adapter_config.json with the fields PEFT writes for a plain LoRA."""
     return {
