@@ -248,16 +248,14 @@ class AdapterTable:
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(pages.device)
             runs = _runs(ids)
-            with torch.cuda.stream(self._copy_stream):
-                # The small table rows first: their pageable copies make the host wait for this stream,
-                # which must not be behind the big copy.
-                self._publish(slot, start, needed)
+            with torch.cuda.stream(self._copy_stream):  # every copy here is async: the host goes on
                 if len(runs) <= MAX_DIRECT_RUNS:  # DMA straight from pinned memory into the pages
                     for offset, first, length in runs:
                         pages[first : first + length].copy_(staged.pages[offset : offset + length], non_blocking=True)
                 else:  # scattered pages: one copy up, then one scatter on the device
-                    ids_device = torch.from_numpy(ids).to(pages.device, dtype=torch.long, non_blocking=True)
+                    ids_device = torch.from_numpy(ids.astype(np.int64)).pin_memory().to(pages.device, non_blocking=True)
                     pages.index_copy_(0, ids_device, staged.pages.to(pages.device, non_blocking=True))
+                self._publish(slot, start, needed)
                 done = torch.cuda.Event()
                 done.record()
             torch.cuda.current_stream(pages.device).wait_event(done)
@@ -274,11 +272,22 @@ class AdapterTable:
         self.rank[slot] = 0
 
     def _publish(self, slot: int, start: int, length: int) -> None:
-        device = self.rank.device
-        self.rank[slot] = torch.from_numpy(self.rank_host[slot]).to(device)
-        self.a_start[slot] = torch.from_numpy(self.a_start_host[slot]).to(device)
-        self.b_start[slot] = torch.from_numpy(self.b_start_host[slot]).to(device)
-        self.page_ids[start : start + length] = torch.from_numpy(self.page_ids_host[start : start + length]).to(device)
+        """Sends a slot's table rows and its page ids to the device in one copy, from pinned memory on
+        cuda so that it never makes the host wait (torch's pinned-host cache recycles the buffer only
+        once the copy is done)."""
+        rows = np.concatenate((
+            self.rank_host[slot].ravel(), self.a_start_host[slot].ravel(), self.b_start_host[slot].ravel(),
+            self.page_ids_host[start : start + length],
+        ))
+        host = torch.from_numpy(rows)
+        if self.rank.is_cuda:
+            host = host.pin_memory()
+        packed = host.to(self.rank.device, non_blocking=True)
+        width = self.rank_host[slot].size
+        self.rank[slot] = packed[:width].view(self.rank.shape[1:])
+        self.a_start[slot] = packed[width : 2 * width].view(self.rank.shape[1:])
+        self.b_start[slot] = packed[2 * width : 3 * width].view(self.rank.shape[1:])
+        self.page_ids[start : start + length] = packed[3 * width :]
 
     def _compact(self) -> None:
         """Close the holes evicted adapters left in page_ids: each resident adapter's entries move
