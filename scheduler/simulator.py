@@ -6,10 +6,12 @@ model's time, and each gets its first token at its end; otherwise the step decod
 by one token, taking the decode-step model's time for the batch's ranks and context. A request reserves
 KV for its prompt and whole output at admission (no preemption). Adapter loading is not modelled: every
 adapter is resident everywhere. Each arriving request is routed by a policy of router.py, which sees the
-engines' `EngineView`s, kept up to date in O(1) per event.
+engines' `EngineView`s, kept up to date in O(1) per event. Which queued requests a prefill step takes, and
+which it drops, is an admission policy's choice (admission.py; FCFS by default).
 
 Per request: TTFT (arrival to first token), time per token (first to last token over the output tokens
 after the first, CaraServe's "time per token" of the decode phase), latency (arrival to last token).
+A dropped request has none of them (NaN) and counts as a miss of every objective.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lorad.errors import BadRequest
+from lorad.scheduler.admission import FCFS, AdmissionPolicy, Objectives, Queued, Room
 from lorad.scheduler.perf_model import Profile
 from lorad.scheduler.router import EngineView, Policy, RouteRequest
 from lorad.scheduler.workload import Trace
@@ -54,17 +57,32 @@ class SimResult:
     slo_ttft_s: float
     decode_steps: int
     prefill_steps: int
+    admission: str = "fcfs"
+    dropped: np.ndarray | None = None  # bool per request; None: nothing dropped
+    drop_reasons: dict | None = None  # request index -> why it was dropped
 
     def summary(self) -> dict:
-        makespan = float(np.max(self.arrival_s + self.latency_s) - np.min(self.arrival_s)) if len(self.arrival_s) else 0.0
-        tpot_ok = np.isnan(self.tpot_s) | (self.tpot_s <= self.slo_tpot_s)
-        ttft_ok = self.ttft_s <= self.slo_ttft_s
+        count = len(self.arrival_s)
+        dropped = self.dropped if self.dropped is not None else np.zeros(count, dtype=bool)
+        served = ~dropped
+        finish = self.arrival_s + self.latency_s
+        makespan = float(np.nanmax(finish[served]) - np.min(self.arrival_s)) if served.any() else 0.0
+        tpot_ok = served & (np.isnan(self.tpot_s) | (self.tpot_s <= self.slo_tpot_s))
+        ttft_ok = served & (self.ttft_s <= self.slo_ttft_s)
+        reasons: dict[str, int] = {}
+        for reason in (self.drop_reasons or {}).values():
+            kind = reason.split(":")[0]
+            reasons[kind] = reasons.get(kind, 0) + 1
         return {
             "policy": self.policy,
-            "requests": int(len(self.arrival_s)),
+            "admission": self.admission,
+            "requests": int(count),
+            "completed": int(served.sum()),
+            "dropped": int(dropped.sum()),
+            "drop_reasons": reasons,
             "makespan_s": makespan,
-            "throughput_rps": len(self.arrival_s) / makespan if makespan > 0 else 0.0,
-            "throughput_tokens_per_s": float(self.output_tokens.sum()) / makespan if makespan > 0 else 0.0,
+            "throughput_rps": int(served.sum()) / makespan if makespan > 0 else 0.0,
+            "throughput_tokens_per_s": float(self.output_tokens[served].sum()) / makespan if makespan > 0 else 0.0,
             "ttft_s": _stats(self.ttft_s),
             "tpot_s": _stats(self.tpot_s),
             "latency_s": _stats(self.latency_s),
@@ -93,10 +111,11 @@ class _Engine:
 
     def __init__(self, engine_id: int, config: SimConfig):
         self.view = EngineView(engine_id, config.max_running, free_kv_tokens=config.kv_tokens)
-        self.queue: deque[int] = deque()
+        self.queue: deque[Queued] = deque()
         self.finishing: list[tuple[int, int]] = []  # heap of (decode step of the last token, request)
         self.decode_steps = 0
         self.rank_counts: dict[int, int] = {}
+        self.adapter_counts: dict[str, int] = {}  # adapters of the running batch
         self.rank_sum = 0
         self.context_tokens = 0
         self.reserved = 0  # KV tokens held by admitted requests (prompt + whole output)
@@ -104,7 +123,27 @@ class _Engine:
         self.prefilling: list[int] = []  # the requests of the prefill step in flight
 
 
-def simulate(trace: Trace, profile: Profile, policy: Policy, config: SimConfig = SimConfig()) -> SimResult:
+def objectives_for(trace: Trace, profile: Profile, config: SimConfig = SimConfig()) -> Objectives:
+    """The objectives a simulation judges by: the config's, else slo_scale x the unloaded decode step at
+    the trace's largest rank (time per token) and slo_ttft_scale x the unloaded prefill of its mean
+    prompt at that rank (TTFT)."""
+    ranks = [trace.adapter_ranks[r.adapter] for r in trace.requests if r.adapter in trace.adapter_ranks]
+    top = max(ranks, default=0)
+    tpot = config.slo_tpot_s
+    if tpot is None:
+        tpot = config.slo_scale * profile.decode.predict([top], 0)
+    ttft = config.slo_ttft_s
+    if ttft is None:
+        mean_prompt = int(round(float(np.mean([r.prompt_tokens for r in trace.requests])))) if trace.requests else 0
+        ttft = config.slo_ttft_scale * profile.prefill.predict([(mean_prompt, top)])
+    return Objectives(float(ttft), float(tpot))
+
+
+def simulate(
+    trace: Trace, profile: Profile, policy: Policy, config: SimConfig = SimConfig(),
+    admission: AdmissionPolicy | None = None,
+) -> SimResult:
+    admission = admission or FCFS()
     if config.num_engines < 1 or config.max_running < 1:
         raise BadRequest("num_engines and max_running must be at least 1")
     requests = trace.requests
@@ -116,21 +155,18 @@ def simulate(trace: Trace, profile: Profile, policy: Policy, config: SimConfig =
     prompt = [r.prompt_tokens for r in requests]
     output = [max(1, r.output_tokens) for r in requests]
     rank = [trace.adapter_ranks[r.adapter] for r in requests]
+    adapter = [r.adapter for r in requests]
     decode, prefill = profile.decode, profile.prefill
-
-    slo_tpot = config.slo_tpot_s
-    if slo_tpot is None:
-        slo_tpot = config.slo_scale * decode.predict([max(rank, default=0)], 0)
-    slo_ttft = config.slo_ttft_s
-    if slo_ttft is None:
-        mean_prompt = int(round(float(np.mean(prompt)))) if count else 0
-        slo_ttft = config.slo_ttft_scale * prefill.predict([(mean_prompt, max(rank, default=0))])
+    objectives = objectives_for(trace, profile, config)
+    slo_tpot, slo_ttft = objectives.tpot_s, objectives.ttft_s
 
     engines = [_Engine(i, config) for i in range(config.num_engines)]
     views = [e.view for e in engines]
     engine_of = np.full(count, -1, dtype=np.int64)
     first_token = np.full(count, math.nan)
     finish = np.full(count, math.nan)
+    dropped = np.zeros(count, dtype=bool)
+    drop_reasons: dict[int, str] = {}
     events: list[tuple[float, int, int]] = []  # (time, tie-break, engine) of step ends
     sequence = 0
     prefill_steps = 0
@@ -139,18 +175,30 @@ def simulate(trace: Trace, profile: Profile, policy: Policy, config: SimConfig =
         nonlocal sequence, prefill_steps
         view = engine.view
         batch: list[int] = []
-        budget = config.max_prefill_tokens
-        while engine.queue and view.num_running + len(batch) < config.max_running:
-            index = engine.queue[0]
-            need = prompt[index] + output[index]
-            if engine.reserved + need > config.kv_tokens and (view.num_running or batch):
-                break
-            if prompt[index] > budget and batch:
-                break
-            engine.queue.popleft()
-            engine.reserved += need
-            budget -= prompt[index]
-            batch.append(index)
+        if engine.queue:
+            room = Room(
+                slots=config.max_running - view.num_running,
+                prefill_tokens=config.max_prefill_tokens,
+                kv_tokens=config.kv_tokens - engine.reserved,
+                batch_empty=view.num_running == 0,
+                running_adapters=frozenset(engine.adapter_counts),
+            )
+            decision = admission.select(engine.queue, now, room, objectives)
+            batch = list(decision.admit)
+            for index, reason in decision.drop:
+                drop_request(engine, index, reason)
+            leaving = len(batch) + len(decision.drop)
+            if leaving:
+                gone = set(batch).union(index for index, _ in decision.drop)
+                if all(engine.queue[i].key in gone for i in range(leaving)):
+                    for _ in range(leaving):
+                        engine.queue.popleft()
+                else:
+                    engine.queue = deque(q for q in engine.queue if q.key not in gone)
+            for index in batch:
+                engine.reserved += prompt[index] + output[index]
+            if engine.queue and not batch and not view.num_running:
+                raise RuntimeError(f"admission {admission.name} left an idle engine with a queue")
         if batch:
             duration = prefill.predict([(prompt[i], rank[i]) for i in batch])
             engine.prefilling = batch
@@ -179,6 +227,7 @@ def simulate(trace: Trace, profile: Profile, policy: Policy, config: SimConfig =
                 view.num_running += 1
                 view.remaining_tokens += output[index] - 1
                 engine.rank_counts[rank[index]] = engine.rank_counts.get(rank[index], 0) + 1
+                engine.adapter_counts[adapter[index]] = engine.adapter_counts.get(adapter[index], 0) + 1
                 engine.rank_sum += rank[index]
                 engine.context_tokens += prompt[index] + 1
                 heapq.heappush(engine.finishing, (engine.decode_steps + output[index] - 1, index))
@@ -196,10 +245,23 @@ def simulate(trace: Trace, profile: Profile, policy: Policy, config: SimConfig =
                     engine.rank_counts[rank[index]] = left
                 else:
                     del engine.rank_counts[rank[index]]
+                left = engine.adapter_counts[adapter[index]] - 1
+                if left:
+                    engine.adapter_counts[adapter[index]] = left
+                else:
+                    del engine.adapter_counts[adapter[index]]
                 engine.rank_sum -= rank[index]
                 engine.context_tokens -= prompt[index] + output[index]
                 finish_request(engine, index, now)
         start_step(engine, now)
+
+    def drop_request(engine: _Engine, index: int, reason: str) -> None:
+        dropped[index] = True
+        drop_reasons[index] = reason
+        view = engine.view
+        view.num_queued -= 1
+        view.free_kv_tokens += prompt[index] + output[index]
+        view.remove(rank[index], prompt[index])
 
     def finish_request(engine: _Engine, index: int, now: float) -> None:
         finish[index] = now
@@ -221,7 +283,7 @@ def simulate(trace: Trace, profile: Profile, policy: Policy, config: SimConfig =
             view.num_queued += 1
             view.add(rank[index], prompt[index])
             view.free_kv_tokens -= prompt[index] + output[index]
-            engine.queue.append(index)
+            engine.queue.append(Queued(index, now, adapter[index], rank[index], prompt[index], output[index]))
             if not engine.busy:
                 start_step(engine, now)
         else:
@@ -243,4 +305,7 @@ def simulate(trace: Trace, profile: Profile, policy: Policy, config: SimConfig =
         slo_ttft_s=float(slo_ttft),
         decode_steps=sum(e.decode_steps for e in engines),
         prefill_steps=prefill_steps,
+        admission=admission.name,
+        dropped=dropped,
+        drop_reasons=drop_reasons,
     )
