@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+# What a request whose adapter is not in the page pool waits for (DESIGN.md, CPU-assisted cold start):
+# cached: every adapter placed at start-up (refused if they do not fit); ondemand: the adapter is
+# placed at admission, then the prefill runs; cpu: the prefill's LoRA runs on the CPU workers while
+# the adapter is placed; auto: ondemand or cpu per request, from costs measured at start-up.
+COLD_STARTS = ("cached", "ondemand", "cpu", "auto")
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,9 @@ class EngineConfig:
     host_adapter_bytes: int = 8 << 30  # host-memory budget of loaded adapters (LRU beyond it)
     seed: int = 0
     eager: bool = False  # on cuda: no CUDA graphs for decode steps (slower; for comparison and debugging)
+    cold_start: str = "ondemand"  # cached|ondemand|cpu|auto (see COLD_STARTS)
+    cpu_workers: int = 0  # CPU LoRA worker processes for cold_start cpu|auto; 0: min(4, cores - 1)
+    pinned_host_bytes: int = 4 << 30  # on cuda: adapters staged in pinned host memory (LRU beyond it)
 
     def __post_init__(self):
         # Values that come from the user (CLI, TOML) are checked here, once.
@@ -51,6 +59,12 @@ class EngineConfig:
         for name in ("max_running_requests", "max_batch_tokens", "max_waiting_requests"):
             if getattr(self, name) < 1:
                 raise BadRequest(f"{name} must be positive")
+        if self.cold_start not in COLD_STARTS:
+            raise BadRequest(f"cold_start must be one of {', '.join(COLD_STARTS)}, not {self.cold_start!r}")
+        if isinstance(self.cpu_workers, bool) or not isinstance(self.cpu_workers, int) or not 0 <= self.cpu_workers <= 256:
+            raise BadRequest(f"cpu_workers must be an integer in 0..256 (0: min(4, cores - 1)), not {self.cpu_workers!r}")
+        if self.pinned_host_bytes < 0:
+            raise BadRequest(f"pinned_host_bytes must be >= 0, not {self.pinned_host_bytes}")
 
 
 @dataclass(frozen=True)

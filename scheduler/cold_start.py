@@ -1,0 +1,77 @@
+"""Cold start, per request: wait for the adapter's copy into the pool ("gpu-wait"), or run the prefill's
+LoRA on the CPU workers while it is copied ("cpu-assist", CaraServe §4).
+
+A pure cost comparison over numbers measured at start-up (or injected by tests and benchmarks):
+
+    gpu-wait   = load_ms + prefill_ms
+    cpu-assist = prefill_ms (+) cpu_lora_ms        (+: max when overlapped, sum when serial)
+    load_ms     = adapter_bytes / bytes_per_s of its tier (pinned, pageable host, ...)
+    cpu_lora_ms = modules * (workers_used * dispatch_ms + overhead_ms + per_token_rank_ms * rank * ceil(T / workers_used))
+
+`overlapped`: the fused CUDA path lets the base GEMMs run while the CPU computes (CaraServe's sync-free
+invocation); the python path and the CPU engine run the two one after the other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GPU_WAIT, CPU_ASSIST = "gpu-wait", "cpu-assist"
+DECISIONS = (GPU_WAIT, CPU_ASSIST)
+
+
+@dataclass(frozen=True)
+class ColdStartCosts:
+    load_bytes_per_s: dict[str, float]  # tier -> host -> pool copy bandwidth
+    cpu_per_token_rank_ms: float  # one core, one module: ms per token per unit of rank
+    cpu_overhead_ms: float  # one core, per job (wake-up, lookup, BLAS set-up)
+    dispatch_ms: float  # the engine's side of one job (post and wait), serial
+    workers: int
+    prefill_ms_per_token: float  # the base model's prefill on the engine's device
+    overlapped: bool = False
+
+    def load_ms(self, adapter_bytes: int, tier: str) -> float:
+        bandwidth = self.load_bytes_per_s.get(tier)
+        if not bandwidth:
+            raise KeyError(f"no measured bandwidth for tier {tier!r} (known: {', '.join(self.load_bytes_per_s)})")
+        return adapter_bytes / bandwidth * 1e3
+
+    def cpu_lora_ms(self, prompt_tokens: int, rank: int, modules: int) -> float:
+        """The prefill's LoRA on the workers: the best worker count for one module, times the modules
+        (projections run one after the other: each waits for its layer's input)."""
+        best = math.inf
+        for used in range(1, max(1, min(self.workers, prompt_tokens)) + 1):
+            per_job = self.cpu_overhead_ms + self.cpu_per_token_rank_ms * rank * math.ceil(prompt_tokens / used)
+            best = min(best, used * self.dispatch_ms + per_job)
+        return modules * best
+
+
+@dataclass(frozen=True)
+class ColdStart:
+    """What is known of the request at admission."""
+
+    prompt_tokens: int  # tokens of its first step
+    adapter_bytes: int
+    rank: int  # the adapter's largest rank
+    modules: int  # (layer, projection) pairs it targets
+    tier: str  # where its weights lie now: a key of ColdStartCosts.load_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Decision:
+    choice: str  # GPU_WAIT or CPU_ASSIST
+    gpu_wait_ms: float
+    cpu_assist_ms: float
+
+
+def decide(request: ColdStart, costs: ColdStartCosts) -> Decision:
+    """The faster of the two predicted first steps; ties and no workers go to gpu-wait."""
+    prefill_ms = costs.prefill_ms_per_token * request.prompt_tokens
+    gpu_wait_ms = costs.load_ms(request.adapter_bytes, request.tier) + prefill_ms
+    if costs.workers < 1 or request.prompt_tokens < 1:
+        return Decision(GPU_WAIT, gpu_wait_ms, math.inf)
+    cpu_ms = costs.cpu_lora_ms(request.prompt_tokens, request.rank, request.modules)
+    cpu_assist_ms = max(prefill_ms, cpu_ms) if costs.overlapped else prefill_ms + cpu_ms
+    choice = CPU_ASSIST if cpu_assist_ms < gpu_wait_ms else GPU_WAIT
+    return Decision(choice, gpu_wait_ms, cpu_assist_ms)
