@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                        ("adapters", "list, load or unload the adapters of a running daemon"),
                        ("status", "the running daemon's engine state")):
         commands.add_parser(name, help=f"{what} (lorad {name} --help)", add_help=False)  # client_cli.py parses these
+    for name, what in (("trace", "make a request trace (trace make)"),
+                       ("simulate", "simulate engines serving a trace under routing policies"),
+                       ("bench", "replay a trace against a running daemon (bench trace)")):
+        commands.add_parser(name, help=f"{what} (lorad {name} --help)", add_help=False)  # bench_cli.py parses these
 
     demo = commands.add_parser("demo", help="write random PEFT adapters for a model shape (benchmarks)")
     demo_commands = demo.add_subparsers(dest="demo_command", required=True, parser_class=_Parser)
@@ -168,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if argv and argv[0] in COMMANDS:  # the commands that talk to a running daemon
         return client_main(argv)
+    from lorad.daemon.bench_cli import COMMANDS as BENCH_COMMANDS, bench_main
+
+    if argv and argv[0] in BENCH_COMMANDS:  # traces, simulation, replay
+        return bench_main(argv)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
