@@ -65,3 +65,22 @@ def write_hf_adapter():
     """`write_hf_adapter(model_dir, directory, lora_config_kwargs, seed)`: one more PEFT adapter, saved
     by peft with random A and B."""
     return hf_fixtures.build_adapter
+
+
+@pytest.fixture
+def no_leftover_segments():
+    """Fails a test that leaves POSIX shared-memory segments of this process behind (and removes them).
+    Only this process's names: other test sessions may be creating theirs at the same time."""
+    import os
+
+    import posix_ipc
+
+    from lorad.shm.segment import lorad_segments
+
+    mine = f"/lorad-{os.getpid()}x"
+    before = set(lorad_segments(mine))
+    yield
+    leaked = set(lorad_segments(mine)) - before
+    for name in leaked:
+        posix_ipc.unlink_shared_memory(name)
+    assert not leaked, f"test left segments behind: {sorted(leaked)}"

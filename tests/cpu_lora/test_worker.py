@@ -10,7 +10,6 @@ import textwrap
 import time
 from dataclasses import dataclass
 
-import posix_ipc
 import pytest
 import torch
 
@@ -19,6 +18,8 @@ from lorad.cpu_lora.worker import WorkerPool
 from lorad.shm.exchange import Job
 from lorad.shm.segment import creator_pid, lorad_segments, new_instance, pid_alive, sweep_stale
 from lorad.shm.store import AdapterStore
+
+pytestmark = pytest.mark.usefixtures("no_leftover_segments")  # tests/conftest.py
 
 HIDDEN, MAX_OUT, MAX_TOKENS = 96, 160, 64
 # (layer, proj, rank, in, out): mixed ranks and shapes, as PEFT's rank_pattern allows.
@@ -41,18 +42,6 @@ def random_adapter(name: str, seed: int, rank_scale: int = 1) -> FakeAdapter:
             torch.randn(out_features, rank, generator=generator) / rank,
         )
     return FakeAdapter(name, weights)
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_segments():
-    # Only this process's names: other test sessions may be creating theirs at the same time.
-    mine = f"/lorad-{os.getpid()}x"
-    before = set(lorad_segments(mine))
-    yield
-    leaked = set(lorad_segments(mine)) - before
-    for name in leaked:
-        posix_ipc.unlink_shared_memory(name)
-    assert not leaked, f"test left segments behind: {sorted(leaked)}"
 
 
 @pytest.fixture

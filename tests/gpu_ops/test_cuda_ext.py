@@ -14,28 +14,18 @@ import shutil
 import time
 
 import numpy as np
-import posix_ipc
 import pytest
 import torch
 
 from lorad.gpu_ops import cuda_ext
 from lorad.shm.exchange import DONE_SEQ, JOB_SEQ, STATUS_OK, Exchange, ExchangeConfig
-from lorad.shm.segment import Segment, lorad_segments, new_instance, segment_name
+from lorad.shm.segment import new_instance
+
+pytestmark = pytest.mark.usefixtures("no_leftover_segments")  # tests/conftest.py
 
 fork = multiprocessing.get_context("fork")
 spawn = multiprocessing.get_context("spawn")  # the GPU tests' parent has a CUDA context: never fork it
 FLAG_STRIDE = 128  # bytes between two workers' job flags (or done flags) in the exchange
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_segments():
-    mine = f"/lorad-{os.getpid()}x"
-    before = set(lorad_segments(mine))
-    yield
-    leaked = set(lorad_segments(mine)) - before
-    for name in leaked:
-        posix_ipc.unlink_shared_memory(name)
-    assert not leaked, f"test left segments behind: {sorted(leaked)}"
 
 
 def job_flags(exchange: Exchange) -> np.ndarray:

@@ -3,28 +3,16 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
 
 import numpy as np
-import posix_ipc
 import pytest
 
 from lorad.shm.exchange import STATUS_ERROR, STATUS_OK, Exchange, ExchangeConfig, ExchangeLayout, Job
 from lorad.shm.segment import lorad_segments, new_instance
 
+pytestmark = pytest.mark.usefixtures("no_leftover_segments")  # tests/conftest.py
+
 fork = multiprocessing.get_context("fork")
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_segments():
-    # Only this process's names: other test sessions may be creating theirs at the same time.
-    mine = f"/lorad-{os.getpid()}x"
-    before = set(lorad_segments(mine))
-    yield
-    leaked = set(lorad_segments(mine)) - before
-    for name in leaked:
-        posix_ipc.unlink_shared_memory(name)
-    assert not leaked, f"test left segments behind: {sorted(leaked)}"
 
 
 def test_layout_is_aligned_and_disjoint():

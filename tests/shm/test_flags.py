@@ -3,33 +3,23 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
 import time
 
 import numpy as np
-import posix_ipc
 import pytest
 
 from lorad.shm.flags import ORDERED_STORES, Flag
-from lorad.shm.segment import Segment, lorad_segments, new_instance, segment_name
+from lorad.shm.segment import Segment, new_instance, segment_name
+
 
 fork = multiprocessing.get_context("fork")
-pytestmark = pytest.mark.skipif(not ORDERED_STORES, reason="flags need x86-64 store ordering")
+pytestmark = [
+    pytest.mark.skipif(not ORDERED_STORES, reason="flags need x86-64 store ordering"),
+    pytest.mark.usefixtures("no_leftover_segments"),  # tests/conftest.py
+]
 
 DATA = 64  # data starts on its own cache line
 WORDS = 512
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_segments():
-    # Only this process's names: other test sessions may be creating theirs at the same time.
-    mine = f"/lorad-{os.getpid()}x"
-    before = set(lorad_segments(mine))
-    yield
-    leaked = set(lorad_segments(mine)) - before
-    for name in leaked:
-        posix_ipc.unlink_shared_memory(name)
-    assert not leaked, f"test left segments behind: {sorted(leaked)}"
 
 
 @pytest.fixture

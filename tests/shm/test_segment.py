@@ -14,19 +14,9 @@ import torch
 
 from lorad.shm.segment import Segment, creator_pid, lorad_segments, new_instance, segment_name, sweep_stale
 
+pytestmark = pytest.mark.usefixtures("no_leftover_segments")  # tests/conftest.py
+
 fork = multiprocessing.get_context("fork")
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_segments():
-    # Only this process's names: other test sessions may be creating theirs at the same time.
-    mine = f"/lorad-{os.getpid()}x"
-    before = set(lorad_segments(mine))
-    yield
-    leaked = set(lorad_segments(mine)) - before
-    for name in leaked:
-        posix_ipc.unlink_shared_memory(name)
-    assert not leaked, f"test left segments behind: {sorted(leaked)}"
 
 
 def test_names_carry_the_creating_pid():
@@ -43,7 +33,7 @@ def test_names_carry_the_creating_pid():
 
 def test_owner_unlinks_on_close_and_attacher_does_not():
     name = segment_name(new_instance(), "t")
-    with Segment.create(name, 4096) as owner:
+    with Segment.create(name, 4096):
         assert name in lorad_segments()
         with Segment.attach(name) as other:
             assert other.size == 4096 and not other.owner

@@ -3,30 +3,18 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
 from dataclasses import dataclass
 
 import numpy as np
-import posix_ipc
 import pytest
 import torch
 
-from lorad.shm.segment import lorad_segments, new_instance
+from lorad.shm.segment import new_instance
 from lorad.shm.store import AdapterStore, StoreFull
 
+pytestmark = pytest.mark.usefixtures("no_leftover_segments")  # tests/conftest.py
+
 fork = multiprocessing.get_context("fork")
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_segments():
-    # Only this process's names: other test sessions may be creating theirs at the same time.
-    mine = f"/lorad-{os.getpid()}x"
-    before = set(lorad_segments(mine))
-    yield
-    leaked = set(lorad_segments(mine)) - before
-    for name in leaked:
-        posix_ipc.unlink_shared_memory(name)
-    assert not leaked, f"test left segments behind: {sorted(leaked)}"
 
 
 @dataclass
