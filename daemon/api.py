@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from lorad.errors import (
-    BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, ModelNotFound, NotFound, Overloaded, PromptTooLong,
+    BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, NotFound, Overloaded, PromptTooLong,
 )
 from lorad.daemon import metrics as metrics_format
 from lorad.daemon.request import GenerationRequest, RequestOutput, SamplingParams
