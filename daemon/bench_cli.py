@@ -427,6 +427,7 @@ def bench_trace(args: argparse.Namespace) -> int:
 async def replay(socket_path: str, trace, requests, args: argparse.Namespace) -> dict:
     """Sends each request at its (scaled) arrival time, streaming, and times its tokens as they come."""
     from lorad.daemon.client import AsyncClient
+    from lorad.scheduler.simulator import distribution
 
     async with AsyncClient(socket_path, max_connections=0) as client:
         models = await client.models()
@@ -483,8 +484,6 @@ async def replay(socket_path: str, trace, requests, args: argparse.Namespace) ->
         for ok in (ttft_ok, tpot_ok):
             if ok is not None:
                 both &= ok
-    from lorad.scheduler.simulator import _stats
-
     summary = {
         "policy": "daemon",
         "admission": "daemon",
@@ -495,15 +494,15 @@ async def replay(socket_path: str, trace, requests, args: argparse.Namespace) ->
         "makespan_s": makespan,
         "throughput_rps": int(served.sum()) / makespan if makespan > 0 else 0.0,
         "throughput_tokens_per_s": float(tokens[served].sum()) / makespan if makespan > 0 else 0.0,
-        "ttft_s": _stats(ttft[served]),
-        "tpot_s": _stats(tpot[served]),
-        "latency_s": _stats(latency[served]),
+        "ttft_s": distribution(ttft[served]),
+        "tpot_s": distribution(tpot[served]),
+        "latency_s": distribution(latency[served]),
         "slo_ttft_s": args.slo_ttft_s,
         "slo_tpot_s": args.slo_tpot_s,
         "slo_ttft_attainment": float(ttft_ok.mean()) if ttft_ok is not None else None,
         "slo_tpot_attainment": float(tpot_ok.mean()) if tpot_ok is not None else None,
         "slo_attainment": float(both.mean()) if both is not None else None,
-        "send_lag_s": _stats(sent - (start + arrival)),
+        "send_lag_s": distribution(sent - (start + arrival)),
     }
     return {
         "version": 1,

@@ -83,9 +83,9 @@ class SimResult:
             "makespan_s": makespan,
             "throughput_rps": int(served.sum()) / makespan if makespan > 0 else 0.0,
             "throughput_tokens_per_s": float(self.output_tokens[served].sum()) / makespan if makespan > 0 else 0.0,
-            "ttft_s": _stats(self.ttft_s),
-            "tpot_s": _stats(self.tpot_s),
-            "latency_s": _stats(self.latency_s),
+            "ttft_s": distribution(self.ttft_s),
+            "tpot_s": distribution(self.tpot_s),
+            "latency_s": distribution(self.latency_s),
             "slo_tpot_s": self.slo_tpot_s,
             "slo_ttft_s": self.slo_ttft_s,
             "slo_tpot_attainment": float(tpot_ok.mean()) if len(tpot_ok) else 1.0,
@@ -96,7 +96,8 @@ class SimResult:
         }
 
 
-def _stats(values: np.ndarray) -> dict:
+def distribution(values: np.ndarray) -> dict:
+    """Mean, p50, p90, p99 of the values that are not NaN (all NaN when none is)."""
     values = values[~np.isnan(values)]
     if not len(values):
         return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
