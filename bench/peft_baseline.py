@@ -1,0 +1,96 @@
+"""The transformers + PEFT baseline of S-LoRA's evaluation, on the workload of bench/slora_workload.py.
+
+A server loop in the style S-LoRA compared against: requests wait in a queue; whenever the model is
+free, up to --max-batch waiting requests run together through `generate` with PEFT's mixed-adapter
+batching (`adapter_names`), until the longest of them is done. Random 7B-shaped weights, drawn on the
+GPU; n random rank-8 adapters on q, k, v, o.
+
+    python3 bench/peft_baseline.py --adapters 100 --requests 48 --out bench/results/peft_baseline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from lorad.daemon.checkpoint import MODEL_CONFIGS
+from lorad.scheduler.workload import UniformLengths, gamma_workload
+
+
+def build(model_config: str, adapters: int, rank: int):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = {k: v for k, v in MODEL_CONFIGS[model_config].items() if k not in ("architectures", "torch_dtype")}
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**shape))
+        lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        model = get_peft_model(model, lora, adapter_name="a0")
+        for index in range(1, adapters):
+            model.add_adapter(f"a{index}", lora)
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def serve(model, trace, vocab: int, max_batch: int) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    index = {name: i for i, name in enumerate(sorted(trace.adapter_ranks))}
+    waiting, pending, done = [], list(trace.requests), 0
+    tokens = 0
+    started = time.perf_counter()
+    while pending or waiting:
+        now = time.perf_counter() - started
+        while pending and pending[0].arrival_s <= now:
+            waiting.append(pending.pop(0))
+        if not waiting:
+            time.sleep(0.001)
+            continue
+        batch, waiting = waiting[:max_batch], waiting[max_batch:]
+        width = max(r.prompt_tokens for r in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, request in enumerate(batch):  # left padding
+            ids[row, width - request.prompt_tokens :] = torch.randint(0, vocab, (request.prompt_tokens,), generator=generator)
+            mask[row, width - request.prompt_tokens :] = 1
+        new = max(r.output_tokens for r in batch)
+        model.generate(
+            input_ids=ids.cuda(), attention_mask=mask.cuda(), adapter_names=[f"a{index[r.adapter]}" for r in batch],
+            max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+        )
+        done += len(batch)
+        tokens += sum(r.output_tokens for r in batch)
+    elapsed = time.perf_counter() - started
+    return {"requests": done, "seconds": elapsed, "throughput_req_s": done / elapsed, "tokens_s": tokens / elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-config", default="llama-2-7b")
+    parser.add_argument("--adapters", type=int, default=100)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--rate", type=float, default=20.0)
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    built = time.perf_counter()
+    model = build(args.model_config, args.adapters, 8)
+    build_s = time.perf_counter() - built
+    trace = gamma_workload(args.adapters, args.rate, args.requests / args.rate, alpha=1.0, cv=1.0,
+                           lengths=UniformLengths(), ranks=[8], seed=args.adapters)
+    trace.requests = trace.requests[: args.requests]
+    result = {"system": "transformers+peft", "machine": torch.cuda.get_device_name(), "model": args.model_config,
+              "adapters": args.adapters, "max_batch": args.max_batch, "build_s": build_s,
+              **serve(model, trace, MODEL_CONFIGS[args.model_config]["vocab_size"], args.max_batch)}
+    print(json.dumps(result))
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(result, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
