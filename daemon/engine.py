@@ -8,6 +8,7 @@ new tokens through its `on_output` callback.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -21,6 +22,7 @@ import torch
 from lorad.config import EngineConfig
 from lorad.daemon.adapters import AdapterRegistry, LoraAdapter
 from lorad.daemon.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
+from lorad.daemon.cpu_assist import CpuAssist, default_workers
 from lorad.daemon.cuda_graphs import DecodeGraphs
 from lorad.daemon.lora_residency import LoraResidency
 from lorad.daemon.metrics import Metrics
@@ -29,10 +31,12 @@ from lorad.daemon.request import GenerationRequest, GenerationResult, RequestOut
 from lorad.daemon.sampler import make_generator, sample
 from lorad.daemon.tokenizer import Detokenizer, NoTokenizer, Tokenizer
 from lorad.errors import BadRequest, LoradError, ModelError, ModelNotFound, Overloaded, PromptTooLong
+from lorad.gpu_ops import cuda_ext
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool
 from lorad.scheduler.batching import Scheduler, Sequence
+from lorad.scheduler.cold_start import CPU_ASSIST, DECISIONS, GPU_WAIT, ColdStart, ColdStartCosts, decide
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,8 @@ MAX_DEFAULT_MODEL_LEN = 8192
 CPU_POOL_BYTES = 256 << 20
 ADAPTER_SLOTS = 1024
 PREFETCH_DEPTH = 8  # queued requests whose adapters are loaded ahead, while a step runs
+CPU_STORE_BYTES = 1 << 30  # the CPU workers' shared adapter store (fp32; least recently used make room)
+CPU_JOB_TIMEOUT_S = 5.0  # a CPU LoRA job not done by then has a dead or stalled worker: the pool path takes over
 
 
 @dataclass(eq=False)
@@ -113,7 +119,7 @@ class Engine:
         if self.device.type == "cuda" and not config.eager and self.ops.name.startswith("triton"):
             self.graphs = DecodeGraphs(self.model, self.kv, self.table, config.max_running_requests, self.max_model_len, config.max_lora_rank)
             self.graphs.capture()
-        self.residency = LoraResidency(lambda name: self._held[name][0], self.table, self.stats)
+        self.residency = LoraResidency(self._host_adapter, self.table, self.stats, pinned_bytes=config.pinned_host_bytes)
         self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency)
 
         self._lock = threading.Condition()
@@ -125,6 +131,13 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
+        self.cold_start_decisions = dict.fromkeys(DECISIONS, 0)
+        self.cpu_assist: CpuAssist | None = None
+        self.cold_start_costs: ColdStartCosts | None = None  # measured at start-up (auto); tests may replace it
+        if config.cold_start == "cached":
+            self._place_every_adapter()
+        elif config.cold_start in ("cpu", "auto"):
+            self._start_cpu_assist()
         log.info(
             "engine ready model=%s arch=%s device=%s dtype=%s ops=%s cuda_graphs=%s pool_pages=%d page_elems=%d "
             "kv_tokens=%d adapters=%d load_s=%.2f",
@@ -164,6 +177,82 @@ class Engine:
             budget = CPU_POOL_BYTES
         return max(2, budget // page_bytes)
 
+    def _host_adapter(self, name: str) -> LoraAdapter:
+        held = self._held.get(name)
+        return held[0] if held is not None else self.registry.get(name)
+
+    def _place_every_adapter(self) -> None:
+        """cold_start="cached": every registered adapter in the pool before the first request."""
+        names = self.registry.names()
+        for placed, name in enumerate(names):
+            if not self.residency.preload(name):
+                raise ModelError(
+                    f"cold_start=cached: the page pool ({self.pool.capacity} pages) holds only {placed} of the "
+                    f"{len(names)} registered adapters; give more pool memory (pool_bytes) or use cold_start=ondemand"
+                )
+        needed = self.kv.blocks_for(self.max_model_len) * self.kv.pages_per_block
+        if self.pool.num_free < needed:
+            raise ModelError(
+                f"cold_start=cached: with every adapter placed, {self.pool.num_free} pool pages are left, fewer than "
+                f"one sequence of max_model_len={self.max_model_len} needs ({needed}); give more pool memory"
+            )
+        log.info("cold_start=cached adapters_placed=%d pool_free_pages=%d", len(names), self.pool.num_free)
+
+    def _start_cpu_assist(self) -> None:
+        """cold_start cpu|auto: the workers, their shared memory, and the lora op that uses them."""
+        shapes = [self.spec.projection_shape(p) for p in PROJECTIONS]
+        self.cpu_assist = CpuAssist(
+            default_workers(self.config.cpu_workers), self.config.max_batch_tokens,
+            max(fan_in for fan_in, _ in shapes), max(fan_out for _, fan_out in shapes), CPU_STORE_BYTES,
+            job_timeout_s=CPU_JOB_TIMEOUT_S,
+        )
+        try:
+            base_lora, prepare_lora, assist = self.ops.lora, self.ops.prepare_lora, self.cpu_assist
+
+            def fallback(x, y, layer, proj, span):
+                # The adapter was placed at admission: the failed request's rows take the pool path.
+                if span.fallback_batch is None:
+                    span.fallback_batch = LoraBatch.build([span.slot] * (span.end - span.start), self.device)
+                    prepare_lora(span.fallback_batch, self.table)
+                base_lora(x, y, layer, proj, span.fallback_batch, self.table)
+
+            def lora(x, y, layer, proj, batch, table):
+                base_lora(x, y, layer, proj, batch, table)
+                if batch.cpu_spans:
+                    assist.apply(x, y, layer, proj, batch.cpu_spans, fallback)
+
+            self.ops.lora = lora
+            self.cold_start_costs = self._measure_cold_start_costs()
+        except BaseException:
+            self.close()
+            raise
+
+    def _measure_cold_start_costs(self) -> ColdStartCosts:
+        """What `auto` decides from: host -> pool bandwidth per tier, the workers' profiled cost."""
+        probe = 8 << 20
+        bandwidth = {}
+        if self.device.type == "cuda":
+            device_buffer = torch.empty(probe, dtype=torch.uint8, device=self.device)
+            for tier, pinned in (("pinned", True), ("pageable", False)):
+                source = torch.ones(probe, dtype=torch.uint8, pin_memory=pinned)
+                bandwidth[tier] = probe / _best_seconds(
+                    lambda: device_buffer.copy_(source, non_blocking=pinned), self.device)  # noqa: B023 (called at once)
+        else:
+            source, destination = torch.ones(probe, dtype=torch.uint8), torch.empty(probe, dtype=torch.uint8)
+            bandwidth["host"] = probe / _best_seconds(lambda: destination.copy_(source), self.device)
+        cost = self.cpu_assist.cost
+        # The profile is of one hidden x hidden module: scale to this model's mean projection.
+        shapes = [self.spec.projection_shape(p) for p in PROJECTIONS]
+        mean_width = sum(fan_in + fan_out for fan_in, fan_out in shapes) / len(shapes)
+        per_token_rank = cost.per_token_ms / cost.rank * mean_width / (cost.in_features + cost.out_features)
+        costs = ColdStartCosts(
+            load_bytes_per_s=bandwidth, cpu_per_token_rank_ms=per_token_rank, cpu_overhead_ms=cost.overhead_ms,
+            dispatch_ms=cost.dispatch_ms, workers=self.cpu_assist.workers, prefill_ms_per_token=0.0,
+            overlapped=False,  # the python invocation path: the CPU's LoRA and the base GEMMs take turns
+        )
+        log.info("cold start costs %s", costs)
+        return costs
+
     # ---- the public interface ------------------------------------------------------------------
     def models(self) -> list[dict]:
         resident = set(self.residency.slots)
@@ -192,6 +281,13 @@ class Engine:
                 "steps": self.steps,
                 "cuda_graph_steps": self.graph_steps,
                 "cuda_graphs": self.graphs.buckets if self.graphs is not None else "off",
+                "cold_start": self.config.cold_start,
+                "cold_start_decisions": dict(self.cold_start_decisions),
+                "cpu_workers": self.cpu_assist.workers if self.cpu_assist is not None else 0,
+                "cpu_lora_invocation": cuda_ext.invocation_path(),
+                "cpu_assisted_prefills": self.cpu_assist.assisted if self.cpu_assist is not None else 0,
+                "cpu_assist_fallbacks": self.cpu_assist.fallbacks if self.cpu_assist is not None else 0,
+                "cpu_worker_restarts": self.cpu_assist.pool.restarts if self.cpu_assist is not None else 0,
             }
 
     def metrics(self) -> dict:
@@ -347,6 +443,15 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
 
+    def close(self) -> None:
+        """Stops the step loop (if started) and the CPU LoRA workers, and unlinks the engine's
+        shared-memory segments. Idempotent; the engine serves nothing afterwards."""
+        if self._thread is not None:
+            self.stop()
+        assist, self.cpu_assist = self.cpu_assist, None
+        if assist is not None:
+            assist.close()
+
     # ---- Memory protocol for the scheduler: KV growth may evict idle adapters ---------------------
     def grow(self, blocks: list, num_tokens: int) -> bool:
         if self.kv.grow(blocks, num_tokens):
@@ -384,12 +489,18 @@ class Engine:
             seq = self.scheduler.waiting[0]
             self._finish(seq, "error", error=error.message)
             return
+        assisted = self._cold_starts(plan)
         if not plan:
             if self.scheduler.waiting and not self.scheduler.running:
                 seq = self.scheduler.waiting[0]
                 self._finish(seq, "error", error="the request does not fit in the page pool even alone (adapter too large)")
             return
-        logits, sampled = self._forward(plan)
+        started = time.perf_counter()
+        logits, sampled = self._forward(plan, assisted)
+        if assisted:
+            self._after_cpu_assist(len(assisted))
+        elif self.config.cold_start == "auto":
+            self._observe_prefill(plan, time.perf_counter() - started)
         self._prefetch()  # on a GPU the step above is still running: its adapters' copies overlap it
         for seq, count in plan:
             seq.num_computed += count
@@ -407,9 +518,68 @@ class Engine:
             seq.tokens.append(token)
             self._advance(seq, token)
 
-    def _forward(self, plan: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+    def _cold_starts(self, plan: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
+        """The requests this step admitted whose adapter the pool did not hold: each one's first step
+        waits for the placement (gpu-wait) or has its LoRA computed by the CPU workers (cpu-assist).
+        -> {sequence: its adapter's id in the CPU store} for the cpu-assisted ones."""
+        cold = dict(self.residency.admitted_cold)
+        self.residency.admitted_cold.clear()
+        if not cold:
+            return {}
+        assisted = {}
+        for seq, count in plan:
+            if seq.num_computed or seq.adapter not in cold:
+                continue
+            adapter = self._held[seq.adapter][0]
+            choice = self._cold_start_choice(adapter, count, cold[seq.adapter])
+            if choice == CPU_ASSIST:
+                adapter_id = self.cpu_assist.stage(adapter)
+                if adapter_id is None:
+                    choice = GPU_WAIT
+                else:
+                    assisted[seq] = adapter_id
+            self.cold_start_decisions[choice] += 1
+            self.stats.cold_start_decided(choice)
+        return assisted
+
+    def _cold_start_choice(self, adapter: LoraAdapter, tokens: int, tier: str) -> str:
+        mode = self.config.cold_start
+        if self.cpu_assist is None or mode not in ("cpu", "auto"):
+            return GPU_WAIT
+        if mode == "cpu":
+            return CPU_ASSIST
+        request = ColdStart(tokens, adapter.nbytes, adapter.rank, len(adapter.weights), tier)
+        try:
+            decision = decide(request, self.cold_start_costs)
+        except KeyError as error:  # a tier not measured at start-up
+            log.warning("cold start decision impossible (%s): gpu-wait", error)
+            return GPU_WAIT
+        log.debug("cold start adapter=%s tokens=%d choice=%s gpu_wait_ms=%.3f cpu_assist_ms=%.3f",
+                  adapter.name, tokens, decision.choice, decision.gpu_wait_ms, decision.cpu_assist_ms)
+        return decision.choice
+
+    def _after_cpu_assist(self, prefills: int) -> None:
+        assist = self.cpu_assist
+        assist.assisted += prefills
+        for _ in range(assist.pool.restarts - assist.restarts_seen):
+            self.stats.worker_restarted()
+        for _ in range(assist.fallbacks - assist.fallbacks_seen):
+            self.stats.cpu_assist_fell_back()
+        assist.restarts_seen, assist.fallbacks_seen = assist.pool.restarts, assist.fallbacks
+
+    def _observe_prefill(self, plan: list[tuple[Sequence, int]], seconds: float) -> None:
+        """`auto`: the base prefill's cost per token, a moving average over steps with prompt tokens."""
+        tokens = sum(count for seq, count in plan if seq.num_computed < seq.prompt_len)
+        if tokens < 8 or self.cold_start_costs is None:
+            return
+        previous = self.cold_start_costs.prefill_ms_per_token
+        sample = seconds * 1e3 / sum(count for _, count in plan)
+        self.cold_start_costs = dataclasses.replace(
+            self.cold_start_costs, prefill_ms_per_token=sample if previous == 0 else 0.8 * previous + 0.2 * sample)
+
+    def _forward(self, plan: list[tuple[Sequence, int]], assisted: dict | None = None) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs the step's forward: replayed from a CUDA graph when every sequence decodes one token."""
-        if self.graphs is not None and all(count == 1 and seq.num_computed + 1 == seq.num_tokens for seq, count in plan):
+        if self.graphs is not None and not assisted and all(count == 1 and seq.num_computed + 1 == seq.num_tokens for seq, count in plan):
             max_blocks = max(len(seq.blocks) for seq, _ in plan)
             if self.graphs.fits(len(plan), max_blocks):
                 seqs = [seq for seq, _ in plan]
@@ -424,7 +594,7 @@ class Engine:
                 )
                 self.graph_steps += 1
                 return logits, seqs
-        step, sampled = self._build_step(plan)
+        step, sampled = self._build_step(plan, assisted or {})
         return self.model.forward(step, self.kv.view, self.table), sampled
 
     def _prefetch(self) -> None:
@@ -447,23 +617,31 @@ class Engine:
             if seq is not None:
                 self._finish(seq, "abort")
 
-    def _build_step(self, plan: list[tuple[Sequence, int]]) -> tuple[Step, list[Sequence]]:
-        """The step's metadata, built once on the host and sent to the device."""
+    def _build_step(self, plan: list[tuple[Sequence, int]], assisted: dict) -> tuple[Step, list[Sequence]]:
+        """The step's metadata, built once on the host and sent to the device. The rows of
+        cpu-assisted sequences get slot -1 and a CpuSpan instead: the CPU workers compute their LoRA."""
         tokens_per_page = self.kv.tokens_per_page
         num_layers = self.spec.num_layers
         input_ids, positions, row_slots = [], [], []
         query_start, query_len, kv_len, sample_rows, sampled = [], [], [], [], []
         max_blocks = max(len(seq.blocks) for seq, _ in plan)
         block_table = np.zeros((len(plan), max_blocks, num_layers, 2), dtype=np.int32)
-        dest = []
+        dest, cpu_spans = [], []
         for index, (seq, count) in enumerate(plan):
-            start = seq.num_computed
-            query_start.append(len(input_ids))
+            start, first_row = seq.num_computed, len(input_ids)
+            query_start.append(first_row)
             query_len.append(count)
             kv_len.append(start + count)
             input_ids.extend(seq.tokens[start : start + count])
             positions.extend(range(start, start + count))
-            row_slots.extend([self.residency.slot(seq.adapter)] * count)
+            adapter_id = assisted.get(seq)
+            if adapter_id is None:
+                row_slots.extend([self.residency.slot(seq.adapter)] * count)
+            else:
+                row_slots.extend([-1] * count)
+                modules = self._held[seq.adapter][0].weights.keys()
+                cpu_spans.append(self.cpu_assist.span(
+                    seq.request_id, adapter_id, self.residency.slot(seq.adapter), modules, first_row, first_row + count))
             blocks = seq.blocks.array()
             block_table[index, : len(blocks)] = blocks
             dest.append(blocks[np.arange(start, start + count) // tokens_per_page])
@@ -487,6 +665,7 @@ class Engine:
             attention=attention,
             lora=LoraBatch.build(row_slots, device),
         )
+        step.lora.cpu_spans = cpu_spans
         self.ops.prepare_lora(step.lora, self.table)
         return step, sampled
 
@@ -582,6 +761,18 @@ def _dummy_adapters(spec: ModelSpec, config: EngineConfig) -> list[LoraAdapter]:
         )
         for index in range(config.dummy_adapters)
     ]
+
+
+def _best_seconds(copy, device: torch.device, repeats: int = 3) -> float:
+    """The fastest of a few runs of `copy` (synchronised on cuda): a bandwidth probe."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        copy()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return max(best, 1e-9)
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -431,6 +431,7 @@ def _engine_main(config: EngineConfig, inbox, outbox_connection, log_level: int,
     finally:
         engine.stop()  # aborts what still runs; those outputs are queued before the outbox closes
         server.pool.shutdown(wait=True, cancel_futures=True)
+        engine.close()  # the CPU LoRA workers and the shared-memory segments
         outbox.close()
         sender.join(_STOP_TIMEOUT_S)
 

@@ -26,6 +26,10 @@ class LoraResidency:
         self.slots: dict[str, int] = {}
         self.pins: dict[str, int] = {}
         self.idle: OrderedDict[str, None] = OrderedDict()  # resident, unpinned, oldest first
+        self.permanent: set[str] = set()  # placed by preload (cold_start="cached"): pinned until dropped
+        # (name, tier) of the adapters acquire() placed since the engine last cleared it: the requests
+        # admitted with them found them cold. tier: "host" (the CPU pool), "pinned" or "pageable".
+        self.admitted_cold: list[tuple[str, str]] = []
         self.loads = 0
         self.prefetches = 0
         self.evictions = 0
@@ -45,7 +49,7 @@ class LoraResidency:
             self._evict_oldest()
             slot = self.table.free_slot()
         started = time.perf_counter()
-        staged = self._staged(adapter)
+        staged, tier = self._staged(adapter)
         while not self.table.place(slot, staged):
             if not self.idle:
                 return False
@@ -58,24 +62,38 @@ class LoraResidency:
         log.info("adapter resident name=%s slot=%d ms=%.2f", name, slot, seconds * 1e3)
         self.slots[name] = slot
         self.pins[name] = 1
+        self.admitted_cold.append((name, tier))
         return True
 
-    def _staged(self, adapter) -> StagedAdapter:
-        """The adapter in page layout; on cuda kept pinned (keyed by its weights, which benchmark
-        adapters share) within `pinned_bytes`, least recently used dropped first."""
+    def preload(self, name: str) -> bool:
+        """Places an adapter for good (cold_start="cached"): pinned by the engine itself, so never
+        evicted until `drop`. False if it does not fit. Not counted as a request's cold start."""
+        metrics, self.metrics = self.metrics, None
+        try:
+            if not self.acquire(name):
+                return False
+        finally:
+            self.metrics = metrics
+        self.admitted_cold.clear()
+        self.permanent.add(name)
+        return True
+
+    def _staged(self, adapter) -> tuple[StagedAdapter, str]:
+        """The adapter in page layout and the tier it came from; on cuda kept pinned (keyed by its
+        weights, which benchmark adapters share) within `pinned_bytes`, least recently used dropped first."""
         if not self.table.pool.pages.is_cuda:
-            return self.table.stage(adapter.weights)
+            return self.table.stage(adapter.weights), "host"
         key = id(adapter.weights)
         if key in self.pinned:
             self.pinned.move_to_end(key)
-            return self.pinned[key][1]
+            return self.pinned[key][1], "pinned"
         staged = self.table.stage(adapter.weights)
         self.pinned[key] = (adapter.weights, staged)  # holding the weights keeps the id unique
         self.pinned_used += staged.pages.nbytes
         while self.pinned_used > self.pinned_bytes and len(self.pinned) > 1:
             _, (_, dropped) = self.pinned.popitem(last=False)
             self.pinned_used -= dropped.pages.nbytes
-        return staged
+        return staged, "pageable"
 
     def prefetch(self, name: str, reserve_pages: int) -> bool:
         """Loads a queued request's adapter into free pages while the current step runs, evicting
@@ -85,7 +103,7 @@ class LoraResidency:
         slot = self.table.free_slot()
         if slot is None:
             return False
-        staged = self._staged(self.lookup(name))
+        staged, _ = self._staged(self.lookup(name))
         if self.table.pool.num_free - staged.pages.shape[0] < reserve_pages or not self.table.place(slot, staged):
             return False
         self.loads += 1
@@ -113,6 +131,9 @@ class LoraResidency:
 
     def drop(self, name: str) -> None:
         """Forget an idle adapter's pool copy (it was unregistered or replaced)."""
+        if name in self.permanent:
+            self.permanent.discard(name)
+            self.release(name)
         if name in self.idle:
             self.idle.pop(name)
             self._evict(name)

@@ -52,6 +52,8 @@ class Metrics:
         self.generation_tokens = 0
         self.cold_starts = 0
         self.worker_restarts = 0
+        self.cold_start_decisions = {"gpu-wait": 0, "cpu-assist": 0}  # scheduler/cold_start.py's choices
+        self.cpu_assist_fallbacks = 0  # cpu-assisted requests sent back to the pool path by a failed job
         self.adapter_loads = dict.fromkeys(TIERS, 0)
         self.adapter_load_seconds = {tier: Histogram(LOAD_BUCKETS) for tier in TIERS}
         self.time_to_first_token = Histogram(TTFT_BUCKETS)
@@ -86,6 +88,14 @@ class Metrics:
         with self._lock:
             self.worker_restarts += 1
 
+    def cold_start_decided(self, decision: str) -> None:
+        with self._lock:
+            self.cold_start_decisions[decision] = self.cold_start_decisions.get(decision, 0) + 1
+
+    def cpu_assist_fell_back(self) -> None:
+        with self._lock:
+            self.cpu_assist_fallbacks += 1
+
     def snapshot(self, **gauges) -> dict:
         """Everything counted so far plus the caller's gauges (see `render` for the keys it reads)."""
         with self._lock:
@@ -96,6 +106,8 @@ class Metrics:
                 "generation_tokens": self.generation_tokens,
                 "cold_starts": self.cold_starts,
                 "worker_restarts": self.worker_restarts,
+                "cold_start_decisions": dict(self.cold_start_decisions),
+                "cpu_assist_fallbacks": self.cpu_assist_fallbacks,
                 "adapter_loads": dict(self.adapter_loads),
                 "adapter_load_seconds": {tier: h.snapshot() for tier, h in self.adapter_load_seconds.items()},
                 "time_to_first_token": self.time_to_first_token.snapshot(),
@@ -165,6 +177,13 @@ def render(snapshot: dict) -> str:
         out.sample("lorad_pool_pages", {"owner": owner}, pool[owner])
     out.family("lorad_cpu_worker_restarts_total", "counter", "CPU LoRA workers replaced after dying or stalling.")
     out.sample("lorad_cpu_worker_restarts_total", {}, snapshot["worker_restarts"])
+    out.family("lorad_cold_start_decisions_total", "counter",
+               "Cold admissions by what their first step did: gpu-wait (the adapter placed first) or cpu-assist.")
+    for decision, count in sorted(snapshot.get("cold_start_decisions", {"gpu-wait": 0, "cpu-assist": 0}).items()):
+        out.sample("lorad_cold_start_decisions_total", {"decision": decision}, count)
+    out.family("lorad_cpu_assist_fallbacks_total", "counter",
+               "CPU-assisted requests whose LoRA went back to the page pool after a CPU worker's job failed.")
+    out.sample("lorad_cpu_assist_fallbacks_total", {}, snapshot.get("cpu_assist_fallbacks", 0))
     return out.text()
 
 

@@ -7,7 +7,7 @@ decode, MBGMM for prefill) sit in their own files with the same semantics.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,9 @@ class LoraBatch:
     slot_rows: list[tuple[int, torch.Tensor]]
     segments: object = None  # the kernels' per-step metadata (mbgmm.Segments), when they run
     max_rank: int = 0
+    # Rows whose LoRA the CPU workers compute (their row_slot is -1 here): daemon/cpu_assist.py's
+    # CpuSpan per CPU-assisted sequence, read by the engine's lora op.
+    cpu_spans: list = field(default_factory=list)
 
     @classmethod
     def build(cls, row_slots: list[int], device: torch.device) -> LoraBatch:
