@@ -522,10 +522,10 @@ class Engine:
         """The requests this step admitted whose adapter the pool did not hold: each one's first step
         waits for the placement (gpu-wait) or has its LoRA computed by the CPU workers (cpu-assist).
         -> {sequence: its adapter's id in the CPU store} for the cpu-assisted ones."""
+        if not self.residency.admitted_cold:
+            return {}
         cold = dict(self.residency.admitted_cold)
         self.residency.admitted_cold.clear()
-        if not cold:
-            return {}
         assisted = {}
         for seq, count in plan:
             if seq.num_computed or seq.adapter not in cold:

@@ -408,6 +408,10 @@ def _engine_main(config: EngineConfig, inbox, outbox_connection, log_level: int,
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s engine_pid={os.getpid()} %(message)s")
     outbox = _Outbox(outbox_connection, max_pending_outputs)
+    # This process is a daemonic child of the API process (it must not outlive it), and multiprocessing
+    # refuses children to those; the engine's CPU LoRA workers (cold_start cpu|auto) are its children,
+    # daemonic themselves, and watch that the engine still lives. Only this process's view changes.
+    multiprocessing.current_process().daemon = False
     try:
         from lorad.daemon.engine import Engine
 

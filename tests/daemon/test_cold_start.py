@@ -212,3 +212,21 @@ def test_auto_decides_from_the_costs_and_counts(demo_assets, adapters, reference
 def test_invalid_settings_are_refused(settings, message):
     with pytest.raises(BadRequest, match=message):
         EngineConfig(demo=True, **settings)
+
+
+def test_the_engine_process_serves_cpu_assisted_and_cleans_up_at_stop(demo_assets):
+    from test_engine_process import Collector, demo_config, start_engine
+
+    engine = start_engine(demo_assets, demo_config(cold_start="cpu", cpu_workers=1))
+    try:
+        collector = Collector()
+        engine.submit(GenerationRequest([5, 6, 7, 8], "demo-r4", SamplingParams(max_tokens=3, temperature=0),
+                                        on_output=collector))
+        assert collector.wait().finish_reason == "length"
+        status = engine.status()
+        assert status["cold_start"] == "cpu" and status["cpu_workers"] == 1 and status["cpu_assisted_prefills"] == 1
+        engine_pid = status["engine_pid"]
+        assert lorad_segments(f"/lorad-{engine_pid}x")
+    finally:
+        engine.stop()
+    assert lorad_segments(f"/lorad-{engine_pid}x") == []
