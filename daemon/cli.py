@@ -40,6 +40,9 @@ _ENGINE_FLAG_HELP = {
     "max_model_len": "default: the checkpoint's max_position_embeddings, capped at 8192",
     "pool_bytes": "unified page pool bytes (K/M/G suffixes accepted)",
     "host_adapter_bytes": "host-memory budget of loaded adapters (K/M/G suffixes accepted)",
+    "cold_start": "cached|ondemand|cpu|auto: what a request whose adapter is not in the pool waits for",
+    "cpu_workers": "CPU LoRA worker processes for --cold-start cpu|auto (0: min(4, cores - 1))",
+    "pinned_host_bytes": "on cuda: adapters kept staged in pinned host memory (K/M/G suffixes accepted)",
 }
 _SERVER_FLAG_HELP = {
     "socket": "Unix socket to listen on",
