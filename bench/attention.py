@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -35,72 +34,11 @@ if SMOKE and not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from lorad.gpu_ops import fused, paged_attention  # noqa: E402
+from timing import Timer, copy_bandwidth  # noqa: E402  (bench/timing.py, beside this script)
 from lorad.gpu_ops.attention import AttentionBatch, paged_attention_ref, write_kv_ref  # noqa: E402
 from lorad.gpu_ops.rope import rope_cache  # noqa: E402
 
 ROTATE_BYTES = 256 << 20
-
-
-class Timer:
-    """Microseconds per call: CUDA events on the GPU, perf_counter on the CPU (smoke)."""
-
-    def __init__(self, device: torch.device, reps: int):
-        self.cuda = device.type == "cuda"
-        self.reps = reps
-
-    def _span(self, body) -> float:
-        if not self.cuda:
-            start = time.perf_counter()
-            body()
-            return (time.perf_counter() - start) * 1e6
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        body()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) * 1e3
-
-    def eager(self, calls: list, reps: int | None = None) -> float:
-        for call in calls:
-            call()
-        if self.cuda:
-            torch.cuda.synchronize()
-
-        def body():
-            for call in calls:
-                call()
-
-        return statistics.median(self._span(body) for _ in range(reps or self.reps)) / len(calls)
-
-    def graph(self, calls: list, reps: int | None = None) -> float:
-        """Device time per call from replays of a CUDA graph of the calls (eager time on the CPU)."""
-        if not self.cuda:
-            return self.eager(calls, reps=1)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for call in calls:  # compile and warm up outside the capture
-                call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for call in calls:
-                call()
-        graph.replay()
-        torch.cuda.synchronize()
-        result = statistics.median(self._span(graph.replay) for _ in range(reps or self.reps)) / len(calls)
-        del graph
-        return result
-
-
-def copy_bandwidth(device, timer: Timer, mebibytes: int) -> float:
-    """Device-to-device copy, bytes read + written per second (GB/s)."""
-    elements = mebibytes * (1 << 20) // 2
-    source = torch.randn(elements, device=device, dtype=torch.bfloat16)
-    target = torch.empty_like(source)
-    microseconds = timer.eager([lambda: target.copy_(source)], reps=20)
-    del source, target
-    return 2 * elements * 2 / (microseconds * 1e-6) / 1e9
 
 
 class PagedCache:
@@ -313,7 +251,7 @@ def main() -> None:
     if device.type != "cuda" and not SMOKE:
         sys.exit("no GPU: run with --smoke to check the script on the CPU")
     args.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    timer = Timer(device, 3 if SMOKE else args.reps)
+    timer = Timer(device, 3 if SMOKE else args.reps, graph_on_cpu=True)
     started = time.perf_counter()
     report = {
         "machine": {
@@ -324,7 +262,7 @@ def main() -> None:
         },
         "dtype": str(args.dtype),
     }
-    bandwidth = copy_bandwidth(device, timer, 1024 if not SMOKE else 8)
+    bandwidth = copy_bandwidth(device, timer, 1024 if not SMOKE else 8, reps=20)
     report["copy_bandwidth_GBps"] = round(bandwidth, 1)
     print(f"device copy bandwidth: {bandwidth:.0f} GB/s (read + write)", flush=True)
 

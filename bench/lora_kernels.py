@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -36,79 +35,11 @@ if SMOKE and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from lorad.gpu_ops import bgmv, mbgmm, mbgmv  # noqa: E402
+from timing import Timer, copy_bandwidth  # noqa: E402  (bench/timing.py, beside this script)
 from lorad.gpu_ops.lora import LoraBatch, apply_lora_ref  # noqa: E402
 from lorad.gpu_ops.page_pool import AdapterTable, PagePool  # noqa: E402
 
 Q = 0
-
-
-class Timer:
-    """Per-call times in microseconds: CUDA events on the GPU, perf_counter on the CPU (smoke)."""
-
-    def __init__(self, device: torch.device, reps: int):
-        self.cuda = device.type == "cuda"
-        self.reps = reps
-
-    def _span(self, body) -> float:
-        if not self.cuda:
-            start = time.perf_counter()
-            body()
-            return (time.perf_counter() - start) * 1e3
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        body()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end)
-
-    def eager(self, calls: list, reps: int | None = None) -> float:
-        for call in calls:  # warm-up: compilation, caches
-            call()
-        self._sync()
-
-        def body():
-            for call in calls:
-                call()
-
-        times = [self._span(body) for _ in range(reps or self.reps)]
-        return statistics.median(times) / len(calls) * 1e3
-
-    def graph(self, calls: list, repeat_inside: int, reps: int | None = None) -> float | None:
-        """Device time per call from replays of one CUDA graph holding repeat_inside rounds of calls."""
-        if not self.cuda:
-            return None
-        for call in calls:
-            call()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for call in calls:
-                call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(repeat_inside):
-                for call in calls:
-                    call()
-        graph.replay()
-        self._sync()
-        times = [self._span(graph.replay) for _ in range(reps or self.reps)]
-        del graph
-        return statistics.median(times) / (len(calls) * repeat_inside) * 1e3
-
-    def _sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: torch.device, timer: Timer, mebibytes: int) -> float:
-    """Device-to-device copy, bytes read + written per second (GB/s)."""
-    elements = mebibytes * (1 << 20) // 2
-    source = torch.randn(elements, device=device, dtype=torch.bfloat16)
-    target = torch.empty_like(source)
-    microseconds = timer.eager([lambda: target.copy_(source)], reps=max(10, timer.reps // 4))
-    del source, target
-    return 2 * elements * 2 / (microseconds * 1e-6) / 1e9
 
 
 def build_table(page: int, in_dim: int, out_dim: int, ranks: list[int], layers: int, dtype, device, seed: int):
