@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lorad.config import EngineConfig
+from lorad.daemon.engine import Engine
 from lorad.daemon.request import GenerationRequest, SamplingParams
 
 MAX_TOKENS = 12
@@ -22,16 +23,6 @@ ARCHITECTURES = ("llama", "llama3_rope", "llama_tied", "mistral", "qwen2", "llam
 
 # transformers warns about its own deprecated internals while PEFT wraps the models.
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
-
-
-def _engine_class():
-    try:
-        from lorad.daemon.engine import Engine
-    except ModuleNotFoundError as error:
-        if error.name == "lorad.daemon.engine":
-            pytest.skip("daemon/engine.py is not written yet")
-        raise
-    return Engine
 
 
 def make_cases(adapters: list[str], vocab_size: int, seed: int = 0) -> list[tuple[list[int], str | None]]:
@@ -50,7 +41,6 @@ def make_cases(adapters: list[str], vocab_size: int, seed: int = 0) -> list[tupl
 
 
 def run_lorad(model_dir, adapters: dict, cases, **config):
-    Engine = _engine_class()
     engine = Engine(
         EngineConfig(
             model=str(model_dir),
