@@ -499,13 +499,13 @@ class Engine:
         logits, sampled = self._forward(plan, assisted)
         if assisted:
             self._after_cpu_assist(len(assisted))
-        elif self.config.cold_start == "auto":
-            self._observe_prefill(plan, time.perf_counter() - started)
         self._prefetch()  # on a GPU the step above is still running: its adapters' copies overlap it
+        params = [seq.state.request.sampling for seq in sampled]
+        tokens = sample(logits, params, [seq.state.generator for seq in sampled])  # waits for the device
+        if not assisted and self.config.cold_start == "auto":
+            self._observe_prefill(plan, time.perf_counter() - started)  # before num_computed moves on
         for seq, count in plan:
             seq.num_computed += count
-        params = [seq.state.request.sampling for seq in sampled]
-        tokens = sample(logits, params, [seq.state.generator for seq in sampled])
         self.steps += 1
         now = time.perf_counter()
         for row, (seq, token) in enumerate(zip(sampled, tokens)):
