@@ -19,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+from lorad.daemon.cli_args import Parser, parse
 
 from lorad.config import ServerConfig
 from lorad.errors import LoradError, Overloaded
@@ -32,15 +33,6 @@ AZURE_FILES = {"azure-conv": "azure_llm_inference_2023_conv.csv", "azure-code": 
 POLICIES = ("rank-aware", "most-idle", "first-fit", "random")
 NOT_MEASURED = "NOT MEASURED: the example profile's illustrative coefficients (scheduler/perf_model.py), not this machine's"
 CDF_POINTS = 201  # quantiles kept per metric in the JSON report
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump: bench_main prints it and returns 2
-        raise _UsageError(f"{self.prog}: {message}")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -61,11 +53,11 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="lorad", description="Make request traces, simulate them, replay them against a daemon.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = Parser(prog="lorad", description="Make request traces, simulate them, replay them against a daemon.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     trace = commands.add_parser("trace", help="make a request trace")
-    trace_actions = trace.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    trace_actions = trace.add_subparsers(dest="action", required=True, parser_class=Parser)
     make = trace_actions.add_parser("make", help="write a trace (JSON) from a workload generator")
     make.add_argument("--kind", choices=TRACE_KINDS, required=True,
                       help="poisson: one Poisson stream, Zipf(alpha) adapters; gamma: S-LoRA's per-adapter Gamma "
@@ -118,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--out", metavar="PATH", help="JSON report (and PATH's .png CDFs when matplotlib is there)")
 
     bench = commands.add_parser("bench", help="replay a trace against a running daemon")
-    bench_actions = bench.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    bench_actions = bench.add_subparsers(dest="action", required=True, parser_class=Parser)
     replay = bench_actions.add_parser("trace", help="send a trace's requests at its arrival times, streaming")
     replay.add_argument("--trace", required=True, metavar="PATH")
     replay.add_argument("--socket", default=ServerConfig.socket, metavar="PATH",
@@ -138,14 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def bench_main(argv: list[str]) -> int:
     """Runs `lorad <argv>` where argv[0] is one of COMMANDS; returns the exit code."""
-    try:
-        args = build_parser().parse_args(argv)
-    except _UsageError as error:
-        hint = f"lorad {argv[0]} --help" if argv and argv[0] in COMMANDS else "lorad --help"
-        print(f"{error} (see {hint})", file=sys.stderr)
-        return REFUSED
-    except SystemExit as exit_:  # --help
-        return exit_.code if isinstance(exit_.code, int) else OK
+    args = parse(build_parser(), argv, COMMANDS)
+    if isinstance(args, int):
+        return args
     args.argv = list(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s", stream=sys.stderr)
@@ -181,8 +168,9 @@ def default_data_dir() -> Path:
 
 
 def trace_make(args: argparse.Namespace) -> int:
-    from lorad.errors import BadRequest
     from lorad.scheduler import workload
+
+    from lorad.errors import BadRequest
 
     if args.adapters < 1:
         raise BadRequest("--adapters must be at least 1")
@@ -228,12 +216,13 @@ def trace_make(args: argparse.Namespace) -> int:
 
 
 def simulate_command(args: argparse.Namespace) -> int:
-    from lorad.errors import BadRequest
     from lorad.scheduler.admission import make_admission
     from lorad.scheduler.perf_model import Profile, example_profile
     from lorad.scheduler.router import FirstFit, MostIdle, Random, RankAware
     from lorad.scheduler.simulator import SimConfig, objectives_for, simulate
     from lorad.scheduler.workload import Trace
+
+    from lorad.errors import BadRequest
 
     if args.engines < 1 or args.max_running < 1:
         raise BadRequest("--engines and --max-running must be at least 1")
@@ -401,8 +390,9 @@ def _write_json(path: str, report: dict) -> None:
 
 
 def bench_trace(args: argparse.Namespace) -> int:
-    from lorad.errors import BadRequest
     from lorad.scheduler.workload import Trace
+
+    from lorad.errors import BadRequest
 
     if args.time_scale <= 0 or args.max_prompt_tokens < 1 or args.max_output_tokens < 1:
         raise BadRequest("--time-scale, --max-prompt-tokens and --max-output-tokens must be positive")

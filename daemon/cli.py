@@ -19,6 +19,8 @@ import sys
 import weakref
 from pathlib import Path
 
+from lorad.daemon.cli_args import Parser, parse
+
 from lorad.config import DTYPES, Config, EngineConfig, ServerConfig
 from lorad.errors import BadRequest, LoradError
 
@@ -50,15 +52,6 @@ _SERVER_FLAG_HELP = {
     "log_level": "debug|info|warning|error",
     "shutdown_grace_s": "on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted",
 }
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump: the caller prints it and exits 2
-        raise _UsageError(f"{self.prog}: {message}")
 
 
 def _byte_size(text: str) -> int:
@@ -132,8 +125,8 @@ def _config_values(args: argparse.Namespace, prefix: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="lorad", description="Serve many LoRA adapters on one base model.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = Parser(prog="lorad", description="Serve many LoRA adapters on one base model.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     serve = commands.add_parser("serve", help="run the daemon on a Unix socket")
     serve.add_argument("--config", metavar="PATH",
@@ -152,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         commands.add_parser(name, help=f"{what} (lorad {name} --help)", add_help=False)  # bench_cli.py parses these
 
     demo = commands.add_parser("demo", help="write random PEFT adapters for a model shape (benchmarks)")
-    demo_commands = demo.add_subparsers(dest="demo_command", required=True, parser_class=_Parser)
+    demo_commands = demo.add_subparsers(dest="demo_command", required=True, parser_class=Parser)
     adapters = demo_commands.add_parser("adapters", help="write N random PEFT adapters")
     shape = adapters.add_mutually_exclusive_group(required=True)
     shape.add_argument("--model", metavar="DIR", help="a checkpoint directory whose config.json gives the shape")
@@ -175,18 +168,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if argv and argv[0] in COMMANDS:  # the commands that talk to a running daemon
         return client_main(argv)
-    from lorad.daemon.bench_cli import COMMANDS as BENCH_COMMANDS, bench_main
+    from lorad.daemon.bench_cli import COMMANDS as BENCH_COMMANDS
+    from lorad.daemon.bench_cli import bench_main
 
     if argv and argv[0] in BENCH_COMMANDS:  # traces, simulation, replay
         return bench_main(argv)
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except _UsageError as error:
-        print(f"{error} (see lorad --help)", file=sys.stderr)
-        return 2
-    except SystemExit as exit_:  # --help
-        return exit_.code if isinstance(exit_.code, int) else 0
+    args = parse(build_parser(), argv)
+    if isinstance(args, int):
+        return args
     try:
         if args.command == "serve":
             return serve(args)
@@ -345,7 +334,6 @@ def _run_event_loop(main_coroutine):
 
 async def _serve(engine, config: Config, listener: socket.socket | None, path: str, reload_config) -> int:
     from aiohttp import web
-
     from lorad.daemon import systemd
     from lorad.daemon.api import IN_FLIGHT, LISTEN_BACKLOG, create_app
 

@@ -11,26 +11,19 @@ import json
 import os
 import sys
 
-from lorad.config import ServerConfig
+from lorad.daemon.cli_args import Parser, parse
 from lorad.daemon.client import Client
+
+from lorad.config import ServerConfig
 from lorad.errors import LoradError
 
 COMMANDS = ("generate", "adapters", "status")
 OK, UNREACHABLE, REFUSED = 0, 1, 2
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump: client_main prints it and returns 2
-        raise _UsageError(f"{self.prog}: {message}")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="lorad", description="Talk to a running lorad daemon.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = Parser(prog="lorad", description="Talk to a running lorad daemon.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     socket_help = f"the daemon's Unix socket (default: {ServerConfig.socket})"
 
     generate = commands.add_parser("generate", help="stream one completion to the terminal")
@@ -45,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--socket", default=ServerConfig.socket, metavar="PATH", help=socket_help)
 
     adapters = commands.add_parser("adapters", help="list, load or unload adapters")
-    actions = adapters.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    actions = adapters.add_subparsers(dest="action", required=True, parser_class=Parser)
     listing = actions.add_parser("list", help="every registered adapter: rank, targets, size, location")
     listing.add_argument("--json", action="store_true", help="the /v1/models entries as JSON")
     load = actions.add_parser("load", help="register an adapter directory (under the daemon's adapter roots)")
@@ -65,14 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
 def client_main(argv: list[str]) -> int:
     """Runs `lorad <argv>` where argv[0] is one of COMMANDS, e.g.
     `client_main(["adapters", "load", "sql", "/adapters/sql"])`; returns the exit code."""
-    try:
-        args = build_parser().parse_args(argv)
-    except _UsageError as error:
-        hint = f"lorad {argv[0]} --help" if argv and argv[0] in COMMANDS else "lorad --help"
-        print(f"{error} (see {hint})", file=sys.stderr)
-        return REFUSED
-    except SystemExit as exit_:  # --help
-        return exit_.code if isinstance(exit_.code, int) else OK
+    args = parse(build_parser(), argv, COMMANDS)
+    if isinstance(args, int):
+        return args
     client = Client(args.socket)
     try:
         if args.command == "generate":
