@@ -480,13 +480,10 @@ def gpu_mbgmv_configs(module) -> list:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("index", range(6))
-def test_mbgmv_configs_gpu(index, kernels, gpu_setups):
-    """Each MBGMV tile configuration at 7B sizes (the default ones run in every other GPU test)."""
+def test_mbgmv_configs_gpu(kernels, gpu_setups):
+    """Every MBGMV tile configuration at 7B sizes (the default ones run in every other GPU test)."""
     _, mbgmv_module, _ = kernels
-    configs = gpu_mbgmv_configs(mbgmv_module)
-    if index >= len(configs):
-        pytest.skip("fewer distinct configurations")
     setup = gpu_setups(torch.bfloat16)
-    for proj in (Q, DOWN):  # 64 mixed rows: ranks 1..255 and base-only rows; DOWN's rows span 3 pages
-        check("mbgmv", kernels, setup, gpu_rows("mixed", 64, seed=proj + index), 0, proj, seed=proj, config=configs[index])
+    for index, config in enumerate(gpu_mbgmv_configs(mbgmv_module)):
+        for proj in (Q, DOWN):  # 64 mixed rows: ranks 1..255 and base-only rows; DOWN's rows span 3 pages
+            check("mbgmv", kernels, setup, gpu_rows("mixed", 64, seed=proj + index), 0, proj, seed=proj, config=config)
