@@ -233,6 +233,15 @@ class AdapterTable:
         page_ids = self.pool.alloc(needed, "adapter")
         if page_ids is None:
             return False
+        pages = self.pool.pages
+        ids = np.asarray(page_ids, dtype=np.int32)
+        one_run = bool((np.diff(ids) == 1).all())  # the common case: a fresh region is one ascending run
+        if pages.is_cuda:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(pages.device)
+            if one_run:  # the DMA starts before any bookkeeping below
+                with torch.cuda.stream(self._copy_stream):
+                    pages[page_ids[0] : page_ids[0] + needed].copy_(staged.pages, non_blocking=True)
         if self._index_end + needed > len(self.page_ids_host):
             self._compact()
         start = self._index_end
@@ -240,21 +249,18 @@ class AdapterTable:
             self.rank_host[slot, layer, proj] = rank
             self.a_start_host[slot, layer, proj] = start + a_offset
             self.b_start_host[slot, layer, proj] = start + b_offset
-        ids = np.asarray(page_ids, dtype=np.int32)
         self.page_ids_host[start : start + needed] = ids
         self._index_end = start + needed
-        pages = self.pool.pages
         if pages.is_cuda:
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(pages.device)
-            runs = _runs(ids)
             with torch.cuda.stream(self._copy_stream):  # every copy here is async: the host goes on
-                if len(runs) <= MAX_DIRECT_RUNS:  # DMA straight from pinned memory into the pages
-                    for offset, first, length in runs:
-                        pages[first : first + length].copy_(staged.pages[offset : offset + length], non_blocking=True)
-                else:  # scattered pages: one copy up, then one scatter on the device
-                    ids_device = torch.from_numpy(ids.astype(np.int64)).pin_memory().to(pages.device, non_blocking=True)
-                    pages.index_copy_(0, ids_device, staged.pages.to(pages.device, non_blocking=True))
+                if not one_run:
+                    runs = _runs(ids)
+                    if len(runs) <= MAX_DIRECT_RUNS:  # DMA straight from pinned memory into the pages
+                        for offset, first, length in runs:
+                            pages[first : first + length].copy_(staged.pages[offset : offset + length], non_blocking=True)
+                    else:  # scattered pages: one copy up, then one scatter on the device
+                        ids_device = torch.from_numpy(ids.astype(np.int64)).pin_memory().to(pages.device, non_blocking=True)
+                        pages.index_copy_(0, ids_device, staged.pages.to(pages.device, non_blocking=True))
                 self._publish(slot, start, needed)
                 done = torch.cuda.Event()
                 done.record()
@@ -269,7 +275,11 @@ class AdapterTable:
         placement = self.placements.pop(slot)
         self.pool.free(placement.page_ids, "adapter")
         self.rank_host[slot] = 0
-        self.rank[slot] = 0
+        if self._copy_stream is not None:  # ordered before the next placement's rows, which it publishes
+            with torch.cuda.stream(self._copy_stream):
+                self.rank[slot] = 0
+        else:
+            self.rank[slot] = 0
 
     def _publish(self, slot: int, start: int, length: int) -> None:
         """Sends a slot's table rows and its page ids to the device in one copy, from pinned memory on
