@@ -73,6 +73,72 @@ def decode_rate(engine: Engine, adapters: list[str | None], prompt_len: int, ste
     return len(requests) * steps / elapsed, elapsed / steps * 1e3
 
 
+def step_breakdown(engine: Engine, adapters: list[str | None], prompt_len: int, steps: int = 32) -> dict:
+    """Where a decode step's wall time goes: the graph's device time alone (its replays back to back),
+    the host's phases of `engine.step()` (forward launch, sampling = the wait for the device, the rest),
+    and the kernels of a few steps by device time (torch.profiler sees inside graph replays)."""
+    import lorad.daemon.engine as engine_module
+
+    sampling = SamplingParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)
+    requests = [GenerationRequest(list(range(1, prompt_len + 1)), adapter=a, sampling=sampling) for a in adapters]
+    for request in requests:
+        engine.submit(request)
+    while len(engine.scheduler.running) < len(requests) or any(s.num_generated == 0 for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    phases = {"forward": [], "sample": [], "step": []}
+    forward, sample = engine._forward, engine_module.sample
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases[name].append((time.perf_counter() - started) * 1e3)
+        return wrapper
+
+    engine._forward, engine_module.sample = timed("forward", forward), timed("sample", sample)
+    try:
+        torch.cuda.synchronize()
+        for _ in range(steps):
+            started = time.perf_counter()
+            engine.step()
+            phases["step"].append((time.perf_counter() - started) * 1e3)
+    finally:
+        del engine._forward
+        engine_module.sample = sample
+    result = {name: statistics.median(values) for name, values in phases.items()}
+    result["rest"] = result["step"] - result["forward"] - result["sample"]
+    graphs = engine.graphs
+    if graphs is not None:
+        size = next(b for b in graphs.buckets if b >= len(adapters))
+        graph, _ = graphs.graphs[(size, any(a is not None for a in adapters))]
+        result["graph_replay_ms"] = median_ms(graph.replay, repeats=30)
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(4):
+                engine.step()
+            torch.cuda.synchronize()
+        kernels = {}
+        for event in prof.key_averages():
+            device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+            if device_us and event.key and not event.key.startswith(("aten::", "cuda", "Memcpy", "ProfilerStep")):
+                kernels[event.key] = (device_us / 4 / 1e3, event.count / 4)
+        top = sorted(kernels.items(), key=lambda item: -item[1][0])[:25]
+        result["kernels_ms_per_step"] = [{"kernel": name[:120], "ms": ms, "calls": calls} for name, (ms, calls) in top]
+        result["kernel_ms_per_step_total"] = sum(ms for ms, _ in kernels.values())
+    except Exception as error:  # a diagnostic: its absence must not cost the run's figures
+        result["profiler_error"] = repr(error)
+    for request in requests:
+        engine.abort(request.request_id)
+    engine.step()
+    return result
+
+
 def adapter_load(engine: Engine, rank: int, targets: tuple[str, ...], repeats: int = 10) -> dict:
     """Time for a staged (pinned) adapter to reach the pool: one side-stream copy plus the page scatter."""
     spec = engine.spec
@@ -106,6 +172,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=lambda text: [int(x) for x in text.split(",")], default=[128, 512],
                         help="prompt lengths of the batch runs")
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--breakdown-batch", action="store_true", help="also break down a step of the LoRA batch")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -135,6 +202,10 @@ def main() -> None:
             "ratio_at_floor": (weight_bytes + kv_bytes) / (weight_bytes + kv_bytes + lora_bytes),
         })
     _, single_ms = decode_rate(engine, [None], args.prompt, args.steps)
+    breakdown = {"batch1_base": step_breakdown(engine, [None], args.prompt)}
+    if args.breakdown_batch:
+        breakdown["batch_lora"] = step_breakdown(engine, [f"dummy-{i}" for i in range(args.batch)], args.prompt)
+    print(json.dumps(breakdown, indent=1))
     floor_ms = weight_bytes / hbm * 1e3
     load_floor_ms = load["bytes"] / pinned * 1e3
     result = {
@@ -144,6 +215,7 @@ def main() -> None:
         "decode": {"batch": args.batch, "rank": args.rank, "targets": "all seven", "steps": args.steps,
                    "lora_bytes_per_step": lora_bytes, "by_prompt": decode},
         "batch1": {"step_ms": single_ms, "weight_bytes": weight_bytes, "floor_ms": floor_ms, "over_floor": single_ms / floor_ms},
+        "breakdown": breakdown,
         "adapter_load": {"rank": 64, "targets": "q,k,v", **load, "floor_ms": load_floor_ms, "over_floor": load["ms"] / load_floor_ms},
     }
     print(json.dumps(result, indent=1))

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install lorad, run the GPU tests and the GPU benchmarks, and leave logs
-# and JSON in OUTDIR. Usage, from the repository root:  bash bench/gpu_check.sh OUTDIR
-# Wheels the machine lacks (posix_ipc, see ../shared/GPU.md) travel in the ignored .devcarry/ folder.
-# Every step runs even when one before it failed; the exit status says whether any failed.
-# To add a check: one `step NAME TIMEOUT_S COMMAND...` line below; its output lands in OUTDIR/NAME.log.
+# and JSON in OUTDIR. Usage, from the repository root:
+#   bash bench/gpu_check.sh OUTDIR            # every step
+#   bash bench/gpu_check.sh OUTDIR STEP...    # the install, then only the named steps (a device call is
+#                                             # at most 10 minutes: the full check takes two or three)
+# Steps: lora_kernels attention engine_decode invoke slora peft pytest_gpu (and those of the other
+# issues, listed in `all_steps` below). Wheels the machine lacks (posix_ipc, see ../shared/GPU.md)
+# travel in the ignored .devcarry/ folder. Every step runs even when one before it failed; the exit
+# status says whether any failed. A step's output lands in OUTDIR/NAME.log.
 
 set -u
-OUTDIR=${1:?usage: bench/gpu_check.sh OUTDIR}
+OUTDIR=${1:?usage: bench/gpu_check.sh OUTDIR [STEP...]}
+shift
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 cd "$(dirname "$0")/.."
@@ -35,21 +40,34 @@ if compgen -G ".devcarry/*.whl" >/dev/null; then
     step install_wheels 120 python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-step install 100 python3 -m pip install -q --no-deps --no-build-isolation -e .
+step install 150 python3 -m pip install -q --no-deps --no-build-isolation -e .
 
-# --- benchmarks -----------------------------------------------------------------------------------
-step bench_lora_kernels 300 python3 bench/lora_kernels.py --out "$OUTDIR/lora_kernels.json"
-step bench_attention 240 python3 bench/attention.py --out "$OUTDIR/attention.json"
-step bench_engine_decode 300 python3 bench/engine_decode.py --out "$OUTDIR/engine_decode.json"
-step bench_invoke 240 python3 bench/invoke.py --out "$OUTDIR/invoke.json"
+# --- steps ----------------------------------------------------------------------------------------
+run_step() {
+    case $1 in
+    lora_kernels) step bench_lora_kernels 300 python3 bench/lora_kernels.py --out "$OUTDIR/lora_kernels.json" ;;
+    attention) step bench_attention 240 python3 bench/attention.py --out "$OUTDIR/attention.json" ;;
+    engine_decode) step bench_engine_decode 300 python3 bench/engine_decode.py --breakdown-batch --out "$OUTDIR/engine_decode.json" ;;
+    invoke) step bench_invoke 240 python3 bench/invoke.py --out "$OUTDIR/invoke.json" ;;
+    # issue 3, figure 6: S-LoRA's workload on lorad, then the transformers + PEFT server on the first
+    # requests of the same n=100 trace
+    slora) step bench_slora 420 python3 bench/slora_workload.py --out "$OUTDIR/slora_workload.json" ;;
+    peft) step bench_peft 240 python3 bench/peft_baseline.py --adapters 100 --requests 33 --budget-s 150 --out "$OUTDIR/peft_baseline.json" ;;
+    pytest_gpu)
+        if ! step pytest_gpu 400 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=8; then
+            # A collection error elsewhere (a conftest another change broke) must not hide the kernels' results.
+            if grep -q "ERROR collecting\|ImportError while loading conftest" "$OUTDIR/pytest_gpu.log"; then
+                step pytest_gpu_lora_only 120 python3 -m pytest -m gpu --noconftest tests/gpu_ops/test_lora_kernels.py -q -p no:cacheprovider
+            fi
+        fi ;;
+    *) echo "unknown step $1"; failed+=("$1") ;;
+    esac
+}
 
-# --- tests ----------------------------------------------------------------------------------------
-if ! step pytest_gpu 400 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=8; then
-    # A collection error elsewhere (a conftest another change broke) must not hide the kernels' results.
-    if grep -q "ERROR collecting\|ImportError while loading conftest" "$OUTDIR/pytest_gpu.log"; then
-        step pytest_gpu_lora_only 120 python3 -m pytest -m gpu --noconftest tests/gpu_ops/test_lora_kernels.py -q -p no:cacheprovider
-    fi
-fi
+all_steps=(lora_kernels attention engine_decode invoke slora peft pytest_gpu)
+for name in "${@:-${all_steps[@]}}"; do
+    run_step "$name"
+done
 
 if [ "${#failed[@]}" -gt 0 ]; then
     echo "FAILED: ${failed[*]}"

@@ -37,7 +37,7 @@ def build(model_config: str, adapters: int, rank: int):
 
 
 @torch.no_grad()
-def serve(model, trace, vocab: int, max_batch: int) -> dict:
+def serve(model, trace, vocab: int, max_batch: int, budget_s: float | None = None) -> dict:
     generator = torch.Generator().manual_seed(0)
     index = {name: i for i, name in enumerate(sorted(trace.adapter_ranks))}
     waiting, pending, done = [], list(trace.requests), 0
@@ -45,6 +45,8 @@ def serve(model, trace, vocab: int, max_batch: int) -> dict:
     started = time.perf_counter()
     while pending or waiting:
         now = time.perf_counter() - started
+        if budget_s is not None and now > budget_s:
+            break
         while pending and pending[0].arrival_s <= now:
             waiting.append(pending.pop(0))
         if not waiting:
@@ -65,7 +67,7 @@ def serve(model, trace, vocab: int, max_batch: int) -> dict:
         done += len(batch)
         tokens += sum(r.output_tokens for r in batch)
     elapsed = time.perf_counter() - started
-    return {"requests": done, "seconds": elapsed, "throughput_req_s": done / elapsed, "tokens_s": tokens / elapsed}
+    return {"requests": done, "unserved": len(pending) + len(waiting), "seconds": elapsed, "throughput_req_s": done / elapsed, "tokens_s": tokens / elapsed}
 
 
 def main() -> None:
@@ -74,18 +76,22 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=100)
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--rate", type=float, default=20.0)
+    parser.add_argument("--trace-requests", type=int, default=160, help="bench/slora_workload.py's --requests")
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--budget-s", type=float, default=None, help="take no new batch after this many seconds")
     parser.add_argument("--out")
     args = parser.parse_args()
     built = time.perf_counter()
     model = build(args.model_config, args.adapters, 8)
     build_s = time.perf_counter() - built
-    trace = gamma_workload(args.adapters, args.rate, args.requests / args.rate, alpha=1.0, cv=1.0,
+    # The trace of bench/slora_workload.py's S1 run at the same n (same generator, duration and seed);
+    # this baseline serves its first --requests requests.
+    trace = gamma_workload(args.adapters, args.rate, args.trace_requests / args.rate, alpha=1.0, cv=1.0,
                            lengths=UniformLengths(), ranks=[8], seed=args.adapters)
     trace.requests = trace.requests[: args.requests]
     result = {"system": "transformers+peft", "machine": torch.cuda.get_device_name(), "model": args.model_config,
               "adapters": args.adapters, "max_batch": args.max_batch, "build_s": build_s,
-              **serve(model, trace, MODEL_CONFIGS[args.model_config]["vocab_size"], args.max_batch)}
+              **serve(model, trace, MODEL_CONFIGS[args.model_config]["vocab_size"], args.max_batch, args.budget_s)}
     print(json.dumps(result))
     if args.out:
         with open(args.out, "w") as handle:
