@@ -288,7 +288,26 @@ class Engine:
                 "cpu_assisted_prefills": self.cpu_assist.assisted if self.cpu_assist is not None else 0,
                 "cpu_assist_fallbacks": self.cpu_assist.fallbacks if self.cpu_assist is not None else 0,
                 "cpu_worker_restarts": self.cpu_assist.pool.restarts if self.cpu_assist is not None else 0,
+                **self._batch_locked(),
             }
+
+    def _batch_locked(self) -> dict:
+        """The batch as a router sees it (scheduler/router.py's EngineView), for `lorad router`: each running
+        request as [adapter rank (0: base), context tokens, output tokens still allowed], each waiting one as
+        [adapter rank, tokens to prefill]; the batch limit and the KV positions free in the pool."""
+
+        def rank(seq: Sequence) -> int:  # _held keeps every in-flight request's adapter until it finishes
+            return 0 if seq.adapter is None else self._held[seq.adapter][0].rank
+
+        return {
+            "max_running_requests": self.config.max_running_requests,
+            "free_kv_tokens": self.kv.free_tokens(),
+            "running_batch": [
+                [rank(seq), seq.num_tokens, seq.state.request.sampling.max_tokens - seq.num_generated]
+                for seq in list(self.scheduler.running)
+            ],
+            "waiting_batch": [[rank(seq), seq.num_tokens] for seq in (*self.scheduler.waiting, *self._inbox)],
+        }
 
     def metrics(self) -> dict:
         """A picklable snapshot of the counters and gauges for GET /metrics (daemon/metrics.py renders it)."""
