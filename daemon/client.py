@@ -13,16 +13,16 @@ from typing import AsyncIterator, Iterator
 
 from lorad.config import ServerConfig
 from lorad.errors import (
-    AdapterError, BadRequest, BodyTooLarge, EngineDead, LoradError, MethodNotAllowed, ModelError,
+    AdapterError, BackendError, BadRequest, BodyTooLarge, EngineDead, LoradError, MethodNotAllowed, ModelError,
     ModelNotFound, NotFound, Overloaded, PromptTooLong,
 )
 
 _BY_TYPE = {
     cls.type: cls
     for cls in (BadRequest, PromptTooLong, NotFound, ModelNotFound, MethodNotAllowed, BodyTooLarge, AdapterError,
-                ModelError, EngineDead)
+                ModelError, EngineDead, BackendError)
 }
-_BY_STATUS = {400: BadRequest, 404: NotFound, 405: MethodNotAllowed, 413: BodyTooLarge, 503: Overloaded}
+_BY_STATUS = {400: BadRequest, 404: NotFound, 405: MethodNotAllowed, 413: BodyTooLarge, 502: BackendError, 503: Overloaded}
 
 
 def error_from_response(status: int, body: bytes, retry_after: str | None = None) -> LoradError:

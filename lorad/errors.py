@@ -72,3 +72,10 @@ class Overloaded(LoradError):
 class EngineDead(LoradError):
     status = 500
     type = "engine_error"
+
+
+class BackendError(LoradError):
+    """`lorad router`: the backend engine a request was routed to failed or could not be reached."""
+
+    status = 502
+    type = "backend_error"
