@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("simulate", "simulate engines serving a trace under routing policies"),
                        ("bench", "replay a trace against a running daemon (bench trace)")):
         commands.add_parser(name, help=f"{what} (lorad {name} --help)", add_help=False)  # bench_cli.py parses these
+    commands.add_parser("router", help="one socket in front of several lorad engines (lorad router --help)",
+                        add_help=False)  # router_cli.py parses it
 
     demo = commands.add_parser("demo", help="write random PEFT adapters for a model shape (benchmarks)")
     demo_commands = demo.add_subparsers(dest="demo_command", required=True, parser_class=Parser)
@@ -173,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if argv and argv[0] in BENCH_COMMANDS:  # traces, simulation, replay
         return bench_main(argv)
+    if argv and argv[0] == "router":  # one front socket over several engines
+        from lorad.daemon.router_cli import router_main
+
+        return router_main(argv[1:])
     args = parse(build_parser(), argv)
     if isinstance(args, int):
         return args
