@@ -1,7 +1,8 @@
 """The workload side of the `lorad` command: `trace make` writes a request trace, `simulate` runs it through
 N simulated engines under each routing policy, `bench trace` replays it against a running daemon.
-`simulate` and `bench trace` print the same table and write a JSON report. daemon/cli.py hands them
-`bench_main(argv)`.
+`simulate` and `bench trace` print the same table and write a JSON report. `bench load|invoke|ipc|
+cpu-lora|cold-start` are the cold-start microbenchmarks, run in this process (daemon/bench_*.py).
+daemon/cli.py hands them `bench_main(argv)`.
 
 Exit codes: 0 done, 1 no daemon answers on the socket, 2 bad usage or bad input.
 """
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--seed", type=int, default=0, metavar="N", help="the random policy's seed")
     simulate.add_argument("--out", metavar="PATH", help="JSON report (and PATH's .png CDFs when matplotlib is there)")
 
-    bench = commands.add_parser("bench", help="replay a trace against a running daemon")
+    bench = commands.add_parser("bench", help="replay a trace against a running daemon; cold-start microbenchmarks")
     bench_actions = bench.add_subparsers(dest="action", required=True, parser_class=Parser)
     replay = bench_actions.add_parser("trace", help="send a trace's requests at its arrival times, streaming")
     replay.add_argument("--trace", required=True, metavar="PATH")
@@ -125,7 +126,108 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--slo-ttft-s", type=float, metavar="S", help="TTFT objective (default: none)")
     replay.add_argument("--slo-tpot-s", type=float, metavar="S", help="time-per-token objective (default: none)")
     replay.add_argument("--out", metavar="PATH", help="JSON report")
+    add_microbench_parsers(bench_actions)
     return parser
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    values = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, not {text!r}")
+    return values
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a positive number, not {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
+    return value
+
+
+def add_microbench_parsers(actions) -> None:
+    """The cold-start microbenchmarks (daemon/bench_load.py, bench_invoke.py, bench_ipc.py,
+    bench_cpu_lora.py, bench_cold_start.py): in-process, no daemon. Defaults: the 7B shape on cuda,
+    a tiny one on the CPU, so that CI runs them in seconds."""
+    def common(parser):
+        parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                            help="auto: cuda when torch sees a GPU (default: auto)")
+        parser.add_argument("--out", metavar="PATH.json", help="JSON report (and PATH.png when matplotlib is there)")
+
+    load = actions.add_parser("load", help="adapter load latency host -> device by rank, targets and host tier")
+    load.add_argument("--ranks", type=_int_list, metavar="R,R,...", help="(default: 8,16,32,64,128)")
+    load.add_argument("--targets", type=_name_list, metavar="SET,...",
+                      help="target module sets among qkv, qkvo, all (default: all three)")
+    load.add_argument("--tiers", type=_name_list, metavar="TIER,...",
+                      help="among pinned, pageable, host, disk (default: all; no pinned on the CPU)")
+    load.add_argument("--model-config", metavar="NAME", help="the shape (default: llama-2-7b on cuda, tiny-llama on cpu)")
+    load.add_argument("--reps", type=_positive_int, default=5, metavar="N", help="timed loads per row (default: 5)")
+    load.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed loads first (default: 1)")
+    load.add_argument("--disk-dir", metavar="DIR", help="where the disk tier's adapters are written (default: $TMPDIR)")
+    load.add_argument("--seed", type=int, default=0, metavar="N")
+    common(load)
+
+    invoke = actions.add_parser("invoke", help="prefill latency: fused copy+signal vs native copy+sync+signal")
+    invoke.add_argument("--tokens", type=_int_list, metavar="N,N,...",
+                        help="prompt tokens (default: 16,128,512,2048 on cuda; 4,16,64 on cpu)")
+    invoke.add_argument("--hidden", type=_positive_int, metavar="N", help="(default: 4096 on cuda, 256 on cpu)")
+    invoke.add_argument("--layers", type=_positive_int, metavar="N", help="(default: 32 on cuda, 4 on cpu)")
+    invoke.add_argument("--reps", type=_positive_int, default=15, metavar="N", help="(default: 15)")
+    invoke.add_argument("--require-fused", action="store_true",
+                        help="exit 2 if the fused CUDA path is not usable (instead of measuring without it)")
+    common(invoke)
+
+    ipc = actions.add_parser("ipc", help="CPU LoRA round trip: shared memory vs Unix socket, by workers")
+    ipc.add_argument("--workers", type=_int_list, metavar="N,N,...",
+                     help="receiving workers (default: those of 1,2,4,8 below the usable cores)")
+    ipc.add_argument("--tokens", type=_positive_int, default=1, metavar="N", help="token rows per worker (default: 1)")
+    ipc.add_argument("--rank", type=_positive_int, default=1, metavar="R", help="(default: 1: the invocation, not the math)")
+    ipc.add_argument("--hidden", type=_positive_int, metavar="N", help="(default: 4096 on cuda hosts, 256 on cpu)")
+    ipc.add_argument("--reps", type=_positive_int, metavar="N", help="(default: 2000 on cuda hosts, 200 on cpu)")
+    common(ipc)
+
+    cpu_lora = actions.add_parser("cpu-lora", help="tokens per core; pinned worker processes vs torch threads")
+    cpu_lora.add_argument("--ranks", type=_int_list, metavar="R,R,...", help="profile ranks (default: 16,64)")
+    cpu_lora.add_argument("--tokens", type=_int_list, metavar="N,N,...",
+                          help="profile token counts (default: 1,16,64,128,256,512 on cuda hosts; 1,8,32,64 on cpu)")
+    cpu_lora.add_argument("--workers", type=_int_list, metavar="N,N,...",
+                          help="core counts compared (default: those of 1,2,4,8 below the usable cores)")
+    cpu_lora.add_argument("--scaling-tokens", type=_positive_int, default=128, metavar="N", help="(default: 128)")
+    cpu_lora.add_argument("--scaling-rank", type=_positive_int, default=64, metavar="R", help="(default: 64)")
+    cpu_lora.add_argument("--hidden", type=_positive_int, metavar="N", help="(default: 4096 on cuda hosts, 256 on cpu)")
+    cpu_lora.add_argument("--reps", type=_positive_int, default=9, metavar="N", help="(default: 9)")
+    common(cpu_lora)
+
+    cold = actions.add_parser("cold-start", help="the engine under Poisson arrivals in each cold-start mode")
+    cold.add_argument("--requests", type=_positive_int, metavar="N", help="per workload (default: 48 on cuda, 6 on cpu)")
+    cold.add_argument("--rate", type=_positive_float, metavar="R", help="requests per second (default: 8 on cuda, 50 on cpu)")
+    cold.add_argument("--adapters", type=_int_list, metavar="N,N,...",
+                      help="skewed workloads' adapter counts (default: 128,256,512 on cuda; 8,16 on cpu)")
+    cold.add_argument("--alpha", type=float, default=1.0, metavar="A", help="Zipf exponent of popularity (default: 1)")
+    cold.add_argument("--modes", type=_name_list, metavar="MODE,...",
+                      help="among cached, ondemand, cpu, auto (default: all four)")
+    cold.add_argument("--prompt-tokens", type=_positive_int, metavar="N", help="(default: 256 on cuda, 16 on cpu)")
+    cold.add_argument("--output-tokens", type=_positive_int, metavar="N", help="(default: 32 on cuda, 4 on cpu)")
+    cold.add_argument("--rank", type=_positive_int, metavar="R", help="the adapters' rank (default: 32 on cuda, 8 on cpu)")
+    cold.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", metavar="P,P,...",
+                      help="the adapters' projections (default: q_proj,k_proj,v_proj,o_proj)")
+    cold.add_argument("--cpu-workers", type=int, default=0, metavar="N", help="CPU LoRA workers (default: 0, the engine's)")
+    cold.add_argument("--model-config", metavar="NAME", help="(default: llama-2-7b on cuda, tiny-llama on cpu)")
+    cold.add_argument("--no-ablation", dest="ablation", action="store_false", help="skip the ablation table")
+    cold.add_argument("--seed", type=int, default=0, metavar="N")
+    common(cold)
 
 
 def bench_main(argv: list[str]) -> int:
@@ -141,17 +243,36 @@ def bench_main(argv: list[str]) -> int:
             return trace_make(args)
         if args.command == "simulate":
             return simulate_command(args)
+        if args.action != "trace":
+            return microbench(args)
         return bench_trace(args)
     except LoradError as error:
         print(f"lorad: {error.message}", file=sys.stderr)
         return REFUSED
     except OSError as error:
         reason = error.strerror or str(error) or type(error).__name__
+        replaying = args.command == "bench" and args.action == "trace"
         print(f"lorad: cannot reach the daemon at {args.socket}: {reason} (is `lorad serve` running?)"
-              if args.command == "bench" else f"lorad: {reason}", file=sys.stderr)
-        return UNREACHABLE if args.command == "bench" else REFUSED
+              if replaying else f"lorad: {reason}", file=sys.stderr)
+        return UNREACHABLE if replaying else REFUSED
     except KeyboardInterrupt:
         return 130
+
+
+def microbench(args: argparse.Namespace) -> int:
+    """`lorad bench load|invoke|ipc|cpu-lora|cold-start`: each module's run(args) prints its table and
+    writes its report."""
+    from importlib import import_module
+
+    module = {"load": "bench_load", "invoke": "bench_invoke", "ipc": "bench_ipc", "cpu-lora": "bench_cpu_lora",
+              "cold-start": "bench_cold_start"}[args.action]
+    from lorad.errors import BadRequest
+
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise BadRequest(f"--out {args.out}: the directory {Path(args.out).resolve().parent} does not exist")
+    args.command_line = "lorad " + " ".join(args.argv)
+    import_module(f"lorad.daemon.{module}").run(args)
+    return OK
 
 
 # --- lorad trace make -------------------------------------------------------------------------------------
@@ -193,7 +314,7 @@ def trace_make(args: argparse.Namespace) -> int:
         if rate <= 0 or duration <= 0:
             raise BadRequest("--rate and --duration must be positive")
         lengths = workload.UniformLengths(tuple(args.prompt_len), tuple(args.output_len))
-        common = dict(lengths=lengths, ranks=args.ranks, seed=args.seed)
+        common = {"lengths": lengths, "ranks": args.ranks, "seed": args.seed}
         if args.kind == "poisson":
             trace = workload.poisson_workload(args.adapters, rate, duration, alpha=args.alpha, **common)
         elif args.kind == "gamma":

@@ -1,0 +1,313 @@
+"""`lorad bench cold-start`: the engine itself (in this process: dummy base weights, dummy adapters held in
+host memory) under open-loop Poisson arrivals, for each cold-start mode (CaraServe Figs. 10, 11, 14):
+TTFT, time per output token and request latency
+
+- with every request for a distinct adapter (every request a cold start), and
+- with Zipf-skewed popularity over 128, 256, 512 adapters (some warm, some cold),
+
+for `cached` (every adapter placed before the first request: the floor), `ondemand` (wait for the
+load), `cpu` (CPU-assisted prefill) and `auto` (decided per request). Then an ablation on the distinct
+workload: pinned vs pageable host copies (pinned_host_bytes 0 keeps at most one staged adapter pinned,
+so loads stage and pin again), CPU assist on vs off, and layer-wise takeover when EngineConfig has a
+switch for it.
+
+One thread drives the engine (submit at each arrival, `step()` while anything runs), so nothing
+races the measurement; times are from each request's scheduled arrival. Between workloads the idle
+adapters leave the pool, so each workload starts cold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import time
+
+import numpy as np
+import torch
+from lorad.daemon.bench_report import (
+    DEFAULT_MODEL,
+    machine,
+    markdown_table,
+    resolve_device,
+    save_plot,
+    summary,
+    write_report,
+)
+
+from lorad.config import EngineConfig
+from lorad.errors import BadRequest, LoradError
+
+log = logging.getLogger(__name__)
+
+MODES = ("cached", "ondemand", "cpu", "auto")
+RUN_TIMEOUT_S = 600.0  # one workload; longer means the engine stopped making progress
+WARMUP_PROMPT = 8
+
+
+@dataclasses.dataclass
+class Record:
+    arrival: float  # seconds from the workload's start
+    adapter: str
+    first: float | None = None
+    done: float | None = None
+    generated: int = 0
+    error: str | None = None
+
+    def on_output(self, output) -> None:
+        now = time.perf_counter()
+        if output.new_token_ids and self.first is None:
+            self.first = now
+        self.generated = output.num_generated_tokens or self.generated + len(output.new_token_ids)
+        if output.finished:
+            self.done = now
+            if output.finish_reason not in ("stop", "length"):
+                self.error = output.error or output.finish_reason
+
+
+def layerwise_field() -> str | None:
+    """The EngineConfig field that switches layer-wise takeover (the adapter streams in layer by layer
+    while the CPU computes the layers not yet there), if the engine has one."""
+    for field in dataclasses.fields(EngineConfig):
+        if "layerwise" in field.name.replace("_", "") and isinstance(field.default, bool):
+            return field.name
+    return None
+
+
+def workloads(requests: int, rate: float, adapter_counts, alpha: float, seed: int) -> list[dict]:
+    """[{name, arrivals (s), adapters (indices)}]: distinct adapters, then Zipf(alpha) over each count."""
+    from lorad.scheduler.workload import poisson_arrivals, power_law_weights
+
+    rng = np.random.default_rng(seed)
+
+    def arrivals() -> np.ndarray:
+        times = poisson_arrivals(rate, 4 * requests / rate + 10, rng)[:requests]
+        if len(times) < requests:
+            raise RuntimeError(f"the Poisson process gave {len(times)} of {requests} arrivals")
+        return times
+
+    plans = [{"name": "distinct", "adapters_in_play": requests, "arrivals": arrivals(),
+              "adapters": np.arange(requests)}]
+    for count in adapter_counts:
+        chosen = rng.choice(count, size=requests, p=power_law_weights(count, alpha))
+        plans.append({"name": f"skewed-{count}", "adapters_in_play": count, "arrivals": arrivals(), "adapters": chosen})
+    return plans
+
+
+def run(args) -> dict:
+    device = resolve_device(args.device)
+    cuda = device.type == "cuda"
+    model = args.model_config or DEFAULT_MODEL[device.type]
+    requests = args.requests or (48 if cuda else 6)
+    rate = args.rate or (8.0 if cuda else 50.0)
+    adapter_counts = args.adapters or ((128, 256, 512) if cuda else (8, 16))
+    prompt_tokens = args.prompt_tokens or (256 if cuda else 16)
+    output_tokens = args.output_tokens or (32 if cuda else 4)
+    rank = args.rank or (32 if cuda else 8)
+    modes = args.modes or MODES
+    if requests < 1 or rate <= 0 or prompt_tokens < 1 or output_tokens < 1:
+        raise BadRequest("--requests, --rate, --prompt-tokens and --output-tokens must be positive")
+    for mode in modes:
+        if mode not in MODES:
+            raise BadRequest(f"--modes: unknown mode {mode!r}; one of {', '.join(MODES)}")
+    base = {
+        "model_config": model, "dummy_weights": True, "dummy_adapters": max(requests, *adapter_counts),
+        "dummy_adapter_rank": rank, "dummy_adapter_targets": args.targets, "device": str(device),
+        "max_model_len": prompt_tokens + output_tokens + WARMUP_PROMPT, "cpu_workers": args.cpu_workers,
+        "seed": args.seed,
+    }
+    try:
+        EngineConfig(**base)
+    except TypeError as error:
+        raise BadRequest(f"engine configuration: {error}") from None
+    plans = workloads(requests, rate, adapter_counts, args.alpha, args.seed)
+    from lorad.daemon.checkpoint import MODEL_CONFIGS
+
+    if model not in MODEL_CONFIGS:
+        raise BadRequest(f"unknown --model-config {model!r}: one of {', '.join(MODEL_CONFIGS)}")
+    generator = torch.Generator().manual_seed(args.seed)
+    vocab = MODEL_CONFIGS[model]["vocab_size"]
+    prompts = [torch.randint(1, vocab, (prompt_tokens,), generator=generator).tolist() for _ in range(requests)]
+
+    results: dict[tuple, dict] = {}  # config overrides -> {workload name: row}
+
+    def measure(overrides: dict, names: list[str]) -> dict:
+        key = tuple(sorted(overrides.items()))
+        done = results.setdefault(key, {})
+        todo = [plan for plan in plans if plan["name"] in names and plan["name"] not in done]
+        if todo:
+            done.update(_run_engine({**base, **overrides}, todo, prompts, output_tokens))
+        return done
+
+    rows = []
+    for mode in modes:
+        outcome = measure({"cold_start": mode}, [plan["name"] for plan in plans])
+        for plan in plans:
+            rows.append({"mode": mode, "workload": plan["name"], **outcome[plan["name"]]})
+    ablation, notes = [], []
+    if args.ablation:
+        switch = layerwise_field()
+        configs = [("cpu assist off, pinned host copies", {"cold_start": "ondemand"}),
+                   ("cpu assist on, pinned host copies", {"cold_start": "cpu"})]
+        if cuda:
+            configs += [("cpu assist off, pageable host copies", {"cold_start": "ondemand", "pinned_host_bytes": 0}),
+                        ("cpu assist on, pageable host copies", {"cold_start": "cpu", "pinned_host_bytes": 0})]
+        else:
+            notes.append("ablation: no pinned vs pageable rows on the CPU (the page pool is host memory)")
+        if switch is None:
+            notes.append("ablation: no layer-wise row: EngineConfig has no layer-wise takeover switch yet")
+        else:
+            default = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == switch)
+            configs += [(f"cpu assist on, {switch}={value}", {"cold_start": "cpu", switch: value})
+                        for value in (default, not default)]
+        for label, overrides in configs:
+            outcome = measure(overrides, ["distinct"])["distinct"]
+            ablation.append({"config": label, "overrides": overrides, "workload": "distinct", **outcome})
+    for note in notes:
+        print(note)
+    report = {
+        "version": 1, "kind": "bench-cold-start", "command": args.command_line, "machine": machine(device),
+        "config": {"model_config": model, "requests": requests, "rate": rate, "adapters": list(adapter_counts),
+                   "alpha": args.alpha, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+                   "adapter_rank": rank, "adapter_targets": args.targets, "cpu_workers": args.cpu_workers,
+                   "modes": list(modes), "registered_adapters": base["dummy_adapters"], "seed": args.seed},
+        "rows": rows,
+        "ablation": ablation,
+        "notes": ["times from each request's scheduled arrival (open loop), ms",
+                  "tpot: (last token - first token) / (tokens - 1)", *notes],
+    }
+    header = ["mode", "workload", "done", "errors", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "latency p50",
+              "latency p90", "loads", "cpu-assisted"]
+    print(markdown_table(header, [_table_row(r["mode"], r) for r in rows]))
+    if ablation:
+        print()
+        print(markdown_table(["ablation (distinct adapters)"] + header[1:], [_table_row(a["config"], a) for a in ablation]))
+    report["plot"] = save_plot(args.out, lambda plt: _plot(plt, rows, [p["name"] for p in plans]))
+    write_report(args.out, report)
+    return report
+
+
+def _table_row(label: str, row: dict) -> list:
+    if "error" in row:
+        return [label, row["workload"], 0, row["error"]] + [None] * 8
+    return [label, row["workload"], row["completed"], row["errors"], row["ttft_ms"]["median"], row["ttft_ms"]["p90"],
+            row["ttft_ms"]["p99"], row["tpot_ms"]["median"], row["latency_ms"]["median"], row["latency_ms"]["p90"],
+            row["engine"]["adapter_loads"], row["engine"]["cpu_assisted_prefills"]]
+
+
+def _run_engine(config_fields: dict, plans: list[dict], prompts: list, output_tokens: int) -> dict:
+    """One engine for `config_fields`, each plan run through it; {plan name: row}. An engine that cannot
+    be built (cached with more adapters than the pool holds, say) gives every plan a row with its error."""
+    from lorad.daemon.engine import Engine
+
+    label = ", ".join(f"{k}={v}" for k, v in config_fields.items() if k in ("cold_start", "pinned_host_bytes") or "layer" in k)
+    started = time.perf_counter()
+    try:
+        engine = Engine(EngineConfig(**config_fields))
+    except LoradError as error:
+        print(f"engine {label}: cannot be built: {error.message}")
+        return {plan["name"]: {"error": error.message} for plan in plans}
+    out = {}
+    try:
+        build_s = time.perf_counter() - started
+        _warm_up(engine, output_tokens)
+        for plan in plans:
+            _evict_idle(engine)
+            out[plan["name"]] = _drive(engine, plan, prompts, output_tokens)
+            out[plan["name"]]["engine_build_s"] = build_s
+            print(f"engine {label}: {plan['name']} done in {out[plan['name']]['wall_s']:.1f} s")
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+def _warm_up(engine, output_tokens: int) -> None:
+    """Compile and cache what the first requests would otherwise pay for (kernels, graphs): a base
+    request, a cold adapter request and a warm one."""
+    from lorad.daemon.request import GenerationRequest, SamplingParams
+
+    sampling = SamplingParams(max_tokens=min(output_tokens, 4), temperature=0, ignore_eos=True)
+    for adapter in (None, "dummy-0", "dummy-0"):
+        engine.generate([GenerationRequest([1] * WARMUP_PROMPT, adapter=adapter, sampling=sampling)])
+
+
+def _evict_idle(engine) -> None:
+    """Every adapter no request holds leaves the pool (cached mode's are held for good and stay)."""
+    engine.residency.reclaim(engine.pool.capacity + 1)
+
+
+def _counters(engine) -> dict:
+    assist = engine.cpu_assist
+    return {
+        "adapter_loads": engine.residency.loads,
+        "cpu_assisted_prefills": assist.assisted if assist is not None else 0,
+        "cpu_assist_fallbacks": assist.fallbacks if assist is not None else 0,
+        "decisions": dict(engine.cold_start_decisions),
+    }
+
+
+def _drive(engine, plan: dict, prompts: list, output_tokens: int) -> dict:
+    from lorad.daemon.request import GenerationRequest, SamplingParams
+
+    sampling = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
+    records = [Record(float(at), f"dummy-{int(index)}") for at, index in zip(plan["arrivals"], plan["adapters"])]
+    before = _counters(engine)
+    start = time.perf_counter()
+    submitted = finished = 0
+    while finished < len(records):
+        now = time.perf_counter() - start
+        if now > RUN_TIMEOUT_S:
+            raise RuntimeError(f"workload {plan['name']}: {len(records) - finished} requests unfinished after {RUN_TIMEOUT_S} s")
+        while submitted < len(records) and records[submitted].arrival <= now:
+            record = records[submitted]
+            engine.submit(GenerationRequest(prompts[submitted], adapter=record.adapter, sampling=sampling,
+                                            on_output=record.on_output))
+            submitted += 1
+        if submitted > finished:
+            engine.step()
+        else:  # idle until the next arrival
+            time.sleep(max(0.0, records[submitted].arrival - (time.perf_counter() - start)))
+        finished = sum(record.done is not None for record in records)
+    wall = time.perf_counter() - start
+    after = _counters(engine)
+    good = [r for r in records if r.error is None and r.first is not None]
+    ttft = [(r.first - start - r.arrival) * 1e3 for r in good]
+    tpot = [(r.done - r.first) * 1e3 / (r.generated - 1) for r in good if r.generated > 1]
+    latency = [(r.done - start - r.arrival) * 1e3 for r in good]
+    errors = [r.error for r in records if r.error is not None]
+    return {
+        "workload": plan["name"], "adapters_in_play": plan["adapters_in_play"],
+        "distinct_adapters_used": len({r.adapter for r in records}), "requests": len(records),
+        "completed": len(good), "errors": len(errors), "error_examples": sorted(set(errors))[:3],
+        "ttft_ms": summary(ttft), "tpot_ms": summary(tpot), "latency_ms": summary(latency), "wall_s": wall,
+        "throughput_rps": len(good) / wall,
+        "engine": {
+            "adapter_loads": after["adapter_loads"] - before["adapter_loads"],
+            "cpu_assisted_prefills": after["cpu_assisted_prefills"] - before["cpu_assisted_prefills"],
+            "cpu_assist_fallbacks": after["cpu_assist_fallbacks"] - before["cpu_assist_fallbacks"],
+            "decisions": {k: v - before["decisions"].get(k, 0) for k, v in after["decisions"].items()},
+        },
+    }
+
+
+def _plot(plt, rows: list[dict], workload_names: list[str]):
+    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    width = 0.8 / max(1, len(modes))
+    for axis, (metric, title) in zip(axes, (("ttft_ms", "TTFT p50 (ms)"), ("tpot_ms", "time per token p50 (ms)"),
+                                            ("latency_ms", "request latency p50 (ms)"))):
+        for index, mode in enumerate(modes):
+            values = []
+            for name in workload_names:
+                row = next(r for r in rows if r["mode"] == mode and r["workload"] == name)
+                values.append(row[metric]["median"] if "error" not in row and row[metric]["median"] is not None else 0)
+            axis.bar(np.arange(len(workload_names)) + index * width, values, width, label=mode)
+        axis.set_xticks(np.arange(len(workload_names)) + width * (len(modes) - 1) / 2, workload_names, fontsize=8)
+        axis.set_title(title)
+        axis.grid(alpha=0.3, axis="y")
+    axes[0].legend()
+    return figure

@@ -1,0 +1,242 @@
+"""`lorad bench ipc`: the round trip of one layer invocation of CPU LoRA (CaraServe Fig. 17), through
+lorad's shared memory (shm/exchange.py + cpu_lora/worker.py's WorkerPool: activations written into the
+exchange, one job posted per worker, done flags awaited, results read back) against a Unix domain
+socket baseline (the same rows sent to each worker as a message, its result sent back), by the number
+of receiving workers.
+
+Each worker gets `tokens` token rows and a LoRA of rank `rank` (default 1): the compute is kept tiny, so
+the times are the invocation's cost. Host wall clock per round trip; median and p99 over `reps`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import struct
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from lorad.daemon.bench_report import (
+    machine,
+    markdown_table,
+    resolve_device,
+    save_plot,
+    summary,
+    write_report,
+)
+
+from lorad.errors import BadRequest
+
+HEADER = struct.Struct("<5q")  # seq, rows, in_features, out_features, stop
+TARGET_MEDIAN_US = 50.0  # CaraServe's figure on its machine; the H100 host's goal at 8 workers
+ACCEPT_TIMEOUT_S = 60.0
+
+
+def run(args) -> dict:
+    if args.tokens < 1 or args.rank < 1:
+        raise BadRequest("--tokens and --rank must be at least 1")
+    device = resolve_device(args.device)
+    cores = sorted(os.sched_getaffinity(0))
+    worker_counts = args.workers or tuple(n for n in (1, 2, 4, 8) if n <= max(1, len(cores) - 1)) or (1,)
+    hidden = args.hidden or (4096 if device.type == "cuda" else 256)
+    reps = args.reps or (2000 if device.type == "cuda" else 200)
+    warmup = max(10, reps // 20)
+    rows, notes = [], []
+    for workers in worker_counts:
+        if workers + 1 > len(cores):
+            notes.append(f"{workers} workers and the engine share {len(cores)} usable cores: oversubscribed")
+        tokens = workers * args.tokens
+        x = torch.randn(tokens, hidden)
+        ranges = [(w * args.tokens, (w + 1) * args.tokens) for w in range(workers)]
+        shm_times = _shm_round_trips(workers, x, ranges, args.rank, hidden, reps, warmup)
+        socket_times = _socket_round_trips(workers, cores, x, ranges, args.rank, hidden, reps, warmup)
+        for method, times in (("shm", shm_times), ("unix-socket", socket_times)):
+            rows.append({"method": method, "workers": workers, "tokens_per_worker": args.tokens,
+                         "bytes_each_way": tokens * hidden * 4, "us": summary(times)})
+    report = {
+        "version": 1, "kind": "bench-ipc", "command": args.command_line, "machine": machine(device),
+        "config": {"hidden": hidden, "rank": args.rank, "tokens_per_worker": args.tokens, "reps": reps,
+                   "warmup": warmup, "workers": list(worker_counts)},
+        "rows": rows,
+        "target": f"median <= {TARGET_MEDIAN_US:.0f} us with 8 workers, flat in the number of workers (H100 host)",
+        "notes": ["us: host wall clock of one round trip: x written, one job per worker, every result back",
+                  *notes],
+    }
+    print(markdown_table(
+        ["workers", "shm median us", "shm p99 us", "socket median us", "socket p99 us", "socket / shm"],
+        [[w, s["us"]["median"], s["us"]["p99"], u["us"]["median"], u["us"]["p99"], u["us"]["median"] / s["us"]["median"]]
+         for w in worker_counts
+         for s in [next(r for r in rows if r["workers"] == w and r["method"] == "shm")]
+         for u in [next(r for r in rows if r["workers"] == w and r["method"] == "unix-socket")]],
+    ))
+    report["plot"] = save_plot(args.out, lambda plt: _plot(plt, rows))
+    write_report(args.out, report)
+    return report
+
+
+def _shm_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden: int, reps: int, warmup: int) -> list[float]:
+    """lorad's path: a WorkerPool over the exchange segment, a rank-`rank` adapter in the shared store;
+    per round trip x goes in, one job per worker, the results come out (checked once at the end)."""
+    from lorad.cpu_lora.worker import WorkerPool
+    from lorad.shm.segment import new_instance
+    from lorad.shm.store import AdapterStore
+
+    tokens = x.shape[0]
+    a, b = torch.randn(rank, hidden) * hidden**-0.5, torch.randn(hidden, rank)
+    probe = SimpleNamespace(name="bench-ipc", weights={(0, 0): (a, b)})  # one module: layer 0, q_proj
+    out = torch.empty(tokens, hidden)
+    instance = new_instance()
+    with AdapterStore.create(instance, 2 * rank * hidden * 4 + (1 << 16)) as store:
+        adapter_id = store.put(probe)
+        with WorkerPool(workers, store, tokens, hidden, hidden, instance=instance) as pool:
+            output = torch.from_numpy(pool.output)
+
+            def round_trip():
+                failed = pool.run(adapter_id, 0, 0, ranges, hidden, hidden, x=x)
+                out.copy_(output[:tokens, :hidden])
+                return failed
+
+            times = _time_us(round_trip, reps, warmup)
+            output = None  # drop the view, so that closing the pool unmaps the exchange
+    if not torch.allclose(out, x @ a.t() @ b.t(), rtol=1e-3, atol=1e-3):
+        raise RuntimeError("the shared-memory workers returned a wrong result")
+    return times
+
+
+def _time_us(round_trip, reps: int, warmup: int) -> list[float]:
+    times = []
+    for rep in range(warmup + reps):
+        start = time.perf_counter_ns()
+        failed = round_trip()
+        elapsed = (time.perf_counter_ns() - start) / 1e3
+        if failed:
+            raise RuntimeError(f"round trip {rep} failed: {failed}")
+        if rep >= warmup:
+            times.append(elapsed)
+    return times
+
+
+# ---- the Unix domain socket baseline -------------------------------------------------------------------
+
+
+def socket_worker(path: str, index: int, core: int, rank: int, hidden: int, seed: int) -> None:
+    """Receive (header, rows of x), answer (header, x @ A^T @ B^T), until a stop header."""
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(seed)
+    a = torch.randn(rank, hidden, generator=generator) * hidden**-0.5
+    b_t = torch.randn(rank, hidden, generator=generator)
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.connect(path)
+    connection.sendall(struct.pack("<q", index))
+    buffer = bytearray(0)
+    try:
+        while True:
+            seq, rows, in_features, out_features, stop = HEADER.unpack(_receive(connection, HEADER.size))
+            if stop:
+                break
+            if len(buffer) < rows * in_features * 4:
+                buffer = bytearray(rows * in_features * 4)
+            view = memoryview(buffer)[: rows * in_features * 4]
+            _receive_into(connection, view)
+            x = torch.frombuffer(view, dtype=torch.float32).view(rows, in_features)
+            result = (x @ a.t()) @ b_t[:, :out_features]
+            connection.sendall(HEADER.pack(seq, rows, in_features, out_features, 0))
+            connection.sendall(result.numpy().data)
+    finally:
+        connection.close()
+
+
+def _socket_round_trips(workers: int, cores: list[int], x: torch.Tensor, ranges, rank: int, hidden: int,
+                        reps: int, warmup: int) -> list[float]:
+    """Start `workers` socket workers (pinned as the WorkerPool pins), time `reps` round trips, stop them."""
+    context = multiprocessing.get_context("forkserver")
+    directory = tempfile.mkdtemp(prefix="lorad-ipc-")
+    path = str(Path(directory) / "ipc.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.settimeout(ACCEPT_TIMEOUT_S)
+    processes, connections = [], [None] * workers
+    try:
+        listener.bind(path)
+        listener.listen(workers)
+        for index in range(workers):
+            process = context.Process(target=socket_worker, args=(path, index, cores[index % len(cores)], rank, hidden, index),
+                                      name=f"lorad-bench-socket-{index}", daemon=True)
+            process.start()
+            processes.append(process)
+        for _ in range(workers):
+            connection, _ = listener.accept()
+            connection.settimeout(None)
+            (index,) = struct.unpack("<q", _receive(connection, 8))
+            connections[index] = connection
+        x_np = x.numpy()
+        results = np.empty((x.shape[0], hidden), dtype=np.float32)
+        seq = 0
+
+        def round_trip():
+            nonlocal seq
+            seq += 1
+            for connection, (start, end) in zip(connections, ranges):
+                connection.sendall(HEADER.pack(seq, end - start, hidden, hidden, 0))
+                connection.sendall(x_np[start:end].data)
+            for connection, (start, end) in zip(connections, ranges):
+                answer = HEADER.unpack(_receive(connection, HEADER.size))
+                if answer[0] != seq:
+                    return [f"worker answered seq {answer[0]}, expected {seq}"]
+                _receive_into(connection, memoryview(results[start:end]).cast("B"))
+            return []
+
+        return _time_us(round_trip, reps, warmup)
+    finally:
+        for connection in connections:
+            if connection is not None:
+                try:
+                    connection.sendall(HEADER.pack(0, 0, 0, 0, 1))
+                except OSError:
+                    pass
+                connection.close()
+        for process in processes:
+            process.join(2)
+            if process.exitcode is None:
+                process.kill()
+                process.join(5)
+        listener.close()
+        Path(path).unlink(missing_ok=True)
+        os.rmdir(directory)
+
+
+def _receive(connection: socket.socket, size: int) -> bytes:
+    data = bytearray(size)
+    _receive_into(connection, memoryview(data))
+    return bytes(data)
+
+
+def _receive_into(connection: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        count = connection.recv_into(view[got:])
+        if count == 0:
+            raise ConnectionError("a socket worker closed its connection")
+        got += count
+
+
+def _plot(plt, rows: list[dict]):
+    figure, axis = plt.subplots(figsize=(6.5, 4))
+    for method, color in (("shm", "tab:blue"), ("unix-socket", "tab:orange")):
+        points = sorted((r["workers"], r["us"]["median"], r["us"]["p99"]) for r in rows if r["method"] == method)
+        workers, median, p99 = zip(*points)
+        axis.plot(workers, median, "o-", color=color, label=f"{method} median")
+        axis.plot(workers, p99, "s--", color=color, alpha=0.6, label=f"{method} p99")
+    axis.axhline(TARGET_MEDIAN_US, color="grey", linestyle=":", label=f"target median {TARGET_MEDIAN_US:.0f} us")
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("receiving workers")
+    axis.set_ylabel("round trip (us)")
+    axis.set_title("CPU LoRA invocation round trip")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    return figure
