@@ -1,0 +1,114 @@
+"""The cold-start microbenchmarks (`lorad bench load|invoke|ipc|cpu-lora|cold-start`, daemon/bench_*.py) on
+the CPU at tiny sizes: each writes a JSON report with the rows it promises and sane (positive) times and
+prints its markdown table; bad arguments exit 2 with one line and no traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from lorad.daemon.cli import main
+
+
+def run_bench(capsys, tmp_path, *argv) -> tuple[dict, str]:
+    out = tmp_path / "report.json"
+    code = main(["bench", *[str(a) for a in argv], "--device", "cpu", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(out.read_text())
+    assert report["version"] == 1 and report["command"].startswith("lorad bench ")
+    assert "| --- |" in captured.out  # the markdown table
+    assert report["plot"] is None or report["plot"].endswith(".png")
+    return report, captured.out
+
+
+def test_load_rows_by_rank_targets_and_tier(capsys, tmp_path):
+    report, _ = run_bench(capsys, tmp_path, "load", "--ranks", "4,8", "--targets", "qkv,all", "--reps", 2,
+                          "--disk-dir", tmp_path)
+    assert report["kind"] == "bench-load"
+    assert set(report["bandwidth_bytes_per_s"]) == {"pageable", "disk"}
+    assert all(value > 0 for value in report["bandwidth_bytes_per_s"].values())
+    keys = {(r["targets"], r["rank"], r["tier"]) for r in report["rows"]}
+    assert keys == {(t, r, tier) for t in ("qkv", "all") for r in (4, 8) for tier in ("pageable", "host", "disk")}
+    for row in report["rows"]:
+        assert row["ms"]["n"] == 2 and row["ms"]["median"] > 0 and row["bound_ms"] > 0
+        assert row["staged_bytes"] > 0 and (row["file_bytes"] > 0) == (row["tier"] == "disk")
+    size = {(r["targets"], r["rank"]): r["staged_bytes"] for r in report["rows"]}
+    assert size[("qkv", 4)] < size[("qkv", 8)] < size[("all", 8)]
+    assert list(tmp_path.glob("lorad-bench-load-*")) == []  # the disk tier's files are gone
+
+
+def test_invoke_native_against_base(capsys, tmp_path, no_leftover_segments):
+    report, out = run_bench(capsys, tmp_path, "invoke", "--tokens", "4,16", "--hidden", 64, "--layers", 2, "--reps", 3)
+    assert report["kind"] == "bench-invoke" and "python path" in out
+    prefill = {(r["tokens"], r["mode"]) for r in report["rows"] if r["what"] == "prefill_ms"}
+    assert prefill == {(t, m) for t in (4, 16) for m in ("base", "native")}  # no fused path without CUDA
+    assert {r["mode"] for r in report["rows"] if r["what"] == "flag_latency_us"} == {"native"}
+    assert all(r["median"] > 0 and r["n"] >= 3 for r in report["rows"])
+
+
+def test_ipc_shared_memory_and_socket_by_workers(capsys, tmp_path, no_leftover_segments):
+    report, _ = run_bench(capsys, tmp_path, "ipc", "--workers", "1,2", "--hidden", 64, "--reps", 40)
+    assert report["kind"] == "bench-ipc"
+    assert {(r["method"], r["workers"]) for r in report["rows"]} == {
+        (m, w) for m in ("shm", "unix-socket") for w in (1, 2)}
+    for row in report["rows"]:
+        assert row["us"]["n"] == 40 and 0 < row["us"]["median"] <= row["us"]["p99"]
+        assert row["bytes_each_way"] == row["workers"] * 64 * 4
+
+
+def test_cpu_lora_profile_and_processes_vs_threads(capsys, tmp_path, no_leftover_segments):
+    report, _ = run_bench(capsys, tmp_path, "cpu-lora", "--ranks", "4,16", "--tokens", "1,8,32", "--workers", 1,
+                          "--scaling-tokens", 16, "--scaling-rank", 8, "--hidden", 64, "--reps", 3)
+    assert report["kind"] == "bench-cpu-lora"
+    assert [p["rank"] for p in report["profile"]] == [4, 16]
+    for entry in report["profile"]:
+        assert [s["tokens"] for s in entry["samples"]] == [1, 8, 32] and all(s["ms"] > 0 for s in entry["samples"])
+        assert entry["fit"]["tokens_per_ms"] > 0
+    (row,) = report["scaling"]
+    assert row["cores"] == 1 and row["processes_ms"] > 0 and row["threads_ms"] > 0
+    assert row["speedup"] == pytest.approx(row["threads_ms"] / row["processes_ms"])
+
+
+def test_cold_start_modes_workloads_and_ablation(capsys, tmp_path, no_leftover_segments):
+    report, out = run_bench(capsys, tmp_path, "cold-start", "--requests", 3, "--rate", 100, "--adapters", 4,
+                            "--modes", "ondemand,cpu", "--prompt-tokens", 8, "--output-tokens", 3, "--cpu-workers", 1)
+    assert report["kind"] == "bench-cold-start"
+    assert [(r["mode"], r["workload"]) for r in report["rows"]] == [
+        (m, w) for m in ("ondemand", "cpu") for w in ("distinct", "skewed-4")]
+    for row in report["rows"] + report["ablation"]:
+        assert row["requests"] == row["completed"] == 3 and row["errors"] == 0
+        for metric in ("ttft_ms", "tpot_ms", "latency_ms"):
+            assert row[metric]["median"] > 0
+        assert row["ttft_ms"]["median"] <= row["latency_ms"]["median"]
+    distinct = {r["mode"]: r for r in report["rows"] if r["workload"] == "distinct"}
+    assert distinct["ondemand"]["engine"]["adapter_loads"] == 3  # every request a cold start
+    assert distinct["cpu"]["engine"]["cpu_assisted_prefills"] == 3
+    labels = [a["config"] for a in report["ablation"]]
+    assert labels[:2] == ["cpu assist off, pinned host copies", "cpu assist on, pinned host copies"]
+    assert "no pinned vs pageable rows on the CPU" in out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["bench", "load", "--ranks", "0"], "positive integers"),
+    (["bench", "load", "--device", "tpu"], "invalid choice"),
+    (["bench", "load", "--device", "cpu", "--tiers", "pinned"], "needs --device cuda"),
+    (["bench", "load", "--device", "cpu", "--targets", "qk"], "unknown set"),
+    (["bench", "ipc", "--workers", "two"], "comma-separated integers"),
+    (["bench", "cpu-lora", "--reps", "0"], "positive integer"),
+    (["bench", "cold-start", "--rate", "-1"], "positive number"),
+    (["bench", "cold-start", "--device", "cpu", "--modes", "warp"], "unknown mode"),
+    (["bench", "cold-start", "--device", "cpu", "--model-config", "gpt-5"], "unknown --model-config"),
+    (["bench", "invoke", "--device", "cpu", "--out", "/nonexistent/dir/x.json"], "does not exist"),
+])
+def test_bad_arguments_exit_2_with_one_line(capsys, argv, fragment):
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured
+    assert captured.err.count("\n") == 1 and fragment in captured.err and "Traceback" not in captured.err, captured.err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cuda_without_a_gpu_is_a_usage_error(capsys):
+    assert main(["bench", "ipc", "--device", "cuda"]) == 2
+    assert "sees no CUDA GPU" in capsys.readouterr().err
