@@ -45,6 +45,8 @@ _ENGINE_FLAG_HELP = {
     "cold_start": "cached|ondemand|cpu|auto: what a request whose adapter is not in the pool waits for",
     "cpu_workers": "CPU LoRA worker processes for --cold-start cpu|auto (0: min(4, cores - 1))",
     "pinned_host_bytes": "on cuda: adapters kept staged in pinned host memory (K/M/G suffixes accepted)",
+    "profile_path": "lorad profile's performance models, from which each decode step's LoRA kernel is chosen "
+                    "(default: STATE_DIR or ~/.cache/lorad, /profile-MODEL-DEVICE.json, when it exists; off: none, MBGMV)",
 }
 _SERVER_FLAG_HELP = {
     "socket": "Unix socket to listen on",
@@ -143,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("simulate", "simulate engines serving a trace under routing policies"),
                        ("bench", "replay a trace against a running daemon (bench trace)")):
         commands.add_parser(name, help=f"{what} (lorad {name} --help)", add_help=False)  # bench_cli.py parses these
+    commands.add_parser("profile", help="measure this machine's LoRA kernels, decode steps and prefills; fit and save "
+                        "the performance models (lorad profile --help)", add_help=False)  # profile.py parses it
     commands.add_parser("router", help="one socket in front of several lorad engines (lorad router --help)",
                         add_help=False)  # router_cli.py parses it
 
@@ -175,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if argv and argv[0] in BENCH_COMMANDS:  # traces, simulation, replay
         return bench_main(argv)
+    if argv and argv[0] == "profile":  # performance models of this machine
+        from lorad.daemon.profile import profile_main
+
+        return profile_main(argv[1:])
     if argv and argv[0] == "router":  # one front socket over several engines
         from lorad.daemon.router_cli import router_main
 

@@ -4,8 +4,15 @@ A decode step (every sequence adds one token) launches hundreds of small kernels
 graph removes their launch cost. Everything a graph reads lives in static buffers filled before each
 replay: token ids, positions, the KV block table and write destinations, each row's adapter slot and
 the attention metadata. Rows beyond the live batch are padding: they read and write only the scratch
-page and use no adapter. LoRA kernels are captured for the configured maximum rank; each row's own
-rank decides its work, so the graph serves any mix of adapters.
+page and use no adapter.
+
+Graphs are keyed by the step's decode LoRA kernel too (daemon/kernel_choice.py): MBGMV graphs are
+captured for the configured maximum rank (each row's own rank decides its work, so one graph serves
+any mix of adapters); BGMV pads every row to the rank it is launched with, so its graphs are captured
+per rank bucket (16, 32, 64, ...: one compiled BGMV kernel each), and only for the buckets and batch
+sizes where the profile's models say BGMV can ever be the cheaper kernel. Capturing them up front,
+not on first use, keeps Triton compilation and capture (hundreds of ms a graph on a 7B model) out of
+the serving path; with no profile no BGMV graph is captured at all.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import logging
 
 import numpy as np
 import torch
-
+from lorad.daemon.kernel_choice import LoraKernelChoice, rank_bucket, rank_buckets
 from lorad.daemon.model import Step
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
@@ -26,15 +33,17 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv, table, max_batch: int, max_model_len: int, max_lora_rank: int):
+    def __init__(self, model, kv, table, max_batch: int, max_model_len: int, max_lora_rank: int,
+                 kernel_choice: LoraKernelChoice | None = None):
         self.model, self.kv, self.table = model, kv, table
+        self.kernel_choice = kernel_choice or LoraKernelChoice()
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.max_rank = max_lora_rank
         self.max_blocks = kv.blocks_for(max_model_len)
         device = kv.view.device
         size, layers = self.buckets[-1], kv.num_layers
-        long = dict(dtype=torch.long, device=device)
-        int32 = dict(dtype=torch.int32, device=device)
+        long = {"dtype": torch.long, "device": device}
+        int32 = {"dtype": torch.int32, "device": device}
         self.input_ids = torch.zeros(size, **long)
         self.positions = torch.zeros(size, **long)
         self.dest_pages = torch.full((layers, 2, size), SCRATCH_PAGE, **long)
@@ -45,28 +54,45 @@ class DecodeGraphs:
         self.seq_info = torch.ones(3, size, **int32)  # query_start, query_len, kv_len
         self.seq_info[0] = self.seq_ids
         self.rows = torch.arange(size, **long)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, kernel, max rank): kernel "none" (no row has an adapter), "mbgmv" (max_lora_rank) or
+        # "bgmv" (a rank bucket).
+        self.graphs: dict[tuple[int, str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
+    def plan(self) -> list[tuple[int, str, int]]:
+        """The graphs to capture: per bucket, base-only and MBGMV, and BGMV at each rank bucket where the
+        kernel choice says BGMV can win for some batch of up to that many LoRA rows."""
+        keys = []
+        for size in self.buckets:
+            keys += [(size, "none", 0), (size, "mbgmv", self.max_rank)]
+            low = 1
+            for bucket in rank_buckets(self.max_rank):
+                if self.kernel_choice.bgmv_can_win(size, low, bucket):
+                    keys.append((size, "bgmv", bucket))
+                low = bucket + 1
+        return keys
+
     def capture(self) -> None:
-        """Captures every bucket, largest first so the smaller graphs reuse its memory pool."""
-        # Two graphs a bucket: with the LoRA kernels, and without them for steps where no row uses an
-        # adapter (the base model alone then pays nothing for LoRA).
-        for size in reversed(self.buckets):
-            for with_lora in (True, False):
-                step = self._static_step(size, self.max_rank if with_lora else 0)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm-up: Triton compiles, the allocator settles
-                    for _ in range(2):
-                        self.model.forward(step, self.kv.view, self.table)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    logits = self.model.forward(step, self.kv.view, self.table)
-                self.pool = graph.pool()
-                self.graphs[(size, with_lora)] = (graph, logits)
-        log.info("cuda graphs captured buckets=%s max_rank=%d", ",".join(map(str, self.buckets)), self.max_rank)
+        """Captures every planned graph, largest bucket first so the smaller graphs reuse its memory pool."""
+        keys = sorted(self.plan(), key=lambda key: -key[0])
+        for key in keys:
+            size, kernel, max_rank = key
+            step = self._static_step(size, max_rank, kernel)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: Triton compiles, the allocator settles
+                for _ in range(2):
+                    self.model.forward(step, self.kv.view, self.table)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self.model.forward(step, self.kv.view, self.table)
+            self.pool = graph.pool()
+            self.graphs[key] = (graph, logits)
+        bgmv = sorted({(size, rank) for size, kernel, rank in keys if kernel == "bgmv"})
+        log.info("cuda graphs captured buckets=%s max_rank=%d bgmv_graphs=%d (%s) kernel_choice=%s",
+                 ",".join(map(str, self.buckets)), self.max_rank, len(bgmv),
+                 " ".join(f"{size}x{rank}" for size, rank in bgmv) or "none", self.kernel_choice.describe())
 
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.buckets[-1] and max_blocks <= self.max_blocks
@@ -89,9 +115,21 @@ class DecodeGraphs:
         table = np.full((self.kv.num_layers, 2, size, blocks.shape[1]), SCRATCH_PAGE, dtype=np.int32)
         table[:, :, :n] = blocks.transpose(2, 3, 0, 1)
         self.block_table[:, :, :size, : blocks.shape[1]].copy_(torch.from_numpy(table))
-        graph, logits = self.graphs[(size, bool((slots >= 0).any()))]
+        graph, logits = self.graphs[self._key(size, slots)]
         graph.replay()
         return logits[:n]
+
+    def _key(self, size: int, slots: np.ndarray) -> tuple[int, str, int]:
+        if not (slots >= 0).any():
+            return size, "none", 0
+        kernel = self.kernel_choice.choose_for_slots(slots, self.table.rank_host)
+        if kernel == "mbgmv":
+            return size, "mbgmv", self.max_rank
+        used = slots[slots >= 0]
+        key = (size, "bgmv", rank_bucket(int(self.table.rank_host[used].max()), self.max_rank))
+        if key not in self.graphs:  # bgmv_can_win covers every batch choose() can pick BGMV for
+            raise RuntimeError(f"no BGMV graph for bucket {size} at rank {key[2]}: the capture plan missed a case")
+        return key
 
     @staticmethod
     def _fill(buffer: torch.Tensor, size: int, values: np.ndarray, pad_value, dtype) -> None:
@@ -99,7 +137,7 @@ class DecodeGraphs:
         host[: len(values)] = values
         buffer[:size].copy_(torch.from_numpy(host))
 
-    def _static_step(self, size: int, max_rank: int) -> Step:
+    def _static_step(self, size: int, max_rank: int, kernel: str) -> Step:
         from lorad.gpu_ops.paged_attention import AttentionMeta
 
         attention = AttentionBatch(
@@ -115,5 +153,6 @@ class DecodeGraphs:
             seq_info=self.seq_info[:, :size], decode_seqs=self.seq_ids[:size], tile_seq=empty, tile_row=empty,
             num_decode=size, num_tiles=0, max_context=self.max_blocks * self.kv.tokens_per_page,
         )
-        lora = LoraBatch(row_slot=self.row_slot[:size], slot_rows=[], max_rank=max_rank)
+        lora = LoraBatch(row_slot=self.row_slot[:size], slot_rows=[], max_rank=max_rank,
+                         decode_kernel="bgmv" if kernel == "bgmv" else "mbgmv")
         return Step(self.input_ids[:size], self.positions[:size], self.rows[:size], attention, lora)

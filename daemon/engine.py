@@ -24,6 +24,7 @@ from lorad.daemon.adapters import AdapterRegistry, LoraAdapter
 from lorad.daemon.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
 from lorad.daemon.cpu_assist import CpuAssist, default_workers
 from lorad.daemon.cuda_graphs import DecodeGraphs
+from lorad.daemon.kernel_choice import LoraKernelChoice
 from lorad.daemon.lora_residency import LoraResidency
 from lorad.daemon.metrics import Metrics
 from lorad.daemon.model import LlamaModel, Ops, Step
@@ -84,7 +85,11 @@ class Engine:
             weights = dummy_weights(self.spec, self.dtype, self.device, seed=config.seed)
         else:
             weights = load_weights(model_dir, self.dtype, self.device)
-        self.ops = Ops.for_device(self.device, config.max_batch_tokens, config.max_lora_rank)
+        # The decode LoRA kernel per step, from `lorad profile`'s models when a profile is found.
+        self.kernel_choice = LoraKernelChoice.for_engine(
+            config.profile_path, self.model_name, self.device, config.state_dir, str(self.dtype).removeprefix("torch."))
+        log.info("decode lora kernel choice=%s", self.kernel_choice.describe())
+        self.ops = Ops.for_device(self.device, config.max_batch_tokens, config.max_lora_rank, self.kernel_choice)
         self.model = LlamaModel(self.spec, weights, self.max_model_len, self.ops)
         del weights
         self.pool = PagePool(self._pool_pages(), self.spec.hidden_size, self.dtype, self.device)
@@ -114,10 +119,12 @@ class Engine:
         self._held: dict[str, list] = {}  # name -> [LoraAdapter, number of requests]
         self._draining: set[str] = set()
         self.stats = Metrics()  # counters for GET /metrics; Engine.metrics() snapshots them
+        self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
         self.graphs = None
         self.graph_steps = 0
         if self.device.type == "cuda" and not config.eager and self.ops.name.startswith("triton"):
-            self.graphs = DecodeGraphs(self.model, self.kv, self.table, config.max_running_requests, self.max_model_len, config.max_lora_rank)
+            self.graphs = DecodeGraphs(self.model, self.kv, self.table, config.max_running_requests, self.max_model_len,
+                                       config.max_lora_rank, self.kernel_choice)
             self.graphs.capture()
         self.residency = LoraResidency(self._host_adapter, self.table, self.stats, pinned_bytes=config.pinned_host_bytes)
         self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency)
@@ -281,6 +288,8 @@ class Engine:
                 "steps": self.steps,
                 "cuda_graph_steps": self.graph_steps,
                 "cuda_graphs": self.graphs.buckets if self.graphs is not None else "off",
+                "lora_kernel_choice": self.kernel_choice.describe(),
+                "lora_kernel_steps": dict(self.kernel_choice.steps),
                 "cold_start": self.config.cold_start,
                 "cold_start_decisions": dict(self.cold_start_decisions),
                 "cpu_workers": self.cpu_assist.workers if self.cpu_assist is not None else 0,

@@ -54,6 +54,7 @@ class Metrics:
         self.worker_restarts = 0
         self.cold_start_decisions = {"gpu-wait": 0, "cpu-assist": 0}  # scheduler/cold_start.py's choices
         self.cpu_assist_fallbacks = 0  # cpu-assisted requests sent back to the pool path by a failed job
+        self.lora_kernel_steps = {"bgmv": 0, "mbgmv": 0}  # decode steps by LoRA kernel (daemon/kernel_choice.py)
         self.adapter_loads = dict.fromkeys(TIERS, 0)
         self.adapter_load_seconds = {tier: Histogram(LOAD_BUCKETS) for tier in TIERS}
         self.time_to_first_token = Histogram(TTFT_BUCKETS)
@@ -92,6 +93,10 @@ class Metrics:
         with self._lock:
             self.cold_start_decisions[decision] = self.cold_start_decisions.get(decision, 0) + 1
 
+    def lora_kernel_chosen(self, kernel: str) -> None:
+        with self._lock:
+            self.lora_kernel_steps[kernel] = self.lora_kernel_steps.get(kernel, 0) + 1
+
     def cpu_assist_fell_back(self) -> None:
         with self._lock:
             self.cpu_assist_fallbacks += 1
@@ -108,6 +113,7 @@ class Metrics:
                 "worker_restarts": self.worker_restarts,
                 "cold_start_decisions": dict(self.cold_start_decisions),
                 "cpu_assist_fallbacks": self.cpu_assist_fallbacks,
+                "lora_kernel_steps": dict(self.lora_kernel_steps),
                 "adapter_loads": dict(self.adapter_loads),
                 "adapter_load_seconds": {tier: h.snapshot() for tier, h in self.adapter_load_seconds.items()},
                 "time_to_first_token": self.time_to_first_token.snapshot(),
@@ -184,6 +190,10 @@ def render(snapshot: dict) -> str:
     out.family("lorad_cpu_assist_fallbacks_total", "counter",
                "CPU-assisted requests whose LoRA went back to the page pool after a CPU worker's job failed.")
     out.sample("lorad_cpu_assist_fallbacks_total", {}, snapshot.get("cpu_assist_fallbacks", 0))
+    out.family("lorad_decode_lora_kernel_steps_total", "counter",
+               "Decode steps with LoRA rows by the kernel chosen for them: bgmv or mbgmv (lorad profile's models).")
+    for kernel, count in sorted(snapshot.get("lora_kernel_steps", {"bgmv": 0, "mbgmv": 0}).items()):
+        out.sample("lorad_decode_lora_kernel_steps_total", {"kernel": kernel}, count)
     return out.text()
 
 

@@ -68,16 +68,19 @@ class Ops:
         return cls(name, rms_norm_ref, rope_qk_ref, silu_mul_ref, write_kv_ref, paged_attention_ref, apply_lora_ref)
 
     @classmethod
-    def for_device(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int) -> Ops:
+    def for_device(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None) -> Ops:
+        """kernel_choice (daemon/kernel_choice.py): picks each decode step's LoRA kernel, BGMV or MBGMV,
+        in `prepare_lora`; None: MBGMV. On the CPU only a profile (or `lorad profile` measuring) makes
+        decode steps run the kernels' references, bgmv_ref or mbgmv_ref; otherwise apply_lora_ref."""
         if device.type != "cuda":
-            return cls.reference()
+            return cls._reference_with_choice(cls.reference(), kernel_choice)
         try:
             from lorad.gpu_ops import bgmv, fused, mbgmm, mbgmv, paged_attention
 
             bgmv.require_triton()
         except (ImportError, RuntimeError) as error:
-            return cls.reference(f"torch-reference (triton unavailable: {error})")
-        ops = cls.reference("triton[lora:mbgmv+mbgmm,paged-attention,fused-norm-rope-silu]")
+            return cls._reference_with_choice(cls.reference(f"torch-reference (triton unavailable: {error})"), kernel_choice)
+        ops = cls.reference("triton[lora:mbgmv|bgmv+mbgmm,paged-attention,fused-norm-rope-silu]")
         ops.attention = paged_attention.attention
         ops.write_kv = paged_attention.write_kv
         ops.rms_norm = fused.rms_norm
@@ -89,14 +92,47 @@ class Ops:
             if batch.slot_rows:
                 batch.segments = mbgmm.Segments.build(batch, table)
                 batch.max_rank = batch.segments.max_rank
+                if batch.segments.max_len == 1 and kernel_choice is not None:  # a decode step
+                    batch.decode_kernel = kernel_choice.choose([int(table.rank_host[slot].max()) for slot, _ in batch.slot_rows])
 
         def lora(x, y, layer, proj, batch, table):
             if batch.max_rank == 0:  # no row uses an adapter
                 return
             if batch.segments is None or batch.segments.max_len == 1:  # each adapter has one row: decode
-                mbgmv.lora_decode(x, y, layer, proj, batch, table, max_rank=batch.max_rank, workspace=workspace)
+                if batch.decode_kernel == "bgmv":
+                    bgmv.bgmv(x, y, layer, proj, batch.row_slot, table, batch.max_rank, workspace)
+                else:
+                    mbgmv.lora_decode(x, y, layer, proj, batch, table, max_rank=batch.max_rank, workspace=workspace)
             else:
                 mbgmm.lora_prefill(x, y, layer, proj, batch, table, segments=batch.segments, workspace=workspace)
+
+        ops.lora = lora
+        ops.prepare_lora = prepare_lora
+        return ops
+
+    @staticmethod
+    def _reference_with_choice(ops: Ops, kernel_choice) -> Ops:
+        """The reference ops; with a profile (or while `lorad profile` measures), decode steps run
+        bgmv_ref or mbgmv_ref as chosen: the references of what the profile timed on this device."""
+        if kernel_choice is None or not kernel_choice.active:
+            return ops
+        from lorad.gpu_ops.bgmv import batch_max_rank, bgmv_ref
+        from lorad.gpu_ops.lora import apply_lora_ref
+        from lorad.gpu_ops.mbgmv import mbgmv_ref
+
+        kernels = {"bgmv": bgmv_ref, "mbgmv": mbgmv_ref}
+        ops.name += "[decode lora: bgmv_ref|mbgmv_ref]"
+
+        def prepare_lora(batch, table):
+            if batch.slot_rows and all(rows.numel() == 1 for _, rows in batch.slot_rows):  # a decode step
+                batch.max_rank = batch_max_rank(batch, table)
+                batch.decode_kernel = kernel_choice.choose([int(table.rank_host[slot].max()) for slot, _ in batch.slot_rows])
+
+        def lora(x, y, layer, proj, batch, table):
+            if batch.max_rank:
+                kernels[batch.decode_kernel](x, y, layer, proj, batch.row_slot, table, batch.max_rank)
+            else:
+                apply_lora_ref(x, y, layer, proj, batch, table)
 
         ops.lora = lora
         ops.prepare_lora = prepare_lora

@@ -45,6 +45,10 @@ class EngineConfig:
     cold_start: str = "ondemand"  # cached|ondemand|cpu|auto (see COLD_STARTS)
     cpu_workers: int = 0  # CPU LoRA worker processes for cold_start cpu|auto; 0: min(4, cores - 1)
     pinned_host_bytes: int = 4 << 30  # on cuda: adapters staged in pinned host memory (LRU beyond it)
+    # `lorad profile`'s performance models, from which each decode step's LoRA kernel (BGMV or MBGMV) is
+    # chosen. None: <state_dir or ~/.cache/lorad>/profile-<model>-<device>.json when it exists
+    # (daemon/kernel_choice.py); "off": none, MBGMV always.
+    profile_path: str | None = None
 
     def __post_init__(self):
         # Values that come from the user (CLI, TOML) are checked here, once.
