@@ -202,21 +202,29 @@ async def completions(request: web.Request) -> web.StreamResponse:
             raise
 
     backend.routed += 1
+    outcome = "client_left"
     try:
         if upstream.status >= 400:  # the backend's own refusal, as it gave it
             headers = {k: v for k, v in upstream.headers.items() if k == "Retry-After"}
+            outcome = f"refused_{upstream.status}"
             return web.Response(body=await upstream.read(), status=upstream.status, headers=headers,
                                 content_type="application/json")
         if completion.stream:
-            return await _pass_stream(request, upstream, backend, flight)
+            response, outcome = await _pass_stream(request, upstream, backend, flight)
+            return response
         try:
             answer = await upstream.read()
         except (aiohttp.ClientError, OSError) as error:
+            outcome = "backend_failed"
             raise _backend_failed(backend, error) from None
+        outcome = "answered"
         return web.Response(body=answer, status=upstream.status, content_type="application/json")
     finally:
         upstream.close()  # if the client left early, this is what aborts the request in the backend
         backend.flights.pop(flight.id, None)
+        log.info("request routed model=%s rank=%d prompt_tokens=%d backend=%s outcome=%s tokens_seen=%d latency_ms=%.1f",
+                 completion.model, route.rank, prompt_tokens, backend.socket_path, outcome, flight.generated,
+                 (time.monotonic() - flight.started) * 1e3)
 
 
 def _backend_failed(backend: Backend, error: BaseException) -> BackendError:
@@ -226,10 +234,11 @@ def _backend_failed(backend: Backend, error: BaseException) -> BackendError:
     return BackendError(f"the backend {backend.socket_path} failed during the request: {reason}")
 
 
-async def _pass_stream(request, upstream, backend: Backend, flight: Flight) -> web.StreamResponse:
+async def _pass_stream(request, upstream, backend: Backend, flight: Flight) -> tuple[web.StreamResponse, str]:
     """Writes each piece of the backend's event stream to the client as it arrives, counting the tokens
     of the complete events for the router's view. A backend that breaks off ends the stream with an
-    error event (502) and [DONE], as the daemon ends a failed generation."""
+    error event (502) and [DONE], as the daemon ends a failed generation. Returns the response and how
+    it ended: streamed, client_left or backend_failed."""
     response = web.StreamResponse(status=upstream.status,
                                   headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -250,8 +259,7 @@ async def _pass_stream(request, upstream, backend: Backend, flight: Flight) -> w
         try:
             await response.write(data)
         except ConnectionResetError:  # the client left: the caller closes the upstream connection
-            log.debug("client disconnected backend=%s", backend.socket_path)
-            return response
+            return response, "client_left"
         if failure is not None:
             break
         events = (partial + data).split(b"\n\n")
@@ -260,7 +268,7 @@ async def _pass_stream(request, upstream, backend: Backend, flight: Flight) -> w
             done |= event.startswith(_DONE)
             flight.generated += _tokens_in(event)
     await response.write_eof()
-    return response
+    return response, "streamed" if failure is None else "backend_failed"
 
 
 def _tokens_in(event: bytes) -> int:
