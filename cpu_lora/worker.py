@@ -20,7 +20,18 @@ import time
 import numpy as np
 import torch
 
-from lorad.shm.exchange import STATUS_ERROR, STATUS_OK, STOP, Exchange, ExchangeConfig, Job
+from lorad.shm.exchange import (
+    IN_BFLOAT16,
+    IN_FLOAT16,
+    IN_FLOAT32,
+    INPUT_ITEMSIZE,
+    STATUS_ERROR,
+    STATUS_OK,
+    STOP,
+    Exchange,
+    ExchangeConfig,
+    Job,
+)
 from lorad.shm.segment import new_instance, pid_alive
 from lorad.shm.store import AdapterStore
 
@@ -51,7 +62,6 @@ def worker_main(
     exchange = Exchange.attach(exchange_name)
     store = AdapterStore.attach(store_name)
     slot = exchange.slots[worker]
-    inputs = torch.from_numpy(exchange.input)
     outputs = torch.from_numpy(exchange.output)
     scratch = torch.empty(exchange.config.max_tokens * 64)  # x @ A^T; grown for larger ranks
     next_parent_check = 0.0
@@ -70,32 +80,51 @@ def worker_main(
     try:
         while True:
             slot.beat()
-            seq = slot.job_flag.wait(seq + 1, timeout_s=None, spin_s=spin_s, max_pause_s=max_pause_s, on_pause=idle)
-            job = slot.take()
-            if job.adapter_id == STOP:
-                slot.finish(seq, STATUS_OK)
-                break
-            status = STATUS_OK
-            try:
-                a, b_t = store.lookup(job.adapter_id, job.layer, job.proj)
-                rank, rows = a.shape[0], job.row_end - job.row_start
-                _check_job(job, a, b_t, exchange.config)
-                if scratch.numel() < rows * rank:
-                    scratch = torch.empty(rows * rank)
-                x = inputs[job.row_start : job.row_end, : job.in_features]
-                shrunk = scratch[: rows * rank].view(rows, rank)
-                torch.mm(x, a.t(), out=shrunk)
-                torch.mm(shrunk, b_t, out=outputs[job.row_start : job.row_end, : job.out_features])
-            except Exception as error:  # a bad job fails alone; the worker keeps serving
-                log.warning("worker=%d seq=%d job=%s failed: %r", worker, seq, job, error)
-                status = STATUS_ERROR
-            slot.finish(seq, status)
+            raised = slot.job_flag.wait(seq + 1, timeout_s=None, spin_s=spin_s, max_pause_s=max_pause_s, on_pause=idle)
+            # The flag may have jumped several jobs (a GPU enqueued them): serve them in order.
+            while seq < raised:
+                seq += 1
+                job = slot.take(seq)
+                if job is not None and job.adapter_id == STOP:
+                    slot.finish(seq, STATUS_OK)
+                    return
+                status = STATUS_OK
+                try:
+                    if job is None:
+                        raise ValueError(f"ring entry of job seq={seq} holds another job")
+                    scratch = _compute(job, exchange, store, outputs, scratch)
+                except Exception as error:  # a bad job fails alone; the worker keeps serving
+                    log.warning("worker=%d seq=%d job=%s failed: %r", worker, seq, job, error)
+                    status = STATUS_ERROR
+                slot.finish(seq, status)
     except _Orphaned:
         log.warning("worker=%d parent_pid=%d gone, exiting", worker, parent_pid)
     finally:
-        del inputs, outputs, slot
+        del outputs, slot
         store.close()
         exchange.close()
+
+
+_TORCH_INPUT = {IN_FLOAT32: torch.float32, IN_FLOAT16: torch.float16, IN_BFLOAT16: torch.bfloat16}
+
+
+def _compute(job: Job, exchange: Exchange, store: AdapterStore, outputs: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """output[rows, :out] = x @ A^T @ B^T in fp32, x the job's compact input rows in their dtype.
+    Returns the scratch buffer (grown when a job needs more)."""
+    a, b_t = store.lookup(job.adapter_id, job.layer, job.proj)
+    rank, rows = a.shape[0], job.row_end - job.row_start
+    _check_job(job, a, b_t, exchange.config)
+    dtype = _TORCH_INPUT[job.in_dtype]
+    raw = exchange.input_rows(job.row_start, job.row_end, job.in_features, INPUT_ITEMSIZE[job.in_dtype])
+    x = torch.from_numpy(raw).view(dtype)  # [rows, in_features], no copy
+    if dtype != torch.float32:
+        x = x.float()  # the CPU computes in fp32 (faster than bf16 here, and exact for the add)
+    if scratch.numel() < rows * rank:
+        scratch = torch.empty(rows * rank)
+    shrunk = scratch[: rows * rank].view(rows, rank)
+    torch.mm(x, a.t(), out=shrunk)
+    torch.mm(shrunk, b_t, out=outputs[job.row_start : job.row_end, : job.out_features])
+    return scratch
 
 
 def _check_job(job: Job, a: torch.Tensor, b_t: torch.Tensor, config: ExchangeConfig) -> None:
@@ -103,6 +132,8 @@ def _check_job(job: Job, a: torch.Tensor, b_t: torch.Tensor, config: ExchangeCon
         raise ValueError(f"adapter module is {tuple(a.shape)} x {tuple(b_t.shape)}, job says {job.in_features} -> {job.out_features}")
     if not 0 <= job.row_start <= job.row_end <= config.max_tokens:
         raise ValueError(f"rows {job.row_start}:{job.row_end} outside 0:{config.max_tokens}")
+    if job.in_dtype not in INPUT_ITEMSIZE:
+        raise ValueError(f"unknown input dtype code {job.in_dtype}")
     if job.in_features > config.hidden or job.out_features > config.max_out:
         raise ValueError(f"{job.in_features} -> {job.out_features} exceeds the exchange's {config.hidden} -> {config.max_out}")
 
@@ -212,6 +243,40 @@ class WorkerPool:
         slot.post(self._seq[worker], job)
         return self._seq[worker]
 
+    def enqueue(self, worker: int, job: Job) -> int | None:
+        """Describe `job` for `worker` without raising its job flag: a GPU kernel raises it later
+        (cuda_ext.copy_and_signal), after the job's input rows. Returns the seq the kernel must store,
+        assigned here, in the order the host enqueues (the order the device signals). Jobs of a whole
+        forward may be outstanding; when the worker's ring is full the host waits (on shared memory,
+        never on the device) for the oldest to finish, at most `job_timeout_s`: None then, and the
+        caller stops posting for this step. Call `settle()` once the device work is done."""
+        slot = self.exchange.slots[worker]
+        seq = self._seq[worker] + 1
+        if not slot.free_for(seq):
+            try:
+                slot.done_flag.wait(seq - slot.ring, timeout_s=self.job_timeout_s, spin_s=self.spin_s,
+                                    max_pause_s=self.max_pause_s)
+            except TimeoutError:
+                return None
+        self._seq[worker] = seq
+        slot.describe(seq, job)
+        return seq
+
+    def settle(self) -> list[int]:
+        """After a step whose jobs the device signalled (its kernels have run: call after the step's
+        sync): every worker has finished its jobs or has been replaced. Returns the workers with a job
+        that failed since the last call (errors, deaths, stalls); the step's CPU results are then
+        incomplete."""
+        failed = []
+        for worker, slot in enumerate(self.exchange.slots):
+            if slot.job_flag.load() < self._seq[worker]:  # enqueued but never signalled (a step cut short)
+                slot.job_flag.store(self._seq[worker])
+            if slot.done_flag.load() < self._seq[worker] or self._processes[worker].exitcode is not None:
+                self.wait(worker, self._seq[worker])  # replaces a dead or stalled worker
+            if slot.take_failed():
+                failed.append(worker)
+        return failed
+
     def wait(self, worker: int, seq: int, timeout_s: float | None = None) -> bool:
         """True once `worker` has done job `seq`; False if it failed: the worker reported an error,
         or died or missed the deadline (then it is replaced). Never waits past the deadline."""
@@ -244,14 +309,14 @@ class WorkerPool:
         out_features: int,
         x: torch.Tensor | np.ndarray | None = None,
     ) -> list[tuple[int, int]]:
-        """Compute `output[rows, :out] = input[rows, :in] @ A^T @ B^T` for every (start, end) in
-        `ranges`, one worker each (at most `workers` ranges); `x` ([T, in], optional) is copied into
-        the input rows first. Returns the ranges that failed: the caller computes those another way."""
+        """Compute `output[rows, :out] = x[rows] @ A^T @ B^T` for every (start, end) in `ranges`, one
+        worker each (at most `workers` ranges); `x` ([T, in] fp32, optional) is copied into the compact
+        input rows first (`Exchange.input_rows`). Returns the ranges that failed: the caller computes those another way."""
         if len(ranges) > self.workers:
             raise ValueError(f"{len(ranges)} ranges for {self.workers} workers")
         if x is not None:
             x = x.numpy() if isinstance(x, torch.Tensor) else x
-            self.input[: x.shape[0], : x.shape[1]] = x
+            self.exchange.input_rows(0, x.shape[0], x.shape[1]).view(np.float32)[:] = x
         posted = [
             (worker, start, end, self.submit(worker, Job(adapter_id, layer, proj, start, end, in_features, out_features)))
             for worker, (start, end) in enumerate(ranges)

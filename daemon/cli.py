@@ -45,6 +45,8 @@ _ENGINE_FLAG_HELP = {
     "cold_start": "cached|ondemand|cpu|auto: what a request whose adapter is not in the pool waits for",
     "cpu_workers": "CPU LoRA worker processes for --cold-start cpu|auto (0: min(4, cores - 1))",
     "pinned_host_bytes": "on cuda: adapters kept staged in pinned host memory (K/M/G suffixes accepted)",
+    "layerwise": "--cold-start cpu|auto: copy a cold adapter layer by layer and move each layer of a "
+                 "cpu-assisted prefill to the GPU as soon as it has arrived",
     "profile_path": "lorad profile's performance models, from which each decode step's LoRA kernel is chosen "
                     "(default: STATE_DIR or ~/.cache/lorad, /profile-MODEL-DEVICE.json, when it exists; off: none, MBGMV)",
 }
@@ -101,8 +103,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, config_class, helps: dict
         elif str(field.type) == "tuple[str, ...]":  # repeated: adapter_dirs is --adapter-dir DIR ...
             singular = field.name.removesuffix("s").replace("_", "-")
             parser.add_argument(f"--{singular}", action="append", metavar="DIR", help=help_text, **options)
-        elif str(field.type) == "bool":
-            parser.add_argument(flag, action="store_true", help=helps.get(field.name), **options)
+        elif str(field.type) == "bool":  # --flag; --flag/--no-flag when it is on by default
+            action = argparse.BooleanOptionalAction if field.default is True else "store_true"
+            parser.add_argument(flag, action=action, help=helps.get(field.name), **options)
         else:
             converter = _converter(field)
             if converter is None:

@@ -4,11 +4,29 @@ pool, computed by the CPU workers (cpu_lora/worker.py) through shared memory whi
 The engine owns one `CpuAssist`: the adapter store and the worker pool's exchange (both shm segments)
 and the worker processes; `close()` stops and unlinks them. Per step the runner builds one `CpuSpan`
 per CPU-assisted sequence (its rows of the step, split over the workers by partition.py's profiled
-cost); per layer and projection `apply()` copies those rows of `x` into the exchange's fp32 input,
-posts the jobs, waits for them and adds the results into the projection output: the semantics of
-gpu_ops/cuda_ext.py's python path (copy, then signal; wait, then add). A job that fails (the worker
-died, stalled or erred) sends its request back to the pool path for the rest of the step: the adapter
-was placed at admission, so its rows are computed by the normal op and nothing is lost.
+cost); per layer and projection the engine's lora op calls `apply()`, right after the base GEMM and
+the GPU LoRA of the other rows, by one of two invocation paths (`invocation`):
+
+- fused-cuda (a cuda engine with lorad.gpu_ops._lorad_cuda): per worker range, one kernel on the
+  compute stream copies the rows of `x` into the exchange (mapped pinned shm) and raises the worker's
+  job flag, and one kernel waits on the GPU for its done flag and adds the result into `y`. Job
+  descriptors and their seqs are written by the host at enqueue time, in launch order; the host never
+  waits on the device in the forward. A wait that times out (a dead or stalled worker) writes the
+  exchange's error word and every later wait of the step gives up at once; `after_step()`, after the
+  step's sync (sampling), reads it and the workers' sticky failures, replaces broken workers and
+  returns the requests whose step must be recomputed: their prefill runs again next step on the GPU
+  path (the adapter is in the pool by then), so a failure costs a step, never a wrong token.
+- python (the CPU engine, or cuda without the extension): the host copies x's rows in, posts the
+  jobs, waits and adds (on cuda: a sync per projection, CaraServe's "native" baseline). A job that
+  fails sends its request to the pool path at once, for the rest of the step.
+
+Layer-wise takeover: the adapter of a cpu-assisted request is copied into the pool layer by layer
+(`AdapterTable.place_layerwise`). At each layer's first projection the host asks, without blocking,
+whether that layer's copy has completed (`LayerwiseLoad.arrived`: an event query); if so the span's
+rows of that layer take the GPU LoRA kernels (after a stream wait on the completed event, free) and
+the CPU is not asked. `layers` counts the layers served each way. On the CPU engine the copy is
+synchronous, so there is nothing to overlap: the workers serve every layer unless `layers_arrived`
+(tests, benchmarks) says a layer has arrived.
 """
 
 from __future__ import annotations
@@ -18,17 +36,21 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lorad.cpu_lora.partition import CostModel, profile_cpu_lora, profile_dispatch, split
 from lorad.cpu_lora.worker import WorkerPool
-from lorad.shm.exchange import Job
+from lorad.gpu_ops import cuda_ext
+from lorad.shm.exchange import DONE_SEQ, IN_BFLOAT16, IN_FLOAT16, IN_FLOAT32, JOB_SEQ, Job
 from lorad.shm.segment import new_instance, sweep_stale
 from lorad.shm.store import AdapterStore, StoreFull
 
 log = logging.getLogger(__name__)
 
 PROFILE_RANK = 16
+CPU, GPU = "cpu", "gpu"  # the path a layer of a cpu-assisted request took
+_IN_DTYPES = {torch.float32: IN_FLOAT32, torch.float16: IN_FLOAT16, torch.bfloat16: IN_BFLOAT16}
 
 
 def default_workers(requested: int) -> int:
@@ -49,13 +71,15 @@ class CpuSpan:
     start: int
     end: int
     ranges: list[tuple[int, int]]  # absolute rows, one range per worker
-    failed: bool = False  # a job failed: the pool path computes its rows for the rest of the step
-    fallback_batch: object = field(default=None, repr=False)
+    load: object = None  # its adapter's LayerwiseLoad (gpu_ops/page_pool.py), when copied layer by layer
+    gpu_batch: object = field(default=None, repr=False)  # LoraBatch of its rows on the pool path, built per step
+    failed: bool = False  # python path: a job failed, the pool path computes its rows for the rest of the step
+    paths: dict = field(default_factory=dict, repr=False)  # layer -> CPU or GPU, decided at its first projection
 
 
 class CpuAssist:
     def __init__(self, workers: int, max_tokens: int, hidden: int, max_out: int, store_bytes: int,
-                 job_timeout_s: float = 5.0):
+                 job_timeout_s: float = 5.0, device: torch.device | None = None):
         swept = sweep_stale()
         if swept:
             log.info("swept %d stale shared-memory segments of dead lorad processes", len(swept))
@@ -67,17 +91,37 @@ class CpuAssist:
         except BaseException:
             self.store.close()
             raise
-        self.inputs = torch.from_numpy(self.pool.input)
+        self.job_timeout_s = job_timeout_s
+        exchange = self.pool.exchange
         self.outputs = torch.from_numpy(self.pool.output)
+        self.error = torch.from_numpy(exchange.error_word)  # int64 [1]: a GPU wait timed out (seq), 0: none
+        buffer, layout = exchange.segment.buffer, exchange.layout
+        self._job_flags = [np.ndarray((1,), np.int64, buffer, layout.job_line(w) + JOB_SEQ * 8) for w in range(workers)]
+        self._done_flags = [np.ndarray((1,), np.int64, buffer, layout.worker_line(w) + DONE_SEQ * 8) for w in range(workers)]
         self._stored: OrderedDict[str, tuple[int, int]] = OrderedDict()  # name -> (id(weights), adapter id)
         self.assisted = 0  # prefills whose LoRA the workers computed
         self.fallbacks = 0  # requests sent back to the pool path after a failed job
         self.restarts_seen = self.fallbacks_seen = 0  # what the engine has counted in its metrics
+        self.layers = {CPU: 0, GPU: 0}  # layers of cpu-assisted prefills served by each path
+        self.layers_seen = dict(self.layers)
+        self.layers_arrived = None  # (span, layer) -> bool: replaces the copy's event query (tests)
+        self._cut_short = False  # fused path: the ring was full past the deadline, posting stopped
+        self.mapping = None
+        self.fused = device is not None and device.type == "cuda" and cuda_ext.available()
+        if self.fused:
+            self.invocation = "fused-cuda"
+        elif device is not None and device.type == "cuda":
+            self.invocation = cuda_ext.invocation_path()
+        else:
+            self.invocation = "python: the CPU engine (no device to overlap)"
         try:
+            if self.fused:  # once at start-up: registering pins the pages and may synchronise
+                self.mapping = cuda_ext.register_host(buffer)
             self.cost = self._profile(hidden)
         except BaseException:
             self.close()
             raise
+        log.info("cpu_assist_invocation path=%r workers=%d", self.invocation, self.workers)
 
     @property
     def workers(self) -> int:
@@ -133,18 +177,77 @@ class CpuAssist:
         ranges = [(start + a, start + b) for a, b in split(end - start, self.workers, self.cost)]
         return CpuSpan(request_id, adapter_id, slot, frozenset(modules), start, end, ranges)
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor, layer: int, proj: int, spans: list[CpuSpan], fallback) -> None:
-        """y[rows] += (x[rows] @ A^T) @ B^T for every span's rows, on the workers. `fallback(x_rows,
-        y_rows, layer, proj, span)` computes a span on the pool path once one of its jobs has failed."""
-        in_features, out_features = x.shape[1], y.shape[1]
-        jobs = []
+    def apply(self, x: torch.Tensor, y: torch.Tensor, layer: int, proj: int, spans: list[CpuSpan], gpu_lora) -> None:
+        """y[rows] += (x[rows] @ A^T) @ B^T for every span's rows: on the GPU for a layer whose copy
+        has arrived (or, python path, after a failed job), else on the workers. `gpu_lora(x_rows,
+        y_rows, layer, proj, span)` runs the pool path on a span's rows (span.gpu_batch).
+        x: [T, in], y: [T, out] (a column slice of a fused projection output is fine), model dtype."""
+        on_cpu = []
         for span in spans:
+            path = self._path(span, layer)
             if (layer, proj) not in span.modules:
                 continue
-            if span.failed:
-                fallback(x[span.start : span.end], y[span.start : span.end], layer, proj, span)
-                continue
-            self.inputs[span.start : span.end, :in_features].copy_(x[span.start : span.end])
+            if path == GPU or span.failed:
+                gpu_lora(x[span.start : span.end], y[span.start : span.end], layer, proj, span)
+            else:
+                on_cpu.append(span)
+        if not on_cpu:
+            return
+        if self.fused:
+            self._apply_fused(x, y, layer, proj, on_cpu)
+        else:
+            self._apply_python(x, y, layer, proj, on_cpu, gpu_lora)
+
+    def _path(self, span: CpuSpan, layer: int) -> str:
+        """CPU or GPU for the span's rows of `layer`, decided once, at the layer's first projection,
+        from a non-blocking look at the layer's copy."""
+        path = span.paths.get(layer)
+        if path is None:
+            if self.layers_arrived is not None:
+                arrived = self.layers_arrived(span, layer)
+            else:
+                arrived = span.load is not None and span.load.on_device and span.load.arrived(layer)
+            if arrived and span.load is not None:
+                span.load.wait(layer)  # complete already: orders the kernels after the copy at no cost
+            path = span.paths[layer] = GPU if arrived else CPU
+            self.layers[path] += 1
+        return path
+
+    def _apply_fused(self, x: torch.Tensor, y: torch.Tensor, layer: int, proj: int, spans: list[CpuSpan]) -> None:
+        """Per worker range: copy_and_signal now, wait_and_add after every copy of the call, all on the
+        current stream. Seqs come from the pool in enqueue order, which is the device's signal order."""
+        if self._cut_short:
+            return  # this step is recomputed (after_step): the kernels would only wait in vain
+        in_features, out_features = x.shape[1], y.shape[1]
+        dtype_code, itemsize = _IN_DTYPES[x.dtype], x.element_size()
+        exchange, pending = self.pool.exchange, []
+        for span in spans:
+            for worker, (start, end) in enumerate(span.ranges):
+                if start == end:
+                    continue
+                seq = self.pool.enqueue(worker, Job(span.adapter_id, layer, proj, start, end, in_features,
+                                                    out_features, dtype_code))
+                if seq is None:
+                    self._cut_short = True
+                    log.warning("cpu lora ring of worker %d full past %.1f s: the step is cut short", worker,
+                                self.job_timeout_s)
+                    break
+                rows = torch.from_numpy(exchange.input_rows(start, end, in_features, itemsize)).view(x.dtype)
+                source = x[start:end]
+                cuda_ext.fused_copy_and_signal(rows, source if source.is_contiguous() else source.contiguous(),
+                                               self._job_flags[worker], seq)
+                pending.append((worker, seq, start, end))
+        for worker, seq, start, end in pending:
+            cuda_ext.fused_wait_and_add(y[start:end], self.outputs[start:end, :out_features], self._done_flags[worker],
+                                        seq, self.error, self.job_timeout_s, skip_if_error=True)
+
+    def _apply_python(self, x, y, layer: int, proj: int, spans: list[CpuSpan], gpu_lora) -> None:
+        """The host copies, posts, waits and adds; a failed job sends its span to the pool path."""
+        in_features, out_features = x.shape[1], y.shape[1]
+        exchange, jobs = self.pool.exchange, []
+        for span in spans:
+            rows = torch.from_numpy(exchange.input_rows(span.start, span.end, in_features)).view(torch.float32)
+            rows.copy_(x[span.start : span.end])
             jobs.extend((span, start, end) for start, end in span.ranges)
         pool, done = self.pool, []
         for first in range(0, len(jobs), pool.workers):  # one job per worker in flight
@@ -163,14 +266,39 @@ class CpuAssist:
                                 span.request_id, layer, proj, start, end)
         for span, start, end in done:
             if not span.failed:
-                y[start:end] += self.outputs[start:end, :out_features].to(y.dtype)
+                y[start:end] += self.outputs[start:end, :out_features].to(y.device, y.dtype)
         for span in {span for span, _, _ in jobs if span.failed}:
-            fallback(x[span.start : span.end], y[span.start : span.end], layer, proj, span)
+            gpu_lora(x[span.start : span.end], y[span.start : span.end], layer, proj, span)
+
+    def after_step(self, spans: list[CpuSpan]) -> list[CpuSpan]:
+        """Call once the step's device work is done (after sampling's sync). Returns the spans whose
+        LoRA output is incomplete, so their step must be recomputed: a GPU-side wait timed out, a
+        worker failed a job, or posting was cut short. Broken workers are replaced here, and the
+        error word is cleared for the next step. Plain loads of shared memory: no device sync."""
+        failed_workers = self.pool.settle()
+        if not self.fused:  # the python path sent a failed job's span to the pool path in the step already
+            failed_workers = []
+        timed_out = int(self.error[0])
+        cut_short, self._cut_short = self._cut_short, False
+        if timed_out:
+            self.error.zero_()
+        if not (timed_out or failed_workers or cut_short):
+            return []
+        broken = [span for span in spans if not span.failed and CPU in span.paths.values()]
+        self.fallbacks += len(broken)
+        log.warning("cpu lora step failed (wait timed out at seq=%d, failed workers=%s, cut short=%s): "
+                    "recomputing requests %s on the pool path", timed_out, failed_workers, cut_short,
+                    [span.request_id for span in broken])
+        return broken
 
     def close(self) -> None:
+        mapping, self.mapping = getattr(self, "mapping", None), None
+        if mapping is not None:
+            mapping.close()
         pool, self.pool = getattr(self, "pool", None), None
         if pool is not None:
-            self.inputs = self.outputs = None
+            self.outputs = self.error = None
+            self._job_flags = self._done_flags = []
             pool.close()
         store, self.store = getattr(self, "store", None), None
         if store is not None:

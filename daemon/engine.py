@@ -211,24 +211,25 @@ class Engine:
         self.cpu_assist = CpuAssist(
             default_workers(self.config.cpu_workers), self.config.max_batch_tokens,
             max(fan_in for fan_in, _ in shapes), max(fan_out for _, fan_out in shapes), CPU_STORE_BYTES,
-            job_timeout_s=CPU_JOB_TIMEOUT_S,
+            job_timeout_s=CPU_JOB_TIMEOUT_S, device=self.device,
         )
         try:
-            base_lora, prepare_lora, assist = self.ops.lora, self.ops.prepare_lora, self.cpu_assist
+            base_lora, assist = self.ops.lora, self.cpu_assist
 
-            def fallback(x, y, layer, proj, span):
-                # The adapter was placed at admission: the failed request's rows take the pool path.
-                if span.fallback_batch is None:
-                    span.fallback_batch = LoraBatch.build([span.slot] * (span.end - span.start), self.device)
-                    prepare_lora(span.fallback_batch, self.table)
-                base_lora(x, y, layer, proj, span.fallback_batch, self.table)
+            def gpu_lora(x, y, layer, proj, span):
+                # The span's rows on the pool path: a layer whose copy has arrived, or a failed job.
+                base_lora(x, y, layer, proj, span.gpu_batch, self.table)
 
             def lora(x, y, layer, proj, batch, table):
                 base_lora(x, y, layer, proj, batch, table)
                 if batch.cpu_spans:
-                    assist.apply(x, y, layer, proj, batch.cpu_spans, fallback)
+                    assist.apply(x, y, layer, proj, batch.cpu_spans, gpu_lora)
 
             self.ops.lora = lora
+            # Cold adapters are copied layer by layer, so a cpu-assisted prefill hands each layer to the
+            # GPU as it arrives; everything else joins the copy before its step.
+            self.residency.layerwise = self.config.layerwise
+            log.info("cpu_assist_invocation path=%r layerwise=%s", assist.invocation, self.config.layerwise)
             self.cold_start_costs = self._measure_cold_start_costs()
         except BaseException:
             self.close()
@@ -255,7 +256,11 @@ class Engine:
         costs = ColdStartCosts(
             load_bytes_per_s=bandwidth, cpu_per_token_rank_ms=per_token_rank, cpu_overhead_ms=cost.overhead_ms,
             dispatch_ms=cost.dispatch_ms, workers=self.cpu_assist.workers, prefill_ms_per_token=0.0,
-            overlapped=False,  # the python invocation path: the CPU's LoRA and the base GEMMs take turns
+            # fused: the device runs ahead of the host, the workers' LoRA overlaps the other rows' kernels;
+            # python: the host waits per projection, the two take turns.
+            overlapped=self.cpu_assist.fused,
+            layerwise=self.config.layerwise and self.device.type == "cuda",
+            num_layers=self.spec.num_layers,
         )
         log.info("cold start costs %s", costs)
         return costs
@@ -294,6 +299,9 @@ class Engine:
                 "cold_start_decisions": dict(self.cold_start_decisions),
                 "cpu_workers": self.cpu_assist.workers if self.cpu_assist is not None else 0,
                 "cpu_lora_invocation": cuda_ext.invocation_path(),
+                "cpu_assist_invocation": self.cpu_assist.invocation if self.cpu_assist is not None else "off",
+                "cpu_assist_layerwise": self.config.layerwise,
+                "cpu_assist_layers": dict(self.cpu_assist.layers) if self.cpu_assist is not None else {"cpu": 0, "gpu": 0},
                 "cpu_assisted_prefills": self.cpu_assist.assisted if self.cpu_assist is not None else 0,
                 "cpu_assist_fallbacks": self.cpu_assist.fallbacks if self.cpu_assist is not None else 0,
                 "cpu_worker_restarts": self.cpu_assist.pool.restarts if self.cpu_assist is not None else 0,
@@ -525,18 +533,20 @@ class Engine:
             return
         started = time.perf_counter()
         logits, sampled = self._forward(plan, assisted)
-        if assisted:
-            self._after_cpu_assist(len(assisted))
         self._prefetch()  # on a GPU the step above is still running: its adapters' copies overlap it
         params = [seq.state.request.sampling for seq in sampled]
         tokens = sample(logits, params, [seq.state.generator for seq in sampled])  # waits for the device
+        redo = self._after_cpu_assist(assisted, self._step_spans) if assisted else set()  # its prefill runs again
         if not assisted and self.config.cold_start == "auto":
             self._observe_prefill(plan, time.perf_counter() - started)  # before num_computed moves on
         for seq, count in plan:
-            seq.num_computed += count
+            if seq not in redo:
+                seq.num_computed += count
         self.steps += 1
         now = time.perf_counter()
         for row, (seq, token) in enumerate(zip(sampled, tokens)):
+            if seq in redo:
+                continue
             state: RequestState = seq.state
             if state.request.keep_logits:
                 state.logits.append(logits[row].cpu())
@@ -568,6 +578,8 @@ class Engine:
                     assisted[seq] = adapter_id
             self.cold_start_decisions[choice] += 1
             self.stats.cold_start_decided(choice)
+        # Layer-wise copies of adapters whose rows take the pool path this step: joined before the forward.
+        self.residency.join([name for name in self.residency.loading if name not in {seq.adapter for seq in assisted}])
         return assisted
 
     def _cold_start_choice(self, adapter: LoraAdapter, tokens: int, tier: str) -> str:
@@ -586,14 +598,23 @@ class Engine:
                   adapter.name, tokens, decision.choice, decision.gpu_wait_ms, decision.cpu_assist_ms)
         return decision.choice
 
-    def _after_cpu_assist(self, prefills: int) -> None:
+    def _after_cpu_assist(self, assisted: dict, spans: list) -> set:
+        """After the step's sync (sampling): the layer-wise copies joined, the counters moved on, and
+        -> the sequences whose step must be recomputed (a failed fused-path job: cpu_assist.after_step);
+        their prefill runs again next step on the pool path, where the adapter now is."""
         assist = self.cpu_assist
-        assist.assisted += prefills
+        self.residency.join()
+        broken = {span.request_id for span in assist.after_step(spans)}
+        redo = {seq for seq in assisted if seq.request_id in broken}
+        assist.assisted += len(assisted) - len(redo)
         for _ in range(assist.pool.restarts - assist.restarts_seen):
             self.stats.worker_restarted()
         for _ in range(assist.fallbacks - assist.fallbacks_seen):
             self.stats.cpu_assist_fell_back()
-        assist.restarts_seen, assist.fallbacks_seen = assist.pool.restarts, assist.fallbacks
+        for path, count in assist.layers.items():
+            self.stats.cpu_assist_layers(path, count - assist.layers_seen[path])
+        assist.restarts_seen, assist.fallbacks_seen, assist.layers_seen = assist.pool.restarts, assist.fallbacks, dict(assist.layers)
+        return redo
 
     def _observe_prefill(self, plan: list[tuple[Sequence, int]], seconds: float) -> None:
         """`auto`: the base prefill's cost per token, a moving average over steps with prompt tokens."""
@@ -655,6 +676,7 @@ class Engine:
         max_blocks = max(len(seq.blocks) for seq, _ in plan)
         block_table = np.zeros((len(plan), max_blocks, num_layers, 2), dtype=np.int32)
         dest, cpu_spans = [], []
+        device = self.device
         for index, (seq, count) in enumerate(plan):
             start, first_row = seq.num_computed, len(input_ids)
             query_start.append(first_row)
@@ -668,15 +690,20 @@ class Engine:
             else:
                 row_slots.extend([-1] * count)
                 modules = self._held[seq.adapter][0].weights.keys()
-                cpu_spans.append(self.cpu_assist.span(
-                    seq.request_id, adapter_id, self.residency.slot(seq.adapter), modules, first_row, first_row + count))
+                span = self.cpu_assist.span(
+                    seq.request_id, adapter_id, self.residency.slot(seq.adapter), modules, first_row, first_row + count)
+                # Its rows on the pool path (a layer whose copy arrived, or a failed job), built here:
+                # the forward never builds metadata, which would copy to the device from pageable memory.
+                span.gpu_batch = LoraBatch.build([span.slot] * count, device)
+                self.ops.prepare_lora(span.gpu_batch, self.table)
+                span.load = self.residency.loading.get(seq.adapter)
+                cpu_spans.append(span)
             blocks = seq.blocks.array()
             block_table[index, : len(blocks)] = blocks
             dest.append(blocks[np.arange(start, start + count) // tokens_per_page])
             if start + count == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(seq)
-        device = self.device
         positions_np = np.asarray(positions, dtype=np.int64)
         attention = AttentionBatch(
             block_table=torch.from_numpy(block_table.transpose(2, 3, 0, 1).copy()).to(device),
@@ -693,7 +720,7 @@ class Engine:
             attention=attention,
             lora=LoraBatch.build(row_slots, device),
         )
-        step.lora.cpu_spans = cpu_spans
+        step.lora.cpu_spans = self._step_spans = cpu_spans
         self.ops.prepare_lora(step.lora, self.table)
         return step, sampled
 

@@ -2,6 +2,11 @@
 
 An adapter is pinned while requests that use it run; unpinned resident adapters stay (a warm cache)
 until the pool needs their pages for KV or for another adapter, least recently used first.
+
+With `layerwise` (cold_start cpu|auto), an adapter placed at admission is copied layer by layer and the
+compute stream does not wait for it at once: its `LayerwiseLoad` stays in `loading` until the engine
+decides the request's cold start: a cpu-assisted prefill lets each layer take over from the CPU as it
+arrives (daemon/cpu_assist.py); everything else `join`s first.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ import logging
 import time
 from collections import OrderedDict
 
-from lorad.gpu_ops.page_pool import AdapterTable, StagedAdapter
+from lorad.gpu_ops.page_pool import AdapterTable, LayerwiseLoad, StagedAdapter
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +35,8 @@ class LoraResidency:
         # (name, tier) of the adapters acquire() placed since the engine last cleared it: the requests
         # admitted with them found them cold. tier: "host" (the CPU pool), "pinned" or "pageable".
         self.admitted_cold: list[tuple[str, str]] = []
+        self.layerwise = False  # place admitted cold adapters layer by layer (see the module's note)
+        self.loading: dict[str, LayerwiseLoad] = {}  # layer-wise copies the compute stream has not joined
         self.loads = 0
         self.prefetches = 0
         self.evictions = 0
@@ -50,7 +57,7 @@ class LoraResidency:
             slot = self.table.free_slot()
         started = time.perf_counter()
         staged, tier = self._staged(adapter)
-        while not self.table.place(slot, staged):
+        while not self._place(name, slot, staged):
             if not self.idle:
                 return False
             self._evict_oldest()
@@ -65,6 +72,23 @@ class LoraResidency:
         self.admitted_cold.append((name, tier))
         return True
 
+    def _place(self, name: str, slot: int, staged: StagedAdapter) -> bool:
+        if not self.layerwise:
+            return self.table.place(slot, staged)
+        load = self.table.place_layerwise(slot, staged)
+        if load is None:
+            return False
+        self.loading[name] = load
+        return True
+
+    def join(self, names=None) -> None:
+        """The compute stream waits for the layer-wise copies of `names` (default: all of them); then
+        any kernel may read those adapters. Enqueues waits only: the host never blocks."""
+        for name in list(self.loading) if names is None else names:
+            load = self.loading.pop(name, None)
+            if load is not None:
+                load.join()
+
     def preload(self, name: str) -> bool:
         """Places an adapter for good (cold_start="cached"): pinned by the engine itself, so never
         evicted until `drop`. False if it does not fit. Not counted as a request's cold start."""
@@ -75,6 +99,7 @@ class LoraResidency:
         finally:
             self.metrics = metrics
         self.admitted_cold.clear()
+        self.join([name])
         self.permanent.add(name)
         return True
 
@@ -143,6 +168,7 @@ class LoraResidency:
         self._evict(name)
 
     def _evict(self, name: str) -> None:
+        self.join([name])  # its copy is ordered before the pages go to another owner
         self.table.evict(self.slots.pop(name))
         del self.pins[name]
         self.evictions += 1

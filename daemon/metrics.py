@@ -54,6 +54,7 @@ class Metrics:
         self.worker_restarts = 0
         self.cold_start_decisions = {"gpu-wait": 0, "cpu-assist": 0}  # scheduler/cold_start.py's choices
         self.cpu_assist_fallbacks = 0  # cpu-assisted requests sent back to the pool path by a failed job
+        self.cpu_assist_layers_total = {"cpu": 0, "gpu": 0}  # layers of cpu-assisted prefills, by the path that served them
         self.lora_kernel_steps = {"bgmv": 0, "mbgmv": 0}  # decode steps by LoRA kernel (daemon/kernel_choice.py)
         self.adapter_loads = dict.fromkeys(TIERS, 0)
         self.adapter_load_seconds = {tier: Histogram(LOAD_BUCKETS) for tier in TIERS}
@@ -97,6 +98,10 @@ class Metrics:
         with self._lock:
             self.lora_kernel_steps[kernel] = self.lora_kernel_steps.get(kernel, 0) + 1
 
+    def cpu_assist_layers(self, path: str, count: int) -> None:
+        with self._lock:
+            self.cpu_assist_layers_total[path] = self.cpu_assist_layers_total.get(path, 0) + count
+
     def cpu_assist_fell_back(self) -> None:
         with self._lock:
             self.cpu_assist_fallbacks += 1
@@ -113,6 +118,7 @@ class Metrics:
                 "worker_restarts": self.worker_restarts,
                 "cold_start_decisions": dict(self.cold_start_decisions),
                 "cpu_assist_fallbacks": self.cpu_assist_fallbacks,
+                "cpu_assist_layers": dict(self.cpu_assist_layers_total),
                 "lora_kernel_steps": dict(self.lora_kernel_steps),
                 "adapter_loads": dict(self.adapter_loads),
                 "adapter_load_seconds": {tier: h.snapshot() for tier, h in self.adapter_load_seconds.items()},
@@ -190,6 +196,11 @@ def render(snapshot: dict) -> str:
     out.family("lorad_cpu_assist_fallbacks_total", "counter",
                "CPU-assisted requests whose LoRA went back to the page pool after a CPU worker's job failed.")
     out.sample("lorad_cpu_assist_fallbacks_total", {}, snapshot.get("cpu_assist_fallbacks", 0))
+    out.family("lorad_cpu_assist_layers_total", "counter",
+               "Layers of CPU-assisted prefills by the path that served them: cpu (the workers) or gpu (the "
+               "adapter's layer had arrived in the pool: layer-wise takeover).")
+    for path, count in sorted(snapshot.get("cpu_assist_layers", {"cpu": 0, "gpu": 0}).items()):
+        out.sample("lorad_cpu_assist_layers_total", {"path": path}, count)
     out.family("lorad_decode_lora_kernel_steps_total", "counter",
                "Decode steps with LoRA rows by the kernel chosen for them: bgmv or mbgmv (lorad profile's models).")
     for kernel, count in sorted(snapshot.get("lora_kernel_steps", {"bgmv": 0, "mbgmv": 0}).items()):

@@ -263,6 +263,7 @@ def fused_wait_and_add(
     error: torch.Tensor,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     stream=None,
+    skip_if_error: bool = False,
 ) -> None:
     """One kernel on `stream`: wait on the GPU until every flag >= `seq`, then `out += result`.
 
@@ -273,7 +274,9 @@ def fused_wait_and_add(
     and stores `seq` into `error` if it holds 0 (the first failure wins; the caller resets it to 0).
     The host learns of it without a sync when `error` lies in registered host memory (read it after
     the step), or at the step's existing sync (sampling) for a CUDA tensor; the step's LoRA output is
-    then incomplete and must be recomputed or its requests failed.
+    then incomplete and must be recomputed or its requests failed. `skip_if_error`: a wait that finds
+    `error` already non-zero when it starts adds nothing and returns at once, so that one stalled
+    worker costs a forward one timeout, not one per projection.
     """
     _require_extension()
     _check_device(out, "out")
@@ -303,6 +306,7 @@ def fused_wait_and_add(
         error_address,
         count,
         stride,
+        skip_if_error,
     )
 
 
@@ -332,11 +336,14 @@ def python_wait_and_add(
     error: torch.Tensor,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     stream=None,
+    skip_if_error: bool = False,
 ) -> None:
     """Same interface as `fused_wait_and_add`: the host waits for the flags, then adds (on `stream`
     for a CUDA `out`). On timeout it adds nothing and stores `seq` into `error` if it holds 0."""
     _check_add(out, result, error)
     _flag_layout(flags)
+    if skip_if_error and int(error.view(-1)[0]) != 0:
+        return
     if not _wait_flags(flags, seq, timeout_s):
         if int(error.view(-1)[0]) == 0:
             error.fill_(seq)
@@ -396,7 +403,8 @@ def wait_and_add(
     error: torch.Tensor,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     stream=None,
+    skip_if_error: bool = False,
 ) -> None:
     """`fused_wait_and_add` for a CUDA `out` where the extension is usable, else `python_wait_and_add`."""
     path = fused_wait_and_add if _fused_for(out) else python_wait_and_add
-    path(out, result, flags, seq, error, timeout_s, stream)
+    path(out, result, flags, seq, error, timeout_s, stream, skip_if_error)

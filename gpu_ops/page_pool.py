@@ -227,19 +227,34 @@ class AdapterTable:
         On cuda the copy runs on a side stream; the compute stream waits for it on an event, so the
         host never blocks and a prefetch overlaps the step in flight. Free pages are never read by work
         in flight (their last owner's steps ended before they were freed), so the copy needs no wait."""
+        load = self._place(slot, staged, layerwise=False)
+        if load is None:
+            return False
+        load.join()
+        return True
+
+    def place_layerwise(self, slot: int, staged: StagedAdapter | dict) -> LayerwiseLoad | None:
+        """Like `place`, but the compute stream does not wait: the table rows go first, then the pages
+        layer by layer in forward order on the copy stream, with one event per layer. The caller
+        makes the compute stream wait per layer (`LayerwiseLoad.wait`) before a kernel reads that
+        layer of this slot, and `join()`s before the slot is used without such care (at the latest
+        before the next step). None (nothing taken) when the pool is short."""
+        return self._place(slot, staged, layerwise=True)
+
+    def _place(self, slot: int, staged: StagedAdapter | dict, layerwise: bool) -> LayerwiseLoad | None:
         if not isinstance(staged, StagedAdapter):
             staged = self.stage(staged)
         needed = staged.pages.shape[0]
         page_ids = self.pool.alloc(needed, "adapter")
         if page_ids is None:
-            return False
+            return None
         pages = self.pool.pages
         ids = np.asarray(page_ids, dtype=np.int32)
         one_run = bool((np.diff(ids) == 1).all())  # the common case: a fresh region is one ascending run
         if pages.is_cuda:
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(pages.device)
-            if one_run:  # the DMA starts before any bookkeeping below
+            if one_run and not layerwise:  # the DMA starts before any bookkeeping below
                 with torch.cuda.stream(self._copy_stream):
                     pages[page_ids[0] : page_ids[0] + needed].copy_(staged.pages, non_blocking=True)
         if self._index_end + needed > len(self.page_ids_host):
@@ -251,25 +266,23 @@ class AdapterTable:
             self.b_start_host[slot, layer, proj] = start + b_offset
         self.page_ids_host[start : start + needed] = ids
         self._index_end = start + needed
-        if pages.is_cuda:
-            with torch.cuda.stream(self._copy_stream):  # every copy here is async: the host goes on
-                if not one_run:
-                    runs = _runs(ids)
-                    if len(runs) <= MAX_DIRECT_RUNS:  # DMA straight from pinned memory into the pages
-                        for offset, first, length in runs:
-                            pages[first : first + length].copy_(staged.pages[offset : offset + length], non_blocking=True)
-                    else:  # scattered pages: one copy up, then one scatter on the device
-                        ids_device = torch.from_numpy(ids.astype(np.int64)).pin_memory().to(pages.device, non_blocking=True)
-                        pages.index_copy_(0, ids_device, staged.pages.to(pages.device, non_blocking=True))
-                self._publish(slot, start, needed)
-                done = torch.cuda.Event()
-                done.record()
-            torch.cuda.current_stream(pages.device).wait_event(done)
-        else:
+        self.placements[slot] = AdapterPlacement(slot, page_ids, start, needed)
+        if not pages.is_cuda:
             pages.index_copy_(0, torch.from_numpy(ids).long(), staged.pages)
             self._publish(slot, start, needed)
-        self.placements[slot] = AdapterPlacement(slot, page_ids, start, needed)
-        return True
+            return LayerwiseLoad(slot, [None] * self.num_layers, None)
+        with torch.cuda.stream(self._copy_stream):  # every copy here is async: the host goes on
+            if not layerwise:
+                if not one_run:
+                    _copy_pages(pages, staged.pages, ids)
+                self._publish(slot, start, needed)
+                return LayerwiseLoad(slot, [None] * self.num_layers, _recorded())
+            self._publish(slot, start, needed)  # small: every layer's event covers the table rows
+            events: list = [None] * self.num_layers
+            for layer, (first, last) in _layer_bounds(staged.layout, needed).items():
+                _copy_pages(pages, staged.pages[first:last], ids[first:last])
+                events[layer] = _recorded()
+            return LayerwiseLoad(slot, events, _recorded())
 
     def evict(self, slot: int) -> None:
         placement = self.placements.pop(slot)
@@ -317,6 +330,68 @@ class AdapterTable:
             end += placement.index_len
         self._index_end = end
         log.debug("adapter index compacted end=%d", end)
+
+
+@dataclass
+class LayerwiseLoad:
+    """The copy of one adapter into the pool, as the compute stream sees it.
+
+    events[layer]: a CUDA event recorded on the copy stream once that layer's pages (and the slot's
+    table rows) are in the pool; None where the layer has no pages, and on the CPU, where the copy
+    was done before `place` returned. `done`: the event after the whole copy (None on the CPU).
+    Nothing here blocks the host: `arrived` is a query, `wait` and `join` enqueue waits."""
+
+    slot: int
+    events: list
+    done: object
+
+    @property
+    def on_device(self) -> bool:
+        return self.done is not None
+
+    def arrived(self, layer: int) -> bool:
+        """Whether layer `layer` of the adapter is in the pool now (a non-blocking event query)."""
+        event = self.events[layer]
+        return event is None or event.query()
+
+    def wait(self, layer: int) -> None:
+        """The current stream waits for layer `layer`'s pages (free when `arrived` said so)."""
+        event = self.events[layer]
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def join(self) -> None:
+        """The current stream waits for the whole copy: afterwards any kernel may read the slot."""
+        if self.done is not None:
+            torch.cuda.current_stream().wait_event(self.done)
+
+
+def _recorded():
+    event = torch.cuda.Event()
+    event.record()  # on the current stream: the copy stream, inside `with torch.cuda.stream(...)`
+    return event
+
+
+def _copy_pages(pages: torch.Tensor, staged: torch.Tensor, ids: np.ndarray) -> None:
+    """pages[ids[i]] = staged[i], on the current stream, never waiting on the host: straight DMA from
+    pinned memory per run of consecutive ids, or one copy up and a scatter when the ids are scattered."""
+    runs = _runs(ids)
+    if len(runs) <= MAX_DIRECT_RUNS:
+        for offset, first, length in runs:
+            pages[first : first + length].copy_(staged[offset : offset + length], non_blocking=True)
+    else:
+        ids_device = torch.from_numpy(ids.astype(np.int64)).pin_memory().to(pages.device, non_blocking=True)
+        pages.index_copy_(0, ids_device, staged.to(pages.device, non_blocking=True))
+
+
+def _layer_bounds(layout: list[tuple[int, int, int, int, int]], total: int) -> dict[int, tuple[int, int]]:
+    """layer -> [first, last) of its pages in a staged adapter (`stage` writes layers in order)."""
+    firsts: dict[int, int] = {}
+    for layer, _, _, a_offset, _ in layout:
+        firsts.setdefault(layer, a_offset)
+    layers = sorted(firsts)
+    ends = [firsts[layer] for layer in layers[1:]] + [total]
+    return {layer: (firsts[layer], end) for layer, end in zip(layers, ends)}
 
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:

@@ -45,6 +45,9 @@ class EngineConfig:
     cold_start: str = "ondemand"  # cached|ondemand|cpu|auto (see COLD_STARTS)
     cpu_workers: int = 0  # CPU LoRA worker processes for cold_start cpu|auto; 0: min(4, cores - 1)
     pinned_host_bytes: int = 4 << 30  # on cuda: adapters staged in pinned host memory (LRU beyond it)
+    # cold_start cpu|auto: a cold adapter is copied into the pool layer by layer, and a cpu-assisted prefill
+    # moves each layer from the CPU workers to the GPU kernels as soon as that layer has arrived.
+    layerwise: bool = True
     # `lorad profile`'s performance models, from which each decode step's LoRA kernel (BGMV or MBGMV) is
     # chosen. None: <state_dir or ~/.cache/lorad>/profile-<model>-<device>.json when it exists
     # (daemon/kernel_choice.py); "off": none, MBGMV always.

@@ -8,8 +8,15 @@ A pure cost comparison over numbers measured at start-up (or injected by tests a
     load_ms     = adapter_bytes / bytes_per_s of its tier (pinned, pageable host, ...)
     cpu_lora_ms = modules * (workers_used * dispatch_ms + overhead_ms + per_token_rank_ms * rank * ceil(T / workers_used))
 
-`overlapped`: the fused CUDA path lets the base GEMMs run while the CPU computes (CaraServe's sync-free
-invocation); the python path and the CPU engine run the two one after the other.
+`overlapped`: the fused CUDA path lets the device run ahead of the host, so the workers' LoRA overlaps
+the base model's kernels (CaraServe's sync-free invocation); the python path and the CPU engine run
+the two one after the other.
+
+`layerwise` (the engine's layer-wise takeover): the adapter streams in layer by layer in forward order,
+layer l complete at (l + 1) / L * load_ms, and a layer whose pages have arrived when the forward gets
+there runs on the GPU. cpu-assist is then the forward walked layer by layer: a layer costs
+prefill_ms / L on the GPU, or prefill_ms / L (+) cpu_lora_ms / L on the CPU. The CPU serves the first
+layers, the GPU the rest, and the assist costs at most the load's time, never the whole prefill's LoRA.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ class ColdStartCosts:
     workers: int
     prefill_ms_per_token: float  # the base model's prefill on the engine's device
     overlapped: bool = False
+    layerwise: bool = False  # the GPU takes over each layer as its pages arrive
+    num_layers: int = 1
 
     def load_ms(self, adapter_bytes: int, tier: str) -> float:
         bandwidth = self.load_bytes_per_s.get(tier)
@@ -63,15 +72,36 @@ class Decision:
     choice: str  # GPU_WAIT or CPU_ASSIST
     gpu_wait_ms: float
     cpu_assist_ms: float
+    cpu_layers: int = 0  # layers the CPU serves in the cpu-assist prediction (all of them without layerwise)
+
+
+def hybrid_ms(prefill_ms: float, cpu_lora_ms: float, load_ms: float, num_layers: int, overlapped: bool) -> tuple[float, int]:
+    """The layer-wise cpu-assisted forward: (its time, the layers the CPU serves). Layer l runs on the
+    GPU when the copy has delivered it by the time the forward reaches it, else with the CPU's LoRA."""
+    per_layer, per_layer_cpu = prefill_ms / num_layers, cpu_lora_ms / num_layers
+    on_cpu = max(per_layer, per_layer_cpu) if overlapped else per_layer + per_layer_cpu
+    now, cpu_layers = 0.0, 0
+    for layer in range(num_layers):
+        if now >= load_ms * (layer + 1) / num_layers:
+            now += per_layer
+        else:
+            now += on_cpu
+            cpu_layers += 1
+    return now, cpu_layers
 
 
 def decide(request: ColdStart, costs: ColdStartCosts) -> Decision:
     """The faster of the two predicted first steps; ties and no workers go to gpu-wait."""
     prefill_ms = costs.prefill_ms_per_token * request.prompt_tokens
-    gpu_wait_ms = costs.load_ms(request.adapter_bytes, request.tier) + prefill_ms
+    load_ms = costs.load_ms(request.adapter_bytes, request.tier)
+    gpu_wait_ms = load_ms + prefill_ms
     if costs.workers < 1 or request.prompt_tokens < 1:
         return Decision(GPU_WAIT, gpu_wait_ms, math.inf)
     cpu_ms = costs.cpu_lora_ms(request.prompt_tokens, request.rank, request.modules)
-    cpu_assist_ms = max(prefill_ms, cpu_ms) if costs.overlapped else prefill_ms + cpu_ms
+    if costs.layerwise and costs.num_layers > 1:
+        cpu_assist_ms, cpu_layers = hybrid_ms(prefill_ms, cpu_ms, load_ms, costs.num_layers, costs.overlapped)
+    else:
+        cpu_assist_ms = max(prefill_ms, cpu_ms) if costs.overlapped else prefill_ms + cpu_ms
+        cpu_layers = costs.num_layers
     choice = CPU_ASSIST if cpu_assist_ms < gpu_wait_ms else GPU_WAIT
-    return Decision(choice, gpu_wait_ms, cpu_assist_ms)
+    return Decision(choice, gpu_wait_ms, cpu_assist_ms, cpu_layers)

@@ -1,16 +1,28 @@
 """The engine <-> CPU LoRA worker exchange: one segment holding the prompt's activations, the LoRA
-results and, per worker, a job descriptor with its two flags.
+results and, per worker, a ring of job descriptors with two flags.
 
 Activations and results are indexed by token row and shared by all workers: the engine copies a
 layer's `x` in once (one device-to-host copy for the whole prompt), each worker reads and writes only
-the rows of its job, and the results go back in one copy. Row strides are padded to 64 bytes, so two
-workers' rows never share a cache line.
+the rows of its job, and the results go back in one copy. Output row strides are padded to 64 bytes,
+so two workers' rows never share a cache line.
+
+Jobs are published by raising the worker's job flag to the job's seq; the descriptor of job n lies in
+ring entry n % ring, written by the engine's host thread before the flag rises. The flag may be
+raised by the host (the python path) or by a GPU kernel long after the host wrote the descriptor
+(gpu_ops/cuda_ext.py's copy_and_signal: the host enqueues a whole forward's jobs ahead of the device),
+so a worker serves every job up to the flag's value, in order. An entry is reused only once its
+worker's done flag has passed it (`WorkerSlot.free_for`).
 
 Layout (every region 64-byte aligned):
-    header   one line: MAGIC, VERSION, workers, max_tokens, hidden, max_out
-    slots    per worker two lines: the job line (written by the engine: job seq flag + descriptor)
-             and the worker line (written by the worker: done seq flag, status, heartbeat, pid)
-    input    [max_tokens, in_stride] float32   (x; columns past in_features unused)
+    header   one line: MAGIC, VERSION, workers, max_tokens, hidden, max_out, ring, error word (written
+             by the GPU's wait_and_add when a wait timed out; the host clears it)
+    slots    per worker two lines: the job line (job seq flag, written by the host or the GPU) and the
+             worker line (written by the worker: done seq flag, status, heartbeat, pid, first failed seq)
+    rings    per worker `ring` descriptors of two lines each (written by the engine's host thread)
+    input    max_tokens * in_stride float32 worth of bytes. The padded view `input` [max_tokens,
+             in_stride] float32, or per job the compact rows `input_rows()`: [rows, in_features] of the
+             job's input dtype, row r at byte (r * in_features * itemsize), which a device can fill
+             with one contiguous copy of x's rows.
     output   [max_tokens, out_stride] float32  (x @ A^T @ B^T; columns past out_features unused)
 """
 
@@ -24,16 +36,25 @@ from lorad.shm.flags import Flag
 from lorad.shm.segment import ALIGNMENT, Segment, align, segment_name
 
 MAGIC = 0x6C6F726164786368  # "loradxch"
-VERSION = 1
+VERSION = 2
 FLOAT_BYTES = 4
 LINE = ALIGNMENT
 STOP = -1  # adapter id of the job that tells a worker to exit
+DEFAULT_RING = 1024  # descriptors per worker: a forward of 32 layers x 7 projections x 4 spans fits
+ERROR_WORD = 7  # int64 field of the header line
 
-# Job line (int64 fields), written by the engine; the job seq flag goes last.
-JOB_SEQ, ADAPTER, LAYER, PROJ, ROW_START, ROW_END, IN_FEATURES, OUT_FEATURES = range(8)
-# Worker line, written by the worker.
-DONE_SEQ, STATUS, HEARTBEAT, PID = range(4)
+# Job line: the job seq flag. Ring descriptor (int64 fields): the seq it describes (a tag the worker
+# checks), then the job.
+JOB_SEQ = 0
+TAG, ADAPTER, LAYER, PROJ, ROW_START, ROW_END, IN_FEATURES, OUT_FEATURES, IN_DTYPE = range(9)
+DESCRIPTOR_BYTES = 2 * LINE
+# Worker line, written by the worker. FAILED: the seq of its first job that failed since the engine
+# last cleared it (0: none); sticky, because a device-signalled forward only looks after the step.
+DONE_SEQ, STATUS, HEARTBEAT, PID, FAILED = range(5)
 STATUS_OK, STATUS_ERROR = 0, 1
+# Input dtypes a job's rows may have (codes shared with gpu_ops/cuda_ext.py's kernels).
+IN_FLOAT32, IN_FLOAT16, IN_BFLOAT16 = 0, 1, 2
+INPUT_ITEMSIZE = {IN_FLOAT32: 4, IN_FLOAT16: 2, IN_BFLOAT16: 2}
 
 
 @dataclass(frozen=True)
@@ -42,9 +63,10 @@ class ExchangeConfig:
     max_tokens: int  # rows of the input and output regions
     hidden: int  # widest input (in_features) of a projection
     max_out: int  # widest output (out_features) of a projection
+    ring: int = DEFAULT_RING  # job descriptors per worker
 
     def __post_init__(self):
-        for name in ("workers", "max_tokens", "hidden", "max_out"):
+        for name in ("workers", "max_tokens", "hidden", "max_out", "ring"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ExchangeConfig.{name} must be positive")
 
@@ -60,6 +82,8 @@ class ExchangeConfig:
 @dataclass(frozen=True)
 class ExchangeLayout:
     slots: int  # byte offsets
+    rings: int
+    ring: int  # descriptors per worker
     input: int
     output: int
     size: int
@@ -67,16 +91,20 @@ class ExchangeLayout:
     @classmethod
     def of(cls, config: ExchangeConfig) -> "ExchangeLayout":
         slots = LINE
-        input_offset = align(slots + config.workers * 2 * LINE)
+        rings = align(slots + config.workers * 2 * LINE)
+        input_offset = align(rings + config.workers * config.ring * DESCRIPTOR_BYTES)
         output = align(input_offset + config.max_tokens * config.in_stride * FLOAT_BYTES)
         size = align(output + config.max_tokens * config.out_stride * FLOAT_BYTES)
-        return cls(slots, input_offset, output, size)
+        return cls(slots, rings, config.ring, input_offset, output, size)
 
     def job_line(self, worker: int) -> int:
         return self.slots + worker * 2 * LINE
 
     def worker_line(self, worker: int) -> int:
         return self.job_line(worker) + LINE
+
+    def descriptor(self, worker: int, seq: int) -> int:
+        return self.rings + (worker * self.ring + seq % self.ring) * DESCRIPTOR_BYTES
 
 
 @dataclass(frozen=True)
@@ -88,38 +116,65 @@ class Job:
     row_end: int
     in_features: int
     out_features: int
+    in_dtype: int = IN_FLOAT32  # of the input rows (IN_FLOAT32, IN_FLOAT16, IN_BFLOAT16)
 
 
 class WorkerSlot:
-    """One worker's job descriptor and flags. The engine calls `post()`, the worker `take()` and
-    `finish()`; each side only writes its own line."""
+    """One worker's flags and descriptor ring. The engine calls `describe()` and raises the job flag
+    (`post()` does both; a GPU kernel may raise it instead), the worker `take()` and `finish()`; each
+    side only writes its own lines."""
 
     def __init__(self, segment: Segment, layout: ExchangeLayout, worker: int):
         self.worker = worker
+        self.ring = layout.ring
         job_line, worker_line = layout.job_line(worker), layout.worker_line(worker)
-        self.job_fields = segment.array(job_line, 8, np.int64)
+        self.descriptors = segment.array(layout.descriptor(worker, 0), (layout.ring, DESCRIPTOR_BYTES // 8), np.int64)
         self.worker_fields = segment.array(worker_line, 8, np.int64)
         self.job_flag = Flag(segment.buffer, job_line + JOB_SEQ * 8)
         self.done_flag = Flag(segment.buffer, worker_line + DONE_SEQ * 8)
         self.heartbeat = Flag(segment.buffer, worker_line + HEARTBEAT * 8)
 
-    def post(self, seq: int, job: Job) -> None:
-        """Engine: describe job `seq` (the input rows are already written), then publish it."""
-        fields = self.job_fields
+    def free_for(self, seq: int) -> bool:
+        """Engine: whether job `seq`'s ring entry may be written (the job it held last is done)."""
+        return self.done_flag.load() >= seq - self.ring
+
+    def describe(self, seq: int, job: Job) -> None:
+        """Engine: write job `seq`'s descriptor; the job flag is raised later (by the host or a GPU
+        kernel). The tag goes last, so a worker that sees the tag sees the whole descriptor."""
+        fields = self.descriptors[seq % self.ring]
         fields[ADAPTER], fields[LAYER], fields[PROJ] = job.adapter_id, job.layer, job.proj
         fields[ROW_START], fields[ROW_END] = job.row_start, job.row_end
-        fields[IN_FEATURES], fields[OUT_FEATURES] = job.in_features, job.out_features
+        fields[IN_FEATURES], fields[OUT_FEATURES], fields[IN_DTYPE] = job.in_features, job.out_features, job.in_dtype
+        fields[TAG] = seq
+
+    def post(self, seq: int, job: Job) -> None:
+        """Engine: describe job `seq` (the input rows are already written), then publish it."""
+        self.describe(seq, job)
         self.job_flag.store(seq)
 
-    def take(self) -> Job:
-        """Worker: the descriptor of the job whose seq it has seen in `job_flag`."""
-        fields = self.job_fields.tolist()
-        return Job(*fields[ADAPTER : OUT_FEATURES + 1])
+    def take(self, seq: int | None = None) -> Job | None:
+        """Worker: the descriptor of job `seq` (default: the seq now in `job_flag`); None when its
+        ring entry does not hold that job (the engine never wrote it: a protocol error)."""
+        seq = self.job_flag.load() if seq is None else seq
+        fields = self.descriptors[seq % self.ring].tolist()
+        if fields[TAG] != seq:
+            return None
+        return Job(*fields[ADAPTER : IN_DTYPE + 1])
 
     def finish(self, seq: int, status: int) -> None:
-        """Worker: the output rows are written; publish the status, then the done flag."""
+        """Worker: the output rows are written; publish the status, then the done flag. A failure is
+        also kept in FAILED (the first since the engine cleared it)."""
         self.worker_fields[STATUS] = status
+        if status != STATUS_OK and self.worker_fields[FAILED] == 0:
+            self.worker_fields[FAILED] = seq
         self.done_flag.store(seq)
+
+    def take_failed(self) -> int:
+        """Engine: the first failed seq since the last call (0: none), cleared. Call it only when no
+        job is in flight (between steps): the worker may set it again."""
+        failed = int(self.worker_fields[FAILED])
+        self.worker_fields[FAILED] = 0
+        return failed
 
     @property
     def status(self) -> int:
@@ -148,22 +203,37 @@ class Exchange:
         if segment.size < self.layout.size:
             raise ValueError(f"{segment.name} holds {segment.size} bytes, the layout needs {self.layout.size}")
         self.input = segment.array(self.layout.input, (config.max_tokens, config.in_stride), np.float32)
+        self.input_bytes = segment.array(self.layout.input, config.max_tokens * config.in_stride * FLOAT_BYTES, np.uint8)
         self.output = segment.array(self.layout.output, (config.max_tokens, config.out_stride), np.float32)
+        self.header = segment.array(0, 8, np.int64)
         self.slots = [WorkerSlot(segment, self.layout, worker) for worker in range(config.workers)]
+
+    def input_rows(self, start: int, end: int, in_features: int, itemsize: int = FLOAT_BYTES) -> np.ndarray:
+        """The compact input rows [start, end) of a job of width `in_features`, as raw bytes
+        [end - start, in_features * itemsize] (view them as the job's dtype)."""
+        row_bytes = in_features * itemsize
+        if not 0 <= start <= end or end * row_bytes > self.input_bytes.size or in_features > self.config.hidden:
+            raise ValueError(f"rows {start}:{end} of width {in_features} do not fit the exchange's input")
+        return self.input_bytes[start * row_bytes : end * row_bytes].reshape(end - start, row_bytes)
+
+    @property
+    def error_word(self) -> np.ndarray:
+        """int64 [1]: 0, or the seq of the first GPU-side wait that timed out (cuda_ext.wait_and_add)."""
+        return self.header[ERROR_WORD : ERROR_WORD + 1]
 
     @classmethod
     def create(cls, instance: str, config: ExchangeConfig, purpose: str = "exchange") -> "Exchange":
         layout = ExchangeLayout.of(config)
         segment = Segment.create(segment_name(instance, purpose), layout.size)
-        segment.array(0, 6, np.int64)[:] = (
-            MAGIC, VERSION, config.workers, config.max_tokens, config.hidden, config.max_out
+        segment.array(0, 8, np.int64)[:] = (
+            MAGIC, VERSION, config.workers, config.max_tokens, config.hidden, config.max_out, config.ring, 0
         )
         return cls(segment, config)
 
     @classmethod
     def attach(cls, name: str) -> "Exchange":
         segment = Segment.attach(name)
-        magic, version, *dims = segment.array(0, 6, np.int64).tolist()
+        magic, version, *dims = segment.array(0, 7, np.int64).tolist()
         if magic != MAGIC or version != VERSION:
             segment.close()
             raise ValueError(f"{name} is not a lorad exchange of version {VERSION}")
@@ -175,7 +245,7 @@ class Exchange:
 
     def close(self) -> None:
         # Drop the views first so that the mapping can really be unmapped.
-        self.input = self.output = None
+        self.input = self.input_bytes = self.output = self.header = None
         self.slots = []
         self.segment.close()
 

@@ -29,7 +29,8 @@ PYBIND11_MODULE(_lorad_cuda, m) {
   m.def("wait_and_add", &lorad::wait_and_add, py::arg("out"), py::arg("result"), py::arg("nrows"), py::arg("ncols"),
         py::arg("out_row_stride"), py::arg("result_row_stride"), py::arg("dtype_code"), py::arg("flag"), py::arg("seq"),
         py::arg("stream"), py::arg("timeout_ns"), py::arg("error"), py::arg("num_flags") = 1, py::arg("flag_stride") = 8,
+        py::arg("skip_if_error") = false,
         "One kernel on `stream`: wait on the GPU until every flag >= seq, then out[r, c] += result[r, c] (fp32 result "
         "in mapped host memory; strides in elements). After timeout_ns: add nothing, store seq into the int64 error "
-        "word if it is 0. Returns at once.");
+        "word if it is 0. skip_if_error: give up at once when the error word is already non-zero. Returns at once.");
 }

@@ -165,11 +165,16 @@ template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) wait_and_add_kernel(
     T* out, const float* result, std::int64_t nrows, std::int64_t ncols, std::int64_t out_row_stride,
     std::int64_t result_row_stride, const long long* flag, int num_flags, std::int64_t flag_stride_words,
-    long long seq, long long timeout_ns, long long* error, StreamState* state) {
+    long long seq, long long timeout_ns, long long* error, bool skip_if_error, StreamState* state) {
   __shared__ unsigned outcome;
   if (threadIdx.x == 0) {
     if (atomicCAS(&state->wait_claim, 0u, 1u) == 0u) {
-      outcome = poll_flags(flag, num_flags, flag_stride_words, seq, timeout_ns) ? kReady : kTimedOut;
+      // skip_if_error: an earlier wait of this forward already timed out (its step is recomputed
+      // anyway), so give up at once instead of spending another timeout per later projection.
+      if (skip_if_error && load_acquire_sys(error) != 0)
+        outcome = kTimedOut;
+      else
+        outcome = poll_flags(flag, num_flags, flag_stride_words, seq, timeout_ns) ? kReady : kTimedOut;
       if (outcome == kTimedOut) {
         // Only the poller writes the word, and kernels on one stream do not overlap: no atomic is
         // needed, which matters because atomics on host memory across PCIe are not portable.
@@ -272,7 +277,7 @@ template <typename T>
 void launch_add(std::uintptr_t out, std::uintptr_t result, std::int64_t nrows, std::int64_t ncols,
                 std::int64_t out_row_stride, std::int64_t result_row_stride, const long long* flag, int num_flags,
                 std::int64_t flag_stride_words, long long seq, long long timeout_ns, long long* error,
-                cudaStream_t stream) {
+                bool skip_if_error, cudaStream_t stream) {
   // Four columns at a time (16-byte result loads) when every row start is aligned for it.
   const bool vector = ncols % 4 == 0 && out_row_stride % 4 == 0 && result_row_stride % 4 == 0 &&
                       out % (4 * sizeof(T)) == 0 && result % 16 == 0;
@@ -282,11 +287,11 @@ void launch_add(std::uintptr_t out, std::uintptr_t result, std::int64_t nrows, s
   if (vector) {
     wait_and_add_kernel<T, 4><<<grid, kThreads, 0, stream>>>(
         reinterpret_cast<T*>(out), reinterpret_cast<const float*>(result), nrows, ncols, out_row_stride,
-        result_row_stride, flag, num_flags, flag_stride_words, seq, timeout_ns, error, state);
+        result_row_stride, flag, num_flags, flag_stride_words, seq, timeout_ns, error, skip_if_error, state);
   } else {
     wait_and_add_kernel<T, 1><<<grid, kThreads, 0, stream>>>(
         reinterpret_cast<T*>(out), reinterpret_cast<const float*>(result), nrows, ncols, out_row_stride,
-        result_row_stride, flag, num_flags, flag_stride_words, seq, timeout_ns, error, state);
+        result_row_stride, flag, num_flags, flag_stride_words, seq, timeout_ns, error, skip_if_error, state);
   }
   check_cuda(cudaGetLastError(), "wait_and_add launch");
 }
@@ -354,7 +359,7 @@ void copy_and_signal(std::uintptr_t dst, std::uintptr_t src, std::size_t nbytes,
 void wait_and_add(std::uintptr_t out, std::uintptr_t result, std::int64_t nrows, std::int64_t ncols,
                   std::int64_t out_row_stride, std::int64_t result_row_stride, int dtype_code, std::uintptr_t flag,
                   std::int64_t seq, std::uintptr_t stream_handle, std::int64_t timeout_ns, std::uintptr_t error,
-                  int num_flags, std::int64_t flag_stride) {
+                  int num_flags, std::int64_t flag_stride, bool skip_if_error) {
   check_flags(flag, num_flags, flag_stride);
   if (nrows < 0 || ncols < 0) throw std::invalid_argument("wait_and_add: negative shape");
   if (out_row_stride < ncols || result_row_stride < ncols)
@@ -370,15 +375,15 @@ void wait_and_add(std::uintptr_t out, std::uintptr_t result, std::int64_t nrows,
   switch (dtype_code) {
     case kFloat32:
       launch_add<float>(out, result, nrows, ncols, out_row_stride, result_row_stride, flags, num_flags, stride_words, seq,
-                        timeout_ns, error_word, stream);
+                        timeout_ns, error_word, skip_if_error, stream);
       break;
     case kFloat16:
       launch_add<__half>(out, result, nrows, ncols, out_row_stride, result_row_stride, flags, num_flags, stride_words,
-                         seq, timeout_ns, error_word, stream);
+                         seq, timeout_ns, error_word, skip_if_error, stream);
       break;
     case kBFloat16:
       launch_add<__nv_bfloat16>(out, result, nrows, ncols, out_row_stride, result_row_stride, flags, num_flags,
-                                stride_words, seq, timeout_ns, error_word, stream);
+                                stride_words, seq, timeout_ns, error_word, skip_if_error, stream);
       break;
     default:
       throw std::invalid_argument("wait_and_add: dtype_code must be 0 (float32), 1 (float16) or 2 (bfloat16)");

@@ -30,10 +30,12 @@ void copy_and_signal(std::uintptr_t dst, std::uintptr_t src, std::size_t nbytes,
 // Waits (on the GPU) until every one of the `num_flags` flags is >= `seq`, then
 // out[r, c] += result[r, c] for r < nrows, c < ncols (result fp32 in mapped host memory, out in the
 // dtype `dtype_code`; strides in elements). After `timeout_ns` it gives up, adds nothing and stores
-// `seq` into the 64-bit word `error` (device or mapped host memory) if that word is 0. One kernel.
+// `seq` into the 64-bit word `error` (device or mapped host memory) if that word is 0. With
+// `skip_if_error`, a wait that finds `error` non-zero when it starts gives up at once (adds nothing):
+// one stalled worker costs a forward one timeout, not one per projection. One kernel.
 void wait_and_add(std::uintptr_t out, std::uintptr_t result, std::int64_t nrows, std::int64_t ncols,
                   std::int64_t out_row_stride, std::int64_t result_row_stride, int dtype_code,
                   std::uintptr_t flag, std::int64_t seq, std::uintptr_t stream, std::int64_t timeout_ns,
-                  std::uintptr_t error, int num_flags, std::int64_t flag_stride);
+                  std::uintptr_t error, int num_flags, std::int64_t flag_stride, bool skip_if_error);
 
 }  // namespace lorad
