@@ -24,13 +24,20 @@ POLICIES = ("rank-aware", "most-idle", "first-fit", "random")
 DEFAULT_SOCKET = "/tmp/lorad/router.sock"
 
 
+def _octal(text: str) -> int:
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an octal mode: {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="lorad router", description="One Unix socket in front of several lorad engines.")
     parser.add_argument("--backend", action="append", required=True, metavar="PATH",
                         help="a backend daemon's Unix socket (repeatable, one per engine)")
     parser.add_argument("--socket", default=DEFAULT_SOCKET, metavar="PATH",
                         help=f"the router's Unix socket, created with --socket-mode (default: {DEFAULT_SOCKET})")
-    parser.add_argument("--socket-mode", type=lambda text: int(text, 8), default=ServerConfig.socket_mode,
+    parser.add_argument("--socket-mode", type=_octal, default=ServerConfig.socket_mode,
                         metavar="MODE", help=f"in octal (default: {ServerConfig.socket_mode:o})")
     parser.add_argument("--policy", choices=POLICIES, default="rank-aware",
                         help="rank-aware: CaraServe's Algorithm 1 (needs --tpot-slo-ms); most-idle: fewest requests; "
