@@ -211,7 +211,7 @@ def add_microbench_parsers(actions) -> None:
     common(cpu_lora)
 
     cold = actions.add_parser("cold-start", help="the engine under Poisson arrivals in each cold-start mode")
-    cold.add_argument("--requests", type=_positive_int, metavar="N", help="per workload (default: 48 on cuda, 6 on cpu)")
+    cold.add_argument("--requests", type=_positive_int, metavar="N", help="per workload (default: 32 on cuda, 6 on cpu)")
     cold.add_argument("--rate", type=_positive_float, metavar="R", help="requests per second (default: 8 on cuda, 50 on cpu)")
     cold.add_argument("--adapters", type=_int_list, metavar="N,N,...",
                       help="skewed workloads' adapter counts (default: 128,256,512 on cuda; 8,16 on cpu)")

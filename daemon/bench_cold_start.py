@@ -98,7 +98,7 @@ def run(args) -> dict:
     device = resolve_device(args.device)
     cuda = device.type == "cuda"
     model = args.model_config or DEFAULT_MODEL[device.type]
-    requests = args.requests or (48 if cuda else 6)
+    requests = args.requests or (32 if cuda else 6)
     rate = args.rate or (8.0 if cuda else 50.0)
     adapter_counts = args.adapters or ((128, 256, 512) if cuda else (8, 16))
     prompt_tokens = args.prompt_tokens or (256 if cuda else 16)
@@ -131,8 +131,11 @@ def run(args) -> dict:
 
     results: dict[tuple, dict] = {}  # config overrides -> {workload name: row}
 
+    defaults = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
+
     def measure(overrides: dict, names: list[str]) -> dict:
-        key = tuple(sorted(overrides.items()))
+        # Keyed by what differs from EngineConfig's defaults: one engine per distinct configuration.
+        key = tuple(sorted((name, value) for name, value in overrides.items() if value != defaults[name]))
         done = results.setdefault(key, {})
         todo = [plan for plan in plans if plan["name"] in names and plan["name"] not in done]
         if todo:
