@@ -71,3 +71,28 @@ def test_the_worker_count_is_only_raised_while_it_pays():
     # One token cannot use two workers; extra workers only add dispatch.
     one = COSTS.cpu_lora_ms(1, 16, 1)
     assert one == pytest.approx(COSTS.dispatch_ms + COSTS.cpu_overhead_ms + COSTS.cpu_per_token_rank_ms * 16)
+
+
+def test_layerwise_assist_is_bounded_by_the_load_and_uses_the_cpu_for_the_first_layers():
+    from lorad.scheduler.cold_start import hybrid_ms
+
+    # 10 layers, prefill 10 ms (1 ms a layer), CPU LoRA 100 ms (10 ms a layer), load 20 ms (2 ms a layer).
+    total, cpu_layers = hybrid_ms(10.0, 100.0, 20.0, 10, overlapped=True)
+    assert cpu_layers == 2  # layer 0 at 0 ms and layer 1 at 10 ms are early; at 20 ms every layer is in
+    assert total == pytest.approx(2 * 10.0 + 8 * 1.0)
+    # Serial: the same split, the CPU layers cost prefill + LoRA.
+    assert hybrid_ms(10.0, 100.0, 20.0, 10, overlapped=False) == (pytest.approx(2 * 11.0 + 8 * 1.0), 2)
+    # A load already done: the GPU serves every layer.
+    assert hybrid_ms(10.0, 100.0, 0.0, 10, overlapped=True) == (pytest.approx(10.0), 0)
+
+
+def test_layerwise_turns_a_losing_assist_into_a_winning_one():
+    costs = dataclasses.replace(COSTS, overlapped=True, prefill_ms_per_token=0.05)
+    cold = request(tokens=512, rank=64, modules=7 * 32)
+    whole = decide(cold, costs)
+    hybrid = decide(cold, dataclasses.replace(costs, layerwise=True, num_layers=32))
+    assert hybrid.cpu_assist_ms <= whole.cpu_assist_ms
+    assert hybrid.cpu_assist_ms <= hybrid.gpu_wait_ms + 1e-9 or hybrid.choice == GPU_WAIT
+    assert 0 <= hybrid.cpu_layers <= 32 and whole.cpu_layers == 1  # COSTS has num_layers 1 (the default)
+    if hybrid.choice == CPU_ASSIST:
+        assert hybrid.cpu_layers < 32
