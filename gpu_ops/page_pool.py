@@ -50,7 +50,7 @@ class PagePool:
             return None
         taken = self._free[len(self._free) - count :]
         del self._free[len(self._free) - count :]
-        taken.reverse()  # ascending: a fresh region comes out as one run of consecutive pages
+        taken.sort()  # ascending (the stack holds descending stretches: linear): a run iff last - first == count - 1
         self.used[owner] += count
         return taken
 
@@ -249,14 +249,14 @@ class AdapterTable:
         if page_ids is None:
             return None
         pages = self.pool.pages
-        ids = np.asarray(page_ids, dtype=np.int32)
-        one_run = bool((np.diff(ids) == 1).all())  # the common case: a fresh region is one ascending run
+        one_run = page_ids[-1] - page_ids[0] == needed - 1  # alloc's ids are ascending and distinct
         if pages.is_cuda:
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(pages.device)
-            if one_run and not layerwise:  # the DMA starts before any bookkeeping below
+            if one_run and not layerwise:  # the common case: the DMA starts before any bookkeeping below
                 with torch.cuda.stream(self._copy_stream):
                     pages[page_ids[0] : page_ids[0] + needed].copy_(staged.pages, non_blocking=True)
+        ids = np.asarray(page_ids, dtype=np.int32)
         if self._index_end + needed > len(self.page_ids_host):
             self._compact()
         start = self._index_end

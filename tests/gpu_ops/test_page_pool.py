@@ -273,3 +273,16 @@ def test_freed_pages_come_back_as_one_ascending_run():
     assert first == list(range(1, 21))
     pool.free(first, "adapter")
     assert pool.alloc(20, "adapter") == list(range(1, 21))
+
+
+def test_alloc_is_ascending_after_interleaved_frees():
+    """place() takes ids[-1] - ids[0] == count - 1 for one run of pages: it needs ascending ids."""
+    pool = PagePool(16, 4, torch.float32, torch.device("cpu"))
+    taken = pool.alloc(15, "kv")
+    pool.free([6, 8], "kv")
+    pool.free([5, 7], "kv")  # the stack's top now reads 5, 7, 6, 8
+    assert pool.alloc(4, "kv") == [5, 6, 7, 8]
+    pool.free(taken[:3], "kv")
+    pool.free([12, 10], "kv")
+    ids = pool.alloc(5, "kv")
+    assert ids == sorted(ids) and ids[-1] - ids[0] != len(ids) - 1  # not one run: place() copies run by run
