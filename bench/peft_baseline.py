@@ -20,13 +20,13 @@ from lorad.daemon.checkpoint import MODEL_CONFIGS
 from lorad.scheduler.workload import UniformLengths, gamma_workload
 
 
-def build(model_config: str, adapters: int, rank: int):
+def build(model_config: str, adapters: int, rank: int, device: str = "cuda"):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     shape = {k: v for k, v in MODEL_CONFIGS[model_config].items() if k not in ("architectures", "torch_dtype")}
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
+    torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
+    with torch.device(device):
         model = LlamaForCausalLM(LlamaConfig(**shape))
         lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
         model = get_peft_model(model, lora, adapter_name="a0")
@@ -38,6 +38,16 @@ def build(model_config: str, adapters: int, rank: int):
 
 @torch.no_grad()
 def serve(model, trace, vocab: int, max_batch: int, budget_s: float | None = None) -> dict:
+    """Serves the trace; past `budget_s` the batch in flight stops where it is and no new one starts.
+    Useful tokens: each request's own output tokens generated (a batch runs to its longest member; the
+    extra steps of the shorter ones are waste, as in S-LoRA's baseline)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Deadline(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            out_of_time = budget_s is not None and time.perf_counter() - started > budget_s
+            return torch.full((input_ids.shape[0],), out_of_time, dtype=torch.bool, device=input_ids.device)
+
     generator = torch.Generator().manual_seed(0)
     index = {name: i for i, name in enumerate(sorted(trace.adapter_ranks))}
     waiting, pending, done = [], list(trace.requests), 0
@@ -60,14 +70,20 @@ def serve(model, trace, vocab: int, max_batch: int, budget_s: float | None = Non
             ids[row, width - request.prompt_tokens :] = torch.randint(0, vocab, (request.prompt_tokens,), generator=generator)
             mask[row, width - request.prompt_tokens :] = 1
         new = max(r.output_tokens for r in batch)
-        model.generate(
-            input_ids=ids.cuda(), attention_mask=mask.cuda(), adapter_names=[f"a{index[r.adapter]}" for r in batch],
+        batch_started = time.perf_counter()
+        output = model.generate(
+            input_ids=ids.to(model.device), attention_mask=mask.to(model.device), adapter_names=[f"a{index[r.adapter]}" for r in batch],
             max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([Deadline()]),
         )
-        done += len(batch)
-        tokens += sum(r.output_tokens for r in batch)
+        steps = output.shape[1] - width
+        done += sum(r.output_tokens <= steps for r in batch)
+        tokens += sum(min(r.output_tokens, steps) for r in batch)
+        print(json.dumps({"batch": len(batch), "distinct_adapters": len({r.adapter for r in batch}), "steps": steps,
+                          "of": new, "seconds": time.perf_counter() - batch_started}), flush=True)
     elapsed = time.perf_counter() - started
-    return {"requests": done, "unserved": len(pending) + len(waiting), "seconds": elapsed, "throughput_req_s": done / elapsed, "tokens_s": tokens / elapsed}
+    return {"requests": done, "unserved": len(pending) + len(waiting), "seconds": elapsed,
+            "throughput_req_s": done / elapsed, "tokens_s": tokens / elapsed, "useful_tokens": tokens}
 
 
 def main() -> None:
@@ -79,17 +95,19 @@ def main() -> None:
     parser.add_argument("--trace-requests", type=int, default=160, help="bench/slora_workload.py's --requests")
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--budget-s", type=float, default=None, help="take no new batch after this many seconds")
+    parser.add_argument("--device", default="cuda")
     parser.add_argument("--out")
     args = parser.parse_args()
     built = time.perf_counter()
-    model = build(args.model_config, args.adapters, 8)
+    model = build(args.model_config, args.adapters, 8, args.device)
     build_s = time.perf_counter() - built
+    print(json.dumps({"built_s": build_s}), flush=True)
     # The trace of bench/slora_workload.py's S1 run at the same n (same generator, duration and seed);
     # this baseline serves its first --requests requests.
     trace = gamma_workload(args.adapters, args.rate, args.trace_requests / args.rate, alpha=1.0, cv=1.0,
                            lengths=UniformLengths(), ranks=[8], seed=args.adapters)
     trace.requests = trace.requests[: args.requests]
-    result = {"system": "transformers+peft", "machine": torch.cuda.get_device_name(), "model": args.model_config,
+    result = {"system": "transformers+peft", "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "model": args.model_config,
               "adapters": args.adapters, "max_batch": args.max_batch, "build_s": build_s,
               **serve(model, trace, MODEL_CONFIGS[args.model_config]["vocab_size"], args.max_batch, args.budget_s)}
     print(json.dumps(result))
