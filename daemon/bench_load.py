@@ -80,7 +80,8 @@ def run(args) -> dict:
                 weights = {(layer, proj): (a[:rank], b[:, :rank]) for (layer, proj), (a, b) in master.items()
                            if proj in projections}
                 staged = table.stage(weights)  # pinned on cuda
-                pageable = StagedAdapter(staged.pages.clone() if staged.pages.is_pinned() else staged.pages, staged.layout)
+                pageable = StagedAdapter(torch.empty(staged.pages.shape, dtype=staged.pages.dtype), staged.layout)
+                pageable.pages.copy_(staged.pages)  # the same pages in plain (pageable) host memory
                 host_bytes = sum(a.numel() + b.numel() for a, b in weights.values()) * 4
                 adapter_dir = None
                 if "disk" in tiers:
