@@ -23,7 +23,7 @@ from test_cli import COMMAND, start_daemon, wait_healthy
 from lorad.errors import BackendError, BadRequest, LoradError, ModelNotFound
 
 REPOSITORY = Path(__file__).resolve().parents[2]
-LONG = {"prompt": [17, 18, 19, 20], "max_tokens": 100, "ignore_eos": True, "temperature": 0}  # outlives the checks
+LONG = {"prompt": [17, 18, 19, 20], "max_tokens": 120, "ignore_eos": True, "temperature": 0}  # outlives the checks (context 128)
 
 
 def wait_until(condition, timeout: float = 20.0) -> None:
