@@ -14,6 +14,7 @@ import time
 
 import aiohttp
 from aiohttp import web
+from lorad.daemon import metrics as metrics_format
 from lorad.daemon.api import (
     MAX_BODY_BYTES,
     error_body,
@@ -162,8 +163,7 @@ async def metrics(request: web.Request) -> web.Response:
     lines += [f'lorad_router_in_flight{{backend="{b.socket_path}"}} {len(b.flights)}' for b in router.backends]
     lines.append("# TYPE lorad_router_backend_failures_total counter")
     lines += [f'lorad_router_backend_failures_total{{backend="{b.socket_path}"}} {b.failed}' for b in router.backends]
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
-                        headers={"X-Prometheus-Format": "0.0.4"})
+    return web.Response(body=("\n".join(lines) + "\n").encode(), headers={"Content-Type": metrics_format.CONTENT_TYPE})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
