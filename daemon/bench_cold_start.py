@@ -27,12 +27,11 @@ import numpy as np
 import torch
 from lorad.daemon.bench_report import (
     DEFAULT_MODEL,
+    finish,
     machine,
     markdown_table,
     resolve_device,
-    save_plot,
     summary,
-    write_report,
 )
 
 from lorad.config import EngineConfig
@@ -185,8 +184,7 @@ def run(args) -> dict:
     if ablation:
         print()
         print(markdown_table(["ablation (distinct adapters)"] + header[1:], [_table_row(a["config"], a) for a in ablation]))
-    report["plot"] = save_plot(args.out, lambda plt: _plot(plt, rows, [p["name"] for p in plans]))
-    write_report(args.out, report)
+    finish(args.out, report, lambda plt: _plot(plt, rows, [p["name"] for p in plans]))
     return report
 
 

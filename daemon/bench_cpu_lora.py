@@ -18,11 +18,10 @@ from types import SimpleNamespace
 
 import torch
 from lorad.daemon.bench_report import (
+    finish,
     machine,
     markdown_table,
     resolve_device,
-    save_plot,
-    write_report,
 )
 
 from lorad.errors import BadRequest
@@ -82,8 +81,7 @@ def run(args) -> dict:
         ["cores", f"{args.scaling_tokens} tokens rank {args.scaling_rank}: processes ms", "threads ms", "speedup"],
         [[s["cores"], s["processes_ms"], s["threads_ms"], s["speedup"]] for s in scaling],
     ))
-    report["plot"] = save_plot(args.out, lambda plt: _plot(plt, profile, scaling))
-    write_report(args.out, report)
+    finish(args.out, report, lambda plt: _plot(plt, profile, scaling))
     return report
 
 

@@ -21,14 +21,13 @@ import time
 import numpy as np
 import torch
 from lorad.daemon.bench_report import (
+    finish,
     machine,
     markdown_table,
     model_dtype,
     resolve_device,
-    save_plot,
     summary,
     sync,
-    write_report,
 )
 from lorad.gpu_ops import cuda_ext
 from lorad.shm.exchange import DONE_SEQ, JOB_SEQ, Exchange, ExchangeConfig
@@ -199,8 +198,7 @@ def run(args) -> dict:
             overhead = [(cells[m]["median"] - base["median"]) if base and m in cells else None for m in ("native", "fused")]
             table_rows.append(row + overhead)
     print(markdown_table(["what", "tokens", "base", "native", "fused", "native - base", "fused - base"], table_rows))
-    report["plot"] = save_plot(args.out, lambda plt: _plot(plt, rows, modes))
-    write_report(args.out, report)
+    finish(args.out, report, lambda plt: _plot(plt, rows, modes))
     return report
 
 

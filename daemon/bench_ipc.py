@@ -22,12 +22,11 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from lorad.daemon.bench_report import (
+    finish,
     machine,
     markdown_table,
     resolve_device,
-    save_plot,
     summary,
-    write_report,
 )
 
 from lorad.errors import BadRequest
@@ -74,8 +73,7 @@ def run(args) -> dict:
          for s in [next(r for r in rows if r["workers"] == w and r["method"] == "shm")]
          for u in [next(r for r in rows if r["workers"] == w and r["method"] == "unix-socket")]],
     ))
-    report["plot"] = save_plot(args.out, lambda plt: _plot(plt, rows))
-    write_report(args.out, report)
+    finish(args.out, report, lambda plt: _plot(plt, rows))
     return report
 
 

@@ -26,16 +26,15 @@ import numpy as np
 import torch
 from lorad.daemon.bench_report import (
     TARGET_SETS,
+    finish,
     machine,
     markdown_table,
     model_dtype,
     model_spec,
     resolve_device,
-    save_plot,
     summary,
     sync,
     timed_ms,
-    write_report,
 )
 
 from lorad.errors import BadRequest
@@ -139,8 +138,7 @@ def run(args) -> dict:
         [[r["targets"], r["rank"], r["tier"], r["staged_bytes"] / 2**20, r["ms"]["median"], r["ms"]["p90"],
           r["bound_ms"], r["over_bound"], r["effective_gb_per_s"]] for r in rows],
     ))
-    report["plot"] = save_plot(args.out, lambda plt: _plot(plt, rows, model_name))
-    write_report(args.out, report)
+    finish(args.out, report, lambda plt: _plot(plt, rows, model_name))
     return report
 
 

@@ -143,6 +143,12 @@ def save_plot(path: str | None, draw) -> str | None:
     return png
 
 
-def positive(name: str, value, minimum: float = 1) -> None:
-    if value is None or value < minimum:
-        raise BadRequest(f"{name} must be at least {minimum}, not {value}")
+def finish(path: str | None, report: dict, draw) -> None:
+    """Write the JSON report, then the plot (`draw(plt)` -> figure) beside it, then record in the report
+    where the plot is (None: no --out, or no matplotlib). The data is on disk before any plotting."""
+    report["plot"] = None
+    write_report(path, report)
+    report["plot"] = save_plot(path, draw)
+    if report["plot"] is not None:
+        write_report(path, report)
+
