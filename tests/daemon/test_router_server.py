@@ -217,6 +217,15 @@ def test_client_disconnect_aborts_the_request_upstream(router_factory, daemons):
     status = Client(daemons[0]).status()
     assert status["running"] == 0 and status["waiting"] == 0
 
+    # not streamed: the client leaves while the router waits for the whole answer
+    connection = UnixHTTPConnection(str(router.path), timeout=10)
+    connection.request("POST", "/v1/completions", body=json.dumps({"model": "demo-r8", **LONG}).encode(),
+                       headers={"Content-Type": "application/json"})
+    wait_until(lambda: Client(daemons[0]).status()["running"] == 1)
+    connection.close()
+    wait_until(lambda: aborted(daemons[0]) == before + 2)
+    wait_until(lambda: router.backend(daemons[0])["in_flight"] == 0)
+
 
 # --- a backend that dies ---------------------------------------------------------------------------------
 
