@@ -46,9 +46,12 @@ class Ops:
     and any device where the kernels cannot run); `Ops.for_device()` picks the Triton kernels on cuda.
     `name` says which set runs: the engine logs it and /v1/status shows it."""
 
-    def __init__(self, name: str, rms_norm, rope_qk, silu_mul, write_kv, attention, lora, prepare_lora=None):
+    def __init__(self, name: str, rms_norm, rope_qk, silu_mul, write_kv, attention, lora, prepare_lora=None,
+                 add_rms_norm=None):
         self.name = name
         self.rms_norm = rms_norm
+        # h += delta, then (h, rms_norm(h)): the residual add fused into the norm after it.
+        self.add_rms_norm = add_rms_norm or _add_then_norm(rms_norm)
         self.rope_qk = rope_qk
         self.silu_mul = silu_mul
         self.write_kv = write_kv
@@ -63,9 +66,10 @@ class Ops:
         from lorad.gpu_ops.attention import paged_attention_ref, write_kv_ref
         from lorad.gpu_ops.fused import rope_qk_ref, silu_mul_ref
         from lorad.gpu_ops.lora import apply_lora_ref
-        from lorad.gpu_ops.norm import rms_norm_ref
+        from lorad.gpu_ops.norm import add_rms_norm_ref, rms_norm_ref
 
-        return cls(name, rms_norm_ref, rope_qk_ref, silu_mul_ref, write_kv_ref, paged_attention_ref, apply_lora_ref)
+        return cls(name, rms_norm_ref, rope_qk_ref, silu_mul_ref, write_kv_ref, paged_attention_ref, apply_lora_ref,
+                   add_rms_norm=add_rms_norm_ref)
 
     @classmethod
     def for_device(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None) -> Ops:
@@ -84,6 +88,7 @@ class Ops:
         ops.attention = paged_attention.attention
         ops.write_kv = paged_attention.write_kv
         ops.rms_norm = fused.rms_norm
+        ops.add_rms_norm = fused.add_rms_norm
         ops.rope_qk = lambda q, k, cos, sin: fused.rope_qk(q, k, cos, sin, inplace=True)
         ops.silu_mul = fused.silu_mul
         workspace = torch.empty(bgmv.workspace_numel(max_batch_tokens, max_lora_rank), dtype=torch.float32, device=device)
@@ -175,14 +180,20 @@ class LlamaModel:
         """-> logits [len(sample_rows), vocab] float32."""
         h = self.embed[step.input_ids]
         cos, sin = self.cos[step.positions], self.sin[step.positions]
+        x = self.ops.rms_norm(h, self.layers[0].input_norm, self.spec.rms_norm_eps)
         for index, layer in enumerate(self.layers):
-            h = self.layer_forward(index, layer, h, cos, sin, step, kv_view, table)
-        h = self.ops.rms_norm(h[step.sample_rows], self.norm, self.spec.rms_norm_eps)
+            h, down = self.layer_forward(index, layer, h, x, cos, sin, step, kv_view, table)
+            if index + 1 < len(self.layers):  # the residual add, fused into the next layer's input norm
+                h, x = self.ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, self.spec.rms_norm_eps)
+        h = h[step.sample_rows] + down[step.sample_rows]
+        h = self.ops.rms_norm(h, self.norm, self.spec.rms_norm_eps)
         return (h @ self.lm_head.t()).float()
 
-    def layer_forward(self, index, layer: Layer, h, cos, sin, step: Step, kv_view, table):
+    def layer_forward(self, index, layer: Layer, h, x, cos, sin, step: Step, kv_view, table):
+        """h: the residual stream into the layer, x: its input norm (computed by the caller, fused
+        with the previous layer's residual add). -> (h after attention, the MLP's output): the caller
+        adds the latter."""
         spec, ops, lora = self.spec, self.ops, step.lora
-        x = ops.rms_norm(h, layer.input_norm, spec.rms_norm_eps)
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split(self.splits, dim=-1)
         for proj, out in ((Q, q), (K, k), (V, v)):
@@ -192,9 +203,8 @@ class LlamaModel:
         attended = ops.attention(q, kv_view, index, step.attention, self.scale)
         o = attended @ layer.o.t()
         ops.lora(attended, o, index, O, lora, table)
-        h = h + o
 
-        x = ops.rms_norm(h, layer.post_norm, spec.rms_norm_eps)
+        h, x = ops.add_rms_norm(h, o, layer.post_norm, spec.rms_norm_eps)
         gate_up = x @ layer.gate_up.t()
         gate, up = gate_up.chunk(2, dim=-1)
         ops.lora(x, gate, index, GATE, lora, table)
@@ -202,7 +212,15 @@ class LlamaModel:
         act = ops.silu_mul(gate, up)
         down = act @ layer.down.t()
         ops.lora(act, down, index, DOWN, lora, table)
-        return h + down
+        return h, down
+
+
+def _add_then_norm(rms_norm):
+    def add_rms_norm(h, delta, weight, eps):
+        h += delta
+        return h, rms_norm(h, weight, eps)
+
+    return add_rms_norm
 
 
 class _Taker:

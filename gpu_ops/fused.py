@@ -1,7 +1,8 @@
-"""Fused element-wise kernels of the decoder layer: RMSNorm, RoPE on q and k together, SiLU(gate) * up.
-Each replaces several PyTorch launches (and their intermediate tensors) by one pass over the rows;
-the references are `rms_norm_ref` (gpu_ops/norm.py), `rope_qk_ref` (from apply_rope_ref in
-gpu_ops/rope.py) and `silu_mul_ref`. All three are memory-bound: one read and one write of each row.
+"""Fused element-wise kernels of the decoder layer: RMSNorm, the residual add with the RMSNorm after it,
+RoPE on q and k together, SiLU(gate) * up. Each replaces several PyTorch launches (and their
+intermediate tensors) by one pass over the rows; the references are `rms_norm_ref` and
+`add_rms_norm_ref` (gpu_ops/norm.py), `rope_qk_ref` (from apply_rope_ref in gpu_ops/rope.py) and
+`silu_mul_ref`. All are memory-bound: one read and one write of each row.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lorad.gpu_ops.norm import rms_norm_ref
+from lorad.gpu_ops.norm import add_rms_norm_ref, rms_norm_ref
 from lorad.gpu_ops.rope import apply_rope_ref
 
 try:
@@ -18,7 +19,7 @@ try:
 except ImportError:  # the CPU engine runs the references only
     triton = None
 
-__all__ = ["rms_norm", "rms_norm_ref", "rope_qk", "rope_qk_ref", "silu_mul", "silu_mul_ref"]
+__all__ = ["add_rms_norm", "add_rms_norm_ref", "rms_norm", "rms_norm_ref", "rope_qk", "rope_qk_ref", "silu_mul", "silu_mul_ref"]
 
 SILU_BLOCK = 1024
 
@@ -46,6 +47,23 @@ if triton is not None:
         x = tl.load(x_ptr + row * stride_xt + cols, mask=ok, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
         # Llama: normalise in float32, cast to the input dtype, then scale by the weight.
+        normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_ot + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _add_rms_norm_kernel(h_ptr, delta_ptr, weight_ptr, out_ptr, stride_ht, stride_dt, stride_ot, eps,
+                             HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < HIDDEN
+        h = tl.load(h_ptr + row * stride_ht + cols, mask=ok, other=0.0).to(tl.float32)
+        delta = tl.load(delta_ptr + row * stride_dt + cols, mask=ok, other=0.0).to(tl.float32)
+        # The sum rounded to the residual's dtype, as `h + delta` is, and normalised from that value.
+        h = (h + delta).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * stride_ht + cols, h, mask=ok)
+        x = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
         normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
         weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_ot + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=ok)
@@ -115,6 +133,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
         block = next_power_of_2(hidden)
         _rms_norm_kernel[(tokens,)](x, weight, out, x.stride(0), out.stride(0), eps, HIDDEN=hidden, BLOCK=block, num_warps=_warps(block))
     return out
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-in for `add_rms_norm_ref`: h += delta (in place, h [T, hidden] contiguous rows), then
+    -> (h, rms_norm(h)). One program per row. Bytes: 4 * T * hidden * element size (read h and delta,
+    write h and the normed rows)."""
+    require_triton()
+    _rows(h, "h")
+    _rows(delta, "delta")
+    tokens, hidden = h.shape
+    if delta.shape != h.shape or delta.dtype != h.dtype:
+        raise ValueError(f"delta {tuple(delta.shape)} {delta.dtype} must match h {tuple(h.shape)} {h.dtype}")
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must be [{hidden}], got {tuple(weight.shape)}")
+    out = torch.empty(tokens, hidden, dtype=h.dtype, device=h.device)
+    if tokens:
+        block = next_power_of_2(hidden)
+        _add_rms_norm_kernel[(tokens,)](h, delta, weight, out, h.stride(0), delta.stride(0), out.stride(0), eps,
+                                        HIDDEN=hidden, BLOCK=block, num_warps=_warps(block))
+    return h, out
 
 
 def rope_qk(

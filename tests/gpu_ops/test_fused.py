@@ -162,6 +162,7 @@ def test_refs_and_empty_inputs():
 def test_fused_gpu(tokens, dtype, kernels):
     check_rms_norm(kernels, tokens, 4096, dtype, "cuda", seed=tokens)
     check_rms_norm(kernels, tokens, 8192, dtype, "cuda", seed=tokens + 1)
+    check_add_rms_norm(kernels, tokens, 4096, dtype, "cuda", seed=tokens)
     check_rope(kernels, tokens, 32, 32, 128, dtype, "cuda", seed=tokens, inplace=False)
     check_rope(kernels, tokens, 32, 8, 128, dtype, "cuda", seed=tokens, inplace=True)
     check_silu_mul(kernels, tokens, 11008, dtype, "cuda", seed=tokens)
