@@ -8,7 +8,8 @@ page and use no adapter.
 
 Graphs are keyed by the step's decode LoRA kernel too (daemon/kernel_choice.py): MBGMV graphs are
 captured for the configured maximum rank (each row's own rank decides its work, so one graph serves
-any mix of adapters); BGMV pads every row to the rank it is launched with, so its graphs are captured
+any mix of adapters) and, where the maximum is above 16, for batches whose ranks are all <= 16 (their
+expand kernel takes 16-row rank tiles instead of tiles of the maximum, mostly masked); BGMV pads every row to the rank it is launched with, so its graphs are captured
 per rank bucket (16, 32, 64, ...: one compiled BGMV kernel each), and only for the buckets and batch
 sizes where the profile's models say BGMV can ever be the cheaper kernel. Capturing them up front,
 not on first use, keeps Triton compilation and capture (hundreds of ms a graph on a 7B model) out of
@@ -30,6 +31,7 @@ from lorad.gpu_ops.page_pool import SCRATCH_PAGE
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+LOW_RANK = 16  # mbgmv.decode_config's smaller expand tile
 
 
 class DecodeGraphs:
@@ -44,15 +46,25 @@ class DecodeGraphs:
         size, layers = self.buckets[-1], kv.num_layers
         long = {"dtype": torch.long, "device": device}
         int32 = {"dtype": torch.int32, "device": device}
-        self.input_ids = torch.zeros(size, **long)
-        self.positions = torch.zeros(size, **long)
+        # The per-row inputs, packed so that a step sends them in two copies from pinned mirrors:
+        # int64 rows input_ids, positions, dest_offsets; int32 rows query_start, query_len, kv_len
+        # (= seq_info) and row_slot.
+        self.packed64 = torch.zeros(3, size, **long)
+        self.packed32 = torch.ones(4, size, **int32)
+        self.packed32[0] = torch.arange(size, **int32)  # every row is its own decode sequence
+        self.pin = device.type == "cuda"
+        self.host64 = torch.zeros(3, size, dtype=torch.long, pin_memory=self.pin)
+        self.host32 = torch.ones(4, size, dtype=torch.int32, pin_memory=self.pin)
+        self.host32[0] = torch.arange(size, dtype=torch.int32)
+        self.input_ids, self.positions, self.dest_offsets = self.packed64
+        self.seq_info, self.row_slot = self.packed32[:3], self.packed32[3]
+        self.seq_ids = self.packed32[0]
         self.dest_pages = torch.full((layers, 2, size), SCRATCH_PAGE, **long)
-        self.dest_offsets = torch.zeros(size, **long)
         self.block_table = torch.full((layers, 2, size, self.max_blocks), SCRATCH_PAGE, **int32)
-        self.row_slot = torch.full((size,), -1, **int32)
-        self.seq_ids = torch.arange(size, **int32)  # every row is its own decode sequence
-        self.seq_info = torch.ones(3, size, **int32)  # query_start, query_len, kv_len
-        self.seq_info[0] = self.seq_ids
+        # The step's blocks go up in their own layout [n, blocks, L, 2] (pinned, grown on demand) and are
+        # transposed into block_table on the device: a host transpose of that size costs milliseconds.
+        self.host_blocks = torch.zeros(0, dtype=torch.int32, pin_memory=self.pin)
+        self.device_blocks = torch.zeros(0, **int32)
         self.rows = torch.arange(size, **long)
         # (bucket, kernel, max rank): kernel "none" (no row has an adapter), "mbgmv" (max_lora_rank) or
         # "bgmv" (a rank bucket).
@@ -65,6 +77,8 @@ class DecodeGraphs:
         keys = []
         for size in self.buckets:
             keys += [(size, "none", 0), (size, "mbgmv", self.max_rank)]
+            if self.max_rank > LOW_RANK:
+                keys.append((size, "mbgmv", LOW_RANK))
             low = 1
             for bucket in rank_buckets(self.max_rank):
                 if self.kernel_choice.bgmv_can_win(size, low, bucket):
@@ -97,45 +111,58 @@ class DecodeGraphs:
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.buckets[-1] and max_blocks <= self.max_blocks
 
-    def run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, blocks: np.ndarray) -> torch.Tensor:
+    def run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, blocks: list[np.ndarray]) -> torch.Tensor:
         """One decode step of n sequences -> logits [n, vocab] float32 (a view of static memory, valid
-        until the next replay). tokens, positions, slots: [n]; blocks: [n, num_blocks, L, 2] page ids."""
+        until the next replay). tokens, positions, slots: [n]; blocks: n arrays [num_blocks_i, L, 2] of
+        page ids (each sequence's BlockList). No host sync: every copy is from pinned memory, which the
+        previous step's sampling (a host sync) has finished reading."""
         n = len(tokens)
         size = next(b for b in self.buckets if b >= n)
-        tokens_per_page = self.kv.tokens_per_page
-        own = blocks[np.arange(n), positions // tokens_per_page]  # [n, L, 2]: the pages the new K/V go to
-        self._fill(self.input_ids, size, tokens, 0, np.int64)
-        self._fill(self.positions, size, positions, 0, np.int64)
-        self._fill(self.dest_offsets, size, positions % tokens_per_page, 0, np.int64)
-        self._fill(self.row_slot, size, slots, -1, np.int32)
-        self._fill(self.seq_info[2], size, positions + 1, 1, np.int32)
-        dest = np.full((self.kv.num_layers, 2, size), SCRATCH_PAGE, dtype=np.int64)
-        dest[:, :, :n] = own.transpose(1, 2, 0)
+        tokens_per_page, layers = self.kv.tokens_per_page, self.kv.num_layers
+        width = max(len(b) for b in blocks)
+        staged = self._host_blocks(n, width)
+        for row, rows in enumerate(blocks):
+            staged[row, : len(rows)] = rows  # past a sequence's own blocks: stale ids the kernels never read
+        host64, host32 = self.host64.numpy(), self.host32.numpy()
+        host64[:, n:size] = 0
+        host64[0, :n], host64[1, :n], host64[2, :n] = tokens, positions, positions % tokens_per_page
+        host32[1:, n:size] = ((1,), (1,), (-1,))  # padding rows: one position of the scratch page, no adapter
+        host32[2, :n], host32[3, :n] = positions + 1, slots
+        self.packed64[:, :size].copy_(self.host64[:, :size], non_blocking=True)
+        self.packed32[:, :size].copy_(self.host32[:, :size], non_blocking=True)
+        dest = np.full((layers, 2, size), SCRATCH_PAGE, dtype=np.int64)  # padding rows write the scratch page
+        dest[:, :, :n] = staged[np.arange(n), positions // tokens_per_page].transpose(1, 2, 0)
         self.dest_pages[:, :, :size].copy_(torch.from_numpy(dest))
-        table = np.full((self.kv.num_layers, 2, size, blocks.shape[1]), SCRATCH_PAGE, dtype=np.int32)
-        table[:, :, :n] = blocks.transpose(2, 3, 0, 1)
-        self.block_table[:, :, :size, : blocks.shape[1]].copy_(torch.from_numpy(table))
+        device_blocks = self.device_blocks[: n * width * layers * 2].view(n, width, layers, 2)
+        device_blocks.copy_(self.host_blocks[: device_blocks.numel()].view(n, width, layers, 2), non_blocking=True)
+        self.block_table[:, :, :n, :width].copy_(device_blocks.permute(2, 3, 0, 1))
         graph, logits = self.graphs[self._key(size, slots)]
         graph.replay()
         return logits[:n]
+
+    def _host_blocks(self, n: int, width: int) -> np.ndarray:
+        """A pinned [n, width, L, 2] int32 staging area (and its device twin), grown when too small."""
+        needed = n * width * self.kv.num_layers * 2
+        if self.host_blocks.numel() < needed:
+            grown = max(needed, 2 * self.host_blocks.numel())
+            self.host_blocks = torch.zeros(grown, dtype=torch.int32, pin_memory=self.pin)
+            self.device_blocks = torch.zeros(grown, dtype=torch.int32, device=self.block_table.device)
+        return self.host_blocks[:needed].numpy().reshape(n, width, self.kv.num_layers, 2)
 
     def _key(self, size: int, slots: np.ndarray) -> tuple[int, str, int]:
         if not (slots >= 0).any():
             return size, "none", 0
         kernel = self.kernel_choice.choose_for_slots(slots, self.table.rank_host)
-        if kernel == "mbgmv":
-            return size, "mbgmv", self.max_rank
         used = slots[slots >= 0]
+        if kernel == "mbgmv":
+            low = (size, "mbgmv", LOW_RANK)
+            if low in self.graphs and int(self.table.rank_host[used].max()) <= LOW_RANK:
+                return low
+            return size, "mbgmv", self.max_rank
         key = (size, "bgmv", rank_bucket(int(self.table.rank_host[used].max()), self.max_rank))
         if key not in self.graphs:  # bgmv_can_win covers every batch choose() can pick BGMV for
             raise RuntimeError(f"no BGMV graph for bucket {size} at rank {key[2]}: the capture plan missed a case")
         return key
-
-    @staticmethod
-    def _fill(buffer: torch.Tensor, size: int, values: np.ndarray, pad_value, dtype) -> None:
-        host = np.full(size, pad_value, dtype=dtype)
-        host[: len(values)] = values
-        buffer[:size].copy_(torch.from_numpy(host))
 
     def _static_step(self, size: int, max_rank: int, kernel: str) -> Step:
         from lorad.gpu_ops.paged_attention import AttentionMeta

@@ -632,14 +632,11 @@ class Engine:
             max_blocks = max(len(seq.blocks) for seq, _ in plan)
             if self.graphs.fits(len(plan), max_blocks):
                 seqs = [seq for seq, _ in plan]
-                blocks = np.zeros((len(seqs), max_blocks, self.spec.num_layers, 2), dtype=np.int32)
-                for index, seq in enumerate(seqs):
-                    blocks[index, : len(seq.blocks)] = seq.blocks.array()
                 logits = self.graphs.run(
                     np.array([seq.tokens[-1] for seq in seqs]),
                     np.array([seq.num_computed for seq in seqs]),
                     np.array([self.residency.slot(seq.adapter) for seq in seqs]),
-                    blocks,
+                    [seq.blocks.array() for seq in seqs],
                 )
                 self.graph_steps += 1
                 return logits, seqs
