@@ -47,14 +47,14 @@ run_step() {
     case $1 in
     lora_kernels) step bench_lora_kernels 300 python3 bench/lora_kernels.py --out "$OUTDIR/lora_kernels.json" ;;
     attention) step bench_attention 240 python3 bench/attention.py --out "$OUTDIR/attention.json" ;;
-    engine_decode) step bench_engine_decode 300 python3 bench/engine_decode.py --breakdown-batch --out "$OUTDIR/engine_decode.json" ;;
+    engine_decode) step bench_engine_decode 150 python3 bench/engine_decode.py --breakdown-batch --out "$OUTDIR/engine_decode.json" ;;
     invoke) step bench_invoke 240 python3 bench/invoke.py --out "$OUTDIR/invoke.json" ;;
     # issue 3, figure 6: S-LoRA's workload on lorad, then the transformers + PEFT server on the first
     # requests of the same n=100 trace
     slora) step bench_slora 420 python3 bench/slora_workload.py --out "$OUTDIR/slora_workload.json" ;;
     peft) step bench_peft 240 python3 bench/peft_baseline.py --adapters 100 --requests 33 --budget-s 150 --out "$OUTDIR/peft_baseline.json" ;;
     pytest_gpu)
-        if ! step pytest_gpu 400 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=8; then
+        if ! step pytest_gpu 430 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15; then
             # A collection error elsewhere (a conftest another change broke) must not hide the kernels' results.
             if grep -q "ERROR collecting\|ImportError while loading conftest" "$OUTDIR/pytest_gpu.log"; then
                 step pytest_gpu_lora_only 120 python3 -m pytest -m gpu --noconftest tests/gpu_ops/test_lora_kernels.py -q -p no:cacheprovider
