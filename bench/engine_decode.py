@@ -113,8 +113,8 @@ def step_breakdown(engine: Engine, adapters: list[str | None], prompt_len: int, 
     result["rest"] = result["step"] - result["forward"] - result["sample"]
     graphs = engine.graphs
     if graphs is not None:
-        size = next(b for b in graphs.buckets if b >= len(adapters))
-        graph, _ = graphs.graphs[(size, any(a is not None for a in adapters))]
+        graph, _ = graphs.graphs[graphs.last_key]
+        result["graph"] = list(graphs.last_key)
         result["graph_replay_ms"] = median_ms(graph.replay, repeats=30)
     try:
         from torch.profiler import ProfilerActivity, profile

@@ -70,6 +70,7 @@ class DecodeGraphs:
         # "bgmv" (a rank bucket).
         self.graphs: dict[tuple[int, str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.last_key = None  # the graph the last run() replayed (benchmarks read it)
 
     def plan(self) -> list[tuple[int, str, int]]:
         """The graphs to capture: per bucket, base-only and MBGMV, and BGMV at each rank bucket where the
@@ -136,7 +137,8 @@ class DecodeGraphs:
         device_blocks = self.device_blocks[: n * width * layers * 2].view(n, width, layers, 2)
         device_blocks.copy_(self.host_blocks[: device_blocks.numel()].view(n, width, layers, 2), non_blocking=True)
         self.block_table[:, :, :n, :width].copy_(device_blocks.permute(2, 3, 0, 1))
-        graph, logits = self.graphs[self._key(size, slots)]
+        self.last_key = self._key(size, slots)
+        graph, logits = self.graphs[self.last_key]
         graph.replay()
         return logits[:n]
 

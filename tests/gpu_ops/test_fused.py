@@ -114,8 +114,35 @@ def check_silu_mul(kernels, tokens, width, dtype, device, seed):
         assert relative_error(got, expected) <= relative_error(kernels.silu_mul_ref(gate, up), expected) + 1e-7
 
 
+def check_add_rms_norm(kernels, tokens, hidden, dtype, device, seed):
+    generator = torch.Generator().manual_seed(seed)
+    h0 = (torch.randn(tokens, hidden, generator=generator) * 3).to(dtype).to(device)
+    wide = torch.randn(tokens, hidden + 8, generator=generator).to(dtype).to(device)
+    delta = wide[:, 4 : 4 + hidden]  # strided rows, as a column slice of a fused output would be
+    weight = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(dtype).to(device)
+    h = h0.clone()
+    got_h, got = kernels.add_rms_norm(h, delta, weight, 1e-5)
+    assert got_h.data_ptr() == h.data_ptr(), "the residual is updated in place"
+    ref_h, reference = kernels.add_rms_norm_ref(h0.clone(), delta, weight, 1e-5)
+    if exact_rounding(dtype):
+        assert torch.equal(got_h, ref_h), "the sum is rounded to the residual's dtype as h + delta is"
+    else:  # the interpreter truncates to bf16: a last-place difference
+        assert relative_error(got_h, ref_h.double()) <= LIMIT[dtype]
+    summed = ref_h.double()
+    expected = weight.double() * summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert relative_error(got, expected) <= LIMIT[dtype] * 2
+    assert relative_error(got, reference.double()) <= LIMIT[dtype] * (1 if exact_rounding(dtype) else 2)
+
+
 # ---------------------------------------------------------------------------------------------------
 # CPU: the Triton kernels in the interpreter
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("tokens,hidden", [(5, 64), (1, 200)])
+def test_add_rms_norm_interpreted(tokens, hidden, dtype, kernels):
+    check_add_rms_norm(kernels, tokens, hidden, dtype, "cpu", seed=hidden)
 
 
 @needs_interpreter
