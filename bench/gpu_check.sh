@@ -51,16 +51,16 @@ run_step() {
     # issue 3, figure 6: S-LoRA's workload on lorad, then the transformers + PEFT server on the first
     # requests of the same n=100 trace
     slora) step bench_slora 420 python3 bench/slora_workload.py --out "$OUTDIR/slora_workload.json" ;;
-    peft) step bench_peft 240 python3 bench/peft_baseline.py --adapters 100 --requests 33 --budget-s 150 --out "$OUTDIR/peft_baseline.json" ;;
+    peft) step bench_peft 200 python3 bench/peft_baseline.py --adapters 100 --requests 33 --budget-s 110 --out "$OUTDIR/peft_baseline.json" ;;
     pytest_fused) step pytest_fused 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu_ops/test_fused.py ;;
     # issue 6, figure 1: the performance models fitted on this GPU
-    profile) step profile 300 python3 -m lorad.daemon.cli profile --model-config llama-2-7b --max-lora-rank 64 --out "$OUTDIR/profile.json" ;;
+    profile) step profile 120 python3 -m lorad.daemon.cli profile --model-config llama-2-7b --max-lora-rank 64 --out "$OUTDIR/profile.json" ;;
     # issue 5: the cold-start microbenchmarks
     mb_load) step mb_load 200 python3 -m lorad.daemon.cli bench load --disk-dir "$PWD" --out "$OUTDIR/mb_load.json" ;;
     mb_invoke) step mb_invoke 150 python3 -m lorad.daemon.cli bench invoke --require-fused --out "$OUTDIR/mb_invoke.json" ;;
     mb_ipc) step mb_ipc 120 python3 -m lorad.daemon.cli bench ipc --out "$OUTDIR/mb_ipc.json" ;;
     mb_cpu_lora) step mb_cpu_lora 120 python3 -m lorad.daemon.cli bench cpu-lora --out "$OUTDIR/mb_cpu_lora.json" ;;
-    mb_cold_start) step mb_cold_start 330 python3 -m lorad.daemon.cli bench cold-start --out "$OUTDIR/mb_cold_start.json" ;;
+    mb_cold_start) step mb_cold_start 290 python3 -m lorad.daemon.cli bench cold-start --out "$OUTDIR/mb_cold_start.json" ;;
     pytest_gpu)
         if ! step pytest_gpu 430 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15; then
             # A collection error elsewhere (a conftest another change broke) must not hide the kernels' results.

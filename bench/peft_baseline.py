@@ -22,16 +22,24 @@ from lorad.scheduler.workload import UniformLengths, gamma_workload
 
 def build(model_config: str, adapters: int, rank: int, device: str = "cuda"):
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     shape = {k: v for k, v in MODEL_CONFIGS[model_config].items() if k not in ("architectures", "torch_dtype")}
     torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
     with torch.device(device):
         model = LlamaForCausalLM(LlamaConfig(**shape))
-        lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        # init_lora_weights=False: random B, so every adapter changes the output as a trained one would.
+        lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                          init_lora_weights=False)
         model = get_peft_model(model, lora, adapter_name="a0")
+        # PeftModel.add_adapter re-walks the whole model each time (quadratic in adapters: ~3 minutes for
+        # 100 on the 7B shape); adding each adapter to the LoRA layers directly is what it does per layer.
+        layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
         for index in range(1, adapters):
-            model.add_adapter(f"a{index}", lora)
+            model.peft_config[f"a{index}"] = lora
+            for layer in layers:
+                layer.update_layer(f"a{index}", lora.r, lora.lora_alpha, config=lora)
     model.eval()
     return model
 
