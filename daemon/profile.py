@@ -435,7 +435,7 @@ def build_profile(fits: dict, samples: dict, machine: dict) -> Profile:
 
 FORMS = {
     "bgmv": "alpha * |S| * max_rank + beta (per decode step)",
-    "mbgmv": "alpha * sum(ranks) + beta (per decode step)",
+    "mbgmv": "alpha * sum(ranks) + per_row * |S| + beta (per decode step)",
     "decode_bgmv": "fixed + per_request * |S| + per_context_token * ctx + alpha * |S| * max_rank",
     "decode_mbgmv": "fixed + per_request * |S| + per_context_token * ctx + alpha * sum(ranks)",
     "prefill": "per_token * T + per_rank_token * sum(r*t) + per_square_token * sum(t^2) + fixed",
@@ -443,7 +443,8 @@ FORMS = {
 
 
 def coefficients(model) -> dict[str, float]:
-    values = {key: value for key, value in dataclasses.asdict(model).items() if key != "r2" and not isinstance(value, dict)}
+    values = {key: value for key, value in dataclasses.asdict(model).items()
+              if not key.startswith("r2") and not isinstance(value, dict)}
     if hasattr(model, "lora"):
         values["alpha"] = model.lora.alpha
     return values
@@ -456,7 +457,10 @@ def fit_table(fits: dict, samples: dict) -> str:
     lines = ["| model | form | coefficients (seconds) | R^2 | samples |", "| --- | --- | --- | --- | --- |"]
     for name, model in fits.items():
         shown = ", ".join(f"{key}={value:.4g}" for key, value in coefficients(model).items())
-        lines.append(f"| {name} | {FORMS[name]} | {shown} | {model.r2:.4f} | {counts[name]} |")
+        r2 = f"{model.r2:.4f}"
+        if getattr(model, "r2_rank_sum_only", None) is not None:  # CaraServe's form, without per_row
+            r2 += f" (alpha * sum(ranks) + beta alone: {model.r2_rank_sum_only:.4f})"
+        lines.append(f"| {name} | {FORMS[name]} | {shown} | {r2} | {counts[name]} |")
     return "\n".join(lines)
 
 
