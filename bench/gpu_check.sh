@@ -45,6 +45,8 @@ step install 150 python3 -m pip install -q --no-deps --no-build-isolation -e .
 run_step() {
     case $1 in
     lora_kernels) step bench_lora_kernels 300 python3 bench/lora_kernels.py --out "$OUTDIR/lora_kernels.json" ;;
+    # the decode tiles for batches of ranks <= 16 (the engine's low-rank graphs), 64 rows of rank 16
+    lora_kernels_r16) step bench_lora_kernels_r16 240 python3 bench/lora_kernels.py --ranks 16,16 --no-prefill --budget-s 150 --out "$OUTDIR/lora_kernels_r16.json" ;;
     attention) step bench_attention 240 python3 bench/attention.py --out "$OUTDIR/attention.json" ;;
     engine_decode) step bench_engine_decode 150 python3 bench/engine_decode.py --breakdown-batch --out "$OUTDIR/engine_decode.json" ;;
     invoke) step bench_invoke 240 python3 bench/invoke.py --out "$OUTDIR/invoke.json" ;;

@@ -177,6 +177,8 @@ def relative_error(result: torch.Tensor, before: torch.Tensor, expected: torch.T
 # gpu_ops/mbgmv.py's TUNED table comes from this sweep.
 SHRINK_TILES = [(16, 512, 4), (16, 1024, 4), (8, 1024, 4), (16, 1024, 8), (8, 2048, 4), (8, 2048, 8), (16, 2048, 8), (32, 1024, 8), (4, 4096, 4)]
 EXPAND_TILES = [(64, 128, 4), (64, 64, 4), (64, 256, 4), (64, 256, 8), (64, 512, 8), (32, 256, 4), (32, 512, 8), (16, 512, 4)]
+# Batches of ranks <= 16 (the engine's low-rank decode graphs): one 16-row rank tile, wider columns.
+EXPAND_TILES_LOW_RANK = [(16, 128, 4), (16, 256, 4), (16, 512, 4), (16, 1024, 4), (16, 1024, 8), (16, 2048, 8), (16, 256, 2)]
 
 
 def shape_sweep(args, device, timer: Timer, bandwidth: float, baseline, deadline: float) -> dict:
@@ -232,7 +234,7 @@ def shape_sweep(args, device, timer: Timer, bandwidth: float, baseline, deadline
                     check=False, into=shrinks, shrink=[block_r, block_k, warps], splits=v.shape[0])
         v_shipped = view(splits_of(shipped))
         mbgmv.mbgmv_shrink(case.xs[0], v_shipped, 0, Q, row_slot, table, max_rank, shipped.shrink_r, shipped.block_k, shipped.num_warps)
-        for block_r, block_n, warps in EXPAND_TILES:
+        for block_r, block_n, warps in (EXPAND_TILES_LOW_RANK if max_rank <= 16 else EXPAND_TILES):
             measure("expand", lambda x, y, layer, t=(block_r, block_n, warps): mbgmv.mbgmv_expand(v_shipped, y, layer, Q, row_slot, table, max_rank, *t),
                     check=False, into=expands, expand=[block_r, block_n, warps])
         timed = lambda group: [e for e in group if "us" in e]  # noqa: E731
@@ -417,6 +419,8 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the per-shape MBGMV tile sweep")
     parser.add_argument("--prefill-sweep", action="store_true", help="also sweep MBGMM's tiles")
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop starting sweep configs after this many seconds")
+    parser.add_argument("--ranks", help="LOW,HIGH: the decode rows' ranks (default 8,64); 16,16 sweeps the low-rank tiles")
+    parser.add_argument("--no-prefill", action="store_true", help="skip the prefill (MBGMM) figures")
     args = parser.parse_args()
     began = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -434,6 +438,8 @@ def main() -> None:
         args.decode_rows, args.prefill_rows, args.layers = 64, 2048, 4
         args.min_rank, args.max_rank, args.graph_rounds = 8, 64, 16
         timer, copy_mib = Timer(device, reps=100), 1024
+    if args.ranks:
+        args.min_rank, args.max_rank = (int(r) for r in args.ranks.split(","))
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device, timer, copy_mib)
     print(f"device-to-device copy: {bandwidth:.0f} GB/s (read + write)", flush=True)
@@ -446,7 +452,7 @@ def main() -> None:
     }
     if not args.no_sweep:
         report["decode_shapes"] = shape_sweep(args, device, timer, bandwidth, baseline, began + args.budget_s)
-    report["prefill"] = prefill_bench(args, device, timer, bandwidth)
+    report["prefill"] = {"methods": {}, "roofline_floor_us": None} if args.no_prefill else prefill_bench(args, device, timer, bandwidth)
     decode, prefill = report["decode"], report["prefill"]
     print("\n| case | method | eager us | graph us | % of HBM roofline |")
     print("| --- | --- | --- | --- | --- |")
