@@ -37,6 +37,12 @@ class CostModel:
         """Throughput of one core, the paper's per-core capacity."""
         return 1.0 / self.per_token_ms
 
+    @property
+    def min_chunk_tokens(self) -> int:
+        """The smallest profitable range: below it a job's fixed costs (the worker's overhead and the
+        engine's dispatch) outweigh its tokens' compute, so splitting finer only adds fixed costs."""
+        return max(1, math.ceil((self.overhead_ms + self.dispatch_ms) / self.per_token_ms - 1e-9))
+
     def job_ms(self, tokens: int) -> float:
         return self.overhead_ms + self.per_token_ms * tokens
 
@@ -52,6 +58,10 @@ class CostModel:
             raise ValueError("this cost model carries no profiled shape to scale from")
         factor = rank * (in_features + out_features) / (self.rank * (self.in_features + self.out_features))
         return CostModel(self.overhead_ms, self.per_token_ms * factor, self.dispatch_ms, rank, in_features, out_features)
+
+    def with_dispatch(self, dispatch_ms: float) -> "CostModel":
+        return CostModel(self.overhead_ms, self.per_token_ms, dispatch_ms, self.rank, self.in_features,
+                         self.out_features, self.samples)
 
 
 def fit_cost(samples: list[tuple[int, float]], dispatch_ms: float = 0.02, **shape) -> CostModel:
@@ -125,7 +135,8 @@ def profile_dispatch(pool, adapter_id: int, layer: int, proj: int, in_features: 
 
 
 def workers_for(tokens: int, workers: int, cost: CostModel, min_gain: float = 0.1, target_ms: float | None = None) -> int:
-    """How many workers (1..workers, at most one per token) `tokens` should use.
+    """How many workers (1..workers, at most one per token) `tokens` should use. Ranges are never
+    cut below `cost.min_chunk_tokens` (unless the prompt itself is shorter).
 
     With `target_ms`: the fewest whose predicted makespan meets it (the paper's "a core handles c
     tokens, use ceil(L / c) cores"), all of them if none does. Without: a larger count is taken
@@ -134,7 +145,7 @@ def workers_for(tokens: int, workers: int, cost: CostModel, min_gain: float = 0.
     """
     if workers < 1:
         raise ValueError(f"need at least one worker, not {workers}")
-    limit = max(1, min(workers, tokens))
+    limit = max(1, min(workers, tokens, tokens // cost.min_chunk_tokens))
     if target_ms is not None:
         for count in range(1, limit + 1):
             if cost.makespan_ms(tokens, count) <= target_ms:

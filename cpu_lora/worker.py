@@ -80,7 +80,10 @@ def worker_main(
     try:
         while True:
             slot.beat()
-            raised = slot.job_flag.wait(seq + 1, timeout_s=None, spin_s=spin_s, max_pause_s=max_pause_s, on_pause=idle)
+            # Hot (the engine has CPU-assisted work in flight or coming): poll, as CaraServe's pinned
+            # workers do; cold: sleep, so that an idle daemon costs no cores.
+            raised = slot.job_flag.wait(seq + 1, timeout_s=None, spin_s=spin_s, max_pause_s=max_pause_s, on_pause=idle,
+                                        hot=exchange.hot)
             # The flag may have jumped several jobs (a GPU enqueued them): serve them in order.
             while seq < raised:
                 seq += 1
@@ -148,6 +151,10 @@ class WorkerPool:
     wait; one that does not finish a job within `job_timeout_s`, or that stops its heartbeat while
     idle for `stall_s` (see `check()`), is killed; either way it is replaced (`restarts` counts them)
     and its job is reported as failed. One thread (the engine's step loop) drives a pool.
+
+    Idle workers sleep between polls (up to `max_pause_s`), so a job posted to a sleeping worker
+    waits for its wake-up. `heat(seconds)` makes the workers and the pool's own waits busy-poll for a
+    bounded period: call it when CPU-assisted work is in flight or about to be.
     """
 
     def __init__(
@@ -172,6 +179,11 @@ class WorkerPool:
         self.job_timeout_s, self.stall_s, self.stop_timeout_s = job_timeout_s, stall_s, stop_timeout_s
         self.spin_s, self.max_pause_s = spin_s, max_pause_s
         self.restarts = 0
+        # Busy-polling needs a core per poller: the workers' and one for the engine's thread.
+        self.hot_polling = workers < len(os.sched_getaffinity(0))
+        if not self.hot_polling:
+            log.info("workers=%d usable_cores=%d: no core left for the engine, so workers never busy-poll "
+                     "(heat() does nothing)", workers, len(os.sched_getaffinity(0)))
         self._context = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             # Workers fork from a server that has imported torch once: a restart costs milliseconds.
@@ -193,6 +205,17 @@ class WorkerPool:
     @property
     def workers(self) -> int:
         return len(self._processes)
+
+    def heat(self, seconds: float) -> bool:
+        """Workers and waits busy-poll for the next `seconds` (Exchange.heat). Only when every worker
+        and the engine's thread have a core of their own (`hot_polling`): pollers sharing a core take
+        turns by the scheduler's time slice, milliseconds, far worse than sleeping. -> whether it heated."""
+        if self.hot_polling:
+            self.exchange.heat(seconds)
+        return self.hot_polling
+
+    def cool(self) -> None:
+        self.exchange.cool()
 
     def _start(self, worker: int) -> None:
         slot = self.exchange.slots[worker]
@@ -233,8 +256,10 @@ class WorkerPool:
         self._start(worker)
 
     def submit(self, worker: int, job: Job) -> int:
-        """Post `job` to `worker` (its input rows written already); returns the seq to `wait` for."""
-        if self._processes[worker].exitcode is not None:
+        """Post `job` to `worker` (its input rows written already); returns the seq to `wait` for.
+        A cold pool first replaces a worker found dead; a hot one skips that syscall (a few µs per job,
+        serial over the workers) and lets `wait`'s liveness check catch a death instead."""
+        if not self.exchange.is_hot and self._processes[worker].exitcode is not None:
             self._replace(worker, "found dead")
         slot = self.exchange.slots[worker]
         if slot.done_flag.load() < self._seq[worker]:
@@ -255,7 +280,7 @@ class WorkerPool:
         if not slot.free_for(seq):
             try:
                 slot.done_flag.wait(seq - slot.ring, timeout_s=self.job_timeout_s, spin_s=self.spin_s,
-                                    max_pause_s=self.max_pause_s)
+                                    max_pause_s=self.max_pause_s, hot=self.exchange.hot)
             except TimeoutError:
                 return None
         self._seq[worker] = seq
@@ -289,7 +314,7 @@ class WorkerPool:
         try:
             slot.done_flag.wait(
                 seq, timeout_s=self.job_timeout_s if timeout_s is None else timeout_s,
-                spin_s=self.spin_s, max_pause_s=self.max_pause_s, on_pause=alive,
+                spin_s=self.spin_s, max_pause_s=self.max_pause_s, on_pause=alive, hot=self.exchange.hot,
             )
         except ChildProcessError:
             self._replace(worker, f"died during job seq={seq}")

@@ -16,6 +16,8 @@ worker's done flag has passed it (`WorkerSlot.free_for`).
 Layout (every region 64-byte aligned):
     header   one line: MAGIC, VERSION, workers, max_tokens, hidden, max_out, ring, error word (written
              by the GPU's wait_and_add when a wait timed out; the host clears it)
+    control  one line: the hot deadline (a `time.monotonic_ns()` value, written by the engine): until it
+             passes, workers and the host busy-poll their flags instead of sleeping (`Exchange.heat`)
     slots    per worker two lines: the job line (job seq flag, written by the host or the GPU) and the
              worker line (written by the worker: done seq flag, status, heartbeat, pid, first failed seq)
     rings    per worker `ring` descriptors of two lines each (written by the engine's host thread)
@@ -28,6 +30,7 @@ Layout (every region 64-byte aligned):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,12 +39,13 @@ from lorad.shm.flags import Flag
 from lorad.shm.segment import ALIGNMENT, Segment, align, segment_name
 
 MAGIC = 0x6C6F726164786368  # "loradxch"
-VERSION = 2
+VERSION = 3
 FLOAT_BYTES = 4
 LINE = ALIGNMENT
 STOP = -1  # adapter id of the job that tells a worker to exit
 DEFAULT_RING = 1024  # descriptors per worker: a forward of 32 layers x 7 projections x 4 spans fits
 ERROR_WORD = 7  # int64 field of the header line
+HOT_UNTIL = 0  # int64 field of the control line
 
 # Job line: the job seq flag. Ring descriptor (int64 fields): the seq it describes (a tag the worker
 # checks), then the job.
@@ -90,7 +94,7 @@ class ExchangeLayout:
 
     @classmethod
     def of(cls, config: ExchangeConfig) -> "ExchangeLayout":
-        slots = LINE
+        slots = 2 * LINE  # header, control
         rings = align(slots + config.workers * 2 * LINE)
         input_offset = align(rings + config.workers * config.ring * DESCRIPTOR_BYTES)
         output = align(input_offset + config.max_tokens * config.in_stride * FLOAT_BYTES)
@@ -206,6 +210,7 @@ class Exchange:
         self.input_bytes = segment.array(self.layout.input, config.max_tokens * config.in_stride * FLOAT_BYTES, np.uint8)
         self.output = segment.array(self.layout.output, (config.max_tokens, config.out_stride), np.float32)
         self.header = segment.array(0, 8, np.int64)
+        self.hot = Flag(segment.buffer, LINE + HOT_UNTIL * 8)
         self.slots = [WorkerSlot(segment, self.layout, worker) for worker in range(config.workers)]
 
     def input_rows(self, start: int, end: int, in_features: int, itemsize: int = FLOAT_BYTES) -> np.ndarray:
@@ -215,6 +220,22 @@ class Exchange:
         if not 0 <= start <= end or end * row_bytes > self.input_bytes.size or in_features > self.config.hidden:
             raise ValueError(f"rows {start}:{end} of width {in_features} do not fit the exchange's input")
         return self.input_bytes[start * row_bytes : end * row_bytes].reshape(end - start, row_bytes)
+
+    def heat(self, seconds: float) -> None:
+        """Keep the workers (and the host's waits) busy-polling for the next `seconds`: a job is in
+        flight or about to be. Only ever extends the hot period; it ends by itself, so an engine that
+        stops heating (or dies) leaves the workers sleeping again within `seconds`."""
+        until = time.monotonic_ns() + int(seconds * 1e9)
+        if until > self.hot.load():
+            self.hot.store(until)
+
+    def cool(self) -> None:
+        """End the hot period now (the workers go back to sleeping at their next check)."""
+        self.hot.store(0)
+
+    @property
+    def is_hot(self) -> bool:
+        return time.monotonic_ns() < self.hot.load()
 
     @property
     def error_word(self) -> np.ndarray:
@@ -245,7 +266,7 @@ class Exchange:
 
     def close(self) -> None:
         # Drop the views first so that the mapping can really be unmapped.
-        self.input = self.input_bytes = self.output = self.header = None
+        self.input = self.input_bytes = self.output = self.header = self.hot = None
         self.slots = []
         self.segment.close()
 

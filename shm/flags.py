@@ -65,37 +65,49 @@ class Flag:
         spin_s: float = 50e-6,
         max_pause_s: float = 1e-3,
         on_pause: Callable[[], None] | None = None,
+        hot: "Flag | None" = None,
     ) -> int:
         """Wait until the flag is >= `target`; returns the value seen.
 
         Spins for `spin_s` (the common case: the other side is about to publish), then sleeps with
         a pause doubling from 10 µs up to `max_pause_s`, so an idle waiter costs almost no CPU and a
-        busy one answers within about `max_pause_s`. `on_pause` runs before every sleep: a heartbeat
-        to bump, or a liveness check that raises to abandon the wait. Raises TimeoutError after
-        `timeout_s` (None: never).
+        busy one answers within about `max_pause_s`. `hot` (optional) holds a `time.monotonic_ns()`
+        deadline: until it passes the waiter busy-polls instead of sleeping (a job is expected any
+        moment, and a sleeper's wake-up would cost more than the job), and a sleeper that sees it
+        rise starts polling at its next pause. `on_pause` runs before every sleep, and about every
+        `max_pause_s` while polling hot: a heartbeat to bump, or a liveness check that raises to
+        abandon the wait. Raises TimeoutError after `timeout_s` (None: never).
         """
         cell = self._cell
         value = int(cell[0])
         if value >= target:
             return value
-        start = time.monotonic()
-        spin_until = start + spin_s
-        while time.monotonic() < spin_until:
-            value = int(cell[0])
-            if value >= target:
-                return value
-        deadline = None if timeout_s is None else start + timeout_s
+        clock = time.monotonic_ns
+        start = clock()
+        spin_until = start + int(spin_s * 1e9)
+        deadline = None if timeout_s is None else start + int(timeout_s * 1e9)
+        pause_ns = int(max_pause_s * 1e9)
+        next_pause = start + pause_ns
         pause = 10e-6
         while True:
             value = int(cell[0])
             if value >= target:
                 return value
-            now = time.monotonic()
+            now = clock()
+            if now < spin_until:
+                continue
             if deadline is not None and now >= deadline:
                 raise TimeoutError(f"flag still {value} after {timeout_s} s waiting for {target}")
+            if hot is not None and now < int(hot._cell[0]):
+                pause = 10e-6  # back from cold: the first sleep after a hot period is short again
+                if now >= next_pause:
+                    next_pause = now + pause_ns
+                    if on_pause is not None:
+                        on_pause()
+                continue
             if on_pause is not None:
                 on_pause()
-            time.sleep(pause if deadline is None else min(pause, max(deadline - now, 0.0)))
+            time.sleep(pause if deadline is None else min(pause, max(deadline - now, 0) / 1e9))
             pause = min(pause * 2, max_pause_s)
 
     def __repr__(self) -> str:
