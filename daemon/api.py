@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from lorad.errors import (
-    BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, NotFound, Overloaded, PromptTooLong,
+    AdmissionDropped, BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, NotFound, Overloaded, PromptTooLong,
 )
 from lorad.daemon import metrics as metrics_format
 from lorad.daemon.request import GenerationRequest, RequestOutput, SamplingParams
@@ -407,6 +407,8 @@ class _Tally:
 
 
 def _failure(output: RequestOutput) -> LoradError:
+    if output.error_type == AdmissionDropped.type:
+        return AdmissionDropped(output.error)
     return LoradError(f"generation failed: {output.error or 'the engine gave no reason'}")
 
 

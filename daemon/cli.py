@@ -49,6 +49,12 @@ _ENGINE_FLAG_HELP = {
                  "cpu-assisted prefill to the GPU as soon as it has arrived",
     "profile_path": "lorad profile's performance models, from which each decode step's LoRA kernel is chosen "
                     "(default: STATE_DIR or ~/.cache/lorad, /profile-MODEL-DEVICE.json, when it exists; off: none, MBGMV)",
+    "admission": "fcfs|early-abort|cluster: which waiting requests join a step (early-abort drops those that "
+                 "cannot meet --slo-ttft-ms; cluster caps the running batch's distinct adapters)",
+    "slo_ttft_ms": "time-to-first-token objective in ms (0: none; early-abort needs one)",
+    "slo_tpot_ms": "time-per-output-token objective in ms (0: none; reported in /v1/status)",
+    "cluster_max_adapters": "--admission cluster (or early-abort): distinct adapters in the running batch before "
+                            "other adapters' requests wait (at most the TTFT objective, else 1 s)",
 }
 _SERVER_FLAG_HELP = {
     "socket": "Unix socket to listen on",

@@ -31,11 +31,12 @@ from lorad.daemon.model import LlamaModel, Ops, Step
 from lorad.daemon.request import GenerationRequest, GenerationResult, RequestOutput
 from lorad.daemon.sampler import make_generator, sample
 from lorad.daemon.tokenizer import Detokenizer, NoTokenizer, Tokenizer
-from lorad.errors import BadRequest, LoradError, ModelError, ModelNotFound, Overloaded, PromptTooLong
+from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded, PromptTooLong
 from lorad.gpu_ops import cuda_ext
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool
+from lorad.scheduler.admission import AdmissionPolicy, Objectives, OnlinePrefill, make_admission
 from lorad.scheduler.batching import Scheduler, Sequence
 from lorad.scheduler.cold_start import CPU_ASSIST, DECISIONS, GPU_WAIT, ColdStart, ColdStartCosts, decide
 
@@ -48,6 +49,7 @@ ADAPTER_SLOTS = 1024
 PREFETCH_DEPTH = 8  # queued requests whose adapters are loaded ahead, while a step runs
 CPU_STORE_BYTES = 1 << 30  # the CPU workers' shared adapter store (fp32; least recently used make room)
 CPU_JOB_TIMEOUT_S = 5.0  # a CPU LoRA job not done by then has a dead or stalled worker: the pool path takes over
+CLUSTER_MAX_WAIT_MS = 1000.0  # admission cluster without a TTFT objective: how long another adapter's request waits at most
 
 
 @dataclass(eq=False)
@@ -127,7 +129,11 @@ class Engine:
                                        config.max_lora_rank, self.kernel_choice)
             self.graphs.capture()
         self.residency = LoraResidency(self._host_adapter, self.table, self.stats, pinned_bytes=config.pinned_host_bytes)
-        self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency)
+        self.online_prefill: OnlinePrefill | None = None  # early abort's estimate when no profile was found
+        admission, objectives = self._admission()
+        self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency,
+                                   admission, objectives)
+        self.admission_dropped = 0
 
         self._lock = threading.Condition()
         self._inbox: list[Sequence] = []
@@ -183,6 +189,33 @@ class Engine:
         else:
             budget = CPU_POOL_BYTES
         return max(2, budget // page_bytes)
+
+    def _admission(self) -> tuple[AdmissionPolicy, Objectives]:
+        """The admission policy and objectives of EngineConfig. Early abort predicts prefills with the
+        loaded profile's PrefillModel, or else with an estimate this engine measures as it runs."""
+        config = self.config
+        objectives = Objectives(config.slo_ttft_ms / 1e3 or float("inf"), config.slo_tpot_ms / 1e3 or float("inf"))
+        prefill = None
+        if config.admission == "early-abort":
+            profile = self.kernel_choice.profile
+            prefill = profile.prefill if profile is not None else OnlinePrefill()
+            self.online_prefill = None if profile is not None else prefill
+        max_wait_ms = config.slo_ttft_ms or CLUSTER_MAX_WAIT_MS
+        policy = make_admission(config.admission, prefill, config.cluster_max_adapters or None,
+                                max_wait_s=max_wait_ms / 1e3 if config.cluster_max_adapters else None)
+        self.admission_max_wait_ms = max_wait_ms if config.cluster_max_adapters else None
+        self.admission_estimate = self._admission_estimate_source()
+        log.info("admission policy=%s slo_ttft_ms=%s slo_tpot_ms=%s cluster_max_adapters=%d cluster_max_wait_ms=%s "
+                 "ttft_estimate=%r", policy.name, config.slo_ttft_ms or "none", config.slo_tpot_ms or "none",
+                 config.cluster_max_adapters, self.admission_max_wait_ms or "-", self.admission_estimate)
+        return policy, objectives
+
+    def _admission_estimate_source(self) -> str:
+        if self.config.admission != "early-abort":
+            return "none (no early abort)"
+        if self.online_prefill is not None:
+            return self.online_prefill.describe()
+        return f"profile:{self.kernel_choice.source}"
 
     def _host_adapter(self, name: str) -> LoraAdapter:
         held = self._held.get(name)
@@ -305,6 +338,15 @@ class Engine:
                 "cpu_assisted_prefills": self.cpu_assist.assisted if self.cpu_assist is not None else 0,
                 "cpu_assist_fallbacks": self.cpu_assist.fallbacks if self.cpu_assist is not None else 0,
                 "cpu_worker_restarts": self.cpu_assist.pool.restarts if self.cpu_assist is not None else 0,
+                "admission": {
+                    "policy": self.scheduler.admission.name,
+                    "slo_ttft_ms": self.config.slo_ttft_ms or None,
+                    "slo_tpot_ms": self.config.slo_tpot_ms or None,
+                    "cluster_max_adapters": self.config.cluster_max_adapters or None,
+                    "cluster_max_wait_ms": self.admission_max_wait_ms,
+                    "ttft_estimate": self._admission_estimate_source(),
+                    "dropped": self.admission_dropped,
+                },
                 **self._batch_locked(),
             }
 
@@ -357,7 +399,8 @@ class Engine:
                 )
             adapter = self._read_adapter(request.adapter)  # read now, in the caller's thread: errors go to the caller
         state = RequestState(request, Detokenizer(self.tokenizer, request.sampling.stop), make_generator(request.sampling))
-        seq = Sequence(request.request_id, list(prompt), len(prompt), request.adapter, blocks=BlockList(), state=state)
+        seq = Sequence(request.request_id, list(prompt), len(prompt), request.adapter, blocks=BlockList(), state=state,
+                       rank=adapter.rank if request.adapter is not None else 0, arrival_s=self.scheduler.clock())
         with self._lock:
             if self._stopping:
                 raise Overloaded("the engine is shutting down")
@@ -522,14 +565,14 @@ class Engine:
         try:
             plan = self.scheduler.schedule()
         except LoradError as error:  # an adapter that broke between submit and admission
-            seq = self.scheduler.waiting[0]
-            self._finish(seq, "error", error=error.message)
+            self._finish(self.scheduler.blocked, "error", error=error.message)
             return
+        self._drop_by_admission()
         assisted = self._cold_starts(plan)
         if not plan:
             if self.scheduler.waiting and not self.scheduler.running:
-                seq = self.scheduler.waiting[0]
-                self._finish(seq, "error", error="the request does not fit in the page pool even alone (adapter too large)")
+                self._finish(self.scheduler.blocked, "error",
+                             error="the request does not fit in the page pool even alone (adapter too large)")
             return
         started = time.perf_counter()
         logits, sampled = self._forward(plan, assisted)
@@ -537,7 +580,7 @@ class Engine:
         params = [seq.state.request.sampling for seq in sampled]
         tokens = sample(logits, params, [seq.state.generator for seq in sampled])  # waits for the device
         redo = self._after_cpu_assist(assisted, self._step_spans) if assisted else set()  # its prefill runs again
-        if not assisted and self.config.cold_start == "auto":
+        if not assisted and (self.online_prefill is not None or self.config.cold_start == "auto"):
             self._observe_prefill(plan, time.perf_counter() - started)  # before num_computed moves on
         for seq, count in plan:
             if seq not in redo:
@@ -555,6 +598,16 @@ class Engine:
                 self.stats.first_token(now - state.arrival)
             seq.tokens.append(token)
             self._advance(seq, token)
+
+    def _drop_by_admission(self) -> None:
+        """Fails the requests the admission policy dropped this step, each with its reason (503)."""
+        for seq, reason in self.scheduler.take_dropped():
+            self.admission_dropped += 1
+            self.stats.dropped_by_admission(self.scheduler.admission.name)
+            log.info("request dropped id=%s adapter=%s policy=%s reason=%r",
+                     seq.request_id, seq.adapter, self.scheduler.admission.name, reason)
+            self._finish(seq, "error", error=f"dropped by {self.config.admission} admission: {reason}",
+                         error_type=AdmissionDropped.type)
 
     def _cold_starts(self, plan: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
         """The requests this step admitted whose adapter the pool did not hold: each one's first step
@@ -617,9 +670,14 @@ class Engine:
         return redo
 
     def _observe_prefill(self, plan: list[tuple[Sequence, int]], seconds: float) -> None:
-        """`auto`: the base prefill's cost per token, a moving average over steps with prompt tokens."""
+        """The base prefill's cost per token, a moving average over steps with prompt tokens: for cold start
+        `auto`, and for early abort's TTFT estimate when no profile was loaded."""
         tokens = sum(count for seq, count in plan if seq.num_computed < seq.prompt_len)
-        if tokens < 8 or self.cold_start_costs is None:
+        if tokens < 8:
+            return
+        if self.online_prefill is not None:
+            self.online_prefill.observe(sum(count for _, count in plan), seconds)
+        if self.cold_start_costs is None or self.config.cold_start != "auto":
             return
         previous = self.cold_start_costs.prefill_ms_per_token
         sample = seconds * 1e3 / sum(count for _, count in plan)
@@ -739,7 +797,8 @@ class Engine:
         else:
             self._emit(seq, RequestOutput(seq.request_id, [token], state.detokenizer.take(final=False)))
 
-    def _finish(self, seq: Sequence, reason: str, new_tokens: list[int] | None = None, error: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, new_tokens: list[int] | None = None, error: str | None = None,
+                error_type: str | None = None) -> None:
         state: RequestState = seq.state
         if state.finished:
             return
@@ -762,7 +821,8 @@ class Engine:
         if self._thread is None:
             self._finished[seq.request_id] = seq
         text = state.detokenizer.take(final=True) if reason in ("stop", "length") else ""
-        self._emit(seq, RequestOutput(seq.request_id, new_tokens or [], text, True, reason, seq.prompt_len, seq.num_generated, error))
+        self._emit(seq, RequestOutput(seq.request_id, new_tokens or [], text, True, reason, seq.prompt_len, seq.num_generated, error,
+                                      error_type))
         if reason in ("stop", "length", "abort", "error"):
             ttft = (state.first_token_time - state.arrival) * 1e3 if state.first_token_time else -1
             log.debug("request done id=%s adapter=%s reason=%s generated=%d ttft_ms=%.1f", seq.request_id, seq.adapter, reason, seq.num_generated, ttft)

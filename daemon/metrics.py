@@ -56,6 +56,7 @@ class Metrics:
         self.cpu_assist_fallbacks = 0  # cpu-assisted requests sent back to the pool path by a failed job
         self.cpu_assist_layers_total = {"cpu": 0, "gpu": 0}  # layers of cpu-assisted prefills, by the path that served them
         self.lora_kernel_steps = {"bgmv": 0, "mbgmv": 0}  # decode steps by LoRA kernel (daemon/kernel_choice.py)
+        self.admission_dropped = {}  # queued requests dropped by the admission policy, by policy name
         self.adapter_loads = dict.fromkeys(TIERS, 0)
         self.adapter_load_seconds = {tier: Histogram(LOAD_BUCKETS) for tier in TIERS}
         self.time_to_first_token = Histogram(TTFT_BUCKETS)
@@ -102,6 +103,10 @@ class Metrics:
         with self._lock:
             self.cpu_assist_layers_total[path] = self.cpu_assist_layers_total.get(path, 0) + count
 
+    def dropped_by_admission(self, policy: str) -> None:
+        with self._lock:
+            self.admission_dropped[policy] = self.admission_dropped.get(policy, 0) + 1
+
     def cpu_assist_fell_back(self) -> None:
         with self._lock:
             self.cpu_assist_fallbacks += 1
@@ -120,6 +125,7 @@ class Metrics:
                 "cpu_assist_fallbacks": self.cpu_assist_fallbacks,
                 "cpu_assist_layers": dict(self.cpu_assist_layers_total),
                 "lora_kernel_steps": dict(self.lora_kernel_steps),
+                "admission_dropped": dict(self.admission_dropped),
                 "adapter_loads": dict(self.adapter_loads),
                 "adapter_load_seconds": {tier: h.snapshot() for tier, h in self.adapter_load_seconds.items()},
                 "time_to_first_token": self.time_to_first_token.snapshot(),
@@ -158,6 +164,10 @@ def render(snapshot: dict) -> str:
     out.family("lorad_requests_total", "counter", "Finished requests by finish reason.")
     for reason, count in sorted(snapshot["requests"].items()):
         out.sample("lorad_requests_total", {"finish_reason": reason}, count)
+    out.family("lorad_admission_dropped_total", "counter",
+               "Queued requests the admission policy dropped (early abort: their TTFT objective was out of reach).")
+    for policy, count in sorted(snapshot.get("admission_dropped", {}).items()):
+        out.sample("lorad_admission_dropped_total", {"policy": policy}, count)
     out.family("lorad_prompt_tokens_total", "counter", "Prompt tokens of finished requests.")
     out.sample("lorad_prompt_tokens_total", {}, snapshot["prompt_tokens"])
     out.family("lorad_generation_tokens_total", "counter", "Tokens generated for finished requests.")

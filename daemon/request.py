@@ -70,6 +70,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     error: str | None = None
+    error_type: str | None = None  # the LoradError type of a failure the API answers as that error
 
 
 @dataclass

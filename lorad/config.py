@@ -15,6 +15,11 @@ DEVICES = ("auto", "cpu", "cuda")
 # placed at admission, then the prefill runs; cpu: the prefill's LoRA runs on the CPU workers while
 # the adapter is placed; auto: ondemand or cpu per request, from costs measured at start-up.
 COLD_STARTS = ("cached", "ondemand", "cpu", "auto")
+# Which waiting requests join a step (scheduler/admission.py): fcfs: in arrival order; early-abort: queued
+# requests whose predicted TTFT exceeds slo_ttft_ms are dropped with an error (S-LoRA App. B); cluster:
+# once the running batch holds cluster_max_adapters distinct adapters, other adapters' requests wait
+# (S-LoRA App. A), at most slo_ttft_ms (or CLUSTER_MAX_WAIT_MS without one) before they go in anyway.
+ADMISSIONS = ("fcfs", "early-abort", "cluster")
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,10 @@ class EngineConfig:
     # chosen. None: <state_dir or ~/.cache/lorad>/profile-<model>-<device>.json when it exists
     # (daemon/kernel_choice.py); "off": none, MBGMV always.
     profile_path: str | None = None
+    admission: str = "fcfs"  # fcfs|early-abort|cluster (see ADMISSIONS)
+    slo_ttft_ms: float = 0.0  # time-to-first-token objective (0: none); early-abort needs one
+    slo_tpot_ms: float = 0.0  # time-per-output-token objective (0: none); reported, not acted on
+    cluster_max_adapters: int = 0  # distinct adapters in the running batch: cluster needs >= 1, early-abort may add it
 
     def __post_init__(self):
         # Values that come from the user (CLI, TOML) are checked here, once.
@@ -72,6 +81,22 @@ class EngineConfig:
             raise BadRequest(f"cpu_workers must be an integer in 0..256 (0: min(4, cores - 1)), not {self.cpu_workers!r}")
         if self.pinned_host_bytes < 0:
             raise BadRequest(f"pinned_host_bytes must be >= 0, not {self.pinned_host_bytes}")
+        if self.admission not in ADMISSIONS:
+            raise BadRequest(f"admission must be one of {', '.join(ADMISSIONS)}, not {self.admission!r}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise BadRequest(f"{name} must be a number of milliseconds >= 0 (0: no objective), not {value!r}")
+        if isinstance(self.cluster_max_adapters, bool) or not isinstance(self.cluster_max_adapters, int) \
+                or self.cluster_max_adapters < 0:
+            raise BadRequest(f"cluster_max_adapters must be an integer >= 0, not {self.cluster_max_adapters!r}")
+        if self.admission == "early-abort" and self.slo_ttft_ms <= 0:
+            raise BadRequest("admission early-abort drops requests that cannot meet the TTFT objective: "
+                             "give it one with slo_ttft_ms > 0 (--slo-ttft-ms)")
+        if self.admission == "cluster" and self.cluster_max_adapters < 1:
+            raise BadRequest("admission cluster needs cluster_max_adapters >= 1 (--cluster-max-adapters)")
+        if self.admission == "fcfs" and self.cluster_max_adapters:
+            raise BadRequest("cluster_max_adapters goes with admission cluster or early-abort, not fcfs")
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,13 @@ class Overloaded(LoradError):
         self.retry_after_s = retry_after_s
 
 
+class AdmissionDropped(Overloaded):
+    """The admission policy gave up on a queued request: early abort predicted it could no longer meet
+    its time-to-first-token objective (scheduler/admission.py)."""
+
+    type = "admission_dropped"
+
+
 class EngineDead(LoradError):
     status = 500
     type = "engine_error"

@@ -5,18 +5,23 @@ before each prefill step it predicts, with the prefill model, every queued reque
 if the step started now, drops those that cannot meet the TTFT objective any more (saying why), and
 admits the rest first come first served: work on a request already lost only delays the ones that can
 still be saved. `AdapterClustering` (S-LoRA A.2) caps the distinct adapters of a batch: once the running
-batch holds `max_adapters`, queued requests for those adapters go first, the others fill what is left.
-Pure functions of the queue and the engine's room: the simulator uses them now, the engine later.
+batch holds `max_adapters`, queued requests for those adapters go first; the others fill what is left
+(the simulator), or wait until they have waited `max_wait_s` (the engine: a hard cap without starvation).
+Pure functions of the queue and the engine's room, used by the simulator and by the engine's scheduler
+(scheduler/batching.py, whose steps chunk long prompts: `Room.chunked_prefill`).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol
+
+from lorad.scheduler.perf_model import PrefillModel
 
 from lorad.errors import BadRequest
-from lorad.scheduler.perf_model import PrefillModel
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class Queued:
     rank: int
     prompt_tokens: int
     output_tokens: int  # expected (max_tokens): the KV it reserves
+    started: bool = False  # its first token is out already (a preempted request): no TTFT left to miss
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,9 @@ class Room:
     kv_tokens: int  # free KV tokens (a request reserves prompt + output)
     batch_empty: bool  # nothing runs: the first request goes in even when it exceeds kv_tokens
     running_adapters: frozenset = frozenset()  # adapters of the running batch
+    # The engine's steps: a prompt longer than what is left of prefill_tokens takes what is left and goes on
+    # in the next step, and KV is checked page by page by the caller (kv_tokens and output_tokens unused).
+    chunked_prefill: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,12 +83,19 @@ class _Filler:
     def __init__(self, room: Room):
         self.slots, self.budget, self.kv = room.slots, room.prefill_tokens, room.kv_tokens
         self.empty = room.batch_empty
+        self.chunked = room.chunked_prefill
         self.taken: list[Queued] = []
-        self.full = room.slots <= 0
+        self.full = room.slots <= 0 or (self.chunked and self.budget <= 0)
+
+    def chunk(self, request: Queued) -> int:
+        """The prompt tokens of `request` this step would compute."""
+        return min(request.prompt_tokens, self.budget) if self.chunked else request.prompt_tokens
 
     def fits(self, request: Queued) -> bool:
         if self.full:
             return False
+        if self.chunked:
+            return True
         need = request.prompt_tokens + request.output_tokens
         alone = self.empty and not self.taken
         if (need > self.kv and not alone) or (request.prompt_tokens > self.budget and self.taken):
@@ -90,9 +106,9 @@ class _Filler:
     def take(self, request: Queued) -> None:
         self.taken.append(request)
         self.slots -= 1
-        self.budget -= request.prompt_tokens
+        self.budget -= self.chunk(request)
         self.kv -= request.prompt_tokens + request.output_tokens
-        if self.slots <= 0:
+        if self.slots <= 0 or (self.chunked and self.budget <= 0):
             self.full = True
 
 
@@ -118,9 +134,14 @@ class EarlyAbort:
     """S-LoRA's early abort with the prefill model as the estimate. For each queued request, in arrival
     order: if it fits in this step, its TTFT is (now - arrival) + the predicted prefill of the step with
     it and those admitted before it; past the step's room it is at least (now - arrival) + this step's
-    prefill + its own prefill alone. A request whose estimate exceeds the objective is dropped."""
+    prefill + its own prefill alone. A request whose estimate exceeds the objective is dropped. In chunked
+    steps (the engine) a prompt cut by the step's budget adds the prefill of its rest alone; a request whose
+    first token is out already is never dropped. Each estimate is a lower bound under the model: a drop
+    is a request that cannot make it, not one that might not.
 
-    prefill: PrefillModel
+    `prefill` is the profile's PrefillModel or an `OnlinePrefill` (anything with `from_features`)."""
+
+    prefill: PrefillModel | OnlinePrefill
     name: str = "early_abort"
 
     def select(self, queue, now, room, objectives):
@@ -130,11 +151,18 @@ class EarlyAbort:
         drops: list[tuple[int, str]] = []
         limit = objectives.ttft_s
         for request in queue:
+            if request.started:  # TTFT is behind it: it only waits for room
+                if filler.fits(request):
+                    filler.take(request)
+                continue
             waited = now - request.arrival_s
             own = PrefillModel.features([(request.prompt_tokens, request.rank)])
             if not filler.full and filler.fits(request):
-                with_it = tuple(a + b for a, b in zip(features, own))
-                estimate = waited + self.prefill.from_features(*with_it)
+                chunk = filler.chunk(request)
+                rest = request.prompt_tokens - chunk
+                with_it = tuple(a + b for a, b in zip(features, PrefillModel.features([(chunk, request.rank)])))
+                later = self.prefill.from_features(*PrefillModel.features([(rest, request.rank)])) if rest else 0.0
+                estimate = waited + self.prefill.from_features(*with_it) + later
                 if estimate <= limit:
                     filler.take(request)
                     features, step_s = with_it, self.prefill.from_features(*with_it)
@@ -147,53 +175,92 @@ class EarlyAbort:
         return Admission(tuple(r.key for r in filler.taken), tuple(drops))
 
 
+class OnlinePrefill:
+    """A prefill estimate measured by the engine itself, for early abort without a profile: the cost per
+    token of recent prefill steps, a moving average (weight `smoothing` on each new step). Until the
+    first step is measured it predicts 0 s: early abort then drops only requests that already waited
+    longer than the objective. Not thread-safe; the engine's step thread observes and predicts."""
+
+    def __init__(self, smoothing: float = 0.2):
+        self.smoothing = smoothing
+        self.per_token_s = 0.0
+        self.steps = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        sample = seconds / tokens
+        self.per_token_s = sample if self.steps == 0 else (1 - self.smoothing) * self.per_token_s + self.smoothing * sample
+        self.steps += 1
+
+    def from_features(self, tokens: float, rank_tokens: float, square_tokens: float) -> float:
+        return self.per_token_s * tokens
+
+    def describe(self) -> str:
+        return f"online: {self.per_token_s * 1e3:.4f} ms per prompt token over {self.steps} measured prefill steps"
+
+
 @dataclass(frozen=True)
 class AdapterClustering:
     """S-LoRA's adapter clustering around an inner policy: once the running batch (plus what this step
     admits) holds `max_adapters` distinct adapters, queued requests for those adapters are offered first
-    (in their order), the rest after them, so they still fill what the clustered ones leave. Fewer
-    adapters per batch pays where each one costs: BGMV padding to the batch's largest rank, adapter
-    loads into the page pool. Looks `lookahead` requests deep into the queue (the rest keep their place)."""
+    (in their order). Fewer adapters per batch pays where each one costs: BGMV padding to the batch's
+    largest rank, adapter loads into the page pool. Looks `lookahead` requests deep into the queue (the
+    rest keep their place). Requests without an adapter (None: the base model) always count as clustered.
+
+    `max_wait_s` None: the cap is soft, the other requests are offered after the clustered ones and fill
+    what they leave (the simulator). A number: the cap is hard, the others wait, except those queued
+    longer than `max_wait_s`: they are offered first, whatever their adapter (no starvation; the only way
+    the batch exceeds the cap)."""
 
     inner: AdmissionPolicy
     max_adapters: int
     lookahead: int = 256
+    max_wait_s: float | None = None
 
     def __post_init__(self):
         if self.max_adapters < 1:
             raise BadRequest(f"max_adapters must be at least 1, not {self.max_adapters}")
+        if self.max_wait_s is not None and not self.max_wait_s > 0:
+            raise BadRequest(f"max_wait_s must be positive, not {self.max_wait_s}")
 
     @property
     def name(self) -> str:
         return f"{self.inner.name}+cluster{self.max_adapters}"
 
     def select(self, queue, now, room, objectives):
-        return self.inner.select(self.order(queue, room), now, room, objectives)
+        return self.inner.select(self.order(queue, room, now), now, room, objectives)
 
-    def order(self, queue: Sequence[Queued], room: Room) -> list[Queued]:
+    def order(self, queue: Sequence[Queued], room: Room, now: float = math.inf) -> list[Queued]:
         window = list(islice(queue, self.lookahead))
         adapters = set(room.running_adapters)
-        first, later = [], []
+        overdue, first, later = [], [], []
         for request in window:
-            if request.adapter in adapters:
+            if self.max_wait_s is not None and now - request.arrival_s > self.max_wait_s:
+                overdue.append(request)
+            elif request.adapter is None or request.adapter in adapters:
                 first.append(request)
             elif len(adapters) < self.max_adapters:
                 adapters.add(request.adapter)
                 first.append(request)
             else:
                 later.append(request)
+        if self.max_wait_s is not None:
+            return overdue + first
         return first + later + list(islice(queue, self.lookahead, None))
 
 
-def make_admission(name: str, prefill: PrefillModel | None = None, max_adapters: int | None = None) -> AdmissionPolicy:
-    """`fcfs` or `early-abort` (needs the prefill model), clustered when max_adapters is given."""
+def make_admission(name: str, prefill: PrefillModel | OnlinePrefill | None = None, max_adapters: int | None = None,
+                   max_wait_s: float | None = None) -> AdmissionPolicy:
+    """`fcfs` or `early-abort` (needs the prefill model), clustered when max_adapters is given (a hard cap
+    when max_wait_s is given too); `cluster` is FCFS clustered and needs max_adapters."""
     key = name.replace("-", "_")
-    if key == "fcfs":
+    if key in ("fcfs", "cluster"):
+        if key == "cluster" and not max_adapters:
+            raise BadRequest("cluster admission needs max_adapters (cluster_max_adapters) >= 1")
         policy: AdmissionPolicy = FCFS()
     elif key == "early_abort":
         if prefill is None:
             raise BadRequest("early abort needs a prefill model")
         policy = EarlyAbort(prefill)
     else:
-        raise BadRequest(f"admission must be fcfs or early-abort, not {name!r}")
-    return AdapterClustering(policy, max_adapters) if max_adapters else policy
+        raise BadRequest(f"admission must be fcfs, early-abort or cluster, not {name!r}")
+    return AdapterClustering(policy, max_adapters, max_wait_s=max_wait_s) if max_adapters else policy

@@ -2,18 +2,25 @@
 tokens.
 
 Every step, running sequences go first (decodes take one token, unfinished prompts take the next
-chunk), then waiting ones join in arrival order while the token budget, the running-request cap, KV
-pages and adapter residency allow. When KV runs out, the newest running sequence is preempted: its
-pages go back and it is recomputed later (prompt plus what it generated so far).
-The scheduler owns no memory: `memory` and `adapters` do, behind the two small protocols below.
+chunk), then waiting ones join while the token budget, the running-request cap, KV pages and adapter
+residency allow, in the order the admission policy (admission.py) gives: arrival order (FCFS), with
+early abort's drops taken out (`take_dropped`), or clustered by adapter. When KV runs out, the newest
+running sequence is preempted: its pages go back and it is recomputed later (prompt plus what it
+generated so far). The scheduler owns no memory: `memory` and `adapters` do, behind the two small
+protocols below.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from lorad.scheduler.admission import FCFS, AdmissionPolicy, Objectives, Queued, Room
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +45,9 @@ class Sequence:
     blocks: list = field(default_factory=list)  # KV blocks, owned through Memory
     preemptions: int = 0
     state: Any = None  # the engine's per-request state
+    rank: int = 0  # its adapter's rank (0: the base model), for the admission policy's prefill estimate
+    arrival_s: float | None = None  # when it was submitted, on the scheduler's clock; None: when added
+    queued: Queued | None = None  # how the admission policy sees it while it waits
 
     @property
     def num_tokens(self) -> int:
@@ -49,16 +59,35 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, max_running: int, max_batch_tokens: int, memory: Memory, adapters: Adapters):
+    """`admission` picks the order in which waiting sequences join and which are dropped, judged by
+    `objectives` on `clock` (seconds; the engine's time.perf_counter, or a test's simulated time)."""
+
+    def __init__(self, max_running: int, max_batch_tokens: int, memory: Memory, adapters: Adapters,
+                 admission: AdmissionPolicy | None = None, objectives: Objectives | None = None,
+                 clock=time.perf_counter):
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.memory = memory
         self.adapters = adapters
+        self.admission = admission or FCFS()
+        self.objectives = objectives or Objectives(math.inf, math.inf)  # none
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.dropped: list[tuple[Sequence, str]] = []  # by the admission policy, for the engine to fail
+        self.blocked: Sequence | None = None  # the waiting sequence the last step's admission stopped at
+        self._keys = itertools.count()
+        self._by_key: dict[int, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
+        if seq.arrival_s is None:
+            seq.arrival_s = self.clock()
         self.waiting.append(seq)
+
+    def take_dropped(self) -> list[tuple[Sequence, str]]:
+        """The sequences the admission policy dropped since the last call, with why; they hold nothing."""
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -67,6 +96,7 @@ class Scheduler:
         """The next step: (sequence, number of its tokens to compute) pairs, running ones first."""
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
+        self.blocked = None
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -81,19 +111,63 @@ class Scheduler:
             else:
                 plan.append((seq, count))
                 budget -= count
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            seq = self.waiting[0]
-            if not self.adapters.acquire(seq.adapter):
-                break
-            count = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.memory.grow(seq.blocks, count):
-                self.adapters.release(seq.adapter)
-                break
-            self.waiting.popleft()
-            self.running.append(seq)
-            plan.append((seq, count))
-            budget -= count
+        if type(self.admission) is FCFS:  # what FCFS.select would give, without building its view of the queue
+            while self.waiting and budget > 0 and len(self.running) < self.max_running:
+                if not self._admit(self.waiting[0], budget, plan):
+                    break
+                self.waiting.popleft()
+                budget -= plan[-1][1]
+        elif self.waiting:
+            self._admit_by_policy(budget, plan)
         return plan
+
+    def _admit(self, seq: Sequence, budget: int, plan: list) -> bool:
+        """Moves a waiting sequence into the running batch when its adapter and KV are to be had; else
+        (or when acquiring its adapter raises) it is `blocked`."""
+        self.blocked = seq
+        if not self.adapters.acquire(seq.adapter):
+            return False
+        count = min(seq.num_tokens - seq.num_computed, budget)
+        if not self.memory.grow(seq.blocks, count):
+            self.adapters.release(seq.adapter)
+            return False
+        self.blocked = None
+        self.running.append(seq)
+        plan.append((seq, count))
+        return True
+
+    def _admit_by_policy(self, budget: int, plan: list) -> None:
+        room = Room(
+            slots=self.max_running - len(self.running), prefill_tokens=budget, kv_tokens=0,
+            batch_empty=not self.running, chunked_prefill=True,
+            running_adapters=frozenset(seq.adapter for seq in self.running if seq.adapter is not None),
+        )
+        decision = self.admission.select([self._queued(seq) for seq in self.waiting], self.clock(), room, self.objectives)
+        gone = set()
+        for key, reason in decision.drop:
+            seq = self._by_key.pop(key)
+            self.memory.release(seq.blocks)
+            self.dropped.append((seq, reason))
+            gone.add(seq)
+        for key in decision.admit:  # in the policy's order, until one does not get its adapter or KV
+            seq = self._by_key[key]
+            if budget <= 0 or len(self.running) >= self.max_running or not self._admit(seq, budget, plan):
+                break
+            del self._by_key[key]
+            seq.queued = None
+            budget -= plan[-1][1]
+            gone.add(seq)
+        if gone:
+            self.waiting = deque(seq for seq in self.waiting if seq not in gone)
+
+    def _queued(self, seq: Sequence) -> Queued:
+        """The policy's view of a waiting sequence, built once per stay in the queue."""
+        if seq.queued is None:
+            key = next(self._keys)
+            self._by_key[key] = seq
+            seq.queued = Queued(key, seq.arrival_s, seq.adapter, seq.rank, seq.num_tokens - seq.num_computed, 0,
+                                started=seq.num_generated > 0)
+        return seq.queued
 
     def preempt(self, seq: Sequence) -> None:
         log.info("preempt request=%s tokens=%d", seq.request_id, seq.num_tokens)
@@ -102,6 +176,7 @@ class Scheduler:
         self.adapters.release(seq.adapter)
         seq.num_computed = 0
         seq.preemptions += 1
+        seq.queued = None  # it has more tokens to compute now
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
@@ -113,3 +188,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
             self.memory.release(seq.blocks)
+        if seq.queued is not None:
+            self._by_key.pop(seq.queued.key, None)
+            seq.queued = None

@@ -1,0 +1,124 @@
+"""scheduler/batching.py with an admission policy: the policy path admits exactly what the FCFS path does
+when it changes nothing, early abort's drops leave the queue and are handed to the engine, and adapter
+clustering keeps the running batch's distinct adapters within the cap while others wait, until they
+have waited max_wait_s (no starvation)."""
+
+from __future__ import annotations
+
+import random
+
+from lorad.scheduler.admission import FCFS, AdapterClustering, EarlyAbort, Objectives
+from lorad.scheduler.batching import Scheduler, Sequence
+from lorad.scheduler.perf_model import PrefillModel
+
+
+class Memory:
+    def grow(self, blocks, num_tokens):
+        blocks[:] = [0] * num_tokens
+        return True
+
+    def release(self, blocks):
+        blocks.clear()
+
+
+class Adapters:
+    def acquire(self, name):
+        return True
+
+    def release(self, name):
+        pass
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def seq(name, prompt_len=4, adapter=None, rank=0):
+    return Sequence(name, list(range(prompt_len)), prompt_len, adapter, rank=rank)
+
+
+def advance(scheduler, plan, finish_after=3):
+    """The engine's side of a step: tokens computed, one sampled; a sequence finishes after a few tokens."""
+    for s, count in plan:
+        s.num_computed += count
+        if s.num_computed == s.num_tokens:
+            s.tokens.append(1)
+            if s.num_generated >= finish_after:
+                scheduler.finish(s)
+
+
+def test_a_policy_that_changes_nothing_admits_what_fcfs_admits():
+    rng = random.Random(3)
+    names = ["a", "b", "c", None]
+    work = [(f"r{i}", rng.randint(1, 40), rng.choice(names)) for i in range(60)]
+    plans = []
+    for admission in (FCFS(), AdapterClustering(FCFS(), max_adapters=100, max_wait_s=1e9)):
+        scheduler = Scheduler(4, 32, Memory(), Adapters(), admission)
+        for name, length, adapter in work:
+            scheduler.add(seq(name, length, adapter))
+        steps = []
+        while scheduler.has_work():
+            plan = scheduler.schedule()
+            steps.append([(s.request_id, count) for s, count in plan])
+            advance(scheduler, plan)
+        plans.append(steps)
+    assert plans[0] == plans[1]
+
+
+def test_early_abort_drops_from_the_queue_and_hands_them_over():
+    clock = Clock()
+    prefill = PrefillModel(per_token_s=0.01, per_rank_token_s=0.0, per_square_token_s=0.0, fixed_s=0.0)
+    scheduler = Scheduler(2, 1000, Memory(), Adapters(), EarlyAbort(prefill), Objectives(0.5, 0.1), clock)
+    for name, length in (("short", 10), ("long", 80), ("short2", 10)):
+        scheduler.add(seq(name, length))
+    plan = scheduler.schedule()
+    # long: 0.1 (short) + 0.8 of its own > 0.5: dropped at once; short2 still makes it
+    assert [s.request_id for s, _ in plan] == ["short", "short2"]
+    dropped = scheduler.take_dropped()
+    assert [(s.request_id, reason.startswith("early abort: estimated TTFT 0.900 s")) for s, reason in dropped] == [
+        ("long", True)]
+    assert scheduler.take_dropped() == [] and not scheduler.waiting
+    # a request that waits for a slot is dropped once waiting has made it late
+    scheduler.add(seq("late", 10))
+    clock.now = 0.3
+    assert scheduler.schedule() and not scheduler.take_dropped()  # 0.3 waited + 0.1: may still make it
+    clock.now = 0.45
+    scheduler.schedule()
+    assert [s.request_id for s, _ in scheduler.take_dropped()] == ["late"]
+    # a preempted sequence (its first token out) is never dropped
+    running = scheduler.running[0]
+    running.tokens.append(1)
+    scheduler.preempt(running)
+    clock.now = 100.0
+    scheduler.schedule()
+    assert scheduler.take_dropped() == [] and running in scheduler.running
+
+
+def test_clustering_caps_distinct_adapters_until_a_request_waits_too_long():
+    clock = Clock()
+    scheduler = Scheduler(8, 1000, Memory(), Adapters(), AdapterClustering(FCFS(), 2, max_wait_s=1.0),
+                          clock=clock)
+    for index, adapter in enumerate(["a", "b", "c", "a", "d", None, "b"]):
+        scheduler.add(seq(f"r{index}", 4, adapter))
+    plan = scheduler.schedule()
+    assert [s.adapter for s, _ in plan] == ["a", "b", "a", None, "b"]
+    assert [s.adapter for s in scheduler.waiting] == ["c", "d"]
+    for step in range(5):  # the batch keeps running (nobody finishes): c and d wait, under the cap
+        clock.now = 0.2 * step
+        for s, count in scheduler.schedule():
+            s.num_computed += count
+            s.tokens.append(1)
+        assert len({s.adapter for s in scheduler.running} - {None}) <= 2
+        assert [s.adapter for s in scheduler.waiting] == ["c", "d"]
+    clock.now = 1.01  # waited longer than max_wait_s: admitted regardless
+    scheduler.schedule()
+    assert not scheduler.waiting and {s.adapter for s in scheduler.running} == {"a", "b", "c", "d", None}
+    # once the batch drains, a new adapter's request joins at once
+    for s in list(scheduler.running):
+        scheduler.finish(s)
+    scheduler.add(seq("new", 4, "e"))
+    assert [s.adapter for s, _ in scheduler.schedule()] == ["e"]
