@@ -50,7 +50,7 @@ class CostModel:
         """Predicted time from posting to the last done flag with `tokens` over `workers` workers."""
         return workers * self.dispatch_ms + self.job_ms(math.ceil(tokens / workers))
 
-    def scaled_to(self, rank: int, in_features: int, out_features: int) -> "CostModel":
+    def scaled_to(self, rank: int, in_features: int, out_features: int) -> CostModel:
         """The same core at another shape, assuming the per-token cost follows the flops,
         rank * (in + out). A first approximation (small ranks use BLAS less well): profile each rank
         bucket that matters rather than stretching one profile far."""
@@ -59,7 +59,7 @@ class CostModel:
         factor = rank * (in_features + out_features) / (self.rank * (self.in_features + self.out_features))
         return CostModel(self.overhead_ms, self.per_token_ms * factor, self.dispatch_ms, rank, in_features, out_features)
 
-    def with_dispatch(self, dispatch_ms: float) -> "CostModel":
+    def with_dispatch(self, dispatch_ms: float) -> CostModel:
         return CostModel(self.overhead_ms, self.per_token_ms, dispatch_ms, self.rank, self.in_features,
                          self.out_features, self.samples)
 
@@ -121,11 +121,12 @@ def profile_cpu_lora(
 
 def profile_dispatch(pool, adapter_id: int, layer: int, proj: int, in_features: int, out_features: int,
                      repeats: int = 50) -> float:
-    """The engine-side cost of one job through `pool` (post, the worker's wake-up, done flag), in ms:
+    """The engine-side cost of one job through `pool` (post, the hot worker's poll, done flag), in ms:
     the median round trip of a one-token job on worker 0. Use it as `CostModel.dispatch_ms`; it
     includes one token's compute, which is noise next to the wake-up at the ranks that matter."""
     times = []
     for _ in range(repeats):
+        pool.heat(0.05)  # as the engine runs it: the worker polls, the round trip pays no wake-up
         start = time.perf_counter()
         failed = pool.run(adapter_id, layer, proj, [(0, 1)], in_features, out_features)
         times.append((time.perf_counter() - start) * 1e3)

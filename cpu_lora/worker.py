@@ -19,7 +19,6 @@ import time
 
 import numpy as np
 import torch
-
 from lorad.shm.exchange import (
     IN_BFLOAT16,
     IN_FLOAT16,
@@ -390,7 +389,7 @@ class WorkerPool:
         self.exchange.close()
         self.exchange = None
 
-    def __enter__(self) -> "WorkerPool":
+    def __enter__(self) -> WorkerPool:
         return self
 
     def __exit__(self, *exc) -> None:

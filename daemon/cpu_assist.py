@@ -27,28 +27,51 @@ rows of that layer take the GPU LoRA kernels (after a stream wait on the complet
 the CPU is not asked. `layers` counts the layers served each way. On the CPU engine the copy is
 synchronous, so there is nothing to overlap: the workers serve every layer unless `layers_arrived`
 (tests, benchmarks) says a layer has arrived.
+
+Hot polling: idle workers sleep between polls, and a job posted to a sleeping worker waits for its
+wake-up (hundreds of µs at 8 workers). `heat()` (the engine calls it when it admits a cold request,
+and every invocation calls it) keeps the workers and the host's waits busy-polling for HOT_S more.
+
+`calibrate()` measures, at start-up, what `auto` must know of this path: a probe adapter's LoRA
+through the workers, the exchange and the invocation path in use, per module, synchronised as the
+forward is, at two prompt lengths; and the copy into the store.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import statistics
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from lorad.cpu_lora.partition import CostModel, profile_cpu_lora, profile_dispatch, split
+from lorad.cpu_lora.partition import (
+    CostModel,
+    profile_cpu_lora,
+    profile_dispatch,
+    split,
+)
 from lorad.cpu_lora.worker import WorkerPool
 from lorad.gpu_ops import cuda_ext
-from lorad.shm.exchange import DONE_SEQ, IN_BFLOAT16, IN_FLOAT16, IN_FLOAT32, JOB_SEQ, Job
+from lorad.shm.exchange import (
+    DONE_SEQ,
+    IN_BFLOAT16,
+    IN_FLOAT16,
+    IN_FLOAT32,
+    JOB_SEQ,
+    Job,
+)
 from lorad.shm.segment import new_instance, sweep_stale
 from lorad.shm.store import AdapterStore, StoreFull
 
 log = logging.getLogger(__name__)
 
 PROFILE_RANK = 16
+HOT_S = 0.1  # how long the workers keep polling after the last sign of CPU-assisted work
+PROBE_NAME = "__lorad-probe__"
 CPU, GPU = "cpu", "gpu"  # the path a layer of a cpu-assisted request took
 _IN_DTYPES = {torch.float32: IN_FLOAT32, torch.float16: IN_FLOAT16, torch.bfloat16: IN_BFLOAT16}
 
@@ -146,6 +169,69 @@ class CpuAssist:
                  cost.rank, cost.per_token_ms, cost.overhead_ms, cost.dispatch_ms, self.workers)
         return cost
 
+    def heat(self) -> None:
+        """CPU-assisted work is in flight or about to be: workers poll for the next HOT_S."""
+        self.pool.heat(HOT_S)
+
+    def is_staged(self, adapter) -> bool:
+        """Whether `stage(adapter)` would find it in the store already (no copy)."""
+        entry = self._stored.get(adapter.name)
+        return entry is not None and entry[0] == id(adapter.weights)
+
+    def calibrate(self, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
+                  rank: int = PROFILE_RANK, token_counts: tuple[int, ...] = (16, 128), layers: int = 2,
+                  repeats: int = 3) -> dict:
+        """End-to-end probe of the assisted path: a rank-`rank` adapter over `layers` layers and every
+        projection of `shapes` ([(in, out)] by projection index), its LoRA run through `apply()` as the
+        forward runs it (x and y on `device` in `dtype`, the invocation path in use, a device sync and
+        `after_step` at the end), for each token count; the median of `repeats` after a warm-up.
+        -> {"per_module_ms": [(tokens, ms per module invocation)], "stage_bytes_per_s": float}.
+        The layer counters are left as they were."""
+        generator = torch.Generator().manual_seed(0)
+        weights = {(layer, proj): (torch.randn(rank, fan_in, generator=generator) * fan_in**-0.5,
+                                   torch.randn(fan_out, rank, generator=generator) * (0.5 / rank))
+                   for layer in range(layers) for proj, (fan_in, fan_out) in enumerate(shapes)}
+
+        class Probe:
+            name = PROBE_NAME
+
+        Probe.weights = weights
+        nbytes = sum(a.nbytes + b.nbytes for a, b in weights.values())
+        layers_before, assisted_before = dict(self.layers), self.assisted
+        started = time.perf_counter()
+        adapter_id = self.store.put(Probe)
+        stage_bytes_per_s = nbytes / max(time.perf_counter() - started, 1e-9)
+
+        def no_gpu(x, y, layer, proj, span):
+            raise RuntimeError(f"the calibration probe fell back to the pool path at layer {layer} proj {proj}")
+
+        samples = []
+        try:
+            for tokens in token_counts:
+                xs = [torch.randn(tokens, fan_in, generator=generator).to(device, dtype) for fan_in, _ in shapes]
+                ys = [torch.zeros(tokens, fan_out, device=device, dtype=dtype) for _, fan_out in shapes]
+                times = []
+                for rep in range(repeats + 1):
+                    span = self.span(PROBE_NAME, adapter_id, -1, weights.keys(), 0, tokens)
+                    self.heat()
+                    begun = time.perf_counter()
+                    for layer in range(layers):
+                        for proj in range(len(shapes)):
+                            self.apply(xs[proj], ys[proj], layer, proj, [span], no_gpu)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    if self.after_step([span]) or span.failed:
+                        raise RuntimeError(f"the calibration probe's CPU jobs failed at {tokens} tokens")
+                    if rep:  # the first run warms up
+                        times.append((time.perf_counter() - begun) * 1e3)
+                samples.append((tokens, statistics.median(times) / (layers * len(shapes))))
+        finally:
+            self.store.remove(PROBE_NAME)
+            self.layers, self.layers_seen, self.assisted = layers_before, dict(layers_before), assisted_before
+        log.info("cpu assist probe invocation=%r rank=%d per_module_ms=%s stage_gb_per_s=%.2f", self.invocation,
+                 rank, [(tokens, round(ms, 4)) for tokens, ms in samples], stage_bytes_per_s / 1e9)
+        return {"per_module_ms": samples, "stage_bytes_per_s": stage_bytes_per_s}
+
     def stage(self, adapter) -> int | None:
         """The adapter's id in the shared store, copying it in if needed (least recently used ones
         make room: no job is in flight between steps). None if it cannot fit."""
@@ -193,6 +279,7 @@ class CpuAssist:
                 on_cpu.append(span)
         if not on_cpu:
             return
+        self.pool.heat(HOT_S)
         if self.fused:
             self._apply_fused(x, y, layer, proj, on_cpu)
         else:

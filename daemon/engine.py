@@ -22,7 +22,7 @@ import torch
 from lorad.config import EngineConfig
 from lorad.daemon.adapters import AdapterRegistry, LoraAdapter
 from lorad.daemon.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
-from lorad.daemon.cpu_assist import CpuAssist, default_workers
+from lorad.daemon.cpu_assist import PROFILE_RANK, CpuAssist, default_workers
 from lorad.daemon.cuda_graphs import DecodeGraphs
 from lorad.daemon.kernel_choice import LoraKernelChoice
 from lorad.daemon.lora_residency import LoraResidency
@@ -38,7 +38,16 @@ from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool
 from lorad.scheduler.admission import AdmissionPolicy, Objectives, OnlinePrefill, make_admission
 from lorad.scheduler.batching import Scheduler, Sequence
-from lorad.scheduler.cold_start import CPU_ASSIST, DECISIONS, GPU_WAIT, ColdStart, ColdStartCosts, decide
+from lorad.scheduler.cold_start import (
+    CPU_ASSIST,
+    DECISIONS,
+    GPU_WAIT,
+    ColdStart,
+    ColdStartCosts,
+    Decision,
+    decide,
+    observe_assisted,
+)
 
 log = logging.getLogger(__name__)
 
@@ -286,16 +295,26 @@ class Engine:
         shapes = [self.spec.projection_shape(p) for p in PROJECTIONS]
         mean_width = sum(fan_in + fan_out for fan_in, fan_out in shapes) / len(shapes)
         per_token_rank = cost.per_token_ms / cost.rank * mean_width / (cost.in_features + cost.out_features)
-        costs = ColdStartCosts(
+        modelled = ColdStartCosts(
             load_bytes_per_s=bandwidth, cpu_per_token_rank_ms=per_token_rank, cpu_overhead_ms=cost.overhead_ms,
             dispatch_ms=cost.dispatch_ms, workers=self.cpu_assist.workers, prefill_ms_per_token=0.0,
-            # fused: the device runs ahead of the host, the workers' LoRA overlaps the other rows' kernels;
-            # python: the host waits per projection, the two take turns.
-            overlapped=self.cpu_assist.fused,
+            # Serial on both paths: a layer's next kernels need its LoRA output, so the device's
+            # wait_and_add (fused) or the host's wait (python) holds the forward until the workers are done.
+            overlapped=False,
             layerwise=self.config.layerwise and self.device.type == "cuda",
             num_layers=self.spec.num_layers,
         )
-        log.info("cold start costs %s", costs)
+        # What the one-core model misses (exchange copies, wake-ups, the per-invocation sync, workers
+        # sharing memory bandwidth) comes from a probe through the real path: per module invocation
+        # ms = invoke_ms + cpu_scale * modelled compute, fitted over the probe's prompt lengths.
+        probe = self.cpu_assist.calibrate(shapes, self.device, self.dtype)
+        points = [(modelled.cpu_lora_ms(tokens, PROFILE_RANK, 1), ms) for tokens, ms in probe["per_module_ms"]]
+        (x0, y0), (x1, y1) = points[0], points[-1]
+        cpu_scale = max((y1 - y0) / (x1 - x0), 0.1) if x1 > x0 else 1.0
+        invoke_ms = max(y0 - cpu_scale * x0, 0.0)
+        costs = dataclasses.replace(modelled, invoke_ms=invoke_ms, cpu_scale=cpu_scale,
+                                    stage_bytes_per_s=probe["stage_bytes_per_s"])
+        log.info("cold start costs %s probe_points=%s", costs, [(round(x, 4), round(y, 4)) for x, y in points])
         return costs
 
     # ---- the public interface ------------------------------------------------------------------
@@ -615,41 +634,52 @@ class Engine:
         -> {sequence: its adapter's id in the CPU store} for the cpu-assisted ones."""
         if not self.residency.admitted_cold:
             return {}
+        if self.cpu_assist is not None:
+            self.cpu_assist.heat()  # the workers poll from now on: their first job may be moments away
         cold = dict(self.residency.admitted_cold)
         self.residency.admitted_cold.clear()
         assisted = {}
+        self._assist_began = time.perf_counter()  # staging included: the prediction includes it
+        self._assist_predictions = []
+        self._assist_step_tokens = sum(count for _, count in plan)
         for seq, count in plan:
             if seq.num_computed or seq.adapter not in cold:
                 continue
             adapter = self._held[seq.adapter][0]
-            choice = self._cold_start_choice(adapter, count, cold[seq.adapter])
+            choice, decision = self._cold_start_choice(adapter, count, cold[seq.adapter])
             if choice == CPU_ASSIST:
                 adapter_id = self.cpu_assist.stage(adapter)
                 if adapter_id is None:
                     choice = GPU_WAIT
                 else:
                     assisted[seq] = adapter_id
+                    if decision is not None:
+                        self._assist_predictions.append(decision)
             self.cold_start_decisions[choice] += 1
             self.stats.cold_start_decided(choice)
         # Layer-wise copies of adapters whose rows take the pool path this step: joined before the forward.
         self.residency.join([name for name in self.residency.loading if name not in {seq.adapter for seq in assisted}])
         return assisted
 
-    def _cold_start_choice(self, adapter: LoraAdapter, tokens: int, tier: str) -> str:
+    def _cold_start_choice(self, adapter: LoraAdapter, tokens: int, tier: str) -> tuple[str, Decision | None]:
+        """-> (the choice, the `auto` decision with its predicted costs; None in a forced mode)."""
         mode = self.config.cold_start
         if self.cpu_assist is None or mode not in ("cpu", "auto"):
-            return GPU_WAIT
+            return GPU_WAIT, None
         if mode == "cpu":
-            return CPU_ASSIST
-        request = ColdStart(tokens, adapter.nbytes, adapter.rank, len(adapter.weights), tier)
+            return CPU_ASSIST, None
+        request = ColdStart(tokens, adapter.nbytes, adapter.rank, len(adapter.weights), tier,
+                            staged=self.cpu_assist.is_staged(adapter))
         try:
             decision = decide(request, self.cold_start_costs)
         except KeyError as error:  # a tier not measured at start-up
             log.warning("cold start decision impossible (%s): gpu-wait", error)
-            return GPU_WAIT
-        log.debug("cold start adapter=%s tokens=%d choice=%s gpu_wait_ms=%.3f cpu_assist_ms=%.3f",
-                  adapter.name, tokens, decision.choice, decision.gpu_wait_ms, decision.cpu_assist_ms)
-        return decision.choice
+            return GPU_WAIT, None
+        log.debug("cold start adapter=%s tier=%s tokens=%d staged=%s choice=%s gpu_wait_ms=%.3f cpu_assist_ms=%.3f "
+                  "prefill_ms=%.3f cpu_layers=%d correction=%.3f", adapter.name, tier, tokens, request.staged,
+                  decision.choice, decision.gpu_wait_ms, decision.cpu_assist_ms, decision.prefill_ms,
+                  decision.cpu_layers, decision.correction)
+        return decision.choice, decision
 
     def _after_cpu_assist(self, assisted: dict, spans: list) -> set:
         """After the step's sync (sampling): the layer-wise copies joined, the counters moved on, and
@@ -659,6 +689,14 @@ class Engine:
         self.residency.join()
         broken = {span.request_id for span in assist.after_step(spans)}
         redo = {seq for seq in assisted if seq.request_id in broken}
+        predictions, self._assist_predictions = self._assist_predictions, []
+        if predictions and not redo and self.cold_start_costs is not None:
+            # auto's online check: what the assisted step took beyond the base prefill's moving average.
+            elapsed_ms = (time.perf_counter() - self._assist_began) * 1e3
+            base_ms = self.cold_start_costs.prefill_ms_per_token * self._assist_step_tokens
+            self.cold_start_costs = observe_assisted(self.cold_start_costs, predictions, elapsed_ms - base_ms)
+            log.debug("cold start observed assisted step ms=%.3f base_ms=%.3f predicted_extra_ms=%.3f correction=%.3f",
+                      elapsed_ms, base_ms, sum(d.cpu_extra_ms for d in predictions), self.cold_start_costs.correction)
         assist.assisted += len(assisted) - len(redo)
         for _ in range(assist.pool.restarts - assist.restarts_seen):
             self.stats.worker_restarted()

@@ -4,9 +4,19 @@ LoRA on the CPU workers while it is copied ("cpu-assist", CaraServe §4).
 A pure cost comparison over numbers measured at start-up (or injected by tests and benchmarks):
 
     gpu-wait   = load_ms + prefill_ms
-    cpu-assist = prefill_ms (+) cpu_lora_ms        (+: max when overlapped, sum when serial)
+    cpu-assist = correction * stage_ms + prefill_ms (+) correction * cpu_lora_ms   (+: max when overlapped, sum when serial)
     load_ms     = adapter_bytes / bytes_per_s of its tier (pinned, pageable host, ...)
-    cpu_lora_ms = modules * (workers_used * dispatch_ms + overhead_ms + per_token_rank_ms * rank * ceil(T / workers_used))
+    stage_ms    = adapter_bytes / stage_bytes_per_s when the adapter is not in the workers' store yet
+    cpu_lora_ms = modules * (invoke_ms + cpu_scale * compute_ms)
+    compute_ms  = min over workers_used of workers_used * dispatch_ms + overhead_ms
+                  + per_token_rank_ms * rank * ceil(T / workers_used)
+
+`invoke_ms` and `cpu_scale` come from an end-to-end probe at start-up (a prefill's LoRA through the
+workers, the exchange and the invocation path in use, synchronised as the forward is): the fixed cost
+of one module's invocation, and how far the one-core compute model is off. `correction` is corrected
+online from the assisted prefills the engine observes (`observe_assisted`). cpu-assist is chosen only
+when predicted faster than gpu-wait by `margin` (a fraction): a wrong cpu-assist stalls the whole step,
+every request in it, so near-ties go to the GPU.
 
 `overlapped`: the fused CUDA path lets the device run ahead of the host, so the workers' LoRA overlaps
 the base model's kernels (CaraServe's sync-free invocation); the python path and the CPU engine run
@@ -21,6 +31,7 @@ layers, the GPU the rest, and the assist costs at most the load's time, never th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -39,6 +50,12 @@ class ColdStartCosts:
     overlapped: bool = False
     layerwise: bool = False  # the GPU takes over each layer as its pages arrive
     num_layers: int = 1
+    invoke_ms: float = 0.0  # per module invocation on the assisted path, end to end (probe)
+    cpu_scale: float = 1.0  # measured / modelled compute on the assisted path (probe)
+    correction: float = 1.0  # observed / predicted extra time of assisted prefills (online)
+    stage_bytes_per_s: float = 0.0  # copying an adapter into the workers' store (0: free)
+    margin: float = 0.1  # cpu-assist must be predicted this fraction faster
+    observed_assists: int = 0  # assisted prefills folded into `correction`
 
     def load_ms(self, adapter_bytes: int, tier: str) -> float:
         bandwidth = self.load_bytes_per_s.get(tier)
@@ -53,7 +70,10 @@ class ColdStartCosts:
         for used in range(1, max(1, min(self.workers, prompt_tokens)) + 1):
             per_job = self.cpu_overhead_ms + self.cpu_per_token_rank_ms * rank * math.ceil(prompt_tokens / used)
             best = min(best, used * self.dispatch_ms + per_job)
-        return modules * best
+        return modules * (self.invoke_ms + self.cpu_scale * best)
+
+    def stage_ms(self, adapter_bytes: int) -> float:
+        return adapter_bytes / self.stage_bytes_per_s * 1e3 if self.stage_bytes_per_s else 0.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +85,7 @@ class ColdStart:
     rank: int  # the adapter's largest rank
     modules: int  # (layer, projection) pairs it targets
     tier: str  # where its weights lie now: a key of ColdStartCosts.load_bytes_per_s
+    staged: bool = True  # already in the CPU workers' store (else cpu-assist copies it there first)
 
 
 @dataclass(frozen=True)
@@ -73,6 +94,13 @@ class Decision:
     gpu_wait_ms: float
     cpu_assist_ms: float
     cpu_layers: int = 0  # layers the CPU serves in the cpu-assist prediction (all of them without layerwise)
+    prefill_ms: float = 0.0  # the base prefill both predictions include
+    correction: float = 1.0  # the costs' correction the prediction used
+
+    @property
+    def cpu_extra_ms(self) -> float:
+        """What cpu-assist is predicted to add to the base prefill."""
+        return self.cpu_assist_ms - self.prefill_ms
 
 
 def hybrid_ms(prefill_ms: float, cpu_lora_ms: float, load_ms: float, num_layers: int, overlapped: bool) -> tuple[float, int]:
@@ -91,17 +119,37 @@ def hybrid_ms(prefill_ms: float, cpu_lora_ms: float, load_ms: float, num_layers:
 
 
 def decide(request: ColdStart, costs: ColdStartCosts) -> Decision:
-    """The faster of the two predicted first steps; ties and no workers go to gpu-wait."""
+    """The faster of the two predicted first steps, cpu-assist only by `costs.margin`; ties and no
+    workers go to gpu-wait."""
     prefill_ms = costs.prefill_ms_per_token * request.prompt_tokens
     load_ms = costs.load_ms(request.adapter_bytes, request.tier)
     gpu_wait_ms = load_ms + prefill_ms
     if costs.workers < 1 or request.prompt_tokens < 1:
-        return Decision(GPU_WAIT, gpu_wait_ms, math.inf)
-    cpu_ms = costs.cpu_lora_ms(request.prompt_tokens, request.rank, request.modules)
+        return Decision(GPU_WAIT, gpu_wait_ms, math.inf, prefill_ms=prefill_ms, correction=costs.correction)
+    cpu_ms = costs.correction * costs.cpu_lora_ms(request.prompt_tokens, request.rank, request.modules)
+    # Staging runs before the forward, while the copy to the pool already streams: it delays the CPU's
+    # layers, never the GPU's.
+    stage_ms = 0.0 if request.staged else costs.correction * costs.stage_ms(request.adapter_bytes)
     if costs.layerwise and costs.num_layers > 1:
-        cpu_assist_ms, cpu_layers = hybrid_ms(prefill_ms, cpu_ms, load_ms, costs.num_layers, costs.overlapped)
+        forward_ms, cpu_layers = hybrid_ms(prefill_ms, cpu_ms, max(load_ms - stage_ms, 0.0), costs.num_layers,
+                                           costs.overlapped)
     else:
-        cpu_assist_ms = max(prefill_ms, cpu_ms) if costs.overlapped else prefill_ms + cpu_ms
+        forward_ms = max(prefill_ms, cpu_ms) if costs.overlapped else prefill_ms + cpu_ms
         cpu_layers = costs.num_layers
-    choice = CPU_ASSIST if cpu_assist_ms < gpu_wait_ms else GPU_WAIT
-    return Decision(choice, gpu_wait_ms, cpu_assist_ms, cpu_layers)
+    cpu_assist_ms = stage_ms + forward_ms
+    choice = CPU_ASSIST if cpu_assist_ms * (1.0 + costs.margin) < gpu_wait_ms else GPU_WAIT
+    return Decision(choice, gpu_wait_ms, cpu_assist_ms, cpu_layers, prefill_ms, costs.correction)
+
+
+def observe_assisted(costs: ColdStartCosts, decisions: list[Decision], observed_extra_ms: float,
+                     weight: float = 0.3, bounds: tuple[float, float] = (0.2, 50.0)) -> ColdStartCosts:
+    """Fold one assisted step into `costs.correction`: `observed_extra_ms` is what the step took beyond
+    its base prefill, `decisions` the cpu-assist predictions of its assisted requests (made with their
+    own correction). The ratio observed / uncorrected prediction enters an exponential moving average
+    (the first observation replaces the start-up value), clamped to `bounds`."""
+    raw = sum(decision.cpu_extra_ms / decision.correction for decision in decisions if decision.correction > 0)
+    if raw <= 0 or not math.isfinite(raw):
+        return costs
+    sample = min(max(max(observed_extra_ms, 0.0) / raw, bounds[0]), bounds[1])
+    correction = sample if costs.observed_assists == 0 else (1 - weight) * costs.correction + weight * sample
+    return dataclasses.replace(costs, correction=correction, observed_assists=costs.observed_assists + 1)

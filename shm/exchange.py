@@ -34,7 +34,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-
 from lorad.shm.flags import Flag
 from lorad.shm.segment import ALIGNMENT, Segment, align, segment_name
 
@@ -93,7 +92,7 @@ class ExchangeLayout:
     size: int
 
     @classmethod
-    def of(cls, config: ExchangeConfig) -> "ExchangeLayout":
+    def of(cls, config: ExchangeConfig) -> ExchangeLayout:
         slots = 2 * LINE  # header, control
         rings = align(slots + config.workers * 2 * LINE)
         input_offset = align(rings + config.workers * config.ring * DESCRIPTOR_BYTES)
@@ -243,7 +242,7 @@ class Exchange:
         return self.header[ERROR_WORD : ERROR_WORD + 1]
 
     @classmethod
-    def create(cls, instance: str, config: ExchangeConfig, purpose: str = "exchange") -> "Exchange":
+    def create(cls, instance: str, config: ExchangeConfig, purpose: str = "exchange") -> Exchange:
         layout = ExchangeLayout.of(config)
         segment = Segment.create(segment_name(instance, purpose), layout.size)
         segment.array(0, 8, np.int64)[:] = (
@@ -252,7 +251,7 @@ class Exchange:
         return cls(segment, config)
 
     @classmethod
-    def attach(cls, name: str) -> "Exchange":
+    def attach(cls, name: str) -> Exchange:
         segment = Segment.attach(name)
         magic, version, *dims = segment.array(0, 7, np.int64).tolist()
         if magic != MAGIC or version != VERSION:
@@ -270,7 +269,7 @@ class Exchange:
         self.slots = []
         self.segment.close()
 
-    def __enter__(self) -> "Exchange":
+    def __enter__(self) -> Exchange:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import platform
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -65,7 +65,7 @@ class Flag:
         spin_s: float = 50e-6,
         max_pause_s: float = 1e-3,
         on_pause: Callable[[], None] | None = None,
-        hot: "Flag | None" = None,
+        hot: Flag | None = None,
     ) -> int:
         """Wait until the flag is >= `target`; returns the value seen.
 

@@ -81,13 +81,13 @@ class Segment:
         self._finalizer = weakref.finalize(self, _unlink_if_creator, name, os.getpid()) if owner else None
 
     @classmethod
-    def create(cls, name: str, size: int) -> "Segment":
+    def create(cls, name: str, size: int) -> Segment:
         if size <= 0:
             raise ValueError(f"segment size must be positive, not {size}")
         return cls(name, size, owner=True)
 
     @classmethod
-    def attach(cls, name: str) -> "Segment":
+    def attach(cls, name: str) -> Segment:
         return cls(name, 0, owner=False)
 
     def array(self, offset: int, shape, dtype) -> np.ndarray:
@@ -114,7 +114,7 @@ class Segment:
         if self.owner:
             self._finalizer()  # unlinks once
 
-    def __enter__(self) -> "Segment":
+    def __enter__(self) -> Segment:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -22,10 +22,10 @@ import time
 
 import numpy as np
 import torch
-
-from lorad.errors import Overloaded
 from lorad.shm.flags import Flag
 from lorad.shm.segment import ALIGNMENT, Segment, align, segment_name
+
+from lorad.errors import Overloaded
 
 MAGIC = 0x6C6F7261646C7374  # "loradlst"
 VERSION = 1
@@ -65,7 +65,7 @@ class AdapterStore:
     @classmethod
     def create(
         cls, instance: str, capacity_bytes: int, index_bytes: int = 1 << 20, purpose: str = "store"
-    ) -> "AdapterStore":
+    ) -> AdapterStore:
         index_bytes = align(index_bytes)
         size = align(HEADER + index_bytes) + align(capacity_bytes)
         segment = Segment.create(segment_name(instance, purpose), size)
@@ -75,7 +75,7 @@ class AdapterStore:
         return store
 
     @classmethod
-    def attach(cls, name: str) -> "AdapterStore":
+    def attach(cls, name: str) -> AdapterStore:
         segment = Segment.attach(name)
         try:
             return cls(segment)
@@ -225,7 +225,7 @@ class AdapterStore:
         self.generation = self._length = self._index_text = None
         self.segment.close()
 
-    def __enter__(self) -> "AdapterStore":
+    def __enter__(self) -> AdapterStore:
         return self
 
     def __exit__(self, *exc) -> None:
