@@ -70,8 +70,8 @@ def run(args) -> dict:
         "rows": rows,
         "target": f"median <= {TARGET_MEDIAN_US:.0f} us with 8 workers, flat in the number of workers (H100 host)",
         "notes": ["us: host wall clock of one round trip: x written, one job per worker, every result back",
-                  "shm us: the pool hot (heated before each round trip, as the engine does in a cold start); "
-                  "us_cold: the pool cold (idle workers sleep between polls)",
+                  ("shm us: the pool hot (heated before each round trip, as the engine does in a cold start); "
+                   "us_cold: the pool cold (idle workers sleep between polls)"),
                   *notes],
     }
     print(markdown_table(
