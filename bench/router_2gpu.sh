@@ -7,8 +7,8 @@
 #   bash bench/router_2gpu.sh OUTDIR --cpu    # smoke test: the demo model on the CPU, ~30 s
 # OUTDIR gets trace.json, POLICY.json (the `lorad bench trace` reports), POLICY.router_status.json (the
 # router's decisions per engine), comparison.json, and logs/. Settings come from the environment
-# (defaults below): RATE DURATION ADAPTERS SLO_TTFT_S SLO_TPOT_MS PROFILE (a `lorad profile` JSON for
-# rank-aware; without it the example profile, NOT MEASURED) POLICIES.
+# (defaults below): RATE DURATION WARMUP_S ADAPTERS SLO_TTFT_S SLO_TPOT_MS PROFILE (a `lorad profile` JSON
+# for rank-aware; without it the example profile, NOT MEASURED) POLICIES.
 
 set -euo pipefail
 if [ $# -lt 1 ] || [ $# -gt 2 ] || { [ $# -eq 2 ] && [ "$2" != "--cpu" ]; }; then
@@ -55,6 +55,10 @@ fi
 echo "trace: gamma, $RATE req/s for $DURATION s, adapters of ranks 8,16,32,64"
 lorad trace make --kind gamma --adapters 64 --alpha 1 --cv 2 --rate "$RATE" --duration "$DURATION" \
     --ranks 8,16,32,64 "${TRACE_LENGTHS[@]}" --seed 0 --out "$OUTDIR/trace.json"
+# A warm-up replay through the router before each measured one: fresh engines compile kernels and fill
+# caches on their first traffic (whichever policy ran first would pay for it).
+lorad trace make --kind gamma --adapters 64 --alpha 1 --cv 2 --rate "$RATE" --duration "${WARMUP_S:-10}" \
+    --ranks 8,16,32,64 "${TRACE_LENGTHS[@]}" --seed 1 --out "$OUTDIR/warmup_trace.json" >/dev/null
 
 # wait_for SOCKET PID TIMEOUT_S [BACKENDS_UP]: until the daemon (or the router, with all its backends up) answers.
 wait_for() {
@@ -106,6 +110,9 @@ for policy in $POLICIES; do
     router=$!
     pids+=($router)
     wait_for "$RUN/router.sock" "$router" 30 2
+    echo "=== $policy: warm-up replay (not reported)"
+    lorad bench trace --socket "$RUN/router.sock" --trace "$OUTDIR/warmup_trace.json" "${REPLAY_LIMITS[@]}" \
+        --out "$OUTDIR/logs/$policy.warmup.json" >"$OUTDIR/logs/$policy.warmup.log" 2>&1
     echo "=== $policy: replaying"
     lorad bench trace --socket "$RUN/router.sock" --trace "$OUTDIR/trace.json" "${REPLAY_LIMITS[@]}" \
         --slo-ttft-s "$SLO_TTFT_S" --slo-tpot-s "$("$PYTHON" -c "print($SLO_TPOT_MS / 1e3)")" \
