@@ -634,8 +634,6 @@ class Engine:
         -> {sequence: its adapter's id in the CPU store} for the cpu-assisted ones."""
         if not self.residency.admitted_cold:
             return {}
-        if self.cpu_assist is not None:
-            self.cpu_assist.heat()  # the workers poll from now on: their first job may be moments away
         cold = dict(self.residency.admitted_cold)
         self.residency.admitted_cold.clear()
         assisted = {}
@@ -648,6 +646,9 @@ class Engine:
             adapter = self._held[seq.adapter][0]
             choice, decision = self._cold_start_choice(adapter, count, cold[seq.adapter])
             if choice == CPU_ASSIST:
+                # The workers poll from now on: their first job is moments away. Only then: a gpu-wait
+                # cold start must not set the workers spinning on cores the engine may need.
+                self.cpu_assist.heat()
                 adapter_id = self.cpu_assist.stage(adapter)
                 if adapter_id is None:
                     choice = GPU_WAIT

@@ -203,6 +203,24 @@ def test_auto_decides_from_the_costs_and_counts(demo_assets, adapters, reference
         engine.close()
 
 
+def test_auto_heats_the_workers_only_for_cpu_assisted_cold_starts(demo_assets, adapters):
+    """A gpu-wait cold start sets no worker spinning (on the H100 that cost auto ~30 ms of TTFT on
+    every-request-cold traffic: 4 workers busy-polling 0.1 s after each cold admission)."""
+    engine = make_engine(demo_assets, adapters, cold_start="auto", cpu_workers=1)
+    try:
+        pool = engine.cpu_assist.pool
+        heats = count_calls(pool, "heat")
+        sampling = SamplingParams(max_tokens=2, temperature=0)
+        engine.generate([GenerationRequest([5, 6, 7], "demo-r4", sampling)])
+        assert engine.status()["cold_start_decisions"] == {"gpu-wait": 1, "cpu-assist": 0}
+        assert heats == [] and not pool.exchange.is_hot
+        engine.cold_start_costs = dataclasses.replace(engine.cold_start_costs, load_bytes_per_s={"host": 1e3})
+        engine.generate([GenerationRequest([5, 6, 7], "demo-r8", sampling)])
+        assert engine.status()["cold_start_decisions"]["cpu-assist"] == 1 and heats
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(cold_start="lazy"), "cold_start must be one of cached, ondemand, cpu, auto"),
     (dict(cpu_workers=-1), "cpu_workers must be an integer in 0..256"),
