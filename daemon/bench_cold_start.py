@@ -215,16 +215,20 @@ def _run_engine(config_fields: dict, plans: list[dict], prompts: list, output_to
     out = {}
     try:
         build_s = time.perf_counter() - started
-        started = time.perf_counter()
+        started, kernels = time.perf_counter(), compiled_kernels()
         _warm_up(engine, len(prompts[0]), output_tokens)
         warmup_s = time.perf_counter() - started
-        print(f"engine {label}: built in {build_s:.1f} s, warmed up in {warmup_s:.1f} s")
+        warmup_kernels = None if kernels is None else compiled_kernels() - kernels
+        print(f"engine {label}: built in {build_s:.1f} s, warmed up in {warmup_s:.1f} s "
+              f"(kernel variants compiled in the warm-up: {warmup_kernels})")
         for plan in plans:
             _evict_idle(engine)
             out[plan["name"]] = _drive(engine, plan, prompts, output_tokens)
             out[plan["name"]]["engine_build_s"] = build_s
             out[plan["name"]]["engine_warmup_s"] = warmup_s
-            print(f"engine {label}: {plan['name']} done in {out[plan['name']]['wall_s']:.1f} s")
+            out[plan["name"]]["engine_warmup_kernels_compiled"] = warmup_kernels
+            print(f"engine {label}: {plan['name']} done in {out[plan['name']]['wall_s']:.1f} s "
+                  f"(kernel variants compiled: {out[plan['name']]['engine']['kernels_compiled']})")
     finally:
         engine.close()
         del engine
@@ -275,6 +279,31 @@ def _evict_idle(engine) -> None:
     engine.residency.reclaim(engine.pool.capacity + 1)
 
 
+def compiled_kernels() -> int | None:
+    """Kernel variants the process holds for lorad's Triton kernels (compiled or loaded from the disk
+    cache; one per specialisation: constexprs, integer and alignment specialisations), or None
+    without Triton. A count that moves during a workload means it paid JIT compiles in the engine
+    thread, which the first engine of the process does for every variant its warm-up missed."""
+    import sys
+
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return None
+    total = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("lorad.gpu_ops") or module is None:
+            continue
+        for value in vars(module).values():
+            if isinstance(value, JITFunction):
+                caches = getattr(value, "device_caches", None)  # triton >= 3.0: device -> (kernel_cache, ...)
+                if caches is not None:
+                    total += sum(len(entry[0]) for entry in caches.values())
+                else:  # older triton: device -> {key: kernel}
+                    total += sum(len(cache) for cache in getattr(value, "cache", {}).values())
+    return total
+
+
 def _counters(engine) -> dict:
     assist = engine.cpu_assist
     return {
@@ -282,6 +311,7 @@ def _counters(engine) -> dict:
         "cpu_assisted_prefills": assist.assisted if assist is not None else 0,
         "cpu_assist_fallbacks": assist.fallbacks if assist is not None else 0,
         "decisions": dict(engine.cold_start_decisions),
+        "kernels_compiled": compiled_kernels(),
     }
 
 
@@ -325,6 +355,9 @@ def _drive(engine, plan: dict, prompts: list, output_tokens: int) -> dict:
             "cpu_assisted_prefills": after["cpu_assisted_prefills"] - before["cpu_assisted_prefills"],
             "cpu_assist_fallbacks": after["cpu_assist_fallbacks"] - before["cpu_assist_fallbacks"],
             "decisions": {k: v - before["decisions"].get(k, 0) for k, v in after["decisions"].items()},
+            # New Triton kernel variants during the workload (None without Triton): JIT compiles in the step loop.
+            "kernels_compiled": None if before["kernels_compiled"] is None
+            else after["kernels_compiled"] - before["kernels_compiled"],
         },
     }
 
