@@ -226,6 +226,8 @@ def add_microbench_parsers(actions) -> None:
     cold.add_argument("--cpu-workers", type=int, default=0, metavar="N", help="CPU LoRA workers (default: 0, the engine's)")
     cold.add_argument("--model-config", metavar="NAME", help="(default: llama-2-7b on cuda, tiny-llama on cpu)")
     cold.add_argument("--no-ablation", dest="ablation", action="store_false", help="skip the ablation table")
+    cold.add_argument("--no-prime", dest="prime", action="store_false",
+                      help="skip the unreported first workload that compiles every kernel variant the workloads use")
     cold.add_argument("--seed", type=int, default=0, metavar="N")
     common(cold)
 
