@@ -186,7 +186,7 @@ class CpuAssist:
         forward runs it (x and y on `device` in `dtype`, the invocation path in use, a device sync and
         `after_step` at the end), for each token count; the median of `repeats` after a warm-up.
         -> {"per_module_ms": [(tokens, ms per module invocation)], "stage_bytes_per_s": float}.
-        The layer counters are left as they were."""
+        The layer counters are left as they were, and the workers cool (sleeping) at the end."""
         generator = torch.Generator().manual_seed(0)
         weights = {(layer, proj): (torch.randn(rank, fan_in, generator=generator) * fan_in**-0.5,
                                    torch.randn(fan_out, rank, generator=generator) * (0.5 / rank))
@@ -226,6 +226,7 @@ class CpuAssist:
                         times.append((time.perf_counter() - begun) * 1e3)
                 samples.append((tokens, statistics.median(times) / (layers * len(shapes))))
         finally:
+            self.pool.cool()  # the probe is over: no worker spins until a real cold start heats them
             self.store.remove(PROBE_NAME)
             self.layers, self.layers_seen, self.assisted = layers_before, dict(layers_before), assisted_before
         log.info("cpu assist probe invocation=%r rank=%d per_module_ms=%s stage_gb_per_s=%.2f", self.invocation,
