@@ -75,7 +75,7 @@ run_step() {
     esac
 }
 
-all_steps=(lora_kernels attention engine_decode invoke slora peft profile mb_load mb_invoke mb_ipc mb_cpu_lora mb_cold_start pytest_gpu)
+all_steps=(lora_kernels lora_kernels_r16 attention engine_decode invoke slora peft profile mb_load mb_invoke mb_ipc mb_cpu_lora mb_cold_start pytest_gpu)
 for name in "${@:-${all_steps[@]}}"; do
     run_step "$name"
 done
