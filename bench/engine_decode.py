@@ -46,10 +46,10 @@ def median_ms(fn, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def decode_rate(engine: Engine, adapters: list[str | None], prompt_len: int, steps: int) -> tuple[float, float]:
-    """(tokens/s, ms per step) over `steps` decode steps of len(adapters) running requests."""
+def start_decoding(engine: Engine, adapters: list[str | None], prompt_len: int, max_tokens: int) -> list[GenerationRequest]:
+    """len(adapters) requests of random prompts, prefilled and 3 decode steps in: from here every step decodes."""
     generator = torch.Generator().manual_seed(len(adapters))
-    sampling = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     requests = [
         GenerationRequest(torch.randint(0, engine.vocab_size, (prompt_len,), generator=generator).tolist(), adapter=a, sampling=sampling)
         for a in adapters
@@ -60,6 +60,12 @@ def decode_rate(engine: Engine, adapters: list[str | None], prompt_len: int, ste
         engine.step()
     for _ in range(3):  # warm
         engine.step()
+    return requests
+
+
+def decode_rate(engine: Engine, adapters: list[str | None], prompt_len: int, steps: int) -> tuple[float, float]:
+    """(tokens/s, ms per step) over `steps` decode steps of len(adapters) running requests."""
+    requests = start_decoding(engine, adapters, prompt_len, steps + 8)
     torch.cuda.synchronize()
     started = time.perf_counter()
     for _ in range(steps):
@@ -79,14 +85,7 @@ def step_breakdown(engine: Engine, adapters: list[str | None], prompt_len: int, 
     and the kernels of a few steps by device time (torch.profiler sees inside graph replays)."""
     import lorad.daemon.engine as engine_module
 
-    sampling = SamplingParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)
-    requests = [GenerationRequest(list(range(1, prompt_len + 1)), adapter=a, sampling=sampling) for a in adapters]
-    for request in requests:
-        engine.submit(request)
-    while len(engine.scheduler.running) < len(requests) or any(s.num_generated == 0 for s in engine.scheduler.running):
-        engine.step()
-    for _ in range(3):
-        engine.step()
+    requests = start_decoding(engine, adapters, prompt_len, steps + 64)
     phases = {"forward": [], "sample": [], "step": []}
     forward, sample = engine._forward, engine_module.sample
 

@@ -94,45 +94,39 @@ def _weights(rank: int, hidden: int, seed: int = 0) -> dict:
 
 def one_core_ms(tokens: int, rank: int, hidden: int, reps: int, core: int) -> float:
     """Median ms of q, k, v's LoRA for `tokens` rows on one torch thread pinned to `core`; inputs rotate."""
-    weights = [(a, b.t().contiguous()) for a, b in _weights(rank, hidden).values()]
-    inputs = [torch.randn(tokens, hidden) for _ in range(4)]
-    middle, out = torch.empty(tokens, rank), torch.empty(tokens, hidden)
     threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {core})
     try:
-        times = []
-        for rep in range(reps + 2):
-            x = inputs[rep % len(inputs)]
-            start = time.perf_counter()
-            for a, b_t in weights:
-                torch.mm(torch.mm(x, a.t(), out=middle), b_t, out=out)
-            if rep >= 2:
-                times.append((time.perf_counter() - start) * 1e3)
+        return _qkv_lora_ms(tokens, rank, hidden, reps)
     finally:
         torch.set_num_threads(threads)
         os.sched_setaffinity(0, affinity)
-    return statistics.median(times)
 
 
 def threaded_ms(threads: int, tokens: int, rank: int, hidden: int, reps: int) -> float:
     """One process, torch with `threads` threads: median ms of q, k, v's LoRA for `tokens` rows."""
-    weights = [(a, b.t().contiguous()) for a, b in _weights(rank, hidden).values()]
-    inputs = [torch.randn(tokens, hidden) for _ in range(4)]
-    middle, out = torch.empty(tokens, rank), torch.empty(tokens, hidden)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        times = []
-        for rep in range(reps + 2):
-            x = inputs[rep % len(inputs)]
-            start = time.perf_counter()
-            for a, b_t in weights:
-                torch.mm(torch.mm(x, a.t(), out=middle), b_t, out=out)
-            if rep >= 2:
-                times.append((time.perf_counter() - start) * 1e3)
+        return _qkv_lora_ms(tokens, rank, hidden, reps)
     finally:
         torch.set_num_threads(previous)
+
+
+def _qkv_lora_ms(tokens: int, rank: int, hidden: int, reps: int) -> float:
+    """Median ms of q, k, v's LoRA for `tokens` rows in this thread's torch settings (2 warm-up runs)."""
+    weights = [(a, b.t().contiguous()) for a, b in _weights(rank, hidden).values()]
+    inputs = [torch.randn(tokens, hidden) for _ in range(4)]
+    middle, out = torch.empty(tokens, rank), torch.empty(tokens, hidden)
+    times = []
+    for rep in range(reps + 2):
+        x = inputs[rep % len(inputs)]
+        start = time.perf_counter()
+        for a, b_t in weights:
+            torch.mm(torch.mm(x, a.t(), out=middle), b_t, out=out)
+        if rep >= 2:
+            times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
 

@@ -46,12 +46,12 @@ class Ops:
     and any device where the kernels cannot run); `Ops.for_device()` picks the Triton kernels on cuda.
     `name` says which set runs: the engine logs it and /v1/status shows it."""
 
-    def __init__(self, name: str, rms_norm, rope_qk, silu_mul, write_kv, attention, lora, prepare_lora=None,
-                 add_rms_norm=None):
+    def __init__(self, name: str, rms_norm, add_rms_norm, rope_qk, silu_mul, write_kv, attention, lora,
+                 prepare_lora=None):
         self.name = name
         self.rms_norm = rms_norm
         # h += delta, then (h, rms_norm(h)): the residual add fused into the norm after it.
-        self.add_rms_norm = add_rms_norm or _add_then_norm(rms_norm)
+        self.add_rms_norm = add_rms_norm
         self.rope_qk = rope_qk
         self.silu_mul = silu_mul
         self.write_kv = write_kv
@@ -68,8 +68,8 @@ class Ops:
         from lorad.gpu_ops.lora import apply_lora_ref
         from lorad.gpu_ops.norm import add_rms_norm_ref, rms_norm_ref
 
-        return cls(name, rms_norm_ref, rope_qk_ref, silu_mul_ref, write_kv_ref, paged_attention_ref, apply_lora_ref,
-                   add_rms_norm=add_rms_norm_ref)
+        return cls(name, rms_norm_ref, add_rms_norm_ref, rope_qk_ref, silu_mul_ref, write_kv_ref, paged_attention_ref,
+                   apply_lora_ref)
 
     @classmethod
     def for_device(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None) -> Ops:
@@ -213,14 +213,6 @@ class LlamaModel:
         down = act @ layer.down.t()
         ops.lora(act, down, index, DOWN, lora, table)
         return h, down
-
-
-def _add_then_norm(rms_norm):
-    def add_rms_norm(h, delta, weight, eps):
-        h += delta
-        return h, rms_norm(h, weight, eps)
-
-    return add_rms_norm
 
 
 class _Taker:
