@@ -7,8 +7,11 @@ admits the rest first come first served: work on a request already lost only del
 still be saved. `AdapterClustering` (S-LoRA A.2) caps the distinct adapters of a batch: once the running
 batch holds `max_adapters`, queued requests for those adapters go first; the others fill what is left
 (the simulator), or wait until they have waited `max_wait_s` (the engine: a hard cap without starvation).
-Pure functions of the queue and the engine's room, used by the simulator and by the engine's scheduler
-(scheduler/batching.py, whose steps chunk long prompts: `Room.chunked_prefill`).
+Every policy also keeps the time-per-token objective (`decode_step_allows`): a request does not join a
+non-empty running batch whose decode step, with it, the decode-step model predicts above the objective; it
+waits, stopping the step there (head of line, like a request that does not fit). Pure functions of the
+queue and the engine's room, used by the simulator and by the engine's scheduler (scheduler/batching.py,
+whose steps chunk long prompts: `Room.chunked_prefill`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol
 
-from lorad.scheduler.perf_model import PrefillModel
+from lorad.scheduler.perf_model import DecodeStepModel, PrefillModel
 
 from lorad.errors import BadRequest
 
@@ -51,6 +54,31 @@ class Queued:
 
 
 @dataclass(frozen=True)
+class RunningBatch:
+    """The batch the next decode step runs, as the decode-step model reads it."""
+
+    size: int = 0
+    max_rank: int = 0
+    rank_sum: int = 0
+    context_tokens: int = 0
+
+    def plus(self, rank: int, context_tokens: int) -> RunningBatch:
+        return RunningBatch(self.size + 1, max(self.max_rank, rank), self.rank_sum + rank,
+                            self.context_tokens + context_tokens)
+
+
+def decode_step_allows(decode: DecodeStepModel | None, batch: RunningBatch, rank: int, context_tokens: int,
+                       tpot_s: float) -> bool:
+    """Whether a request of `rank` with `context_tokens` may join `batch` under the time-per-token
+    objective: yes when the batch is empty (nothing starves), when there is no model or no objective
+    (inf), else when the predicted decode step with it stays within tpot_s."""
+    if batch.size == 0 or decode is None or not math.isfinite(tpot_s):
+        return True
+    with_it = batch.plus(rank, context_tokens)
+    return decode.from_stats(with_it.size, with_it.max_rank, with_it.rank_sum, with_it.context_tokens) <= tpot_s
+
+
+@dataclass(frozen=True)
 class Room:
     """What the engine can take in its next prefill step."""
 
@@ -62,12 +90,17 @@ class Room:
     # The engine's steps: a prompt longer than what is left of prefill_tokens takes what is left and goes on
     # in the next step, and KV is checked page by page by the caller (kv_tokens and output_tokens unused).
     chunked_prefill: bool = False
+    # The time-per-token rule (decode_step_allows): the running batch, and the model of its decode step
+    # (None: the rule is off).
+    running: RunningBatch = RunningBatch()
+    decode: DecodeStepModel | None = None
 
 
 @dataclass(frozen=True)
 class Admission:
     admit: tuple[int, ...]  # keys, in the order of the step
     drop: tuple[tuple[int, str], ...] = ()  # (key, reason)
+    held: tuple[int, ...] = ()  # keys held back by the time-per-token rule (they wait; at most one a step)
 
 
 class AdmissionPolicy(Protocol):
@@ -78,13 +111,16 @@ class AdmissionPolicy(Protocol):
 
 class _Filler:
     """Takes requests in the order given while they fit; the first that does not stops the step
-    (head-of-line: a later, smaller request does not overtake it)."""
+    (head-of-line: a later, smaller request does not overtake it). A request fits when the step has room
+    for it and the decode step with it keeps the time-per-token objective (`held` when only that fails)."""
 
-    def __init__(self, room: Room):
+    def __init__(self, room: Room, tpot_s: float = math.inf):
         self.slots, self.budget, self.kv = room.slots, room.prefill_tokens, room.kv_tokens
         self.empty = room.batch_empty
         self.chunked = room.chunked_prefill
+        self.decode, self.batch, self.tpot_s = room.decode, room.running, tpot_s
         self.taken: list[Queued] = []
+        self.held: list[int] = []
         self.full = room.slots <= 0 or (self.chunked and self.budget <= 0)
 
     def chunk(self, request: Queued) -> int:
@@ -93,6 +129,10 @@ class _Filler:
 
     def fits(self, request: Queued) -> bool:
         if self.full:
+            return False
+        if not decode_step_allows(self.decode, self.batch, request.rank, request.prompt_tokens + 1, self.tpot_s):
+            self.full = True
+            self.held.append(request.key)
             return False
         if self.chunked:
             return True
@@ -108,6 +148,7 @@ class _Filler:
         self.slots -= 1
         self.budget -= self.chunk(request)
         self.kv -= request.prompt_tokens + request.output_tokens
+        self.batch = self.batch.plus(request.rank, request.prompt_tokens + 1)  # its first token is decoded next
         if self.slots <= 0 or (self.chunked and self.budget <= 0):
             self.full = True
 
@@ -117,16 +158,17 @@ class FCFS:
     name: str = "fcfs"
 
     def select(self, queue, now, room, objectives):
-        return Admission(tuple(r.key for r in _fill(queue, room)))
+        filler = _fill(queue, room, objectives.tpot_s)
+        return Admission(tuple(r.key for r in filler.taken), held=tuple(filler.held))
 
 
-def _fill(queue: Iterable[Queued], room: Room) -> list[Queued]:
-    filler = _Filler(room)
+def _fill(queue: Iterable[Queued], room: Room, tpot_s: float = math.inf) -> _Filler:
+    filler = _Filler(room, tpot_s)
     for request in queue:
         if not filler.fits(request):
             break
         filler.take(request)
-    return filler.taken
+    return filler
 
 
 @dataclass(frozen=True)
@@ -137,7 +179,8 @@ class EarlyAbort:
     prefill + its own prefill alone. A request whose estimate exceeds the objective is dropped. In chunked
     steps (the engine) a prompt cut by the step's budget adds the prefill of its rest alone; a request whose
     first token is out already is never dropped. Each estimate is a lower bound under the model: a drop
-    is a request that cannot make it, not one that might not.
+    is a request that cannot make it, not one that might not. A request held back by the time-per-token
+    rule waits like one past the step's room: its estimate, and its drop, count that wait.
 
     `prefill` is the profile's PrefillModel or an `OnlinePrefill` (anything with `from_features`)."""
 
@@ -145,7 +188,7 @@ class EarlyAbort:
     name: str = "early_abort"
 
     def select(self, queue, now, room, objectives):
-        filler = _Filler(room)
+        filler = _Filler(room, objectives.tpot_s)
         features = (0.0, 0.0, 0.0)  # of the step so far: tokens, rank x tokens, tokens squared
         step_s = 0.0
         drops: list[tuple[int, str]] = []
@@ -172,7 +215,9 @@ class EarlyAbort:
                 if estimate <= limit:
                     continue  # waits for a later step
             drops.append((request.key, f"early abort: estimated TTFT {estimate:.3f} s > objective {limit:.3f} s"))
-        return Admission(tuple(r.key for r in filler.taken), tuple(drops))
+        dropped = {key for key, _ in drops}
+        held = tuple(key for key in filler.held if key not in dropped)
+        return Admission(tuple(r.key for r in filler.taken), tuple(drops), held)
 
 
 class OnlinePrefill:

@@ -4,7 +4,9 @@ tokens.
 Every step, running sequences go first (decodes take one token, unfinished prompts take the next
 chunk), then waiting ones join while the token budget, the running-request cap, KV pages and adapter
 residency allow, in the order the admission policy (admission.py) gives: arrival order (FCFS), with
-early abort's drops taken out (`take_dropped`), or clustered by adapter. When KV runs out, the newest
+early abort's drops taken out (`take_dropped`), or clustered by adapter. With a decode-step model and a time-per-token objective, a waiting sequence does
+not join a non-empty running batch whose next decode step, with it, would break the objective
+(admission.decode_step_allows); it waits at the head of the queue. When KV runs out, the newest
 running sequence is preempted: its pages go back and it is recomputed later (prompt plus what it
 generated so far). The scheduler owns no memory: `memory` and `adapters` do, behind the two small
 protocols below.
@@ -20,7 +22,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from lorad.scheduler.admission import FCFS, AdmissionPolicy, Objectives, Queued, Room
+from lorad.scheduler.admission import (
+    FCFS,
+    AdmissionPolicy,
+    Objectives,
+    Queued,
+    Room,
+    RunningBatch,
+    decode_step_allows,
+)
+from lorad.scheduler.perf_model import DecodeStepModel
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +59,7 @@ class Sequence:
     rank: int = 0  # its adapter's rank (0: the base model), for the admission policy's prefill estimate
     arrival_s: float | None = None  # when it was submitted, on the scheduler's clock; None: when added
     queued: Queued | None = None  # how the admission policy sees it while it waits
+    held_for_tpot: bool = False  # the time-per-token rule has held it back at least once
 
     @property
     def num_tokens(self) -> int:
@@ -60,11 +72,12 @@ class Sequence:
 
 class Scheduler:
     """`admission` picks the order in which waiting sequences join and which are dropped, judged by
-    `objectives` on `clock` (seconds; the engine's time.perf_counter, or a test's simulated time)."""
+    `objectives` on `clock` (seconds; the engine's time.perf_counter, or a test's simulated time).
+    `decode` (the profile's decode-step model) turns on the time-per-token rule for `objectives.tpot_s`."""
 
     def __init__(self, max_running: int, max_batch_tokens: int, memory: Memory, adapters: Adapters,
                  admission: AdmissionPolicy | None = None, objectives: Objectives | None = None,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, decode: DecodeStepModel | None = None):
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.memory = memory
@@ -72,6 +85,9 @@ class Scheduler:
         self.admission = admission or FCFS()
         self.objectives = objectives or Objectives(math.inf, math.inf)  # none
         self.clock = clock
+        tpot_rule = decode is not None and math.isfinite(self.objectives.tpot_s)
+        self.decode = decode if tpot_rule else None
+        self.tpot_held = 0  # sequences the time-per-token rule held back (each counted once)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.dropped: list[tuple[Sequence, str]] = []  # by the admission policy, for the engine to fail
@@ -112,11 +128,18 @@ class Scheduler:
                 plan.append((seq, count))
                 budget -= count
         if type(self.admission) is FCFS:  # what FCFS.select would give, without building its view of the queue
+            batch = self._running_batch() if self.decode is not None else RunningBatch()
             while self.waiting and budget > 0 and len(self.running) < self.max_running:
-                if not self._admit(self.waiting[0], budget, plan):
+                head = self.waiting[0]
+                context = head.num_tokens - head.num_computed + 1
+                if not decode_step_allows(self.decode, batch, head.rank, context, self.objectives.tpot_s):
+                    self._held(head)
+                    break
+                if not self._admit(head, budget, plan):
                     break
                 self.waiting.popleft()
                 budget -= plan[-1][1]
+                batch = batch.plus(head.rank, context)
         elif self.waiting:
             self._admit_by_policy(budget, plan)
         return plan
@@ -141,6 +164,7 @@ class Scheduler:
             slots=self.max_running - len(self.running), prefill_tokens=budget, kv_tokens=0,
             batch_empty=not self.running, chunked_prefill=True,
             running_adapters=frozenset(seq.adapter for seq in self.running if seq.adapter is not None),
+            running=self._running_batch() if self.decode is not None else RunningBatch(), decode=self.decode,
         )
         decision = self.admission.select([self._queued(seq) for seq in self.waiting], self.clock(), room, self.objectives)
         gone = set()
@@ -149,6 +173,8 @@ class Scheduler:
             self.memory.release(seq.blocks)
             self.dropped.append((seq, reason))
             gone.add(seq)
+        for key in decision.held:
+            self._held(self._by_key[key])
         for key in decision.admit:  # in the policy's order, until one does not get its adapter or KV
             seq = self._by_key[key]
             if budget <= 0 or len(self.running) >= self.max_running or not self._admit(seq, budget, plan):
@@ -159,6 +185,18 @@ class Scheduler:
             gone.add(seq)
         if gone:
             self.waiting = deque(seq for seq in self.waiting if seq not in gone)
+
+    def _running_batch(self) -> RunningBatch:
+        """The running batch as the decode-step model reads it (context: every position of each sequence)."""
+        ranks = [seq.rank for seq in self.running]
+        return RunningBatch(len(ranks), max(ranks, default=0), sum(ranks), sum(seq.num_tokens for seq in self.running))
+
+    def _held(self, seq: Sequence) -> None:
+        if not seq.held_for_tpot:
+            seq.held_for_tpot = True
+            self.tpot_held += 1
+            log.debug("held for the time-per-token objective request=%s rank=%d running=%d",
+                      seq.request_id, seq.rank, len(self.running))
 
     def _queued(self, seq: Sequence) -> Queued:
         """The policy's view of a waiting sequence, built once per stay in the queue."""

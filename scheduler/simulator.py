@@ -7,7 +7,9 @@ by one token, taking the decode-step model's time for the batch's ranks and cont
 KV for its prompt and whole output at admission (no preemption). Adapter loading is not modelled: every
 adapter is resident everywhere. Each arriving request is routed by a policy of router.py, which sees the
 engines' `EngineView`s, kept up to date in O(1) per event. Which queued requests a prefill step takes, and
-which it drops, is an admission policy's choice (admission.py; FCFS by default).
+which it drops, is an admission policy's choice (admission.py; FCFS by default). With `tpot_admission`
+the engines keep the time-per-token rule as lorad's engine does: a queued request does not join a running
+batch whose decode step, with it, the profile's decode model predicts above the objective.
 
 Per request: TTFT (arrival to first token), time per token (first to last token over the output tokens
 after the first, CaraServe's "time per token" of the decode phase), latency (arrival to last token).
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lorad.errors import BadRequest
-from lorad.scheduler.admission import FCFS, AdmissionPolicy, Objectives, Queued, Room
+from lorad.scheduler.admission import FCFS, AdmissionPolicy, Objectives, Queued, Room, RunningBatch
 from lorad.scheduler.perf_model import Profile
 from lorad.scheduler.router import EngineView, Policy, RouteRequest
 from lorad.scheduler.workload import Trace
@@ -40,6 +42,7 @@ class SimConfig:
     slo_ttft_s: float | None = None  # None: slo_ttft_scale x the unloaded prefill of the trace's mean prompt
     slo_scale: float = 1.5
     slo_ttft_scale: float = 5.0
+    tpot_admission: bool = False  # hold back admissions that would break the time-per-token objective
 
 
 @dataclass
@@ -58,6 +61,7 @@ class SimResult:
     decode_steps: int
     prefill_steps: int
     admission: str = "fcfs"
+    tpot_held: int = 0  # requests the time-per-token rule held back at least once
     dropped: np.ndarray | None = None  # bool per request; None: nothing dropped
     drop_reasons: dict | None = None  # request index -> why it was dropped
 
@@ -93,6 +97,7 @@ class SimResult:
             "slo_attainment": float((tpot_ok & ttft_ok).mean()) if len(tpot_ok) else 1.0,
             "decode_steps": self.decode_steps,
             "prefill_steps": self.prefill_steps,
+            "tpot_held": self.tpot_held,
         }
 
 
@@ -168,6 +173,8 @@ def simulate(
     finish = np.full(count, math.nan)
     dropped = np.zeros(count, dtype=bool)
     drop_reasons: dict[int, str] = {}
+    held: set[int] = set()  # requests the time-per-token rule held back
+    tpot_model = decode if config.tpot_admission else None
     events: list[tuple[float, int, int]] = []  # (time, tie-break, engine) of step ends
     sequence = 0
     prefill_steps = 0
@@ -183,9 +190,13 @@ def simulate(
                 kv_tokens=config.kv_tokens - engine.reserved,
                 batch_empty=view.num_running == 0,
                 running_adapters=frozenset(engine.adapter_counts),
+                running=RunningBatch(view.num_running, max(engine.rank_counts, default=0), engine.rank_sum,
+                                     engine.context_tokens),
+                decode=tpot_model,
             )
             decision = admission.select(engine.queue, now, room, objectives)
             batch = list(decision.admit)
+            held.update(decision.held)
             for index, reason in decision.drop:
                 drop_request(engine, index, reason)
             leaving = len(batch) + len(decision.drop)
@@ -307,6 +318,7 @@ def simulate(
         decode_steps=sum(e.decode_steps for e in engines),
         prefill_steps=prefill_steps,
         admission=admission.name,
+        tpot_held=len(held),
         dropped=dropped,
         drop_reasons=drop_reasons,
     )
