@@ -141,7 +141,7 @@ class Engine:
         self.online_prefill: OnlinePrefill | None = None  # early abort's estimate when no profile was found
         admission, objectives = self._admission()
         self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency,
-                                   admission, objectives)
+                                   admission, objectives, decode=self.tpot_decode)
         self.admission_dropped = 0
 
         self._lock = threading.Condition()
@@ -214,9 +214,14 @@ class Engine:
                                 max_wait_s=max_wait_ms / 1e3 if config.cluster_max_adapters else None)
         self.admission_max_wait_ms = max_wait_ms if config.cluster_max_adapters else None
         self.admission_estimate = self._admission_estimate_source()
+        # The time-per-token rule: no admission into a running batch whose predicted decode step breaks slo_tpot_ms.
+        profile = self.kernel_choice.profile
+        self.tpot_decode = profile.decode if profile is not None and config.slo_tpot_ms else None
+        self.tpot_rule = (f"profile:{self.kernel_choice.source}" if self.tpot_decode is not None
+                          else "off (no slo_tpot_ms)" if not config.slo_tpot_ms else "off (no profile)")
         log.info("admission policy=%s slo_ttft_ms=%s slo_tpot_ms=%s cluster_max_adapters=%d cluster_max_wait_ms=%s "
-                 "ttft_estimate=%r", policy.name, config.slo_ttft_ms or "none", config.slo_tpot_ms or "none",
-                 config.cluster_max_adapters, self.admission_max_wait_ms or "-", self.admission_estimate)
+                 "ttft_estimate=%r tpot_rule=%r", policy.name, config.slo_ttft_ms or "none", config.slo_tpot_ms or "none",
+                 config.cluster_max_adapters, self.admission_max_wait_ms or "-", self.admission_estimate, self.tpot_rule)
         return policy, objectives
 
     def _admission_estimate_source(self) -> str:
@@ -365,6 +370,8 @@ class Engine:
                     "cluster_max_wait_ms": self.admission_max_wait_ms,
                     "ttft_estimate": self._admission_estimate_source(),
                     "dropped": self.admission_dropped,
+                    "tpot_rule": self.tpot_rule,
+                    "tpot_held": self.scheduler.tpot_held,
                 },
                 **self._batch_locked(),
             }
@@ -396,6 +403,7 @@ class Engine:
             model=self.model_name, running=len(running), waiting=len(waiting), running_adapters=running,
             waiting_adapters=waiting, max_lora=ADAPTER_SLOTS, pool=self.pool.occupancy(),
             adapters_resident=len(self.residency.slots), adapter_evictions=self.residency.evictions,
+            admission_tpot_held=self.scheduler.tpot_held,
         )
 
     def submit(self, request: GenerationRequest) -> None:

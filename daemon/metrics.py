@@ -168,6 +168,9 @@ def render(snapshot: dict) -> str:
                "Queued requests the admission policy dropped (early abort: their TTFT objective was out of reach).")
     for policy, count in sorted(snapshot.get("admission_dropped", {}).items()):
         out.sample("lorad_admission_dropped_total", {"policy": policy}, count)
+    out.family("lorad_admission_tpot_held_total", "counter",
+               "Queued requests held back (they waited) because the decode step with them would break slo_tpot_ms.")
+    out.sample("lorad_admission_tpot_held_total", {}, snapshot.get("admission_tpot_held", 0))
     out.family("lorad_prompt_tokens_total", "counter", "Prompt tokens of finished requests.")
     out.sample("lorad_prompt_tokens_total", {}, snapshot["prompt_tokens"])
     out.family("lorad_generation_tokens_total", "counter", "Tokens generated for finished requests.")
