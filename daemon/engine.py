@@ -28,6 +28,7 @@ from lorad.daemon.kernel_choice import LoraKernelChoice
 from lorad.daemon.lora_residency import LoraResidency
 from lorad.daemon.metrics import Metrics
 from lorad.daemon.model import LlamaModel, Ops, Step
+from lorad.daemon.prefill_graphs import PrefillGraphs, StepSeq
 from lorad.daemon.request import GenerationRequest, GenerationResult, RequestOutput
 from lorad.daemon.sampler import make_generator, sample
 from lorad.daemon.tokenizer import Detokenizer, NoTokenizer, Tokenizer
@@ -132,10 +133,17 @@ class Engine:
         self.stats = Metrics()  # counters for GET /metrics; Engine.metrics() snapshots them
         self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
         self.graphs = None
-        self.graph_steps = 0
+        self.prefill_graphs = None
+        self.graph_steps = self.prefill_graph_steps = 0
         if self.device.type == "cuda" and not config.eager and self.ops.name.startswith("triton"):
             self.graphs = DecodeGraphs(self.model, self.kv, self.table, config.max_running_requests, self.max_model_len,
                                        config.max_lora_rank, self.kernel_choice)
+            # Steps with prompt rows too: captured first (their largest bucket needs the most memory), the
+            # decode graphs then share their memory pool.
+            self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.table, config.max_batch_tokens,
+                                                config.max_running_requests, self.max_model_len, config.max_lora_rank)
+            self.prefill_graphs.capture()
+            self.graphs.pool = self.prefill_graphs.pool
             self.graphs.capture()
         self.residency = LoraResidency(self._host_adapter, self.table, self.stats, pinned_bytes=config.pinned_host_bytes)
         self.online_prefill: OnlinePrefill | None = None  # early abort's estimate when no profile was found
@@ -350,6 +358,8 @@ class Engine:
                 "steps": self.steps,
                 "cuda_graph_steps": self.graph_steps,
                 "cuda_graphs": self.graphs.buckets if self.graphs is not None else "off",
+                "prefill_cuda_graph_steps": self.prefill_graph_steps,
+                "prefill_cuda_graphs": self.prefill_graphs.tokens_buckets if self.prefill_graphs is not None else "off",
                 "lora_kernel_choice": self.kernel_choice.describe(),
                 "lora_kernel_steps": dict(self.kernel_choice.steps),
                 "cold_start": self.config.cold_start,
@@ -619,7 +629,7 @@ class Engine:
                 continue
             state: RequestState = seq.state
             if state.request.keep_logits:
-                state.logits.append(logits[row].cpu())
+                state.logits.append(logits[row].to("cpu", copy=True))  # graph logits live in static memory
             if state.first_token_time is None:
                 state.first_token_time = now
                 self.stats.first_token(now - state.arrival)
@@ -732,7 +742,9 @@ class Engine:
             self.cold_start_costs, prefill_ms_per_token=sample if previous == 0 else 0.8 * previous + 0.2 * sample)
 
     def _forward(self, plan: list[tuple[Sequence, int]], assisted: dict | None = None) -> tuple[torch.Tensor, list[Sequence]]:
-        """Runs the step's forward: replayed from a CUDA graph when every sequence decodes one token."""
+        """Runs the step's forward: replayed from a decode CUDA graph when every sequence decodes one token,
+        from a prefill graph (daemon/prefill_graphs.py) when the step has prompt rows and fits one; eager
+        when CPU assist computes some of its rows."""
         if self.graphs is not None and not assisted and all(count == 1 and seq.num_computed + 1 == seq.num_tokens for seq, count in plan):
             max_blocks = max(len(seq.blocks) for seq, _ in plan)
             if self.graphs.fits(len(plan), max_blocks):
@@ -745,6 +757,15 @@ class Engine:
                 )
                 self.graph_steps += 1
                 return logits, seqs
+        if self.prefill_graphs is not None and not assisted:
+            num_tokens = sum(count for _, count in plan)
+            if self.prefill_graphs.fits(num_tokens, len(plan), max(len(seq.blocks) for seq, _ in plan)):
+                seqs = [StepSeq(np.asarray(seq.tokens[seq.num_computed : seq.num_computed + count]), seq.num_computed,
+                                self.residency.slot(seq.adapter), seq.blocks.array(), seq.num_computed + count == seq.num_tokens)
+                        for seq, count in plan]
+                logits = self.prefill_graphs.run(seqs)
+                self.prefill_graph_steps += 1
+                return logits, [seq for seq, count in plan if seq.num_computed + count == seq.num_tokens]
         step, sampled = self._build_step(plan, assisted or {})
         return self.model.forward(step, self.kv.view, self.table), sampled
 

@@ -79,11 +79,18 @@ class Ops:
         if device.type != "cuda":
             return cls._reference_with_choice(cls.reference(), kernel_choice)
         try:
-            from lorad.gpu_ops import bgmv, fused, mbgmm, mbgmv, paged_attention
+            from lorad.gpu_ops import bgmv
 
             bgmv.require_triton()
         except (ImportError, RuntimeError) as error:
             return cls._reference_with_choice(cls.reference(f"torch-reference (triton unavailable: {error})"), kernel_choice)
+        return cls.triton(device, max_batch_tokens, max_lora_rank, kernel_choice)
+
+    @classmethod
+    def triton(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None) -> Ops:
+        """The Triton kernels (on the CPU they run only in Triton's interpreter: the tests)."""
+        from lorad.gpu_ops import bgmv, fused, mbgmm, mbgmv, paged_attention
+
         ops = cls.reference("triton[lora:mbgmv|bgmv+mbgmm,paged-attention,fused-norm-rope-silu]")
         ops.attention = paged_attention.attention
         ops.write_kv = paged_attention.write_kv

@@ -7,7 +7,8 @@ then picks each decode step's LoRA kernel from it.
 What is timed is what the engine runs. On cuda: the Triton kernels, launched as the engine's CUDA
 graphs launch them (MBGMV at the configured max_lora_rank, BGMV at the batch's rank bucket), timed
 from replays of CUDA graphs with CUDA events; decode steps are replays of the engine's own decode
-graphs (daemon/cuda_graphs.py); prefills are eager forwards. On the CPU: the torch references
+graphs (daemon/cuda_graphs.py); prefills are replays of its prefill graphs (daemon/prefill_graphs.py)
+where they fit them, eager forwards beyond. On the CPU: the torch references
 (bgmv_ref, mbgmv_ref; the CPU engine's ops), timed with perf_counter. Inputs are random, never zeros;
 adapter weights are random windows of a weight bank far larger than L2, and every timed replay reads
 other windows than the one before.
@@ -223,6 +224,7 @@ class Bench:
         self.bank = AdapterBank(self.table, 1, bank_pages, self.rng)
         self.workspace = torch.empty(_workspace_numel(self.max_tokens, max_lora_rank), dtype=torch.float32, device=device)
         self.graphs = None
+        self.prefill_graphs = None
 
     # ---- (a) the LoRA kernels -------------------------------------------------------------------
     def launch_rank(self, kernel: str, ranks: list[int]) -> int:
@@ -291,19 +293,43 @@ class Bench:
 
     # ---- (c) prefills ------------------------------------------------------------------------------
     def prefill_seconds(self, prompts: list[tuple[int, int]]) -> float:
-        """Seconds of one eager forward over these prompts [(tokens, rank)], each with its own adapter."""
+        """Seconds of one step over these prompts [(tokens, rank)], each with its own adapter: on cuda a
+        replay of the engine's prefill graph for the step's bucket (with the host's filling of its
+        buffers) when it fits the engine's default step (max_batch_tokens), else an eager forward."""
         use = self.bank.load(np.asarray([rank for _, rank in prompts]), self.plan.variants)
         tokens_per_page = self.kv.tokens_per_page
         longest = max(tokens for tokens, _ in prompts)
         first, count = self.kv_pages
         block_pages = self.rng.integers(first, first + count, size=(len(prompts), -(-longest // tokens_per_page), self.spec.num_layers, 2), dtype=np.int32)
-        step = self.step([(tokens, tokens, slot) for slot, (tokens, _) in enumerate(prompts)], block_pages)
+        graphs = self._prefill_graphs() if self.device.type == "cuda" else None
+        if graphs is not None and graphs.fits(sum(tokens for tokens, _ in prompts), len(prompts), block_pages.shape[1]):
+            from lorad.daemon.prefill_graphs import StepSeq
 
-        def run():
-            self.model.forward(step, self.kv.view, self.table)
+            seqs = [StepSeq(self.rng.integers(0, self.spec.vocab_size, size=tokens), 0, slot, block_pages[slot], True)
+                    for slot, (tokens, _) in enumerate(prompts)]
+
+            def run():
+                graphs.run(seqs)
+        else:
+            step = self.step([(tokens, tokens, slot) for slot, (tokens, _) in enumerate(prompts)], block_pages)
+
+            def run():
+                self.model.forward(step, self.kv.view, self.table)
 
         run()
         return self.clock.median(run, self.plan.prefill_reps, before=lambda rep: use(rep + 1))
+
+    def _prefill_graphs(self):
+        """The engine's prefill graphs for its default step size, captured on first use."""
+        if self.prefill_graphs is None:
+            from lorad.config import EngineConfig
+            from lorad.daemon.prefill_graphs import PrefillGraphs
+
+            defaults = EngineConfig()
+            self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.table, min(defaults.max_batch_tokens, self.max_tokens),
+                                                defaults.max_running_requests, self.max_model_len, self.max_lora_rank)
+            self.prefill_graphs.capture(pool=self.graphs.pool if self.graphs is not None else None)
+        return self.prefill_graphs
 
     def step(self, sequences: list[tuple[int, int, int]], block_pages: np.ndarray) -> Step:
         """A step of sequences (new tokens, context after the step, adapter slot) over these KV pages

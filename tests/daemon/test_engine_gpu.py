@@ -54,7 +54,7 @@ def test_cuda_engine_says_it_runs_the_triton_lora_kernels(demo_assets):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graph_decode_equals_eager(demo_assets, dtype):
+def test_cuda_graphs_equal_eager(demo_assets, dtype):
     torch.backends.cuda.matmul.allow_tf32 = False
     adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
 
@@ -67,6 +67,7 @@ def test_cuda_graph_decode_equals_eager(demo_assets, dtype):
     eager, eager_status = run(True)
     graphed, graphed_status = run(False)
     assert eager_status["cuda_graph_steps"] == 0 and graphed_status["cuda_graph_steps"] > 0
+    assert eager_status["prefill_cuda_graph_steps"] == 0 and graphed_status["prefill_cuda_graph_steps"] > 0
     for a, b in zip(eager, graphed):
         if dtype == "float32":
             assert a.token_ids == b.token_ids

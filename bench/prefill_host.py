@@ -1,0 +1,127 @@
+"""Where an eager prefill's time goes: device time against host time, and the host time by function.
+
+The profile (`lorad profile`) fits a prefill of 32..1024 tokens of the 7B shape at ~30 ms whatever the
+length, where its GEMMs take ~5 ms: the forward is bound by the host launching ~30 kernels a layer.
+This bench measures, for a few prompt lengths, the eager forward's wall time (host-bound) against the
+same forward replayed from a CUDA graph (device time alone), with and without LoRA rows, and lists the
+Python functions the host spends the eager forward in (cProfile, one forward after warm-up).
+
+    python3 bench/prefill_host.py --out OUT/prefill_host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+
+import numpy as np
+import torch
+from lorad.daemon.checkpoint import MODEL_CONFIGS, ModelSpec, dummy_weights
+from lorad.daemon.profile import Bench, Plan
+
+
+def wall_ms(run, reps: int) -> float:
+    """Median wall time of run() with the device drained before and after (what a step costs)."""
+    times = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def host_ms(run, reps: int) -> float:
+    """Median host time of run() alone (launches queue up on the device)."""
+    times = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def graph_ms(run, reps: int) -> float | None:
+    """Device time of run() captured once into a CUDA graph and replayed (no host launches)."""
+    if not torch.cuda.is_available():
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return wall_ms(graph.replay, reps)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-config", default="llama-2-7b")
+    parser.add_argument("--tokens", default="32,128,512")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    spec = ModelSpec.from_hf_config(MODEL_CONFIGS[args.model_config])
+    tokens = [int(t) for t in args.tokens.split(",")]
+    plan = Plan(batch_sizes=(1,), ranks=(args.rank,), step_batch_sizes=(1,), contexts=(max(tokens),), prefill_tokens=tuple(tokens),
+                rounds=1, variants=1, reps=1, step_reps=1, prefill_reps=1, bank_bytes=256 << 20)
+    weights = dummy_weights(spec, dtype, device)
+    bench = Bench(spec, weights, dtype, device, plan, max_lora_rank=max(64, args.rank), seed=0)
+    bench.bank.load(np.asarray([args.rank]), 1)
+    first, count = bench.kv_pages
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "model": args.model_config, "rank": args.rank, "rows": []}
+    profiles = {}
+    for n in tokens:
+        blocks = -(-n // bench.kv.tokens_per_page)
+        block_pages = bench.rng.integers(first, first + count, size=(1, blocks, spec.num_layers, 2), dtype=np.int32)
+        for label, slot in (("lora", 0), ("base", -1)):
+            step = bench.step([(n, n, slot)], block_pages)
+
+            def run(step=step):
+                bench.model.forward(step, bench.kv.view, bench.table)
+
+            run()
+            run()
+            row = {"tokens": n, "rows": label, "wall_ms": wall_ms(run, args.reps), "host_ms": host_ms(run, args.reps),
+                   "graph_ms": graph_ms(run, args.reps)}
+            report["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            if n == tokens[0]:
+                profiler = cProfile.Profile()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                profiler.enable()
+                for _ in range(3):
+                    run()
+                profiler.disable()
+                text = io.StringIO()
+                stats = pstats.Stats(profiler, stream=text)
+                stats.sort_stats("tottime").print_stats(35)
+                stats.sort_stats("cumulative").print_stats(35)
+                profiles[label] = text.getvalue()
+                print(text.getvalue(), flush=True)
+    report["cprofile"] = profiles
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(report, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
