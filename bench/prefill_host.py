@@ -3,8 +3,9 @@
 The profile (`lorad profile`) fits a prefill of 32..1024 tokens of the 7B shape at ~30 ms whatever the
 length, where its GEMMs take ~5 ms: the forward is bound by the host launching ~30 kernels a layer.
 This bench measures, for a few prompt lengths, the eager forward's wall time (host-bound) against the
-same forward replayed from a CUDA graph (device time alone), with and without LoRA rows, and lists the
-Python functions the host spends the eager forward in (cProfile, one forward after warm-up).
+same forward replayed from a CUDA graph (device time alone) and through the engine's prefill graphs
+(daemon/prefill_graphs.py: padded to a token bucket, the host filling the static buffers), with and
+without LoRA rows, and lists the Python functions the host spends the eager forward in (cProfile).
 
     python3 bench/prefill_host.py --out OUT/prefill_host.json
 """
@@ -100,6 +101,13 @@ def main() -> int:
             run()
             row = {"tokens": n, "rows": label, "wall_ms": wall_ms(run, args.reps), "host_ms": host_ms(run, args.reps),
                    "graph_ms": graph_ms(run, args.reps)}
+            if device.type == "cuda":  # the engine's path: its prefill graphs, the host filling their buffers
+                from lorad.daemon.prefill_graphs import StepSeq
+
+                graphs = bench._prefill_graphs()
+                seqs = [StepSeq(bench.rng.integers(0, spec.vocab_size, size=n), 0, slot, block_pages[0], True)]
+                row["prefill_graphs_ms"] = wall_ms(lambda seqs=seqs: graphs.run(seqs), args.reps)
+                row["prefill_graphs_key"] = list(graphs.last_key)
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
             if n == tokens[0]:
