@@ -13,6 +13,12 @@ raised by the host (the python path) or by a GPU kernel long after the host wrot
 so a worker serves every job up to the flag's value, in order. An entry is reused only once its
 worker's done flag has passed it (`WorkerSlot.free_for`).
 
+Posting to many workers (`Exchange.post_batch`, the python path) costs O(1) Python work: the
+workers' flags, statuses and descriptor fields are strided numpy views across the slots and rings,
+so N jobs are one vectorised write per descriptor field, the tags, then one write of the N job
+flags; waiting is one comparison of the N done flags per poll (shm/flags.py's `wait_all`, whose
+note says why one thread's vectorised stores keep data -> descriptor -> flag order on x86-64).
+
 Layout (every region 64-byte aligned):
     header   one line: MAGIC, VERSION, workers, max_tokens, hidden, max_out, ring, error word (written
              by the GPU's wait_and_add when a wait timed out; the host clears it)
@@ -132,7 +138,11 @@ class WorkerSlot:
         self.ring = layout.ring
         job_line, worker_line = layout.job_line(worker), layout.worker_line(worker)
         self.descriptors = segment.array(layout.descriptor(worker, 0), (layout.ring, DESCRIPTOR_BYTES // 8), np.int64)
-        self.worker_fields = segment.array(worker_line, 8, np.int64)
+        # The worker's side reads and writes through memoryviews: no numpy scalar per access.
+        bytes_view = memoryview(segment.buffer).cast("B")
+        ring_start = layout.descriptor(worker, 0)
+        self._ring_cells = bytes_view[ring_start : ring_start + layout.ring * DESCRIPTOR_BYTES].cast("q")
+        self.worker_fields = bytes_view[worker_line : worker_line + LINE].cast("q")
         self.job_flag = Flag(segment.buffer, job_line + JOB_SEQ * 8)
         self.done_flag = Flag(segment.buffer, worker_line + DONE_SEQ * 8)
         self.heartbeat = Flag(segment.buffer, worker_line + HEARTBEAT * 8)
@@ -155,37 +165,46 @@ class WorkerSlot:
         self.describe(seq, job)
         self.job_flag.store(seq)
 
-    def take(self, seq: int | None = None) -> Job | None:
-        """Worker: the descriptor of job `seq` (default: the seq now in `job_flag`); None when its
-        ring entry does not hold that job (the engine never wrote it: a protocol error)."""
-        seq = self.job_flag.load() if seq is None else seq
-        fields = self.descriptors[seq % self.ring].tolist()
+    def fields(self, seq: int) -> tuple | None:
+        """Worker: job `seq`'s descriptor as the tuple of `Job`'s fields (hashable, so a worker may
+        key its per-job tensors by it); None when its ring entry does not hold that job (the
+        engine never wrote it: a protocol error). The caller has seen the job flag reach `seq`."""
+        start = (seq % self.ring) * (DESCRIPTOR_BYTES // 8)
+        fields = self._ring_cells[start : start + IN_DTYPE + 1].tolist()
         if fields[TAG] != seq:
             return None
-        return Job(*fields[ADAPTER : IN_DTYPE + 1])
+        return tuple(fields[ADAPTER:])
+
+    def take(self, seq: int | None = None) -> Job | None:
+        """Worker: the descriptor of job `seq` (default: the seq now in `job_flag`) as a Job; None
+        when its ring entry does not hold that job."""
+        fields = self.fields(self.job_flag.load() if seq is None else seq)
+        return None if fields is None else Job(*fields)
 
     def finish(self, seq: int, status: int) -> None:
-        """Worker: the output rows are written; publish the status, then the done flag. A failure is
-        also kept in FAILED (the first since the engine cleared it)."""
-        self.worker_fields[STATUS] = status
-        if status != STATUS_OK and self.worker_fields[FAILED] == 0:
-            self.worker_fields[FAILED] = seq
-        self.done_flag.store(seq)
+        """Worker: the output rows are written; publish the status, then the done flag (plain stores
+        in that order, nothing between them but the interpreter). A failure is also kept in FAILED
+        (the first since the engine cleared it)."""
+        fields = self.worker_fields
+        fields[STATUS] = status
+        if status != STATUS_OK and fields[FAILED] == 0:
+            fields[FAILED] = seq
+        fields[DONE_SEQ] = seq  # the done flag (`done_flag`'s cell)
 
     def take_failed(self) -> int:
         """Engine: the first failed seq since the last call (0: none), cleared. Call it only when no
         job is in flight (between steps): the worker may set it again."""
-        failed = int(self.worker_fields[FAILED])
+        failed = self.worker_fields[FAILED]
         self.worker_fields[FAILED] = 0
         return failed
 
     @property
     def status(self) -> int:
-        return int(self.worker_fields[STATUS])
+        return self.worker_fields[STATUS]
 
     @property
     def pid(self) -> int:
-        return int(self.worker_fields[PID])
+        return self.worker_fields[PID]
 
     @pid.setter
     def pid(self, value: int) -> None:
@@ -211,6 +230,40 @@ class Exchange:
         self.header = segment.array(0, 8, np.int64)
         self.hot = Flag(segment.buffer, LINE + HOT_UNTIL * 8)
         self.slots = [WorkerSlot(segment, self.layout, worker) for worker in range(config.workers)]
+        # Every worker's job flag, done flag and status ([workers], one slot apart), and each field of
+        # every descriptor ([workers * ring], entry w * ring + seq % ring): the batched views.
+        layout, buffer, slot_stride = self.layout, segment.buffer, (2 * LINE,)
+        self.job_flags = np.ndarray((config.workers,), np.int64, buffer, layout.job_line(0) + JOB_SEQ * 8, slot_stride)
+        self.done_flags = np.ndarray((config.workers,), np.int64, buffer, layout.worker_line(0) + DONE_SEQ * 8, slot_stride)
+        self.statuses = np.ndarray((config.workers,), np.int64, buffer, layout.worker_line(0) + STATUS * 8, slot_stride)
+        table = segment.array(layout.rings, (config.workers * config.ring, DESCRIPTOR_BYTES // 8), np.int64)
+        self._columns = [table[:, field] for field in range(IN_DTYPE + 1)]
+        self._ring_base = np.arange(config.workers, dtype=np.int64) * config.ring
+        self._entries = np.empty(config.workers, dtype=np.int64)
+
+    def post_batch(self, seqs: np.ndarray, adapter_id: int, layer: int, proj: int, row_starts: np.ndarray,
+                   row_ends: np.ndarray, in_features: int, out_features: int, in_dtype: int = IN_FLOAT32) -> None:
+        """Engine: describe and publish job `seqs[w]` to every worker w < len(seqs) (int64 arrays, one
+        entry per worker; rows row_starts[w]:row_ends[w], the other fields shared), the input rows
+        written already. What `WorkerSlot.post` does for one worker, in O(1) Python work: each
+        descriptor field of all N jobs in one vectorised store, the tags after the fields, then the
+        N job flags in one store; one thread's plain stores in that order are seen in that order
+        (x86-64 TSO, see shm/flags.py). Every entry must be free (`free_for`)."""
+        count = len(seqs)
+        entries = self._entries[:count]
+        np.remainder(seqs, self.layout.ring, out=entries)
+        entries += self._ring_base[:count]
+        columns = self._columns
+        columns[ADAPTER][entries] = adapter_id
+        columns[LAYER][entries] = layer
+        columns[PROJ][entries] = proj
+        columns[ROW_START][entries] = row_starts
+        columns[ROW_END][entries] = row_ends
+        columns[IN_FEATURES][entries] = in_features
+        columns[OUT_FEATURES][entries] = out_features
+        columns[IN_DTYPE][entries] = in_dtype
+        columns[TAG][entries] = seqs
+        self.job_flags[:count] = seqs
 
     def input_rows(self, start: int, end: int, in_features: int, itemsize: int = FLOAT_BYTES) -> np.ndarray:
         """The compact input rows [start, end) of a job of width `in_features`, as raw bytes
@@ -266,6 +319,8 @@ class Exchange:
     def close(self) -> None:
         # Drop the views first so that the mapping can really be unmapped.
         self.input = self.input_bytes = self.output = self.header = self.hot = None
+        self.job_flags = self.done_flags = self.statuses = None
+        self._columns = []
         self.slots = []
         self.segment.close()
 

@@ -6,8 +6,15 @@ import multiprocessing
 
 import numpy as np
 import pytest
-
-from lorad.shm.exchange import STATUS_ERROR, STATUS_OK, Exchange, ExchangeConfig, ExchangeLayout, Job
+from lorad.shm.exchange import (
+    ERROR_WORD,
+    STATUS_ERROR,
+    STATUS_OK,
+    Exchange,
+    ExchangeConfig,
+    ExchangeLayout,
+    Job,
+)
 from lorad.shm.segment import lorad_segments, new_instance
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")  # tests/conftest.py
@@ -83,3 +90,52 @@ def test_jobs_round_trip_between_processes():
             assert child.exitcode == 0
         assert exchange.slots[0].pid == 1234
         assert exchange.slots[1].take() == Job(50, 1, 2, 20, 32, 16, 16)
+
+
+def _watch_batches(name, rounds, workers, result):
+    # Reads every worker's job flag, then its descriptor and input row: both must be of that seq or later.
+    exchange = Exchange.attach(name)
+    bad = checks = 0
+    while checks == 0 or int(exchange.job_flags.min()) < rounds:
+        seen = exchange.job_flags.copy()
+        for worker in range(workers):
+            seq = int(seen[worker])
+            if seq == 0:
+                continue
+            job = exchange.slots[worker].take(seq)
+            if job is None or job.row_start != worker or exchange.input[worker, 0] < seq:
+                bad += 1
+            checks += 1
+    exchange.header[ERROR_WORD] = bad if bad else -checks
+    exchange.close()
+
+
+def test_post_batch_publishes_descriptors_and_data_before_flags():
+    workers, rounds = 4, 3000
+    config = ExchangeConfig(workers=workers, max_tokens=workers, hidden=16, max_out=16, ring=4096)
+    with Exchange.create(new_instance(), config) as exchange:
+        child = fork.Process(target=_watch_batches, args=(exchange.name, rounds, workers, None))
+        child.start()
+        starts = np.arange(workers, dtype=np.int64)
+        seqs = np.zeros(workers, dtype=np.int64)
+        for seq in range(1, rounds + 1):
+            exchange.input[:, 0] = seq  # the data, then the descriptors, then the flags
+            seqs[:] = seq
+            exchange.post_batch(seqs, 7, 1, 2, starts, starts + 1, 16, 16)
+        child.join(20)
+        assert child.exitcode == 0
+        assert exchange.header[ERROR_WORD] < 0, f"{exchange.header[ERROR_WORD]} reads saw a flag ahead of its job"
+        assert [slot.take() for slot in exchange.slots] == [Job(7, 1, 2, w, w + 1, 16, 16) for w in range(workers)]
+        assert exchange.job_flags.tolist() == [rounds] * workers
+
+
+def test_post_batch_matches_one_post_per_worker():
+    config = ExchangeConfig(workers=3, max_tokens=8, hidden=16, max_out=16, ring=4)
+    with Exchange.create(new_instance(), config) as exchange:
+        seqs = np.array([5, 9, 2], dtype=np.int64)  # workers at different seqs: different ring entries
+        exchange.post_batch(seqs, np.array([3, 4, 5]), 1, 6, np.array([0, 2, 5]), np.array([2, 5, 8]), 16, 8, 2)
+        assert [slot.job_flag.load() for slot in exchange.slots] == [5, 9, 2]
+        assert [slot.take() for slot in exchange.slots] == [
+            Job(3, 1, 6, 0, 2, 16, 8, 2), Job(4, 1, 6, 2, 5, 16, 8, 2), Job(5, 1, 6, 5, 8, 16, 8, 2)]
+        exchange.slots[1].finish(9, STATUS_ERROR)
+        assert exchange.done_flags.tolist() == [0, 9, 0] and exchange.statuses.tolist() == [0, STATUS_ERROR, 0]

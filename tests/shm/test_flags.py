@@ -7,10 +7,8 @@ import time
 
 import numpy as np
 import pytest
-
-from lorad.shm.flags import ORDERED_STORES, Flag
+from lorad.shm.flags import ORDERED_STORES, Flag, wait_all
 from lorad.shm.segment import Segment, new_instance, segment_name
-
 
 fork = multiprocessing.get_context("fork")
 pytestmark = [
@@ -127,3 +125,28 @@ def test_on_pause_can_abandon_the_wait(segment):
 def test_flags_must_be_aligned(segment):
     with pytest.raises(ValueError):
         Flag(segment.buffer, 4)
+
+
+def test_wait_all_returns_when_every_flag_reaches_or_passes_its_target(segment):
+    flags = np.ndarray((4,), np.int64, segment.buffer, 0, (128,))  # one flag per line, as the exchange's
+    flags[:] = [3, 5, 7, 9]
+    wait_all(flags, np.array([3, 5, 7, 9]), timeout_s=0)
+    wait_all(flags, np.array([1, 5, 2, 9]), timeout_s=0.5)  # past their targets: the full comparison
+    with pytest.raises(TimeoutError):
+        wait_all(flags, np.array([3, 5, 8, 9]), timeout_s=0.02)
+    del flags
+
+
+def test_wait_all_on_pause_may_raise_the_missing_flags(segment):
+    flags = np.ndarray((8,), np.int64, segment.buffer, 0, (128,))
+    flags[:] = 1
+    flags[5] = 0
+    calls = []
+
+    def close_the_dead_job():
+        calls.append(1)
+        flags[5] = 1
+
+    wait_all(flags, np.ones(8, dtype=np.int64), timeout_s=5, on_pause=close_the_dead_job)
+    assert calls
+    flags = None  # drop the view before the segment closes
