@@ -31,6 +31,7 @@ from lorad.shm.exchange import (
     ExchangeConfig,
     Job,
 )
+from lorad.shm.flags import wait_all
 from lorad.shm.segment import new_instance, pid_alive
 from lorad.shm.store import AdapterStore
 
@@ -61,8 +62,6 @@ def worker_main(
     exchange = Exchange.attach(exchange_name)
     store = AdapterStore.attach(store_name)
     slot = exchange.slots[worker]
-    outputs = torch.from_numpy(exchange.output)
-    scratch = torch.empty(exchange.config.max_tokens * 64)  # x @ A^T; grown for larger ranks
     next_parent_check = 0.0
 
     def idle() -> None:
@@ -75,58 +74,106 @@ def worker_main(
                 raise _Orphaned
 
     slot.pid = os.getpid()
-    seq = start_seq
+    seq = int(start_seq)
+    plans = _Plans(exchange, store)
+    job_flag, hot, fields_of, finish, run = slot.job_flag, exchange.hot, slot.fields, slot.finish, plans.run
     try:
         while True:
             slot.beat()
             # Hot (the engine has CPU-assisted work in flight or coming): poll, as CaraServe's pinned
             # workers do; cold: sleep, so that an idle daemon costs no cores.
-            raised = slot.job_flag.wait(seq + 1, timeout_s=None, spin_s=spin_s, max_pause_s=max_pause_s, on_pause=idle,
-                                        hot=exchange.hot)
+            raised = job_flag.wait(seq + 1, timeout_s=None, spin_s=spin_s, max_pause_s=max_pause_s, on_pause=idle, hot=hot)
             # The flag may have jumped several jobs (a GPU enqueued them): serve them in order.
             while seq < raised:
                 seq += 1
-                job = slot.take(seq)
-                if job is not None and job.adapter_id == STOP:
-                    slot.finish(seq, STATUS_OK)
+                fields = fields_of(seq)
+                if fields is not None and fields[0] == STOP:
+                    finish(seq, STATUS_OK)
                     return
-                status = STATUS_OK
                 try:
-                    if job is None:
+                    if fields is None:
                         raise ValueError(f"ring entry of job seq={seq} holds another job")
-                    scratch = _compute(job, exchange, store, outputs, scratch)
+                    run(fields)
                 except Exception as error:  # a bad job fails alone; the worker keeps serving
-                    log.warning("worker=%d seq=%d job=%s failed: %r", worker, seq, job, error)
-                    status = STATUS_ERROR
-                slot.finish(seq, status)
+                    log.warning("worker=%d seq=%d job=%s failed: %r", worker, seq, fields and Job(*fields), error)
+                    finish(seq, STATUS_ERROR)
+                else:
+                    finish(seq, STATUS_OK)  # the result rows are written: status, then the done flag
     except _Orphaned:
         log.warning("worker=%d parent_pid=%d gone, exiting", worker, parent_pid)
     finally:
-        del outputs, slot
+        del plans, run, finish, fields_of, job_flag, hot, slot
         store.close()
         exchange.close()
 
 
 _TORCH_INPUT = {IN_FLOAT32: torch.float32, IN_FLOAT16: torch.float16, IN_BFLOAT16: torch.bfloat16}
+PLAN_LIMIT = 4096  # cached entries of each kind before a cache starts over
 
 
-def _compute(job: Job, exchange: Exchange, store: AdapterStore, outputs: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """output[rows, :out] = x @ A^T @ B^T in fp32, x the job's compact input rows in their dtype.
-    Returns the scratch buffer (grown when a job needs more)."""
-    a, b_t = store.lookup(job.adapter_id, job.layer, job.proj)
-    rank, rows = a.shape[0], job.row_end - job.row_start
-    _check_job(job, a, b_t, exchange.config)
-    dtype = _TORCH_INPUT[job.in_dtype]
-    raw = exchange.input_rows(job.row_start, job.row_end, job.in_features, INPUT_ITEMSIZE[job.in_dtype])
-    x = torch.from_numpy(raw).view(dtype)  # [rows, in_features], no copy
-    if dtype != torch.float32:
-        x = x.float()  # the CPU computes in fp32 (faster than bf16 here, and exact for the add)
-    if scratch.numel() < rows * rank:
-        scratch = torch.empty(rows * rank)
-    shrunk = scratch[: rows * rank].view(rows, rank)
-    torch.mm(x, a.t(), out=shrunk)
-    torch.mm(shrunk, b_t, out=outputs[job.row_start : job.row_end, : job.out_features])
-    return scratch
+class _Plans:
+    """A worker's jobs with the per-job Python work cached: the tensors a job reads and writes depend
+    on its descriptor only, so they are built once per distinct rows (every projection of a step
+    shares its token ranges), per module (validated against the store's current view at each job),
+    and per (rows, rank) intermediate; a repeated job then builds no view and allocates nothing
+    (half inputs are converted into a cached fp32 buffer). Output rows: `x @ A^T @ B^T` in fp32,
+    x the job's compact input rows in their dtype."""
+
+    def __init__(self, exchange: Exchange, store: AdapterStore):
+        self.exchange, self.store = exchange, store
+        self.outputs = torch.from_numpy(exchange.output)
+        self.scratch = torch.empty(exchange.config.max_tokens * 64)  # x @ A^T; grown for larger ranks
+        self.rows: dict[tuple, tuple] = {}  # (start, end, in, out, dtype) -> (x, fp32 staging or None, out)
+        self.modules: dict[tuple, tuple] = {}  # (adapter, layer, proj) -> (A, A^T, B^T)
+        self.middles: dict[tuple, torch.Tensor] = {}  # (rows, rank) -> view of scratch
+
+    def run(self, fields: tuple) -> None:
+        """output[rows, :out] = x @ A^T @ B^T for the job of descriptor `fields` (Job's fields)."""
+        adapter_id, layer, proj, row_start, row_end, in_features, out_features, _ = fields
+        a, b_t = self.store.lookup(adapter_id, layer, proj)
+        module = self.modules.get((adapter_id, layer, proj))
+        if module is None or module[0] is not a:
+            module = self._module(adapter_id, layer, proj, a, b_t)
+        if module[3] != in_features or module[4] != out_features:  # also checked per module: rows plans are shared
+            raise ValueError(f"adapter module is {tuple(a.shape)} x {tuple(b_t.shape)}, job says {in_features} -> {out_features}")
+        rows = self.rows.get(fields[3:])
+        if rows is None:
+            rows = self._rows(Job(*fields), a, b_t)
+        x, staging, out = rows
+        middle = self.middles.get((row_end - row_start, a.shape[0]))
+        if middle is None:
+            middle = self._middle(row_end - row_start, a.shape[0])
+        if staging is not None:
+            x = staging.copy_(x)  # the CPU computes in fp32 (faster than bf16 here, and exact for the add)
+        torch.mm(x, module[1], out=middle)
+        torch.mm(middle, module[2], out=out)
+
+    def _module(self, adapter_id: int, layer: int, proj: int, a: torch.Tensor, b_t: torch.Tensor) -> tuple:
+        if len(self.modules) >= PLAN_LIMIT:
+            self.modules.clear()
+        module = self.modules[(adapter_id, layer, proj)] = (a, a.t(), b_t, a.shape[1], b_t.shape[1])
+        return module
+
+    def _rows(self, job: Job, a: torch.Tensor, b_t: torch.Tensor) -> tuple:
+        _check_job(job, a, b_t, self.exchange.config)
+        dtype = _TORCH_INPUT[job.in_dtype]
+        raw = self.exchange.input_rows(job.row_start, job.row_end, job.in_features, INPUT_ITEMSIZE[job.in_dtype])
+        x = torch.from_numpy(raw).view(dtype)  # [rows, in_features], no copy
+        staging = None if dtype == torch.float32 else torch.empty(x.shape)
+        if len(self.rows) >= PLAN_LIMIT:
+            self.rows.clear()
+        rows = self.rows[(job.row_start, job.row_end, job.in_features, job.out_features, job.in_dtype)] = (
+            x, staging, self.outputs[job.row_start : job.row_end, : job.out_features])
+        return rows
+
+    def _middle(self, rows: int, rank: int) -> torch.Tensor:
+        if self.scratch.numel() < rows * rank:
+            self.scratch = torch.empty(rows * rank)
+            self.middles.clear()  # their views are of the old buffer
+        if len(self.middles) >= PLAN_LIMIT:
+            self.middles.clear()
+        middle = self.middles[(rows, rank)] = self.scratch[: rows * rank].view(rows, rank)
+        return middle
 
 
 def _check_job(job: Job, a: torch.Tensor, b_t: torch.Tensor, config: ExchangeConfig) -> None:
@@ -146,7 +193,10 @@ class WorkerPool:
 
     Per layer and projection the engine writes `x` into `pool.input[:T, :in]` (or passes it to `run`),
     posts one job per token range (`partition.split`) and reads `pool.output[:T, :out]`. One job per
-    worker is in flight at a time. A worker that exits is noticed within about `max_pause_s` of a
+    worker is in flight at a time. `post` + `wait_posted` (what `run` uses) cost O(1) Python work
+    whatever the number of workers: one vectorised write of the descriptors and one of the job
+    flags, then one vectorised comparison of the done flags per poll; `submit` + `wait` do the same
+    for one worker. A worker that exits is noticed within about `max_pause_s` of a
     wait; one that does not finish a job within `job_timeout_s`, or that stops its heartbeat while
     idle for `stall_s` (see `check()`), is killed; either way it is replaced (`restarts` counts them)
     and its job is reported as failed. One thread (the engine's step loop) drives a pool.
@@ -191,7 +241,8 @@ class WorkerPool:
         self.exchange = Exchange.create(instance or new_instance(), config)
         self.input, self.output = self.exchange.input, self.exchange.output
         self._processes: list = [None] * workers
-        self._seq = [0] * workers
+        self._seq = np.zeros(workers, dtype=np.int64)  # the last seq posted to each worker
+        self._all_ok = [bytes(8 * count) for count in range(workers + 1)]  # `count` STATUS_OK words
         self._beats = [(-1, time.monotonic())] * workers  # (heartbeat seen, when it last moved)
         try:
             for worker in range(workers):
@@ -223,7 +274,7 @@ class WorkerPool:
         process = self._context.Process(
             target=worker_main,
             name=f"lorad-cpu-lora-{worker}",
-            args=(self.exchange.name, self.store.name, worker, core, self._seq[worker], os.getpid(),
+            args=(self.exchange.name, self.store.name, worker, core, int(self._seq[worker]), os.getpid(),
                   self.spin_s, self.max_pause_s),
             daemon=True,
         )
@@ -251,7 +302,7 @@ class WorkerPool:
         log.warning("worker=%d pid=%d %s (exit code %s); restarting", worker, process.pid, why, process.exitcode)
         process.close()
         # The old worker is gone, so the pool may write its line: close the failed job's books.
-        self.exchange.slots[worker].finish(self._seq[worker], STATUS_ERROR)
+        self.exchange.slots[worker].finish(int(self._seq[worker]), STATUS_ERROR)
         self._start(worker)
 
     def submit(self, worker: int, job: Job) -> int:
@@ -263,9 +314,64 @@ class WorkerPool:
         slot = self.exchange.slots[worker]
         if slot.done_flag.load() < self._seq[worker]:
             raise RuntimeError(f"worker {worker} is still on job seq={self._seq[worker]}: wait for it first")
-        self._seq[worker] += 1
-        slot.post(self._seq[worker], job)
-        return self._seq[worker]
+        seq = int(self._seq[worker]) + 1
+        self._seq[worker] = seq
+        slot.post(seq, job)
+        return seq
+
+    def post(self, adapter_id: int, layer: int, proj: int, row_starts: np.ndarray, row_ends: np.ndarray,
+             in_features: int, out_features: int, in_dtype: int = IN_FLOAT32) -> int:
+        """Post one job to each of workers 0..n-1, n = len(row_starts): rows row_starts[w]:row_ends[w]
+        (int64 arrays), the other fields shared (`adapter_id` may also be an array, one per job), the
+        input rows written already. O(1) Python work (`Exchange.post_batch`) unless the pool is
+        cold, when the workers found dead are replaced first (as `submit`). Returns n, for
+        `wait_posted`. One job goes the scalar way (`submit`), cheaper than numpy's per-call cost."""
+        count = len(row_starts)
+        if count > self.workers:
+            raise ValueError(f"{count} jobs for {self.workers} workers")
+        if count == 1:
+            adapter = adapter_id if np.ndim(adapter_id) == 0 else adapter_id[0]
+            self.submit(0, Job(int(adapter), layer, proj, int(row_starts[0]), int(row_ends[0]), in_features,
+                               out_features, in_dtype))
+            return 1
+        exchange = self.exchange
+        if not exchange.is_hot:
+            for worker in range(count):
+                if self._processes[worker].exitcode is not None:
+                    self._replace(worker, "found dead")
+        seqs, done = self._seq[:count], exchange.done_flags[:count]
+        if done.tobytes() != seqs.tobytes() and (done < seqs).any():
+            busy = int(np.flatnonzero(done < seqs)[0])
+            raise RuntimeError(f"worker {busy} is still on job seq={self._seq[busy]}: wait for it first")
+        seqs += 1
+        exchange.post_batch(seqs, adapter_id, layer, proj, row_starts, row_ends, in_features, out_features, in_dtype)
+        return count
+
+    def wait_posted(self, count: int, timeout_s: float | None = None) -> list[int]:
+        """Wait for the jobs `post` gave workers 0..count-1 (one vectorised look at their done flags
+        per poll, `shm.flags.wait_all`). Returns the workers whose job failed: it reported an
+        error, or the worker died (seen within about `max_pause_s`) or missed the deadline; those
+        are replaced, the others keep waiting. Never waits past the deadline."""
+        if count == 1:
+            return [] if self.wait(0, int(self._seq[0]), timeout_s) else [0]
+        exchange = self.exchange
+        seqs, done = self._seq[:count], exchange.done_flags[:count]
+
+        def replace_dead() -> None:
+            for worker in range(count):
+                if self._processes[worker].exitcode is not None and done[worker] < seqs[worker]:
+                    self._replace(worker, f"died during job seq={seqs[worker]}")  # closes its job: done rises
+
+        try:
+            wait_all(done, seqs, timeout_s=self.job_timeout_s if timeout_s is None else timeout_s, spin_s=self.spin_s,
+                     max_pause_s=self.max_pause_s, on_pause=replace_dead, hot=exchange.hot)
+        except TimeoutError:
+            for worker in np.flatnonzero(done < seqs).tolist():
+                self._replace(worker, f"stalled on job seq={seqs[worker]}")
+        statuses = exchange.statuses[:count]  # read after the done flags: each is its job's
+        if statuses.tobytes() == self._all_ok[count]:
+            return []
+        return np.flatnonzero(statuses != STATUS_OK).tolist()
 
     def enqueue(self, worker: int, job: Job) -> int | None:
         """Describe `job` for `worker` without raising its job flag: a GPU kernel raises it later
@@ -275,7 +381,7 @@ class WorkerPool:
         never on the device) for the oldest to finish, at most `job_timeout_s`: None then, and the
         caller stops posting for this step. Call `settle()` once the device work is done."""
         slot = self.exchange.slots[worker]
-        seq = self._seq[worker] + 1
+        seq = int(self._seq[worker]) + 1
         if not slot.free_for(seq):
             try:
                 slot.done_flag.wait(seq - slot.ring, timeout_s=self.job_timeout_s, spin_s=self.spin_s,
@@ -294,9 +400,9 @@ class WorkerPool:
         failed = []
         for worker, slot in enumerate(self.exchange.slots):
             if slot.job_flag.load() < self._seq[worker]:  # enqueued but never signalled (a step cut short)
-                slot.job_flag.store(self._seq[worker])
+                slot.job_flag.store(int(self._seq[worker]))
             if slot.done_flag.load() < self._seq[worker] or self._processes[worker].exitcode is not None:
-                self.wait(worker, self._seq[worker])  # replaces a dead or stalled worker
+                self.wait(worker, int(self._seq[worker]))  # replaces a dead or stalled worker
             if slot.take_failed():
                 failed.append(worker)
         return failed
@@ -334,18 +440,21 @@ class WorkerPool:
         x: torch.Tensor | np.ndarray | None = None,
     ) -> list[tuple[int, int]]:
         """Compute `output[rows, :out] = x[rows] @ A^T @ B^T` for every (start, end) in `ranges`, one
-        worker each (at most `workers` ranges); `x` ([T, in] fp32, optional) is copied into the compact
-        input rows first (`Exchange.input_rows`). Returns the ranges that failed: the caller computes those another way."""
+        worker each (at most `workers` ranges: pairs, or int64 [n, 2]); `x` ([T, in] fp32, optional) is
+        copied into the compact input rows first (`Exchange.input_rows`). Returns the ranges that
+        failed: the caller computes those another way."""
         if len(ranges) > self.workers:
             raise ValueError(f"{len(ranges)} ranges for {self.workers} workers")
         if x is not None:
             x = x.numpy() if isinstance(x, torch.Tensor) else x
             self.exchange.input_rows(0, x.shape[0], x.shape[1]).view(np.float32)[:] = x
-        posted = [
-            (worker, start, end, self.submit(worker, Job(adapter_id, layer, proj, start, end, in_features, out_features)))
-            for worker, (start, end) in enumerate(ranges)
-        ]
-        return [(start, end) for worker, start, end, seq in posted if not self.wait(worker, seq)]
+        if len(ranges) == 1:  # no array to build
+            (start, end), = ranges
+            count = self.post(adapter_id, layer, proj, (start,), (end,), in_features, out_features)
+        else:
+            bounds = ranges if isinstance(ranges, np.ndarray) else np.array(ranges, dtype=np.int64).reshape(-1, 2)
+            count = self.post(adapter_id, layer, proj, bounds[:, 0], bounds[:, 1], in_features, out_features)
+        return [tuple(ranges[worker]) for worker in self.wait_posted(count)]
 
     def check(self) -> int:
         """Housekeeping between jobs: replace workers that exited or whose heartbeat has not moved
@@ -374,7 +483,7 @@ class WorkerPool:
         running = [(worker, p) for worker, p in enumerate(self._processes) if p is not None and p.exitcode is None]
         for worker, _ in running:
             self._seq[worker] += 1
-            self.exchange.slots[worker].post(self._seq[worker], Job(STOP, 0, 0, 0, 0, 0, 0))
+            self.exchange.slots[worker].post(int(self._seq[worker]), Job(STOP, 0, 0, 0, 0, 0, 0))
         deadline = time.monotonic() + self.stop_timeout_s
         for _, process in running:
             process.join(max(deadline - time.monotonic(), 0.0))
