@@ -65,6 +65,8 @@ class Backend:
         self.foreign_waiting: list[tuple[int, int]] = []  # (rank, prompt tokens)
         self.routed = 0  # requests forwarded
         self.failed = 0  # forwarded requests that ended in a backend failure
+        self.drops: dict[str, int] = {}  # requests it refused (admission_dropped, overloaded_error), by error type
+        self.retries = 0  # requests forwarded here after another backend refused them
         self.session: aiohttp.ClientSession | None = None
 
     # --- the connection ---------------------------------------------------------------------------------
@@ -159,6 +161,12 @@ class Backend:
         self.foreign_running = [(rank, left, context) for rank, context, left in running]
         self.foreign_waiting = [(rank, prompt) for rank, prompt in waiting]
 
+    def dropped(self, flight: Flight, kind: str) -> None:
+        """The backend refused `flight` (early abort, or no room to queue it): counted, and forgotten at once
+        in this backend's view, so the policy does not count it here while it is routed elsewhere."""
+        self.flights.pop(flight.id, None)
+        self.drops[kind] = self.drops.get(kind, 0) + 1
+
     # --- the view the policies read -------------------------------------------------------------------------
 
     def view(self) -> EngineView:
@@ -188,6 +196,8 @@ class Backend:
             "models": len(self.ranks),
             "routed": self.routed,
             "failed": self.failed,
+            "drops": dict(self.drops),
+            "retries": self.retries,
             "in_flight": len(self.flights),
             "foreign_running": len(self.foreign_running),
             "foreign_waiting": len(self.foreign_waiting),

@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tpot-slo-ms", type=float, metavar="MS",
                         help="rank-aware: the time-per-output-token objective; an engine whose decode step would "
                              "exceed it with the request pays a penalty")
+    parser.add_argument("--ttft-slo-ms", type=float, metavar="MS",
+                        help="the time-to-first-token objective: a request an engine refuses (early abort, or no room) "
+                             "is routed to another only while it has waited less (default: none, every candidate "
+                             "is tried once)")
     parser.add_argument("--avg-response-tokens", type=float, default=128.0, metavar="N",
                         help="rank-aware: tokens of an average answer, over which a prefill's cost is spread "
                              "(default: 128)")
@@ -104,6 +108,8 @@ def router_main(argv: list[str]) -> int:
         _setup_logging(args.log_level)
         if args.poll_interval_ms <= 0:
             raise BadRequest("--poll-interval-ms must be positive")
+        if args.ttft_slo_ms is not None and args.ttft_slo_ms <= 0:
+            raise BadRequest("--ttft-slo-ms must be positive")
         policy, about = make_policy(args)
         try:
             _claim_socket_path(args.socket)
@@ -125,7 +131,8 @@ async def _serve(args: argparse.Namespace, policy, about: dict) -> int:
     from lorad.daemon.api import serve_unix
     from lorad.daemon.router_server import Router, create_app
 
-    router = Router(args.backend, policy, args.poll_interval_ms / 1e3, about)
+    ttft_slo_s = args.ttft_slo_ms / 1e3 if args.ttft_slo_ms else None
+    router = Router(args.backend, policy, args.poll_interval_ms / 1e3, about, ttft_slo_s=ttft_slo_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -136,8 +143,8 @@ async def _serve(args: argparse.Namespace, policy, about: dict) -> int:
             runner = await serve_unix(create_app(router), args.socket, args.socket_mode)
         except OSError as error:
             raise BadRequest(f"cannot listen on {args.socket}: {error.strerror or error}") from None
-        log.info("router listening socket=%s mode=%o policy=%s backends=%s", args.socket, args.socket_mode,
-                 policy.name, ",".join(args.backend))
+        log.info("router listening socket=%s mode=%o policy=%s backends=%s retry_refused_within_ms=%s", args.socket,
+                 args.socket_mode, policy.name, ",".join(args.backend), args.ttft_slo_ms or "any")
         await stop.wait()
         log.info("stopping: requests still streaming are closed, their backends abort them")
         await runner.cleanup()

@@ -2,7 +2,10 @@
 as a daemon checks it (api.parse_completion), given to a routing policy of scheduler/router.py over the
 live views of the backends that serve its model (daemon/router_backends.py), and forwarded to the one
 chosen: a streamed answer passes through piece by piece as it arrives, a plain one whole. A client that
-leaves closes the upstream connection, and the backend aborts the request.
+leaves closes the upstream connection, and the backend aborts the request. A backend that refuses a
+request before its first token (503: `admission_dropped` by early abort, or `overloaded_error`: no room to
+queue it) has it routed again among the candidates that have not refused it, while the request's
+time-to-first-token budget lasts; when all have refused, the client gets 503 naming them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from lorad.daemon.router_backends import Backend, Flight
 from lorad.scheduler.router import RouteRequest
 
 from lorad.errors import (
+    AdmissionDropped,
     BackendError,
     BadRequest,
     BodyTooLarge,
@@ -38,13 +42,15 @@ ROUTER = web.AppKey("router", object)
 BYTES_PER_TOKEN = 4  # text prompts: the router has no tokenizer, so their length is estimated (BPE, English)
 MODELS_REFRESH_MIN_S = 1.0  # an unknown model re-reads the backends' /v1/models at most this often
 _DONE = b"data: [DONE]"
+RETRYABLE = (AdmissionDropped.type, Overloaded.type)  # refusals before any work: safe to send elsewhere
 
 
 class Router:
     """The backends, the policy, and the decisions taken. `start()` polls every backend once and then
     keeps polling in the background; `stop()` ends the polls and closes the connections."""
 
-    def __init__(self, backend_sockets: list[str], policy, poll_interval_s: float = 0.2, about: dict | None = None):
+    def __init__(self, backend_sockets: list[str], policy, poll_interval_s: float = 0.2, about: dict | None = None,
+                 ttft_slo_s: float | None = None):
         if not backend_sockets:
             raise BadRequest("the router needs at least one backend socket")
         if len(set(backend_sockets)) != len(backend_sockets):
@@ -54,6 +60,8 @@ class Router:
         self.poll_interval_s = poll_interval_s
         self.about = about or {}  # profile, objectives: shown in /v1/status
         self.decisions = {backend.socket_path: 0 for backend in self.backends}
+        self.ttft_slo_s = ttft_slo_s  # a refused request is routed again only within it (None: always)
+        self.refused_everywhere = 0  # requests answered 503 after every candidate refused them
         self.started = int(time.time())
         self._polls: list[asyncio.Task] = []
         self._models_refreshed = -1e9
@@ -116,7 +124,8 @@ class Router:
     def describe(self) -> dict:
         return {
             "router": {"policy": self.policy.name, "poll_interval_s": self.poll_interval_s,
-                       "decisions": dict(self.decisions), **self.about},
+                       "decisions": dict(self.decisions), "ttft_slo_s": self.ttft_slo_s,
+                       "refused_everywhere": self.refused_everywhere, **self.about},
             "backends": [backend.describe() for backend in self.backends],
         }
 
@@ -163,6 +172,13 @@ async def metrics(request: web.Request) -> web.Response:
     lines += [f'lorad_router_in_flight{{backend="{b.socket_path}"}} {len(b.flights)}' for b in router.backends]
     lines.append("# TYPE lorad_router_backend_failures_total counter")
     lines += [f'lorad_router_backend_failures_total{{backend="{b.socket_path}"}} {b.failed}' for b in router.backends]
+    lines.append("# TYPE lorad_router_backend_drops_total counter")
+    lines += [f'lorad_router_backend_drops_total{{backend="{b.socket_path}",reason="{kind}"}} {b.drops.get(kind, 0)}'
+              for b in router.backends for kind in RETRYABLE]
+    lines.append("# TYPE lorad_router_retries_total counter")
+    lines += [f'lorad_router_retries_total{{backend="{b.socket_path}"}} {b.retries}' for b in router.backends]
+    lines.append("# TYPE lorad_router_refused_everywhere_total counter")
+    lines.append(f"lorad_router_refused_everywhere_total {router.refused_everywhere}")
     return web.Response(body=("\n".join(lines) + "\n").encode(), headers={"Content-Type": metrics_format.CONTENT_TYPE})
 
 
@@ -178,15 +194,67 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt = completion.prompt
     prompt_tokens = len(prompt) if isinstance(prompt, list) else max(1, len(prompt.encode()) // BYTES_PER_TOKEN)
     route = RouteRequest(router.rank(completion.model, pool), prompt_tokens)
+    arrived = time.monotonic()
+    refusals: list[_Refusal] = []
+    while True:  # once per backend at most: one that refuses before any token is left out of the next choice
+        backend, flight, upstream = await _forward(router, route, pool, completion, raw)
+        backend.routed += 1
+        if refusals:
+            backend.retries += 1
+        try:
+            refusal, head = await _refused(upstream, completion.stream, backend)
+        except BaseException:
+            upstream.close()
+            backend.flights.pop(flight.id, None)
+            raise
+        if refusal is None:
+            break
+        upstream.close()
+        backend.dropped(flight, refusal.kind)
+        refusals.append(refusal)
+        pool = [b for b in pool if b.up and all(b is not r.backend for r in refusals)]
+        stop = _why_not_again(router, request, pool, arrived)
+        log.info("request refused model=%s rank=%d backend=%s reason=%s retry=%s", completion.model, route.rank,
+                 backend.socket_path, refusal.kind, "no: " + stop if stop else "yes")
+        if stop:
+            raise _refused_everywhere(router, completion.model, refusals, stop)
 
-    while True:  # a backend that refuses the connection is marked down and the request routed again
+    outcome = "client_left"
+    try:
+        if upstream.status >= 400:  # the backend's own refusal, as it gave it
+            headers = {k: v for k, v in upstream.headers.items() if k == "Retry-After"}
+            outcome = f"refused_{upstream.status}"
+            return web.Response(body=await upstream.read(), status=upstream.status, headers=headers,
+                                content_type="application/json")
+        if completion.stream:
+            response, outcome = await _pass_stream(request, upstream, backend, flight, head)
+            return response
+        try:
+            answer = await upstream.read()
+        except (aiohttp.ClientError, OSError) as error:
+            outcome = "backend_failed"
+            raise _backend_failed(backend, error) from None
+        outcome = "answered"
+        return web.Response(body=answer, status=upstream.status, content_type="application/json")
+    finally:
+        upstream.close()  # if the client left early, this is what aborts the request in the backend
+        backend.flights.pop(flight.id, None)
+        log.info("request routed model=%s rank=%d prompt_tokens=%d backend=%s outcome=%s tokens_seen=%d latency_ms=%.1f "
+                 "refused_by=%d", completion.model, route.rank, prompt_tokens, backend.socket_path, outcome,
+                 flight.generated, (time.monotonic() - flight.started) * 1e3, len(refusals))
+
+
+async def _forward(router: Router, route: RouteRequest, pool: list[Backend], completion, raw: bytes):
+    """Chooses a backend of `pool` and posts the request to it -> (backend, flight, upstream response). A
+    backend that refuses the connection is marked down and another chosen (nothing was sent)."""
+    while True:
         backend = router.choose(route, pool)
-        flight = Flight(route.rank, prompt_tokens, completion.sampling.max_tokens, completion.stream)
+        flight = Flight(route.rank, route.prompt_tokens, completion.sampling.max_tokens, completion.stream)
         backend.flights[flight.id] = flight
         try:
             upstream = await backend.session.post(
                 "http://localhost/v1/completions", data=raw, headers={"Content-Type": "application/json"})
-            break
+            return backend, flight, upstream
         except aiohttp.ClientConnectorError as error:  # nothing was sent: safe to send elsewhere
             del backend.flights[flight.id]
             backend.mark_down(f"connection refused: {error.os_error}")
@@ -201,30 +269,75 @@ async def completions(request: web.Request) -> web.StreamResponse:
             del backend.flights[flight.id]
             raise
 
-    backend.routed += 1
-    outcome = "client_left"
-    try:
-        if upstream.status >= 400:  # the backend's own refusal, as it gave it
-            headers = {k: v for k, v in upstream.headers.items() if k == "Retry-After"}
-            outcome = f"refused_{upstream.status}"
-            return web.Response(body=await upstream.read(), status=upstream.status, headers=headers,
-                                content_type="application/json")
-        if completion.stream:
-            response, outcome = await _pass_stream(request, upstream, backend, flight)
-            return response
+
+class _Refusal:
+    def __init__(self, backend: Backend, kind: str, message: str, retry_after_s: float):
+        self.backend, self.kind, self.message, self.retry_after_s = backend, kind, message, retry_after_s
+
+
+async def _refused(upstream, stream: bool, backend: Backend) -> tuple[_Refusal | None, bytes]:
+    """Whether the backend refused the request before any token, as a retryable 503 (a plain answer, or a
+    stream whose first event is such an error) -> (the refusal or None, the stream's bytes read so far,
+    which the caller passes on). A stream is read up to its first complete event before the client's
+    response starts, so that a refusal can still be routed elsewhere."""
+    if upstream.status == 503:
+        body = await upstream.read()
+        # read() keeps the body: the caller passes on a refusal that is not retried as it came
+        return _refusal_in(body, backend, upstream.headers.get("Retry-After")), b""
+    if not stream or upstream.status != 200:
+        return None, b""
+    head = b""
+    while b"\n\n" not in head:
         try:
-            answer = await upstream.read()
+            data = await upstream.content.readany()
         except (aiohttp.ClientError, OSError) as error:
-            outcome = "backend_failed"
             raise _backend_failed(backend, error) from None
-        outcome = "answered"
-        return web.Response(body=answer, status=upstream.status, content_type="application/json")
-    finally:
-        upstream.close()  # if the client left early, this is what aborts the request in the backend
-        backend.flights.pop(flight.id, None)
-        log.info("request routed model=%s rank=%d prompt_tokens=%d backend=%s outcome=%s tokens_seen=%d latency_ms=%.1f",
-                 completion.model, route.rank, prompt_tokens, backend.socket_path, outcome, flight.generated,
-                 (time.monotonic() - flight.started) * 1e3)
+        if not data:
+            break  # ended early: _pass_stream reports it
+        head += data
+    event = head.split(b"\n\n", 1)[0]
+    if event.startswith(b"data: {"):
+        return _refusal_in(event[len(b"data: "):], backend, None), head
+    return None, head
+
+
+def _refusal_in(body: bytes, backend: Backend, retry_after: str | None) -> _Refusal | None:
+    try:
+        error = json.loads(body).get("error")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return None
+    if not isinstance(error, dict) or error.get("type") not in RETRYABLE:
+        return None
+    try:
+        retry_after_s = float(retry_after) if retry_after else 1.0
+    except ValueError:
+        retry_after_s = 1.0
+    return _Refusal(backend, error["type"], str(error.get("message", "")), retry_after_s)
+
+
+def _why_not_again(router: Router, request: web.Request, pool: list[Backend], arrived: float) -> str | None:
+    """Why a refused request is not routed again (None: it is)."""
+    if request.transport is None or request.transport.is_closing():
+        return "the client left"
+    if not pool:
+        return "no other candidate"
+    waited = time.monotonic() - arrived
+    if router.ttft_slo_s is not None and waited >= router.ttft_slo_s:
+        return f"its time-to-first-token budget of {router.ttft_slo_s * 1e3:.0f} ms is spent ({waited * 1e3:.0f} ms)"
+    return None
+
+
+def _refused_everywhere(router: Router, model: str, refusals: list[_Refusal], stop: str) -> Overloaded:
+    """The 503 the client gets: AdmissionDropped when every refusal was an early-abort drop."""
+    router.refused_everywhere += 1
+    each = "; ".join(f"{r.backend.socket_path} ({r.kind}: {r.message})" for r in refusals)
+    kind = AdmissionDropped if all(r.kind == AdmissionDropped.type for r in refusals) else Overloaded
+    names = ", ".join(r.backend.socket_path for r in refusals)
+    if stop == "no other candidate":
+        message = f"every engine serving {model!r} refused the request: {names}. Why: {each}"
+    else:
+        message = f"refused by the engines {names}; not routed again: {stop}. Why: {each}"
+    return kind(message, retry_after_s=max(r.retry_after_s for r in refusals))
 
 
 def _backend_failed(backend: Backend, error: BaseException) -> BackendError:
@@ -234,24 +347,29 @@ def _backend_failed(backend: Backend, error: BaseException) -> BackendError:
     return BackendError(f"the backend {backend.socket_path} failed during the request: {reason}")
 
 
-async def _pass_stream(request, upstream, backend: Backend, flight: Flight) -> tuple[web.StreamResponse, str]:
-    """Writes each piece of the backend's event stream to the client as it arrives, counting the tokens
-    of the complete events for the router's view. A backend that breaks off ends the stream with an
-    error event (502) and [DONE], as the daemon ends a failed generation. Returns the response and how
-    it ended: streamed, client_left or backend_failed."""
+async def _pass_stream(request, upstream, backend: Backend, flight: Flight,
+                       head: bytes = b"") -> tuple[web.StreamResponse, str]:
+    """Writes each piece of the backend's event stream to the client as it arrives (`head` first: what
+    was read already), counting the tokens of the complete events for the router's view. A backend that
+    breaks off ends the stream with an error event (502) and [DONE], as the daemon ends a failed
+    generation; a drop after tokens were streamed passes through (counted, not repeated elsewhere).
+    Returns the response and how it ended: streamed, client_left, dropped or backend_failed."""
     response = web.StreamResponse(status=upstream.status,
                                   headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    partial, done = b"", False
+    partial, done, dropped = b"", False, False
     while True:
-        try:
-            data = await upstream.content.readany()
-        except (aiohttp.ClientError, OSError) as error:
-            data, failure = b"", _backend_failed(backend, error)
+        if head:
+            data, head, failure = head, b"", None
         else:
-            failure = None
-            if not data and not done:
-                failure = _backend_failed(backend, ConnectionError("the stream ended without [DONE]"))
+            try:
+                data = await upstream.content.readany()
+            except (aiohttp.ClientError, OSError) as error:
+                data, failure = b"", _backend_failed(backend, error)
+            else:
+                failure = None
+        if failure is None and not data and not done:
+            failure = _backend_failed(backend, ConnectionError("the stream ended without [DONE]"))
         if failure is not None:
             data = (b"data: " + json.dumps(error_body(failure)).encode() + b"\n\n" + _DONE + b"\n\n")
         if not data:
@@ -267,8 +385,12 @@ async def _pass_stream(request, upstream, backend: Backend, flight: Flight) -> t
         for event in events:
             done |= event.startswith(_DONE)
             flight.generated += _tokens_in(event)
+            refusal = _refusal_in(event[len(b"data: "):], backend, None) if event.startswith(b"data: {\"error\"") else None
+            if refusal is not None:
+                backend.drops[refusal.kind] = backend.drops.get(refusal.kind, 0) + 1
+                dropped = True
     await response.write_eof()
-    return response, "streamed" if failure is None else "backend_failed"
+    return response, "backend_failed" if failure is not None else "dropped" if dropped else "streamed"
 
 
 def _tokens_in(event: bytes) -> int:
