@@ -95,7 +95,8 @@ def test_fcfs_is_the_default_and_drops_nothing(demo_assets):
     engine = demo_engine(demo_assets, max_running_requests=2)
     status = engine.status()["admission"]
     assert status == {"policy": "fcfs", "slo_ttft_ms": None, "slo_tpot_ms": None, "cluster_max_adapters": None,
-                      "cluster_max_wait_ms": None, "ttft_estimate": "none (no early abort)", "dropped": 0}
+                      "cluster_max_wait_ms": None, "ttft_estimate": "none (no early abort)", "dropped": 0,
+                      "tpot_rule": "off (no slo_tpot_ms)", "tpot_held": 0}
     requests = [GenerationRequest([5 + i] * 30, "demo-r8", SamplingParams(max_tokens=3, ignore_eos=True))
                 for i in range(6)]
     assert all(r.finish_reason == "length" for r in engine.generate(requests))
