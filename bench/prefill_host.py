@@ -67,6 +67,17 @@ def graph_ms(run, reps: int) -> float | None:
     return wall_ms(graph.replay, reps)
 
 
+def kernel_table(run) -> str:
+    """The device time of run()'s kernels, by kernel (torch.profiler sees inside graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-config", default="llama-2-7b")
@@ -87,7 +98,7 @@ def main() -> int:
     first, count = bench.kv_pages
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "model": args.model_config, "rank": args.rank, "rows": []}
-    profiles = {}
+    profiles, kernel_tables = {}, {}
     for n in tokens:
         blocks = -(-n // bench.kv.tokens_per_page)
         block_pages = bench.rng.integers(first, first + count, size=(1, blocks, spec.num_layers, 2), dtype=np.int32)
@@ -106,8 +117,13 @@ def main() -> int:
 
                 graphs = bench._prefill_graphs()
                 seqs = [StepSeq(bench.rng.integers(0, spec.vocab_size, size=n), 0, slot, block_pages[0], True)]
-                row["prefill_graphs_ms"] = wall_ms(lambda seqs=seqs: graphs.run(seqs), args.reps)
+                row["prefill_graphs_ms"] = wall_ms(lambda seqs=seqs, graphs=graphs: graphs.run(seqs), args.reps)
                 row["prefill_graphs_key"] = list(graphs.last_key)
+                if label == "lora":  # the kernels of both graphs, by device time
+                    fill_ms = host_ms(lambda seqs=seqs, graphs=graphs: graphs.fill(seqs), args.reps)
+                    row["prefill_graphs_fill_ms"] = fill_ms
+                    kernel_tables[f"{n} eager-captured"] = kernel_table(lambda run=run: graph_ms(run, 3))
+                    kernel_tables[f"{n} prefill-graphs"] = kernel_table(lambda seqs=seqs, graphs=graphs: [graphs.run(seqs) for _ in range(3)])
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
             if n == tokens[0]:
@@ -125,6 +141,9 @@ def main() -> int:
                 profiles[label] = text.getvalue()
                 print(text.getvalue(), flush=True)
     report["cprofile"] = profiles
+    report["kernels"] = kernel_tables
+    for name, table in kernel_tables.items():
+        print(f"--- {name}\n{table}")
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(report, handle, indent=1)

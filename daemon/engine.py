@@ -202,6 +202,8 @@ class Engine:
             free, _ = torch.cuda.mem_get_info(self.device)
             # Leave room for the activations of the largest step (a generous multiple of its hidden states).
             activations = self.config.max_batch_tokens * (self.spec.hidden_size * 8 + self.spec.intermediate_size * 4) * page_bytes // self.spec.hidden_size
+            if not self.config.eager:  # the CUDA graphs' memory pool holds one such step's activations for good
+                activations *= 2
             budget = int(free * self.config.gpu_memory_utilization) - activations
         else:
             budget = CPU_POOL_BYTES

@@ -13,6 +13,22 @@ import pytest
 import hf_fixtures
 
 
+@pytest.fixture(autouse=True)
+def free_gpu_memory(request):
+    """After each GPU test: collect the engines it left (an engine and its scheduler refer to each
+    other, so only the cycle collector frees its page pool, sized from the free memory), so that the
+    next test's engine finds the memory free."""
+    yield
+    if request.node.get_closest_marker("gpu") is not None:
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory):
     """The built-in demo (daemon/demo.py) in a session temporary directory."""
