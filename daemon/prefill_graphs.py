@@ -12,9 +12,9 @@ filled before each replay, and every grid is fixed by the bucket:
 - attention runs every sequence, decode rows included, through the prefill kernel over a fixed
   number of query tiles (the bucket's tokens / the tile height, plus one per sequence); tiles past
   the step's point at a padding sequence of no rows, which returns at once;
-- LoRA runs MBGMM over a fixed number of segments (one per sequence at most) at the configured
-  maximum rank; padding segments have no rows, and each program past its segment's rows or its
-  adapter's rank returns at once;
+- LoRA runs MBGMM at the configured maximum rank over a fixed list of row tiles (the bucket's tokens /
+  64, plus one per segment, a segment being one adapter's rows); tiles past the step's point at a
+  padding segment of no rows, and each program past its adapter's rank returns at once;
 - logits come back for a fixed number of sampled rows; the caller reads the first ones.
 
 Graphs are captured per bucket for steps without any adapter row ("none": no LoRA launches) and with
@@ -51,27 +51,31 @@ class StepSeq:
 
 
 class _Bucket:
-    """The static metadata of one token bucket: `tokens` rows, at most `seqs` sequences (and one
-    padding sequence after them), `tiles` attention tiles, `seqs` LoRA segments."""
+    """The static metadata of one token bucket: `tokens` rows, at most `seqs` sequences and `seqs` LoRA
+    segments (and a padding one of each after them), `tiles` attention tiles of `tile_m` rows, `seg_tiles`
+    LoRA row tiles of `seg_tile_m` rows."""
 
-    def __init__(self, tokens: int, seqs: int, tile_m: int, device: torch.device, pin: bool):
-        self.tokens, self.seqs, self.tile_m = tokens, seqs, tile_m
+    def __init__(self, tokens: int, seqs: int, tile_m: int, seg_tile_m: int, device: torch.device, pin: bool):
+        self.tokens, self.seqs, self.tile_m, self.seg_tile_m = tokens, seqs, tile_m, seg_tile_m
         self.tiles = -(-tokens // tile_m) + seqs
-        # int32, one copy: seg_meta [3, seqs] | seg_rows [tokens] | row_slot [tokens] | seq_info [3, seqs + 1]
-        # | tile_seq [tiles] | tile_row [tiles]
-        self.sizes = (3 * seqs, tokens, tokens, 3 * (seqs + 1), self.tiles, self.tiles)
+        self.seg_tiles = -(-tokens // seg_tile_m) + seqs
+        # int32, one copy: seg_meta [3, seqs + 1] | seg_rows [tokens] | row_slot [tokens] | seq_info [3, seqs + 1]
+        # | tile_seq [tiles] | tile_row [tiles] | seg_tile [2, seg_tiles]
+        self.sizes = (3 * (seqs + 1), tokens, tokens, 3 * (seqs + 1), self.tiles, self.tiles, 2 * self.seg_tiles)
         total = sum(self.sizes)
         self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
         self.device = torch.zeros(total, dtype=torch.int32, device=device)
         parts = self.device.split(self.sizes)
-        self.seg_meta, self.seg_rows, self.row_slot = parts[0].view(3, seqs), parts[1], parts[2]
+        self.seg_meta, self.seg_rows, self.row_slot = parts[0].view(3, seqs + 1), parts[1], parts[2]
         self.seq_info, self.tile_seq, self.tile_row = parts[3].view(3, seqs + 1), parts[4], parts[5]
+        self.seg_tile = parts[6].view(2, self.seg_tiles)
         self.host_parts = [part.numpy() for part in self.host.split(self.sizes)]
 
 
 class PrefillGraphs:
     def __init__(self, model, kv, table, max_tokens: int, max_seqs: int, max_model_len: int, max_lora_rank: int,
                  buckets: tuple[int, ...] = TOKEN_BUCKETS):
+        from lorad.gpu_ops.mbgmm import GRAPH_BLOCK_M
         from lorad.gpu_ops.paged_attention import PREFILL_BLOCK_M
 
         self.model, self.kv, self.table = model, kv, table
@@ -83,7 +87,7 @@ class PrefillGraphs:
         largest = self.tokens_buckets[-1]
         self.max_seqs = min(max_seqs, largest)
         layers = kv.num_layers
-        self.buckets = {t: _Bucket(t, min(t, self.max_seqs), PREFILL_BLOCK_M, device, self.pin) for t in self.tokens_buckets}
+        self.buckets = {t: _Bucket(t, min(t, self.max_seqs), PREFILL_BLOCK_M, GRAPH_BLOCK_M, device, self.pin) for t in self.tokens_buckets}
         # int64 rows: input_ids, positions, dest_offsets, sample_rows
         self.packed64 = torch.zeros(4, largest, dtype=torch.long, device=device)
         self.host64 = torch.zeros(4, largest, dtype=torch.long, pin_memory=self.pin)
@@ -154,11 +158,13 @@ class PrefillGraphs:
         host64[2, :n] = positions % tokens_per_page
         host64[3, : len(sampled)] = starts_row[sampled] + lengths[sampled] - 1
 
-        seg_meta, seg_rows, slot_rows, seq_info, tile_seq, tile_row = bucket.host_parts
-        seg_meta[:] = 0
+        seg_meta, seg_rows, slot_rows, seq_info, tile_seq, tile_row, seg_tile = bucket.host_parts
+        seg_meta[:] = 0  # padding segments (the last one always): no rows
         seg_rows[:] = 0
         slot_rows[:] = -1
         slot_rows[:n] = row_slot
+        seg_tile = seg_tile.reshape(2, -1)
+        seg_tile[0], seg_tile[1] = bucket.seqs, 0  # unused tiles: the padding segment
         used = np.flatnonzero(row_slot >= 0)
         if len(used):
             order = used[np.argsort(row_slot[used], kind="stable")]
@@ -166,6 +172,10 @@ class PrefillGraphs:
             count = len(seg_slots)
             seg_meta.reshape(3, -1)[:, :count] = (seg_slots, seg_first, seg_len)
             seg_rows[: len(order)] = order
+            per_segment = -(-seg_len // bucket.seg_tile_m)
+            num = int(per_segment.sum())
+            seg_tile[0, :num] = np.repeat(np.arange(count), per_segment)
+            seg_tile[1, :num] = (np.arange(num) - np.repeat(np.cumsum(per_segment) - per_segment, per_segment)) * bucket.seg_tile_m
         info = seq_info.reshape(3, -1)
         info[:] = 0  # padding sequences (from len(seqs) on, the last one always): no rows, no context
         info[0, : len(seqs)] = starts_row
@@ -228,8 +238,9 @@ class PrefillGraphs:
         )
         lora = LoraBatch(row_slot=bucket.row_slot, slot_rows=[])
         if kind == "lora":
-            # Grid: one program row per segment, row tiles for a segment of all the bucket's rows.
-            lora.segments = Segments(rows=bucket.seg_rows, meta=bucket.seg_meta, slots=[0] * seqs,
-                                     lengths=[tokens] + [0] * (seqs - 1), max_rank=self.max_rank)
+            # One program row per tile of the list; the host lengths only size the split-K choice.
+            lora.segments = Segments(rows=bucket.seg_rows, meta=bucket.seg_meta, slots=[0] * (seqs + 1),
+                                     lengths=[tokens] + [0] * seqs, max_rank=self.max_rank, tiles=bucket.seg_tile,
+                                     block_m=bucket.seg_tile_m)
             lora.max_rank = self.max_rank
         return Step(self.packed64[0, :tokens], self.packed64[1, :tokens], self.packed64[3, :seqs], attention, lora)

@@ -38,6 +38,10 @@ BLOCK_K = 128  # shrink's reduction tile along `in` (the H100 sweep's best; BENC
 BLOCK_N = 128  # expand's output tile along `out`
 BLOCK_R_EXPAND = 32  # expand's reduction tile along the rank
 MAX_SPLITS = 4
+# Split-K of a shrink over at most FEW_TILES row tiles (short prompts): with MAX_SPLITS its few programs
+# read A serially (16 us for one 32-row tile of the 7B q_proj on the H100); the extra partials are small.
+FEW_TILES, MAX_SPLITS_FEW = 2, 16
+GRAPH_BLOCK_M = 64  # the row tile of fixed-grid (tile list) launches
 
 
 @dataclass
@@ -48,6 +52,10 @@ class Segments:
     meta: int32 [3, S] on the device, per segment (slot, offset of its first row in `rows`, length);
     slots, lengths: the same on the host (grids and the reference read these); max_rank: host int,
     the largest rank of any slot in any layer/projection (the workspace width).
+    tiles: None, or int32 [2, n] on the device, the (segment, first row) of each row tile of
+    `block_m` rows: launches then take one program row per tile instead of a segments x longest
+    segment grid; a fixed-grid caller (CUDA graphs, daemon/prefill_graphs.py) points its unused
+    tiles at a segment of length 0. Host `lengths` then only size the split-K choice.
     """
 
     rows: torch.Tensor
@@ -55,6 +63,8 @@ class Segments:
     slots: list[int]
     lengths: list[int]
     max_rank: int
+    tiles: torch.Tensor | None = None
+    block_m: int | None = None
     _m_blocks: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -95,21 +105,43 @@ def _block_m(max_len: int) -> int:
     return 16 if max_len <= 16 else 32 if max_len <= 32 else 64
 
 
+def _segments_block_m(segments: Segments) -> int:
+    return segments.block_m or _block_m(segments.max_len)
+
+
+def _grid_rows(segments: Segments, block_m: int) -> tuple[int, int, torch.Tensor, int]:
+    """(grid dim 0, grid dim 1, the tile list or a placeholder, its length) of a launch."""
+    if segments.tiles is not None:
+        return segments.tiles.shape[1], 1, segments.tiles, segments.tiles.shape[1]
+    return segments.num_segments, cdiv(segments.max_len, block_m), segments.meta, 0
+
+
 def _block_r_shrink(max_rank: int) -> int:
     return 16 if max_rank <= 16 else 32 if max_rank <= 32 else 64
 
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'slot_stride', 'table_offset', 'chunks_in', 'rank_blocks'])
+    @triton.jit
+    def _segment_tile(tiles_ptr, num_tiles, BLOCK_M: tl.constexpr, USE_TILES: tl.constexpr):
+        """This program's (segment, first row within it): from the tile list, or the grid's first two axes."""
+        if USE_TILES:
+            segment = tl.load(tiles_ptr + tl.program_id(0))
+            m0 = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
+        else:
+            segment = tl.program_id(0)
+            m0 = tl.program_id(1) * BLOCK_M
+        return segment, m0
+
+    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'slot_stride', 'table_offset', 'chunks_in', 'rank_blocks', 'num_tiles'])
     def _mbgmm_shrink_kernel(
         x_ptr, v_ptr, rows_ptr, meta_ptr, num_segments, rank_ptr, a_start_ptr, page_ids_ptr, pages_ptr,
         in_dim, max_rank, num_rows, stride_xt, stride_xk, slot_stride, table_offset, chunks_in, k_per_split, rank_blocks,
+        tiles_ptr, num_tiles,
         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        ALIGNED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        ALIGNED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TILES: tl.constexpr,
     ):
-        segment = tl.program_id(0)
-        m0 = tl.program_id(1) * BLOCK_M
+        segment, m0 = _segment_tile(tiles_ptr, num_tiles, BLOCK_M, USE_TILES)
         split = tl.program_id(2) // rank_blocks
         r0 = (tl.program_id(2) % rank_blocks) * BLOCK_R
         length = tl.load(meta_ptr + 2 * num_segments + segment)
@@ -144,15 +176,15 @@ if triton is not None:
         v_ptrs = v_ptr + (split * num_rows + t[:, None]) * max_rank + offs_r[None, :]
         tl.store(v_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
 
-    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'splits', 'slot_stride', 'table_offset', 'chunks_out'])
+    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'splits', 'slot_stride', 'table_offset', 'chunks_out', 'num_tiles'])
     def _mbgmm_expand_kernel(
         v_ptr, y_ptr, rows_ptr, meta_ptr, num_segments, rank_ptr, b_start_ptr, page_ids_ptr, pages_ptr,
         out_dim, max_rank, num_rows, splits, stride_yt, stride_yn, slot_stride, table_offset, chunks_out,
+        tiles_ptr, num_tiles,
         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-        ALIGNED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        ALIGNED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TILES: tl.constexpr,
     ):
-        segment = tl.program_id(0)
-        m0 = tl.program_id(1) * BLOCK_M
+        segment, m0 = _segment_tile(tiles_ptr, num_tiles, BLOCK_M, USE_TILES)
         n0 = tl.program_id(2) * BLOCK_N
         length = tl.load(meta_ptr + 2 * num_segments + segment)
         if m0 >= length:
@@ -213,17 +245,19 @@ def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, blo
     in_dim, _ = table.shapes[proj]
     chunks_in, _ = table.chunks[proj]
     slot_stride, offset = table_offsets(table, layer, proj)
-    block_m = block_m or _block_m(segments.max_len)
+    block_m = block_m or _segments_block_m(segments)
     block_r = block_r or _block_r_shrink(width)
     block_k, aligned = page_block(page, in_dim, block_k)
     k_per_split = cdiv(cdiv(in_dim, splits), block_k) * block_k
     rank_blocks = cdiv(width, block_r)
-    grid = (segments.num_segments, cdiv(segments.max_len, block_m), rank_blocks * splits)
-    _mbgmm_shrink_kernel[grid](
+    grid0, grid1, tiles, num_tiles = _grid_rows(segments, block_m)
+    _mbgmm_shrink_kernel[(grid0, grid1, rank_blocks * splits)](
         x, v, segments.rows, segments.meta, segments.num_segments, table.rank, table.a_start, table.page_ids, table.pool.pages,
         in_dim, width, num_rows, x.stride(0), x.stride(1), slot_stride, offset, chunks_in, k_per_split, rank_blocks,
+        tiles, num_tiles,
         PAGE=page, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, ALIGNED=aligned,
-        PRECISION=_precision(x.dtype), UPCAST=_upcast(x.dtype), num_warps=num_warps, num_stages=num_stages,
+        PRECISION=_precision(x.dtype), UPCAST=_upcast(x.dtype), USE_TILES=segments.tiles is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
 
 
@@ -236,24 +270,28 @@ def mbgmm_expand(v, y, layer, proj, segments: Segments, table, block_m=None, blo
     _, out_dim = table.shapes[proj]
     _, chunks_out = table.chunks[proj]
     slot_stride, offset = table_offsets(table, layer, proj)
-    block_m = block_m or _block_m(segments.max_len)
+    block_m = block_m or _segments_block_m(segments)
     block_n, aligned = page_block(page, out_dim, block_n)
-    grid = (segments.num_segments, cdiv(segments.max_len, block_m), cdiv(out_dim, block_n))
-    _mbgmm_expand_kernel[grid](
+    grid0, grid1, tiles, num_tiles = _grid_rows(segments, block_m)
+    _mbgmm_expand_kernel[(grid0, grid1, cdiv(out_dim, block_n))](
         v, y, segments.rows, segments.meta, segments.num_segments, table.rank, table.b_start, table.page_ids, table.pool.pages,
-        out_dim, width, num_rows, splits, y.stride(0), y.stride(1), slot_stride, offset, chunks_out,
+        out_dim, width, num_rows, splits, y.stride(0), y.stride(1), slot_stride, offset, chunks_out, tiles, num_tiles,
         PAGE=page, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, ALIGNED=aligned,
-        PRECISION=_precision(table.pool.pages.dtype), UPCAST=_upcast(table.pool.pages.dtype), num_warps=num_warps, num_stages=num_stages,
+        PRECISION=_precision(table.pool.pages.dtype), UPCAST=_upcast(table.pool.pages.dtype),
+        USE_TILES=segments.tiles is not None, num_warps=num_warps, num_stages=num_stages,
     )
 
 
 def mbgmm_splits(segments: Segments, in_dim: int, page_elems: int, device) -> int:
     """Split-K of the shrink: enough programs for the SMs, at most MAX_SPLITS (each split adds a
-    float32 [T, max_rank] partial that every expand program re-reads)."""
-    block_m = _block_m(segments.max_len)
+    float32 [T, max_rank] partial that every expand program re-reads), MAX_SPLITS_FEW over at most
+    FEW_TILES row tiles."""
+    block_m = _segments_block_m(segments)
     block_k, _ = page_block(page_elems, in_dim, BLOCK_K)
-    programs = segments.m_blocks(block_m) * cdiv(segments.max_rank, _block_r_shrink(segments.max_rank))
-    return num_splits(programs, cdiv(in_dim, block_k), device, per_sm=2, most=MAX_SPLITS)
+    m_blocks = segments.m_blocks(block_m)
+    programs = m_blocks * cdiv(segments.max_rank, _block_r_shrink(segments.max_rank))
+    most = MAX_SPLITS_FEW if m_blocks <= FEW_TILES else MAX_SPLITS
+    return num_splits(programs, cdiv(in_dim, block_k), device, per_sm=2, most=most)
 
 
 def mbgmm(x, y, layer, proj, segments: Segments, table, workspace=None):

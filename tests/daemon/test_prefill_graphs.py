@@ -64,8 +64,11 @@ def test_fill_lays_out_a_mixed_step_for_the_fixed_grids():
     assert tiles[:3] == [(0, 0), (1, 0), (2, 0)] and all(t == (bucket.seqs, 0) for t in tiles[3:])
     assert bucket.row_slot[:18].tolist() == [2] * 7 + [-1] + [2] * 10 and (bucket.row_slot[18:] == -1).all()
     meta = bucket.seg_meta
+    assert meta.shape == (3, bucket.seqs + 1)
     assert meta[:, 0].tolist() == [2, 0, 17] and not meta[2, 1:].any(), "one segment of slot 2, the rest empty"
     assert bucket.seg_rows[:17].tolist() == [*range(7), *range(8, 18)]
+    assert bucket.seg_tile[:, 0].tolist() == [0, 0], "17 rows: one tile of 64"
+    assert (bucket.seg_tile[0, 1:] == bucket.seqs).all() and not bucket.seg_tile[1, 1:].any()
     for index, (seq, first) in enumerate(zip(seqs, (0, 7, 8))):
         table_rows = graphs.block_table[:, :, index, : len(seq.blocks)]
         assert torch.equal(table_rows, torch.from_numpy(seq.blocks).permute(1, 2, 0))
@@ -85,6 +88,13 @@ def test_a_base_only_step_takes_the_graph_without_lora_and_long_prompts_take_sev
     assert key == (200, "none") and sampled == 1
     assert bucket.tile_row[:3].tolist() == [0, 64, 128] and bucket.tile_seq[:3].tolist() == [0, 0, 0]
     assert bucket.tile_seq[3] == bucket.seqs
+    blocks2 = np.ones((40, LAYERS, 2), dtype=np.int32)
+    graphs.fill([StepSeq(np.arange(70), 0, 1, blocks2, sample=True), StepSeq(np.arange(5), 0, 3, blocks2, sample=True),
+                 StepSeq(np.arange(66), 0, 1, blocks2, sample=True)])
+    bucket = graphs.buckets[200]
+    assert bucket.seg_meta[:, :3].tolist() == [[1, 3, 0], [0, 136, 0], [136, 5, 0]]
+    assert bucket.seg_tile[:, :4].tolist() == [[0, 0, 0, 1], [0, 64, 128, 0]], "136 rows of slot 1 in 3 tiles, then slot 3"
+    assert (bucket.seg_tile[0, 4:] == bucket.seqs).all()
     assert graphs.fits(200, 8, 80) and not graphs.fits(201, 1, 1) and not graphs.fits(10, 9, 1) and not graphs.fits(10, 1, 81)
 
 
