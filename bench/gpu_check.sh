@@ -67,7 +67,7 @@ run_step() {
     mb_invoke) step mb_invoke 150 python3 -m lorad.daemon.cli bench invoke --require-fused --out "$OUTDIR/mb_invoke.json" ;;
     mb_ipc) step mb_ipc 120 python3 -m lorad.daemon.cli bench ipc --out "$OUTDIR/mb_ipc.json" ;;
     mb_cpu_lora) step mb_cpu_lora 120 python3 -m lorad.daemon.cli bench cpu-lora --out "$OUTDIR/mb_cpu_lora.json" ;;
-    mb_cold_start) step mb_cold_start 290 python3 -m lorad.daemon.cli bench cold-start --out "$OUTDIR/mb_cold_start.json" ;;
+    mb_cold_start) step mb_cold_start 420 python3 -m lorad.daemon.cli bench cold-start --out "$OUTDIR/mb_cold_start.json" ;;
     pytest_gpu)
         if ! step pytest_gpu 430 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15; then
             # A collection error elsewhere (a conftest another change broke) must not hide the kernels' results.
