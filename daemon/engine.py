@@ -283,9 +283,9 @@ class Engine:
                     assist.apply(x, y, layer, proj, batch.cpu_spans, gpu_lora)
 
             self.ops.lora = lora
-            # Cold adapters are copied layer by layer, so a cpu-assisted prefill hands each layer to the
-            # GPU as it arrives; everything else joins the copy before its step.
-            self.residency.layerwise = self.config.layerwise
+            # Cold adapters of cpu-assisted prefills are copied layer by layer, so each layer passes to
+            # the GPU as it arrives; the others are placed as ondemand places them.
+            self.residency.layerwise_for = self._layerwise_placement
             log.info("cpu_assist_invocation path=%r layerwise=%s", assist.invocation, self.config.layerwise)
             self.cold_start_costs = self._measure_cold_start_costs()
         except BaseException:
@@ -679,8 +679,18 @@ class Engine:
             self.cold_start_decisions[choice] += 1
             self.stats.cold_start_decided(choice)
         # Layer-wise copies of adapters whose rows take the pool path this step: joined before the forward.
+        # (An assisted request whose copy was placed in one piece has nothing in `loading`: the CPU
+        # serves all its layers.)
         self.residency.join([name for name in self.residency.loading if name not in {seq.adapter for seq in assisted}])
         return assisted
+
+    def _layerwise_placement(self, adapter: LoraAdapter, tier: str, tokens: int | None) -> bool:
+        """At admission, before the copy starts: is this cold adapter copied layer by layer? Only for a
+        prefill that will be cpu-assisted (the same decision `_cold_starts` makes next): a gpu-wait
+        cold start would pay per-layer copies and events, then join them all, for nothing."""
+        if not self.config.layerwise or (tokens is None and self.config.cold_start != "cpu"):
+            return False
+        return self._cold_start_choice(adapter, tokens or 0, tier)[0] == CPU_ASSIST
 
     def _cold_start_choice(self, adapter: LoraAdapter, tokens: int, tier: str) -> tuple[str, Decision | None]:
         """-> (the choice, the `auto` decision with its predicted costs; None in a forced mode)."""

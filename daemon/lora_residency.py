@@ -3,10 +3,12 @@
 An adapter is pinned while requests that use it run; unpinned resident adapters stay (a warm cache)
 until the pool needs their pages for KV or for another adapter, least recently used first.
 
-With `layerwise` (cold_start cpu|auto), an adapter placed at admission is copied layer by layer and the
-compute stream does not wait for it at once: its `LayerwiseLoad` stays in `loading` until the engine
-decides the request's cold start: a cpu-assisted prefill lets each layer take over from the CPU as it
-arrives (daemon/cpu_assist.py); everything else `join`s first.
+A cold adapter is placed at admission, in one copy as ondemand does, or layer by layer where the
+engine's `layerwise_for` (cold_start cpu|auto) says so for the request admitted (its adapter, tier and
+first step's tokens): where its prefill is to be cpu-assisted. A layer-wise copy does not make the
+compute stream wait at once: its `LayerwiseLoad` stays in `loading` until the engine decides the
+request's cold start: a cpu-assisted prefill lets each layer take over from the CPU as it arrives
+(daemon/cpu_assist.py); everything else `join`s first.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from lorad.gpu_ops.page_pool import AdapterTable, LayerwiseLoad, StagedAdapter
 
@@ -35,13 +38,17 @@ class LoraResidency:
         # (name, tier) of the adapters acquire() placed since the engine last cleared it: the requests
         # admitted with them found them cold. tier: "host" (the CPU pool), "pinned" or "pageable".
         self.admitted_cold: list[tuple[str, str]] = []
-        self.layerwise = False  # place admitted cold adapters layer by layer (see the module's note)
+        # (adapter, tier, tokens of its first step or None) -> whether this cold placement is layer-wise
+        # (see the module's note); None: never.
+        self.layerwise_for: Callable[[object, str, int | None], bool] | None = None
         self.loading: dict[str, LayerwiseLoad] = {}  # layer-wise copies the compute stream has not joined
         self.loads = 0
         self.prefetches = 0
         self.evictions = 0
 
-    def acquire(self, name: str | None) -> bool:
+    def acquire(self, name: str | None, tokens: int | None = None) -> bool:
+        """Resident and pinned, or False (not now). `tokens`: the admitted request's first step, for the
+        choice of placement when the adapter is cold."""
         if name is None:
             return True
         if name in self.slots:
@@ -57,7 +64,8 @@ class LoraResidency:
             slot = self.table.free_slot()
         started = time.perf_counter()
         staged, tier = self._staged(adapter)
-        while not self._place(name, slot, staged):
+        layerwise = self.layerwise_for is not None and self.layerwise_for(adapter, tier, tokens)
+        while not self._place(name, slot, staged, layerwise):
             if not self.idle:
                 return False
             self._evict_oldest()
@@ -72,8 +80,8 @@ class LoraResidency:
         self.admitted_cold.append((name, tier))
         return True
 
-    def _place(self, name: str, slot: int, staged: StagedAdapter) -> bool:
-        if not self.layerwise:
+    def _place(self, name: str, slot: int, staged: StagedAdapter, layerwise: bool) -> bool:
+        if not layerwise:
             return self.table.place(slot, staged)
         load = self.table.place_layerwise(slot, staged)
         if load is None:

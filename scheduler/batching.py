@@ -42,7 +42,9 @@ class Memory(Protocol):
 
 
 class Adapters(Protocol):
-    def acquire(self, name: str | None) -> bool: ...  # resident and pinned, or False (not now)
+    # Resident and pinned, or False (not now); `tokens`: those of the sequence's first step, for how a
+    # cold adapter is placed.
+    def acquire(self, name: str | None, tokens: int | None = None) -> bool: ...
     def release(self, name: str | None) -> None: ...
 
 
@@ -148,9 +150,9 @@ class Scheduler:
         """Moves a waiting sequence into the running batch when its adapter and KV are to be had; else
         (or when acquiring its adapter raises) it is `blocked`."""
         self.blocked = seq
-        if not self.adapters.acquire(seq.adapter):
-            return False
         count = min(seq.num_tokens - seq.num_computed, budget)
+        if not self.adapters.acquire(seq.adapter, count):
+            return False
         if not self.memory.grow(seq.blocks, count):
             self.adapters.release(seq.adapter)
             return False

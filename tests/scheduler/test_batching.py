@@ -52,7 +52,7 @@ class FakeAdapters:
         self.pins: dict[str | None, int] = {}
         self.calls: list[tuple[str, str | None]] = []
 
-    def acquire(self, name):
+    def acquire(self, name, tokens=None):
         self.calls.append(("acquire", name))
         if name in self.unavailable:
             return False

@@ -22,7 +22,7 @@ class Memory:
 
 
 class Adapters:
-    def acquire(self, name):
+    def acquire(self, name, tokens=None):
         return True
 
     def release(self, name):
