@@ -5,10 +5,12 @@
 # Usage, from the repository root (lorad installed, on PATH):
 #   bash bench/router_2gpu.sh OUTDIR          # 2 GPUs: Llama-2-7B shape, random weights, ~5 minutes
 #   bash bench/router_2gpu.sh OUTDIR --cpu    # smoke test: the demo model on the CPU, ~30 s
-# OUTDIR gets trace.json, POLICY.json (the `lorad bench trace` reports), POLICY.router_status.json (the
-# router's decisions per engine), comparison.json, and logs/. Settings come from the environment
-# (defaults below): RATE DURATION WARMUP_S ADAPTERS SLO_TTFT_S SLO_TPOT_MS PROFILE (a `lorad profile` JSON
-# for rank-aware; without it the example profile, NOT MEASURED) POLICIES.
+# OUTDIR gets trace.json, POLICY.json (the `lorad bench trace` reports; POLICY.rN.json with REPEATS > 1),
+# POLICY.router_status.json (the router's decisions per engine), comparison.json, and logs/. Settings come
+# from the environment (defaults below): RATE DURATION WARMUP_S ADAPTERS SLO_TTFT_S SLO_TPOT_MS POLICIES,
+# PROFILE (a `lorad profile` JSON for rank-aware; "measure": profile GPU 0 first, into OUTDIR/profile.json;
+# unset: the example profile, NOT MEASURED), REPEATS (runs per policy, default 1: the order of the policies
+# alternates between rounds, A B B A ..., so that neither always runs first).
 
 set -euo pipefail
 if [ $# -lt 1 ] || [ $# -gt 2 ] || { [ $# -eq 2 ] && [ "$2" != "--cpu" ]; }; then
@@ -21,6 +23,7 @@ MODE=${2:---gpu}
 PYTHON=${PYTHON:-python3}
 POLICIES=${POLICIES:-rank-aware most-idle}
 PROFILE=${PROFILE:-}
+REPEATS=${REPEATS:-1}
 "$PYTHON" -c "import lorad.daemon.router_cli" || { echo "lorad is not importable by $PYTHON (set PYTHON)" >&2; exit 2; }
 command -v lorad >/dev/null || { echo "no lorad on PATH" >&2; exit 2; }
 
@@ -50,6 +53,17 @@ else
     ENGINE_FLAGS=(--model-config llama-2-7b --dummy-weights --adapter-dir "$RUN/adapters" --device cuda)
     DEVICES=(0 1)
     START_TIMEOUT_S=300
+fi
+
+if [ "$PROFILE" = "measure" ]; then
+    PROFILE="$OUTDIR/profile.json"
+    echo "profiling this machine's GPU 0 for rank-aware routing -> $PROFILE"
+    if [ "$MODE" = "--cpu" ]; then
+        lorad profile --model-config tiny-llama --device cpu --quick --out "$PROFILE" >"$OUTDIR/logs/profile.log" 2>&1
+    else
+        CUDA_VISIBLE_DEVICES=${DEVICES[0]} lorad profile --model-config llama-2-7b --max-lora-rank 64 --device cuda \
+            --out "$PROFILE" >"$OUTDIR/logs/profile.log" 2>&1
+    fi
 fi
 
 echo "trace: gamma, $RATE req/s for $DURATION s, adapters of ranks 8,16,32,64"
@@ -90,13 +104,25 @@ stop() {  # SIGTERM, then wait
     wait "$1" 2>/dev/null || true
 }
 
-for policy in $POLICIES; do
-    echo "=== $policy: starting two engines"
+# The rounds: the policies in order, then reversed, and so on.
+read -r -a forward <<<"$POLICIES"
+backward=()
+for ((i = ${#forward[@]} - 1; i >= 0; i--)); do backward+=("${forward[$i]}"); done
+runs=()
+for ((round = 1; round <= REPEATS; round++)); do
+    if ((round % 2)); then order=("${forward[@]}"); else order=("${backward[@]}"); fi
+    for policy in "${order[@]}"; do runs+=("$policy:$round"); done
+done
+
+for run in "${runs[@]}"; do
+    policy=${run%%:*} round=${run##*:}
+    if [ "$REPEATS" -gt 1 ]; then name="$policy.r$round"; else name=$policy; fi
+    echo "=== $name: starting two engines"
     engines=()
     for i in 0 1; do
         socket="$RUN/engine$i.sock"
         CUDA_VISIBLE_DEVICES=${DEVICES[$i]} lorad serve "${ENGINE_FLAGS[@]}" --socket "$socket" --shutdown-grace-s 5 \
-            >"$OUTDIR/logs/$policy.engine$i.log" 2>&1 &
+            >"$OUTDIR/logs/$name.engine$i.log" 2>&1 &
         engines+=($!)
         pids+=($!)
     done
@@ -106,47 +132,58 @@ for policy in $POLICIES; do
     router_flags=(--policy "$policy" --tpot-slo-ms "$SLO_TPOT_MS")
     [ -n "$PROFILE" ] && router_flags+=(--profile "$PROFILE")
     lorad router --backend "$RUN/engine0.sock" --backend "$RUN/engine1.sock" --socket "$RUN/router.sock" \
-        "${router_flags[@]}" >"$OUTDIR/logs/$policy.router.log" 2>&1 &
+        "${router_flags[@]}" >"$OUTDIR/logs/$name.router.log" 2>&1 &
     router=$!
     pids+=($router)
     wait_for "$RUN/router.sock" "$router" 30 2
-    echo "=== $policy: warm-up replay (not reported)"
+    echo "=== $name: warm-up replay (not reported)"
     lorad bench trace --socket "$RUN/router.sock" --trace "$OUTDIR/warmup_trace.json" "${REPLAY_LIMITS[@]}" \
-        --out "$OUTDIR/logs/$policy.warmup.json" >"$OUTDIR/logs/$policy.warmup.log" 2>&1
-    echo "=== $policy: replaying"
+        --out "$OUTDIR/logs/$name.warmup.json" >"$OUTDIR/logs/$name.warmup.log" 2>&1
+    echo "=== $name: replaying"
     lorad bench trace --socket "$RUN/router.sock" --trace "$OUTDIR/trace.json" "${REPLAY_LIMITS[@]}" \
         --slo-ttft-s "$SLO_TTFT_S" --slo-tpot-s "$("$PYTHON" -c "print($SLO_TPOT_MS / 1e3)")" \
-        --out "$OUTDIR/$policy.json" | tee "$OUTDIR/logs/$policy.replay.log"
-    lorad status --json --socket "$RUN/router.sock" >"$OUTDIR/$policy.router_status.json"
+        --out "$OUTDIR/$name.json" | tee "$OUTDIR/logs/$name.replay.log"
+    lorad status --json --socket "$RUN/router.sock" >"$OUTDIR/$name.router_status.json"
     stop "$router"
     for pid in "${engines[@]}"; do stop "$pid"; done
 done
 
-"$PYTHON" - "$OUTDIR" $POLICIES <<'EOF'
-import json, sys
+"$PYTHON" - "$OUTDIR" "$REPEATS" "${runs[@]}" <<'EOF'
+import json, statistics, sys
 from pathlib import Path
-out, policies = Path(sys.argv[1]), sys.argv[2:]
+out, repeats, runs = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 rows = {}
-for policy in policies:
-    summary = json.loads((out / f"{policy}.json").read_text())["summary"]
-    router = json.loads((out / f"{policy}.router_status.json").read_text())["router"]
-    rows[policy] = {
+for run in runs:  # "policy:round", in the order they ran
+    policy, round_ = run.split(":")
+    name = f"{policy}.r{round_}" if repeats > 1 else policy
+    summary = json.loads((out / f"{name}.json").read_text())["summary"]
+    router = json.loads((out / f"{name}.router_status.json").read_text())["router"]
+    rows[name] = {
         "completed": summary["completed"], "dropped": summary["dropped"],
         "ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p99_s": summary["ttft_s"]["p99"],
         "tpot_p50_s": summary["tpot_s"]["p50"], "tpot_p99_s": summary["tpot_s"]["p99"],
         "slo_ttft": summary["slo_ttft_attainment"], "slo_tpot": summary["slo_tpot_attainment"],
         "slo_both": summary["slo_attainment"], "decisions": list(router["decisions"].values()),
-        "profile_measured": (router.get("profile") or {}).get("measured"),
+        "profile_measured": (router.get("profile") or {}).get("measured"), "policy": policy, "round": int(round_),
     }
-(out / "comparison.json").write_text(json.dumps(rows, indent=1) + "\n")
+means = {}
+if repeats > 1:  # each policy's mean over its rounds
+    for policy in dict.fromkeys(r["policy"] for r in rows.values()):
+        mine = [r for r in rows.values() if r["policy"] == policy]
+        means[policy] = {key: statistics.fmean(r[key] for r in mine) for key in ("slo_ttft", "slo_tpot", "slo_both")
+                         if all(r[key] is not None for r in mine)}
+(out / "comparison.json").write_text(json.dumps({"runs": rows, "means": means}, indent=1) + "\n")
 ms = lambda s: "-" if s is None else f"{s * 1e3:.1f}"
 pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"
-print(f"{'policy':<11} {'done':>5} {'drop':>5} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>7} "
+print(f"{'policy':<15} {'done':>5} {'drop':>5} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>7} "
       f"{'SLO TTFT':>9} {'SLO TPOT':>9} {'SLO both':>9}  split")
 for policy, r in rows.items():
-    print(f"{policy:<11} {r['completed']:>5} {r['dropped']:>5} {ms(r['ttft_p50_s']):>9} {ms(r['ttft_p99_s']):>8} "
+    print(f"{policy:<15} {r['completed']:>5} {r['dropped']:>5} {ms(r['ttft_p50_s']):>9} {ms(r['ttft_p99_s']):>8} "
           f"{ms(r['tpot_p50_s']):>9} {ms(r['tpot_p99_s']):>7} {pct(r['slo_ttft']):>9} {pct(r['slo_tpot']):>9} "
           f"{pct(r['slo_both']):>9}  {'/'.join(map(str, r['decisions']))}")
+for policy, m in means.items():
+    print(f"{policy + ' mean':<15} {'':>5} {'':>5} {'':>9} {'':>8} {'':>9} {'':>7} {pct(m.get('slo_ttft')):>9} "
+          f"{pct(m.get('slo_tpot')):>9} {pct(m.get('slo_both')):>9}")
 print("(ms; SLO: share of all requests meeting the objective, drops are misses; split: requests per engine)")
 if not all(r["profile_measured"] for r in rows.values() if r["profile_measured"] is not None):
     print("rank-aware used the example profile: NOT MEASURED on this machine (set PROFILE=...json from `lorad profile`)")
