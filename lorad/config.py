@@ -50,8 +50,9 @@ class EngineConfig:
     cold_start: str = "ondemand"  # cached|ondemand|cpu|auto (see COLD_STARTS)
     cpu_workers: int = 0  # CPU LoRA worker processes for cold_start cpu|auto; 0: min(4, cores - 1)
     pinned_host_bytes: int = 4 << 30  # on cuda: adapters staged in pinned host memory (LRU beyond it)
-    # cold_start cpu|auto: a cold adapter is copied into the pool layer by layer, and a cpu-assisted prefill
-    # moves each layer from the CPU workers to the GPU kernels as soon as that layer has arrived.
+    # cold_start cpu|auto: the cold adapter of a request that will be cpu-assisted is copied into the pool layer
+    # by layer, and its prefill moves each layer from the CPU workers to the GPU kernels as soon as that layer
+    # has arrived (a gpu-wait cold start is copied whole, as under ondemand).
     layerwise: bool = True
     # `lorad profile`'s performance models, from which each decode step's LoRA kernel (BGMV or MBGMV) is
     # chosen. None: <state_dir or ~/.cache/lorad>/profile-<model>-<device>.json when it exists
