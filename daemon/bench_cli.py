@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--slo-tpot-s", type=float, metavar="S", help="time-per-token objective in seconds")
     simulate.add_argument("--slo-ttft-s", type=float, metavar="S",
                           help="TTFT objective in seconds (default: 5x the unloaded prefill of the mean prompt)")
+    simulate.add_argument("--tpot-admission", action="store_true",
+                          help="engines keep the time-per-token objective when admitting (as `lorad serve` with "
+                               "--slo-tpot-ms and a profile): a request does not join a batch whose next step would break it")
     simulate.add_argument("--seed", type=int, default=0, metavar="N", help="the random policy's seed")
     simulate.add_argument("--out", metavar="PATH", help="JSON report (and PATH's .png CDFs when matplotlib is there)")
 
@@ -361,6 +364,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     config = SimConfig(
         num_engines=args.engines, max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
         slo_tpot_s=args.slo_tpot_s, slo_ttft_s=args.slo_ttft_s, slo_scale=args.slo_scale,
+        tpot_admission=args.tpot_admission,
     )
     objectives = objectives_for(trace, profile, config)
     average_output = float(np.mean([max(1, r.output_tokens) for r in trace.requests]))

@@ -96,6 +96,12 @@ def test_simulate_prints_a_row_per_run_and_writes_the_report(capsys, caplog, tmp
     code, out, _ = run_main(capsys, "simulate", "--engines", 2, "--trace", trace_path, "--policy", "most-idle",
                             "--cluster", 4)
     assert code == 0 and "fcfs+cluster4" in out
+    # the engines' time-per-token admission rule, with a tight objective: requests are held back
+    code, out, err = run_main(capsys, "simulate", "--engines", 2, "--trace", trace_path, "--policy", "most-idle",
+                              "--tpot-admission", "--slo-tpot-s", 0.03, "--out", report_path)
+    report = json.loads(report_path.read_text())
+    assert code == 0 and report["config"]["tpot_admission"] is True, err
+    assert report["results"][0]["tpot_held"] > 0
 
 
 def test_bench_trace_replays_against_the_demo_daemon(capsys, demo_assets, short_tmp):
