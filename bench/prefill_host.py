@@ -26,30 +26,24 @@ from lorad.daemon.checkpoint import MODEL_CONFIGS, ModelSpec, dummy_weights
 from lorad.daemon.profile import Bench, Plan
 
 
-def wall_ms(run, reps: int) -> float:
-    """Median wall time of run() with the device drained before and after (what a step costs)."""
+def wall_ms(run, reps: int, drain_after: bool = True) -> float:
+    """Median wall time of run(), the device drained before it and (drain_after) after it: what a step
+    costs; without drain_after, the host's time alone (launches queue up on the device)."""
+    cuda = torch.cuda.is_available()
     times = []
     for _ in range(reps):
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
         run()
-        if torch.cuda.is_available():
+        if cuda and drain_after:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - started) * 1e3)
     return statistics.median(times)
 
 
 def host_ms(run, reps: int) -> float:
-    """Median host time of run() alone (launches queue up on the device)."""
-    times = []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    return wall_ms(run, reps, drain_after=False)
 
 
 def graph_ms(run, reps: int) -> float | None:

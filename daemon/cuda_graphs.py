@@ -34,6 +34,50 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 LOW_RANK = 16  # mbgmv.decode_config's smaller expand tile
 
 
+def capture_forward(model, step: Step, kv_view: torch.Tensor, table, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, object]:
+    """One forward over a static step captured into a CUDA graph, after two warm-up runs on a side stream
+    (Triton compiles, the allocator settles) -> (the graph, its logits, its memory pool: pass it to the
+    next capture to share the memory)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model.forward(step, kv_view, table)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        logits = model.forward(step, kv_view, table)
+    return graph, logits, graph.pool()
+
+
+class BlockStaging:
+    """The step's block lists on their way into a graph's block table: staged in their own layout
+    [n, width, L, 2] in pinned memory (grown on demand), sent in one copy and transposed into the table's
+    [L, 2, rows, blocks] on the device (a host transpose of that size costs milliseconds a step)."""
+
+    def __init__(self, num_layers: int, device: torch.device):
+        self.num_layers, self.device = num_layers, device
+        self.pin = device.type == "cuda"
+        self.host = torch.zeros(0, dtype=torch.int32, pin_memory=self.pin)
+        self.device_copy = torch.zeros(0, dtype=torch.int32, device=device)
+
+    def stage(self, n: int, width: int) -> np.ndarray:
+        """The pinned [n, width, L, 2] area to fill (past a sequence's own blocks: stale ids, never read)."""
+        needed = n * width * self.num_layers * 2
+        if self.host.numel() < needed:
+            grown = max(needed, 2 * self.host.numel())
+            self.host = torch.zeros(grown, dtype=torch.int32, pin_memory=self.pin)
+            self.device_copy = torch.zeros(grown, dtype=torch.int32, device=self.device)
+        return self.host[:needed].numpy().reshape(n, width, self.num_layers, 2)
+
+    def send(self, n: int, width: int, block_table: torch.Tensor) -> None:
+        """block_table[:, :, :n, :width] = the staged blocks, transposed; no host sync."""
+        shape = (n, width, self.num_layers, 2)
+        staged = self.device_copy[: n * width * self.num_layers * 2].view(shape)
+        staged.copy_(self.host[: staged.numel()].view(shape), non_blocking=True)
+        block_table[:, :, :n, :width].copy_(staged.permute(2, 3, 0, 1))
+
+
 class DecodeGraphs:
     def __init__(self, model, kv, table, max_batch: int, max_model_len: int, max_lora_rank: int,
                  kernel_choice: LoraKernelChoice | None = None):
@@ -61,10 +105,7 @@ class DecodeGraphs:
         self.seq_ids = self.packed32[0]
         self.dest_pages = torch.full((layers, 2, size), SCRATCH_PAGE, **long)
         self.block_table = torch.full((layers, 2, size, self.max_blocks), SCRATCH_PAGE, **int32)
-        # The step's blocks go up in their own layout [n, blocks, L, 2] (pinned, grown on demand) and are
-        # transposed into block_table on the device: a host transpose of that size costs milliseconds.
-        self.host_blocks = torch.zeros(0, dtype=torch.int32, pin_memory=self.pin)
-        self.device_blocks = torch.zeros(0, **int32)
+        self.blocks = BlockStaging(layers, device)
         self.rows = torch.arange(size, **long)
         # (bucket, kernel, max rank): kernel "none" (no row has an adapter), "mbgmv" (max_lora_rank) or
         # "bgmv" (a rank bucket).
@@ -92,17 +133,8 @@ class DecodeGraphs:
         keys = sorted(self.plan(), key=lambda key: -key[0])
         for key in keys:
             size, kernel, max_rank = key
-            step = self._static_step(size, max_rank, kernel)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: Triton compiles, the allocator settles
-                for _ in range(2):
-                    self.model.forward(step, self.kv.view, self.table)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.model.forward(step, self.kv.view, self.table)
-            self.pool = graph.pool()
+            graph, logits, self.pool = capture_forward(self.model, self._static_step(size, max_rank, kernel), self.kv.view,
+                                                       self.table, self.pool)
             self.graphs[key] = (graph, logits)
         bgmv = sorted({(size, rank) for size, kernel, rank in keys if kernel == "bgmv"})
         log.info("cuda graphs captured buckets=%s max_rank=%d bgmv_graphs=%d (%s) kernel_choice=%s",
@@ -121,9 +153,9 @@ class DecodeGraphs:
         size = next(b for b in self.buckets if b >= n)
         tokens_per_page, layers = self.kv.tokens_per_page, self.kv.num_layers
         width = max(len(b) for b in blocks)
-        staged = self._host_blocks(n, width)
+        staged = self.blocks.stage(n, width)
         for row, rows in enumerate(blocks):
-            staged[row, : len(rows)] = rows  # past a sequence's own blocks: stale ids the kernels never read
+            staged[row, : len(rows)] = rows
         host64, host32 = self.host64.numpy(), self.host32.numpy()
         host64[:, n:size] = 0
         host64[0, :n], host64[1, :n], host64[2, :n] = tokens, positions, positions % tokens_per_page
@@ -134,22 +166,11 @@ class DecodeGraphs:
         dest = np.full((layers, 2, size), SCRATCH_PAGE, dtype=np.int64)  # padding rows write the scratch page
         dest[:, :, :n] = staged[np.arange(n), positions // tokens_per_page].transpose(1, 2, 0)
         self.dest_pages[:, :, :size].copy_(torch.from_numpy(dest))
-        device_blocks = self.device_blocks[: n * width * layers * 2].view(n, width, layers, 2)
-        device_blocks.copy_(self.host_blocks[: device_blocks.numel()].view(n, width, layers, 2), non_blocking=True)
-        self.block_table[:, :, :n, :width].copy_(device_blocks.permute(2, 3, 0, 1))
+        self.blocks.send(n, width, self.block_table)
         self.last_key = self._key(size, slots)
         graph, logits = self.graphs[self.last_key]
         graph.replay()
         return logits[:n]
-
-    def _host_blocks(self, n: int, width: int) -> np.ndarray:
-        """A pinned [n, width, L, 2] int32 staging area (and its device twin), grown when too small."""
-        needed = n * width * self.kv.num_layers * 2
-        if self.host_blocks.numel() < needed:
-            grown = max(needed, 2 * self.host_blocks.numel())
-            self.host_blocks = torch.zeros(grown, dtype=torch.int32, pin_memory=self.pin)
-            self.device_blocks = torch.zeros(grown, dtype=torch.int32, device=self.block_table.device)
-        return self.host_blocks[:needed].numpy().reshape(n, width, self.kv.num_layers, 2)
 
     def _key(self, size: int, slots: np.ndarray) -> tuple[int, str, int]:
         if not (slots >= 0).any():

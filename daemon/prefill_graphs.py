@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from lorad.daemon.cuda_graphs import BlockStaging, capture_forward
 from lorad.daemon.model import Step
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
@@ -95,8 +96,7 @@ class PrefillGraphs:
         self.host_dest = torch.full((layers, 2, largest), SCRATCH_PAGE, dtype=torch.long, pin_memory=self.pin)
         self.block_table = torch.full((layers, 2, self.max_seqs + 1, self.max_blocks), SCRATCH_PAGE, dtype=torch.int32,
                                       device=device)
-        self.host_blocks = torch.zeros(0, dtype=torch.int32, pin_memory=self.pin)
-        self.device_blocks = torch.zeros(0, dtype=torch.int32, device=device)
+        self.blocks = BlockStaging(layers, device)
         self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.last_key = None
@@ -106,20 +106,11 @@ class PrefillGraphs:
 
     def capture(self, pool=None) -> None:
         """Captures every bucket's graphs, largest first so the smaller ones reuse its memory; `pool`: a
-        graph memory pool to share (the decode graphs')."""
+        graph memory pool to share (the engine captures these first and hands their pool to the decode
+        graphs; `lorad profile` hands these the decode graphs')."""
         self.pool = pool
         for key in sorted(self.plan(), key=lambda key: -key[0]):
-            step = self.static_step(*key)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: Triton compiles, the allocator settles
-                for _ in range(2):
-                    self.model.forward(step, self.kv.view, self.table)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.model.forward(step, self.kv.view, self.table)
-            self.pool = graph.pool()
+            graph, logits, self.pool = capture_forward(self.model, self.static_step(*key), self.kv.view, self.table, self.pool)
             self.graphs[key] = (graph, logits)
         log.info("prefill cuda graphs captured token_buckets=%s max_seqs=%d max_rank=%d",
                  ",".join(map(str, self.tokens_buckets)), self.max_seqs, self.max_rank)
@@ -190,10 +181,10 @@ class PrefillGraphs:
         tile_row[:num_tiles] = (np.arange(num_tiles) - np.repeat(np.cumsum(tiles_per_seq) - tiles_per_seq, tiles_per_seq)) * tile_m
 
         width = max(len(s.blocks) for s in seqs)
-        staged = self._host_blocks(len(seqs), width)
+        staged = self.blocks.stage(len(seqs), width)
         dest = np.empty((n, layers, 2), dtype=np.int64)
         for index, s in enumerate(seqs):
-            staged[index, : len(s.blocks)] = s.blocks  # past a sequence's own blocks: stale ids never read
+            staged[index, : len(s.blocks)] = s.blocks
             rows = slice(starts_row[index], starts_row[index] + lengths[index])
             dest[rows] = s.blocks[positions[rows] // tokens_per_page]
         host_dest = self.host_dest.numpy()
@@ -203,19 +194,8 @@ class PrefillGraphs:
         self.packed64[:, :tokens].copy_(self.host64[:, :tokens], non_blocking=True)
         self.dest_pages[:, :, :tokens].copy_(self.host_dest[:, :, :tokens], non_blocking=True)
         bucket.device.copy_(bucket.host, non_blocking=True)
-        device_blocks = self.device_blocks[: len(seqs) * width * layers * 2].view(len(seqs), width, layers, 2)
-        device_blocks.copy_(self.host_blocks[: device_blocks.numel()].view(len(seqs), width, layers, 2), non_blocking=True)
-        self.block_table[:, :, : len(seqs), :width].copy_(device_blocks.permute(2, 3, 0, 1))
+        self.blocks.send(len(seqs), width, self.block_table)
         return (tokens, "lora" if len(used) else "none"), len(sampled)
-
-    def _host_blocks(self, n: int, width: int) -> np.ndarray:
-        """A pinned [n, width, L, 2] int32 staging area (and its device twin), grown when too small."""
-        needed = n * width * self.kv.num_layers * 2
-        if self.host_blocks.numel() < needed:
-            grown = max(needed, 2 * self.host_blocks.numel())
-            self.host_blocks = torch.zeros(grown, dtype=torch.int32, pin_memory=self.pin)
-            self.device_blocks = torch.zeros(grown, dtype=torch.int32, device=self.block_table.device)
-        return self.host_blocks[:needed].numpy().reshape(n, width, self.kv.num_layers, 2)
 
     def static_step(self, tokens: int, kind: str) -> Step:
         """The bucket's Step over the static buffers (what its graph is captured from; the CPU tests run
