@@ -49,6 +49,8 @@ run_step() {
     lora_kernels_r16) step bench_lora_kernels_r16 240 python3 bench/lora_kernels.py --ranks 16,16 --no-prefill --budget-s 150 --out "$OUTDIR/lora_kernels_r16.json" ;;
     attention) step bench_attention 240 python3 bench/attention.py --out "$OUTDIR/attention.json" ;;
     engine_decode) step bench_engine_decode 150 python3 bench/engine_decode.py --breakdown-batch --out "$OUTDIR/engine_decode.json" ;;
+    # the same with q,k,v and gate,up decode LoRA in one launch pair each (fuse_lora_groups): run it beside engine_decode
+    engine_decode_groups) step bench_engine_decode_groups 150 python3 bench/engine_decode.py --breakdown-batch --fuse-lora-groups --out "$OUTDIR/engine_decode_groups.json" ;;
     # where an eager prefill's time goes (host launches vs device), with a cProfile of the host
     prefill_host) step prefill_host 200 python3 bench/prefill_host.py --out "$OUTDIR/prefill_host.json" ;;
     invoke) step bench_invoke 240 python3 bench/invoke.py --out "$OUTDIR/invoke.json" ;;

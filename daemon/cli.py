@@ -52,6 +52,8 @@ _ENGINE_FLAG_HELP = {
     "admission": "fcfs|early-abort|cluster: which waiting requests join a step (early-abort drops those that "
                  "cannot meet --slo-ttft-ms; cluster caps the running batch's distinct adapters)",
     "slo_ttft_ms": "time-to-first-token objective in ms (0: none; early-abort needs one)",
+    "fuse_lora_groups": "on cuda: a decode step's LoRA over q, k, v (and over gate, up) in one launch pair instead "
+                        "of one per projection",
     "slo_tpot_ms": "time-per-output-token objective in ms (0: none; reported in /v1/status)",
     "cluster_max_adapters": "--admission cluster (or early-abort): distinct adapters in the running batch before "
                             "other adapters' requests wait (at most the TTFT objective, else 1 s)",

@@ -101,7 +101,8 @@ class Engine:
         self.kernel_choice = LoraKernelChoice.for_engine(
             config.profile_path, self.model_name, self.device, config.state_dir, str(self.dtype).removeprefix("torch."))
         log.info("decode lora kernel choice=%s", self.kernel_choice.describe())
-        self.ops = Ops.for_device(self.device, config.max_batch_tokens, config.max_lora_rank, self.kernel_choice)
+        self.ops = Ops.for_device(self.device, config.max_batch_tokens, config.max_lora_rank, self.kernel_choice,
+                                  fuse_groups=config.fuse_lora_groups)
         self.model = LlamaModel(self.spec, weights, self.max_model_len, self.ops)
         del weights
         self.pool = PagePool(self._pool_pages(), self.spec.hidden_size, self.dtype, self.device)
@@ -113,6 +114,7 @@ class Engine:
             )
         shapes = [self.spec.projection_shape(p) for p in PROJECTIONS]
         self.table = AdapterTable(self.pool, ADAPTER_SLOTS, self.spec.num_layers, shapes)
+        self.lora_groups = self._lora_groups()
 
         self.registry = AdapterRegistry(self.spec, config.max_lora_rank, config.host_adapter_bytes, reserved_names=(self.model_name,))
         for name, path in (*demo_adapters, *config.adapters):
@@ -177,6 +179,18 @@ class Engine:
         )
 
     # ---- set-up -------------------------------------------------------------------------------
+    def _lora_groups(self) -> dict[str, str]:
+        """How decode steps launch the LoRA of q,k,v and of gate,up (config.fuse_lora_groups): "one launch"
+        where the members' tiles agree (mbgmv.group_fits), else "per projection"; logged, in /v1/status."""
+        if not self.config.fuse_lora_groups or self.ops.lora_group == self.ops._lora_each:  # not on (the CPU ops: never)
+            return {"qkv": "per projection", "gate_up": "per projection"}
+        from lorad.gpu_ops.mbgmv import group_fits
+
+        groups = {name: "one launch" if group_fits(self.table, first, members, self.config.max_lora_rank) else "per projection"
+                  for name, first, members in (("qkv", 0, 3), ("gate_up", 4, 2))}
+        log.info("decode lora groups %s", " ".join(f"{name}={how.replace(' ', '-')}" for name, how in groups.items()))
+        return groups
+
     @staticmethod
     def _model_dir(config: EngineConfig) -> tuple[Path, list[tuple[str, str]]]:
         if config.demo:
@@ -363,6 +377,7 @@ class Engine:
                 "prefill_cuda_graph_steps": self.prefill_graph_steps,
                 "prefill_cuda_graphs": self.prefill_graphs.tokens_buckets if self.prefill_graphs is not None else "off",
                 "lora_kernel_choice": self.kernel_choice.describe(),
+                "decode_lora_groups": self.lora_groups,
                 "lora_kernel_steps": dict(self.kernel_choice.steps),
                 "cold_start": self.config.cold_start,
                 "cold_start_decisions": dict(self.cold_start_decisions),

@@ -60,6 +60,14 @@ class Ops:
         # Per-step LoRA metadata the kernels need beyond LoraBatch (segments, max rank): built once
         # per step by the runner, never per layer.
         self.prepare_lora = prepare_lora or (lambda batch, table: None)
+        # The LoRA of consecutive projections on one x (q, k, v; gate, up) whose outputs lie side by side
+        # in `fused`: (x, fused, outs, layer, first projection, batch, table). Default: `lora` per member
+        # (looked up at call time: the engine may wrap `lora`); the GPU ops launch decode steps' groups at once.
+        self.lora_group = self._lora_each
+
+    def _lora_each(self, x, fused, outs, layer, first, batch, table) -> None:
+        for member, out in enumerate(outs):
+            self.lora(x, out, layer, first + member, batch, table)
 
     @classmethod
     def reference(cls, name: str = "torch-reference") -> Ops:
@@ -72,7 +80,8 @@ class Ops:
                    apply_lora_ref)
 
     @classmethod
-    def for_device(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None) -> Ops:
+    def for_device(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
+                   fuse_groups: bool = False) -> Ops:
         """kernel_choice (daemon/kernel_choice.py): picks each decode step's LoRA kernel, BGMV or MBGMV,
         in `prepare_lora`; None: MBGMV. On the CPU only a profile (or `lorad profile` measuring) makes
         decode steps run the kernels' references, bgmv_ref or mbgmv_ref; otherwise apply_lora_ref."""
@@ -84,14 +93,18 @@ class Ops:
             bgmv.require_triton()
         except (ImportError, RuntimeError) as error:
             return cls._reference_with_choice(cls.reference(f"torch-reference (triton unavailable: {error})"), kernel_choice)
-        return cls.triton(device, max_batch_tokens, max_lora_rank, kernel_choice)
+        return cls.triton(device, max_batch_tokens, max_lora_rank, kernel_choice, fuse_groups)
 
     @classmethod
-    def triton(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None) -> Ops:
-        """The Triton kernels (on the CPU they run only in Triton's interpreter: the tests)."""
+    def triton(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
+               fuse_groups: bool = False) -> Ops:
+        """The Triton kernels (on the CPU they run only in Triton's interpreter: the tests). fuse_groups: a
+        decode step's MBGMV takes q, k, v in one launch pair and gate, up in one (where their tiles agree:
+        mbgmv.group_fits), not one pair per projection."""
         from lorad.gpu_ops import bgmv, fused, mbgmm, mbgmv, paged_attention
 
-        ops = cls.reference("triton[lora:mbgmv|bgmv+mbgmm,paged-attention,fused-norm-rope-silu]")
+        groups = ",mbgmv-groups:qkv|gate-up" if fuse_groups else ""
+        ops = cls.reference(f"triton[lora:mbgmv|bgmv+mbgmm{groups},paged-attention,fused-norm-rope-silu]")
         ops.attention = paged_attention.attention
         ops.write_kv = paged_attention.write_kv
         ops.rms_norm = fused.rms_norm
@@ -118,8 +131,20 @@ class Ops:
             else:
                 mbgmm.lora_prefill(x, y, layer, proj, batch, table, segments=batch.segments, workspace=workspace)
 
+        def lora_group(x, fused_out, outs, layer, first, batch, table):
+            if (batch.max_rank and batch.decode_kernel == "mbgmv" and not batch.cpu_spans
+                    and (batch.segments is None or batch.segments.max_len == 1)):
+                config = mbgmv.group_fits(table, first, len(outs), batch.max_rank)
+                if config is not None:
+                    mbgmv.mbgmv_group(x, fused_out, layer, first, len(outs), batch.row_slot, table, batch.max_rank,
+                                      workspace, config=config)
+                    return
+            ops._lora_each(x, fused_out, outs, layer, first, batch, table)
+
         ops.lora = lora
         ops.prepare_lora = prepare_lora
+        if fuse_groups:
+            ops.lora_group = lora_group
         return ops
 
     @staticmethod
@@ -203,8 +228,7 @@ class LlamaModel:
         spec, ops, lora = self.spec, self.ops, step.lora
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split(self.splits, dim=-1)
-        for proj, out in ((Q, q), (K, k), (V, v)):
-            ops.lora(x, out, index, proj, lora, table)
+        ops.lora_group(x, qkv, (q, k, v), index, Q, lora, table)
         q, k = ops.rope_qk(q.view(-1, spec.num_heads, spec.head_dim), k.view(-1, spec.num_kv_heads, spec.head_dim), cos, sin)
         ops.write_kv(kv_view, index, k, v.view(-1, spec.num_kv_heads, spec.head_dim), step.attention)
         attended = ops.attention(q, kv_view, index, step.attention, self.scale)
@@ -214,8 +238,7 @@ class LlamaModel:
         h, x = ops.add_rms_norm(h, o, layer.post_norm, spec.rms_norm_eps)
         gate_up = x @ layer.gate_up.t()
         gate, up = gate_up.chunk(2, dim=-1)
-        ops.lora(x, gate, index, GATE, lora, table)
-        ops.lora(x, up, index, UP, lora, table)
+        ops.lora_group(x, gate_up, (gate, up), index, GATE, lora, table)
         act = ops.silu_mul(gate, up)
         down = act @ layer.down.t()
         ops.lora(act, down, index, DOWN, lora, table)

@@ -40,7 +40,8 @@ try:
 except ImportError:
     triton = None
 
-__all__ = ["DecodeConfig", "decode_config", "lora_decode", "mbgmv", "mbgmv_ref", "mbgmv_shrink", "mbgmv_expand", "batch_max_rank"]
+__all__ = ["DecodeConfig", "batch_max_rank", "decode_config", "group_fits", "lora_decode", "mbgmv", "mbgmv_expand",
+           "mbgmv_group", "mbgmv_ref", "mbgmv_shrink"]
 
 
 @dataclass(frozen=True)
@@ -80,22 +81,26 @@ def decode_config(in_dim: int, out_dim: int, max_rank: int) -> DecodeConfig:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=['num_rows', 'splits', 'rank_blocks', 'slot_stride', 'table_offset', 'chunks_in'])
+    @triton.jit(do_not_specialize=['num_rows', 'splits', 'rank_blocks', 'slot_stride', 'table_offset', 'chunks_in', 'member_stride'])
     def _mbgmv_shrink_kernel(
         x_ptr, v_ptr, row_slot_ptr, rank_ptr, a_start_ptr, page_ids_ptr, pages_ptr,
         in_dim, max_rank, width, num_rows, splits, rank_blocks, k_per_split,
-        stride_xt, stride_xk, slot_stride, table_offset, chunks_in,
+        stride_xt, stride_xk, slot_stride, table_offset, chunks_in, member_stride,
         PAGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, ALIGNED: tl.constexpr,
     ):
-        """Program (row, r0, split): v[split, row, r0:r0 + BLOCK_R] = x[row, K range] @ A[r0:r0 +
-        BLOCK_R, K range]^T, the K range being K_TILES tiles of BLOCK_K from split * k_per_split."""
+        """Program (row, r0, split; member): v[member][split, row, r0:r0 + BLOCK_R] = x[row, K range] @
+        A[r0:r0 + BLOCK_R, K range]^T, the K range being K_TILES tiles of BLOCK_K from split * k_per_split.
+        Grid axis 1: the member of a projection group (consecutive projections on one x: q, k, v or
+        gate, up), each with its own table entries and its own workspace slice member_stride apart."""
         task = tl.program_id(0)
+        member = tl.program_id(1)
+        v_ptr += member * member_stride
         split = task % splits
         rest = task // splits
         r0 = (rest % rank_blocks) * BLOCK_R
         row = rest // rank_blocks
         slot = tl.load(row_slot_ptr + row)
-        entry = tl.maximum(slot, 0) * slot_stride + table_offset
+        entry = tl.maximum(slot, 0) * slot_stride + table_offset + member
         rank = tl.minimum(tl.load(rank_ptr + entry), max_rank)
         a_start = tl.load(a_start_ptr + entry)
         if (slot >= 0) & (r0 < rank):
@@ -125,22 +130,32 @@ if triton is not None:
         partial = tl.load(ptrs, mask=(offs_s < splits)[:, None] & r_ok[None, :], other=0.0, cache_modifier=".cg")
         return tl.sum(partial, axis=0)
 
-    @triton.jit(do_not_specialize=['num_rows', 'splits', 'n_tiles', 'slot_stride', 'table_offset', 'chunks_out'])
+    @triton.jit(do_not_specialize=['num_rows', 'splits', 'n_tiles', 'slot_stride', 'table_offset', 'chunks_out',
+                                   'member_stride', 'out_dim1', 'out_dim2', 'chunks_out1', 'chunks_out2', 'col1', 'col2'])
     def _mbgmv_expand_kernel(
         v_ptr, y_ptr, row_slot_ptr, rank_ptr, b_start_ptr, page_ids_ptr, pages_ptr,
         out_dim, max_rank, width, num_rows, splits, n_tiles, stride_yt, stride_yn, slot_stride, table_offset, chunks_out,
+        member_stride, out_dim1, out_dim2, chunks_out1, chunks_out2, col1, col2,
         PAGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ALIGNED: tl.constexpr,
     ):
-        """Program (row, n0): y[row, n0:n0 + BLOCK_N] += (sum over splits of v[:, row, :rank]) @
-        B^T[:rank, n0:n0 + BLOCK_N]; no atomics, each (row, column tile) has one owner."""
+        """Program (row, n0; member): y[row, col + n0:col + n0 + BLOCK_N] += (sum over splits of
+        v[member][:, row, :rank]) @ B^T[:rank, n0:n0 + BLOCK_N]; no atomics, each (row, column tile) has one
+        owner. Grid axis 1: the member of a projection group (see the shrink); member 0 writes columns
+        from 0 with (out_dim, chunks_out), members 1 and 2 from col1 / col2 with their own."""
         task = tl.program_id(0)
+        member = tl.program_id(1)
+        if member == 1:
+            out_dim, chunks_out, y_ptr = out_dim1, chunks_out1, y_ptr + col1 * stride_yn
+        elif member == 2:
+            out_dim, chunks_out, y_ptr = out_dim2, chunks_out2, y_ptr + col2 * stride_yn
+        v_ptr += member * member_stride
         n0 = (task % n_tiles) * BLOCK_N
         row = task // n_tiles
         slot = tl.load(row_slot_ptr + row)
-        entry = tl.maximum(slot, 0) * slot_stride + table_offset
+        entry = tl.maximum(slot, 0) * slot_stride + table_offset + member
         rank = tl.minimum(tl.load(rank_ptr + entry), max_rank)
         b_start = tl.load(b_start_ptr + entry)
-        if (slot >= 0) & (rank > 0):
+        if (slot >= 0) & (rank > 0) & (n0 < out_dim):
             offs_n = tl.arange(0, BLOCK_N)
             n_ok = (n0 + offs_n) < out_dim
             rows = tl.arange(0, BLOCK_R)
@@ -173,38 +188,49 @@ def _shrink_plan(page: int, in_dim: int, splits: int | None, config: DecodeConfi
     return splits, cdiv(cdiv(in_dim, splits), block_k) * block_k, block_k, aligned
 
 
-def _shrink(x, v, layer, proj, row_slot, table, max_rank, config: DecodeConfig) -> None:
-    splits, num_rows, width = v.shape
+def _shrink(x, v, layer, proj, row_slot, table, max_rank, config: DecodeConfig, members: int = 1) -> None:
+    """v: [members, splits, T, width] (or [splits, T, width] for one); members: consecutive projections
+    from `proj` on the same x."""
+    splits, num_rows, width = v.shape[-3:]
     in_dim, _ = table.shapes[proj]
     chunks_in, _ = table.chunks[proj]
     slot_stride, offset = table_offsets(table, layer, proj)
     page = table.pool.page_elems
     _, k_per_split, block_k, aligned = _shrink_plan(page, in_dim, splits, config)
     rank_blocks = cdiv(max_rank, config.shrink_r)
-    _mbgmv_shrink_kernel[(num_rows * rank_blocks * splits,)](
+    _mbgmv_shrink_kernel[(num_rows * rank_blocks * splits, members)](
         x, v, row_slot, table.rank, table.a_start, table.page_ids, table.pool.pages,
         in_dim, max_rank, width, num_rows, splits, rank_blocks, k_per_split,
-        x.stride(0), x.stride(1), slot_stride, offset, chunks_in,
+        x.stride(0), x.stride(1), slot_stride, offset, chunks_in, splits * num_rows * width,
         PAGE=page, BLOCK_R=config.shrink_r, BLOCK_K=block_k, K_TILES=k_per_split // block_k, ALIGNED=aligned,
         num_warps=config.num_warps, num_stages=1,
     )
 
 
-def _expand(v, y, layer, proj, row_slot, table, max_rank, config: DecodeConfig) -> None:
-    splits, num_rows, width = v.shape
-    _, out_dim = table.shapes[proj]
-    _, chunks_out = table.chunks[proj]
-    slot_stride, offset = table_offsets(table, layer, proj)
+def _expand(v, y, layer, proj, row_slot, table, max_rank, config: DecodeConfig, members: int = 1) -> None:
+    """y: [T, sum of the members' out] (the members' outputs side by side, as the fused q|k|v or gate|up
+    GEMM writes them), or one projection's [T, out]."""
+    splits, num_rows, width = v.shape[-3:]
     page = table.pool.page_elems
-    block_n, aligned = page_block(page, out_dim, config.block_n)
+    outs = [table.shapes[proj + m][1] for m in range(members)]
+    chunks = [table.chunks[proj + m][1] for m in range(members)]
+    cols = [sum(outs[:m]) for m in range(members)]
+    slot_stride, offset = table_offsets(table, layer, proj)
+    block_n, aligned = page_block(page, outs[0], config.block_n)
     block_r = min(config.expand_r, max(16, triton_next_power_of_2(max_rank)))
-    n_tiles = cdiv(out_dim, block_n)
-    _mbgmv_expand_kernel[(num_rows * n_tiles,)](
+    n_tiles = cdiv(max(outs), block_n)
+    _mbgmv_expand_kernel[(num_rows * n_tiles, members)](
         v, y, row_slot, table.rank, table.b_start, table.page_ids, table.pool.pages,
-        out_dim, max_rank, width, num_rows, splits, n_tiles, y.stride(0), y.stride(1), slot_stride, offset, chunks_out,
+        outs[0], max_rank, width, num_rows, splits, n_tiles, y.stride(0), y.stride(1), slot_stride, offset, chunks[0],
+        splits * num_rows * width, *_members_1_2(outs), *_members_1_2(chunks), *_members_1_2(cols),
         PAGE=page, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=max(2, triton_next_power_of_2(splits)), ALIGNED=aligned,
         num_warps=config.expand_warps, num_stages=1,
     )
+
+
+def _members_1_2(values: list[int]) -> list[int]:
+    """The values of group members 1 and 2 as the expand kernel takes them (member 0's where there are fewer)."""
+    return (values + [values[0]] * 2)[1:3]
 
 
 def mbgmv_shrink(x, v, layer, proj, row_slot, table, max_rank, block_r=8, block_k=1024, num_warps=4):
@@ -248,6 +274,46 @@ def mbgmv(x, y, layer, proj, row_slot, table, max_rank, workspace=None, *, confi
     v = workspace_view(workspace, splits, num_rows, max_rank, x.device)
     _shrink(x, v, layer, proj, row_slot, table, max_rank, config)
     _expand(v, y, layer, proj, row_slot, table, max_rank, config)
+
+
+def group_fits(table: AdapterTable, proj: int, members: int, max_rank: int, config: DecodeConfig | None = None) -> DecodeConfig | None:
+    """The tiles for a projection group's single launch pair (`mbgmv_group`), or None when it cannot have
+    one: the members must share their input size and, along their outputs, the tile and its alignment,
+    and the workspace must hold every member's partials."""
+    if not 1 <= members <= 3 or proj + members > table.rank.shape[2]:
+        return None
+    in_dim, out_dim = table.shapes[proj]
+    page = table.pool.page_elems
+    config = config or decode_config(in_dim, out_dim, max_rank)
+    for m in range(1, members):
+        other_in, other_out = table.shapes[proj + m]
+        if other_in != in_dim or page_block(page, other_out, config.block_n) != page_block(page, out_dim, config.block_n):
+            return None
+    splits = _shrink_plan(page, in_dim, None, config)[0]
+    if members * splits > MAX_SPLITS:  # workspace_numel sizes the workspace for MAX_SPLITS partials a row
+        return None
+    return config
+
+
+def mbgmv_group(x, y, layer, proj, members, row_slot, table, max_rank, workspace=None, *, config: DecodeConfig | None = None):
+    """`mbgmv` for `members` consecutive projections from `proj` on the same x (q, k, v or gate, up) in one
+    shrink and one expand launch: y is their outputs side by side [T, sum of out] (the fused GEMM's output,
+    any strides). Same semantics as one `mbgmv` per member on y's column slices. The caller checks
+    `group_fits` (config: its answer)."""
+    num_rows = x.shape[0]
+    in_dim, _ = check_operands(x, y[:, : table.shapes[proj][1]], proj, table, row_slot)
+    if y.shape[1] != sum(table.shapes[proj + m][1] for m in range(members)):
+        raise ValueError(f"y {tuple(y.shape)} is not the {members} projections' outputs side by side")
+    if num_rows == 0 or max_rank <= 0:
+        return
+    require_triton()
+    config = config or group_fits(table, proj, members, max_rank)
+    if config is None:
+        raise ValueError(f"projections {proj}..{proj + members - 1} cannot share one launch (see group_fits)")
+    splits = _shrink_plan(table.pool.page_elems, in_dim, None, config)[0]
+    v = workspace_view(workspace, members * splits, num_rows, max_rank, x.device).view(members, splits, num_rows, -1)
+    _shrink(x, v, layer, proj, row_slot, table, max_rank, config, members)
+    _expand(v, y, layer, proj, row_slot, table, max_rank, config, members)
 
 
 def mbgmv_ref(x, y, layer, proj, row_slot, table, max_rank, workspace=None):

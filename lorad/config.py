@@ -46,6 +46,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     host_adapter_bytes: int = 8 << 30  # host-memory budget of loaded adapters (LRU beyond it)
     seed: int = 0
+    # on cuda: decode steps' MBGMV over q,k,v and over gate,up in one launch pair each. Off until measured on a
+    # GPU (tested in Triton's interpreter only): bench/engine_decode.py compares it with the default.
+    fuse_lora_groups: bool = False
     eager: bool = False  # on cuda: no CUDA graphs for decode steps (slower; for comparison and debugging)
     cold_start: str = "ondemand"  # cached|ondemand|cpu|auto (see COLD_STARTS)
     cpu_workers: int = 0  # CPU LoRA worker processes for cold_start cpu|auto; 0: min(4, cores - 1)

@@ -77,3 +77,30 @@ def test_cuda_graphs_equal_eager(demo_assets, dtype):
         if dtype == "float32":
             assert a.token_ids == b.token_ids
         torch.testing.assert_close(a.logits[0], b.logits[0], atol=1e-3 if dtype == "float32" else 5e-2, rtol=1e-2)
+
+
+def test_cuda_fused_lora_groups_equal_per_projection(demo_assets):
+    """fuse_lora_groups: decode steps launch gate|up's LoRA at once (the demo's q, k, v tile differently and
+    stay per projection); the same tokens and logits as one launch pair per projection, graphs and eager."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
+
+    def run(fuse, eager):
+        engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="float32",
+                                     eager=eager, fuse_lora_groups=fuse, max_running_requests=12, max_lora_rank=64))
+        names = [*sorted(demo_assets.adapters), None]  # one request per adapter: MBGMV decode steps
+        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        results = engine.generate([GenerationRequest([5 + i, 6, 7], name, greedy, keep_logits=True) for i, name in enumerate(names)])
+        status = engine.status()
+        del engine
+        gc.collect()
+        return results, status
+
+    per_projection, status = run(False, eager=False)
+    assert status["decode_lora_groups"] == {"qkv": "per projection", "gate_up": "per projection"}
+    for eager in (False, True):
+        fused, status = run(True, eager)
+        assert status["decode_lora_groups"]["gate_up"] == "one launch"
+        for a, b in zip(per_projection, fused):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-3, rtol=1e-3)

@@ -32,6 +32,7 @@ from lorad.gpu_ops.page_pool import SCRATCH_PAGE, AdapterTable, KVCache, PagePoo
 from lorad.config import EngineConfig
 
 LAYERS, KV_HEADS, HEAD_DIM = 3, 2, 4
+GATE_PROJ = 4  # daemon/model.py's GATE
 PAGE_BYTES = 64 * 4  # the demo's hidden size, float32
 
 
@@ -156,6 +157,36 @@ def test_the_padded_static_steps_give_the_reference_engines_tokens(demo_assets):
     engine.close()
 
     assert engine.prefill_graph_steps > 0 and {kind for _, kind in replayed} == {"none", "lora"}
+    for got, want in zip(results, expected):
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not HAS_TRITON or CUDA, reason="Triton's interpreter on the CPU (a GPU runs the compiled kernels: -m gpu)")
+def test_the_engine_on_the_triton_ops_gives_the_reference_tokens(demo_assets):
+    """Every step eager through the Triton ops (decode steps: MBGMV, gate|up as one group launch; q|k|v
+    per projection, their tiles differ at the demo's GQA widths), against the reference engine."""
+    from lorad.gpu_ops import bgmv, fused, mbgmm, mbgmv, paged_attention
+
+    if type(mbgmv._mbgmv_shrink_kernel).__name__ != "InterpretedFunction":
+        for module in (bgmv, mbgmv, mbgmm, paged_attention, fused):
+            importlib.reload(module)
+    names = [name for name in demo_assets.adapters if name in ("demo-r4", "demo-r16")] + [None]
+    reference = make_engine(demo_assets)
+    expected = reference.generate(batch(names, count=3, seed=2))  # one row per adapter: MBGMV decode steps
+    reference.close()
+
+    engine = make_engine(demo_assets)
+    engine.ops = engine.model.ops = Ops.triton(engine.device, 64, 64, fuse_groups=True)
+    groups = []
+    original = mbgmv.mbgmv_group
+    mbgmv.mbgmv_group = lambda *args, **kwargs: (groups.append(args[3]), original(*args, **kwargs))
+    try:
+        results = engine.generate(batch(names, count=3, seed=2))
+    finally:
+        mbgmv.mbgmv_group = original
+        engine.close()
+    assert groups and set(groups) == {GATE_PROJ}, "decode steps launch gate|up as one group"
     for got, want in zip(results, expected):
         assert got.token_ids == want.token_ids
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)

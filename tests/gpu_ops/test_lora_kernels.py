@@ -487,3 +487,54 @@ def test_mbgmv_configs_gpu(kernels, gpu_setups):
     for index, config in enumerate(gpu_mbgmv_configs(mbgmv_module)):
         for proj in (Q, DOWN):  # 64 mixed rows: ranks 1..255 and base-only rows; DOWN's rows span 3 pages
             check("mbgmv", kernels, setup, gpu_rows("mixed", 64, seed=proj + index), 0, proj, seed=proj, config=config)
+
+
+# ---------------------------------------------------------------------------------------------------
+# MBGMV over a projection group (q, k, v or gate, up) in one launch pair
+
+
+def check_group(module, setup: Setup, row_slots: list[int], layer: int, proj: int, members: int, seed: int, config=None):
+    """mbgmv_group on the members' outputs side by side (a column slice of a wider buffer) against the
+    float64 truth of each member; base rows and the columns around the group untouched."""
+    table, device, dtype = setup.table, setup.device, setup.dtype
+    generator = torch.Generator().manual_seed(seed)
+    in_dim = table.shapes[proj][0]
+    outs = [table.shapes[proj + m][1] for m in range(members)]
+    x = torch.randn(len(row_slots), in_dim, generator=generator).to(dtype).to(device)
+    wide = torch.randn(len(row_slots), sum(outs) + 8, generator=generator).to(dtype).to(device)
+    before = wide.clone()
+    y = wide[:, 3 : 3 + sum(outs)]
+    max_rank = max(setup.ranks)
+    config = module.group_fits(table, proj, members, max_rank, config)
+    assert config is not None
+    row_slot = torch.tensor(row_slots, dtype=torch.int32, device=device)
+    module.mbgmv_group(x, y, layer, proj, members, row_slot, table, max_rank, config=config)
+    expected = before[:, 3 : 3 + sum(outs)].double()
+    expected += torch.cat([truth(setup, x, row_slots, layer, proj + m) for m in range(members)], dim=1)
+    tolerance = TOLERANCE[dtype] * max(1.0, expected.abs().max().item())
+    assert (y.double() - expected).abs().max().item() <= tolerance
+    assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(wide[:, 3 + sum(outs) :], before[:, 3 + sum(outs) :])
+    base = [t for t, s in enumerate(row_slots) if s < 0]
+    assert torch.equal(wide[base], before[base])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_mbgmv_group_interpreted(dtype, kernels, interpreter_setups):
+    _, mbgmv_module, _ = kernels
+    setup = interpreter_setups(64, dtype)
+    row_slots = mixed_rows(list(range(len(INTERPRETER_RANKS))), 9, seed=11)  # slot 4 has no k_proj
+    # q, k, v of a GQA shape (outputs 64, 16, 16): one column tile that fits them all
+    narrow = mbgmv_module.DecodeConfig(block_k=64, block_n=16, expand_r=16)
+    check_group(mbgmv_module, setup, row_slots, layer=1, proj=Q, members=3, seed=1, config=narrow)
+    check_group(mbgmv_module, setup, row_slots, layer=0, proj=GATE, members=2, seed=2)
+    # with the default tiles q (64 wide) and k (16) tile differently: no single launch
+    assert mbgmv_module.group_fits(setup.table, Q, 3, max(setup.ranks)) is None
+
+
+@pytest.mark.gpu
+def test_mbgmv_group_gpu(kernels, gpu_setups):
+    _, mbgmv_module, _ = kernels
+    setup = gpu_setups(torch.bfloat16)
+    for proj, members in ((Q, 3), (GATE, 2)):
+        check_group(mbgmv_module, setup, gpu_rows("mixed", 64, seed=proj), 0, proj, members, seed=proj)
