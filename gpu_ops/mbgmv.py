@@ -87,20 +87,23 @@ if triton is not None:
         in_dim, max_rank, width, num_rows, splits, rank_blocks, k_per_split,
         stride_xt, stride_xk, slot_stride, table_offset, chunks_in, member_stride,
         PAGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, ALIGNED: tl.constexpr,
+        GROUPED: tl.constexpr,
     ):
         """Program (row, r0, split; member): v[member][split, row, r0:r0 + BLOCK_R] = x[row, K range] @
         A[r0:r0 + BLOCK_R, K range]^T, the K range being K_TILES tiles of BLOCK_K from split * k_per_split.
-        Grid axis 1: the member of a projection group (consecutive projections on one x: q, k, v or
-        gate, up), each with its own table entries and its own workspace slice member_stride apart."""
+        GROUPED: grid axis 1 is the member of a projection group (consecutive projections on one x: q, k, v
+        or gate, up), each with its own table entries and its own workspace slice member_stride apart."""
         task = tl.program_id(0)
-        member = tl.program_id(1)
-        v_ptr += member * member_stride
+        if GROUPED:
+            member = tl.program_id(1)
+            v_ptr += member * member_stride
+            table_offset += member
         split = task % splits
         rest = task // splits
         r0 = (rest % rank_blocks) * BLOCK_R
         row = rest // rank_blocks
         slot = tl.load(row_slot_ptr + row)
-        entry = tl.maximum(slot, 0) * slot_stride + table_offset + member
+        entry = tl.maximum(slot, 0) * slot_stride + table_offset
         rank = tl.minimum(tl.load(rank_ptr + entry), max_rank)
         a_start = tl.load(a_start_ptr + entry)
         if (slot >= 0) & (r0 < rank):
@@ -137,22 +140,25 @@ if triton is not None:
         out_dim, max_rank, width, num_rows, splits, n_tiles, stride_yt, stride_yn, slot_stride, table_offset, chunks_out,
         member_stride, out_dim1, out_dim2, chunks_out1, chunks_out2, col1, col2,
         PAGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ALIGNED: tl.constexpr,
+        GROUPED: tl.constexpr,
     ):
         """Program (row, n0; member): y[row, col + n0:col + n0 + BLOCK_N] += (sum over splits of
         v[member][:, row, :rank]) @ B^T[:rank, n0:n0 + BLOCK_N]; no atomics, each (row, column tile) has one
-        owner. Grid axis 1: the member of a projection group (see the shrink); member 0 writes columns
-        from 0 with (out_dim, chunks_out), members 1 and 2 from col1 / col2 with their own."""
+        owner. GROUPED: grid axis 1 is the member of a projection group (see the shrink); member 0 writes
+        columns from 0 with (out_dim, chunks_out), members 1 and 2 from col1 / col2 with their own."""
         task = tl.program_id(0)
-        member = tl.program_id(1)
-        if member == 1:
-            out_dim, chunks_out, y_ptr = out_dim1, chunks_out1, y_ptr + col1 * stride_yn
-        elif member == 2:
-            out_dim, chunks_out, y_ptr = out_dim2, chunks_out2, y_ptr + col2 * stride_yn
-        v_ptr += member * member_stride
+        if GROUPED:
+            member = tl.program_id(1)
+            if member == 1:
+                out_dim, chunks_out, y_ptr = out_dim1, chunks_out1, y_ptr + col1 * stride_yn
+            elif member == 2:
+                out_dim, chunks_out, y_ptr = out_dim2, chunks_out2, y_ptr + col2 * stride_yn
+            v_ptr += member * member_stride
+            table_offset += member
         n0 = (task % n_tiles) * BLOCK_N
         row = task // n_tiles
         slot = tl.load(row_slot_ptr + row)
-        entry = tl.maximum(slot, 0) * slot_stride + table_offset + member
+        entry = tl.maximum(slot, 0) * slot_stride + table_offset
         rank = tl.minimum(tl.load(rank_ptr + entry), max_rank)
         b_start = tl.load(b_start_ptr + entry)
         if (slot >= 0) & (rank > 0) & (n0 < out_dim):
@@ -203,7 +209,7 @@ def _shrink(x, v, layer, proj, row_slot, table, max_rank, config: DecodeConfig, 
         in_dim, max_rank, width, num_rows, splits, rank_blocks, k_per_split,
         x.stride(0), x.stride(1), slot_stride, offset, chunks_in, splits * num_rows * width,
         PAGE=page, BLOCK_R=config.shrink_r, BLOCK_K=block_k, K_TILES=k_per_split // block_k, ALIGNED=aligned,
-        num_warps=config.num_warps, num_stages=1,
+        GROUPED=members > 1, num_warps=config.num_warps, num_stages=1,
     )
 
 
@@ -224,7 +230,7 @@ def _expand(v, y, layer, proj, row_slot, table, max_rank, config: DecodeConfig, 
         outs[0], max_rank, width, num_rows, splits, n_tiles, y.stride(0), y.stride(1), slot_stride, offset, chunks[0],
         splits * num_rows * width, *_members_1_2(outs), *_members_1_2(chunks), *_members_1_2(cols),
         PAGE=page, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=max(2, triton_next_power_of_2(splits)), ALIGNED=aligned,
-        num_warps=config.expand_warps, num_stages=1,
+        GROUPED=members > 1, num_warps=config.expand_warps, num_stages=1,
     )
 
 
