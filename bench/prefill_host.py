@@ -23,6 +23,7 @@ import time
 import numpy as np
 import torch
 from lorad.daemon.checkpoint import MODEL_CONFIGS, ModelSpec, dummy_weights
+from lorad.daemon.cuda_graphs import capture
 from lorad.daemon.profile import Bench, Plan
 
 
@@ -50,14 +51,7 @@ def graph_ms(run, reps: int) -> float | None:
     """Device time of run() captured once into a CUDA graph and replayed (no host launches)."""
     if not torch.cuda.is_available():
         return None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph, _, _ = capture(run, warmups=1)
     return wall_ms(graph.replay, reps)
 
 

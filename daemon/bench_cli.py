@@ -140,24 +140,23 @@ def _name_list(text: str) -> tuple[str, ...]:
     return values
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, not {text!r}")
-    return value
+def _positive(kind, what: str, unparsed: str):
+    """An argparse type: text -> kind(text) > 0 (finite), else 'expected <what>' ('<unparsed>' when kind
+    cannot read it)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {unparsed}, not {text!r}") from None
+        if not value > 0 or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, not {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
-    return value
+_positive_float = _positive(float, "a positive number", "a number")
+_positive_int = _positive(int, "a positive integer", "a positive integer")
 
 
 def add_microbench_parsers(actions) -> None:

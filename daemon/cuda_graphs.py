@@ -34,20 +34,25 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 LOW_RANK = 16  # mbgmv.decode_config's smaller expand tile
 
 
-def capture_forward(model, step: Step, kv_view: torch.Tensor, table, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, object]:
-    """One forward over a static step captured into a CUDA graph, after two warm-up runs on a side stream
-    (Triton compiles, the allocator settles) -> (the graph, its logits, its memory pool: pass it to the
-    next capture to share the memory)."""
+def capture(run, pool=None, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, object, object]:
+    """run() captured into a CUDA graph after `warmups` runs on a side stream (Triton compiles, the
+    allocator settles) -> (the graph, what the captured run returned, the graph's memory pool: pass it
+    to the next capture to share the memory)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
-            model.forward(step, kv_view, table)
+        for _ in range(warmups):
+            run()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        logits = model.forward(step, kv_view, table)
-    return graph, logits, graph.pool()
+        output = run()
+    return graph, output, graph.pool()
+
+
+def capture_forward(model, step: Step, kv_view: torch.Tensor, table, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, object]:
+    """One forward over a static step captured -> (the graph, its logits, its memory pool)."""
+    return capture(lambda: model.forward(step, kv_view, table), pool)
 
 
 class BlockStaging:

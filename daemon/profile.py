@@ -378,15 +378,9 @@ def _kernel_function(kernel: str, device: torch.device):
 
 def _graphed(calls: Callable[[], None]) -> Callable[[], None]:
     """A CUDA graph of calls() (warmed up on a side stream first, so Triton compiles outside it) -> its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        calls()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    return graph.replay
+    from lorad.daemon.cuda_graphs import capture
+
+    return capture(calls, warmups=1)[0].replay
 
 
 # ---- the whole run ------------------------------------------------------------------------------

@@ -286,13 +286,18 @@ def group_fits(table: AdapterTable, proj: int, members: int, max_rank: int, conf
     """The tiles for a projection group's single launch pair (`mbgmv_group`), or None when it cannot have
     one: the members must share their input size and, along their outputs, the tile and its alignment,
     and the workspace must hold every member's partials."""
-    if not 1 <= members <= 3 or proj + members > table.rank.shape[2]:
+    return _group_config(tuple(table.shapes), table.pool.page_elems, proj, members, max_rank, config)
+
+
+@functools.lru_cache(maxsize=256)
+def _group_config(shapes: tuple, page: int, proj: int, members: int, max_rank: int, config: DecodeConfig | None) -> DecodeConfig | None:
+    """group_fits per shape (eager decode steps ask it twice a layer)."""
+    if not 1 <= members <= 3 or proj + members > len(shapes):
         return None
-    in_dim, out_dim = table.shapes[proj]
-    page = table.pool.page_elems
+    in_dim, out_dim = shapes[proj]
     config = config or decode_config(in_dim, out_dim, max_rank)
     for m in range(1, members):
-        other_in, other_out = table.shapes[proj + m]
+        other_in, other_out = shapes[proj + m]
         if other_in != in_dim or page_block(page, other_out, config.block_n) != page_block(page, out_dim, config.block_n):
             return None
     splits = _shrink_plan(page, in_dim, None, config)[0]

@@ -94,34 +94,9 @@ class Flag:
         value = cell[0]
         if value >= target:
             return value
-        clock = time.monotonic_ns
-        start = clock()
-        spin_until = start + int(spin_s * 1e9)
-        deadline = None if timeout_s is None else start + int(timeout_s * 1e9)
-        pause_ns = int(max_pause_s * 1e9)
-        next_pause = start + pause_ns
-        pause = 10e-6
-        hot_cell = None if hot is None else hot._cell
-        while True:
-            value = cell[0]
-            if value >= target:
-                return value
-            now = clock()
-            if now < spin_until:
-                continue
-            if deadline is not None and now >= deadline:
-                raise TimeoutError(f"flag still {value} after {timeout_s} s waiting for {target}")
-            if hot_cell is not None and now < hot_cell[0]:
-                pause = 10e-6  # back from cold: the first sleep after a hot period is short again
-                if now >= next_pause:
-                    next_pause = now + pause_ns
-                    if on_pause is not None:
-                        on_pause()
-                continue
-            if on_pause is not None:
-                on_pause()
-            time.sleep(pause if deadline is None else min(pause, max(deadline - now, 0) / 1e9))
-            pause = min(pause * 2, max_pause_s)
+        _wait_until(lambda: cell[0] >= target, timeout_s, spin_s, max_pause_s, on_pause, hot,
+                    lambda: f"flag still {cell[0]} after {timeout_s} s waiting for {target}")
+        return cell[0]
 
     def __repr__(self) -> str:
         return f"Flag({self.load()})"
@@ -153,6 +128,30 @@ def wait_all(
     expected = targets.tobytes()
     if flags.tobytes() == expected or (flags >= targets).all():
         return
+
+    def poll() -> bool:
+        for _ in _POLLS:
+            if flags.tobytes() == expected:
+                return True
+        return bool((flags >= targets).all())
+
+    _wait_until(poll, timeout_s, spin_s, max_pause_s, on_pause, hot,
+                lambda: f"flags {flags.tolist()} after {timeout_s} s waiting for {targets.tolist()}")
+
+
+def _wait_until(
+    poll: Callable[[], bool],
+    timeout_s: float | None,
+    spin_s: float,
+    max_pause_s: float,
+    on_pause: Callable[[], None] | None,
+    hot: Flag | None,
+    timed_out: Callable[[], str],
+) -> None:
+    """The waiting of `Flag.wait` and `wait_all` around poll() (True: done): spin for spin_s, then poll
+    hot while `hot` holds a future deadline (on_pause about every max_pause_s), else sleep with a pause
+    doubling from 10 µs to max_pause_s (on_pause before each sleep); TimeoutError(timed_out()) after
+    timeout_s."""
     clock = time.monotonic_ns
     start = clock()
     spin_until = start + int(spin_s * 1e9)
@@ -162,18 +161,15 @@ def wait_all(
     pause = 10e-6
     hot_cell = None if hot is None else hot._cell
     while True:
-        for _ in _POLLS:
-            if flags.tobytes() == expected:
-                return
-        if (flags >= targets).all():
+        if poll():
             return
         now = clock()
         if now < spin_until:
             continue
         if deadline is not None and now >= deadline:
-            raise TimeoutError(f"flags {flags.tolist()} after {timeout_s} s waiting for {targets.tolist()}")
+            raise TimeoutError(timed_out())
         if hot_cell is not None and now < hot_cell[0]:
-            pause = 10e-6
+            pause = 10e-6  # back from cold: the first sleep after a hot period is short again
             if now >= next_pause:
                 next_pause = now + pause_ns
                 if on_pause is not None:

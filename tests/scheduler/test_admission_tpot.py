@@ -23,6 +23,7 @@ from lorad.scheduler.perf_model import BgmvModel, DecodeStepModel, PrefillModel,
 from lorad.scheduler.router import MostIdle
 from lorad.scheduler.simulator import SimConfig, simulate
 from lorad.scheduler.workload import Trace, TraceRequest
+from scheduler_fakes import Adapters, Clock, Memory
 
 # 10 ms a step plus 1 ms per row and 0.1 ms per rank of the largest row, times the rows (padded BGMV)
 DECODE = DecodeStepModel(fixed_s=0.010, per_request_s=0.001, per_context_token_s=0.0, lora=BgmvModel(1e-4, 0.0))
@@ -87,31 +88,6 @@ def test_early_abort_counts_the_wait_of_a_held_request():
     assert decision.admit == () and decision.held == () and [key for key, _ in decision.drop] == [0]
     # without the rule it would have been admitted at 0.5 s
     assert policy.select(held, 0.5, room(running, decode=None), objectives).admit == (0,)
-
-
-class Memory:
-    def grow(self, blocks, num_tokens):
-        blocks[:] = [0] * num_tokens
-        return True
-
-    def release(self, blocks):
-        blocks.clear()
-
-
-class Adapters:
-    def acquire(self, name, tokens=None):
-        return True
-
-    def release(self, name):
-        pass
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def seq(name, rank, prompt_len=4):

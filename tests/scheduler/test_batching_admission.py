@@ -10,31 +10,7 @@ import random
 from lorad.scheduler.admission import FCFS, AdapterClustering, EarlyAbort, Objectives
 from lorad.scheduler.batching import Scheduler, Sequence
 from lorad.scheduler.perf_model import PrefillModel
-
-
-class Memory:
-    def grow(self, blocks, num_tokens):
-        blocks[:] = [0] * num_tokens
-        return True
-
-    def release(self, blocks):
-        blocks.clear()
-
-
-class Adapters:
-    def acquire(self, name, tokens=None):
-        return True
-
-    def release(self, name):
-        pass
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
+from scheduler_fakes import Adapters, Clock, Memory
 
 
 def seq(name, prompt_len=4, adapter=None, rank=0):
