@@ -99,6 +99,7 @@ def step_breakdown(engine: Engine, adapters: list[str | None], prompt_len: int, 
         return wrapper
 
     engine._forward, engine_module.sample = timed("forward", forward), timed("sample", sample)
+    overlap, engine.overlap_decode = engine.overlap_decode, False  # the host's phases one after the other
     try:
         torch.cuda.synchronize()
         for _ in range(steps):
@@ -108,6 +109,7 @@ def step_breakdown(engine: Engine, adapters: list[str | None], prompt_len: int, 
     finally:
         del engine._forward
         engine_module.sample = sample
+        engine.overlap_decode = overlap
     result = {name: statistics.median(values) for name, values in phases.items()}
     result["rest"] = result["step"] - result["forward"] - result["sample"]
     graphs = engine.graphs
@@ -203,6 +205,9 @@ def main() -> None:
             "ratio_at_floor": (weight_bytes + kv_bytes) / (weight_bytes + kv_bytes + lora_bytes),
         })
     _, single_ms = decode_rate(engine, [None], args.prompt, args.steps)
+    overlap, engine.overlap_decode = engine.overlap_decode, False
+    _, single_plain_ms = decode_rate(engine, [None], args.prompt, args.steps)  # each step waits for its tokens
+    engine.overlap_decode = overlap
     breakdown = {"batch1_base": step_breakdown(engine, [None], args.prompt)}
     if args.breakdown_batch:
         breakdown["batch_lora"] = step_breakdown(engine, [f"dummy-{i}" for i in range(args.batch)], args.prompt)
@@ -215,7 +220,9 @@ def main() -> None:
         "hbm_copy_GBps": hbm / 1e9, "pinned_h2d_GBps": pinned / 1e9,
         "decode": {"batch": args.batch, "rank": args.rank, "targets": "all seven", "steps": args.steps,
                    "lora_bytes_per_step": lora_bytes, "by_prompt": decode},
-        "batch1": {"step_ms": single_ms, "weight_bytes": weight_bytes, "floor_ms": floor_ms, "over_floor": single_ms / floor_ms},
+        "overlap_decode": engine.overlap_decode, "overlapped_steps": engine.overlapped_steps,
+        "batch1": {"step_ms": single_ms, "weight_bytes": weight_bytes, "floor_ms": floor_ms, "over_floor": single_ms / floor_ms,
+                   "plain_step_ms": single_plain_ms, "plain_over_floor": single_plain_ms / floor_ms},
         "breakdown": breakdown,
         "adapter_load": {"rank": 64, "targets": "q,k,v", **load, "floor_ms": load_floor_ms, "over_floor": load["ms"] / load_floor_ms},
     }

@@ -54,7 +54,10 @@ _ENGINE_FLAG_HELP = {
     "slo_ttft_ms": "time-to-first-token objective in ms (0: none; early-abort needs one)",
     "fuse_lora_groups": "on cuda: a decode step's LoRA over q, k, v (and over gate, up) in one launch pair instead "
                         "of one per projection",
-    "slo_tpot_ms": "time-per-output-token objective in ms (0: none; reported in /v1/status)",
+    "overlap_decode": "greedy decode steps launched one ahead of the host, from the sampled tokens on the device "
+                      "(--no-overlap-decode: each step waits for its tokens first)",
+    "slo_tpot_ms": "time-per-output-token objective in ms (0: none); with a profile loaded, no request joins a running "
+                   "batch whose predicted decode step would break it",
     "cluster_max_adapters": "--admission cluster (or early-abort): distinct adapters in the running batch before "
                             "other adapters' requests wait (at most the TTFT objective, else 1 s)",
 }

@@ -117,6 +117,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.last_key = None  # the graph the last run() replayed (benchmarks read it)
+        self.sent: torch.cuda.Event | None = None  # recorded after the last run's copies from pinned memory
 
     def plan(self) -> list[tuple[int, str, int]]:
         """The graphs to capture: per bucket, base-only and MBGMV, and BGMV at each rank bucket where the
@@ -149,11 +150,16 @@ class DecodeGraphs:
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.buckets[-1] and max_blocks <= self.max_blocks
 
-    def run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, blocks: list[np.ndarray]) -> torch.Tensor:
+    def run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, blocks: list[np.ndarray],
+            device_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step of n sequences -> logits [n, vocab] float32 (a view of static memory, valid
         until the next replay). tokens, positions, slots: [n]; blocks: n arrays [num_blocks_i, L, 2] of
-        page ids (each sequence's BlockList). No host sync: every copy is from pinned memory, which the
-        previous step's sampling (a host sync) has finished reading."""
+        page ids (each sequence's BlockList); device_tokens: [n] input ids already on the device, which
+        replace `tokens` (overlapped decode). No host sync: every copy is from pinned memory, which the
+        last run's copies have finished reading (`sent`: long done by the time the host comes back,
+        unless the host runs a step ahead of the device, where it waits microseconds)."""
+        if self.sent is not None:
+            self.sent.synchronize()
         n = len(tokens)
         size = next(b for b in self.buckets if b >= n)
         tokens_per_page, layers = self.kv.tokens_per_page, self.kv.num_layers
@@ -168,10 +174,15 @@ class DecodeGraphs:
         host32[2, :n], host32[3, :n] = positions + 1, slots
         self.packed64[:, :size].copy_(self.host64[:, :size], non_blocking=True)
         self.packed32[:, :size].copy_(self.host32[:, :size], non_blocking=True)
+        if device_tokens is not None:
+            self.input_ids[:n].copy_(device_tokens)
         dest = np.full((layers, 2, size), SCRATCH_PAGE, dtype=np.int64)  # padding rows write the scratch page
         dest[:, :, :n] = staged[np.arange(n), positions // tokens_per_page].transpose(1, 2, 0)
         self.dest_pages[:, :, :size].copy_(torch.from_numpy(dest))
         self.blocks.send(n, width, self.block_table)
+        if self.pin:
+            self.sent = torch.cuda.Event()
+            self.sent.record()
         self.last_key = self._key(size, slots)
         graph, logits = self.graphs[self.last_key]
         graph.replay()

@@ -63,6 +63,16 @@ CLUSTER_MAX_WAIT_MS = 1000.0  # admission cluster without a TTFT objective: how 
 
 
 @dataclass(eq=False)
+class InFlight:
+    """A greedy decode step launched whose tokens the host has not read yet (overlapped decode)."""
+
+    seqs: list[Sequence]  # its rows, in order
+    tokens: torch.Tensor  # [n] int64 on the device: each row's argmax, the next step's input ids
+    host: torch.Tensor  # [n] int64, pinned on cuda: where the tokens are copied to
+    done: torch.cuda.Event | None  # recorded after that copy; None on the cpu (the copy is done)
+
+
+@dataclass(eq=False)
 class RequestState:
     request: GenerationRequest
     detokenizer: Detokenizer
@@ -136,7 +146,14 @@ class Engine:
         self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
         self.graphs = None
         self.prefill_graphs = None
-        self.graph_steps = self.prefill_graph_steps = 0
+        self.graph_steps = self.prefill_graph_steps = self.overlapped_steps = 0
+        # Overlapped decode (step(), _chain): only where the device runs behind the host. On the cpu a
+        # launch is the computation itself, so reading a step's tokens one step late would only delay them.
+        self.overlap_decode = config.overlap_decode and self.device.type == "cuda"
+        self._in_flight: InFlight | None = None
+        self._token_buffers = [torch.zeros(config.max_running_requests, dtype=torch.long, pin_memory=self.device.type == "cuda")
+                               for _ in range(2)]  # a step in flight and the one launched after it
+        self._token_turn = 0
         if self.device.type == "cuda" and not config.eager and self.ops.name.startswith("triton"):
             self.graphs = DecodeGraphs(self.model, self.kv, self.table, config.max_running_requests, self.max_model_len,
                                        config.max_lora_rank, self.kernel_choice)
@@ -171,10 +188,10 @@ class Engine:
         elif config.cold_start in ("cpu", "auto"):
             self._start_cpu_assist()
         log.info(
-            "engine ready model=%s arch=%s device=%s dtype=%s ops=%s cuda_graphs=%s pool_pages=%d page_elems=%d "
-            "kv_tokens=%d adapters=%d load_s=%.2f",
+            "engine ready model=%s arch=%s device=%s dtype=%s ops=%s cuda_graphs=%s overlap_decode=%s pool_pages=%d "
+            "page_elems=%d kv_tokens=%d adapters=%d load_s=%.2f",
             self.model_name, self.spec.architecture, self.device, str(self.dtype).removeprefix("torch."),
-            self.ops.name, "off" if self.graphs is None else "on", self.pool.capacity, self.pool.page_elems, self.kv.free_tokens(),
+            self.ops.name, "off" if self.graphs is None else "on", "on" if self.overlap_decode else "off", self.pool.capacity, self.pool.page_elems, self.kv.free_tokens(),
             len(self.registry.names()), time.perf_counter() - started,
         )
 
@@ -375,6 +392,8 @@ class Engine:
                 "cuda_graph_steps": self.graph_steps,
                 "cuda_graphs": self.graphs.buckets if self.graphs is not None else "off",
                 "prefill_cuda_graph_steps": self.prefill_graph_steps,
+                "overlap_decode": self.overlap_decode,
+                "overlapped_decode_steps": self.overlapped_steps,
                 "prefill_cuda_graphs": self.prefill_graphs.tokens_buckets if self.prefill_graphs is not None else "off",
                 "lora_kernel_choice": self.kernel_choice.describe(),
                 "decode_lora_groups": self.lora_groups,
@@ -607,6 +626,7 @@ class Engine:
                 self.step()
             except Exception:  # a bug must not kill the daemon: fail the step's requests, go on
                 log.exception("step failed; failing its requests")
+                self._in_flight = None
                 for seq in list(self.scheduler.running):
                     self._finish(seq, "error", error="internal error in the engine step")
         with self._lock:
@@ -616,6 +636,10 @@ class Engine:
 
     def step(self) -> None:
         self._take_inbox()
+        if self._in_flight is not None:
+            if self._chain():
+                return
+            self._land()
         try:
             plan = self.scheduler.schedule()
         except LoradError as error:  # an adapter that broke between submit and admission
@@ -631,6 +655,12 @@ class Engine:
         started = time.perf_counter()
         logits, sampled = self._forward(plan, assisted)
         self._prefetch()  # on a GPU the step above is still running: its adapters' copies overlap it
+        if self._overlappable(plan, sampled, assisted):  # its tokens are read by the next step(), after it launches its successor
+            for seq in sampled:
+                seq.num_computed += 1
+            self._in_flight = self._launch_tokens(logits, sampled)
+            self.steps += 1
+            return
         params = [seq.state.request.sampling for seq in sampled]
         tokens = sample(logits, params, [seq.state.generator for seq in sampled])  # waits for the device
         redo = self._after_cpu_assist(assisted, self._step_spans) if assisted else set()  # its prefill runs again
@@ -647,11 +677,95 @@ class Engine:
             state: RequestState = seq.state
             if state.request.keep_logits:
                 state.logits.append(logits[row].to("cpu", copy=True))  # graph logits live in static memory
-            if state.first_token_time is None:
-                state.first_token_time = now
-                self.stats.first_token(now - state.arrival)
-            seq.tokens.append(token)
-            self._advance(seq, token)
+            self._take_token(seq, token, now)
+
+    def _take_token(self, seq: Sequence, token: int, now: float) -> None:
+        state: RequestState = seq.state
+        if state.first_token_time is None:
+            state.first_token_time = now
+            self.stats.first_token(now - state.arrival)
+        seq.tokens.append(token)
+        self._advance(seq, token)
+
+    # ---- overlapped decode -----------------------------------------------------------------------
+    # A greedy decode step's next input ids are its argmax, already on the device. So the step after it
+    # can be launched before the host has read them: its forward takes its input ids from the device,
+    # and the host reads the first step's tokens (and streams them, finishes requests) while the device
+    # runs the second. The host's work per step then hides behind the device's, instead of adding to it.
+    # A request that stops on a token (EOS, a stop sequence) has one row computed past its end, which is
+    # dropped; a request that stops on length is left out of the next step, as that is known in advance.
+    # Pages freed while a step is in flight are safe: KV pages are only written by later steps on the
+    # same stream, and adapter pages are only overwritten by a placement, which only the scheduler's
+    # admission and prefetch make, on the plain path, after the step in flight has been landed.
+
+    def _overlappable(self, plan: list[tuple[Sequence, int]], sampled: list[Sequence], assisted: dict) -> bool:
+        """Is this step's reading of its tokens deferred: a greedy decode step of every running request."""
+        if not self.overlap_decode or assisted or len(sampled) != len(plan) or len(plan) != len(self.scheduler.running):
+            return False
+        return all(count == 1 and seq.state.request.sampling.greedy and not seq.state.request.keep_logits
+                   and seq.num_computed + 1 == seq.num_tokens for seq, count in plan)
+
+    def _launch_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlight:
+        """The step's greedy tokens on the device, and their copy to the host started."""
+        tokens = logits.argmax(dim=-1)  # as sample() does for greedy rows
+        host = self._token_buffers[self._token_turn][: len(seqs)]
+        self._token_turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        done = None
+        if tokens.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return InFlight(seqs, tokens, host, done)
+
+    def _chain(self) -> bool:
+        """Launches the decode step after the one in flight from its tokens on the device, then lands the
+        one in flight. False (nothing done) when the next step is not that same decode batch: requests
+        wait to join it, or one of its KV caches cannot grow without the scheduler preempting."""
+        flight = self._in_flight
+        if self.scheduler.waiting or not self.overlap_decode:
+            return False
+        in_flight = set(flight.seqs)
+        if any(seq not in in_flight for seq in self.scheduler.running):
+            return False
+        rows = [row for row, seq in enumerate(flight.seqs) if not seq.state.finished and not self._ends_on_length(seq)]
+        seqs = [flight.seqs[row] for row in rows]
+        if not seqs or not all(self.grow(seq.blocks, seq.num_computed + 1) for seq in seqs):
+            return False
+        if rows == list(range(len(rows))):
+            device_tokens = flight.tokens[: len(rows)]
+        else:
+            device_tokens = flight.tokens[torch.as_tensor(rows, device=flight.tokens.device)]
+        for seq in seqs:
+            seq.tokens.append(0)  # stands for the token still on the device: the forward reads that one
+        try:
+            logits, _ = self._forward([(seq, 1) for seq in seqs], device_tokens=device_tokens)
+        finally:
+            for seq in seqs:
+                seq.tokens.pop()
+        following = self._launch_tokens(logits, seqs)
+        for seq in seqs:
+            seq.num_computed += 1
+        self.steps += 1
+        self.overlapped_steps += 1
+        self._land()
+        self._in_flight = following
+        if all(seq.state.finished for seq in seqs):  # every row ended on the tokens just landed
+            self._land()
+        return True
+
+    def _ends_on_length(self, seq: Sequence) -> bool:
+        """Will the token in flight be this sequence's last by length (_advance's rule, one token ahead)?"""
+        return seq.num_generated + 1 >= seq.state.request.sampling.max_tokens or seq.num_tokens + 1 >= self.max_model_len
+
+    def _land(self) -> None:
+        """Waits for the step in flight's tokens and hands them to their requests (those still going)."""
+        flight, self._in_flight = self._in_flight, None
+        if flight.done is not None:
+            flight.done.synchronize()
+        now = time.perf_counter()
+        for seq, token in zip(flight.seqs, flight.host.tolist()):
+            if not seq.state.finished:
+                self._take_token(seq, token, now)
 
     def _drop_by_admission(self) -> None:
         """Fails the requests the admission policy dropped this step, each with its reason (503)."""
@@ -768,10 +882,12 @@ class Engine:
         self.cold_start_costs = dataclasses.replace(
             self.cold_start_costs, prefill_ms_per_token=sample if previous == 0 else 0.8 * previous + 0.2 * sample)
 
-    def _forward(self, plan: list[tuple[Sequence, int]], assisted: dict | None = None) -> tuple[torch.Tensor, list[Sequence]]:
+    def _forward(self, plan: list[tuple[Sequence, int]], assisted: dict | None = None,
+                 device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs the step's forward: replayed from a decode CUDA graph when every sequence decodes one token,
         from a prefill graph (daemon/prefill_graphs.py) when the step has prompt rows and fits one; eager
-        when CPU assist computes some of its rows."""
+        when CPU assist computes some of its rows. device_tokens: a decode step's input ids, on the device
+        (overlapped decode), in place of each sequence's last token."""
         if self.graphs is not None and not assisted and all(count == 1 and seq.num_computed + 1 == seq.num_tokens for seq, count in plan):
             max_blocks = max(len(seq.blocks) for seq, _ in plan)
             if self.graphs.fits(len(plan), max_blocks):
@@ -781,10 +897,11 @@ class Engine:
                     np.array([seq.num_computed for seq in seqs]),
                     np.array([self.residency.slot(seq.adapter) for seq in seqs]),
                     [seq.blocks.array() for seq in seqs],
+                    device_tokens,
                 )
                 self.graph_steps += 1
                 return logits, seqs
-        if self.prefill_graphs is not None and not assisted:
+        if self.prefill_graphs is not None and not assisted and device_tokens is None:
             num_tokens = sum(count for _, count in plan)
             if self.prefill_graphs.fits(num_tokens, len(plan), max(len(seq.blocks) for seq, _ in plan)):
                 seqs = [StepSeq(np.asarray(seq.tokens[seq.num_computed : seq.num_computed + count]), seq.num_computed,
@@ -794,6 +911,8 @@ class Engine:
                 self.prefill_graph_steps += 1
                 return logits, [seq for seq, count in plan if seq.num_computed + count == seq.num_tokens]
         step, sampled = self._build_step(plan, assisted or {})
+        if device_tokens is not None:
+            step.input_ids = device_tokens
         return self.model.forward(step, self.kv.view, self.table), sampled
 
     def _prefetch(self) -> None:

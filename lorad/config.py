@@ -49,6 +49,10 @@ class EngineConfig:
     # on cuda: decode steps' MBGMV over q,k,v and over gate,up in one launch pair each. Off until measured on a
     # GPU (tested in Triton's interpreter only): bench/engine_decode.py compares it with the default.
     fuse_lora_groups: bool = False
+    # Greedy decode steps run one ahead of the host (daemon/engine.py, overlapped decode): the next step is
+    # launched from the device's sampled tokens before the host reads them, so the host's bookkeeping
+    # hides behind the device's work. Off: every step waits for its tokens before the next is launched.
+    overlap_decode: bool = True
     eager: bool = False  # on cuda: no CUDA graphs for decode steps (slower; for comparison and debugging)
     cold_start: str = "ondemand"  # cached|ondemand|cpu|auto (see COLD_STARTS)
     cpu_workers: int = 0  # CPU LoRA worker processes for cold_start cpu|auto; 0: min(4, cores - 1)
@@ -63,7 +67,7 @@ class EngineConfig:
     profile_path: str | None = None
     admission: str = "fcfs"  # fcfs|early-abort|cluster (see ADMISSIONS)
     slo_ttft_ms: float = 0.0  # time-to-first-token objective (0: none); early-abort needs one
-    slo_tpot_ms: float = 0.0  # time-per-output-token objective (0: none); reported, not acted on
+    slo_tpot_ms: float = 0.0  # time-per-output-token objective (0: none); with a profile, no request joins a batch whose step would break it
     cluster_max_adapters: int = 0  # distinct adapters in the running batch: cluster needs >= 1, early-abort may add it
 
     def __post_init__(self):

@@ -104,3 +104,35 @@ def test_cuda_fused_lora_groups_equal_per_projection(demo_assets):
         for a, b in zip(per_projection, fused):
             assert a.token_ids == b.token_ids
             torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_cuda_overlapped_decode_equals_the_cpu(demo_assets, eager):
+    """Overlapped decode (on by default on cuda) through the decode graphs and eager: the CPU's tokens, with
+    requests ending on length at different steps and one on a stop token while its next row is in flight."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
+    names = [None, *sorted(demo_assets.adapters)]
+
+    def requests(stop_token=None):
+        prompts = [[5, 6, 7], list(range(20, 60)), [9] * 11, list(range(100, 103))]
+        return [GenerationRequest(prompts[i % 4], names[i % len(names)], SamplingParams(
+                    max_tokens=6 + 2 * i, temperature=0, ignore_eos=True,
+                    stop_token_ids=(stop_token,) if stop_token is not None and i == 1 else ()))
+                for i in range(2 * len(names))]
+
+    cpu_engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cpu", dtype="float32"))
+    full = cpu_engine.generate(requests())
+    stop_token = full[1].token_ids[len(full[1].token_ids) // 2]
+    cpu = cpu_engine.generate(requests(stop_token))
+    engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="float32",
+                                 eager=eager, max_running_requests=12, max_lora_rank=64))
+    assert engine.overlap_decode and engine.status()["overlap_decode"] is True
+    gpu = engine.generate(requests(stop_token))
+    assert [r.token_ids for r in gpu] == [r.token_ids for r in cpu]
+    assert [r.finish_reason for r in gpu] == [r.finish_reason for r in cpu]
+    assert cpu[1].finish_reason == "stop"
+    assert engine.overlapped_steps > 0 and engine._in_flight is None
+    assert engine.pool.occupancy()["kv"] == 0
+    del engine
+    gc.collect()
