@@ -57,6 +57,9 @@ run_step() {
     # issue 3, figure 6: S-LoRA's workload on lorad, then the transformers + PEFT server on the first
     # requests of the same n=100 trace
     slora) step bench_slora 420 python3 bench/slora_workload.py --out "$OUTDIR/slora_workload.json" ;;
+    slora_peft)  # issue 3's figure 6 from one device call: lorad's S1/S2 runs, then the PEFT server on the n = 100 trace
+        step bench_slora 330 python3 bench/slora_workload.py --out "$OUTDIR/slora_workload.json"
+        step bench_peft 220 python3 bench/peft_baseline.py --adapters 100 --requests 33 --budget-s 110 --out "$OUTDIR/peft_baseline.json" ;;
     peft) step bench_peft 200 python3 bench/peft_baseline.py --adapters 100 --requests 33 --budget-s 110 --out "$OUTDIR/peft_baseline.json" ;;
     pytest_cold_start) step pytest_cold_start 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/daemon/test_cold_start_gpu.py tests/gpu_ops/test_cuda_ext.py ;;
     # the engine on the GPU (graphs vs eager vs the CPU) and the profile's fits
@@ -70,18 +73,23 @@ run_step() {
     mb_ipc) step mb_ipc 120 python3 -m lorad.daemon.cli bench ipc --out "$OUTDIR/mb_ipc.json" ;;
     mb_cpu_lora) step mb_cpu_lora 120 python3 -m lorad.daemon.cli bench cpu-lora --out "$OUTDIR/mb_cpu_lora.json" ;;
     mb_cold_start) step mb_cold_start 420 python3 -m lorad.daemon.cli bench cold-start --out "$OUTDIR/mb_cold_start.json" ;;
-    pytest_gpu)
-        if ! step pytest_gpu 430 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15; then
+    pytest_gpu)  # both halves below (about 8 minutes: more than one device call holds with other steps)
+        run_step pytest_gpu_ops
+        run_step pytest_gpu_daemon ;;
+    pytest_gpu_ops)
+        if ! step pytest_gpu_ops 330 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 tests/gpu_ops; then
             # A collection error elsewhere (a conftest another change broke) must not hide the kernels' results.
-            if grep -q "ERROR collecting\|ImportError while loading conftest" "$OUTDIR/pytest_gpu.log"; then
+            if grep -q "ERROR collecting\|ImportError while loading conftest" "$OUTDIR/pytest_gpu_ops.log"; then
                 step pytest_gpu_lora_only 120 python3 -m pytest -m gpu --noconftest tests/gpu_ops/test_lora_kernels.py -q -p no:cacheprovider
             fi
         fi ;;
+    pytest_gpu_daemon) step pytest_gpu_daemon 420 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 \
+        --ignore=tests/gpu_ops tests ;;
     *) echo "unknown step $1"; failed+=("$1") ;;
     esac
 }
 
-all_steps=(lora_kernels lora_kernels_r16 attention engine_decode invoke slora peft profile mb_load mb_invoke mb_ipc mb_cpu_lora mb_cold_start pytest_gpu)
+all_steps=(lora_kernels lora_kernels_r16 attention engine_decode invoke slora_peft profile mb_load mb_invoke mb_ipc mb_cpu_lora mb_cold_start pytest_gpu)
 for name in "${@:-${all_steps[@]}}"; do
     run_step "$name"
 done
