@@ -85,10 +85,12 @@ def make_policy(args: argparse.Namespace) -> tuple[object, dict]:
     measured = args.profile is not None and bool(profile.machine.get("measured"))
     if not measured:
         log.warning("rank-aware routing with %s", NOT_MEASURED)
-    policy = RankAware(profile.decode, profile.prefill, args.tpot_slo_ms / 1e3, args.avg_response_tokens)
+    # lorad's engines put prefill chunks into their decode steps (see RankAware.mixed_steps).
+    policy = RankAware(profile.decode, profile.prefill, args.tpot_slo_ms / 1e3, args.avg_response_tokens, mixed_steps=True)
     about = {"profile": {"path": args.profile, "kernel": profile.decode.lora.kernel, "machine": profile.machine,
                          "measured": measured},
-             "tpot_slo_s": args.tpot_slo_ms / 1e3, "avg_response_tokens": args.avg_response_tokens}
+             "tpot_slo_s": args.tpot_slo_ms / 1e3, "avg_response_tokens": args.avg_response_tokens,
+             "mixed_steps": policy.mixed_steps}
     return policy, about
 
 

@@ -106,17 +106,30 @@ def candidates(request: RouteRequest, engines: Sequence[EngineView]) -> list[Eng
 class RankAware:
     """CaraServe Algorithm 1. total_cost = cost * (running + queued), where
     cost = delta_prefill / avg_response_tokens + delta_decode (+ penalty_s if the decode step with the
-    request exceeds slo_tpot_s). The weight makes an idle engine free (it has nobody to slow down)."""
+    request exceeds slo_tpot_s). The weight makes an idle engine free (it has nobody to slow down).
+
+    delta_prefill = PrePerf(queue + request) - PrePerf(queue): joining a queued prefill adds only the
+    marginal part, the prefill model's fixed part (a read of the weights) being paid already. With
+    `mixed_steps` (engines that put prefill chunks into their decode steps, as lorad's do) a running batch
+    pays it too: the request's prompt rides on a step that reads the weights anyway, so on any busy engine
+    only the marginal part counts. Without it (engines that prefill in steps of their own, as the
+    simulator models, and as LightLLM did for CaraServe) an engine with no queue pays the whole prefill,
+    and the cost favours engines with a queue, whose prefill step would cost its decodes a step anyway."""
 
     decode: DecodeStepModel
     prefill: PrefillModel
     slo_tpot_s: float
     avg_response_tokens: float
     penalty_s: float = 1.0
+    mixed_steps: bool = False
     name: str = "rank_aware"
 
+    def _joins(self, engine: EngineView) -> bool:
+        """Is the prefill's fixed part paid already on this engine (see the class's text)?"""
+        return bool(engine.num_queued or (self.mixed_steps and engine.num_running))
+
     def cost(self, request: RouteRequest, engine: EngineView) -> float:
-        if engine.num_queued:  # joins the queue's prefill batch: its fixed part is paid already
+        if self._joins(engine):
             delta_prefill = self.prefill.from_features(
                 request.prompt_tokens, request.rank * request.prompt_tokens, request.prompt_tokens**2
             ) - self.prefill.fixed_s
@@ -156,7 +169,8 @@ class RankAware:
                 )
                 grown = (count + 1) * (rank if rank > max_rank else max_rank) - count * max_rank if padded else rank
                 after = before + added_base + lora.alpha * grown
-            cost = (prefill_joining if engine.num_queued else prefill_alone) + (after - before)
+            joins = engine.num_queued or (self.mixed_steps and engine.num_running)
+            cost = (prefill_joining if joins else prefill_alone) + (after - before)
             if after > self.slo_tpot_s:
                 cost += self.penalty_s
             total = cost * count

@@ -120,11 +120,27 @@ def test_candidates_need_base_model_and_prefer_room():
         MostIdle().choose(request, [without_base])
 
 
+def test_mixed_steps_charge_the_fixed_prefill_on_idle_engines_only():
+    """Engines that mix prefill chunks into decode steps: a running batch pays the fixed part already,
+    so a busy engine without a queue costs what one with a queue does; an idle one still pays it all."""
+    policy = RankAware(decode_model(MbgmvModel(0.0, 0.0)), PREFILL, 1.0, avg_response_tokens=10, mixed_steps=True)
+    request = RouteRequest(8, 100)
+    assert policy.cost(request, engine(0, [8])) == pytest.approx(0.02 / 10)
+    assert policy.cost(request, engine(1, [8], queued=[(8, 10)])) == pytest.approx(0.02 / 10)
+    assert policy.cost(request, engine(2, [])) == pytest.approx((0.02 + 0.005) / 10)
+    # so with equal decode costs the fewer requests win, where Algorithm 1 as written prefers the queue
+    fewer, queueing = engine(0, [8] * 6), engine(1, [8] * 6, queued=[(8, 10)])  # 6 x 2.0 ms vs 7 x 2.0; as written 6 x 2.5 vs 7 x 2.0
+    assert policy.choose(request, [fewer, queueing]) == 0
+    plain = RankAware(decode_model(MbgmvModel(0.0, 0.0)), PREFILL, 1.0, avg_response_tokens=10)
+    assert plain.choose(request, [fewer, queueing]) == 1
+
+
+@pytest.mark.parametrize("mixed_steps", [False, True])
 @pytest.mark.parametrize("kernel", ["bgmv", "mbgmv"])
-def test_choose_is_argmin_of_weighted_cost(kernel):
+def test_choose_is_argmin_of_weighted_cost(kernel, mixed_steps):
     """RankAware.choose (inlined for speed) picks an engine of least cost(request, engine) * requests."""
     profile = example_profile(kernel)
-    policy = RankAware(profile.decode, profile.prefill, slo_tpot_s=0.045, avg_response_tokens=80)
+    policy = RankAware(profile.decode, profile.prefill, slo_tpot_s=0.045, avg_response_tokens=80, mixed_steps=mixed_steps)
     rng = np.random.default_rng(0)
     ranks = [8, 16, 32, 64, 128]
     for _ in range(300):
