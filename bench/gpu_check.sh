@@ -48,6 +48,7 @@ run_step() {
     # the decode tiles for batches of ranks <= 16 (the engine's low-rank graphs), 64 rows of rank 16
     lora_kernels_r16) step bench_lora_kernels_r16 240 python3 bench/lora_kernels.py --ranks 16,16 --no-prefill --budget-s 150 --out "$OUTDIR/lora_kernels_r16.json" ;;
     attention) step bench_attention 240 python3 bench/attention.py --out "$OUTDIR/attention.json" ;;
+    gemv) step bench_gemv 240 python3 bench/gemv.py --out "$OUTDIR/gemv.json" ;;
     engine_decode) step bench_engine_decode 150 python3 bench/engine_decode.py --breakdown-batch --out "$OUTDIR/engine_decode.json" ;;
     # the same with q,k,v and gate,up decode LoRA in one launch pair each (fuse_lora_groups): run it beside engine_decode
     engine_decode_groups) step bench_engine_decode_groups 150 python3 bench/engine_decode.py --breakdown-batch --fuse-lora-groups --out "$OUTDIR/engine_decode_groups.json" ;;
@@ -89,7 +90,7 @@ run_step() {
     esac
 }
 
-all_steps=(lora_kernels lora_kernels_r16 attention engine_decode invoke slora_peft profile mb_load mb_invoke mb_ipc mb_cpu_lora mb_cold_start pytest_gpu)
+all_steps=(lora_kernels lora_kernels_r16 attention gemv engine_decode invoke slora_peft profile mb_load mb_invoke mb_ipc mb_cpu_lora mb_cold_start pytest_gpu)
 for name in "${@:-${all_steps[@]}}"; do
     run_step "$name"
 done

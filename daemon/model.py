@@ -47,8 +47,9 @@ class Ops:
     `name` says which set runs: the engine logs it and /v1/status shows it."""
 
     def __init__(self, name: str, rms_norm, add_rms_norm, rope_qk, silu_mul, write_kv, attention, lora,
-                 prepare_lora=None):
+                 prepare_lora=None, linear=F.linear):
         self.name = name
+        self.linear = linear  # the base model's projections: (x, weight [out, in], bias or None) -> x @ weight^T + bias
         self.rms_norm = rms_norm
         # h += delta, then (h, rms_norm(h)): the residual add fused into the norm after it.
         self.add_rms_norm = add_rms_norm
@@ -103,8 +104,18 @@ class Ops:
         mbgmv.group_fits), not one pair per projection."""
         from lorad.gpu_ops import bgmv, fused, mbgmm, mbgmv, paged_attention
 
+        from lorad.gpu_ops import gemv
+
         groups = ",mbgmv-groups:qkv|gate-up" if fuse_groups else ""
-        ops = cls.reference(f"triton[lora:mbgmv|bgmv+mbgmm{groups},paged-attention,fused-norm-rope-silu]")
+        ops = cls.reference(f"triton[lora:mbgmv|bgmv+mbgmm{groups},paged-attention,fused-norm-rope-silu,"
+                            f"gemv<={gemv.GEMV_MAX_ROWS}rows]")
+
+        def linear(x, weight, bias=None):
+            if x.shape[0] <= gemv.GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous():
+                return gemv.gemv(x, weight, bias)
+            return F.linear(x, weight, bias)
+
+        ops.linear = linear
         ops.attention = paged_attention.attention
         ops.write_kv = paged_attention.write_kv
         ops.rms_norm = fused.rms_norm
@@ -219,28 +230,28 @@ class LlamaModel:
                 h, x = self.ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, self.spec.rms_norm_eps)
         h = h[step.sample_rows] + down[step.sample_rows]
         h = self.ops.rms_norm(h, self.norm, self.spec.rms_norm_eps)
-        return (h @ self.lm_head.t()).float()
+        return self.ops.linear(h, self.lm_head).float()
 
     def layer_forward(self, index, layer: Layer, h, x, cos, sin, step: Step, kv_view, table):
         """h: the residual stream into the layer, x: its input norm (computed by the caller, fused
         with the previous layer's residual add). -> (h after attention, the MLP's output): the caller
         adds the latter."""
         spec, ops, lora = self.spec, self.ops, step.lora
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split(self.splits, dim=-1)
         ops.lora_group(x, qkv, (q, k, v), index, Q, lora, table)
         q, k = ops.rope_qk(q.view(-1, spec.num_heads, spec.head_dim), k.view(-1, spec.num_kv_heads, spec.head_dim), cos, sin)
         ops.write_kv(kv_view, index, k, v.view(-1, spec.num_kv_heads, spec.head_dim), step.attention)
         attended = ops.attention(q, kv_view, index, step.attention, self.scale)
-        o = attended @ layer.o.t()
+        o = ops.linear(attended, layer.o)
         ops.lora(attended, o, index, O, lora, table)
 
         h, x = ops.add_rms_norm(h, o, layer.post_norm, spec.rms_norm_eps)
-        gate_up = x @ layer.gate_up.t()
+        gate_up = ops.linear(x, layer.gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         ops.lora_group(x, gate_up, (gate, up), index, GATE, lora, table)
         act = ops.silu_mul(gate, up)
-        down = act @ layer.down.t()
+        down = ops.linear(act, layer.down)
         ops.lora(act, down, index, DOWN, lora, table)
         return h, down
 

@@ -1,0 +1,87 @@
+"""The few-row projection kernel (gpu_ops/gemv.py) against cuBLAS (torch's F.linear) on the Llama-2-7B and
+Llama-3-8B projection shapes, for 1, 2 and 4 rows: device time per call from CUDA-graph replays, each call
+reading another copy of the weight (together larger than the L2 cache, so every call reads HBM), as GB/s
+of weight bytes and against the device copy bandwidth measured in the same run. A sweep of tile configs
+shows what `gemv_config` should pick.
+
+    python3 bench/gemv.py --out bench/results/gemv_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from timing import Timer, copy_bandwidth  # bench/timing.py, beside this script
+
+from lorad.gpu_ops import gemv
+
+SHAPES = {
+    "7b.qkv": (12288, 4096), "7b.o": (4096, 4096), "7b.gate_up": (22016, 4096), "7b.down": (4096, 11008),
+    "7b.lm_head": (32000, 4096),
+    "8b.qkv": (6144, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336), "8b.lm_head": (128256, 4096),
+}
+SWEEP = [gemv.GemvConfig(n, k, w) for n, k, w in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8))]
+L2_FLUSH_BYTES = 512 << 20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,2,4")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--no-sweep", action="store_true", help="only the default config against cuBLAS")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    timer = Timer(device, args.reps)
+    copy_gbps = copy_bandwidth(device, timer, 1024)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    results = []
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(2, math.ceil(L2_FLUSH_BYTES / nbytes))
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+        for rows in rows_list:
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            out = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
+            cublas_us = timer.graph([lambda w=w: F.linear(x, w) for w in weights])
+            default = gemv.gemv_config(n, k)
+            entry = {"shape": name, "n": n, "k": k, "rows": rows, "weight_bytes": nbytes, "cublas_us": cublas_us,
+                     "cublas_GBps": nbytes / cublas_us / 1e3, "default": repr(default)}
+            torch.testing.assert_close(gemv.gemv(x, weights[0]), F.linear(x, weights[0]), rtol=2e-2, atol=2e-2)
+            default_us = timer.graph([lambda w=w: gemv.gemv(x, w, config=default, out=out) for w in weights])
+            entry.update(default_us=default_us, default_GBps=nbytes / default_us / 1e3, speedup_vs_cublas=cublas_us / default_us)
+            if not args.no_sweep:
+                sweep = []
+                for config in SWEEP:
+                    try:
+                        us = timer.graph([lambda w=w, c=config: gemv.gemv(x, w, config=c, out=out) for w in weights])
+                    except Exception as error:  # a config the compiler refuses (registers): skipped, said
+                        sweep.append({"config": repr(config), "error": repr(error)[:200]})
+                        continue
+                    sweep.append({"config": repr(config), "us": us, "GBps": nbytes / us / 1e3})
+                timed = [s for s in sweep if "us" in s]
+                best = min(timed, key=lambda s: s["us"])
+                entry.update(best=best, sweep=sweep)
+            results.append(entry)
+            print(f"{name:12s} rows={rows} cublas {entry['cublas_GBps']:7.0f} GB/s  gemv default {entry['default_GBps']:7.0f} GB/s "
+                  f"({entry['speedup_vs_cublas']:.3f}x)" + (f"  best {entry['best']['GBps']:7.0f} GB/s {entry['best']['config']}"
+                                                           if "best" in entry else ""), flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    report = {"machine": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": copy_gbps,
+              "results": results,
+              "notes": "us: device time per call (CUDA-graph replays, each call on another copy of the weight); "
+                       "GB/s: weight bytes per second; copy_GBps: device copy, bytes read + written per second"}
+    print(f"device copy bandwidth {copy_gbps:.0f} GB/s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

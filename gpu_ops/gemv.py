@@ -1,0 +1,102 @@
+"""The base model's projections for a few rows (batch-1 to batch-4 decode): y = x @ W^T (+ bias), W [N, K]
+row-major as checkpoints store it. At so few rows the product is a pass over the weights, and its time is
+the weights' bytes over the memory bandwidth it reaches; on the H100 cuBLAS's kernels for these shapes
+read at about 2.5-2.7 TB/s (bench/engine_decode.py's kernel table). This kernel streams W once with wide,
+coalesced loads along K, each program a band of BLOCK_N output columns over the whole of K (no split-K, so
+one launch and no reduction pass: the bands alone give thousands of programs for a 7B layer), and keeps
+every row of x's products in float32. The reference is `gemv_ref` (torch's F.linear); `GEMV_MAX_ROWS`
+bounds where it is used (`Ops.linear` in daemon/model.py), and bench/gemv.py measures it against cuBLAS.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU engine runs the reference only
+    triton = None
+
+__all__ = ["GEMV_MAX_ROWS", "GemvConfig", "gemv", "gemv_config", "gemv_ref"]
+
+GEMV_MAX_ROWS = 4  # rows (tokens) up to which Ops.linear takes this kernel on cuda
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+class GemvConfig:
+    __slots__ = ("block_n", "block_k", "num_warps")
+
+    def __init__(self, block_n: int, block_k: int, num_warps: int):
+        self.block_n, self.block_k, self.num_warps = block_n, block_k, num_warps
+
+    def __repr__(self) -> str:
+        return f"GemvConfig(block_n={self.block_n}, block_k={self.block_k}, num_warps={self.num_warps})"
+
+
+def gemv_config(n: int, k: int) -> GemvConfig:
+    """Tiles by shape: enough bands to fill the GPU several times over (a narrow N takes narrower bands),
+    and K read 512 elements (1 KiB of bf16) per row and iteration."""
+    block_n = 16 if n >= 8192 else 8
+    return GemvConfig(block_n, min(512, triton.next_power_of_2(k)), 4)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
+                     M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_ok = offs_n < N
+        m_ok = offs_m < M
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+        x_rows = x_ptr + offs_m[:, None] * stride_xm
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            if EVEN_K:
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+                x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
+            else:
+                k_ok = k < K
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            product = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]  # [BLOCK_M, BLOCK_N, BLOCK_K]
+            acc += tl.sum(product, axis=2)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_ROWS, unit stride along K), weight [N, K] contiguous, bias [N] or None
+    -> y [M, N] in x's dtype (into `out` when given). No host sync; capturable in a CUDA graph."""
+    if triton is None:
+        raise RuntimeError("gemv needs triton; use gemv_ref")
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or not weight.is_contiguous() or x.stride(1) != 1:
+        raise ValueError(f"gemv wants x [M, K] with unit stride along K and a contiguous weight [N, K]; "
+                         f"got x {tuple(x.shape)} strides {x.stride()}, weight {tuple(weight.shape)}")
+    if not 1 <= m <= GEMV_MAX_ROWS:
+        raise ValueError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, not {m}")
+    config = config or gemv_config(n, k)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, config.block_n),)
+    _gemv_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        M=m, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, num_warps=config.num_warps,
+    )
+    return out
