@@ -108,7 +108,7 @@ class Ops:
 
         groups = ",mbgmv-groups:qkv|gate-up" if fuse_groups else ""
         ops = cls.reference(f"triton[lora:mbgmv|bgmv+mbgmm{groups},paged-attention,fused-norm-rope-silu,"
-                            f"gemv<={gemv.GEMV_MAX_ROWS}rows]")
+                            f"gemv(rows<={gemv.GEMV_MAX_ROWS})]")
 
         def linear(x, weight, bias=None):
             if x.shape[0] <= gemv.GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous():

@@ -4,8 +4,13 @@ the weights' bytes over the memory bandwidth it reaches; on the H100 cuBLAS's ke
 read at about 2.5-2.7 TB/s (bench/engine_decode.py's kernel table). This kernel streams W once with wide,
 coalesced loads along K, each program a band of BLOCK_N output columns over the whole of K (no split-K, so
 one launch and no reduction pass: the bands alone give thousands of programs for a 7B layer), and keeps
-every row of x's products in float32. The reference is `gemv_ref` (torch's F.linear); `GEMV_MAX_ROWS`
-bounds where it is used (`Ops.linear` in daemon/model.py), and bench/gemv.py measures it against cuBLAS.
+every row of x's products in float32. The reference is `gemv_ref` (torch's F.linear).
+
+bench/gemv.py measures it against cuBLAS (H100, bench/results/gemv_h100.json): with one row and 4-column
+bands read 1024 elements deep it reads the 7B projections at 2.36-2.95 TB/s where cuBLAS reads 2.02-2.62
+(o_proj +17%, lm_head +13%, gate|up +11%, qkv +4%, down +4%); with two rows it wins on some shapes and
+loses on others, with four it loses on all. So `Ops.linear` (daemon/model.py) takes it for one row only
+(`GEMV_MAX_ROWS`): batch-1 decode; the kernel itself takes up to `KERNEL_MAX_ROWS`.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ try:
 except ImportError:  # the CPU engine runs the reference only
     triton = None
 
-__all__ = ["GEMV_MAX_ROWS", "GemvConfig", "gemv", "gemv_config", "gemv_ref"]
+__all__ = ["GEMV_MAX_ROWS", "KERNEL_MAX_ROWS", "GemvConfig", "gemv", "gemv_config", "gemv_ref"]
 
-GEMV_MAX_ROWS = 4  # rows (tokens) up to which Ops.linear takes this kernel on cuda
+GEMV_MAX_ROWS = 1  # rows (tokens) up to which Ops.linear takes this kernel on cuda: where it beat cuBLAS
+KERNEL_MAX_ROWS = 4
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,10 +45,9 @@ class GemvConfig:
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:
-    """Tiles by shape: enough bands to fill the GPU several times over (a narrow N takes narrower bands),
-    and K read 512 elements (1 KiB of bf16) per row and iteration."""
-    block_n = 16 if n >= 8192 else 8
-    return GemvConfig(block_n, min(512, triton.next_power_of_2(k)), 4)
+    """Bands of 4 output columns, K read 1024 elements (2 KiB of bf16 a row) per iteration, 4 warps: the
+    sweep's best for one row on every 7B and 8B projection but the 8B's qkv (within 3% of its best)."""
+    return GemvConfig(4, min(1024, triton.next_power_of_2(k)), 4)
 
 
 if triton is not None:
@@ -79,7 +84,7 @@ if triton is not None:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
          out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_MAX_ROWS, unit stride along K), weight [N, K] contiguous, bias [N] or None
+    """x [M, K] (M <= KERNEL_MAX_ROWS, unit stride along K), weight [N, K] contiguous, bias [N] or None
     -> y [M, N] in x's dtype (into `out` when given). No host sync; capturable in a CUDA graph."""
     if triton is None:
         raise RuntimeError("gemv needs triton; use gemv_ref")
@@ -88,8 +93,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if weight.shape[1] != k or not weight.is_contiguous() or x.stride(1) != 1:
         raise ValueError(f"gemv wants x [M, K] with unit stride along K and a contiguous weight [N, K]; "
                          f"got x {tuple(x.shape)} strides {x.stride()}, weight {tuple(weight.shape)}")
-    if not 1 <= m <= GEMV_MAX_ROWS:
-        raise ValueError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, not {m}")
+    if not 1 <= m <= KERNEL_MAX_ROWS:
+        raise ValueError(f"gemv takes 1..{KERNEL_MAX_ROWS} rows, not {m}")
     config = config or gemv_config(n, k)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
