@@ -109,6 +109,9 @@ class DecodeGraphs:
         self.seq_info, self.row_slot = self.packed32[:3], self.packed32[3]
         self.seq_ids = self.packed32[0]
         self.dest_pages = torch.full((layers, 2, size), SCRATCH_PAGE, **long)
+        # Its pinned mirror, sent whole (128 KiB at most): a copy from pageable memory may wait for the
+        # stream, which would stall the host while the step before runs (overlapped decode).
+        self.host_dest = torch.full((layers, 2, size), SCRATCH_PAGE, dtype=torch.long, pin_memory=self.pin)
         self.block_table = torch.full((layers, 2, size, self.max_blocks), SCRATCH_PAGE, **int32)
         self.blocks = BlockStaging(layers, device)
         self.rows = torch.arange(size, **long)
@@ -176,9 +179,10 @@ class DecodeGraphs:
         self.packed32[:, :size].copy_(self.host32[:, :size], non_blocking=True)
         if device_tokens is not None:
             self.input_ids[:n].copy_(device_tokens)
-        dest = np.full((layers, 2, size), SCRATCH_PAGE, dtype=np.int64)  # padding rows write the scratch page
+        dest = self.host_dest.numpy()
+        dest[:, :, n:size] = SCRATCH_PAGE  # padding rows write the scratch page
         dest[:, :, :n] = staged[np.arange(n), positions // tokens_per_page].transpose(1, 2, 0)
-        self.dest_pages[:, :, :size].copy_(torch.from_numpy(dest))
+        self.dest_pages.copy_(self.host_dest, non_blocking=True)
         self.blocks.send(n, width, self.block_table)
         if self.pin:
             self.sent = torch.cuda.Event()

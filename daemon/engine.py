@@ -734,7 +734,10 @@ class Engine:
         if rows == list(range(len(rows))):
             device_tokens = flight.tokens[: len(rows)]
         else:
-            device_tokens = flight.tokens[torch.as_tensor(rows, device=flight.tokens.device)]
+            index = torch.as_tensor(rows)
+            if flight.tokens.is_cuda:  # from pinned memory: a pageable copy may wait for the step in flight
+                index = index.pin_memory().to(flight.tokens.device, non_blocking=True)
+            device_tokens = flight.tokens[index]
         for seq in seqs:
             seq.tokens.append(0)  # stands for the token still on the device: the forward reads that one
         try:
