@@ -50,8 +50,9 @@ run_step() {
     attention) step bench_attention 240 python3 bench/attention.py --out "$OUTDIR/attention.json" ;;
     gemv) step bench_gemv 240 python3 bench/gemv.py --out "$OUTDIR/gemv.json" ;;
     engine_decode) step bench_engine_decode 150 python3 bench/engine_decode.py --breakdown-batch --out "$OUTDIR/engine_decode.json" ;;
-    # the same with q,k,v and gate,up decode LoRA in one launch pair each (fuse_lora_groups): run it beside engine_decode
-    engine_decode_groups) step bench_engine_decode_groups 150 python3 bench/engine_decode.py --breakdown-batch --fuse-lora-groups --out "$OUTDIR/engine_decode_groups.json" ;;
+    # the same with one decode LoRA launch pair per projection (fuse_lora_groups off): run it beside engine_decode
+    engine_decode_per_projection) step bench_engine_decode_per_projection 150 python3 bench/engine_decode.py --breakdown-batch \
+        --no-fuse-lora-groups --out "$OUTDIR/engine_decode_per_projection.json" ;;
     # where an eager prefill's time goes (host launches vs device), with a cProfile of the host
     prefill_host) step prefill_host 200 python3 bench/prefill_host.py --out "$OUTDIR/prefill_host.json" ;;
     invoke) step bench_invoke 240 python3 bench/invoke.py --out "$OUTDIR/invoke.json" ;;

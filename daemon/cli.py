@@ -53,7 +53,7 @@ _ENGINE_FLAG_HELP = {
                  "cannot meet --slo-ttft-ms; cluster caps the running batch's distinct adapters)",
     "slo_ttft_ms": "time-to-first-token objective in ms (0: none; early-abort needs one)",
     "fuse_lora_groups": "on cuda: a decode step's LoRA over q, k, v (and over gate, up) in one launch pair instead "
-                        "of one per projection",
+                        "of one per projection (--no-fuse-lora-groups: one per projection)",
     "overlap_decode": "greedy decode steps launched one ahead of the host, from the sampled tokens on the device "
                       "(--no-overlap-decode: each step waits for its tokens first)",
     "slo_tpot_ms": "time-per-output-token objective in ms (0: none); with a profile loaded, no request joins a running "
