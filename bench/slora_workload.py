@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--model-config", default="llama-2-7b")
     parser.add_argument("--s1", default="5,100,1000,2000", help="adapter counts of S1 (rank 8)")
     parser.add_argument("--s2", default="5,100,500", help="adapter counts of S2 (ranks 64/32/16/8)")
-    parser.add_argument("--requests", type=int, default=160)
+    parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--warmup-requests", type=int, default=48, help="requests of the unreported warm-up run")
     parser.add_argument("--rate", type=float, default=20.0, help="arrivals per second (above capacity)")
     parser.add_argument("--device", default="cuda")
