@@ -3,7 +3,8 @@
 `submit` may be called from any thread; the step loop (a background thread after `start`, or the
 caller's thread in `generate`) takes new requests and aborts at the start of each step, asks the
 scheduler for the step's batch, runs one forward for all of it, samples, and reports each request's
-new tokens through its `on_output` callback.
+new tokens through its `on_output` callback. On cuda, greedy decode steps overlap (see "overlapped
+decode" below): a step launches the next one from its tokens on the device before reading them.
 """
 
 from __future__ import annotations
