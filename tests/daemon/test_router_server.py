@@ -307,3 +307,24 @@ def test_router_benchmark_script_parses():
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True, check=False).returncode == 0
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=False)
     assert usage.returncode == 2 and "usage" in usage.stderr.lower()
+
+
+def test_make_policy_rank_aware_charges_prefill_for_mixed_steps(tmp_path):
+    """`lorad router`'s rank-aware policy models lorad's engines (prefill chunks in decode steps) and says so
+    in /v1/status; it needs a time-per-token objective; the baselines take no profile."""
+    import argparse
+
+    from lorad.daemon.router_cli import make_policy
+    from lorad.scheduler.perf_model import example_profile
+    from lorad.scheduler.router import MostIdle, RankAware
+
+    profile = tmp_path / "profile.json"
+    example_profile("mbgmv").save(profile)
+    args = argparse.Namespace(policy="rank-aware", seed=0, tpot_slo_ms=40.0, avg_response_tokens=128.0,
+                              profile=str(profile), kernel="mbgmv")
+    policy, about = make_policy(args)
+    assert isinstance(policy, RankAware) and policy.mixed_steps and about["mixed_steps"] is True
+    assert about["tpot_slo_s"] == pytest.approx(0.04) and about["profile"]["path"] == str(profile)
+    with pytest.raises(BadRequest, match="tpot-slo-ms"):
+        make_policy(argparse.Namespace(**{**vars(args), "tpot_slo_ms": None}))
+    assert isinstance(make_policy(argparse.Namespace(**{**vars(args), "policy": "most-idle"}))[0], MostIdle)
