@@ -83,7 +83,8 @@ run_step() {
         if ! step pytest_gpu_ops 330 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 tests/gpu_ops; then
             # A collection error elsewhere (a conftest another change broke) must not hide the kernels' results.
             if grep -q "ERROR collecting\|ImportError while loading conftest" "$OUTDIR/pytest_gpu_ops.log"; then
-                step pytest_gpu_lora_only 120 python3 -m pytest -m gpu --noconftest tests/gpu_ops/test_lora_kernels.py -q -p no:cacheprovider
+                step pytest_gpu_lora_only 120 env PYTHONPATH="tests:${PYTHONPATH:-}" python3 -m pytest -m gpu --noconftest \
+                    tests/gpu_ops/test_lora_kernels.py -q -p no:cacheprovider  # tests/: triton_interpreter.py
             fi
         fi ;;
     pytest_gpu_daemon) step pytest_gpu_daemon 420 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 \

@@ -7,21 +7,12 @@ from __future__ import annotations
 
 import copy
 import importlib
-import os
 
 import numpy as np
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are first imported
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
+from triton_interpreter import CUDA, HAS_TRITON  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
 from lorad.daemon.engine import Engine
 from lorad.daemon.model import Ops

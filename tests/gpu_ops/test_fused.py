@@ -6,28 +6,15 @@ on Llama shapes (`pytest -m gpu`). Outputs are filled with NaN first, so an unwr
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is first imported
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
+from triton_interpreter import CUDA, HAS_TRITON, needs_interpreter  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
 from lorad.gpu_ops import fused  # noqa: E402
 from lorad.gpu_ops.rope import rope_cache  # noqa: E402
 
-needs_interpreter = pytest.mark.skipif(
-    not HAS_TRITON or CUDA,
-    reason="triton is not importable" if not HAS_TRITON else "a GPU is present: the compiled kernels are tested by -m gpu",
-)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IDS = ["fp32", "bf16", "fp16"]
 # Relative error vs float64: the kernels round once, so they are held to about one rounding.

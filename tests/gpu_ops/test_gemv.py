@@ -6,28 +6,15 @@ unwritten element fails."""
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is first imported
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
+from triton_interpreter import CUDA, HAS_TRITON, needs_interpreter  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
 from lorad.gpu_ops import gemv as gemv_module  # noqa: E402
 
-needs_interpreter = pytest.mark.skipif(
-    not HAS_TRITON or CUDA,
-    reason="triton is not importable" if not HAS_TRITON else "a GPU is present: the compiled kernel is tested by -m gpu",
-)
 # Relative error vs float64: float32 accumulation over K, one rounding of the output.
 LIMIT = {torch.float32: 1e-5, torch.float16: 1.5e-3, torch.bfloat16: 8e-3}
 SHAPES_7B = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096)]  # qkv, o, gate|up, down, lm_head

@@ -13,24 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-# The interpreter is chosen when a kernel is decorated, so the variable is set before the kernel
-# modules are first imported (and they are reloaded below if another test imported them earlier).
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
+from triton_interpreter import CUDA, HAS_TRITON, needs_interpreter  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
 from lorad.gpu_ops import bgmv, mbgmm, mbgmv  # noqa: E402
 from lorad.gpu_ops.lora import LoraBatch, apply_lora_ref  # noqa: E402
@@ -40,10 +29,6 @@ Q, K, V, O, GATE, UP, DOWN = range(7)
 KERNELS = ("bgmv", "mbgmv", "mbgmm")
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
-needs_interpreter = pytest.mark.skipif(
-    not HAS_TRITON or CUDA,
-    reason="triton is not importable" if not HAS_TRITON else "a GPU is present: the compiled kernels are tested by -m gpu",
-)
 
 
 @pytest.fixture(scope="module")

@@ -14,31 +14,17 @@ NaN before each call, so an unwritten row fails too.
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-# The interpreter is chosen when a kernel is decorated: set before the kernel module is imported.
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
+from triton_interpreter import CUDA, HAS_TRITON, needs_interpreter  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
 from lorad.gpu_ops import paged_attention  # noqa: E402
 from lorad.gpu_ops.attention import AttentionBatch, paged_attention_ref, write_kv_ref  # noqa: E402
 
-needs_interpreter = pytest.mark.skipif(
-    not HAS_TRITON or CUDA,
-    reason="triton is not importable" if not HAS_TRITON else "a GPU is present: the compiled kernels are tested by -m gpu",
-)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,25 @@
+"""Triton's CPU interpreter for the kernel tests. Triton picks the interpreter when a kernel is decorated,
+so without a GPU this module sets TRITON_INTERPRET before any kernel module is imported: test modules
+import it first (and reload a kernel module that another test imported earlier, compiled)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+needs_interpreter = pytest.mark.skipif(
+    not HAS_TRITON or CUDA,
+    reason="triton is not importable" if not HAS_TRITON else "a GPU is present: the compiled kernels are tested by -m gpu",
+)
