@@ -15,6 +15,8 @@ loses on others, with four it loses on all. So `Ops.linear` (daemon/model.py) ta
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -34,14 +36,11 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return F.linear(x, weight, bias)
 
 
+@dataclass(frozen=True)
 class GemvConfig:
-    __slots__ = ("block_n", "block_k", "num_warps")
-
-    def __init__(self, block_n: int, block_k: int, num_warps: int):
-        self.block_n, self.block_k, self.num_warps = block_n, block_k, num_warps
-
-    def __repr__(self) -> str:
-        return f"GemvConfig(block_n={self.block_n}, block_k={self.block_k}, num_warps={self.num_warps})"
+    block_n: int  # output columns per program
+    block_k: int  # elements of K read per row and iteration
+    num_warps: int
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:

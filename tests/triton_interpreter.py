@@ -4,6 +4,7 @@ import it first (and reload a kernel module that another test imported earlier, 
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -23,3 +24,11 @@ needs_interpreter = pytest.mark.skipif(
     not HAS_TRITON or CUDA,
     reason="triton is not importable" if not HAS_TRITON else "a GPU is present: the compiled kernels are tested by -m gpu",
 )
+
+
+def interpreted(probe, *modules) -> None:
+    """Without a GPU: reload `modules` when `probe`, one of their kernels, was decorated compiled (a module
+    imported them before TRITON_INTERPRET was set), so that their kernels run in the interpreter."""
+    if not CUDA and HAS_TRITON and type(probe).__name__ != "InterpretedFunction":
+        for module in modules:
+            importlib.reload(module)

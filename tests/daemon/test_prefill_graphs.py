@@ -6,13 +6,12 @@ same logits. The capture and the replay themselves need a GPU: tests/daemon/test
 from __future__ import annotations
 
 import copy
-import importlib
 
 import numpy as np
 import pytest
 import torch
 
-from triton_interpreter import CUDA, HAS_TRITON  # before the kernel modules: sets TRITON_INTERPRET without a GPU
+from triton_interpreter import CUDA, HAS_TRITON, interpreted  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
 from lorad.daemon.engine import Engine
 from lorad.daemon.model import Ops
@@ -125,11 +124,9 @@ def batch(names, count=8, seed=0):
 
 @pytest.mark.skipif(not HAS_TRITON or CUDA, reason="Triton's interpreter on the CPU (a GPU runs the compiled graphs: -m gpu)")
 def test_the_padded_static_steps_give_the_reference_engines_tokens(demo_assets):
-    from lorad.gpu_ops import bgmv, fused, mbgmm, mbgmv, paged_attention
+    from lorad.gpu_ops import bgmv, fused, gemv, mbgmm, mbgmv, paged_attention
 
-    if type(mbgmm._mbgmm_shrink_kernel).__name__ != "InterpretedFunction":
-        for module in (bgmv, mbgmv, mbgmm, paged_attention, fused):
-            importlib.reload(module)
+    interpreted(mbgmm._mbgmm_shrink_kernel, bgmv, mbgmv, mbgmm, paged_attention, fused, gemv)
     names = [name for name in demo_assets.adapters if name in ("demo-r1", "demo-r8", "demo-r16")] + [None]
     reference = make_engine(demo_assets)
     expected = reference.generate(batch(names)) + reference.generate(batch([None], count=2, seed=1))
@@ -157,11 +154,9 @@ def test_the_padded_static_steps_give_the_reference_engines_tokens(demo_assets):
 def test_the_engine_on_the_triton_ops_gives_the_reference_tokens(demo_assets):
     """Every step eager through the Triton ops (decode steps: MBGMV, gate|up as one group launch; q|k|v
     per projection, their tiles differ at the demo's GQA widths), against the reference engine."""
-    from lorad.gpu_ops import bgmv, fused, mbgmm, mbgmv, paged_attention
+    from lorad.gpu_ops import bgmv, fused, gemv, mbgmm, mbgmv, paged_attention
 
-    if type(mbgmv._mbgmv_shrink_kernel).__name__ != "InterpretedFunction":
-        for module in (bgmv, mbgmv, mbgmm, paged_attention, fused):
-            importlib.reload(module)
+    interpreted(mbgmv._mbgmv_shrink_kernel, bgmv, mbgmv, mbgmm, paged_attention, fused, gemv)
     names = [name for name in demo_assets.adapters if name in ("demo-r4", "demo-r16")] + [None]
     reference = make_engine(demo_assets)
     expected = reference.generate(batch(names, count=3, seed=2))  # one row per adapter: MBGMV decode steps

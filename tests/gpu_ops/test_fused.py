@@ -5,12 +5,11 @@ on Llama shapes (`pytest -m gpu`). Outputs are filled with NaN first, so an unwr
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
 
-from triton_interpreter import CUDA, HAS_TRITON, needs_interpreter  # before the kernel modules: sets TRITON_INTERPRET without a GPU
+from triton_interpreter import CUDA, needs_interpreter, interpreted  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
 from lorad.gpu_ops import fused  # noqa: E402
 from lorad.gpu_ops.rope import rope_cache  # noqa: E402
@@ -29,8 +28,7 @@ def exact_rounding(dtype) -> bool:
 
 @pytest.fixture(scope="module")
 def kernels():
-    if not CUDA and HAS_TRITON and type(fused._rms_norm_kernel).__name__ != "InterpretedFunction":
-        importlib.reload(fused)
+    interpreted(fused._rms_norm_kernel, fused)
     return fused
 
 

@@ -5,13 +5,12 @@ unwritten element fails."""
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_interpreter import CUDA, HAS_TRITON, needs_interpreter  # before the kernel modules: sets TRITON_INTERPRET without a GPU
+from triton_interpreter import needs_interpreter, interpreted  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
 from lorad.gpu_ops import gemv as gemv_module  # noqa: E402
 
@@ -23,8 +22,7 @@ SHAPES_8B = [(6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 
 @pytest.fixture(scope="module")
 def kernels():
-    if not CUDA and HAS_TRITON and type(gemv_module._gemv_kernel).__name__ != "InterpretedFunction":
-        importlib.reload(gemv_module)
+    interpreted(gemv_module._gemv_kernel, gemv_module)
     return gemv_module
 
 

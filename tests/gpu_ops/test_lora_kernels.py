@@ -12,14 +12,13 @@ touch (a row past the rank, a chunk past the row) turns the result into NaN.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 
-from triton_interpreter import CUDA, HAS_TRITON, needs_interpreter  # before the kernel modules: sets TRITON_INTERPRET without a GPU
+from triton_interpreter import needs_interpreter, interpreted  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
 from lorad.gpu_ops import bgmv, mbgmm, mbgmv  # noqa: E402
 from lorad.gpu_ops.lora import LoraBatch, apply_lora_ref  # noqa: E402
@@ -34,9 +33,7 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 @pytest.fixture(scope="module")
 def kernels():
     """The three kernel modules, their kernels interpreted when there is no GPU."""
-    if not CUDA and HAS_TRITON and type(bgmv._bgmv_shrink_kernel).__name__ != "InterpretedFunction":
-        for module in (bgmv, mbgmv, mbgmm):
-            importlib.reload(module)
+    interpreted(bgmv._bgmv_shrink_kernel, bgmv, mbgmv, mbgmm)
     return bgmv, mbgmv, mbgmm
 
 

@@ -13,14 +13,13 @@ NaN before each call, so an unwritten row fails too.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 
-from triton_interpreter import CUDA, HAS_TRITON, needs_interpreter  # before the kernel modules: sets TRITON_INTERPRET without a GPU
+from triton_interpreter import needs_interpreter, interpreted  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
 from lorad.gpu_ops import paged_attention  # noqa: E402
 from lorad.gpu_ops.attention import AttentionBatch, paged_attention_ref, write_kv_ref  # noqa: E402
@@ -30,8 +29,7 @@ from lorad.gpu_ops.attention import AttentionBatch, paged_attention_ref, write_k
 @pytest.fixture(scope="module")
 def kernels():
     """The kernel module, its kernels interpreted when there is no GPU."""
-    if not CUDA and HAS_TRITON and type(paged_attention._decode_kernel).__name__ != "InterpretedFunction":
-        importlib.reload(paged_attention)
+    interpreted(paged_attention._decode_kernel, paged_attention)
     return paged_attention
 
 
