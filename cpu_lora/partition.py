@@ -7,10 +7,18 @@ it posts and waits for. Splitting T tokens over k workers costs about
 `k * dispatch_ms + overhead_ms + per_token_ms * ceil(T / k)`: more workers pay only when the tokens
 saved outweigh the dispatch added. `profile_cpu_lora()` measures the line at start-up; `split()`
 picks k and cuts [0, T) into k contiguous, balanced ranges (one per worker: `WorkerPool.run`).
+
+The overhead is mostly the read of the adapter's A and B, which a token split makes every worker
+pay. A split group (cpu_lora/worker.py) has k workers share the columns instead, so the adapter is
+read once in all: about `group_dispatch_ms + (overhead_ms + per_token_ms * T) / k`, where
+`group_dispatch_ms` (the group's round trip and its barrier, measured through the pool by
+`profile_group_dispatch()`) replaces the per-job dispatch. `plan()` takes whichever is predicted
+faster.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -31,6 +39,7 @@ class CostModel:
     in_features: int = 0
     out_features: int = 0
     samples: tuple[tuple[int, float], ...] = field(default=(), compare=False)  # (tokens, median ms)
+    group_dispatch_ms: float | None = None  # a split group's round trip over all workers (None: not measured)
 
     @property
     def tokens_per_ms(self) -> float:
@@ -57,11 +66,17 @@ class CostModel:
         if not self.rank:
             raise ValueError("this cost model carries no profiled shape to scale from")
         factor = rank * (in_features + out_features) / (self.rank * (self.in_features + self.out_features))
-        return CostModel(self.overhead_ms, self.per_token_ms * factor, self.dispatch_ms, rank, in_features, out_features)
+        return dataclasses.replace(self, per_token_ms=self.per_token_ms * factor, rank=rank, in_features=in_features,
+                                   out_features=out_features, samples=())
 
-    def with_dispatch(self, dispatch_ms: float) -> CostModel:
-        return CostModel(self.overhead_ms, self.per_token_ms, dispatch_ms, self.rank, self.in_features,
-                         self.out_features, self.samples)
+    def with_dispatch(self, dispatch_ms: float, group_dispatch_ms: float | None = None) -> CostModel:
+        return dataclasses.replace(self, dispatch_ms=dispatch_ms, group_dispatch_ms=group_dispatch_ms)
+
+    def group_makespan_ms(self, tokens: int, parts: int) -> float:
+        """Predicted time of `tokens` as one split group over `parts` workers (needs group_dispatch_ms)."""
+        if self.group_dispatch_ms is None:
+            raise ValueError("no split group round trip measured (group_dispatch_ms)")
+        return self.group_dispatch_ms + self.job_ms(tokens) / parts
 
 
 def fit_cost(samples: list[tuple[int, float]], dispatch_ms: float = 0.02, **shape) -> CostModel:
@@ -133,6 +148,54 @@ def profile_dispatch(pool, adapter_id: int, layer: int, proj: int, in_features: 
         if failed:
             raise RuntimeError(f"profiling job failed on adapter {adapter_id} ({layer}, {proj})")
     return statistics.median(times)
+
+
+def profile_group_dispatch(pool, adapter_id: int, layer: int, proj: int, in_features: int, out_features: int,
+                           repeats: int = 50) -> float:
+    """The engine-side cost of one split group over all of `pool`'s workers, in ms: the median round
+    trip of a one-token group (post, the parts' shrink, barrier and expand, the done flags). Use it
+    as `CostModel.group_dispatch_ms`. Needs a pool of 2 workers or more with `max_rank`."""
+    times = []
+    for _ in range(repeats):
+        pool.heat(0.05)
+        start = time.perf_counter()
+        ok = pool.run_split(adapter_id, layer, proj, (0, 1), pool.workers, in_features, out_features)
+        times.append((time.perf_counter() - start) * 1e3)
+        if not ok:
+            raise RuntimeError(f"profiling split group failed on adapter {adapter_id} ({layer}, {proj})")
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a prompt's rows go to the workers: `ranges`, one per worker (a token split), or, with
+    parts > 1, one split group over workers 0..parts-1 on all the rows (`ranges` is then that one
+    range)."""
+
+    ranges: list[tuple[int, int]]
+    parts: int = 1
+
+    @property
+    def workers(self) -> int:
+        return self.parts if self.parts > 1 else len(self.ranges)
+
+
+def plan(tokens: int, workers: int, cost: CostModel, rank: int | None = None, max_rank: int = 0,
+         min_gain: float = 0.1, target_ms: float | None = None, choice: str = "auto") -> Plan:
+    """A token split (`split`), or a split group over all `workers` where one is possible (2
+    workers or more, `rank` within the pool's `max_rank`) and chosen: by `choice` "groups", or under
+    "auto" when a measured `group_dispatch_ms` predicts it faster than the token split by `min_gain`
+    ("tokens": never)."""
+    if choice not in ("auto", "tokens", "groups"):
+        raise ValueError(f"choice must be auto, tokens or groups, not {choice!r}")
+    ranges = split(tokens, workers, cost, min_gain, target_ms)
+    possible = workers >= 2 and tokens > 0 and rank is not None and 0 < rank <= max_rank
+    if possible and choice == "groups":
+        return Plan([(0, tokens)], workers)
+    if possible and choice == "auto" and cost.group_dispatch_ms is not None:
+        if cost.group_makespan_ms(tokens, workers) < cost.makespan_ms(tokens, len(ranges)) * (1.0 - min_gain):
+            return Plan([(0, tokens)], workers)
+    return Plan(ranges)
 
 
 def workers_for(tokens: int, workers: int, cost: CostModel, min_gain: float = 0.1, target_ms: float | None = None) -> int:

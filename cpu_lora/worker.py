@@ -1,6 +1,13 @@
 """CPU LoRA workers: one process per core computing `x @ A^T @ B^T` for a range of a prompt's tokens
 while the adapter streams to the GPU (CaraServe's CPU-assisted prefill).
 
+Two ways to share a prompt's LoRA among N workers (partition.py picks one from measured costs): a
+token split, each worker on its own rows with all of A and B (CaraServe's), or a split group, every
+worker on all the rows with a chunk of A's input columns and of B's output columns (shm/exchange.py
+says how the parts meet: one barrier in shared memory between the shrink and the expand). A token
+split has each of the N workers read the whole adapter; a split group reads it once in all, which
+is what short prompts are bound by.
+
 The engine writes a layer's activations into the exchange segment, posts a job per worker (adapter id,
 layer, projection, token rows) and waits for the done flags; the workers read A and B^T straight from
 the shared adapter store. Processes rather than threads: each is pinned to its own core and runs one
@@ -30,6 +37,7 @@ from lorad.shm.exchange import (
     Exchange,
     ExchangeConfig,
     Job,
+    chunk,
 )
 from lorad.shm.flags import wait_all
 from lorad.shm.segment import new_instance, pid_alive
@@ -53,6 +61,7 @@ def worker_main(
     parent_pid: int,
     spin_s: float,
     max_pause_s: float,
+    split_wait_s: float = 1.0,
 ) -> None:
     """The worker process: wait for job seq n > start_seq, compute its rows, publish done n; repeat."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when workers stop
@@ -75,7 +84,7 @@ def worker_main(
 
     slot.pid = os.getpid()
     seq = int(start_seq)
-    plans = _Plans(exchange, store)
+    plans = _Plans(exchange, store, worker, split_wait_s)
     job_flag, hot, fields_of, finish, run = slot.job_flag, exchange.hot, slot.fields, slot.finish, plans.run
     try:
         while True:
@@ -119,34 +128,99 @@ class _Plans:
     (half inputs are converted into a cached fp32 buffer). Output rows: `x @ A^T @ B^T` in fp32,
     x the job's compact input rows in their dtype."""
 
-    def __init__(self, exchange: Exchange, store: AdapterStore):
+    def __init__(self, exchange: Exchange, store: AdapterStore, worker: int = 0, split_wait_s: float = 1.0):
         self.exchange, self.store = exchange, store
+        self.worker, self.split_wait_s = worker, split_wait_s
         self.outputs = torch.from_numpy(exchange.output)
+        config = exchange.config
+        # Split groups: this worker's partial buffer and everyone's, flat [workers, max_tokens * max_rank]
+        self.partials = torch.from_numpy(exchange.partials).view(config.workers, config.max_tokens * config.max_rank)
+        self.phases, self.reads = exchange.phases, exchange.reads
+        self.last_group, self.last_parts = 0, 0  # the split group this worker's partial buffer holds
         self.scratch = torch.empty(exchange.config.max_tokens * 64)  # x @ A^T; grown for larger ranks
         self.rows: dict[tuple, tuple] = {}  # (start, end, in, out, dtype) -> (x, fp32 staging or None, out)
         self.modules: dict[tuple, tuple] = {}  # (adapter, layer, proj) -> (A, A^T, B^T)
         self.middles: dict[tuple, torch.Tensor] = {}  # (rows, rank) -> view of scratch
 
     def run(self, fields: tuple) -> None:
-        """output[rows, :out] = x @ A^T @ B^T for the job of descriptor `fields` (Job's fields)."""
-        adapter_id, layer, proj, row_start, row_end, in_features, out_features, _ = fields
+        """output[rows, :out] = x @ A^T @ B^T for the job of descriptor `fields` (Job's fields); a
+        split group's part: its chunk of the output columns."""
+        adapter_id, layer, proj, row_start, row_end, in_features, out_features, _, part, parts, group = fields
         a, b_t = self.store.lookup(adapter_id, layer, proj)
         module = self.modules.get((adapter_id, layer, proj))
         if module is None or module[0] is not a:
             module = self._module(adapter_id, layer, proj, a, b_t)
         if module[3] != in_features or module[4] != out_features:  # also checked per module: rows plans are shared
             raise ValueError(f"adapter module is {tuple(a.shape)} x {tuple(b_t.shape)}, job says {in_features} -> {out_features}")
-        rows = self.rows.get(fields[3:])
+        rows = self.rows.get(fields[3:8])
         if rows is None:
             rows = self._rows(Job(*fields), a, b_t)
         x, staging, out = rows
         middle = self.middles.get((row_end - row_start, a.shape[0]))
         if middle is None:
             middle = self._middle(row_end - row_start, a.shape[0])
+        if parts > 1:
+            self._run_part(module, x, staging, out, middle, row_end - row_start, in_features, out_features, part, parts, group)
+            return
         if staging is not None:
             x = staging.copy_(x)  # the CPU computes in fp32 (faster than bf16 here, and exact for the add)
         torch.mm(x, module[1], out=middle)
         torch.mm(middle, module[2], out=out)
+
+    def _run_part(self, module: tuple, x: torch.Tensor, staging, out: torch.Tensor, middle: torch.Tensor, rows: int,
+                  in_features: int, out_features: int, part: int, parts: int, group: int) -> None:
+        """Part `part` of split group `group` (see shm/exchange.py): shrink over this part's input
+        columns into the partial buffer, meet the other parts, sum, expand this part's output columns.
+        PHASE and READ are published even when the part fails, so the others never wait on it for
+        long (the failed status voids the group's result for the engine)."""
+        rank = module[1].shape[1]
+        config = self.exchange.config
+        if part != self.worker or not 1 < parts <= config.workers or group <= self.last_group:
+            raise ValueError(f"split part {part}/{parts} of group {group} on worker {self.worker} (last group "
+                             f"{self.last_group}): not this worker's, or out of order")
+        try:
+            if rank > config.max_rank:
+                raise ValueError(f"rank {rank} exceeds the exchange's split rank {config.max_rank}")
+            if self.last_parts:  # every part that summed this buffer's last partial has done so
+                self._meet(self.reads, self.last_parts, self.last_group, "read")
+            k0, k1 = chunk(in_features, parts, part)
+            n0, n1 = chunk(out_features, parts, part)
+            partial = self.partials[part, : rows * rank].view(rows, rank)
+            if k1 > k0:
+                if staging is not None:  # only this part's columns go to fp32
+                    x = staging[:, k0:k1].copy_(x[:, k0:k1])
+                else:
+                    x = x[:, k0:k1]
+                torch.mm(x, module[1][k0:k1], out=partial)
+            else:
+                partial.zero_()
+            self.phases[part] = group
+            self._meet(self.phases, parts, group, "partial")
+            torch.sum(self.partials[:parts, : rows * rank], dim=0, out=middle.view(-1))
+            self.reads[part] = group
+            if n1 > n0:
+                torch.mm(middle, module[2][:, n0:n1], out=out[:, n0:n1])
+        finally:
+            self.phases[part] = max(int(self.phases[part]), group)
+            self.reads[part] = max(int(self.reads[part]), group)
+            self.last_group, self.last_parts = group, parts
+
+    def _meet(self, cells: np.ndarray, parts: int, group: int, what: str) -> None:
+        """Spin until cells[:parts] (PHASE or READ of workers 0..parts-1) all reach `group`; a part
+        that has not after `split_wait_s` (its worker died or stalled) fails this one too."""
+        view, polls, deadline = cells[:parts], 0, None
+        while view.min() < group:
+            polls += 1
+            if polls > 64:  # ~100 us of spinning: give the core to whoever shares it (the part awaited?)
+                os.sched_yield()
+            if polls % 256 == 0:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.split_wait_s
+                elif now > deadline:
+                    late = np.flatnonzero(view < group).tolist()
+                    raise TimeoutError(f"split group {group}: workers {late} did not publish their {what} "
+                                       f"within {self.split_wait_s} s")
 
     def _module(self, adapter_id: int, layer: int, proj: int, a: torch.Tensor, b_t: torch.Tensor) -> tuple:
         if len(self.modules) >= PLAN_LIMIT:
@@ -222,6 +296,7 @@ class WorkerPool:
         spin_s: float = 50e-6,
         max_pause_s: float = 1e-3,
         start_method: str = "forkserver",
+        max_rank: int = 0,
     ):
         self.store = store
         self.cores = list(cores) if cores is not None else sorted(os.sched_getaffinity(0))
@@ -237,7 +312,11 @@ class WorkerPool:
         if start_method == "forkserver":
             # Workers fork from a server that has imported torch once: a restart costs milliseconds.
             self._context.set_forkserver_preload([__name__])
-        config = ExchangeConfig(workers=workers, max_tokens=max_tokens, hidden=hidden, max_out=max_out)
+        # A split group's parts wait for each other at most half a job's deadline, so that a part left
+        # waiting on a dead one fails before the pool would kill it as stalled.
+        self.split_wait_s = job_timeout_s / 2
+        self._group = 0  # the last split group id handed out
+        config = ExchangeConfig(workers=workers, max_tokens=max_tokens, hidden=hidden, max_out=max_out, max_rank=max_rank)
         self.exchange = Exchange.create(instance or new_instance(), config)
         self.input, self.output = self.exchange.input, self.exchange.output
         self._processes: list = [None] * workers
@@ -255,6 +334,16 @@ class WorkerPool:
     @property
     def workers(self) -> int:
         return len(self._processes)
+
+    @property
+    def max_rank(self) -> int:
+        """The widest rank a split group may have (0: the pool takes token splits only)."""
+        return self.exchange.config.max_rank
+
+    def next_group(self) -> int:
+        """A new split group id, for jobs the caller enqueues itself (`enqueue`; `post` takes its own)."""
+        self._group += 1
+        return self._group
 
     def heat(self, seconds: float) -> bool:
         """Workers and waits busy-poll for the next `seconds` (Exchange.heat). Only when every worker
@@ -275,7 +364,7 @@ class WorkerPool:
             target=worker_main,
             name=f"lorad-cpu-lora-{worker}",
             args=(self.exchange.name, self.store.name, worker, core, int(self._seq[worker]), os.getpid(),
-                  self.spin_s, self.max_pause_s),
+                  self.spin_s, self.max_pause_s, self.split_wait_s),
             daemon=True,
         )
         process.start()
@@ -301,8 +390,12 @@ class WorkerPool:
         self.restarts += 1
         log.warning("worker=%d pid=%d %s (exit code %s); restarting", worker, process.pid, why, process.exitcode)
         process.close()
-        # The old worker is gone, so the pool may write its line: close the failed job's books.
+        # The old worker is gone, so the pool may write its line: close the failed job's books, and
+        # release the parts of split groups handed out so far from waiting on it (their results are
+        # void: this worker's part reports failure).
         self.exchange.slots[worker].finish(int(self._seq[worker]), STATUS_ERROR)
+        self.exchange.phases[worker] = max(int(self.exchange.phases[worker]), self._group)
+        self.exchange.reads[worker] = max(int(self.exchange.reads[worker]), self._group)
         self._start(worker)
 
     def submit(self, worker: int, job: Job) -> int:
@@ -320,15 +413,19 @@ class WorkerPool:
         return seq
 
     def post(self, adapter_id: int, layer: int, proj: int, row_starts: np.ndarray, row_ends: np.ndarray,
-             in_features: int, out_features: int, in_dtype: int = IN_FLOAT32) -> int:
+             in_features: int, out_features: int, in_dtype: int = IN_FLOAT32, split: bool = False) -> int:
         """Post one job to each of workers 0..n-1, n = len(row_starts): rows row_starts[w]:row_ends[w]
         (int64 arrays), the other fields shared (`adapter_id` may also be an array, one per job), the
-        input rows written already. O(1) Python work (`Exchange.post_batch`) unless the pool is
+        input rows written already. `split`: the n jobs are the parts of one split group (every row
+        range the same; n >= 2, and the adapter's rank at most `max_rank`). O(1) Python work (`Exchange.post_batch`) unless the pool is
         cold, when the workers found dead are replaced first (as `submit`). Returns n, for
         `wait_posted`. One job goes the scalar way (`submit`), cheaper than numpy's per-call cost."""
         count = len(row_starts)
         if count > self.workers:
             raise ValueError(f"{count} jobs for {self.workers} workers")
+        if split and (count < 2 or not self.max_rank):
+            raise ValueError(f"a split group needs 2 workers or more and a pool with max_rank (count {count}, "
+                             f"max_rank {self.max_rank})")
         if count == 1:
             adapter = adapter_id if np.ndim(adapter_id) == 0 else adapter_id[0]
             self.submit(0, Job(int(adapter), layer, proj, int(row_starts[0]), int(row_ends[0]), in_features,
@@ -344,7 +441,8 @@ class WorkerPool:
             busy = int(np.flatnonzero(done < seqs)[0])
             raise RuntimeError(f"worker {busy} is still on job seq={self._seq[busy]}: wait for it first")
         seqs += 1
-        exchange.post_batch(seqs, adapter_id, layer, proj, row_starts, row_ends, in_features, out_features, in_dtype)
+        exchange.post_batch(seqs, adapter_id, layer, proj, row_starts, row_ends, in_features, out_features, in_dtype,
+                            group=self.next_group() if split else 0)
         return count
 
     def wait_posted(self, count: int, timeout_s: float | None = None) -> list[int]:
@@ -455,6 +553,30 @@ class WorkerPool:
             bounds = ranges if isinstance(ranges, np.ndarray) else np.array(ranges, dtype=np.int64).reshape(-1, 2)
             count = self.post(adapter_id, layer, proj, bounds[:, 0], bounds[:, 1], in_features, out_features)
         return [tuple(ranges[worker]) for worker in self.wait_posted(count)]
+
+    def run_split(
+        self,
+        adapter_id: int,
+        layer: int,
+        proj: int,
+        rows: tuple[int, int],
+        parts: int,
+        in_features: int,
+        out_features: int,
+        x: torch.Tensor | np.ndarray | None = None,
+    ) -> bool:
+        """`output[rows, :out] = x[rows] @ A^T @ B^T` by one split group over workers 0..parts-1 (see
+        shm/exchange.py); `x` as in `run`. -> True when every part succeeded (else the rows' output is
+        void: the caller computes them another way)."""
+        if not 2 <= parts <= self.workers:
+            raise ValueError(f"a split group over {parts} of {self.workers} workers")
+        if x is not None:
+            x = x.numpy() if isinstance(x, torch.Tensor) else x
+            self.exchange.input_rows(0, x.shape[0], x.shape[1]).view(np.float32)[:] = x
+        start, end = rows
+        count = self.post(adapter_id, layer, proj, np.full(parts, start, dtype=np.int64),
+                          np.full(parts, end, dtype=np.int64), in_features, out_features, split=True)
+        return not self.wait_posted(count)
 
     def check(self) -> int:
         """Housekeeping between jobs: replace workers that exited or whose heartbeat has not moved

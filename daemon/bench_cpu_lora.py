@@ -3,9 +3,11 @@ layer (hidden x hidden each; the 7B shape on cuda hosts, a tiny one on the CPU):
 
 - profile: one core's time for `x @ A^T @ B^T` over q, k, v by prompt tokens at ranks 16 and 64, and
   the line fitted through it (cpu_lora/partition.py's CostModel: overhead + per-token cost, tokens/ms);
-- scaling: N pinned worker processes (cpu_lora/worker.py's WorkerPool over shared memory, the tokens
-  split evenly) against one process running torch with N threads, for 128 tokens at rank 64.
-  CaraServe's multi-process design aims at 1.5x over the threaded one.
+- scaling: N pinned worker processes (cpu_lora/worker.py's WorkerPool over shared memory) against one
+  process running torch with N threads, for 128 tokens at rank 64, the processes sharing the work both
+  ways partition.plan chooses between: the tokens split evenly (CaraServe's), and one split group (each
+  worker all the tokens and a chunk of A's and B's columns). CaraServe's multi-process design aims at
+  1.5x over the threaded one.
 """
 
 from __future__ import annotations
@@ -55,9 +57,12 @@ def run(args) -> dict:
         if workers + 1 > len(cores):
             notes.append(f"{workers} workers and the engine share {len(cores)} usable cores: oversubscribed")
         processes_ms = pool_ms(workers, args.scaling_tokens, args.scaling_rank, hidden, args.reps)
+        groups_ms = (pool_ms(workers, args.scaling_tokens, args.scaling_rank, hidden, args.reps, groups=True)
+                     if workers >= 2 else None)
         threads_ms = threaded_ms(workers, args.scaling_tokens, args.scaling_rank, hidden, args.reps)
-        scaling.append({"cores": workers, "processes_ms": processes_ms, "threads_ms": threads_ms,
-                        "speedup": threads_ms / processes_ms})
+        scaling.append({"cores": workers, "processes_ms": processes_ms, "processes_groups_ms": groups_ms,
+                        "threads_ms": threads_ms, "speedup": threads_ms / processes_ms,
+                        "speedup_groups": None if groups_ms is None else threads_ms / groups_ms})
     report = {
         "version": 1, "kind": "bench-cpu-lora", "command": args.command_line, "machine": machine(device),
         "config": {"hidden": hidden, "modules": "q,k,v (hidden x hidden each)", "dtype": "float32",
@@ -68,7 +73,9 @@ def run(args) -> dict:
         "target": f"processes at least {TARGET_SPEEDUP}x faster than threads at the same core count",
         "notes": ["profile ms: one thread pinned to one core, median of reps, q+k+v together",
                   ("processes_ms: the engine writes x into shared memory and runs q, k, v as three rounds of one "
-                   "job per worker (what CPU assist does per layer); threads_ms: torch with N threads, same math"),
+                   "job per worker on its own tokens (what CPU assist does per layer); processes_groups_ms: the "
+                   "same as three split groups (every worker all the tokens, a chunk of the columns); "
+                   "threads_ms: torch with N threads, same math"),
                   *notes],
     }
     print(markdown_table(
@@ -78,8 +85,10 @@ def run(args) -> dict:
     ))
     print()
     print(markdown_table(
-        ["cores", f"{args.scaling_tokens} tokens rank {args.scaling_rank}: processes ms", "threads ms", "speedup"],
-        [[s["cores"], s["processes_ms"], s["threads_ms"], s["speedup"]] for s in scaling],
+        ["cores", f"{args.scaling_tokens} tokens rank {args.scaling_rank}: processes, token split ms",
+         "processes, split group ms", "threads ms", "speedup (token split)", "speedup (split group)"],
+        [[s["cores"], s["processes_ms"], s["processes_groups_ms"], s["threads_ms"], s["speedup"], s["speedup_groups"]]
+         for s in scaling],
     ))
     finish(args.out, report, lambda plt: _plot(plt, profile, scaling))
     return report
@@ -130,9 +139,10 @@ def _qkv_lora_ms(tokens: int, rank: int, hidden: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def pool_ms(workers: int, tokens: int, rank: int, hidden: int, reps: int) -> float:
+def pool_ms(workers: int, tokens: int, rank: int, hidden: int, reps: int, groups: bool = False) -> float:
     """`workers` pinned worker processes over shared memory: median ms of q, k, v's LoRA for `tokens`
-    rows split evenly, x copied into the exchange each time, results checked once against torch."""
+    rows split evenly (`groups`: one split group per projection over all the workers), x copied into the
+    exchange each time, results checked once against torch."""
     from lorad.cpu_lora.worker import WorkerPool
     from lorad.shm.segment import new_instance
     from lorad.shm.store import AdapterStore
@@ -149,7 +159,7 @@ def pool_ms(workers: int, tokens: int, rank: int, hidden: int, reps: int) -> flo
     instance = new_instance()
     with AdapterStore.create(instance, 3 * 2 * rank * hidden * 4 + (1 << 16)) as store:
         adapter_id = store.put(adapter)
-        with WorkerPool(workers, store, tokens, hidden, hidden, instance=instance) as pool:
+        with WorkerPool(workers, store, tokens, hidden, hidden, instance=instance, max_rank=rank if groups else 0) as pool:
             output = torch.from_numpy(pool.output)
             times = []
             for rep in range(reps + 2):
@@ -157,6 +167,11 @@ def pool_ms(workers: int, tokens: int, rank: int, hidden: int, reps: int) -> flo
                 pool.heat(1.0)  # as the engine runs the pool in a cold start: workers poll, no wake-ups
                 start = time.perf_counter()
                 for proj in PROJECTIONS_QKV:
+                    if groups:
+                        if not pool.run_split(adapter_id, 0, proj, (0, tokens), workers, hidden, hidden,
+                                              x=x if proj == 0 else None):
+                            raise RuntimeError("a CPU LoRA split group failed")
+                        continue
                     failed = pool.run(adapter_id, 0, proj, ranges, hidden, hidden, x=x if proj == 0 else None)
                     if failed:
                         raise RuntimeError(f"CPU LoRA jobs failed: {failed}")
@@ -179,7 +194,10 @@ def _plot(plt, profile: list[dict], scaling: list[dict]):
     left.grid(alpha=0.3)
     left.legend()
     cores = [s["cores"] for s in scaling]
-    right.plot(cores, [s["processes_ms"] for s in scaling], "o-", label="pinned worker processes (shm)")
+    right.plot(cores, [s["processes_ms"] for s in scaling], "o-", label="pinned worker processes, token split")
+    grouped = [s for s in scaling if s["processes_groups_ms"] is not None]
+    right.plot([s["cores"] for s in grouped], [s["processes_groups_ms"] for s in grouped], "^-",
+               label="pinned worker processes, split groups")
     right.plot(cores, [s["threads_ms"] for s in scaling], "s-", label="one process, torch threads")
     right.set_xlabel("cores")
     right.set_ylabel("ms")

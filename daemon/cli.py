@@ -44,6 +44,8 @@ _ENGINE_FLAG_HELP = {
     "host_adapter_bytes": "host-memory budget of loaded adapters (K/M/G suffixes accepted)",
     "cold_start": "cached|ondemand|cpu|auto: what a request whose adapter is not in the pool waits for",
     "cpu_workers": "CPU LoRA worker processes for --cold-start cpu|auto (0: min(4, cores - 1))",
+    "cpu_lora_split": "auto|tokens|groups: how the CPU workers share an assisted prompt's LoRA: each its own tokens, "
+                      "or all the tokens and a chunk of the adapter's columns (auto: from the costs measured at start)",
     "pinned_host_bytes": "on cuda: adapters kept staged in pinned host memory (K/M/G suffixes accepted)",
     "layerwise": "--cold-start cpu|auto: copy a cold adapter layer by layer and move each layer of a "
                  "cpu-assisted prefill to the GPU as soon as it has arrived",

@@ -50,9 +50,10 @@ import numpy as np
 import torch
 from lorad.cpu_lora.partition import (
     CostModel,
+    plan,
     profile_cpu_lora,
     profile_dispatch,
-    split,
+    profile_group_dispatch,
 )
 from lorad.cpu_lora.worker import WorkerPool
 from lorad.gpu_ops import cuda_ext
@@ -64,6 +65,7 @@ from lorad.shm.exchange import (
     JOB_SEQ,
     Job,
 )
+from lorad.errors import BadRequest
 from lorad.shm.segment import new_instance, sweep_stale
 from lorad.shm.store import AdapterStore, StoreFull
 
@@ -93,7 +95,8 @@ class CpuSpan:
     modules: frozenset  # the (layer, proj) it targets
     start: int
     end: int
-    ranges: list[tuple[int, int]]  # absolute rows, one range per worker
+    ranges: list[tuple[int, int]]  # absolute rows, one range per worker (a split group: its one range)
+    parts: int = 1  # > 1: one split group over workers 0..parts-1 on all the rows (cpu_lora/worker.py)
     load: object = None  # its adapter's LayerwiseLoad (gpu_ops/page_pool.py), when copied layer by layer
     gpu_batch: object = field(default=None, repr=False)  # LoraBatch of its rows on the pool path, built per step
     failed: bool = False  # python path: a job failed, the pool path computes its rows for the rest of the step
@@ -102,15 +105,21 @@ class CpuSpan:
 
 class CpuAssist:
     def __init__(self, workers: int, max_tokens: int, hidden: int, max_out: int, store_bytes: int,
-                 job_timeout_s: float = 5.0, device: torch.device | None = None):
+                 job_timeout_s: float = 5.0, device: torch.device | None = None, max_rank: int = 0,
+                 split: str = "auto"):
         swept = sweep_stale()
         if swept:
             log.info("swept %d stale shared-memory segments of dead lorad processes", len(swept))
         instance = new_instance()
         self.store = AdapterStore.create(instance, store_bytes)
         try:
+            # Split groups (partition.plan) need 2 workers or more and a partial buffer per worker.
+            if split == "groups" and (workers < 2 or max_rank < 1):
+                raise BadRequest(f"cpu_lora_split=groups needs 2 workers or more (cpu_workers), not {workers}")
+            self.split = split
+            self.max_rank = max_rank if split != "tokens" and workers >= 2 else 0
             self.pool = WorkerPool(workers, self.store, max_tokens, hidden, max_out, instance=instance,
-                                   job_timeout_s=job_timeout_s)
+                                   job_timeout_s=job_timeout_s, max_rank=self.max_rank)
         except BaseException:
             self.store.close()
             raise
@@ -123,6 +132,7 @@ class CpuAssist:
         self._done_flags = [np.ndarray((1,), np.int64, buffer, layout.worker_line(w) + DONE_SEQ * 8) for w in range(workers)]
         self._stored: OrderedDict[str, tuple[int, int]] = OrderedDict()  # name -> (id(weights), adapter id)
         self.assisted = 0  # prefills whose LoRA the workers computed
+        self.plans = {"tokens": 0, "groups": 0}  # spans (a prompt's rows in a step) planned each way
         self.fallbacks = 0  # requests sent back to the pool path after a failed job
         self.restarts_seen = self.fallbacks_seen = 0  # what the engine has counted in its metrics
         self.layers = {CPU: 0, GPU: 0}  # layers of cpu-assisted prefills served by each path
@@ -161,12 +171,15 @@ class CpuAssist:
         adapter_id = self.store.put(Probe)
         try:
             dispatch_ms = profile_dispatch(self.pool, adapter_id, 0, 0, hidden, hidden, repeats=20)
+            group_ms = (profile_group_dispatch(self.pool, adapter_id, 0, 0, hidden, hidden, repeats=20)
+                        if self.max_rank else None)
         finally:
             self.store.remove(Probe.name)
-        cost = CostModel(cost.overhead_ms, cost.per_token_ms, dispatch_ms, cost.rank, cost.in_features,
-                         cost.out_features, cost.samples)
-        log.info("cpu lora profile rank=%d per_token_ms=%.5f overhead_ms=%.4f dispatch_ms=%.4f workers=%d",
-                 cost.rank, cost.per_token_ms, cost.overhead_ms, cost.dispatch_ms, self.workers)
+            self.pool.cool()
+        cost = cost.with_dispatch(dispatch_ms, group_ms)
+        log.info("cpu lora profile rank=%d per_token_ms=%.5f overhead_ms=%.4f dispatch_ms=%.4f group_dispatch_ms=%s "
+                 "workers=%d", cost.rank, cost.per_token_ms, cost.overhead_ms, cost.dispatch_ms,
+                 "off" if group_ms is None else f"{group_ms:.4f}", self.workers)
         return cost
 
     def heat(self) -> None:
@@ -186,7 +199,7 @@ class CpuAssist:
         forward runs it (x and y on `device` in `dtype`, the invocation path in use, a device sync and
         `after_step` at the end), for each token count; the median of `repeats` after a warm-up.
         -> {"per_module_ms": [(tokens, ms per module invocation)], "stage_bytes_per_s": float}.
-        The layer counters are left as they were, and the workers cool (sleeping) at the end."""
+        The layer and plan counters are left as they were, and the workers cool (sleeping) at the end."""
         generator = torch.Generator().manual_seed(0)
         weights = {(layer, proj): (torch.randn(rank, fan_in, generator=generator) * fan_in**-0.5,
                                    torch.randn(fan_out, rank, generator=generator) * (0.5 / rank))
@@ -197,7 +210,7 @@ class CpuAssist:
 
         Probe.weights = weights
         nbytes = sum(a.nbytes + b.nbytes for a, b in weights.values())
-        layers_before, assisted_before = dict(self.layers), self.assisted
+        layers_before, assisted_before, plans_before = dict(self.layers), self.assisted, dict(self.plans)
         started = time.perf_counter()
         adapter_id = self.store.put(Probe)
         stage_bytes_per_s = nbytes / max(time.perf_counter() - started, 1e-9)
@@ -212,7 +225,7 @@ class CpuAssist:
                 ys = [torch.zeros(tokens, fan_out, device=device, dtype=dtype) for _, fan_out in shapes]
                 times = []
                 for rep in range(repeats + 1):
-                    span = self.span(PROBE_NAME, adapter_id, -1, weights.keys(), 0, tokens)
+                    span = self.span(PROBE_NAME, adapter_id, -1, weights.keys(), 0, tokens, rank=rank)
                     self.heat()
                     begun = time.perf_counter()
                     for layer in range(layers):
@@ -229,6 +242,7 @@ class CpuAssist:
             self.pool.cool()  # the probe is over: no worker spins until a real cold start heats them
             self.store.remove(PROBE_NAME)
             self.layers, self.layers_seen, self.assisted = layers_before, dict(layers_before), assisted_before
+            self.plans = plans_before
         log.info("cpu assist probe invocation=%r rank=%d per_module_ms=%s stage_gb_per_s=%.2f", self.invocation,
                  rank, [(tokens, round(ms, 4)) for tokens, ms in samples], stage_bytes_per_s / 1e9)
         return {"per_module_ms": samples, "stage_bytes_per_s": stage_bytes_per_s}
@@ -260,9 +274,14 @@ class CpuAssist:
         if self._stored.pop(name, None) is not None:
             self.store.remove(name)
 
-    def span(self, request_id: str, adapter_id: int, slot: int, modules, start: int, end: int) -> CpuSpan:
-        ranges = [(start + a, start + b) for a, b in split(end - start, self.workers, self.cost)]
-        return CpuSpan(request_id, adapter_id, slot, frozenset(modules), start, end, ranges)
+    def span(self, request_id: str, adapter_id: int, slot: int, modules, start: int, end: int,
+             rank: int | None = None) -> CpuSpan:
+        """The span of rows [start, end) of an adapter of (max) rank `rank`, planned over the workers:
+        a token split, or a split group where the measured costs say it is faster."""
+        chosen = plan(end - start, self.workers, self.cost, rank=rank, max_rank=self.max_rank, choice=self.split)
+        self.plans["groups" if chosen.parts > 1 else "tokens"] += 1
+        ranges = [(start + a, start + b) for a, b in chosen.ranges]
+        return CpuSpan(request_id, adapter_id, slot, frozenset(modules), start, end, ranges, chosen.parts)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, layer: int, proj: int, spans: list[CpuSpan], gpu_lora) -> None:
         """y[rows] += (x[rows] @ A^T) @ B^T for every span's rows: on the GPU for a layer whose copy
@@ -310,6 +329,11 @@ class CpuAssist:
         dtype_code, itemsize = _IN_DTYPES[x.dtype], x.element_size()
         exchange, pending = self.pool.exchange, []
         for span in spans:
+            if span.parts > 1:
+                if not self._enqueue_group(x, span, layer, proj, in_features, out_features, dtype_code, itemsize,
+                                           pending):
+                    break
+                continue
             for worker, (start, end) in enumerate(span.ranges):
                 if start == end:
                     continue
@@ -325,19 +349,54 @@ class CpuAssist:
                 cuda_ext.fused_copy_and_signal(rows, source if source.is_contiguous() else source.contiguous(),
                                                self._job_flags[worker], seq)
                 pending.append((worker, seq, start, end))
-        for worker, seq, start, end in pending:
+        for worker, seq, start, end in pending:  # a split group's parts past the first: empty rows, a wait only
             cuda_ext.fused_wait_and_add(y[start:end], self.outputs[start:end, :out_features], self._done_flags[worker],
                                         seq, self.error, self.job_timeout_s, skip_if_error=True)
+
+    def _enqueue_group(self, x, span: CpuSpan, layer: int, proj: int, in_features: int, out_features: int,
+                       dtype_code: int, itemsize: int, pending: list) -> bool:
+        """A split group's parts (fused path): one copy of the span's rows that raises part 0's flag,
+        then a flag-only signal per further part; the waits of parts 1.. add nothing (empty rows) and
+        part 0's wait adds the whole result, so the add follows every part's done flag. -> False when
+        posting was cut short (a full ring)."""
+        group, seqs = self.pool.next_group(), []
+        for part in range(span.parts):
+            seq = self.pool.enqueue(part, Job(span.adapter_id, layer, proj, span.start, span.end, in_features,
+                                              out_features, dtype_code, part, span.parts, group))
+            if seq is None:
+                self._cut_short = True
+                log.warning("cpu lora ring of worker %d full past %.1f s: the step is cut short", part, self.job_timeout_s)
+                return False
+            seqs.append(seq)
+        rows = torch.from_numpy(self.pool.exchange.input_rows(span.start, span.end, in_features, itemsize)).view(x.dtype)
+        source = x[span.start : span.end]
+        cuda_ext.fused_copy_and_signal(rows, source if source.is_contiguous() else source.contiguous(),
+                                       self._job_flags[0], seqs[0])
+        empty = source[:0]
+        for part in range(1, span.parts):
+            cuda_ext.fused_copy_and_signal(rows[:0], empty, self._job_flags[part], seqs[part])
+        pending.extend((part, seqs[part], span.start, span.start) for part in range(1, span.parts))
+        pending.append((0, seqs[0], span.start, span.end))
+        return True
 
     def _apply_python(self, x, y, layer: int, proj: int, spans: list[CpuSpan], gpu_lora) -> None:
         """The host copies, posts, waits and adds; a failed job sends its span to the pool path."""
         in_features, out_features = x.shape[1], y.shape[1]
-        exchange, jobs = self.pool.exchange, []
+        exchange, jobs, pool, done = self.pool.exchange, [], self.pool, []
         for span in spans:
             rows = torch.from_numpy(exchange.input_rows(span.start, span.end, in_features)).view(torch.float32)
             rows.copy_(x[span.start : span.end])
+            if span.parts > 1:  # one split group, alone on the workers
+                if pool.run_split(span.adapter_id, layer, proj, (span.start, span.end), span.parts, in_features,
+                                  out_features):
+                    done.append((span, span.start, span.end))
+                else:
+                    span.failed = True
+                    self.fallbacks += 1
+                    log.warning("cpu lora split group failed request=%s layer=%d proj=%d; the pool path takes over",
+                                span.request_id, layer, proj)
+                continue
             jobs.extend((span, start, end) for start, end in span.ranges)
-        pool, done = self.pool, []
         for first in range(0, len(jobs), pool.workers):  # one job per worker in flight
             posted = [
                 (worker, span, start, end,
@@ -355,8 +414,9 @@ class CpuAssist:
         for span, start, end in done:
             if not span.failed:
                 y[start:end] += self.outputs[start:end, :out_features].to(y.device, y.dtype)
-        for span in {span for span, _, _ in jobs if span.failed}:
-            gpu_lora(x[span.start : span.end], y[span.start : span.end], layer, proj, span)
+        for span in spans:
+            if span.failed:
+                gpu_lora(x[span.start : span.end], y[span.start : span.end], layer, proj, span)
 
     def after_step(self, spans: list[CpuSpan]) -> list[CpuSpan]:
         """Call once the step's device work is done (after sampling's sync). Returns the spans whose

@@ -300,7 +300,8 @@ class Engine:
         self.cpu_assist = CpuAssist(
             default_workers(self.config.cpu_workers), self.config.max_batch_tokens,
             max(fan_in for fan_in, _ in shapes), max(fan_out for _, fan_out in shapes), CPU_STORE_BYTES,
-            job_timeout_s=CPU_JOB_TIMEOUT_S, device=self.device,
+            job_timeout_s=CPU_JOB_TIMEOUT_S, device=self.device, max_rank=self.config.max_lora_rank,
+            split=self.config.cpu_lora_split,
         )
         try:
             base_lora, assist = self.ops.lora, self.cpu_assist
@@ -409,6 +410,11 @@ class Engine:
                 "cpu_assisted_prefills": self.cpu_assist.assisted if self.cpu_assist is not None else 0,
                 "cpu_assist_fallbacks": self.cpu_assist.fallbacks if self.cpu_assist is not None else 0,
                 "cpu_worker_restarts": self.cpu_assist.pool.restarts if self.cpu_assist is not None else 0,
+                # how assisted prefills were shared among the workers: token splits or split groups
+                "cpu_lora_split": self.config.cpu_lora_split,
+                "cpu_lora_plans": dict(self.cpu_assist.plans) if self.cpu_assist is not None else {},
+                "cpu_lora_group_dispatch_ms": (self.cpu_assist.cost.group_dispatch_ms
+                                               if self.cpu_assist is not None else None),
                 "admission": {
                     "policy": self.scheduler.admission.name,
                     "slo_ttft_ms": self.config.slo_ttft_ms or None,
@@ -962,9 +968,9 @@ class Engine:
                 row_slots.extend([self.residency.slot(seq.adapter)] * count)
             else:
                 row_slots.extend([-1] * count)
-                modules = self._held[seq.adapter][0].weights.keys()
-                span = self.cpu_assist.span(
-                    seq.request_id, adapter_id, self.residency.slot(seq.adapter), modules, first_row, first_row + count)
+                held = self._held[seq.adapter][0]
+                span = self.cpu_assist.span(seq.request_id, adapter_id, self.residency.slot(seq.adapter),
+                                            held.weights.keys(), first_row, first_row + count, rank=held.rank)
                 # Its rows on the pool path (a layer whose copy arrived, or a failed job), built here:
                 # the forward never builds metadata, which would copy to the device from pageable memory.
                 span.gpu_batch = LoraBatch.build([span.slot] * count, device)

@@ -15,6 +15,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # placed at admission, then the prefill runs; cpu: the prefill's LoRA runs on the CPU workers while
 # the adapter is placed; auto: ondemand or cpu per request, from costs measured at start-up.
 COLD_STARTS = ("cached", "ondemand", "cpu", "auto")
+CPU_LORA_SPLITS = ("auto", "tokens", "groups")
 # Which waiting requests join a step (scheduler/admission.py): fcfs: in arrival order; early-abort: queued
 # requests whose predicted TTFT exceeds slo_ttft_ms are dropped with an error (S-LoRA App. B); cluster:
 # once the running batch holds cluster_max_adapters distinct adapters, other adapters' requests wait
@@ -57,6 +58,10 @@ class EngineConfig:
     eager: bool = False  # on cuda: no CUDA graphs for decode steps (slower; for comparison and debugging)
     cold_start: str = "ondemand"  # cached|ondemand|cpu|auto (see COLD_STARTS)
     cpu_workers: int = 0  # CPU LoRA worker processes for cold_start cpu|auto; 0: min(4, cores - 1)
+    # How an assisted prompt's LoRA is shared among the workers (cpu_lora/partition.py): auto, whichever the
+    # costs measured at start-up predict faster; tokens, each worker its own rows (CaraServe's split); groups,
+    # every worker all the rows and a chunk of the adapter's columns (needs 2 workers or more).
+    cpu_lora_split: str = "auto"
     pinned_host_bytes: int = 4 << 30  # on cuda: adapters staged in pinned host memory (LRU beyond it)
     # cold_start cpu|auto: the cold adapter of a request that will be cpu-assisted is copied into the pool layer
     # by layer, and its prefill moves each layer from the CPU workers to the GPU kernels as soon as that layer
@@ -86,6 +91,8 @@ class EngineConfig:
                 raise BadRequest(f"{name} must be positive")
         if self.cold_start not in COLD_STARTS:
             raise BadRequest(f"cold_start must be one of {', '.join(COLD_STARTS)}, not {self.cold_start!r}")
+        if self.cpu_lora_split not in CPU_LORA_SPLITS:
+            raise BadRequest(f"cpu_lora_split must be one of {', '.join(CPU_LORA_SPLITS)}, not {self.cpu_lora_split!r}")
         if isinstance(self.cpu_workers, bool) or not isinstance(self.cpu_workers, int) or not 0 <= self.cpu_workers <= 256:
             raise BadRequest(f"cpu_workers must be an integer in 0..256 (0: min(4, cores - 1)), not {self.cpu_workers!r}")
         if self.pinned_host_bytes < 0:

@@ -13,6 +13,15 @@ raised by the host (the python path) or by a GPU kernel long after the host wrot
 so a worker serves every job up to the flag's value, in order. An entry is reused only once its
 worker's done flag has passed it (`WorkerSlot.free_for`).
 
+Split jobs: a job may be one of `splits` parts of a group spread over workers 0..splits-1, all on the
+same rows. Part i reads input columns chunk i and writes into its partial buffer
+`partials[i] = x[:, chunk_i] @ A[:, chunk_i]^T`, publishes PHASE = group, waits for the other parts'
+PHASE, sums the partials into `x @ A^T`, publishes READ = group (done reading the others' partials),
+then writes output columns chunk i: `(x @ A^T) @ B^T[:, chunk_i]`. So every weight is read once, by
+one worker, however few the tokens (a token split has each worker read all of A and B). Group ids
+grow over the pool; a worker writes its partial for a group only once every part of its previous
+group has published READ for it, so one buffer per worker suffices.
+
 Posting to many workers (`Exchange.post_batch`, the python path) costs O(1) Python work: the
 workers' flags, statuses and descriptor fields are strided numpy views across the slots and rings,
 so N jobs are one vectorised write per descriptor field, the tags, then one write of the N job
@@ -23,15 +32,19 @@ Layout (every region 64-byte aligned):
     header   one line: MAGIC, VERSION, workers, max_tokens, hidden, max_out, ring, error word (written
              by the GPU's wait_and_add when a wait timed out; the host clears it)
     control  one line: the hot deadline (a `time.monotonic_ns()` value, written by the engine): until it
-             passes, workers and the host busy-poll their flags instead of sleeping (`Exchange.heat`)
+             passes, workers and the host busy-poll their flags instead of sleeping (`Exchange.heat`);
+             max_rank (the partial buffers' width)
     slots    per worker two lines: the job line (job seq flag, written by the host or the GPU) and the
-             worker line (written by the worker: done seq flag, status, heartbeat, pid, first failed seq)
+             worker line (written by the worker: done seq flag, status, heartbeat, pid, first failed seq,
+             PHASE and READ of split jobs)
     rings    per worker `ring` descriptors of two lines each (written by the engine's host thread)
     input    max_tokens * in_stride float32 worth of bytes. The padded view `input` [max_tokens,
              in_stride] float32, or per job the compact rows `input_rows()`: [rows, in_features] of the
              job's input dtype, row r at byte (r * in_features * itemsize), which a device can fill
              with one contiguous copy of x's rows.
     output   [max_tokens, out_stride] float32  (x @ A^T @ B^T; columns past out_features unused)
+    partials [workers, max_tokens, max_rank] float32 (split jobs' x[:, chunk] @ A[:, chunk]^T; none when
+             max_rank is 0)
 """
 
 from __future__ import annotations
@@ -44,22 +57,24 @@ from lorad.shm.flags import Flag
 from lorad.shm.segment import ALIGNMENT, Segment, align, segment_name
 
 MAGIC = 0x6C6F726164786368  # "loradxch"
-VERSION = 3
+VERSION = 4
 FLOAT_BYTES = 4
 LINE = ALIGNMENT
 STOP = -1  # adapter id of the job that tells a worker to exit
 DEFAULT_RING = 1024  # descriptors per worker: a forward of 32 layers x 7 projections x 4 spans fits
 ERROR_WORD = 7  # int64 field of the header line
-HOT_UNTIL = 0  # int64 field of the control line
+HOT_UNTIL, MAX_RANK = 0, 1  # int64 fields of the control line
+CHUNK_ALIGN = 16  # split jobs' column chunks start at multiples of 16 floats: 64 bytes, a cache line
 
 # Job line: the job seq flag. Ring descriptor (int64 fields): the seq it describes (a tag the worker
 # checks), then the job.
 JOB_SEQ = 0
-TAG, ADAPTER, LAYER, PROJ, ROW_START, ROW_END, IN_FEATURES, OUT_FEATURES, IN_DTYPE = range(9)
+TAG, ADAPTER, LAYER, PROJ, ROW_START, ROW_END, IN_FEATURES, OUT_FEATURES, IN_DTYPE, SPLIT, SPLITS, GROUP = range(12)
 DESCRIPTOR_BYTES = 2 * LINE
 # Worker line, written by the worker. FAILED: the seq of its first job that failed since the engine
 # last cleared it (0: none); sticky, because a device-signalled forward only looks after the step.
-DONE_SEQ, STATUS, HEARTBEAT, PID, FAILED = range(5)
+# PHASE, READ: the last split group whose partial it has published, whose partials it has summed.
+DONE_SEQ, STATUS, HEARTBEAT, PID, FAILED, PHASE, READ = range(7)
 STATUS_OK, STATUS_ERROR = 0, 1
 # Input dtypes a job's rows may have (codes shared with gpu_ops/cuda_ext.py's kernels).
 IN_FLOAT32, IN_FLOAT16, IN_BFLOAT16 = 0, 1, 2
@@ -73,11 +88,14 @@ class ExchangeConfig:
     hidden: int  # widest input (in_features) of a projection
     max_out: int  # widest output (out_features) of a projection
     ring: int = DEFAULT_RING  # job descriptors per worker
+    max_rank: int = 0  # widest rank a split job may have (0: no partial buffers, no split jobs)
 
     def __post_init__(self):
         for name in ("workers", "max_tokens", "hidden", "max_out", "ring"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ExchangeConfig.{name} must be positive")
+        if self.max_rank < 0:
+            raise ValueError("ExchangeConfig.max_rank must not be negative")
 
     @property
     def in_stride(self) -> int:
@@ -95,6 +113,7 @@ class ExchangeLayout:
     ring: int  # descriptors per worker
     input: int
     output: int
+    partials: int
     size: int
 
     @classmethod
@@ -103,8 +122,9 @@ class ExchangeLayout:
         rings = align(slots + config.workers * 2 * LINE)
         input_offset = align(rings + config.workers * config.ring * DESCRIPTOR_BYTES)
         output = align(input_offset + config.max_tokens * config.in_stride * FLOAT_BYTES)
-        size = align(output + config.max_tokens * config.out_stride * FLOAT_BYTES)
-        return cls(slots, rings, config.ring, input_offset, output, size)
+        partials = align(output + config.max_tokens * config.out_stride * FLOAT_BYTES)
+        size = align(partials + config.workers * config.max_tokens * config.max_rank * FLOAT_BYTES)
+        return cls(slots, rings, config.ring, input_offset, output, partials, size)
 
     def job_line(self, worker: int) -> int:
         return self.slots + worker * 2 * LINE
@@ -126,6 +146,17 @@ class Job:
     in_features: int
     out_features: int
     in_dtype: int = IN_FLOAT32  # of the input rows (IN_FLOAT32, IN_FLOAT16, IN_BFLOAT16)
+    split: int = 0  # this job's part of a split group (= its worker), 0..splits-1
+    splits: int = 1  # parts in the group: 1, a job of its own rows; > 1, workers 0..splits-1 share the rows
+    group: int = 0  # the split group's id (growing over the pool); 0 for a job of its own
+
+
+def chunk(size: int, parts: int, part: int) -> tuple[int, int]:
+    """Columns [start, end) of part `part` of `parts` of a dimension of `size`: equal chunks whose
+    starts are multiples of CHUNK_ALIGN (the last parts may be short, or empty)."""
+    step = -(-size // (parts * CHUNK_ALIGN)) * CHUNK_ALIGN
+    start = min(part * step, size)
+    return start, min(start + step, size)
 
 
 class WorkerSlot:
@@ -158,6 +189,7 @@ class WorkerSlot:
         fields[ADAPTER], fields[LAYER], fields[PROJ] = job.adapter_id, job.layer, job.proj
         fields[ROW_START], fields[ROW_END] = job.row_start, job.row_end
         fields[IN_FEATURES], fields[OUT_FEATURES], fields[IN_DTYPE] = job.in_features, job.out_features, job.in_dtype
+        fields[SPLIT], fields[SPLITS], fields[GROUP] = job.split, job.splits, job.group
         fields[TAG] = seq
 
     def post(self, seq: int, job: Job) -> None:
@@ -170,7 +202,7 @@ class WorkerSlot:
         key its per-job tensors by it); None when its ring entry does not hold that job (the
         engine never wrote it: a protocol error). The caller has seen the job flag reach `seq`."""
         start = (seq % self.ring) * (DESCRIPTOR_BYTES // 8)
-        fields = self._ring_cells[start : start + IN_DTYPE + 1].tolist()
+        fields = self._ring_cells[start : start + GROUP + 1].tolist()
         if fields[TAG] != seq:
             return None
         return tuple(fields[ADAPTER:])
@@ -227,6 +259,7 @@ class Exchange:
         self.input = segment.array(self.layout.input, (config.max_tokens, config.in_stride), np.float32)
         self.input_bytes = segment.array(self.layout.input, config.max_tokens * config.in_stride * FLOAT_BYTES, np.uint8)
         self.output = segment.array(self.layout.output, (config.max_tokens, config.out_stride), np.float32)
+        self.partials = segment.array(self.layout.partials, (config.workers, config.max_tokens, config.max_rank), np.float32)
         self.header = segment.array(0, 8, np.int64)
         self.hot = Flag(segment.buffer, LINE + HOT_UNTIL * 8)
         self.slots = [WorkerSlot(segment, self.layout, worker) for worker in range(config.workers)]
@@ -236,16 +269,21 @@ class Exchange:
         self.job_flags = np.ndarray((config.workers,), np.int64, buffer, layout.job_line(0) + JOB_SEQ * 8, slot_stride)
         self.done_flags = np.ndarray((config.workers,), np.int64, buffer, layout.worker_line(0) + DONE_SEQ * 8, slot_stride)
         self.statuses = np.ndarray((config.workers,), np.int64, buffer, layout.worker_line(0) + STATUS * 8, slot_stride)
+        self.phases = np.ndarray((config.workers,), np.int64, buffer, layout.worker_line(0) + PHASE * 8, slot_stride)
+        self.reads = np.ndarray((config.workers,), np.int64, buffer, layout.worker_line(0) + READ * 8, slot_stride)
         table = segment.array(layout.rings, (config.workers * config.ring, DESCRIPTOR_BYTES // 8), np.int64)
-        self._columns = [table[:, field] for field in range(IN_DTYPE + 1)]
+        self._columns = [table[:, field] for field in range(GROUP + 1)]
         self._ring_base = np.arange(config.workers, dtype=np.int64) * config.ring
         self._entries = np.empty(config.workers, dtype=np.int64)
+        self._parts = np.arange(config.workers, dtype=np.int64)
 
     def post_batch(self, seqs: np.ndarray, adapter_id: int, layer: int, proj: int, row_starts: np.ndarray,
-                   row_ends: np.ndarray, in_features: int, out_features: int, in_dtype: int = IN_FLOAT32) -> None:
+                   row_ends: np.ndarray, in_features: int, out_features: int, in_dtype: int = IN_FLOAT32,
+                   group: int = 0) -> None:
         """Engine: describe and publish job `seqs[w]` to every worker w < len(seqs) (int64 arrays, one
         entry per worker; rows row_starts[w]:row_ends[w], the other fields shared), the input rows
-        written already. What `WorkerSlot.post` does for one worker, in O(1) Python work: each
+        written already. `group` > 0: the jobs are the parts of split group `group` (part w on
+        worker w; every row range the same). What `WorkerSlot.post` does for one worker, in O(1) Python work: each
         descriptor field of all N jobs in one vectorised store, the tags after the fields, then the
         N job flags in one store; one thread's plain stores in that order are seen in that order
         (x86-64 TSO, see shm/flags.py). Every entry must be free (`free_for`)."""
@@ -262,6 +300,13 @@ class Exchange:
         columns[IN_FEATURES][entries] = in_features
         columns[OUT_FEATURES][entries] = out_features
         columns[IN_DTYPE][entries] = in_dtype
+        if group:
+            columns[SPLIT][entries] = self._parts[:count]
+            columns[SPLITS][entries] = count
+        else:
+            columns[SPLIT][entries] = 0
+            columns[SPLITS][entries] = 1
+        columns[GROUP][entries] = group
         columns[TAG][entries] = seqs
         self.job_flags[:count] = seqs
 
@@ -301,6 +346,7 @@ class Exchange:
         segment.array(0, 8, np.int64)[:] = (
             MAGIC, VERSION, config.workers, config.max_tokens, config.hidden, config.max_out, config.ring, 0
         )
+        segment.array(LINE + MAX_RANK * 8, 1, np.int64)[0] = config.max_rank
         return cls(segment, config)
 
     @classmethod
@@ -310,7 +356,8 @@ class Exchange:
         if magic != MAGIC or version != VERSION:
             segment.close()
             raise ValueError(f"{name} is not a lorad exchange of version {VERSION}")
-        return cls(segment, ExchangeConfig(*dims))
+        max_rank = int(segment.array(LINE + MAX_RANK * 8, 1, np.int64)[0])
+        return cls(segment, ExchangeConfig(*dims, max_rank=max_rank))
 
     @property
     def name(self) -> str:
@@ -318,8 +365,8 @@ class Exchange:
 
     def close(self) -> None:
         # Drop the views first so that the mapping can really be unmapped.
-        self.input = self.input_bytes = self.output = self.header = self.hot = None
-        self.job_flags = self.done_flags = self.statuses = None
+        self.input = self.input_bytes = self.output = self.partials = self.header = self.hot = None
+        self.job_flags = self.done_flags = self.statuses = self.phases = self.reads = None
         self._columns = []
         self.slots = []
         self.segment.close()

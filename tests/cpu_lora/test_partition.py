@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from lorad.cpu_lora.partition import CostModel, fit_cost, profile_cpu_lora, split, workers_for
+from lorad.cpu_lora.partition import CostModel, Plan, fit_cost, plan, profile_cpu_lora, split, workers_for
 
 
 def assert_covers(ranges, tokens):
@@ -92,3 +92,44 @@ def test_profile_measures_one_core_and_restores_the_caller():
     big = cost.scaled_to(64, 4096, 4096)
     assert len(split(2048, 2, big)) == 2
     assert len(split(1, 2, big)) == 1
+
+
+def test_plan_takes_a_split_group_where_the_adapter_read_dominates():
+    # overhead 1 ms (mostly reading A and B), 0.005 ms a token, 8 workers
+    cost = CostModel(overhead_ms=1.0, per_token_ms=0.005, dispatch_ms=0.02, group_dispatch_ms=0.08)
+    grouped = plan(128, 8, cost, rank=64, max_rank=64)
+    assert grouped.parts == 8 and grouped.ranges == [(0, 128)] and grouped.workers == 8
+    # predicted: tokens 8 * 0.02 + 1 + 0.005 * 16 = 1.24 ms; group 0.08 + (1 + 0.64) / 8 = 0.285 ms
+    assert cost.group_makespan_ms(128, 8) == pytest.approx(0.285)
+    # no group without a measured round trip, a partial buffer wide enough, or a second worker
+    unmeasured = CostModel(overhead_ms=1.0, per_token_ms=0.005, dispatch_ms=0.02)
+    assert plan(128, 8, unmeasured, rank=64, max_rank=64).parts == 1
+    assert plan(128, 8, cost, rank=128, max_rank=64).parts == 1
+    assert plan(128, 8, cost, rank=64, max_rank=0).parts == 1
+    assert plan(128, 1, cost, rank=64, max_rank=64) == Plan([(0, 128)])
+    with pytest.raises(ValueError):
+        unmeasured.group_makespan_ms(128, 8)
+
+
+def test_plan_keeps_the_token_split_where_the_group_costs_more():
+    # a cheap adapter read and a slow barrier: the token split wins
+    cost = CostModel(overhead_ms=0.01, per_token_ms=0.01, dispatch_ms=0.01, group_dispatch_ms=5.0)
+    chosen = plan(100, 4, cost, rank=8, max_rank=64)
+    assert chosen.parts == 1 and chosen.ranges == split(100, 4, cost)
+    assert plan(0, 4, cost, rank=8, max_rank=64) == Plan([])
+
+
+def test_with_dispatch_and_scaling_keep_the_group_round_trip():
+    cost = CostModel(0.1, 0.01, rank=16, in_features=1024, out_features=1024).with_dispatch(0.03, 0.2)
+    assert (cost.dispatch_ms, cost.group_dispatch_ms) == (0.03, 0.2)
+    assert cost.scaled_to(32, 1024, 1024).group_dispatch_ms == 0.2
+
+
+def test_plan_obeys_a_forced_choice_where_a_group_is_possible():
+    cost = CostModel(overhead_ms=0.01, per_token_ms=0.01, dispatch_ms=0.01)  # no group round trip measured
+    assert plan(100, 4, cost, rank=8, max_rank=64, choice="groups") == Plan([(0, 100)], 4)
+    assert plan(100, 4, cost, rank=128, max_rank=64, choice="groups").parts == 1  # not possible: tokens
+    measured = cost.with_dispatch(0.01, 0.0)
+    assert plan(100, 4, measured, rank=8, max_rank=64, choice="tokens").parts == 1
+    with pytest.raises(ValueError):
+        plan(100, 4, cost, choice="columns")

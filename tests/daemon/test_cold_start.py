@@ -97,7 +97,7 @@ def count_calls(obj, method: str, before=None) -> list:
 
 
 def test_cpu_assisted_prefills_give_the_ondemand_tokens(demo_assets, adapters, reference):
-    engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2)
+    engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2, cpu_lora_split="tokens")
     try:
         jobs = count_calls(engine.cpu_assist.pool, "submit")
         results = engine.generate(batch(adapters))
@@ -117,7 +117,7 @@ def test_cpu_assisted_prefills_give_the_ondemand_tokens(demo_assets, adapters, r
 
 
 def test_a_worker_killed_mid_run_costs_a_fallback_and_a_restart(demo_assets, adapters, reference):
-    engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2)
+    engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2, cpu_lora_split="tokens")
     try:
         pool = engine.cpu_assist.pool
         victims = []
@@ -147,6 +147,54 @@ def test_a_worker_killed_mid_run_costs_a_fallback_and_a_restart(demo_assets, ada
         assert status["cpu_assisted_prefills"] > 0
     finally:
         engine.close()
+
+
+def test_split_groups_give_the_ondemand_tokens(demo_assets, adapters, reference):
+    engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2, cpu_lora_split="groups")
+    try:
+        groups = count_calls(engine.cpu_assist.pool, "run_split")
+        assert_same(reference, engine.generate(batch(adapters)))
+        status = engine.status()
+        assert status["cpu_lora_split"] == "groups"
+        plans = status["cpu_lora_plans"]
+        assert plans["tokens"] == 0 and plans["groups"] >= status["cpu_assisted_prefills"] > 0 and groups
+        assert {args[4] for args in groups} == {2}  # every group over both workers
+        assert status["cpu_assist_fallbacks"] == 0 and status["cpu_worker_restarts"] == 0
+    finally:
+        engine.close()
+
+
+def test_a_worker_killed_in_a_split_group_costs_a_fallback_and_a_restart(demo_assets, adapters, reference):
+    engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2, cpu_lora_split="groups")
+    try:
+        pool = engine.cpu_assist.pool
+        victims = []
+
+        def stop_once(call, *args, **kwargs):
+            if call == 20:  # in the middle of the first prefill step's layers
+                victims.append(pool._processes[1].pid)
+                os.kill(victims[0], signal.SIGSTOP)  # its part cannot finish before it is killed
+
+        def kill(call, *args):
+            if victims and pid_alive(victims[0]):
+                os.kill(victims[0], signal.SIGKILL)
+
+        count_calls(pool, "post", before=stop_once)
+        count_calls(pool, "wait_posted", before=kill)
+        assert_same(reference, engine.generate(batch(adapters)))
+        status = engine.status()
+        assert victims and not pid_alive(victims[0])
+        assert status["cpu_worker_restarts"] == 1 and status["cpu_assist_fallbacks"] == 1
+        assert status["cpu_assisted_prefills"] > 0
+    finally:
+        engine.close()
+
+
+def test_cpu_lora_split_is_checked(demo_assets, adapters):
+    with pytest.raises(BadRequest, match="cpu_lora_split must be one of auto, tokens, groups"):
+        make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2, cpu_lora_split="columns")
+    with pytest.raises(BadRequest, match="needs 2 workers or more"):
+        make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=1, cpu_lora_split="groups")
 
 
 def test_close_stops_the_workers_and_unlinks_the_segments(demo_assets, adapters):

@@ -39,9 +39,10 @@ def cached_tokens(demo_assets):
         engine.close()
 
 
-def test_the_fused_path_gives_the_cached_tokens_without_a_host_sync(demo_assets, cached_tokens):
+@pytest.mark.parametrize("split", ["tokens", "groups"])
+def test_the_fused_path_gives_the_cached_tokens_without_a_host_sync(demo_assets, cached_tokens, split):
     assert cuda_ext.available(), cuda_ext.invocation_path()
-    engine = engine_for(demo_assets, cold_start="cpu", layerwise=False)
+    engine = engine_for(demo_assets, cold_start="cpu", layerwise=False, cpu_lora_split=split)
     try:
         forward = engine.model.forward
         synced_forwards = []
@@ -61,19 +62,21 @@ def test_the_fused_path_gives_the_cached_tokens_without_a_host_sync(demo_assets,
         assert status["cpu_assist_invocation"] == "fused-cuda"
         assert status["cpu_assisted_prefills"] == 2 and status["cpu_assist_fallbacks"] == 0
         assert status["cpu_assist_layers"] == {"cpu": 2 * engine.spec.num_layers, "gpu": 0}
+        assert status["cpu_lora_plans"][split] >= 2 and sum(status["cpu_lora_plans"].values()) == status["cpu_lora_plans"][split]
         assert any(synced_forwards)  # the assisted forward ran under the check
     finally:
         engine.close()
 
 
-def test_a_stalled_worker_costs_a_recompute_not_a_hang(demo_assets, cached_tokens, monkeypatch):
-    engine = engine_for(demo_assets, cold_start="cpu", layerwise=False)
+@pytest.mark.parametrize("split, stalled", [("tokens", 0), ("groups", 0), ("groups", 1)])
+def test_a_stalled_worker_costs_a_recompute_not_a_hang(demo_assets, cached_tokens, split, stalled):
+    engine = engine_for(demo_assets, cold_start="cpu", layerwise=False, cpu_lora_split=split)
     try:
         import os
         import signal
 
         engine.cpu_assist.job_timeout_s = 0.2
-        victim = engine.cpu_assist.pool._processes[0].pid
+        victim = engine.cpu_assist.pool._processes[stalled].pid
         os.kill(victim, signal.SIGSTOP)  # worker 0 never answers: the GPU wait times out
         started = time.monotonic()
         assert run(engine) == cached_tokens

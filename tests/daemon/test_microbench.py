@@ -58,16 +58,19 @@ def test_ipc_shared_memory_and_socket_by_workers(capsys, tmp_path, no_leftover_s
 
 
 def test_cpu_lora_profile_and_processes_vs_threads(capsys, tmp_path, no_leftover_segments):
-    report, _ = run_bench(capsys, tmp_path, "cpu-lora", "--ranks", "4,16", "--tokens", "1,8,32", "--workers", 1,
+    report, _ = run_bench(capsys, tmp_path, "cpu-lora", "--ranks", "4,16", "--tokens", "1,8,32", "--workers", "1,2",
                           "--scaling-tokens", 16, "--scaling-rank", 8, "--hidden", 64, "--reps", 3)
     assert report["kind"] == "bench-cpu-lora"
     assert [p["rank"] for p in report["profile"]] == [4, 16]
     for entry in report["profile"]:
         assert [s["tokens"] for s in entry["samples"]] == [1, 8, 32] and all(s["ms"] > 0 for s in entry["samples"])
         assert entry["fit"]["tokens_per_ms"] > 0
-    (row,) = report["scaling"]
-    assert row["cores"] == 1 and row["processes_ms"] > 0 and row["threads_ms"] > 0
-    assert row["speedup"] == pytest.approx(row["threads_ms"] / row["processes_ms"])
+    one, two = report["scaling"]
+    assert one["cores"] == 1 and one["processes_ms"] > 0 and one["threads_ms"] > 0
+    assert one["speedup"] == pytest.approx(one["threads_ms"] / one["processes_ms"])
+    assert one["processes_groups_ms"] is None  # a split group needs two workers
+    assert two["cores"] == 2 and two["processes_groups_ms"] > 0
+    assert two["speedup_groups"] == pytest.approx(two["threads_ms"] / two["processes_groups_ms"])
 
 
 def test_cold_start_modes_workloads_and_ablation(capsys, tmp_path, no_leftover_segments):
