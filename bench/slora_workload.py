@@ -12,10 +12,12 @@ pool is emptied of adapters so each run starts cold.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from lorad.config import EngineConfig
@@ -59,10 +61,20 @@ def register(engine: Engine, prefix: str, count: int, ranks: list[int]) -> list[
     return names
 
 
-def replay(engine: Engine, names: list[str], ranks: list[int], num_requests: int, rate: float, seed: int) -> dict:
-    trace = gamma_workload(len(names), rate, num_requests / rate, alpha=1.0, cv=1.0, lengths=UniformLengths(),
+def replay(engine: Engine, names: list[str], ranks: list[int], num_requests: int, rate: float, seed: int,
+           lengths_seed: int | None = None) -> dict:
+    """One run: the first `num_requests` arrivals of the Gamma trace of `seed`. With `lengths_seed`, the
+    i-th request's prompt and output lengths come from that seed instead of the trace's, so runs with
+    different adapter counts serve the same sequence of lengths and differ only in arrivals and adapters."""
+    trace = gamma_workload(len(names), rate, 2.0 * num_requests / rate, alpha=1.0, cv=1.0, lengths=UniformLengths(),
                            ranks=ranks, seed=seed)
     requests = trace.requests[:num_requests]
+    if len(requests) < num_requests:
+        raise RuntimeError(f"the trace of seed {seed} holds {len(requests)} requests, fewer than {num_requests}")
+    if lengths_seed is not None:
+        prompts, outputs = UniformLengths().sample(num_requests, np.random.default_rng(lengths_seed))
+        requests = [dataclasses.replace(request, prompt_tokens=int(p), output_tokens=int(o))
+                    for request, p, o in zip(requests, prompts, outputs)]
     index = {name: i for i, name in enumerate(sorted(trace.adapter_ranks))}
     engine.residency.reclaim(engine.pool.capacity)  # start cold: no adapter in the pool
     generator = torch.Generator().manual_seed(seed)
@@ -112,6 +124,9 @@ def main() -> None:
     parser.add_argument("--warmup-requests", type=int, default=48, help="requests of the unreported warm-up run")
     parser.add_argument("--rate", type=float, default=20.0, help="arrivals per second (above capacity)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--trace-lengths", action="store_true",
+                        help="each run's lengths from its own trace (the second to fourth sessions' runs; default: "
+                             "every run serves the same sequence of lengths, so runs differ only in adapters)")
     parser.add_argument("--out")
     args = parser.parse_args()
     s1, s2 = [int(n) for n in args.s1.split(",")], [int(n) for n in args.s2.split(",")]
@@ -129,7 +144,8 @@ def main() -> None:
     runs = []
     for setting, counts, names, ranks in (("S1", s1, s1_names, [8]), ("S2", s2, s2_names, [64, 32, 16, 8])):
         for count in counts:
-            result = {"setting": setting, **replay(engine, names[:count], ranks, args.requests, args.rate, seed=count)}
+            result = {"setting": setting, **replay(engine, names[:count], ranks, args.requests, args.rate, seed=count,
+                                                   lengths_seed=None if args.trace_lengths else 777)}
             print(json.dumps(result))
             runs.append(result)
     for setting in ("S1", "S2"):
@@ -137,7 +153,8 @@ def main() -> None:
         print(f"{setting}: throughput at n={mine[-1]['adapters']} is {mine[-1]['throughput_req_s'] / mine[0]['throughput_req_s']:.3f}x n={mine[0]['adapters']}")
     machine = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     report = {"machine": machine, "model": args.model_config, "ops": engine.ops.name,
-              "requests_per_run": args.requests, "rate": args.rate, "warmup": warm, "runs": runs}
+              "requests_per_run": args.requests, "rate": args.rate, "warmup": warm, "runs": runs,
+              "lengths": "each run's own trace" if args.trace_lengths else "one sequence for every run (seed 777)"}
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(report, handle, indent=1)
