@@ -17,7 +17,7 @@ import time
 import torch
 
 from lorad.daemon.checkpoint import MODEL_CONFIGS
-from lorad.scheduler.workload import UniformLengths, gamma_workload
+from slora_workload import slora_trace  # bench/, beside this script
 
 
 def build(model_config: str, adapters: int, rank: int, device: str = "cuda"):
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=100)
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--rate", type=float, default=20.0)
-    parser.add_argument("--trace-requests", type=int, default=160, help="bench/slora_workload.py's --requests")
+    parser.add_argument("--trace-requests", type=int, default=400, help="bench/slora_workload.py's --requests")
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--budget-s", type=float, default=None, help="take no new batch after this many seconds")
     parser.add_argument("--device", default="cuda")
@@ -110,10 +110,9 @@ def main() -> None:
     model = build(args.model_config, args.adapters, 8, args.device)
     build_s = time.perf_counter() - built
     print(json.dumps({"built_s": build_s}), flush=True)
-    # The trace of bench/slora_workload.py's S1 run at the same n (same generator, duration and seed);
-    # this baseline serves its first --requests requests.
-    trace = gamma_workload(args.adapters, args.rate, args.trace_requests / args.rate, alpha=1.0, cv=1.0,
-                           lengths=UniformLengths(), ranks=[8], seed=args.adapters)
+    # The requests of bench/slora_workload.py's S1 run at the same n (same trace, same lengths); this
+    # baseline serves the first --requests of them.
+    trace = slora_trace(args.adapters, [8], args.trace_requests, args.rate, seed=args.adapters)
     trace.requests = trace.requests[: args.requests]
     result = {"system": "transformers+peft", "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "model": args.model_config,
               "adapters": args.adapters, "max_batch": args.max_batch, "build_s": build_s,

@@ -25,7 +25,7 @@ from lorad.daemon.adapters import LoraAdapter
 from lorad.daemon.checkpoint import PROJECTIONS
 from lorad.daemon.engine import Engine
 from lorad.daemon.request import GenerationRequest, SamplingParams
-from lorad.scheduler.workload import UniformLengths, gamma_workload
+from lorad.scheduler.workload import Trace, UniformLengths, gamma_workload
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -61,12 +61,16 @@ def register(engine: Engine, prefix: str, count: int, ranks: list[int]) -> list[
     return names
 
 
-def replay(engine: Engine, names: list[str], ranks: list[int], num_requests: int, rate: float, seed: int,
-           lengths_seed: int | None = None) -> dict:
-    """One run: the first `num_requests` arrivals of the Gamma trace of `seed`. With `lengths_seed`, the
-    i-th request's prompt and output lengths come from that seed instead of the trace's, so runs with
-    different adapter counts serve the same sequence of lengths and differ only in arrivals and adapters."""
-    trace = gamma_workload(len(names), rate, 2.0 * num_requests / rate, alpha=1.0, cv=1.0, lengths=UniformLengths(),
+LENGTHS_SEED = 777  # the one sequence of request lengths every run serves (unless --trace-lengths)
+
+
+def slora_trace(num_adapters: int, ranks: list[int], num_requests: int, rate: float, seed: int,
+                lengths_seed: int | None = LENGTHS_SEED) -> Trace:
+    """The first `num_requests` arrivals of the Gamma trace of `seed` (S-LoRA's: alpha 1, cv 1, lengths
+    U[8, 512]). With `lengths_seed`, the i-th request's prompt and output lengths come from that seed
+    instead of the trace's, so runs with different adapter counts serve the same sequence of lengths
+    and differ only in arrivals and adapters. bench/peft_baseline.py serves the same requests."""
+    trace = gamma_workload(num_adapters, rate, 2.0 * num_requests / rate, alpha=1.0, cv=1.0, lengths=UniformLengths(),
                            ranks=ranks, seed=seed)
     requests = trace.requests[:num_requests]
     if len(requests) < num_requests:
@@ -75,6 +79,15 @@ def replay(engine: Engine, names: list[str], ranks: list[int], num_requests: int
         prompts, outputs = UniformLengths().sample(num_requests, np.random.default_rng(lengths_seed))
         requests = [dataclasses.replace(request, prompt_tokens=int(p), output_tokens=int(o))
                     for request, p, o in zip(requests, prompts, outputs)]
+    trace.requests = requests
+    return trace
+
+
+def replay(engine: Engine, names: list[str], ranks: list[int], num_requests: int, rate: float, seed: int,
+           lengths_seed: int | None = LENGTHS_SEED) -> dict:
+    """One run of `slora_trace`'s requests, arriving in real time, on `engine`."""
+    trace = slora_trace(len(names), ranks, num_requests, rate, seed, lengths_seed)
+    requests = trace.requests
     index = {name: i for i, name in enumerate(sorted(trace.adapter_ranks))}
     engine.residency.reclaim(engine.pool.capacity)  # start cold: no adapter in the pool
     generator = torch.Generator().manual_seed(seed)
@@ -145,7 +158,7 @@ def main() -> None:
     for setting, counts, names, ranks in (("S1", s1, s1_names, [8]), ("S2", s2, s2_names, [64, 32, 16, 8])):
         for count in counts:
             result = {"setting": setting, **replay(engine, names[:count], ranks, args.requests, args.rate, seed=count,
-                                                   lengths_seed=None if args.trace_lengths else 777)}
+                                                   lengths_seed=None if args.trace_lengths else LENGTHS_SEED)}
             print(json.dumps(result))
             runs.append(result)
     for setting in ("S1", "S2"):
@@ -154,7 +167,7 @@ def main() -> None:
     machine = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     report = {"machine": machine, "model": args.model_config, "ops": engine.ops.name,
               "requests_per_run": args.requests, "rate": args.rate, "warmup": warm, "runs": runs,
-              "lengths": "each run's own trace" if args.trace_lengths else "one sequence for every run (seed 777)"}
+              "lengths": "each run's own trace" if args.trace_lengths else f"one sequence for every run (seed {LENGTHS_SEED})"}
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(report, handle, indent=1)
