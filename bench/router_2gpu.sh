@@ -10,7 +10,9 @@
 # from the environment (defaults below): RATE DURATION WARMUP_S ADAPTERS SLO_TTFT_S SLO_TPOT_MS POLICIES,
 # PROFILE (a `lorad profile` JSON for rank-aware; "measure": profile GPU 0 first, into OUTDIR/profile.json;
 # unset: the example profile, NOT MEASURED), REPEATS (runs per policy, default 1: the order of the policies
-# alternates between rounds, A B B A ..., so that neither always runs first).
+# alternates between rounds, A B B A ..., so that neither always runs first), LORA_KERNEL (auto: the engines
+# choose each step's decode LoRA kernel from their profile; bgmv or mbgmv: every step, and rank-aware routing
+# uses that kernel's decode model from PROFILE), RANKS (the trace's adapter ranks, default 8,16,32,64).
 
 set -euo pipefail
 if [ $# -lt 1 ] || [ $# -gt 2 ] || { [ $# -eq 2 ] && [ "$2" != "--cpu" ]; }; then
@@ -22,6 +24,8 @@ OUTDIR=$(cd "$1" && pwd)
 MODE=${2:---gpu}
 PYTHON=${PYTHON:-python3}
 POLICIES=${POLICIES:-rank-aware most-idle}
+LORA_KERNEL=${LORA_KERNEL:-auto}
+RANKS=${RANKS:-8,16,32,64}
 PROFILE=${PROFILE:-}
 REPEATS=${REPEATS:-1}
 "$PYTHON" -c "import lorad.daemon.router_cli" || { echo "lorad is not importable by $PYTHON (set PYTHON)" >&2; exit 2; }
@@ -47,8 +51,8 @@ else
     RATE=${RATE:-16} DURATION=${DURATION:-60} SLO_TTFT_S=${SLO_TTFT_S:-1.5} SLO_TPOT_MS=${SLO_TPOT_MS:-40}
     ADAPTERS=${ADAPTERS:-16}
     TRACE_LENGTHS=(--prompt-len 16,512 --output-len 16,256) REPLAY_LIMITS=(--max-prompt-tokens 512 --max-output-tokens 256)
-    echo "writing $ADAPTERS random PEFT adapters of ranks 8,16,32,64 (Llama-2-7B shape, q,k,v,o)"
-    lorad demo adapters --model-config llama-2-7b --count "$ADAPTERS" --ranks 8,16,32,64 --targets q,k,v,o \
+    echo "writing $ADAPTERS random PEFT adapters of ranks $RANKS (Llama-2-7B shape, q,k,v,o)"
+    lorad demo adapters --model-config llama-2-7b --count "$ADAPTERS" --ranks "$RANKS" --targets q,k,v,o \
         --out "$RUN/adapters" >"$OUTDIR/logs/adapters.log" 2>&1
     ENGINE_FLAGS=(--model-config llama-2-7b --dummy-weights --adapter-dir "$RUN/adapters" --device cuda)
     DEVICES=(0 1)
@@ -66,13 +70,14 @@ if [ "$PROFILE" = "measure" ]; then
     fi
 fi
 
-echo "trace: gamma, $RATE req/s for $DURATION s, adapters of ranks 8,16,32,64"
+ENGINE_FLAGS+=(--lora-kernel "$LORA_KERNEL")
+echo "trace: gamma, $RATE req/s for $DURATION s, adapters of ranks $RANKS; engines' decode LoRA kernel: $LORA_KERNEL"
 lorad trace make --kind gamma --adapters 64 --alpha 1 --cv 2 --rate "$RATE" --duration "$DURATION" \
-    --ranks 8,16,32,64 "${TRACE_LENGTHS[@]}" --seed 0 --out "$OUTDIR/trace.json"
+    --ranks "$RANKS" "${TRACE_LENGTHS[@]}" --seed 0 --out "$OUTDIR/trace.json"
 # A warm-up replay through the router before each measured one: fresh engines compile kernels and fill
 # caches on their first traffic (whichever policy ran first would pay for it).
 lorad trace make --kind gamma --adapters 64 --alpha 1 --cv 2 --rate "$RATE" --duration "${WARMUP_S:-10}" \
-    --ranks 8,16,32,64 "${TRACE_LENGTHS[@]}" --seed 1 --out "$OUTDIR/warmup_trace.json" >/dev/null
+    --ranks "$RANKS" "${TRACE_LENGTHS[@]}" --seed 1 --out "$OUTDIR/warmup_trace.json" >/dev/null
 
 # wait_for SOCKET PID TIMEOUT_S [BACKENDS_UP]: until the daemon (or the router, with all its backends up) answers.
 wait_for() {
@@ -131,6 +136,7 @@ for run in "${runs[@]}"; do
     done
     router_flags=(--policy "$policy" --tpot-slo-ms "$SLO_TPOT_MS")
     [ -n "$PROFILE" ] && router_flags+=(--profile "$PROFILE")
+    [ "$LORA_KERNEL" != auto ] && router_flags+=(--kernel "$LORA_KERNEL")
     lorad router --backend "$RUN/engine0.sock" --backend "$RUN/engine1.sock" --socket "$RUN/router.sock" \
         "${router_flags[@]}" >"$OUTDIR/logs/$name.router.log" 2>&1 &
     router=$!

@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="adapter clustering: prefer the running batch's adapters once it holds D")
     simulate.add_argument("--profile", metavar="PATH",
                           help="performance models from `lorad profile` (default: the example profile, NOT MEASURED)")
-    simulate.add_argument("--kernel", choices=("bgmv", "mbgmv"), default="bgmv",
-                          help="the example profile's LoRA kernel (default: bgmv)")
+    simulate.add_argument("--kernel", choices=("bgmv", "mbgmv"), default=None,
+                          help="the engines' decode LoRA kernel: the example profile's (default: bgmv), or with --profile "
+                               "the decode model of engines run with --lora-kernel KERNEL (default: the profile's choice)")
     simulate.add_argument("--max-running", type=int, default=64, metavar="N", help="batch limit per engine (64)")
     simulate.add_argument("--max-prefill-tokens", type=int, default=4096, metavar="N", help="(default: 4096)")
     simulate.add_argument("--slo-scale", type=float, default=1.5, metavar="X",
@@ -342,7 +343,7 @@ def trace_make(args: argparse.Namespace) -> int:
 
 def simulate_command(args: argparse.Namespace) -> int:
     from lorad.scheduler.admission import make_admission
-    from lorad.scheduler.perf_model import Profile, example_profile
+    from lorad.scheduler.perf_model import profile_for
     from lorad.scheduler.router import FirstFit, MostIdle, Random, RankAware
     from lorad.scheduler.simulator import SimConfig, objectives_for, simulate
     from lorad.scheduler.workload import Trace
@@ -354,9 +355,10 @@ def simulate_command(args: argparse.Namespace) -> int:
     trace = Trace.load(args.trace)
     if not trace.requests:
         raise BadRequest(f"the trace {args.trace} has no requests")
-    profile = Profile.load(args.profile) if args.profile else example_profile(args.kernel)
+    profile = profile_for(args.profile, args.kernel)
     measured = bool(profile.machine.get("measured")) and args.profile is not None
-    profile_note = f"profile {args.profile}: {profile.machine}" if args.profile else f"profile: example ({args.kernel})"
+    profile_note = (f"profile {args.profile}: {profile.machine}, decode kernel {profile.decode.lora.kernel}" if args.profile
+                    else f"profile: example ({profile.decode.lora.kernel})")
     if not measured:
         profile_note += f" -- {NOT_MEASURED}"
     print(profile_note)

@@ -51,6 +51,8 @@ _ENGINE_FLAG_HELP = {
                  "cpu-assisted prefill to the GPU as soon as it has arrived",
     "profile_path": "lorad profile's performance models, from which each decode step's LoRA kernel is chosen "
                     "(default: STATE_DIR or ~/.cache/lorad, /profile-MODEL-DEVICE.json, when it exists; off: none, MBGMV)",
+    "lora_kernel": "auto|bgmv|mbgmv: the decode steps' LoRA kernel (auto: chosen per step from the profile's models; "
+                   "MBGMV without a profile)",
     "admission": "fcfs|early-abort|cluster: which waiting requests join a step (early-abort drops those that "
                  "cannot meet --slo-ttft-ms; cluster caps the running batch's distinct adapters)",
     "slo_ttft_ms": "time-to-first-token objective in ms (0: none; early-abort needs one)",

@@ -110,7 +110,8 @@ class Engine:
             weights = load_weights(model_dir, self.dtype, self.device)
         # The decode LoRA kernel per step, from `lorad profile`'s models when a profile is found.
         self.kernel_choice = LoraKernelChoice.for_engine(
-            config.profile_path, self.model_name, self.device, config.state_dir, str(self.dtype).removeprefix("torch."))
+            config.profile_path, self.model_name, self.device, config.state_dir, str(self.dtype).removeprefix("torch."),
+            config.lora_kernel)
         log.info("decode lora kernel choice=%s", self.kernel_choice.describe())
         self.ops = Ops.for_device(self.device, config.max_batch_tokens, config.max_lora_rank, self.kernel_choice,
                                   fuse_groups=config.fuse_lora_groups)
@@ -257,8 +258,7 @@ class Engine:
         self.admission_max_wait_ms = max_wait_ms if config.cluster_max_adapters else None
         self.admission_estimate = self._admission_estimate_source()
         # The time-per-token rule: no admission into a running batch whose predicted decode step breaks slo_tpot_ms.
-        profile = self.kernel_choice.profile
-        self.tpot_decode = profile.decode if profile is not None and config.slo_tpot_ms else None
+        self.tpot_decode = self.kernel_choice.decode_model if config.slo_tpot_ms else None
         self.tpot_rule = (f"profile:{self.kernel_choice.source}" if self.tpot_decode is not None
                           else "off (no slo_tpot_ms)" if not config.slo_tpot_ms else "off (no profile)")
         log.info("admission policy=%s slo_ttft_ms=%s slo_tpot_ms=%s cluster_max_adapters=%d cluster_max_wait_ms=%s "

@@ -63,32 +63,37 @@ class LoraKernelChoice:
     """
 
     def __init__(self, profile: Profile | None = None, source: str | None = None,
-                 measuring: tuple[int, int] | None = None):
+                 measuring: tuple[int, int] | None = None, kernel: str | None = None):
         if profile is not None and (profile.bgmv is None or profile.mbgmv is None):
             raise BadRequest(f"the profile {source} has no BGMV and MBGMV kernel models: run `lorad profile` again")
+        if kernel is not None and kernel not in KERNELS:
+            raise BadRequest(f"lora_kernel must be auto or one of {', '.join(KERNELS)}, not {kernel!r}")
         self.profile = profile
         self.source = source
         self.measuring = measuring
+        self.kernel = kernel  # every step runs this kernel (the lora_kernel setting), whatever the profile says
         self.forced = DEFAULT_KERNEL
         self.steps = dict.fromkeys(KERNELS, 0)  # decode steps with LoRA rows, by kernel
         self.on_choice = None  # called with the kernel after each choice (the engine's metrics)
 
     @classmethod
     def for_engine(cls, profile_path: str | None, model_name: str, device: torch.device, state_dir: str | None,
-                   dtype: str) -> LoraKernelChoice:
-        """profile_path: a file (must exist), None (the default path, when a profile is there) or "off"."""
+                   dtype: str, lora_kernel: str = "auto") -> LoraKernelChoice:
+        """profile_path: a file (must exist), None (the default path, when a profile is there) or "off".
+        lora_kernel: auto (from the profile, MBGMV without one), or bgmv / mbgmv for every step."""
+        kernel = None if lora_kernel == "auto" else lora_kernel
         if profile_path == PROFILE_OFF:
-            return cls(source="off")
+            return cls(source="off", kernel=kernel)
         path = Path(profile_path) if profile_path else default_profile_path(model_name, device, state_dir)
         if not path.exists():
             if profile_path:
                 raise BadRequest(f"profile_path {path} does not exist (write it with `lorad profile --out {path}`)")
-            return cls(source=f"none at {path}")
+            return cls(source=f"none at {path}", kernel=kernel)
         profile = Profile.load(path)  # a malformed file is an error, never ignored
         measured = profile.machine.get("dtype")
         if measured is not None and measured != dtype:
             log.warning("profile %s was measured in %s, the engine runs %s: its predictions may be off", path, measured, dtype)
-        return cls(profile, str(path))
+        return cls(profile, str(path), kernel=kernel)
 
     @classmethod
     def measuring_ranks(cls, low: int, high: int) -> LoraKernelChoice:
@@ -97,12 +102,21 @@ class LoraKernelChoice:
     @property
     def active(self) -> bool:
         """Whether steps may run anything but the default kernel."""
-        return self.profile is not None or self.measuring is not None
+        return self.profile is not None or self.measuring is not None or self.kernel is not None
+
+    @property
+    def decode_model(self):
+        """The profile's decode-step model of the kernel the steps run (None without a profile)."""
+        if self.profile is None:
+            return None
+        return self.profile.decode_for(self.kernel) if self.kernel is not None else self.profile.decode
 
     def describe(self) -> str:
         """What /v1/status and the start-up log show."""
         if self.measuring is not None:
             return f"measuring:{self.forced}"
+        if self.kernel is not None:
+            return f"forced:{self.kernel} (lora_kernel; profile: {self.source})"
         if self.profile is not None:
             return f"profile:{self.source}"
         return f"default:{DEFAULT_KERNEL} (no profile: {self.source})"
@@ -112,6 +126,8 @@ class LoraKernelChoice:
         out); counted."""
         if self.measuring is not None:
             kernel = self.forced
+        elif self.kernel is not None:
+            kernel = self.kernel
         elif self.profile is not None:
             kernel = choose_kernel(ranks, self.profile.bgmv, self.profile.mbgmv)
         else:
@@ -134,6 +150,8 @@ class LoraKernelChoice:
         if self.measuring is not None:
             low, high = self.measuring
             return low_rank <= high and high_rank >= low
+        if self.kernel is not None:
+            return self.kernel == "bgmv"
         if self.profile is None:
             return False
         bgmv, mbgmv = self.profile.bgmv, self.profile.mbgmv

@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", metavar="PATH",
                         help="rank-aware: performance models from `lorad profile` (default: the example profile, "
                              "NOT MEASURED)")
-    parser.add_argument("--kernel", choices=("bgmv", "mbgmv"), default="bgmv",
-                        help="the example profile's LoRA kernel (default: bgmv)")
+    parser.add_argument("--kernel", choices=("bgmv", "mbgmv"), default=None,
+                        help="the engines' decode LoRA kernel: the example profile's (default: bgmv), or with --profile "
+                             "the decode model of engines run with --lora-kernel KERNEL (default: the profile's choice)")
     parser.add_argument("--tpot-slo-ms", type=float, metavar="MS",
                         help="rank-aware: the time-per-output-token objective; an engine whose decode step would "
                              "exceed it with the request pays a penalty")
@@ -75,13 +76,13 @@ def make_policy(args: argparse.Namespace) -> tuple[object, dict]:
         return FirstFit(), {}
     if args.policy == "random":
         return Random(seed=args.seed), {"seed": args.seed}
-    from lorad.scheduler.perf_model import Profile, example_profile
+    from lorad.scheduler.perf_model import profile_for
 
     if args.tpot_slo_ms is None or args.tpot_slo_ms <= 0:
         raise BadRequest("--policy rank-aware needs --tpot-slo-ms MS, the time-per-output-token objective (> 0)")
     if args.avg_response_tokens <= 0:
         raise BadRequest("--avg-response-tokens must be positive")
-    profile = Profile.load(args.profile) if args.profile else example_profile(args.kernel)
+    profile = profile_for(args.profile, args.kernel)
     measured = args.profile is not None and bool(profile.machine.get("measured"))
     if not measured:
         log.warning("rank-aware routing with %s", NOT_MEASURED)

@@ -16,6 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # the adapter is placed; auto: ondemand or cpu per request, from costs measured at start-up.
 COLD_STARTS = ("cached", "ondemand", "cpu", "auto")
 CPU_LORA_SPLITS = ("auto", "tokens", "groups")
+LORA_KERNELS = ("auto", "bgmv", "mbgmv")
 # Which waiting requests join a step (scheduler/admission.py): fcfs: in arrival order; early-abort: queued
 # requests whose predicted TTFT exceeds slo_ttft_ms are dropped with an error (S-LoRA App. B); cluster:
 # once the running batch holds cluster_max_adapters distinct adapters, other adapters' requests wait
@@ -71,6 +72,9 @@ class EngineConfig:
     # chosen. None: <state_dir or ~/.cache/lorad>/profile-<model>-<device>.json when it exists
     # (daemon/kernel_choice.py); "off": none, MBGMV always.
     profile_path: str | None = None
+    # The decode steps' LoRA kernel: auto (the profile's models choose per step; MBGMV without a profile), or
+    # bgmv / mbgmv for every step (to compare, or to serve as CaraServe's and Punica's engines do).
+    lora_kernel: str = "auto"
     admission: str = "fcfs"  # fcfs|early-abort|cluster (see ADMISSIONS)
     slo_ttft_ms: float = 0.0  # time-to-first-token objective (0: none); early-abort needs one
     slo_tpot_ms: float = 0.0  # time-per-output-token objective (0: none); with a profile, no request joins a batch whose step would break it
@@ -91,6 +95,8 @@ class EngineConfig:
                 raise BadRequest(f"{name} must be positive")
         if self.cold_start not in COLD_STARTS:
             raise BadRequest(f"cold_start must be one of {', '.join(COLD_STARTS)}, not {self.cold_start!r}")
+        if self.lora_kernel not in LORA_KERNELS:
+            raise BadRequest(f"lora_kernel must be one of {', '.join(LORA_KERNELS)}, not {self.lora_kernel!r}")
         if self.cpu_lora_split not in CPU_LORA_SPLITS:
             raise BadRequest(f"cpu_lora_split must be one of {', '.join(CPU_LORA_SPLITS)}, not {self.cpu_lora_split!r}")
         if isinstance(self.cpu_workers, bool) or not isinstance(self.cpu_workers, int) or not 0 <= self.cpu_workers <= 256:

@@ -8,6 +8,8 @@ fits them from measurements and saves them as a `Profile` (JSON). Pure numpy: no
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -253,6 +255,22 @@ class Profile:
         except (KeyError, TypeError, AttributeError) as error:
             raise BadRequest(f"malformed profile: {error!r}") from None
 
+    def decode_for(self, kernel: str) -> DecodeStepModel:
+        """The decode-step model of engines whose steps run `kernel` (bgmv or mbgmv): `decode` when it is
+        that kernel's, else the fit `lorad profile` keeps for the other one in `notes`."""
+        if self.decode.lora.kernel == kernel:
+            return self.decode
+        other = self.notes.get(f"decode_{kernel}")
+        if other is None:
+            raise BadRequest(f"the profile has no decode model for {kernel} (run `lorad profile` again)")
+        other = dict(other)
+        lora = dict(other.pop("lora"))
+        kernel_class = {"bgmv": BgmvModel, "mbgmv": MbgmvModel}[lora.pop("kernel")]
+        try:
+            return DecodeStepModel(lora=kernel_class(**lora), **other)
+        except TypeError as error:
+            raise BadRequest(f"malformed decode_{kernel} model in the profile: {error}") from None
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2, allow_nan=False) + "\n")
 
@@ -285,3 +303,15 @@ def example_profile(kernel: str = "bgmv") -> Profile:
         bgmv=bgmv,
         mbgmv=mbgmv,
     )
+
+
+def profile_for(path: str | None, kernel: str | None = None) -> Profile:
+    """The profile at `path` (the example one, NOT MEASURED, without), its decode model that of engines
+    whose steps all run `kernel` (None: the measured profile's own choice; the example profile's
+    default is bgmv)."""
+    if path is None:
+        return example_profile(kernel or "bgmv")
+    profile = Profile.load(path)
+    if kernel is None:
+        return profile
+    return dataclasses.replace(profile, decode=profile.decode_for(kernel))

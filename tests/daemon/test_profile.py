@@ -20,7 +20,7 @@ from lorad.daemon.kernel_choice import (
 from lorad.daemon.metrics import render
 from lorad.daemon.profile import build_profile, fit, profile_main, rank_mixes
 from lorad.daemon.request import GenerationRequest, SamplingParams
-from lorad.scheduler.perf_model import BgmvModel, MbgmvModel, Profile, example_profile
+from lorad.scheduler.perf_model import BgmvModel, MbgmvModel, Profile, example_profile, profile_for
 
 from lorad.config import EngineConfig
 from lorad.errors import BadRequest
@@ -97,10 +97,42 @@ def test_choice_follows_the_models():
     assert rank_bucket(9, 256) == 16 and rank_bucket(33, 256) == 64 and rank_bucket(40, 48) == 48
 
 
-def _engine(demo_assets, profile_path: str | None, state_dir=None) -> Engine:
+def test_a_forced_kernel_runs_every_step_whatever_the_models_say():
+    skewed, equal = [64] + [8] * 31, [32] * 32
+    forced = LoraKernelChoice(injected(DEAR, CHEAP), "t", kernel="bgmv")  # the models prefer MBGMV
+    assert forced.choose(skewed) == forced.choose(equal) == "bgmv" and forced.active
+    assert forced.bgmv_can_win(64, 1, 256) and forced.describe() == "forced:bgmv (lora_kernel; profile: t)"
+    no_profile = LoraKernelChoice(source="off", kernel="bgmv")
+    assert no_profile.active and no_profile.choose(equal) == "bgmv" and no_profile.decode_model is None
+    mbgmv_only = LoraKernelChoice(injected(CHEAP, DEAR), "t", kernel="mbgmv")
+    assert mbgmv_only.choose(equal) == "mbgmv" and not mbgmv_only.bgmv_can_win(1, 1, 16)
+    with pytest.raises(BadRequest, match="lora_kernel"):
+        LoraKernelChoice(source="off", kernel="sgmv")
+
+
+def test_the_decode_model_of_either_kernel_comes_from_one_profile(tmp_path):
+    profile = example_profile("mbgmv")
+    other = example_profile("bgmv").decode
+    profile = dataclasses.replace(profile, notes={"decode_bgmv": {**dataclasses.asdict(other),
+                                                                  "lora": {"kernel": "bgmv", **dataclasses.asdict(other.lora)}}})
+    assert profile.decode_for("mbgmv") is profile.decode
+    assert profile.decode_for("bgmv") == other
+    with pytest.raises(BadRequest, match="no decode model for mbgmv"):
+        example_profile("bgmv").decode_for("mbgmv")
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert profile_for(str(path)).decode.lora.kernel == "mbgmv"
+    assert profile_for(str(path), "bgmv").decode == other
+    assert profile_for(None).decode.lora.kernel == "bgmv" and profile_for(None, "mbgmv").decode.lora.kernel == "mbgmv"
+    choice = LoraKernelChoice(dataclasses.replace(profile, bgmv=BgmvModel(*CHEAP), mbgmv=MbgmvModel(*DEAR)), "t",
+                              kernel="bgmv")
+    assert choice.decode_model == other
+
+
+def _engine(demo_assets, profile_path: str | None, state_dir=None, **config) -> Engine:
     adapters = tuple((name, str(path)) for name, path in demo_assets.adapters.items())
     return Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cpu", max_model_len=64,
-                               profile_path=profile_path, state_dir=state_dir))
+                               profile_path=profile_path, state_dir=state_dir, **config))
 
 
 def _requests(adapters) -> list[GenerationRequest]:
@@ -126,6 +158,20 @@ def test_engine_runs_the_kernel_the_profile_picks_and_says_so(demo_assets, tmp_p
     metrics = render(engines["bgmv"].metrics())
     steps = statuses["bgmv"]["lora_kernel_steps"]["bgmv"]
     assert f'lorad_decode_lora_kernel_steps_total{{kernel="bgmv"}} {steps}' in metrics
+
+
+def test_engine_with_a_forced_kernel_runs_it_and_gives_the_same_tokens(demo_assets, tmp_path):
+    mbgmv_path = tmp_path / "mbgmv.json"
+    injected(DEAR, CHEAP).save(mbgmv_path)  # the profile would pick MBGMV
+    reference = [r.token_ids for r in _engine(demo_assets, "off").generate(_requests(demo_assets.adapters))]
+    for path in (str(mbgmv_path), "off"):
+        engine = _engine(demo_assets, path, lora_kernel="bgmv")
+        assert [r.token_ids for r in engine.generate(_requests(demo_assets.adapters))] == reference
+        status = engine.status()
+        assert status["lora_kernel_choice"].startswith("forced:bgmv")
+        assert status["lora_kernel_steps"]["bgmv"] > 0 and status["lora_kernel_steps"]["mbgmv"] == 0
+    with pytest.raises(BadRequest, match="lora_kernel must be one of auto, bgmv, mbgmv"):
+        _engine(demo_assets, "off", lora_kernel="sgmv")
 
 
 def test_engine_discovers_the_default_profile_and_refuses_a_missing_one(demo_assets, tmp_path):

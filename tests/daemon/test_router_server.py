@@ -5,6 +5,8 @@ Also: the view a backend's live state gives the policies, and the 2-GPU benchmar
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import shutil
 import signal
@@ -328,3 +330,12 @@ def test_make_policy_rank_aware_charges_prefill_for_mixed_steps(tmp_path):
     with pytest.raises(BadRequest, match="tpot-slo-ms"):
         make_policy(argparse.Namespace(**{**vars(args), "tpot_slo_ms": None}))
     assert isinstance(make_policy(argparse.Namespace(**{**vars(args), "policy": "most-idle"}))[0], MostIdle)
+    # --kernel with a measured profile: the decode model of engines run with --lora-kernel KERNEL
+    measured = example_profile("mbgmv")
+    bgmv = example_profile("bgmv").decode
+    measured.notes["decode_bgmv"] = {**dataclasses.asdict(bgmv), "lora": {"kernel": "bgmv", **dataclasses.asdict(bgmv.lora)}}
+    measured.save(profile)
+    policy, about = make_policy(argparse.Namespace(**{**vars(args), "kernel": "bgmv"}))
+    assert policy.decode == bgmv and about["profile"]["kernel"] == "bgmv"
+    policy, about = make_policy(argparse.Namespace(**{**vars(args), "kernel": None}))
+    assert about["profile"]["kernel"] == "mbgmv"
