@@ -136,3 +136,26 @@ def test_cuda_overlapped_decode_equals_the_cpu(demo_assets, eager):
     assert engine.pool.occupancy()["kv"] == 0
     del engine
     gc.collect()
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_cuda_forced_bgmv_equals_the_cpu(demo_assets, eager):
+    """lora_kernel=bgmv: every decode step pads to its largest rank (BGMV graphs at each rank bucket, or
+    eager), and the float32 tokens and logits are the CPU reference's."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cpu = _run(demo_assets, "cpu", "float32")
+    adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
+    engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="float32",
+                                 eager=eager, lora_kernel="bgmv", max_batch_tokens=64, max_running_requests=12,
+                                 max_lora_rank=64))
+    gpu = engine.generate(_requests(demo_assets.adapters))
+    status = engine.status()
+    del engine
+    gc.collect()
+    assert status["lora_kernel_choice"].startswith("forced:bgmv")
+    assert status["lora_kernel_steps"]["bgmv"] > 0 and status["lora_kernel_steps"]["mbgmv"] == 0
+    assert (status["cuda_graph_steps"] > 0) != eager
+    for a, b in zip(cpu, gpu):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logits, b.logits):
+            torch.testing.assert_close(x, y, atol=2e-4, rtol=2e-4)
