@@ -175,10 +175,6 @@ class Plan:
     ranges: list[tuple[int, int]]
     parts: int = 1
 
-    @property
-    def workers(self) -> int:
-        return self.parts if self.parts > 1 else len(self.ranges)
-
 
 def plan(tokens: int, workers: int, cost: CostModel, rank: int | None = None, max_rank: int = 0,
          min_gain: float = 0.1, target_ms: float | None = None, choice: str = "auto") -> Plan:

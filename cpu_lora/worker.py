@@ -417,9 +417,10 @@ class WorkerPool:
         """Post one job to each of workers 0..n-1, n = len(row_starts): rows row_starts[w]:row_ends[w]
         (int64 arrays), the other fields shared (`adapter_id` may also be an array, one per job), the
         input rows written already. `split`: the n jobs are the parts of one split group (every row
-        range the same; n >= 2, and the adapter's rank at most `max_rank`). O(1) Python work (`Exchange.post_batch`) unless the pool is
-        cold, when the workers found dead are replaced first (as `submit`). Returns n, for
-        `wait_posted`. One job goes the scalar way (`submit`), cheaper than numpy's per-call cost."""
+        range the same; n >= 2, and the adapter's rank at most `max_rank`). O(1) Python work
+        (`Exchange.post_batch`) unless the pool is cold, when the workers found dead are replaced
+        first (as `submit`). Returns n, for `wait_posted`. One job goes the scalar way (`submit`),
+        cheaper than numpy's per-call cost."""
         count = len(row_starts)
         if count > self.workers:
             raise ValueError(f"{count} jobs for {self.workers} workers")

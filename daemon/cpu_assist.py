@@ -363,7 +363,7 @@ class CpuAssist:
         for part in range(span.parts):
             seq = self.pool.enqueue(part, Job(span.adapter_id, layer, proj, span.start, span.end, in_features,
                                               out_features, dtype_code, part, span.parts, group))
-            if seq is None:
+            if seq is None:  # the parts enqueued so far are released by settle() and fail at their barrier
                 self._cut_short = True
                 log.warning("cpu lora ring of worker %d full past %.1f s: the step is cut short", part, self.job_timeout_s)
                 return False

@@ -98,7 +98,7 @@ def test_plan_takes_a_split_group_where_the_adapter_read_dominates():
     # overhead 1 ms (mostly reading A and B), 0.005 ms a token, 8 workers
     cost = CostModel(overhead_ms=1.0, per_token_ms=0.005, dispatch_ms=0.02, group_dispatch_ms=0.08)
     grouped = plan(128, 8, cost, rank=64, max_rank=64)
-    assert grouped.parts == 8 and grouped.ranges == [(0, 128)] and grouped.workers == 8
+    assert grouped.parts == 8 and grouped.ranges == [(0, 128)]
     # predicted: tokens 8 * 0.02 + 1 + 0.005 * 16 = 1.24 ms; group 0.08 + (1 + 0.64) / 8 = 0.285 ms
     assert cost.group_makespan_ms(128, 8) == pytest.approx(0.285)
     # no group without a measured round trip, a partial buffer wide enough, or a second worker

@@ -116,27 +116,33 @@ def test_cpu_assisted_prefills_give_the_ondemand_tokens(demo_assets, adapters, r
         engine.close()
 
 
-def test_a_worker_killed_mid_run_costs_a_fallback_and_a_restart(demo_assets, adapters, reference):
-    engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2, cpu_lora_split="tokens")
+@pytest.mark.parametrize("split", ["tokens", "groups"])
+def test_a_worker_killed_mid_run_costs_a_fallback_and_a_restart(demo_assets, adapters, reference, split):
+    engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2, cpu_lora_split=split)
     try:
         pool = engine.cpu_assist.pool
         victims = []
+        # A token split posts one job per worker (submit, then wait), a split group one post for both parts
+        # (post, then wait_posted); either way the victim is stopped in the middle of the first prefill
+        # step's layers, so that it cannot finish its job before it is killed.
+        post, wait, stop_at = ("submit", "wait", 40) if split == "tokens" else ("post", "wait_posted", 20)
 
-        def stop_once(call, worker, job):
-            if call == 40:  # in the middle of the first prefill step's layers
-                victims.append((worker, pool._processes[worker].pid))
-                os.kill(victims[0][1], signal.SIGSTOP)  # it cannot finish the job before it is killed
+        def stop_once(call, *args, **kwargs):
+            if call == stop_at:
+                worker = args[0] if split == "tokens" else 1
+                victims.append(pool._processes[worker].pid)
+                os.kill(victims[0], signal.SIGSTOP)
 
-        def kill(call, worker, seq):
-            if victims and victims[0][0] == worker and pid_alive(victims[0][1]):
-                os.kill(victims[0][1], signal.SIGKILL)
+        def kill(call, *args, **kwargs):
+            if victims and pid_alive(victims[0]):
+                os.kill(victims[0], signal.SIGKILL)
 
-        count_calls(pool, "submit", before=stop_once)
-        count_calls(pool, "wait", before=kill)
+        count_calls(pool, post, before=stop_once)
+        count_calls(pool, wait, before=kill)
         results = engine.generate(batch(adapters))
         assert_same(reference, results)
         status = engine.status()
-        assert victims and not pid_alive(victims[0][1])
+        assert victims and not pid_alive(victims[0])
         assert status["cpu_worker_restarts"] == 1 and status["cpu_assist_fallbacks"] == 1
         metrics = engine.metrics()
         assert metrics["worker_restarts"] == 1 and metrics["cpu_assist_fallbacks"] == 1
@@ -160,32 +166,6 @@ def test_split_groups_give_the_ondemand_tokens(demo_assets, adapters, reference)
         assert plans["tokens"] == 0 and plans["groups"] >= status["cpu_assisted_prefills"] > 0 and groups
         assert {args[4] for args in groups} == {2}  # every group over both workers
         assert status["cpu_assist_fallbacks"] == 0 and status["cpu_worker_restarts"] == 0
-    finally:
-        engine.close()
-
-
-def test_a_worker_killed_in_a_split_group_costs_a_fallback_and_a_restart(demo_assets, adapters, reference):
-    engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2, cpu_lora_split="groups")
-    try:
-        pool = engine.cpu_assist.pool
-        victims = []
-
-        def stop_once(call, *args, **kwargs):
-            if call == 20:  # in the middle of the first prefill step's layers
-                victims.append(pool._processes[1].pid)
-                os.kill(victims[0], signal.SIGSTOP)  # its part cannot finish before it is killed
-
-        def kill(call, *args):
-            if victims and pid_alive(victims[0]):
-                os.kill(victims[0], signal.SIGKILL)
-
-        count_calls(pool, "post", before=stop_once)
-        count_calls(pool, "wait_posted", before=kill)
-        assert_same(reference, engine.generate(batch(adapters)))
-        status = engine.status()
-        assert victims and not pid_alive(victims[0])
-        assert status["cpu_worker_restarts"] == 1 and status["cpu_assist_fallbacks"] == 1
-        assert status["cpu_assisted_prefills"] > 0
     finally:
         engine.close()
 
