@@ -447,7 +447,7 @@ def build_profile(fits: dict, samples: dict, machine: dict) -> Profile:
         notes={
             "decode_kernel": f"{kernel}: predicted cheaper over the profiled rank mixes "
                              f"({total[kernel] * 1e3:.3f} ms against {total[other] * 1e3:.3f} ms of LoRA in all)",
-            f"decode_{other}": {**dataclasses.asdict(other_fit), "lora": {"kernel": other, **dataclasses.asdict(other_fit.lora)}},
+            f"decode_{other}": other_fit.to_json(),
             "samples": samples,
         },
     )

@@ -156,6 +156,18 @@ class DecodeStepModel:
         base = self.fixed_s + self.per_request_s * batch_size + self.per_context_token_s * context_tokens
         return base + self.lora.from_stats(batch_size, max_rank, rank_sum)
 
+    def to_json(self) -> dict:
+        """The model as a profile stores it: its fields, the LoRA model's with its kernel's name."""
+        return {**asdict(self), "lora": {"kernel": self.lora.kernel, **asdict(self.lora)}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> DecodeStepModel:
+        """Inverse of `to_json` (KeyError / TypeError on a malformed entry)."""
+        fields = dict(data)
+        lora = dict(fields.pop("lora"))
+        kernel_class = {"bgmv": BgmvModel, "mbgmv": MbgmvModel}[lora.pop("kernel")]
+        return cls(lora=kernel_class(**lora), **fields)
+
 
 def fit_decode_step(samples: Iterable[tuple[Sequence[int], int, float]], kernel: str) -> DecodeStepModel:
     """samples: (ranks of the step's rows, context tokens summed over rows, step latency in seconds)."""
@@ -229,7 +241,7 @@ class Profile:
         return {
             "version": 1,
             "machine": self.machine,
-            "decode": {**asdict(self.decode), "lora": {"kernel": self.decode.lora.kernel, **asdict(self.decode.lora)}},
+            "decode": self.decode.to_json(),
             "prefill": asdict(self.prefill),
             "bgmv": asdict(self.bgmv) if self.bgmv else None,
             "mbgmv": asdict(self.mbgmv) if self.mbgmv else None,
@@ -241,12 +253,9 @@ class Profile:
         try:
             if data.get("version") != 1:
                 raise BadRequest(f"unknown profile version {data.get('version')!r}")
-            decode = dict(data["decode"])
-            lora = dict(decode.pop("lora"))
-            kernel_class = {"bgmv": BgmvModel, "mbgmv": MbgmvModel}[lora.pop("kernel")]
             return cls(
                 machine=dict(data["machine"]),
-                decode=DecodeStepModel(lora=kernel_class(**lora), **decode),
+                decode=DecodeStepModel.from_json(data["decode"]),
                 prefill=PrefillModel(**data["prefill"]),
                 bgmv=BgmvModel(**data["bgmv"]) if data.get("bgmv") else None,
                 mbgmv=MbgmvModel(**data["mbgmv"]) if data.get("mbgmv") else None,
@@ -263,12 +272,9 @@ class Profile:
         other = self.notes.get(f"decode_{kernel}")
         if other is None:
             raise BadRequest(f"the profile has no decode model for {kernel} (run `lorad profile` again)")
-        other = dict(other)
-        lora = dict(other.pop("lora"))
-        kernel_class = {"bgmv": BgmvModel, "mbgmv": MbgmvModel}[lora.pop("kernel")]
         try:
-            return DecodeStepModel(lora=kernel_class(**lora), **other)
-        except TypeError as error:
+            return DecodeStepModel.from_json(other)
+        except (KeyError, TypeError) as error:
             raise BadRequest(f"malformed decode_{kernel} model in the profile: {error}") from None
 
     def save(self, path: str | Path) -> None:

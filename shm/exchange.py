@@ -283,7 +283,8 @@ class Exchange:
         """Engine: describe and publish job `seqs[w]` to every worker w < len(seqs) (int64 arrays, one
         entry per worker; rows row_starts[w]:row_ends[w], the other fields shared), the input rows
         written already. `group` > 0: the jobs are the parts of split group `group` (part w on
-        worker w; every row range the same). What `WorkerSlot.post` does for one worker, in O(1) Python work: each
+        worker w; every row range the same). What `WorkerSlot.post` does for one worker, in O(1)
+        Python work: each
         descriptor field of all N jobs in one vectorised store, the tags after the fields, then the
         N job flags in one store; one thread's plain stores in that order are seen in that order
         (x86-64 TSO, see shm/flags.py). Every entry must be free (`free_for`)."""
