@@ -228,6 +228,9 @@ def add_microbench_parsers(actions) -> None:
                       help="the adapters' projections (default: q_proj,k_proj,v_proj,o_proj)")
     cold.add_argument("--cpu-workers", type=int, default=0, metavar="N", help="CPU LoRA workers (default: 0, the engine's)")
     cold.add_argument("--model-config", metavar="NAME", help="(default: llama-2-7b on cuda, tiny-llama on cpu)")
+    cold.add_argument("--rounds", type=_positive_int, default=1, metavar="N",
+                      help="fresh engines for every mode N times, the modes' order reversed each round (ABBA), "
+                           "each row pooling the rounds' requests (default: 1)")
     cold.add_argument("--no-ablation", dest="ablation", action="store_false", help="skip the ablation table")
     cold.add_argument("--no-prime", dest="prime", action="store_false",
                       help="skip the unreported first workload that compiles every kernel variant the workloads use")

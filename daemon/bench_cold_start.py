@@ -135,10 +135,12 @@ def run(args) -> dict:
 
     defaults = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
 
+    def key_of(overrides: dict) -> tuple:
+        # What differs from EngineConfig's defaults: one engine per distinct configuration.
+        return tuple(sorted((name, value) for name, value in overrides.items() if value != defaults[name]))
+
     def measure(overrides: dict, names: list[str]) -> dict:
-        # Keyed by what differs from EngineConfig's defaults: one engine per distinct configuration.
-        key = tuple(sorted((name, value) for name, value in overrides.items() if value != defaults[name]))
-        done = results.setdefault(key, {})
+        done = results.setdefault(key_of(overrides), {})
         todo = [plan for plan in plans if plan["name"] in names and plan["name"] not in done]
         if todo:
             done.update(_run_engine({**base, **overrides}, todo, prompts, output_tokens))
@@ -153,10 +155,16 @@ def run(args) -> dict:
         print("priming: an unreported ondemand engine runs the first workload")
         _run_engine({**base, "cold_start": "ondemand"}, plans[:1], prompts, output_tokens)
     rows = []
-    for mode in modes:
-        outcome = measure({"cold_start": mode}, [plan["name"] for plan in plans])
-        for plan in plans:
-            rows.append({"mode": mode, "workload": plan["name"], **outcome[plan["name"]]})
+    rounds = getattr(args, "rounds", 1)
+    if rounds == 1:
+        for mode in modes:
+            outcome = measure({"cold_start": mode}, [plan["name"] for plan in plans])
+            for plan in plans:
+                rows.append({"mode": mode, "workload": plan["name"], **outcome[plan["name"]]})
+    else:
+        rows = _rounds(rounds, modes, base, plans, prompts, output_tokens)
+        for mode in modes:  # the ablation reuses the pooled rows of the modes' own configurations
+            results[key_of({"cold_start": mode})] = {row["workload"]: row for row in rows if row["mode"] == mode}
     ablation, notes = [], []
     if args.ablation:
         switch = layerwise_field()
@@ -179,12 +187,15 @@ def run(args) -> dict:
             ablation.append({"config": label, "overrides": overrides, "workload": "distinct", **outcome})
     for note in notes:
         print(note)
+    for row in [*rows, *ablation]:
+        row.pop("samples", None)
     report = {
         "version": 1, "kind": "bench-cold-start", "command": args.command_line, "machine": machine(device),
         "config": {"model_config": model, "requests": requests, "rate": rate, "adapters": list(adapter_counts),
                    "alpha": args.alpha, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                    "adapter_rank": rank, "adapter_targets": args.targets, "cpu_workers": args.cpu_workers,
                    "modes": list(modes), "registered_adapters": base["dummy_adapters"], "seed": args.seed,
+                   "rounds": rounds,
                    "primed": bool(getattr(args, "prime", True) and cuda)},
         "rows": rows,
         "ablation": ablation,
@@ -199,6 +210,56 @@ def run(args) -> dict:
         print(markdown_table(["ablation (distinct adapters)"] + header[1:], [_table_row(a["config"], a) for a in ablation]))
     finish(args.out, report, lambda plt: _plot(plt, rows, [p["name"] for p in plans]))
     return report
+
+
+def _rounds(rounds: int, modes, base: dict, plans: list[dict], prompts: list, output_tokens: int) -> list[dict]:
+    """Every mode `rounds` times, a fresh engine each time, in the order of `modes` in even rounds and
+    reversed in odd ones (A B, B A, ...: drift over the run falls on every mode alike). Each row pools its
+    mode's requests over the rounds (the same arrivals, adapters and prompts every round) and lists each
+    round's mean TTFT under `rounds`."""
+    outcomes: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for number in range(rounds):
+        order = list(modes) if number % 2 == 0 else list(reversed(modes))
+        print(f"round {number + 1} of {rounds}: {', '.join(order)}")
+        for mode in order:
+            outcomes[mode].append(_run_engine({**base, "cold_start": mode}, plans, prompts, output_tokens))
+    rows = []
+    for mode in modes:
+        for plan in plans:
+            rows.append({"mode": mode, **_pooled([outcome[plan["name"]] for outcome in outcomes[mode]])})
+    return rows
+
+
+def _pooled(parts: list[dict]) -> dict:
+    """One row from the rows of several rounds of the same workload: summaries over every round's samples,
+    counts summed, and each round's mean TTFT."""
+    if any("error" in part for part in parts):
+        return next(part for part in parts if "error" in part)
+    first = parts[0]
+    row = {key: first[key] for key in ("workload", "adapters_in_play", "distinct_adapters_used")}
+    for key in ("requests", "completed", "errors", "wall_s"):
+        row[key] = sum(part[key] for part in parts)
+    row["error_examples"] = sorted({e for part in parts for e in part["error_examples"]})[:3]
+    samples = {metric: [value for part in parts for value in part["samples"][metric]] for metric in first["samples"]}
+    row.update({metric: summary(values) for metric, values in samples.items()})
+    row["throughput_rps"] = row["completed"] / row["wall_s"]
+    engines = [part["engine"] for part in parts]
+    row["engine"] = {key: _summed([engine[key] for engine in engines]) for key in engines[0]}
+    for key in ("engine_build_s", "engine_warmup_s"):
+        row[key] = sum(part[key] for part in parts) / len(parts)
+    row["rounds"] = [{"ttft_mean_ms": part["ttft_ms"]["mean"], "tpot_mean_ms": part["tpot_ms"]["mean"],
+                      "cpu_assisted_prefills": part["engine"]["cpu_assisted_prefills"]} for part in parts]
+    row["samples"] = samples
+    return row
+
+
+def _summed(values: list):
+    """Counters of several rounds added up (dicts key by key; None where any round has None)."""
+    if any(value is None for value in values):
+        return None
+    if isinstance(values[0], dict):
+        return {key: sum(value.get(key, 0) for value in values) for key in {k for value in values for k in value}}
+    return sum(values)
 
 
 def _table_row(label: str, row: dict) -> list:
@@ -358,6 +419,7 @@ def _drive(engine, plan: dict, prompts: list, output_tokens: int) -> dict:
         "distinct_adapters_used": len({r.adapter for r in records}), "requests": len(records),
         "completed": len(good), "errors": len(errors), "error_examples": sorted(set(errors))[:3],
         "ttft_ms": summary(ttft), "tpot_ms": summary(tpot), "latency_ms": summary(latency), "wall_s": wall,
+        "samples": {"ttft_ms": ttft, "tpot_ms": tpot, "latency_ms": latency},  # for pooled rounds; not reported
         "throughput_rps": len(good) / wall,
         "engine": {
             "adapter_loads": after["adapter_loads"] - before["adapter_loads"],

@@ -92,6 +92,23 @@ def test_cold_start_modes_workloads_and_ablation(capsys, tmp_path, no_leftover_s
     assert "no pinned vs pageable rows on the CPU" in out
 
 
+def test_cold_start_rounds_pool_fresh_engines_in_abba_order(capsys, tmp_path, no_leftover_segments):
+    report, out = run_bench(capsys, tmp_path, "cold-start", "--requests", 2, "--rate", 100, "--adapters", 4,
+                            "--modes", "ondemand,auto", "--prompt-tokens", 8, "--output-tokens", 3, "--cpu-workers", 1,
+                            "--rounds", 3, "--no-ablation")
+    assert report["config"]["rounds"] == 3
+    assert [line for line in out.splitlines() if line.startswith("round ")] == [
+        "round 1 of 3: ondemand, auto", "round 2 of 3: auto, ondemand", "round 3 of 3: ondemand, auto"]
+    assert out.count("engine cold_start=ondemand: built") == out.count("engine cold_start=auto: built") == 3
+    for row in report["rows"]:
+        assert row["requests"] == row["completed"] == 6 and row["ttft_ms"]["n"] == 6  # 2 requests x 3 rounds
+        assert len(row["rounds"]) == 3 and "samples" not in row
+        means = [r["ttft_mean_ms"] for r in row["rounds"]]
+        assert row["ttft_ms"]["mean"] == pytest.approx(sum(means) / 3)  # equal rounds: the pooled mean
+    distinct = next(r for r in report["rows"] if r["mode"] == "ondemand" and r["workload"] == "distinct")
+    assert distinct["engine"]["adapter_loads"] == 6  # every request of every round a cold start
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["bench", "load", "--ranks", "0"], "positive integers"),
     (["bench", "load", "--device", "tpu"], "invalid choice"),
