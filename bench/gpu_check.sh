@@ -53,9 +53,6 @@ run_step() {
     # the same with one decode LoRA launch pair per projection (fuse_lora_groups off): run it beside engine_decode
     engine_decode_per_projection) step bench_engine_decode_per_projection 150 python3 bench/engine_decode.py --breakdown-batch \
         --no-fuse-lora-groups --out "$OUTDIR/engine_decode_per_projection.json" ;;
-    # the same with the decode LoRA shrink after the base GEMM on one stream (overlap_lora off): run it beside engine_decode
-    engine_decode_one_stream) step bench_engine_decode_one_stream 150 python3 bench/engine_decode.py --breakdown-batch \
-        --no-overlap-lora --out "$OUTDIR/engine_decode_one_stream.json" ;;
     # where an eager prefill's time goes (host launches vs device), with a cProfile of the host
     prefill_host) step prefill_host 200 python3 bench/prefill_host.py --out "$OUTDIR/prefill_host.json" ;;
     invoke) step bench_invoke 240 python3 bench/invoke.py --out "$OUTDIR/invoke.json" ;;

@@ -114,7 +114,7 @@ class Engine:
             config.lora_kernel)
         log.info("decode lora kernel choice=%s", self.kernel_choice.describe())
         self.ops = Ops.for_device(self.device, config.max_batch_tokens, config.max_lora_rank, self.kernel_choice,
-                                  fuse_groups=config.fuse_lora_groups, overlap_lora=config.overlap_lora)
+                                  fuse_groups=config.fuse_lora_groups)
         self.model = LlamaModel(self.spec, weights, self.max_model_len, self.ops)
         del weights
         self.pool = PagePool(self._pool_pages(), self.spec.hidden_size, self.dtype, self.device)
@@ -399,7 +399,6 @@ class Engine:
                 "prefill_cuda_graphs": self.prefill_graphs.tokens_buckets if self.prefill_graphs is not None else "off",
                 "lora_kernel_choice": self.kernel_choice.describe(),
                 "decode_lora_groups": self.lora_groups,
-                "decode_lora_overlap": "shrink beside the base gemm" if self.ops.overlap_lora else "off",
                 "lora_kernel_steps": dict(self.kernel_choice.steps),
                 "cold_start": self.config.cold_start,
                 "cold_start_decisions": dict(self.cold_start_decisions),

@@ -65,23 +65,10 @@ class Ops:
         # in `fused`: (x, fused, outs, layer, first projection, batch, table). Default: `lora` per member
         # (looked up at call time: the engine may wrap `lora`); the GPU ops launch decode steps' groups at once.
         self.lora_group = self._lora_each
-        self.overlap_lora = False  # whether `project` runs a decode step's LoRA shrink beside the GEMM
 
     def _lora_each(self, x, fused, outs, layer, first, batch, table) -> None:
         for member, out in enumerate(outs):
             self.lora(x, out, layer, first + member, batch, table)
-
-    def project(self, x, weight, bias, layer, first, sizes, batch, table):
-        """x @ weight^T (+ bias), then the LoRA of projections first, first + 1, ... added, one per entry of
-        `sizes` (their output widths, side by side in the result: q|k|v, gate|up, or one projection).
-        The default: the base GEMM, then `lora` or `lora_group` (looked up at call time). The GPU ops
-        may run the LoRA's first half beside the GEMM (`Ops.triton`, overlap_lora)."""
-        y = self.linear(x, weight, bias)
-        if len(sizes) == 1:
-            self.lora(x, y, layer, first, batch, table)
-        else:
-            self.lora_group(x, y, y.split(sizes, dim=-1), layer, first, batch, table)
-        return y
 
     @classmethod
     def reference(cls, name: str = "torch-reference") -> Ops:
@@ -95,7 +82,7 @@ class Ops:
 
     @classmethod
     def for_device(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
-                   fuse_groups: bool = False, overlap_lora: bool = False) -> Ops:
+                   fuse_groups: bool = False) -> Ops:
         """kernel_choice (daemon/kernel_choice.py): picks each decode step's LoRA kernel, BGMV or MBGMV,
         in `prepare_lora`; None: MBGMV. On the CPU only a profile (or `lorad profile` measuring) makes
         decode steps run the kernels' references, bgmv_ref or mbgmv_ref; otherwise apply_lora_ref."""
@@ -107,24 +94,20 @@ class Ops:
             bgmv.require_triton()
         except (ImportError, RuntimeError) as error:
             return cls._reference_with_choice(cls.reference(f"torch-reference (triton unavailable: {error})"), kernel_choice)
-        return cls.triton(device, max_batch_tokens, max_lora_rank, kernel_choice, fuse_groups, overlap_lora)
+        return cls.triton(device, max_batch_tokens, max_lora_rank, kernel_choice, fuse_groups)
 
     @classmethod
     def triton(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
-               fuse_groups: bool = False, overlap_lora: bool = False) -> Ops:
+               fuse_groups: bool = False) -> Ops:
         """The Triton kernels (on the CPU they run only in Triton's interpreter: the tests). fuse_groups: a
         decode step's MBGMV takes q, k, v in one launch pair and gate, up in one (where their tiles agree:
-        mbgmv.group_fits), not one pair per projection. overlap_lora (cuda only): a decode step's MBGMV
-        shrink runs on a side stream beside the base projection's GEMM, which reads the same x; the
-        expand, which adds into the GEMM's output, follows the GEMM."""
+        mbgmv.group_fits), not one pair per projection."""
         from lorad.gpu_ops import bgmv, fused, mbgmm, mbgmv, paged_attention
 
         from lorad.gpu_ops import gemv
 
         groups = ",mbgmv-groups:qkv|gate-up" if fuse_groups else ""
-        overlap_lora = overlap_lora and device.type == "cuda"
-        side = ",mbgmv-shrink-beside-gemm" if overlap_lora else ""
-        ops = cls.reference(f"triton[lora:mbgmv|bgmv+mbgmm{groups}{side},paged-attention,fused-norm-rope-silu,"
+        ops = cls.reference(f"triton[lora:mbgmv|bgmv+mbgmm{groups},paged-attention,fused-norm-rope-silu,"
                             f"gemv(rows<={gemv.GEMV_MAX_ROWS})]")
 
         def linear(x, weight, bias=None):
@@ -173,9 +156,6 @@ class Ops:
         ops.prepare_lora = prepare_lora
         if fuse_groups:
             ops.lora_group = lora_group
-        if overlap_lora:
-            ops.project = _overlapped_project(ops, mbgmv, linear, workspace, fuse_groups, torch.cuda.Stream(device))
-            ops.overlap_lora = True
         return ops
 
     @staticmethod
@@ -205,42 +185,6 @@ class Ops:
         ops.lora = lora
         ops.prepare_lora = prepare_lora
         return ops
-
-
-def _overlapped_project(ops: Ops, mbgmv, linear, workspace: torch.Tensor, fuse_groups: bool, side):
-    """`Ops.project` for the GPU ops with overlap_lora: in a decode step on MBGMV (no CPU-assisted rows), the
-    shrink goes on the `side` stream, forked from the compute stream after x is written, while the base
-    GEMM runs on the compute stream; the compute stream joins the side stream, then the expand adds into
-    the GEMM's output. At batch 64 the GEMMs leave SMs idle and the shrink reads other bytes (A from the
-    pool), so the two share the device instead of running one after the other.
-
-    Inside a CUDA graph capture the fork and the join become graph edges (torch captures a side stream
-    that waits on the capturing stream). The workspace is shared with the other LoRA calls: a side
-    stream's shrink starts after everything enqueued before it on the compute stream, including the
-    previous projection's expand, and the expand that reads it runs after the join."""
-    default = Ops.project.__get__(ops)
-
-    def project(x, weight, bias, layer, first, sizes, batch, table):
-        members = len(sizes)
-        if (not batch.max_rank or batch.decode_kernel != "mbgmv" or batch.cpu_spans
-                or not (batch.segments is None or batch.segments.max_len == 1)):
-            return default(x, weight, bias, layer, first, sizes, batch, table)
-        if members > 1:
-            config = mbgmv.group_fits(table, first, members, batch.max_rank) if fuse_groups else None
-            if config is None:
-                return default(x, weight, bias, layer, first, sizes, batch, table)
-        else:
-            config = mbgmv.decode_config(*table.shapes[first], batch.max_rank)
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            v = mbgmv.shrink_phase(x, layer, first, members, batch.row_slot, table, batch.max_rank, workspace, config)
-        y = linear(x, weight, bias)
-        main.wait_stream(side)
-        mbgmv.expand_phase(v, y, layer, first, members, batch.row_slot, table, batch.max_rank, config)
-        return y
-
-    return project
 
 
 class LlamaModel:
@@ -273,10 +217,6 @@ class LlamaModel:
         self.cos, self.sin = rope_cache(rope_inv_freq(spec), max_positions, self.embed.dtype, self.embed.device)
         self.scale = spec.head_dim**-0.5
         self.splits = (spec.q_size, spec.kv_size, spec.kv_size)
-        # the output widths of each `Ops.project` call's projections
-        self.o_size = (spec.projection_shape("o_proj")[1],)
-        self.gate_up_sizes = (spec.projection_shape("gate_proj")[1],) * 2
-        self.down_size = (spec.projection_shape("down_proj")[1],)
 
     @torch.inference_mode()
     def forward(self, step: Step, kv_view: torch.Tensor, table) -> torch.Tensor:
@@ -297,17 +237,22 @@ class LlamaModel:
         with the previous layer's residual add). -> (h after attention, the MLP's output): the caller
         adds the latter."""
         spec, ops, lora = self.spec, self.ops, step.lora
-        qkv = ops.project(x, layer.qkv, layer.qkv_bias, index, Q, self.splits, lora, table)
+        qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split(self.splits, dim=-1)
+        ops.lora_group(x, qkv, (q, k, v), index, Q, lora, table)
         q, k = ops.rope_qk(q.view(-1, spec.num_heads, spec.head_dim), k.view(-1, spec.num_kv_heads, spec.head_dim), cos, sin)
         ops.write_kv(kv_view, index, k, v.view(-1, spec.num_kv_heads, spec.head_dim), step.attention)
         attended = ops.attention(q, kv_view, index, step.attention, self.scale)
-        o = ops.project(attended, layer.o, None, index, O, self.o_size, lora, table)
+        o = ops.linear(attended, layer.o)
+        ops.lora(attended, o, index, O, lora, table)
 
         h, x = ops.add_rms_norm(h, o, layer.post_norm, spec.rms_norm_eps)
-        gate_up = ops.project(x, layer.gate_up, None, index, GATE, self.gate_up_sizes, lora, table)
-        act = ops.silu_mul(*gate_up.chunk(2, dim=-1))
-        down = ops.project(act, layer.down, None, index, DOWN, self.down_size, lora, table)
+        gate_up = ops.linear(x, layer.gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        ops.lora_group(x, gate_up, (gate, up), index, GATE, lora, table)
+        act = ops.silu_mul(gate, up)
+        down = ops.linear(act, layer.down)
+        ops.lora(act, down, index, DOWN, lora, table)
         return h, down
 
 

@@ -40,8 +40,8 @@ try:
 except ImportError:
     triton = None
 
-__all__ = ["DecodeConfig", "batch_max_rank", "decode_config", "expand_phase", "group_fits", "lora_decode", "mbgmv",
-           "mbgmv_expand", "mbgmv_group", "mbgmv_ref", "mbgmv_shrink", "shrink_phase"]
+__all__ = ["DecodeConfig", "batch_max_rank", "decode_config", "group_fits", "lora_decode", "mbgmv", "mbgmv_expand",
+           "mbgmv_group", "mbgmv_ref", "mbgmv_shrink"]
 
 
 @dataclass(frozen=True)
@@ -276,8 +276,10 @@ def mbgmv(x, y, layer, proj, row_slot, table, max_rank, workspace=None, *, confi
         return
     require_triton()
     config = config or decode_config(in_dim, out_dim, max_rank)
-    v = shrink_phase(x, layer, proj, 1, row_slot, table, max_rank, workspace, config)
-    expand_phase(v, y, layer, proj, 1, row_slot, table, max_rank, config)
+    splits = _shrink_plan(table.pool.page_elems, in_dim, None, config)[0]
+    v = workspace_view(workspace, splits, num_rows, max_rank, x.device)
+    _shrink(x, v, layer, proj, row_slot, table, max_rank, config)
+    _expand(v, y, layer, proj, row_slot, table, max_rank, config)
 
 
 def group_fits(table: AdapterTable, proj: int, members: int, max_rank: int, config: DecodeConfig | None = None) -> DecodeConfig | None:
@@ -310,7 +312,7 @@ def mbgmv_group(x, y, layer, proj, members, row_slot, table, max_rank, workspace
     any strides). Same semantics as one `mbgmv` per member on y's column slices. The caller checks
     `group_fits` (config: its answer)."""
     num_rows = x.shape[0]
-    check_operands(x, y[:, : table.shapes[proj][1]], proj, table, row_slot)
+    in_dim, _ = check_operands(x, y[:, : table.shapes[proj][1]], proj, table, row_slot)
     if y.shape[1] != sum(table.shapes[proj + m][1] for m in range(members)):
         raise ValueError(f"y {tuple(y.shape)} is not the {members} projections' outputs side by side")
     if num_rows == 0 or max_rank <= 0:
@@ -319,25 +321,9 @@ def mbgmv_group(x, y, layer, proj, members, row_slot, table, max_rank, workspace
     config = config or group_fits(table, proj, members, max_rank)
     if config is None:
         raise ValueError(f"projections {proj}..{proj + members - 1} cannot share one launch (see group_fits)")
-    v = shrink_phase(x, layer, proj, members, row_slot, table, max_rank, workspace, config)
-    expand_phase(v, y, layer, proj, members, row_slot, table, max_rank, config)
-
-
-def shrink_phase(x, layer, proj, members, row_slot, table, max_rank, workspace, config: DecodeConfig) -> torch.Tensor:
-    """The first of `mbgmv`'s (members 1) or `mbgmv_group`'s two launches, on the current stream: the
-    partials of x @ A^T into `workspace`, returned as the view `expand_phase` takes. The two halves let a
-    caller run this one beside the base projection's GEMM on another stream (`Ops.triton`'s overlap); the
-    caller has checked the operands (and `group_fits` for a group) and passes the config."""
-    splits = _shrink_plan(table.pool.page_elems, table.shapes[proj][0], None, config)[0]
-    v = workspace_view(workspace, members * splits, x.shape[0], max_rank, x.device)
-    if members > 1:
-        v = v.view(members, splits, x.shape[0], -1)
+    splits = _shrink_plan(table.pool.page_elems, in_dim, None, config)[0]
+    v = workspace_view(workspace, members * splits, num_rows, max_rank, x.device).view(members, splits, num_rows, -1)
     _shrink(x, v, layer, proj, row_slot, table, max_rank, config, members)
-    return v
-
-
-def expand_phase(v, y, layer, proj, members, row_slot, table, max_rank, config: DecodeConfig) -> None:
-    """The second launch: y += (sum of v's partials) @ B^T per row, the members' outputs side by side in y."""
     _expand(v, y, layer, proj, row_slot, table, max_rank, config, members)
 
 

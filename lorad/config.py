@@ -52,9 +52,6 @@ class EngineConfig:
     # Measured on the H100 beside one launch pair per projection (bench/engine_decode.py, BENCHMARKS.md): LoRA
     # decode steps of 64 distinct rank-16 adapters 4% shorter, the same tokens.
     fuse_lora_groups: bool = True
-    # on cuda: a decode step's MBGMV shrink runs on a side stream beside the base projection's GEMM (same x);
-    # the expand follows the GEMM (daemon/model.py, `_overlapped_project`). The same kernels, the same results.
-    overlap_lora: bool = True
     # Greedy decode steps run one ahead of the host (daemon/engine.py, overlapped decode): the next step is
     # launched from the device's sampled tokens before the host reads them, so the host's bookkeeping
     # hides behind the device's work. Off: every step waits for its tokens before the next is launched.

@@ -106,37 +106,6 @@ def test_cuda_fused_lora_groups_equal_per_projection(demo_assets):
             torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("fuse", [True, False])
-def test_cuda_lora_shrink_beside_the_gemm_equals_one_stream(demo_assets, fuse):
-    """overlap_lora: decode steps run the MBGMV shrink on a side stream beside the base GEMM. The same kernels
-    on the same inputs: the tokens and logits of the one-stream engine, through the decode graphs and eager,
-    with a base-model row in the batch."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
-
-    def run(overlap, eager):
-        engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="bfloat16",
-                                     eager=eager, overlap_lora=overlap, fuse_lora_groups=fuse, max_running_requests=12,
-                                     max_lora_rank=64))
-        names = [*sorted(demo_assets.adapters), None]
-        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-        results = engine.generate([GenerationRequest([5 + i, 6, 7], name, greedy, keep_logits=True) for i, name in enumerate(names)])
-        status = engine.status()
-        del engine
-        gc.collect()
-        return results, status
-
-    for eager in (False, True):
-        one_stream, status = run(False, eager)
-        assert status["decode_lora_overlap"] == "off"
-        overlapped, status = run(True, eager)
-        assert status["decode_lora_overlap"] == "shrink beside the base gemm" and "shrink-beside-gemm" in status["ops"]
-        assert (status["cuda_graph_steps"] > 0) != eager
-        for a, b in zip(one_stream, overlapped):
-            assert a.token_ids == b.token_ids
-            torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("eager", [False, True])
 def test_cuda_overlapped_decode_equals_the_cpu(demo_assets, eager):
     """Overlapped decode (on by default on cuda) through the decode graphs and eager: the CPU's tokens, with
