@@ -10,6 +10,15 @@ the times are the invocation's cost. Host wall clock per round trip; median and 
 The shared-memory rows run the pool hot, as the engine does during a cold start (`WorkerPool.heat`
 before each invocation: workers and the host busy-poll); `us_cold` beside them is the same round trip
 with the pool cold (idle workers sleep between polls, so each job waits for a wake-up).
+
+Those rows are the python invocation path (the host copies x in, posts, waits, copies the result out):
+the CPU engine's, and the fallback. On a GPU host with the CUDA extension the engine takes the fused
+path instead (daemon/cpu_assist.py): per worker one `copy_and_signal` kernel writes its rows of x from
+device memory into the exchange and raises its job flag, then one `wait_and_add` kernel per worker
+waits for its done flag and adds its result rows into the device output; the host only enqueues. The
+`shm-fused` rows time that round trip on the device (CUDA events from the first copy to the last add),
+the host's enqueueing beside it (`host_us`); the device first idles for LEAD_S so that the host has
+enqueued everything before the first copy starts, as in a forward where the host runs ahead.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ HEADER = struct.Struct("<5q")  # seq, rows, in_features, out_features, stop
 TARGET_MEDIAN_US = 50.0  # CaraServe's figure on its machine; the H100 host's goal at 8 workers
 ACCEPT_TIMEOUT_S = 60.0
 HOT_S = 0.05  # hot period set before each round trip
+LEAD_S = 1e-3  # fused rows: the device idles this long before the timed round trip (the host enqueues meanwhile)
 
 
 def run(args) -> dict:
@@ -51,6 +61,9 @@ def run(args) -> dict:
     reps = args.reps or (2000 if device.type == "cuda" else 200)
     warmup = max(10, reps // 20)
     rows, notes = [], []
+    fused_note = _fused_unavailable(device)
+    if fused_note is not None:
+        notes.append(f"no shm-fused rows: {fused_note}")
     for workers in worker_counts:
         if workers + 1 > len(cores):
             notes.append(f"{workers} workers and the engine share {len(cores)} usable cores: oversubscribed")
@@ -61,6 +74,12 @@ def run(args) -> dict:
         socket_times = _socket_round_trips(workers, cores, x, ranges, args.rank, hidden, reps, warmup)
         rows.append({"method": "shm", "workers": workers, "tokens_per_worker": args.tokens,
                      "bytes_each_way": tokens * hidden * 4, "us": summary(shm_times), "us_cold": summary(shm_cold_times)})
+        if fused_note is None:
+            device_times, host_times, lead_misses = _fused_round_trips(workers, x, ranges, args.rank, hidden, reps,
+                                                                       warmup, device)
+            rows.append({"method": "shm-fused", "workers": workers, "tokens_per_worker": args.tokens,
+                         "bytes_each_way": tokens * hidden * 4, "us": summary(device_times),
+                         "host_us": summary(host_times), "lead_misses": lead_misses})
         rows.append({"method": "unix-socket", "workers": workers, "tokens_per_worker": args.tokens,
                      "bytes_each_way": tokens * hidden * 4, "us": summary(socket_times)})
     report = {
@@ -72,6 +91,9 @@ def run(args) -> dict:
         "notes": ["us: host wall clock of one round trip: x written, one job per worker, every result back",
                   ("shm us: the pool hot (heated before each round trip, as the engine does in a cold start); "
                    "us_cold: the pool cold (idle workers sleep between polls)"),
+                  ("shm-fused us: the engine's fused CUDA path, device time from the first copy_and_signal to the "
+                   "last wait_and_add (CUDA events), the pool hot; host_us: the host's enqueueing of those kernels "
+                   "and jobs; lead_misses: round trips whose first copy started before the host had enqueued all"),
                   *notes],
     }
     print(markdown_table(
@@ -83,8 +105,104 @@ def run(args) -> dict:
          for s in [next(r for r in rows if r["workers"] == w and r["method"] == "shm")]
          for u in [next(r for r in rows if r["workers"] == w and r["method"] == "unix-socket")]],
     ))
+    fused_rows = [r for r in rows if r["method"] == "shm-fused"]
+    if fused_rows:
+        print()
+        print(markdown_table(
+            ["workers", "shm fused (device) median us", "p99 us", "host enqueue median us", "lead misses"],
+            [[r["workers"], r["us"]["median"], r["us"]["p99"], r["host_us"]["median"], r["lead_misses"]] for r in fused_rows]))
+    for note in notes:
+        print(note)
     finish(args.out, report, lambda plt: _plot(plt, rows))
     return report
+
+
+def _fused_unavailable(device: torch.device) -> str | None:
+    """Why the fused rows cannot run here, or None."""
+    if device.type != "cuda":
+        return "not a cuda device"
+    from lorad.gpu_ops import cuda_ext
+
+    if not cuda_ext.available():
+        return cuda_ext.invocation_path()
+    return None
+
+
+def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden: int, reps: int, warmup: int,
+                       device: torch.device) -> tuple[list[float], list[float], int]:
+    """The engine's fused path (CpuAssist._apply_fused, a token split): per worker a job enqueued, one
+    copy_and_signal of its rows and, after every copy, one wait_and_add of its result, all on the
+    current stream. -> (device round trips us, host enqueue us, round trips whose lead ran out)."""
+    from lorad.cpu_lora.worker import WorkerPool
+    from lorad.gpu_ops import cuda_ext
+    from lorad.shm.exchange import DONE_SEQ, IN_FLOAT32, JOB_SEQ, Job
+    from lorad.shm.segment import new_instance
+    from lorad.shm.store import AdapterStore
+
+    tokens = x.shape[0]
+    a, b = torch.randn(rank, hidden) * hidden**-0.5, torch.randn(hidden, rank)
+    probe = SimpleNamespace(name="bench-ipc-fused", weights={(0, 0): (a, b)})
+    instance = new_instance()
+    x_device = x.to(device)
+    y = torch.zeros(tokens, hidden, device=device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    lead_cycles = int(LEAD_S * torch.cuda.get_device_properties(device).clock_rate * 1e3)  # clock_rate: kHz
+    device_times, host_times, misses = [], [], 0
+    with AdapterStore.create(instance, 2 * rank * hidden * 4 + (1 << 16)) as store:
+        adapter_id = store.put(probe)
+        with WorkerPool(workers, store, tokens, hidden, hidden, instance=instance) as pool:
+            exchange = pool.exchange
+            buffer, layout = exchange.segment.buffer, exchange.layout
+            job_flags = [np.ndarray((1,), np.int64, buffer, layout.job_line(w) + JOB_SEQ * 8) for w in range(workers)]
+            done_flags = [np.ndarray((1,), np.int64, buffer, layout.worker_line(w) + DONE_SEQ * 8) for w in range(workers)]
+            outputs = torch.from_numpy(pool.output)
+            error = torch.from_numpy(exchange.error_word)
+            inputs = [torch.from_numpy(exchange.input_rows(lo, hi, hidden, 4)).view(torch.float32) for lo, hi in ranges]
+            mapping = cuda_ext.register_host(buffer)
+            try:
+                for rep in range(warmup + reps):
+                    pool.heat(HOT_S)
+                    torch.cuda._sleep(lead_cycles)
+                    start.record()
+                    began = time.perf_counter_ns()
+                    pending = []
+                    for worker, (lo, hi) in enumerate(ranges):
+                        seq = pool.enqueue(worker, Job(adapter_id, 0, 0, lo, hi, hidden, hidden, IN_FLOAT32))
+                        if seq is None:
+                            raise RuntimeError(f"worker {worker}'s job ring stayed full")
+                        cuda_ext.fused_copy_and_signal(inputs[worker], x_device[lo:hi], job_flags[worker], seq)
+                        pending.append((worker, seq, lo, hi))
+                    for worker, seq, lo, hi in pending:
+                        cuda_ext.fused_wait_and_add(y[lo:hi], outputs[lo:hi, :hidden], done_flags[worker], seq, error,
+                                                    5.0, skip_if_error=True)
+                    end.record()
+                    enqueued = (time.perf_counter_ns() - began) / 1e3
+                    missed = start.query()  # the device reached the first copy before the host was done
+                    end.synchronize()
+                    failed = pool.settle()  # as the engine does after a step's sync
+                    if int(error[0]) or failed:
+                        raise RuntimeError(f"fused round trip {rep}: a wait timed out (seq {int(error[0])}) or "
+                                           f"workers {failed} failed")
+                    if rep >= warmup:
+                        device_times.append(start.elapsed_time(end) * 1e3)
+                        host_times.append(enqueued)
+                        misses += bool(missed)
+                pool.cool()
+                y.zero_()  # one more round trip, checked
+                for worker, (lo, hi) in enumerate(ranges):
+                    seq = pool.enqueue(worker, Job(adapter_id, 0, 0, lo, hi, hidden, hidden, IN_FLOAT32))
+                    cuda_ext.fused_copy_and_signal(inputs[worker], x_device[lo:hi], job_flags[worker], seq)
+                    cuda_ext.fused_wait_and_add(y[lo:hi], outputs[lo:hi, :hidden], done_flags[worker], seq, error, 5.0,
+                                                skip_if_error=True)
+                torch.cuda.synchronize(device)
+                expected = x @ a.t() @ b.t()
+                if not torch.allclose(y.cpu(), expected, rtol=1e-3, atol=1e-3):
+                    raise RuntimeError("the fused round trip returned a wrong result")
+            finally:
+                torch.cuda.synchronize(device)
+                del inputs, outputs, error, job_flags, done_flags
+                mapping.close()
+    return device_times, host_times, misses
 
 
 def _shm_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden: int, reps: int,
@@ -243,8 +361,10 @@ def _receive_into(connection: socket.socket, view: memoryview) -> None:
 
 def _plot(plt, rows: list[dict]):
     figure, axis = plt.subplots(figsize=(6.5, 4))
-    for method, color in (("shm", "tab:blue"), ("unix-socket", "tab:orange")):
+    for method, color in (("shm", "tab:blue"), ("shm-fused", "tab:green"), ("unix-socket", "tab:orange")):
         points = sorted((r["workers"], r["us"]["median"], r["us"]["p99"]) for r in rows if r["method"] == method)
+        if not points:
+            continue
         workers, median, p99 = zip(*points)
         axis.plot(workers, median, "o-", color=color, label=f"{method} median")
         axis.plot(workers, p99, "s--", color=color, alpha=0.6, label=f"{method} p99")
