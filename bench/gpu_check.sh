@@ -66,6 +66,7 @@ run_step() {
     pytest_cold_start) step pytest_cold_start 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/daemon/test_cold_start_gpu.py tests/gpu_ops/test_cuda_ext.py ;;
     # the engine on the GPU (graphs vs eager vs the CPU) and the profile's fits
     pytest_engine) step pytest_engine 420 python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider --durations=8 tests/daemon/test_engine_gpu.py tests/daemon/test_profile_gpu.py ;;
+    pytest_profile) step pytest_profile 400 python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider --durations=4 tests/daemon/test_profile_gpu.py ;;
     pytest_gemv) step pytest_gemv 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu_ops/test_gemv.py ;;
     pytest_fused) step pytest_fused 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu_ops/test_fused.py ;;
     # issue 6, figure 1: the performance models fitted on this GPU
@@ -87,7 +88,7 @@ run_step() {
                     tests/gpu_ops/test_lora_kernels.py -q -p no:cacheprovider  # tests/: triton_interpreter.py
             fi
         fi ;;
-    pytest_gpu_daemon) step pytest_gpu_daemon 420 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 \
+    pytest_gpu_daemon) step pytest_gpu_daemon 540 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 \
         --ignore=tests/gpu_ops tests ;;
     *) echo "unknown step $1"; failed+=("$1") ;;
     esac
