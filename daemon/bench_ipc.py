@@ -75,11 +75,18 @@ def run(args) -> dict:
         rows.append({"method": "shm", "workers": workers, "tokens_per_worker": args.tokens,
                      "bytes_each_way": tokens * hidden * 4, "us": summary(shm_times), "us_cold": summary(shm_cold_times)})
         if fused_note is None:
-            device_times, host_times, lead_misses = _fused_round_trips(workers, x, ranges, args.rank, hidden, reps,
-                                                                       warmup, device)
+            device_times, host_times, lead_misses, host_phases = _fused_round_trips(
+                workers, x, ranges, args.rank, hidden, reps, warmup, device)
             rows.append({"method": "shm-fused", "workers": workers, "tokens_per_worker": args.tokens,
                          "bytes_each_way": tokens * hidden * 4, "us": summary(device_times),
-                         "host_us": summary(host_times), "lead_misses": lead_misses})
+                         "host_us": summary(host_times), "host_phase_median_us": host_phases,
+                         "lead_misses": lead_misses})
+            device_times, host_times, lead_misses, host_phases = _fused_round_trips(
+                workers, x, ranges, args.rank, hidden, reps, warmup, device, batched=True)
+            rows.append({"method": "shm-fused-batched", "workers": workers, "tokens_per_worker": args.tokens,
+                         "bytes_each_way": tokens * hidden * 4, "us": summary(device_times),
+                         "host_us": summary(host_times), "host_phase_median_us": host_phases,
+                         "lead_misses": lead_misses})
         rows.append({"method": "unix-socket", "workers": workers, "tokens_per_worker": args.tokens,
                      "bytes_each_way": tokens * hidden * 4, "us": summary(socket_times)})
     report = {
@@ -94,6 +101,8 @@ def run(args) -> dict:
                   ("shm-fused us: the engine's fused CUDA path, device time from the first copy_and_signal to the "
                    "last wait_and_add (CUDA events), the pool hot; host_us: the host's enqueueing of those kernels "
                    "and jobs; lead_misses: round trips whose first copy started before the host had enqueued all"),
+                  ("shm-fused-batched: the same with one copy_and_signal for every worker's rows and flag and one "
+                   "wait_and_add on every done flag (the workers at equal seqs); not the engine's path yet"),
                   *notes],
     }
     print(markdown_table(
@@ -105,12 +114,14 @@ def run(args) -> dict:
          for s in [next(r for r in rows if r["workers"] == w and r["method"] == "shm")]
          for u in [next(r for r in rows if r["workers"] == w and r["method"] == "unix-socket")]],
     ))
-    fused_rows = [r for r in rows if r["method"] == "shm-fused"]
+    fused_rows = [r for r in rows if r["method"].startswith("shm-fused")]
     if fused_rows:
         print()
         print(markdown_table(
-            ["workers", "shm fused (device) median us", "p99 us", "host enqueue median us", "lead misses"],
-            [[r["workers"], r["us"]["median"], r["us"]["p99"], r["host_us"]["median"], r["lead_misses"]] for r in fused_rows]))
+            ["method", "workers", "device median us", "p99 us", "host enqueue median us", "of it: jobs",
+             "copy_and_signal launches", "wait_and_add launches", "lead misses"],
+            [[r["method"], r["workers"], r["us"]["median"], r["us"]["p99"], r["host_us"]["median"], *r["host_phase_median_us"].values(),
+              r["lead_misses"]] for r in fused_rows]))
     for note in notes:
         print(note)
     finish(args.out, report, lambda plt: _plot(plt, rows))
@@ -129,10 +140,13 @@ def _fused_unavailable(device: torch.device) -> str | None:
 
 
 def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden: int, reps: int, warmup: int,
-                       device: torch.device) -> tuple[list[float], list[float], int]:
+                       device: torch.device, batched: bool = False) -> tuple[list[float], list[float], int, dict]:
     """The engine's fused path (CpuAssist._apply_fused, a token split): per worker a job enqueued, one
     copy_and_signal of its rows and, after every copy, one wait_and_add of its result, all on the
-    current stream. -> (device round trips us, host enqueue us, round trips whose lead ran out)."""
+    current stream. batched: one copy_and_signal of every worker's rows raising every job flag, then one
+    wait_and_add on every done flag (the kernels take several flags at a stride; every worker must be
+    at the same seq, as here, where each round trip gives each worker one job): two kernels in all.
+    -> (device round trips us, host enqueue us, round trips whose lead ran out, host phase medians)."""
     from lorad.cpu_lora.worker import WorkerPool
     from lorad.gpu_ops import cuda_ext
     from lorad.shm.exchange import DONE_SEQ, IN_FLOAT32, JOB_SEQ, Job
@@ -148,6 +162,7 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     lead_cycles = int(LEAD_S * torch.cuda.get_device_properties(device).clock_rate * 1e3)  # clock_rate: kHz
     device_times, host_times, misses = [], [], 0
+    phases = {"enqueue": [], "copy_and_signal": [], "wait_and_add": []}  # host us per round trip, all workers
     with AdapterStore.create(instance, 2 * rank * hidden * 4 + (1 << 16)) as store:
         adapter_id = store.put(probe)
         with WorkerPool(workers, store, tokens, hidden, hidden, instance=instance) as pool:
@@ -158,6 +173,7 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
             outputs = torch.from_numpy(pool.output)
             error = torch.from_numpy(exchange.error_word)
             inputs = [torch.from_numpy(exchange.input_rows(lo, hi, hidden, 4)).view(torch.float32) for lo, hi in ranges]
+            all_inputs = torch.from_numpy(exchange.input_rows(0, tokens, hidden, 4)).view(torch.float32)
             mapping = cuda_ext.register_host(buffer)
             try:
                 for rep in range(warmup + reps):
@@ -165,16 +181,38 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
                     torch.cuda._sleep(lead_cycles)
                     start.record()
                     began = time.perf_counter_ns()
-                    pending = []
-                    for worker, (lo, hi) in enumerate(ranges):
+                    pending, spent = [], [0, 0, 0]  # ns in enqueue, copy launches, wait launches
+                    if batched:
+                        t0 = time.perf_counter_ns()
+                        seqs = {pool.enqueue(worker, Job(adapter_id, 0, 0, lo, hi, hidden, hidden, IN_FLOAT32))
+                                for worker, (lo, hi) in enumerate(ranges)}
+                        if len(seqs) != 1 or None in seqs:
+                            raise RuntimeError(f"batched round trip: the workers' seqs differ or a ring is full: {seqs}")
+                        seq = seqs.pop()
+                        t1 = time.perf_counter_ns()
+                        cuda_ext.fused_copy_and_signal(all_inputs, x_device, exchange.job_flags[:workers], seq)
+                        t2 = time.perf_counter_ns()
+                        cuda_ext.fused_wait_and_add(y, outputs[:tokens, :hidden], exchange.done_flags[:workers], seq,
+                                                    error, 5.0, skip_if_error=True)
+                        spent = [t1 - t0, t2 - t1, time.perf_counter_ns() - t2]
+                        ranges_now = ()
+                    else:
+                        ranges_now = ranges
+                    for worker, (lo, hi) in enumerate(ranges_now):
+                        t0 = time.perf_counter_ns()
                         seq = pool.enqueue(worker, Job(adapter_id, 0, 0, lo, hi, hidden, hidden, IN_FLOAT32))
                         if seq is None:
                             raise RuntimeError(f"worker {worker}'s job ring stayed full")
+                        t1 = time.perf_counter_ns()
                         cuda_ext.fused_copy_and_signal(inputs[worker], x_device[lo:hi], job_flags[worker], seq)
+                        spent[0] += t1 - t0
+                        spent[1] += time.perf_counter_ns() - t1
                         pending.append((worker, seq, lo, hi))
+                    t0 = time.perf_counter_ns()
                     for worker, seq, lo, hi in pending:
                         cuda_ext.fused_wait_and_add(y[lo:hi], outputs[lo:hi, :hidden], done_flags[worker], seq, error,
                                                     5.0, skip_if_error=True)
+                    spent[2] += time.perf_counter_ns() - t0
                     end.record()
                     enqueued = (time.perf_counter_ns() - began) / 1e3
                     missed = start.query()  # the device reached the first copy before the host was done
@@ -186,6 +224,8 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
                     if rep >= warmup:
                         device_times.append(start.elapsed_time(end) * 1e3)
                         host_times.append(enqueued)
+                        for phase, ns in zip(phases, spent):
+                            phases[phase].append(ns / 1e3)
                         misses += bool(missed)
                 pool.cool()
                 y.zero_()  # one more round trip, checked
@@ -200,9 +240,9 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
                     raise RuntimeError("the fused round trip returned a wrong result")
             finally:
                 torch.cuda.synchronize(device)
-                del inputs, outputs, error, job_flags, done_flags
+                del inputs, all_inputs, outputs, error, job_flags, done_flags
                 mapping.close()
-    return device_times, host_times, misses
+    return device_times, host_times, misses, {phase: summary(values)["median"] for phase, values in phases.items()}
 
 
 def _shm_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden: int, reps: int,
@@ -361,7 +401,8 @@ def _receive_into(connection: socket.socket, view: memoryview) -> None:
 
 def _plot(plt, rows: list[dict]):
     figure, axis = plt.subplots(figsize=(6.5, 4))
-    for method, color in (("shm", "tab:blue"), ("shm-fused", "tab:green"), ("unix-socket", "tab:orange")):
+    for method, color in (("shm", "tab:blue"), ("shm-fused", "tab:green"), ("shm-fused-batched", "tab:olive"),
+                          ("unix-socket", "tab:orange")):
         points = sorted((r["workers"], r["us"]["median"], r["us"]["p99"]) for r in rows if r["method"] == method)
         if not points:
             continue
