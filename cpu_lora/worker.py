@@ -336,6 +336,11 @@ class WorkerPool:
         return len(self._processes)
 
     @property
+    def worker_cores(self) -> list[int]:
+        """The core each worker is pinned to (empty: none pinned)."""
+        return [self.cores[worker % len(self.cores)] for worker in range(self.workers)] if self.cores else []
+
+    @property
     def max_rank(self) -> int:
         """The widest rank a split group may have (0: the pool takes token splits only)."""
         return self.exchange.config.max_rank

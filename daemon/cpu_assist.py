@@ -78,6 +78,20 @@ CPU, GPU = "cpu", "gpu"  # the path a layer of a cpu-assisted request took
 _IN_DTYPES = {torch.float32: IN_FLOAT32, torch.float16: IN_FLOAT16, torch.bfloat16: IN_BFLOAT16}
 
 
+def keep_off_cores(taken) -> set[int] | None:
+    """The calling thread (the engine's, and every thread it starts later, which inherit it) leaves the
+    cores in `taken` (the CPU workers'), so that it never shares a core with a worker: a sleeping worker
+    wakes every millisecond or so to poll, and each wake-up on the engine's core preempts the engine's
+    host work. Returns the affinity it had, to restore; None (nothing changed) when no core would be left
+    or none is taken."""
+    before = os.sched_getaffinity(0)
+    left = before - set(taken)
+    if not left or left == before:
+        return None
+    os.sched_setaffinity(0, left)
+    return before
+
+
 def default_workers(requested: int) -> int:
     """`cpu_workers` 0: one per core but one (the engine's), at most 4."""
     if requested > 0:

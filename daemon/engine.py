@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import torch
 from lorad.config import EngineConfig
 from lorad.daemon.adapters import AdapterRegistry, LoraAdapter
 from lorad.daemon.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
-from lorad.daemon.cpu_assist import PROFILE_RANK, CpuAssist, default_workers
+from lorad.daemon.cpu_assist import PROFILE_RANK, CpuAssist, default_workers, keep_off_cores
 from lorad.daemon.cuda_graphs import DecodeGraphs
 from lorad.daemon.kernel_choice import LoraKernelChoice
 from lorad.daemon.lora_residency import LoraResidency
@@ -184,6 +185,8 @@ class Engine:
         self.steps = 0
         self.cold_start_decisions = dict.fromkeys(DECISIONS, 0)
         self.cpu_assist: CpuAssist | None = None
+        # (thread, its cpu affinity before keep_off_cores) on cuda with CPU workers, restored by close()
+        self._affinity: tuple = (None, None)
         self.cold_start_costs: ColdStartCosts | None = None  # measured at start-up (auto); tests may replace it
         if config.cold_start == "cached":
             self._place_every_adapter()
@@ -316,6 +319,10 @@ class Engine:
                     assist.apply(x, y, layer, proj, batch.cpu_spans, gpu_lora)
 
             self.ops.lora = lora
+            if self.device.type == "cuda":  # the GPU engine's host work never shares a core with a worker
+                self._affinity = (threading.get_ident(), keep_off_cores(assist.pool.worker_cores))
+                log.info("engine threads on cores %s, cpu lora workers on %s",
+                         sorted(os.sched_getaffinity(0)), assist.pool.worker_cores)
             # Cold adapters of cpu-assisted prefills are copied layer by layer, so each layer passes to
             # the GPU as it arrives; the others are placed as ondemand places them.
             self.residency.layerwise_for = self._layerwise_placement
@@ -610,6 +617,10 @@ class Engine:
         assist, self.cpu_assist = self.cpu_assist, None
         if assist is not None:
             assist.close()
+        thread, before = self._affinity
+        if before is not None and thread == threading.get_ident():  # affinity is per thread: only the one that set it
+            os.sched_setaffinity(0, before)
+            self._affinity = (None, None)
 
     # ---- Memory protocol for the scheduler: KV growth may evict idle adapters ---------------------
     def grow(self, blocks: list, num_tokens: int) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 
 import posix_ipc
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from lorad.config import EngineConfig
 from lorad.daemon.checkpoint import load_spec
+from lorad.daemon.cpu_assist import keep_off_cores
 from lorad.daemon.demo import write_random_adapter
 from lorad.daemon.engine import Engine
 from lorad.daemon.metrics import render
@@ -276,3 +278,23 @@ def test_the_engine_process_serves_cpu_assisted_and_cleans_up_at_stop(demo_asset
     finally:
         engine.stop()
     assert lorad_segments(f"/lorad-{engine_pid}x") == []
+
+
+def test_keep_off_cores_moves_the_calling_thread_off_the_workers_cores():
+    cores = sorted(os.sched_getaffinity(0))
+    assert keep_off_cores([]) is None and keep_off_cores(cores) is None  # nothing taken, or nothing would be left
+    assert os.sched_getaffinity(0) == set(cores)
+    if len(cores) < 2:
+        pytest.skip("one usable core: no core can be left to the engine")
+    seen = {}
+
+    def engine_thread():  # affinity is per thread: the test process's own stays as it is
+        seen["before"] = keep_off_cores([cores[0]])
+        seen["during"] = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, seen["before"])
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"before": set(cores), "during": set(cores[1:])}
+    assert os.sched_getaffinity(0) == set(cores)
