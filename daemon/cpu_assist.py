@@ -153,7 +153,7 @@ class CpuAssist:
         self.layers_seen = dict(self.layers)
         self.layers_arrived = None  # (span, layer) -> bool: replaces the copy's event query (tests)
         self._cut_short = False  # fused path: the ring was full past the deadline, posting stopped
-        self.mapping = None
+        self.mapping = self.launcher = None
         self.fused = device is not None and device.type == "cuda" and cuda_ext.available()
         if self.fused:
             self.invocation = "fused-cuda"
@@ -164,6 +164,12 @@ class CpuAssist:
         try:
             if self.fused:  # once at start-up: registering pins the pages and may synchronise
                 self.mapping = cuda_ext.register_host(buffer)
+                # The fused path's launches take device addresses worked out here, not per call.
+                self.launcher = cuda_ext.FusedLauncher(self.mapping, self.error)
+                self._job_flags_device = [self.launcher.flags(flags) for flags in self._job_flags]
+                self._done_flags_device = [self.launcher.flags(flags) for flags in self._done_flags]
+                self._input_address, self._input_nbytes = exchange.input_bytes.ctypes.data, exchange.input_bytes.size
+                self._output_address, self._output_stride = self.pool.output.ctypes.data, self.pool.output.shape[1]
             self.cost = self._profile(hidden)
         except BaseException:
             self.close()
@@ -341,11 +347,15 @@ class CpuAssist:
             return  # this step is recomputed (after_step): the kernels would only wait in vain
         in_features, out_features = x.shape[1], y.shape[1]
         dtype_code, itemsize = _IN_DTYPES[x.dtype], x.element_size()
-        exchange, pending = self.pool.exchange, []
+        row_bytes = in_features * itemsize
+        if in_features > self.pool.exchange.config.hidden or x.shape[0] * row_bytes > self._input_nbytes:
+            raise ValueError(f"{x.shape[0]} rows of width {in_features} do not fit the exchange's input")
+        launcher, pending = self.launcher, []
+        stream = torch.cuda.current_stream(x.device).cuda_stream
         for span in spans:
             if span.parts > 1:
-                if not self._enqueue_group(x, span, layer, proj, in_features, out_features, dtype_code, itemsize,
-                                           pending):
+                if not self._enqueue_group(x, span, layer, proj, in_features, out_features, dtype_code, row_bytes,
+                                           stream, pending):
                     break
                 continue
             for worker, (start, end) in enumerate(span.ranges):
@@ -358,17 +368,18 @@ class CpuAssist:
                     log.warning("cpu lora ring of worker %d full past %.1f s: the step is cut short", worker,
                                 self.job_timeout_s)
                     break
-                rows = torch.from_numpy(exchange.input_rows(start, end, in_features, itemsize)).view(x.dtype)
                 source = x[start:end]
-                cuda_ext.fused_copy_and_signal(rows, source if source.is_contiguous() else source.contiguous(),
-                                               self._job_flags[worker], seq)
+                launcher.copy_and_signal(self._input_address + start * row_bytes,
+                                         source if source.is_contiguous() else source.contiguous(),
+                                         self._job_flags_device[worker], seq, stream)
                 pending.append((worker, seq, start, end))
+        timeout_ns, stride = max(1, int(self.job_timeout_s * 1e9)), self._output_stride
         for worker, seq, start, end in pending:  # a split group's parts past the first: empty rows, a wait only
-            cuda_ext.fused_wait_and_add(y[start:end], self.outputs[start:end, :out_features], self._done_flags[worker],
-                                        seq, self.error, self.job_timeout_s, skip_if_error=True)
+            launcher.wait_and_add(y[start:end], self._output_address + start * stride * 4, stride,
+                                  self._done_flags_device[worker], seq, timeout_ns, stream, skip_if_error=True)
 
     def _enqueue_group(self, x, span: CpuSpan, layer: int, proj: int, in_features: int, out_features: int,
-                       dtype_code: int, itemsize: int, pending: list) -> bool:
+                       dtype_code: int, row_bytes: int, stream: int, pending: list) -> bool:
         """A split group's parts (fused path): one copy of the span's rows that raises part 0's flag,
         then a flag-only signal per further part; the waits of parts 1.. add nothing (empty rows) and
         part 0's wait adds the whole result, so the add follows every part's done flag. -> False when
@@ -382,13 +393,13 @@ class CpuAssist:
                 log.warning("cpu lora ring of worker %d full past %.1f s: the step is cut short", part, self.job_timeout_s)
                 return False
             seqs.append(seq)
-        rows = torch.from_numpy(self.pool.exchange.input_rows(span.start, span.end, in_features, itemsize)).view(x.dtype)
         source = x[span.start : span.end]
-        cuda_ext.fused_copy_and_signal(rows, source if source.is_contiguous() else source.contiguous(),
-                                       self._job_flags[0], seqs[0])
+        address = self._input_address + span.start * row_bytes
+        self.launcher.copy_and_signal(address, source if source.is_contiguous() else source.contiguous(),
+                                      self._job_flags_device[0], seqs[0], stream)
         empty = source[:0]
         for part in range(1, span.parts):
-            cuda_ext.fused_copy_and_signal(rows[:0], empty, self._job_flags[part], seqs[part])
+            self.launcher.copy_and_signal(address, empty, self._job_flags_device[part], seqs[part], stream)
         pending.extend((part, seqs[part], span.start, span.start) for part in range(1, span.parts))
         pending.append((0, seqs[0], span.start, span.end))
         return True

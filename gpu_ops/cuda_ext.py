@@ -310,6 +310,53 @@ def fused_wait_and_add(
     )
 
 
+class FusedLauncher:
+    """`fused_copy_and_signal` / `fused_wait_and_add` for one registered region (an exchange segment), with
+    the per-call Python cut to what changes between calls: the region's device address, the flags'
+    device addresses (`flags()`, once per set of flags) and the error word's are worked out here once;
+    a call takes host addresses and sizes, checks that they lie in the region, and launches. The CPU
+    LoRA's fused path makes two calls per worker per projection: with the general functions' checks and
+    lookups, ~35 us of Python each on the H100 host (bench/results/ipc_h100_s6.json), longer than the
+    round trip itself.
+
+    The caller guarantees what the general functions check: `src`, `out` on the current device, src
+    contiguous, out rows contiguous, dtypes matching (copy: src's bytes land as they are)."""
+
+    def __init__(self, mapping: HostMapping, error: torch.Tensor):
+        _require_extension()
+        self.host, self.end, self.device = mapping.host_address, mapping.host_address + mapping.nbytes, mapping.device_address
+        if error.dtype != torch.int64 or error.numel() != 1:
+            raise ValueError("error must be a one-element int64 tensor")
+        self.error = error.data_ptr() if error.is_cuda else self._device(error.data_ptr(), FLAG_BYTES, "error")
+
+    def _device(self, host_address: int, nbytes: int, what: str) -> int:
+        if not self.host <= host_address <= self.end - nbytes:
+            raise ValueError(f"{what} (host 0x{host_address:x}, {nbytes} bytes) lies outside the registered region")
+        return self.device + host_address - self.host
+
+    def flags(self, flags) -> tuple[int, int, int]:
+        """(device address, count, stride in bytes) of flags inside the region, for the calls below."""
+        address, count, stride = _flag_layout(flags)
+        return self._device(address, (count - 1) * stride + FLAG_BYTES, "flags"), count, stride
+
+    def copy_and_signal(self, dst_address: int, src: torch.Tensor, flags: tuple[int, int, int], seq: int,
+                        stream: int) -> None:
+        """`fused_copy_and_signal` of src's bytes to host address `dst_address` (in the region)."""
+        nbytes = src.numel() * src.element_size()
+        dst = self._device(dst_address, nbytes, "dst") if nbytes else 0
+        _ext.copy_and_signal(dst, src.data_ptr(), nbytes, flags[0], seq, stream, flags[1], flags[2])
+
+    def wait_and_add(self, out: torch.Tensor, result_address: int, result_row_stride: int, flags: tuple[int, int, int],
+                     seq: int, timeout_ns: int, stream: int, skip_if_error: bool = False) -> None:
+        """`fused_wait_and_add` into out [rows, cols] from the float32 rows at host `result_address` (in the
+        region), `result_row_stride` floats apart."""
+        rows, cols = out.shape
+        span = ((rows - 1) * result_row_stride + cols) * 4 if rows and cols else 0
+        result = self._device(result_address, span, "result") if span else 0
+        _ext.wait_and_add(out.data_ptr(), result, rows, cols, out.stride(0), result_row_stride, _DTYPE_CODES[out.dtype],
+                          flags[0], seq, stream, timeout_ns, self.error, flags[1], flags[2], skip_if_error)
+
+
 # ---- python path (CPU engine; CaraServe's "native" baseline on the GPU) -----------------------------
 
 

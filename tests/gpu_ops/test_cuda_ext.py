@@ -206,6 +206,57 @@ def test_argument_checks():
         cuda_ext.copy_and_signal(out, result, [0], 1)
 
 
+class _RecordingExtension:
+    """Stands in for the compiled extension: records each launch's arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def copy_and_signal(self, *args):
+        self.calls.append(("copy_and_signal", args))
+
+    def wait_and_add(self, *args):
+        self.calls.append(("wait_and_add", args))
+
+
+def test_fused_launcher_passes_device_addresses_worked_out_once(monkeypatch):
+    """FusedLauncher (the CPU LoRA's fused path) on the CPU with a recording stand-in for the extension: each
+    host address becomes the mapping's device address plus its offset, flags keep their count and stride,
+    and an address outside the registered region is refused before any launch."""
+    ext = _RecordingExtension()
+    monkeypatch.setattr(cuda_ext, "_ext", ext)
+    monkeypatch.setattr(cuda_ext, "_require_extension", lambda: None)
+    region = np.zeros(1 << 16, dtype=np.uint8)
+    host = region.ctypes.data
+    mapping = type("Mapping", (), {"host_address": host, "nbytes": region.nbytes, "device_address": 1 << 40})()
+    error = torch.from_numpy(region[64:72]).view(torch.int64)
+    launcher = cuda_ext.FusedLauncher(mapping, error)
+    assert launcher.error == (1 << 40) + 64
+    flags = launcher.flags(np.ndarray((3,), np.int64, region, 1024, (128,)))
+    assert flags == ((1 << 40) + 1024, 3, 128)
+    src = torch.arange(8, dtype=torch.float32)
+    launcher.copy_and_signal(host + 4096, src, flags, 7, stream=11)
+    empty = src[:0]
+    launcher.copy_and_signal(host + 4096, empty, flags, 8, stream=11)  # a flag only: no destination
+    out = torch.zeros(2, 4, dtype=torch.bfloat16)
+    launcher.wait_and_add(out, host + 8192, 16, flags, 7, timeout_ns=5, stream=11, skip_if_error=True)
+    assert ext.calls == [
+        ("copy_and_signal", ((1 << 40) + 4096, src.data_ptr(), 32, (1 << 40) + 1024, 7, 11, 3, 128)),
+        ("copy_and_signal", (0, empty.data_ptr(), 0, (1 << 40) + 1024, 8, 11, 3, 128)),
+        ("wait_and_add", (out.data_ptr(), (1 << 40) + 8192, 2, 4, 4, 16, cuda_ext._DTYPE_CODES[torch.bfloat16],
+                          (1 << 40) + 1024, 7, 11, 5, (1 << 40) + 64, 3, 128, True)),
+    ]
+    for bad in (lambda: launcher.copy_and_signal(host + region.nbytes - 16, src, flags, 9, stream=11),
+                lambda: launcher.copy_and_signal(host - 64, src, flags, 9, stream=11),
+                lambda: launcher.wait_and_add(out, host + region.nbytes - 64, 16, flags, 9, 5, 11),
+                lambda: launcher.flags(np.zeros(2, np.int64))):  # flags outside the region
+        with pytest.raises(ValueError, match="outside the registered region"):
+            bad()
+    assert len(ext.calls) == 3
+    with pytest.raises(ValueError):
+        cuda_ext.FusedLauncher(mapping, error.int())
+
+
 # ---- fused kernels (GPU) -------------------------------------------------------------------------------
 
 gpu = pytest.mark.gpu
