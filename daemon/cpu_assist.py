@@ -46,7 +46,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from lorad.cpu_lora.partition import (
     CostModel,
@@ -58,11 +57,9 @@ from lorad.cpu_lora.partition import (
 from lorad.cpu_lora.worker import WorkerPool
 from lorad.gpu_ops import cuda_ext
 from lorad.shm.exchange import (
-    DONE_SEQ,
     IN_BFLOAT16,
     IN_FLOAT16,
     IN_FLOAT32,
-    JOB_SEQ,
     Job,
 )
 from lorad.errors import BadRequest
@@ -141,9 +138,7 @@ class CpuAssist:
         exchange = self.pool.exchange
         self.outputs = torch.from_numpy(self.pool.output)
         self.error = torch.from_numpy(exchange.error_word)  # int64 [1]: a GPU wait timed out (seq), 0: none
-        buffer, layout = exchange.segment.buffer, exchange.layout
-        self._job_flags = [np.ndarray((1,), np.int64, buffer, layout.job_line(w) + JOB_SEQ * 8) for w in range(workers)]
-        self._done_flags = [np.ndarray((1,), np.int64, buffer, layout.worker_line(w) + DONE_SEQ * 8) for w in range(workers)]
+        buffer = exchange.segment.buffer
         self._stored: OrderedDict[str, tuple[int, int]] = OrderedDict()  # name -> (id(weights), adapter id)
         self.assisted = 0  # prefills whose LoRA the workers computed
         self.plans = {"tokens": 0, "groups": 0}  # spans (a prompt's rows in a step) planned each way
@@ -166,8 +161,8 @@ class CpuAssist:
                 self.mapping = cuda_ext.register_host(buffer)
                 # The fused path's launches take device addresses worked out here, not per call.
                 self.launcher = cuda_ext.FusedLauncher(self.mapping, self.error)
-                self._job_flags_device = [self.launcher.flags(flags) for flags in self._job_flags]
-                self._done_flags_device = [self.launcher.flags(flags) for flags in self._done_flags]
+                self._job_flags_device = [self.launcher.flags(exchange.job_flags[w : w + 1]) for w in range(workers)]
+                self._done_flags_device = [self.launcher.flags(exchange.done_flags[w : w + 1]) for w in range(workers)]
                 self._input_address, self._input_nbytes = exchange.input_bytes.ctypes.data, exchange.input_bytes.size
                 self._output_address, self._output_stride = self.pool.output.ctypes.data, self.pool.output.shape[1]
             self.cost = self._profile(hidden)
@@ -348,8 +343,9 @@ class CpuAssist:
         in_features, out_features = x.shape[1], y.shape[1]
         dtype_code, itemsize = _IN_DTYPES[x.dtype], x.element_size()
         row_bytes = in_features * itemsize
-        if in_features > self.pool.exchange.config.hidden or x.shape[0] * row_bytes > self._input_nbytes:
-            raise ValueError(f"{x.shape[0]} rows of width {in_features} do not fit the exchange's input")
+        if (in_features > self.pool.exchange.config.hidden or x.shape[0] * row_bytes > self._input_nbytes
+                or out_features > self._output_stride):
+            raise ValueError(f"{x.shape[0]} rows of {in_features} -> {out_features} do not fit the exchange")
         launcher, pending = self.launcher, []
         stream = torch.cuda.current_stream(x.device).cuda_stream
         for span in spans:
@@ -471,7 +467,6 @@ class CpuAssist:
         pool, self.pool = getattr(self, "pool", None), None
         if pool is not None:
             self.outputs = self.error = None
-            self._job_flags = self._done_flags = []
             pool.close()
         store, self.store = getattr(self, "store", None), None
         if store is not None:
