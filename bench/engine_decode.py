@@ -176,6 +176,7 @@ def main() -> None:
     parser.add_argument("--breakdown-batch", action="store_true", help="also break down a step of the LoRA batch")
     parser.add_argument("--no-fuse-lora-groups", action="store_true",
                         help="the engine's fuse_lora_groups off: one decode LoRA launch pair per projection")
+    parser.add_argument("--lora-pdl", default="auto", help="the engine's lora_pdl: auto|off|expand|chain")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -185,7 +186,7 @@ def main() -> None:
         model_config=args.model_config, dummy_weights=True, dummy_adapters=args.batch, dummy_adapter_rank=args.rank,
         dummy_adapter_targets=",".join(PROJECTIONS), device="cuda", dtype="bfloat16",
         max_running_requests=args.batch, max_batch_tokens=max(2048, args.batch * max(args.prompts)), max_lora_rank=max(64, args.rank),
-        max_model_len=2048, fuse_lora_groups=not args.no_fuse_lora_groups,
+        max_model_len=2048, fuse_lora_groups=not args.no_fuse_lora_groups, lora_pdl=args.lora_pdl,
     ))
     load = adapter_load(engine, 64, ("q_proj", "k_proj", "v_proj"))  # into a fresh pool: one run of pages
     weight_bytes = sum(t.nbytes for name, t in _model_tensors(engine))
@@ -217,6 +218,7 @@ def main() -> None:
     result = {
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model_config,
         "ops": engine.ops.name, "cuda_graph_steps": engine.graph_steps, "decode_lora_groups": engine.lora_groups,
+        "decode_lora_pdl": engine.lora_pdl,
         "hbm_copy_GBps": hbm / 1e9, "pinned_h2d_GBps": pinned / 1e9,
         "decode": {"batch": args.batch, "rank": args.rank, "targets": "all seven", "steps": args.steps,
                    "lora_bytes_per_step": lora_bytes, "by_prompt": decode},

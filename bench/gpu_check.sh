@@ -53,6 +53,15 @@ run_step() {
     # the same with one decode LoRA launch pair per projection (fuse_lora_groups off): run it beside engine_decode
     engine_decode_per_projection) step bench_engine_decode_per_projection 150 python3 bench/engine_decode.py --breakdown-batch \
         --no-fuse-lora-groups --out "$OUTDIR/engine_decode_per_projection.json" ;;
+    # the decode MBGMV's programmatic dependent launch (lora_pdl, default auto = expand) off and chained: run beside
+    # engine_decode (no breakdown, to fit one device call)
+    engine_decode_pdl_off) step bench_engine_decode_pdl_off 150 python3 bench/engine_decode.py --lora-pdl off \
+        --out "$OUTDIR/engine_decode_pdl_off.json" ;;
+    engine_decode_pdl_chain) step bench_engine_decode_pdl_chain 150 python3 bench/engine_decode.py --lora-pdl chain \
+        --out "$OUTDIR/engine_decode_pdl_chain.json" ;;
+    engine_decode_plain) step bench_engine_decode_plain 150 python3 bench/engine_decode.py --out "$OUTDIR/engine_decode_plain.json" ;;
+    pytest_pdl) step pytest_pdl 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu_ops/test_lora_kernels.py \
+        -k "pdl or mbgmv_group_gpu or no_host_sync" tests/daemon/test_engine_gpu.py::test_cuda_lora_pdl_modes_give_the_same_tokens ;;
     # where an eager prefill's time goes (host launches vs device), with a cProfile of the host
     prefill_host) step prefill_host 200 python3 bench/prefill_host.py --out "$OUTDIR/prefill_host.json" ;;
     invoke) step bench_invoke 240 python3 bench/invoke.py --out "$OUTDIR/invoke.json" ;;

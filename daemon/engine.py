@@ -114,8 +114,9 @@ class Engine:
             config.profile_path, self.model_name, self.device, config.state_dir, str(self.dtype).removeprefix("torch."),
             config.lora_kernel)
         log.info("decode lora kernel choice=%s", self.kernel_choice.describe())
+        self.lora_pdl = self._lora_pdl()
         self.ops = Ops.for_device(self.device, config.max_batch_tokens, config.max_lora_rank, self.kernel_choice,
-                                  fuse_groups=config.fuse_lora_groups)
+                                  fuse_groups=config.fuse_lora_groups, pdl=self.lora_pdl["mode"])
         self.model = LlamaModel(self.spec, weights, self.max_model_len, self.ops)
         del weights
         self.pool = PagePool(self._pool_pages(), self.spec.hidden_size, self.dtype, self.device)
@@ -201,6 +202,25 @@ class Engine:
         )
 
     # ---- set-up -------------------------------------------------------------------------------
+    def _lora_pdl(self) -> dict[str, str | None]:
+        """How decode steps launch the MBGMV kernels (config.lora_pdl): {"mode": off|expand|chain, "why": the
+        reason it is off where auto turned it off}; logged, in /v1/status. An explicit mode the device or triton
+        cannot run is refused."""
+        wanted = self.config.lora_pdl
+        if wanted == "off":
+            return {"mode": "off", "why": "lora_pdl off"}
+        if self.device.type != "cuda":
+            reason = f"{self.device.type}: reference ops"
+        else:
+            from lorad.gpu_ops.mbgmv import pdl_unavailable
+
+            reason = pdl_unavailable(self.device)
+        if reason is not None and wanted != "auto":
+            raise BadRequest(f"lora_pdl {wanted} cannot run here: {reason}")
+        mode = {"off": "off", "auto": "expand"}.get(wanted, wanted) if reason is None else "off"
+        log.info("decode lora pdl=%s%s", mode, f" ({reason})" if reason else "")
+        return {"mode": mode, "why": reason}
+
     def _lora_groups(self) -> dict[str, str]:
         """How decode steps launch the LoRA of q,k,v and of gate,up (config.fuse_lora_groups): "one launch"
         where the members' tiles agree (mbgmv.group_fits), else "per projection"; logged, in /v1/status."""
@@ -406,6 +426,7 @@ class Engine:
                 "prefill_cuda_graphs": self.prefill_graphs.tokens_buckets if self.prefill_graphs is not None else "off",
                 "lora_kernel_choice": self.kernel_choice.describe(),
                 "decode_lora_groups": self.lora_groups,
+                "decode_lora_pdl": dict(self.lora_pdl),
                 "lora_kernel_steps": dict(self.kernel_choice.steps),
                 "cold_start": self.config.cold_start,
                 "cold_start_decisions": dict(self.cold_start_decisions),

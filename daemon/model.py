@@ -82,7 +82,7 @@ class Ops:
 
     @classmethod
     def for_device(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
-                   fuse_groups: bool = False) -> Ops:
+                   fuse_groups: bool = False, pdl: str = "off") -> Ops:
         """kernel_choice (daemon/kernel_choice.py): picks each decode step's LoRA kernel, BGMV or MBGMV,
         in `prepare_lora`; None: MBGMV. On the CPU only a profile (or `lorad profile` measuring) makes
         decode steps run the kernels' references, bgmv_ref or mbgmv_ref; otherwise apply_lora_ref."""
@@ -94,19 +94,22 @@ class Ops:
             bgmv.require_triton()
         except (ImportError, RuntimeError) as error:
             return cls._reference_with_choice(cls.reference(f"torch-reference (triton unavailable: {error})"), kernel_choice)
-        return cls.triton(device, max_batch_tokens, max_lora_rank, kernel_choice, fuse_groups)
+        return cls.triton(device, max_batch_tokens, max_lora_rank, kernel_choice, fuse_groups, pdl)
 
     @classmethod
     def triton(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
-               fuse_groups: bool = False) -> Ops:
+               fuse_groups: bool = False, pdl: str = "off") -> Ops:
         """The Triton kernels (on the CPU they run only in Triton's interpreter: the tests). fuse_groups: a
         decode step's MBGMV takes q, k, v in one launch pair and gate, up in one (where their tiles agree:
-        mbgmv.group_fits), not one pair per projection."""
+        mbgmv.group_fits), not one pair per projection. pdl: how the decode MBGMV launches (a key of
+        mbgmv.PDL_MODES; the caller checks mbgmv.pdl_unavailable)."""
         from lorad.gpu_ops import bgmv, fused, mbgmm, mbgmv, paged_attention
 
         from lorad.gpu_ops import gemv
 
         groups = ",mbgmv-groups:qkv|gate-up" if fuse_groups else ""
+        groups += "" if pdl == "off" else f",mbgmv-pdl:{pdl}"
+        pdl = mbgmv.PDL_MODES[pdl]
         ops = cls.reference(f"triton[lora:mbgmv|bgmv+mbgmm{groups},paged-attention,fused-norm-rope-silu,"
                             f"gemv(rows<={gemv.GEMV_MAX_ROWS})]")
 
@@ -138,7 +141,7 @@ class Ops:
                 if batch.decode_kernel == "bgmv":
                     bgmv.bgmv(x, y, layer, proj, batch.row_slot, table, batch.max_rank, workspace)
                 else:
-                    mbgmv.lora_decode(x, y, layer, proj, batch, table, max_rank=batch.max_rank, workspace=workspace)
+                    mbgmv.lora_decode(x, y, layer, proj, batch, table, max_rank=batch.max_rank, workspace=workspace, pdl=pdl)
             else:
                 mbgmm.lora_prefill(x, y, layer, proj, batch, table, segments=batch.segments, workspace=workspace)
 
@@ -148,7 +151,7 @@ class Ops:
                 config = mbgmv.group_fits(table, first, len(outs), batch.max_rank)
                 if config is not None:
                     mbgmv.mbgmv_group(x, fused_out, layer, first, len(outs), batch.row_slot, table, batch.max_rank,
-                                      workspace, config=config)
+                                      workspace, config=config, pdl=pdl)
                     return
             ops._lora_each(x, fused_out, outs, layer, first, batch, table)
 

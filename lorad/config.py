@@ -17,6 +17,9 @@ DEVICES = ("auto", "cpu", "cuda")
 COLD_STARTS = ("cached", "ondemand", "cpu", "auto")
 CPU_LORA_SPLITS = ("auto", "tokens", "groups")
 LORA_KERNELS = ("auto", "bgmv", "mbgmv")
+# Programmatic dependent launch of the decode MBGMV kernels (gpu_ops/mbgmv.py, PDL_MODES): auto is expand
+# where the device and triton support it, else off.
+LORA_PDL = ("auto", "off", "expand", "chain")
 # Which waiting requests join a step (scheduler/admission.py): fcfs: in arrival order; early-abort: queued
 # requests whose predicted TTFT exceeds slo_ttft_ms are dropped with an error (S-LoRA App. B); cluster:
 # once the running batch holds cluster_max_adapters distinct adapters, other adapters' requests wait
@@ -52,6 +55,10 @@ class EngineConfig:
     # Measured on the H100 beside one launch pair per projection (bench/engine_decode.py, BENCHMARKS.md): LoRA
     # decode steps of 64 distinct rank-16 adapters 4% shorter, the same tokens.
     fuse_lora_groups: bool = True
+    # on cuda (Hopper and later): the decode MBGMV's expand kernel is launched while its shrink still runs and
+    # loads its adapter weights before waiting for the shrink (LORA_PDL; chain: the shrink also overlaps the
+    # GEMM before it). Off where the device or triton cannot; /v1/status says which.
+    lora_pdl: str = "auto"
     # Greedy decode steps run one ahead of the host (daemon/engine.py, overlapped decode): the next step is
     # launched from the device's sampled tokens before the host reads them, so the host's bookkeeping
     # hides behind the device's work. Off: every step waits for its tokens before the next is launched.
@@ -97,6 +104,8 @@ class EngineConfig:
             raise BadRequest(f"cold_start must be one of {', '.join(COLD_STARTS)}, not {self.cold_start!r}")
         if self.lora_kernel not in LORA_KERNELS:
             raise BadRequest(f"lora_kernel must be one of {', '.join(LORA_KERNELS)}, not {self.lora_kernel!r}")
+        if self.lora_pdl not in LORA_PDL:
+            raise BadRequest(f"lora_pdl must be one of {', '.join(LORA_PDL)}, not {self.lora_pdl!r}")
         if self.cpu_lora_split not in CPU_LORA_SPLITS:
             raise BadRequest(f"cpu_lora_split must be one of {', '.join(CPU_LORA_SPLITS)}, not {self.cpu_lora_split!r}")
         if isinstance(self.cpu_workers, bool) or not isinstance(self.cpu_workers, int) or not 0 <= self.cpu_workers <= 256:

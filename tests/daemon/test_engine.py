@@ -413,3 +413,16 @@ def test_pool_too_small_for_one_sequence_is_refused(demo_assets):
     engine = make_engine(demo_assets, pages=129, max_model_len=32)  # exactly one sequence
     result = engine.generate(requests([([5] * 20, None)], 12))[0]
     assert len(result.token_ids) == 12
+
+
+def test_lora_pdl_is_off_on_the_cpu_and_said(demo_assets):
+    """Programmatic dependent launch is a Hopper feature: auto turns it off on the CPU and says why; an explicit
+    mode that cannot run is refused, an unknown one too."""
+    status = make_engine(demo_assets).status()
+    assert status["decode_lora_pdl"] == {"mode": "off", "why": "cpu: reference ops"}
+    assert "mbgmv-pdl" not in status["ops"]
+    assert make_engine(demo_assets, lora_pdl="off").status()["decode_lora_pdl"] == {"mode": "off", "why": "lora_pdl off"}
+    with pytest.raises(BadRequest, match="lora_pdl expand cannot run here: cpu"):
+        make_engine(demo_assets, lora_pdl="expand")
+    with pytest.raises(BadRequest, match="lora_pdl must be one of auto, off, expand, chain"):
+        make_engine(demo_assets, lora_pdl="always")

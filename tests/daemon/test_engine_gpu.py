@@ -159,3 +159,37 @@ def test_cuda_forced_bgmv_equals_the_cpu(demo_assets, eager):
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logits, b.logits):
             torch.testing.assert_close(x, y, atol=2e-4, rtol=2e-4)
+
+
+def test_cuda_lora_pdl_modes_give_the_same_tokens(demo_assets):
+    """lora_pdl: the decode MBGMV launched early (expand; chain) gives the tokens and logits of plain stream
+    order, through the decode graphs and eagerly; /v1/status says which launch runs."""
+    from lorad.gpu_ops.mbgmv import pdl_unavailable
+
+    reason = pdl_unavailable(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
+
+    def run(pdl, eager):
+        engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="float32",
+                                     eager=eager, lora_pdl=pdl, max_running_requests=12, max_lora_rank=64))
+        names = [*sorted(demo_assets.adapters), None]  # one request per adapter: MBGMV decode steps
+        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        results = engine.generate([GenerationRequest([5 + i, 6, 7], name, greedy, keep_logits=True) for i, name in enumerate(names)])
+        status = engine.status()
+        del engine
+        gc.collect()
+        return results, status
+
+    plain, status = run("off", eager=False)
+    assert status["decode_lora_pdl"]["mode"] == "off"
+    for pdl in ("auto", "chain"):
+        for eager in (False, True):
+            early, status = run(pdl, eager)
+            assert status["decode_lora_pdl"] == {"mode": "expand" if pdl == "auto" else pdl, "why": None}
+            assert f"mbgmv-pdl:{status['decode_lora_pdl']['mode']}" in status["ops"]
+            for a, b in zip(plain, early):
+                assert a.token_ids == b.token_ids
+                torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-5, rtol=1e-5)

@@ -520,3 +520,70 @@ def test_mbgmv_group_gpu(kernels, gpu_setups):
     setup = gpu_setups(torch.bfloat16)
     for proj, members in ((Q, 3), (GATE, 2)):
         check_group(mbgmv_module, setup, gpu_rows("mixed", 64, seed=proj), 0, proj, members, seed=proj)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["expand", "chain"])
+def test_mbgmv_pdl_gpu(mode, kernels, gpu_setups):
+    """Programmatic dependent launch behind the GEMM that writes y, eagerly and replayed from a CUDA graph: each
+    replay on fresh x gives exactly the plain stream order's result, for y and for the kernel after the expand
+    that reads it (a race with the GEMM or the shrink would show as a difference)."""
+    _, mbgmv_module, _ = kernels
+    reason = mbgmv_module.pdl_unavailable(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    pdl = mbgmv_module.PDL_MODES[mode]
+    setup = gpu_setups(torch.bfloat16)
+    table, max_rank = setup.table, max(setup.ranks)
+    row_slot = torch.tensor(gpu_rows("mixed", 64, seed=4), dtype=torch.int32, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(4)
+
+    def weight(out_dim, in_dim):
+        return (torch.randn(out_dim, in_dim, device="cuda", generator=generator) * 0.02).to(torch.bfloat16)
+
+    shapes = table.shapes
+    w_qkv = weight(sum(shapes[p][1] for p in (Q, K, V)), 4096)
+    w_o = weight(shapes[O][1], 4096)
+    w_gate_up = weight(shapes[GATE][1] + shapes[UP][1], 4096)
+    x = torch.empty(64, 4096, device="cuda", dtype=torch.bfloat16)
+    workspace = torch.empty(bgmv.workspace_numel(64, max_rank), device="cuda")
+    qkv_config = mbgmv_module.group_fits(table, Q, 3, max_rank)
+    gate_config = mbgmv_module.group_fits(table, GATE, 2, max_rank)
+    assert qkv_config is not None and gate_config is not None
+
+    def outputs():
+        return [torch.empty(64, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in (w_qkv, w_o, w_gate_up)] + [
+            torch.empty(64, shapes[Q][1], device="cuda", dtype=torch.bfloat16)]
+
+    def forward(outs, pdl):
+        qkv, o, gate_up, after = outs
+        torch.mm(x, w_qkv.t(), out=qkv)
+        mbgmv_module.mbgmv_group(x, qkv, 0, Q, 3, row_slot, table, max_rank, workspace, config=qkv_config, pdl=pdl)
+        torch.mul(qkv[:, : shapes[Q][1]], 2, out=after)  # reads the expand's y right after it
+        torch.mm(x, w_o.t(), out=o)
+        mbgmv_module.mbgmv(x, o, 0, O, row_slot, table, max_rank, workspace, pdl=pdl)
+        torch.mm(x, w_gate_up.t(), out=gate_up)
+        mbgmv_module.mbgmv_group(x, gate_up, 0, GATE, 2, row_slot, table, max_rank, workspace, config=gate_config, pdl=pdl)
+
+    x.copy_(torch.randn(64, 4096, device="cuda", generator=generator))
+    plain, early = outputs(), outputs()
+    forward(plain, 0)
+    forward(early, pdl)
+    torch.cuda.synchronize()
+    for a, b in zip(plain, early):
+        assert torch.equal(a, b)
+    captured = outputs()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            forward(captured, pdl)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(8):
+        x.copy_(torch.randn(64, 4096, device="cuda", generator=generator))
+        forward(plain, 0)
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(plain, captured):
+            assert torch.equal(a, b)
