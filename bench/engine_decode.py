@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--breakdown-batch", action="store_true", help="also break down a step of the LoRA batch")
     parser.add_argument("--no-fuse-lora-groups", action="store_true",
                         help="the engine's fuse_lora_groups off: one decode LoRA launch pair per projection")
-    parser.add_argument("--lora-pdl", default="auto", help="the engine's lora_pdl: auto|off|expand|chain")
+    parser.add_argument("--lora-pdl", default="auto", help="the engine's lora_pdl: auto|on|off")
     parser.add_argument("--out")
     args = parser.parse_args()
 

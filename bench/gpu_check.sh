@@ -47,21 +47,22 @@ run_step() {
     lora_kernels) step bench_lora_kernels 300 python3 bench/lora_kernels.py --out "$OUTDIR/lora_kernels.json" ;;
     # the decode tiles for batches of ranks <= 16 (the engine's low-rank graphs), 64 rows of rank 16
     lora_kernels_r16) step bench_lora_kernels_r16 240 python3 bench/lora_kernels.py --ranks 16,16 --no-prefill --budget-s 150 --out "$OUTDIR/lora_kernels_r16.json" ;;
+    # the rank-16 tiles with the expand launched early (lora_pdl on): every shrink x expand pair on the 7B shapes
+    lora_kernels_pdl) step bench_lora_kernels_pdl 300 python3 bench/lora_kernels.py --ranks 16,16 --no-prefill --pdl-pairs \
+        --only-shapes q_proj,gate_proj,down_proj --budget-s 230 --out "$OUTDIR/lora_kernels_pdl.json" ;;
     attention) step bench_attention 240 python3 bench/attention.py --out "$OUTDIR/attention.json" ;;
     gemv) step bench_gemv 240 python3 bench/gemv.py --out "$OUTDIR/gemv.json" ;;
     engine_decode) step bench_engine_decode 150 python3 bench/engine_decode.py --breakdown-batch --out "$OUTDIR/engine_decode.json" ;;
     # the same with one decode LoRA launch pair per projection (fuse_lora_groups off): run it beside engine_decode
     engine_decode_per_projection) step bench_engine_decode_per_projection 150 python3 bench/engine_decode.py --breakdown-batch \
         --no-fuse-lora-groups --out "$OUTDIR/engine_decode_per_projection.json" ;;
-    # the decode MBGMV's programmatic dependent launch (lora_pdl, default auto = expand) off and chained: run beside
-    # engine_decode (no breakdown, to fit one device call)
+    # the decode MBGMV's expand without programmatic dependent launch (lora_pdl off; on by default on Hopper):
+    # run beside engine_decode_plain (the default engine, no breakdown)
     engine_decode_pdl_off) step bench_engine_decode_pdl_off 150 python3 bench/engine_decode.py --lora-pdl off \
         --out "$OUTDIR/engine_decode_pdl_off.json" ;;
-    engine_decode_pdl_chain) step bench_engine_decode_pdl_chain 150 python3 bench/engine_decode.py --lora-pdl chain \
-        --out "$OUTDIR/engine_decode_pdl_chain.json" ;;
     engine_decode_plain) step bench_engine_decode_plain 150 python3 bench/engine_decode.py --out "$OUTDIR/engine_decode_plain.json" ;;
     pytest_pdl) step pytest_pdl 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu_ops/test_lora_kernels.py \
-        -k "pdl or mbgmv_group_gpu or no_host_sync" tests/daemon/test_engine_gpu.py::test_cuda_lora_pdl_modes_give_the_same_tokens ;;
+        -k "pdl or mbgmv_group_gpu or no_host_sync" tests/daemon/test_engine_gpu.py::test_cuda_lora_pdl_gives_the_same_tokens ;;
     # where an eager prefill's time goes (host launches vs device), with a cProfile of the host
     prefill_host) step prefill_host 200 python3 bench/prefill_host.py --out "$OUTDIR/prefill_host.json" ;;
     invoke) step bench_invoke 240 python3 bench/invoke.py --out "$OUTDIR/invoke.json" ;;

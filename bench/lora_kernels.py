@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -196,8 +197,8 @@ def shape_sweep(args, device, timer: Timer, bandwidth: float, baseline, deadline
         shipped = mbgmv.decode_config(in_dim, out_dim, max_rank)
         entries, shrinks, expands = [], [], []
 
-        def run_config(config):
-            return lambda x, y, layer: mbgmv.mbgmv(x, y, layer, Q, row_slot, table, max_rank, workspace, config=config)
+        def run_config(config, pdl=False):
+            return lambda x, y, layer: mbgmv.mbgmv(x, y, layer, Q, row_slot, table, max_rank, workspace, config=config, pdl=pdl)
 
         def measure(label: str, fn, config=None, check=True, into=entries, **fields):
             entry = {"label": label, **fields, **({} if config is None else dataclasses.asdict(config))}
@@ -225,6 +226,14 @@ def shape_sweep(args, device, timer: Timer, bandwidth: float, baseline, deadline
 
         print(f"decode sweep {name} {in_dim}->{out_dim}: floor {case.floor_us:.2f} us", flush=True)
         measure("shipped", run_config(shipped), shipped)
+        pdl_pairs = []
+        if args.pdl_pairs:  # the whole call with the expand launched early (lora_pdl on), per tile pair
+            measure("shipped-pdl", run_config(shipped, True), shipped)
+            for (block_r, block_k, warps), (er, bn, ew) in itertools.product(SHRINK_TILES, EXPAND_TILES_LOW_RANK if max_rank <= 16 else EXPAND_TILES):
+                config = mbgmv.DecodeConfig(shrink_r=block_r, block_k=block_k, num_warps=warps, expand_r=er, block_n=bn, expand_warps=ew)
+                measure("pdl-pair", run_config(config, True), config, into=pdl_pairs)
+            measure("shipped", run_config(shipped), shipped)  # again: the drift over the sweep
+            measure("shipped-pdl", run_config(shipped, True), shipped)
         if baseline is not None:
             measure("before", lambda x, y, layer: baseline.lora_decode(x, y, layer, Q, batch, table, max_rank=max_rank, workspace=workspace))
         for block_r, block_k, warps in SHRINK_TILES:  # alone: the figure counts the whole call's bytes
@@ -247,6 +256,9 @@ def shape_sweep(args, device, timer: Timer, bandwidth: float, baseline, deadline
         best = min(valid, key=lambda e: e["us"]) if valid else None
         report[name] = {"in_out": [in_dim, out_dim], "bytes_per_call": case.moved, "roofline_floor_us": round(case.floor_us, 2),
                         "entries": entries, "shrink_alone": shrinks, "expand_alone": expands, "best": best}
+        if pdl_pairs:
+            checked = [e for e in pdl_pairs if "us" in e and e["rel_error"] < 2e-2]
+            report[name].update(pdl_pairs=pdl_pairs, best_pdl=min(checked, key=lambda e: e["us"]) if checked else None)
         del case
         torch.cuda.empty_cache() if device.type == "cuda" else None
     return report
@@ -421,6 +433,9 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop starting sweep configs after this many seconds")
     parser.add_argument("--ranks", help="LOW,HIGH: the decode rows' ranks (default 8,64); 16,16 sweeps the low-rank tiles")
     parser.add_argument("--no-prefill", action="store_true", help="skip the prefill (MBGMM) figures")
+    parser.add_argument("--pdl-pairs", action="store_true",
+                        help="per shape, the whole call with the expand launched early (PDL) for every shrink x expand tile")
+    parser.add_argument("--only-shapes", help="the sweep's shapes, a comma-separated subset of q_proj,down_proj,gate_proj,k_proj")
     args = parser.parse_args()
     began = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -440,6 +455,8 @@ def main() -> None:
         timer, copy_mib = Timer(device, reps=100), 1024
     if args.ranks:
         args.min_rank, args.max_rank = (int(r) for r in args.ranks.split(","))
+    if args.only_shapes:
+        args.shapes = {name: shape for name, shape in args.shapes.items() if name in args.only_shapes.split(",")}
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device, timer, copy_mib)
     print(f"device-to-device copy: {bandwidth:.0f} GB/s (read + write)", flush=True)

@@ -58,9 +58,8 @@ _ENGINE_FLAG_HELP = {
     "slo_ttft_ms": "time-to-first-token objective in ms (0: none; early-abort needs one)",
     "fuse_lora_groups": "on cuda: a decode step's LoRA over q, k, v (and over gate, up) in one launch pair instead "
                         "of one per projection (--no-fuse-lora-groups: one per projection)",
-    "lora_pdl": "auto|off|expand|chain: on Hopper and later, a decode step's LoRA expand kernel starts loading its "
-                "adapter weights while the shrink still runs (programmatic dependent launch; chain: the shrink also "
-                "overlaps the GEMM before it); auto: expand where supported",
+    "lora_pdl": "auto|on|off: on Hopper and later, a decode step's LoRA expand kernel starts loading its adapter "
+                "weights while the shrink still runs (programmatic dependent launch); auto: on where supported",
     "overlap_decode": "greedy decode steps launched one ahead of the host, from the sampled tokens on the device "
                       "(--no-overlap-decode: each step waits for its tokens first)",
     "slo_tpot_ms": "time-per-output-token objective in ms (0: none); with a profile loaded, no request joins a running "

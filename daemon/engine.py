@@ -116,7 +116,7 @@ class Engine:
         log.info("decode lora kernel choice=%s", self.kernel_choice.describe())
         self.lora_pdl = self._lora_pdl()
         self.ops = Ops.for_device(self.device, config.max_batch_tokens, config.max_lora_rank, self.kernel_choice,
-                                  fuse_groups=config.fuse_lora_groups, pdl=self.lora_pdl["mode"])
+                                  fuse_groups=config.fuse_lora_groups, pdl=self.lora_pdl["on"])
         self.model = LlamaModel(self.spec, weights, self.max_model_len, self.ops)
         del weights
         self.pool = PagePool(self._pool_pages(), self.spec.hidden_size, self.dtype, self.device)
@@ -202,24 +202,22 @@ class Engine:
         )
 
     # ---- set-up -------------------------------------------------------------------------------
-    def _lora_pdl(self) -> dict[str, str | None]:
-        """How decode steps launch the MBGMV kernels (config.lora_pdl): {"mode": off|expand|chain, "why": the
-        reason it is off where auto turned it off}; logged, in /v1/status. An explicit mode the device or triton
-        cannot run is refused."""
+    def _lora_pdl(self) -> dict:
+        """Whether decode steps launch the MBGMV expand early (config.lora_pdl): {"on": bool, "why": why it is off};
+        logged, in /v1/status. lora_pdl on where the device or triton cannot is refused."""
         wanted = self.config.lora_pdl
         if wanted == "off":
-            return {"mode": "off", "why": "lora_pdl off"}
+            return {"on": False, "why": "lora_pdl off"}
         if self.device.type != "cuda":
             reason = f"{self.device.type}: reference ops"
         else:
             from lorad.gpu_ops.mbgmv import pdl_unavailable
 
             reason = pdl_unavailable(self.device)
-        if reason is not None and wanted != "auto":
-            raise BadRequest(f"lora_pdl {wanted} cannot run here: {reason}")
-        mode = {"off": "off", "auto": "expand"}.get(wanted, wanted) if reason is None else "off"
-        log.info("decode lora pdl=%s%s", mode, f" ({reason})" if reason else "")
-        return {"mode": mode, "why": reason}
+        if reason is not None and wanted == "on":
+            raise BadRequest(f"lora_pdl on cannot run here: {reason}")
+        log.info("decode lora pdl=%s", "on" if reason is None else f"off ({reason})")
+        return {"on": reason is None, "why": reason}
 
     def _lora_groups(self) -> dict[str, str]:
         """How decode steps launch the LoRA of q,k,v and of gate,up (config.fuse_lora_groups): "one launch"

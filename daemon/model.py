@@ -82,7 +82,7 @@ class Ops:
 
     @classmethod
     def for_device(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
-                   fuse_groups: bool = False, pdl: str = "off") -> Ops:
+                   fuse_groups: bool = False, pdl: bool = False) -> Ops:
         """kernel_choice (daemon/kernel_choice.py): picks each decode step's LoRA kernel, BGMV or MBGMV,
         in `prepare_lora`; None: MBGMV. On the CPU only a profile (or `lorad profile` measuring) makes
         decode steps run the kernels' references, bgmv_ref or mbgmv_ref; otherwise apply_lora_ref."""
@@ -98,18 +98,17 @@ class Ops:
 
     @classmethod
     def triton(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
-               fuse_groups: bool = False, pdl: str = "off") -> Ops:
+               fuse_groups: bool = False, pdl: bool = False) -> Ops:
         """The Triton kernels (on the CPU they run only in Triton's interpreter: the tests). fuse_groups: a
         decode step's MBGMV takes q, k, v in one launch pair and gate, up in one (where their tiles agree:
-        mbgmv.group_fits), not one pair per projection. pdl: how the decode MBGMV launches (a key of
-        mbgmv.PDL_MODES; the caller checks mbgmv.pdl_unavailable)."""
+        mbgmv.group_fits), not one pair per projection. pdl: the decode MBGMV's expand launched early (the
+        caller checks mbgmv.pdl_unavailable)."""
         from lorad.gpu_ops import bgmv, fused, mbgmm, mbgmv, paged_attention
 
         from lorad.gpu_ops import gemv
 
         groups = ",mbgmv-groups:qkv|gate-up" if fuse_groups else ""
-        groups += "" if pdl == "off" else f",mbgmv-pdl:{pdl}"
-        pdl = mbgmv.PDL_MODES[pdl]
+        groups += ",mbgmv-pdl" if pdl else ""
         ops = cls.reference(f"triton[lora:mbgmv|bgmv+mbgmm{groups},paged-attention,fused-norm-rope-silu,"
                             f"gemv(rows<={gemv.GEMV_MAX_ROWS})]")
 

@@ -40,12 +40,12 @@ try:
 
     try:  # programmatic dependent launch (Hopper and later; `pdl_unavailable` says where it is off)
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    except ImportError:  # an older triton: the kernels never take their PDL branches (PDL=0)
+    except ImportError:  # an older triton: the kernels never take their PDL branches
         gdc_launch_dependents = gdc_wait = None
 except ImportError:
     triton = None
 
-__all__ = ["DecodeConfig", "PDL_MODES", "batch_max_rank", "decode_config", "group_fits", "lora_decode", "mbgmv",
+__all__ = ["DecodeConfig", "batch_max_rank", "decode_config", "group_fits", "lora_decode", "mbgmv",
            "mbgmv_expand", "mbgmv_group", "mbgmv_ref", "mbgmv_shrink", "pdl_unavailable"]
 
 
@@ -75,12 +75,10 @@ TUNED = {
 }
 
 
-# Programmatic dependent launch of the two kernels (Hopper and later), to hide a kernel's ramp-up under the
-# tail of the one before it. off: plain stream order. expand: the expand is launched while the shrink runs
-# and loads its B tile before waiting for the shrink to complete. chain: the shrink, too, is launched while
-# the kernel before it (the projection's GEMM) runs; it reads only x and A, which that kernel does not
-# write, and waits for it before storing its partials.
-PDL_MODES = {"off": 0, "expand": 1, "chain": 2}
+# Programmatic dependent launch (Hopper and later; `pdl=True` below): the expand is launched while the shrink
+# still runs and loads its B tile (the bulk of its bytes) before waiting for the shrink to complete, so its
+# ramp-up hides under the shrink's tail. Measured in the engine (BENCHMARKS.md): LoRA decode steps 1.5% shorter.
+# Tried and dropped: launching the shrink, too, early behind the projection's GEMM (no gain over this).
 
 
 def pdl_unavailable(device: torch.device) -> str | None:
@@ -124,10 +122,8 @@ if triton is not None:
         A[r0:r0 + BLOCK_R, K range]^T, the K range being K_TILES tiles of BLOCK_K from split * k_per_split.
         GROUPED: grid axis 1 is the member of a projection group (consecutive projections on one x: q, k, v
         or gate, up), each with its own table entries and its own workspace slice member_stride apart.
-        PDL (see `PDL_MODES`): >= 1, let the expand launch as soon as every shrink program has started; 2, this
-        kernel was itself launched early, so every program waits for the kernel before it to complete before
-        storing (the expand, which waits for this one, then also sees that kernel's y)."""
-        if PDL >= 1:
+        PDL: the expand may launch as soon as every shrink program has started."""
+        if PDL:
             gdc_launch_dependents()
         task = tl.program_id(0)
         if GROUPED:
@@ -158,13 +154,8 @@ if triton is not None:
                 ptrs = page_pointers(pages_ptr, page_ids_ptr, row_index, r_ok, k0, offs_k, in_dim, PAGE, ALIGNED)
                 a = tl.load(ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
                 acc += tl.sum(a.to(tl.float32) * xk[None, :], axis=1)
-            if PDL == 2:
-                gdc_wait()
             # An empty K range still stores its zeros: the expand sums every split.
             tl.store(v_ptr + (split * num_rows + row) * width + rows, acc, mask=r_ok)
-        else:
-            if PDL == 2:
-                gdc_wait()
 
     @triton.jit
     def _row_partials(v_ptr, row, rows, r_ok, width, num_rows, splits, SPLITS: tl.constexpr):
@@ -187,8 +178,8 @@ if triton is not None:
         v[member][:, row, :rank]) @ B^T[:rank, n0:n0 + BLOCK_N]; no atomics, each (row, column tile) has one
         owner. GROUPED: grid axis 1 is the member of a projection group (see the shrink); member 0 writes
         columns from 0 with (out_dim, chunks_out), members 1 and 2 from col1 / col2 with their own.
-        PDL >= 1: launched while the shrink still runs; the first rank block of B (the bulk of the bytes) is
-        loaded before waiting for the shrink to complete, the partials and y after."""
+        PDL: launched while the shrink still runs; the first rank block of B (the bulk of the bytes) is loaded
+        before waiting for the shrink to complete, the partials and y after."""
         task = tl.program_id(0)
         if GROUPED:
             member = tl.program_id(1)
@@ -205,7 +196,7 @@ if triton is not None:
         rank = tl.minimum(tl.load(rank_ptr + entry), max_rank)
         b_start = tl.load(b_start_ptr + entry)
         work = (slot >= 0) & (rank > 0) & (n0 < out_dim)
-        if PDL >= 1:  # every program waits, so that this kernel completes after the shrink (and what it waited for)
+        if PDL:  # every program waits, so that this kernel completes only after the shrink
             offs_n = tl.arange(0, BLOCK_N)
             n_ok = ((n0 + offs_n) < out_dim) & work
             rows = tl.arange(0, BLOCK_R)
@@ -214,7 +205,7 @@ if triton is not None:
             b = tl.load(ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0, eviction_policy="evict_first")
             gdc_wait()
         if work:
-            if PDL == 0:
+            if not PDL:
                 offs_n = tl.arange(0, BLOCK_N)
                 n_ok = (n0 + offs_n) < out_dim
                 rows = tl.arange(0, BLOCK_R)
@@ -247,9 +238,9 @@ def _shrink_plan(page: int, in_dim: int, splits: int | None, config: DecodeConfi
     return splits, cdiv(cdiv(in_dim, splits), block_k) * block_k, block_k, aligned
 
 
-def _shrink(x, v, layer, proj, row_slot, table, max_rank, config: DecodeConfig, members: int = 1, pdl: int = 0) -> None:
+def _shrink(x, v, layer, proj, row_slot, table, max_rank, config: DecodeConfig, members: int = 1, pdl: bool = False) -> None:
     """v: [members, splits, T, width] (or [splits, T, width] for one); members: consecutive projections
-    from `proj` on the same x; pdl: see PDL_MODES."""
+    from `proj` on the same x; pdl: let the expand launch early."""
     splits, num_rows, width = v.shape[-3:]
     in_dim, _ = table.shapes[proj]
     chunks_in, _ = table.chunks[proj]
@@ -262,11 +253,11 @@ def _shrink(x, v, layer, proj, row_slot, table, max_rank, config: DecodeConfig, 
         in_dim, max_rank, width, num_rows, splits, rank_blocks, k_per_split,
         x.stride(0), x.stride(1), slot_stride, offset, chunks_in, splits * num_rows * width,
         PAGE=page, BLOCK_R=config.shrink_r, BLOCK_K=block_k, K_TILES=k_per_split // block_k, ALIGNED=aligned,
-        GROUPED=members > 1, PDL=pdl, num_warps=config.num_warps, num_stages=1, **_launch_pdl(pdl == 2),
+        GROUPED=members > 1, PDL=pdl, num_warps=config.num_warps, num_stages=1,
     )
 
 
-def _expand(v, y, layer, proj, row_slot, table, max_rank, config: DecodeConfig, members: int = 1, pdl: int = 0) -> None:
+def _expand(v, y, layer, proj, row_slot, table, max_rank, config: DecodeConfig, members: int = 1, pdl: bool = False) -> None:
     """y: [T, sum of the members' out] (the members' outputs side by side, as the fused q|k|v or gate|up
     GEMM writes them), or one projection's [T, out]."""
     splits, num_rows, width = v.shape[-3:]
@@ -283,13 +274,8 @@ def _expand(v, y, layer, proj, row_slot, table, max_rank, config: DecodeConfig, 
         outs[0], max_rank, width, num_rows, splits, n_tiles, y.stride(0), y.stride(1), slot_stride, offset, chunks[0],
         splits * num_rows * width, *_members_1_2(outs), *_members_1_2(chunks), *_members_1_2(cols),
         PAGE=page, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=max(2, triton_next_power_of_2(splits)), ALIGNED=aligned,
-        GROUPED=members > 1, PDL=pdl, num_warps=config.expand_warps, num_stages=1, **_launch_pdl(pdl >= 1),
+        GROUPED=members > 1, PDL=pdl, num_warps=config.expand_warps, num_stages=1, **({"launch_pdl": True} if pdl else {}),
     )
-
-
-def _launch_pdl(on: bool) -> dict:
-    """The launch keyword of a programmatic dependent launch (none when off: older tritons lack it)."""
-    return {"launch_pdl": True} if on else {}
 
 
 def _members_1_2(values: list[int]) -> list[int]:
@@ -318,7 +304,7 @@ def mbgmv_expand(v, y, layer, proj, row_slot, table, max_rank, block_r=64, block
 
 
 def mbgmv(x, y, layer, proj, row_slot, table, max_rank, workspace=None, *, config: DecodeConfig | None = None,
-          pdl: int = 0):
+          pdl: bool = False):
     """y[t] += (x[t] @ A^T) @ B^T per row with the row's own adapter and rank (apply_lora_ref's
     semantics); two launches, no host sync.
 
@@ -326,7 +312,8 @@ def mbgmv(x, y, layer, proj, row_slot, table, max_rank, workspace=None, *, confi
     row_slot: int32 [T] on the device (-1: base only, y's row untouched); max_rank: host int >= every
     rank in the batch (the workspace width; `batch_max_rank` or the configured max); workspace: optional
     float32 buffer of >= workspace_numel(T, max_rank) elements, reused across calls; config: tiles
-    (default: `decode_config` for the shape); pdl: a PDL_MODES value (the caller checks `pdl_unavailable`).
+    (default: `decode_config` for the shape); pdl: launch the expand early (Hopper and later: the caller
+    checks `pdl_unavailable`).
     Roofline: bytes = e*(sum_t r_t*(in+out) + T*(in+2*out)) + small; flops = 2*sum_t r_t*(in+out).
     """
     in_dim, out_dim = check_operands(x, y, proj, table, row_slot)
@@ -366,7 +353,7 @@ def _group_config(shapes: tuple, page: int, proj: int, members: int, max_rank: i
 
 
 def mbgmv_group(x, y, layer, proj, members, row_slot, table, max_rank, workspace=None, *, config: DecodeConfig | None = None,
-                pdl: int = 0):
+                pdl: bool = False):
     """`mbgmv` for `members` consecutive projections from `proj` on the same x (q, k, v or gate, up) in one
     shrink and one expand launch: y is their outputs side by side [T, sum of out] (the fused GEMM's output,
     any strides). Same semantics as one `mbgmv` per member on y's column slices. The caller checks
@@ -402,7 +389,7 @@ def lora_decode(
     *,
     max_rank: int,
     workspace: torch.Tensor | None = None,
-    pdl: int = 0,
+    pdl: bool = False,
 ) -> None:
     """Drop-in for `apply_lora_ref(x, y, layer, proj, batch, table)` on the GPU, per-row (best when
     rows rarely share an adapter, i.e. decode). max_rank: `batch_max_rank(batch, table)` computed once

@@ -17,9 +17,9 @@ DEVICES = ("auto", "cpu", "cuda")
 COLD_STARTS = ("cached", "ondemand", "cpu", "auto")
 CPU_LORA_SPLITS = ("auto", "tokens", "groups")
 LORA_KERNELS = ("auto", "bgmv", "mbgmv")
-# Programmatic dependent launch of the decode MBGMV kernels (gpu_ops/mbgmv.py, PDL_MODES): auto is expand
-# where the device and triton support it, else off.
-LORA_PDL = ("auto", "off", "expand", "chain")
+# Programmatic dependent launch of the decode MBGMV expand (gpu_ops/mbgmv.py): auto is on where the device
+# (Hopper and later) and triton support it, else off; on where they do not is refused.
+LORA_PDL = ("auto", "on", "off")
 # Which waiting requests join a step (scheduler/admission.py): fcfs: in arrival order; early-abort: queued
 # requests whose predicted TTFT exceeds slo_ttft_ms are dropped with an error (S-LoRA App. B); cluster:
 # once the running batch holds cluster_max_adapters distinct adapters, other adapters' requests wait
@@ -56,8 +56,8 @@ class EngineConfig:
     # decode steps of 64 distinct rank-16 adapters 4% shorter, the same tokens.
     fuse_lora_groups: bool = True
     # on cuda (Hopper and later): the decode MBGMV's expand kernel is launched while its shrink still runs and
-    # loads its adapter weights before waiting for the shrink (LORA_PDL; chain: the shrink also overlaps the
-    # GEMM before it). Off where the device or triton cannot; /v1/status says which.
+    # loads its adapter weights before waiting for the shrink (LORA_PDL). Measured on the H100 beside off
+    # (bench/engine_decode.py, BENCHMARKS.md): LoRA decode steps of 64 distinct rank-16 adapters 1.5% shorter.
     lora_pdl: str = "auto"
     # Greedy decode steps run one ahead of the host (daemon/engine.py, overlapped decode): the next step is
     # launched from the device's sampled tokens before the host reads them, so the host's bookkeeping

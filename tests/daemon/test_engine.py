@@ -416,13 +416,13 @@ def test_pool_too_small_for_one_sequence_is_refused(demo_assets):
 
 
 def test_lora_pdl_is_off_on_the_cpu_and_said(demo_assets):
-    """Programmatic dependent launch is a Hopper feature: auto turns it off on the CPU and says why; an explicit
-    mode that cannot run is refused, an unknown one too."""
+    """Programmatic dependent launch is a Hopper feature: auto turns it off on the CPU and says why; on where it
+    cannot run is refused, an unknown value too."""
     status = make_engine(demo_assets).status()
-    assert status["decode_lora_pdl"] == {"mode": "off", "why": "cpu: reference ops"}
+    assert status["decode_lora_pdl"] == {"on": False, "why": "cpu: reference ops"}
     assert "mbgmv-pdl" not in status["ops"]
-    assert make_engine(demo_assets, lora_pdl="off").status()["decode_lora_pdl"] == {"mode": "off", "why": "lora_pdl off"}
-    with pytest.raises(BadRequest, match="lora_pdl expand cannot run here: cpu"):
-        make_engine(demo_assets, lora_pdl="expand")
-    with pytest.raises(BadRequest, match="lora_pdl must be one of auto, off, expand, chain"):
+    assert make_engine(demo_assets, lora_pdl="off").status()["decode_lora_pdl"] == {"on": False, "why": "lora_pdl off"}
+    with pytest.raises(BadRequest, match="lora_pdl on cannot run here: cpu"):
+        make_engine(demo_assets, lora_pdl="on")
+    with pytest.raises(BadRequest, match="lora_pdl must be one of auto, on, off"):
         make_engine(demo_assets, lora_pdl="always")
