@@ -50,6 +50,9 @@ run_step() {
     # the rank-16 tiles with the expand launched early (lora_pdl on): every shrink x expand pair on the 7B shapes
     lora_kernels_pdl) step bench_lora_kernels_pdl 300 python3 bench/lora_kernels.py --ranks 16,16 --no-prefill --pdl-pairs \
         --only-shapes q_proj,gate_proj,down_proj --budget-s 230 --out "$OUTDIR/lora_kernels_pdl.json" ;;
+    # the same over ranks 8..64 (the default decode graphs' tiles)
+    lora_kernels_pdl_mixed) step bench_lora_kernels_pdl_mixed 300 python3 bench/lora_kernels.py --no-prefill --pdl-pairs \
+        --only-shapes q_proj,gate_proj,down_proj --budget-s 230 --out "$OUTDIR/lora_kernels_pdl_mixed.json" ;;
     attention) step bench_attention 240 python3 bench/attention.py --out "$OUTDIR/attention.json" ;;
     gemv) step bench_gemv 240 python3 bench/gemv.py --out "$OUTDIR/gemv.json" ;;
     engine_decode) step bench_engine_decode 150 python3 bench/engine_decode.py --breakdown-batch --out "$OUTDIR/engine_decode.json" ;;

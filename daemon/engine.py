@@ -226,7 +226,8 @@ class Engine:
             return {"qkv": "per projection", "gate_up": "per projection"}
         from lorad.gpu_ops.mbgmv import group_fits
 
-        groups = {name: "one launch" if group_fits(self.table, first, members, self.config.max_lora_rank) else "per projection"
+        groups = {name: "one launch" if group_fits(self.table, first, members, self.config.max_lora_rank, pdl=self.lora_pdl["on"])
+                  else "per projection"
                   for name, first, members in (("qkv", 0, 3), ("gate_up", 4, 2))}
         log.info("decode lora groups %s", " ".join(f"{name}={how.replace(' ', '-')}" for name, how in groups.items()))
         return groups

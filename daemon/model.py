@@ -147,7 +147,7 @@ class Ops:
         def lora_group(x, fused_out, outs, layer, first, batch, table):
             if (batch.max_rank and batch.decode_kernel == "mbgmv" and not batch.cpu_spans
                     and (batch.segments is None or batch.segments.max_len == 1)):
-                config = mbgmv.group_fits(table, first, len(outs), batch.max_rank)
+                config = mbgmv.group_fits(table, first, len(outs), batch.max_rank, pdl=pdl)
                 if config is not None:
                     mbgmv.mbgmv_group(x, fused_out, layer, first, len(outs), batch.row_slot, table, batch.max_rank,
                                       workspace, config=config, pdl=pdl)

@@ -77,8 +77,15 @@ TUNED = {
 
 # Programmatic dependent launch (Hopper and later; `pdl=True` below): the expand is launched while the shrink
 # still runs and loads its B tile (the bulk of its bytes) before waiting for the shrink to complete, so its
-# ramp-up hides under the shrink's tail. Measured in the engine (BENCHMARKS.md): LoRA decode steps 1.5% shorter.
-# Tried and dropped: launching the shrink, too, early behind the projection's GEMM (no gain over this).
+# ramp-up hides under the shrink's tail. Tried and dropped: launching the shrink, too, early behind the
+# projection's GEMM (no gain over this, measured in the engine).
+# With it, batches of ranks <= 16 (the engine's low-rank decode graphs) take these tiles: the best pair of
+# bench/lora_kernels.py --ranks 16,16 --pdl-pairs on an H100 for q/o, gate/up and down (BENCHMARKS.md):
+# wider shrink tiles with 8 warps, narrow 2-warp expand programs that wait cheaply while the shrink ends.
+TUNED_LOW_RANK_PDL = {
+    shape: DecodeConfig(shrink_r=8, block_k=2048, num_warps=8, expand_r=16, block_n=256, expand_warps=2)
+    for shape in ((4096, 4096), (4096, 11008), (11008, 4096))
+}
 
 
 def pdl_unavailable(device: torch.device) -> str | None:
@@ -100,8 +107,11 @@ def pdl_unavailable(device: torch.device) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def decode_config(in_dim: int, out_dim: int, max_rank: int) -> DecodeConfig:
-    """The tiles for a projection shape; cached, so the launch path pays a dict lookup."""
+def decode_config(in_dim: int, out_dim: int, max_rank: int, pdl: bool = False) -> DecodeConfig:
+    """The tiles for a projection shape (pdl: the expand launched early); cached, so the launch path pays a
+    dict lookup."""
+    if pdl and max_rank <= 16 and (in_dim, out_dim) in TUNED_LOW_RANK_PDL:
+        return TUNED_LOW_RANK_PDL[(in_dim, out_dim)]
     config = TUNED.get((in_dim, out_dim)) or DecodeConfig()
     if max_rank <= 16:
         config = dataclasses.replace(config, expand_r=16)
@@ -321,27 +331,29 @@ def mbgmv(x, y, layer, proj, row_slot, table, max_rank, workspace=None, *, confi
     if num_rows == 0 or max_rank <= 0:
         return
     require_triton()
-    config = config or decode_config(in_dim, out_dim, max_rank)
+    config = config or decode_config(in_dim, out_dim, max_rank, pdl)
     splits = _shrink_plan(table.pool.page_elems, in_dim, None, config)[0]
     v = workspace_view(workspace, splits, num_rows, max_rank, x.device)
     _shrink(x, v, layer, proj, row_slot, table, max_rank, config, pdl=pdl)
     _expand(v, y, layer, proj, row_slot, table, max_rank, config, pdl=pdl)
 
 
-def group_fits(table: AdapterTable, proj: int, members: int, max_rank: int, config: DecodeConfig | None = None) -> DecodeConfig | None:
-    """The tiles for a projection group's single launch pair (`mbgmv_group`), or None when it cannot have
-    one: the members must share their input size and, along their outputs, the tile and its alignment,
-    and the workspace must hold every member's partials."""
-    return _group_config(tuple(table.shapes), table.pool.page_elems, proj, members, max_rank, config)
+def group_fits(table: AdapterTable, proj: int, members: int, max_rank: int, config: DecodeConfig | None = None,
+               pdl: bool = False) -> DecodeConfig | None:
+    """The tiles for a projection group's single launch pair (`mbgmv_group`; config None: `decode_config`'s,
+    pdl as there), or None when it cannot have one: the members must share their input size and, along
+    their outputs, the tile and its alignment, and the workspace must hold every member's partials."""
+    return _group_config(tuple(table.shapes), table.pool.page_elems, proj, members, max_rank, config, pdl)
 
 
 @functools.lru_cache(maxsize=256)
-def _group_config(shapes: tuple, page: int, proj: int, members: int, max_rank: int, config: DecodeConfig | None) -> DecodeConfig | None:
+def _group_config(shapes: tuple, page: int, proj: int, members: int, max_rank: int, config: DecodeConfig | None,
+                  pdl: bool) -> DecodeConfig | None:
     """group_fits per shape (eager decode steps ask it twice a layer)."""
     if not 1 <= members <= 3 or proj + members > len(shapes):
         return None
     in_dim, out_dim = shapes[proj]
-    config = config or decode_config(in_dim, out_dim, max_rank)
+    config = config or decode_config(in_dim, out_dim, max_rank, pdl)
     for m in range(1, members):
         other_in, other_out = shapes[proj + m]
         if other_in != in_dim or page_block(page, other_out, config.block_n) != page_block(page, out_dim, config.block_n):
@@ -365,7 +377,7 @@ def mbgmv_group(x, y, layer, proj, members, row_slot, table, max_rank, workspace
     if num_rows == 0 or max_rank <= 0:
         return
     require_triton()
-    config = config or group_fits(table, proj, members, max_rank)
+    config = config or group_fits(table, proj, members, max_rank, pdl=pdl)
     if config is None:
         raise ValueError(f"projections {proj}..{proj + members - 1} cannot share one launch (see group_fits)")
     splits = _shrink_plan(table.pool.page_elems, in_dim, None, config)[0]

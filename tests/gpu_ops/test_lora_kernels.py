@@ -12,6 +12,7 @@ touch (a row past the rank, a chunk past the row) turns the result into NaN.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -339,8 +340,8 @@ def test_decode_config_covers_shapes():
     """Every Llama-7B projection shape has a tuned config; unknown shapes get one too; tiles fit the
     workspace's MAX_SPLITS."""
     for shape in [(4096, 4096), (4096, 1024), (4096, 11008), (11008, 4096), (5120, 13824), (13824, 5120), (96, 24)]:
-        for max_rank in (1, 16, 64, 256):
-            config = mbgmv.decode_config(*shape, max_rank)
+        for max_rank, pdl in itertools.product((1, 16, 64, 256), (False, True)):
+            config = mbgmv.decode_config(*shape, max_rank, pdl)
             assert config.block_k & (config.block_k - 1) == 0 and config.block_n & (config.block_n - 1) == 0
             splits = mbgmv._shrink_plan(4096, shape[0], None, config)[0]
             assert 1 <= splits <= bgmv.MAX_SPLITS
@@ -457,7 +458,7 @@ def test_kernels_gpu_no_host_sync_and_graph_capture(kernels, gpu_setups):
 
 def gpu_mbgmv_configs(module) -> list:
     """The tuned tiles of every shape, and the interpreter's configurations with GPU-sized tiles."""
-    tuned = sorted(set(module.TUNED.values()), key=repr)
+    tuned = sorted(set(module.TUNED.values()) | set(module.TUNED_LOW_RANK_PDL.values()), key=repr)
     return tuned + [dataclasses.replace(config, block_k=512, block_n=128) for config in mbgmv_configs(module)[1:]]
 
 
@@ -523,18 +524,24 @@ def test_mbgmv_group_gpu(kernels, gpu_setups):
 
 
 @pytest.mark.gpu
-def test_mbgmv_pdl_gpu(kernels, gpu_setups):
+@pytest.mark.parametrize("ranks", ["mixed", "low"])
+def test_mbgmv_pdl_gpu(ranks, kernels, gpu_setups):
     """The expand launched early (programmatic dependent launch) behind the GEMM that writes y and the shrink,
-    eagerly and replayed from a CUDA graph: each replay on fresh x gives exactly the plain stream order's result,
-    for y and for the kernel after the expand that reads it (a race with the GEMM or the shrink would show as a
-    difference)."""
+    eagerly and replayed from a CUDA graph: each replay on fresh x gives exactly the plain stream order's result
+    with the same tiles, for y and for the kernel after the expand that reads it (a race with the GEMM or the
+    shrink would show as a difference). low: ranks <= 16, the tiles decode_config gives with PDL."""
     _, mbgmv_module, _ = kernels
     reason = mbgmv_module.pdl_unavailable(torch.device("cuda"))
     if reason is not None:
         pytest.skip(reason)
     setup = gpu_setups(torch.bfloat16)
-    table, max_rank = setup.table, max(setup.ranks)
-    row_slot = torch.tensor(gpu_rows("mixed", 64, seed=4), dtype=torch.int32, device="cuda")
+    table = setup.table
+    if ranks == "low":
+        max_rank = 16
+        rows = mixed_rows([slot for slot, rank in enumerate(GPU_RANKS) if rank <= 16], 64, seed=4)
+    else:
+        max_rank, rows = max(setup.ranks), gpu_rows("mixed", 64, seed=4)
+    row_slot = torch.tensor(rows, dtype=torch.int32, device="cuda")
     generator = torch.Generator(device="cuda").manual_seed(4)
 
     def weight(out_dim, in_dim):
@@ -546,9 +553,12 @@ def test_mbgmv_pdl_gpu(kernels, gpu_setups):
     w_gate_up = weight(shapes[GATE][1] + shapes[UP][1], 4096)
     x = torch.empty(64, 4096, device="cuda", dtype=torch.bfloat16)
     workspace = torch.empty(bgmv.workspace_numel(64, max_rank), device="cuda")
-    qkv_config = mbgmv_module.group_fits(table, Q, 3, max_rank)
-    gate_config = mbgmv_module.group_fits(table, GATE, 2, max_rank)
+    qkv_config = mbgmv_module.group_fits(table, Q, 3, max_rank, pdl=True)
+    gate_config = mbgmv_module.group_fits(table, GATE, 2, max_rank, pdl=True)
+    o_config = mbgmv_module.decode_config(*table.shapes[O], max_rank, True)
     assert qkv_config is not None and gate_config is not None
+    if ranks == "low":
+        assert o_config == mbgmv_module.TUNED_LOW_RANK_PDL[(4096, 4096)]
 
     def outputs():
         return [torch.empty(64, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in (w_qkv, w_o, w_gate_up)] + [
@@ -560,7 +570,7 @@ def test_mbgmv_pdl_gpu(kernels, gpu_setups):
         mbgmv_module.mbgmv_group(x, qkv, 0, Q, 3, row_slot, table, max_rank, workspace, config=qkv_config, pdl=pdl)
         torch.mul(qkv[:, : shapes[Q][1]], 2, out=after)  # reads the expand's y right after it
         torch.mm(x, w_o.t(), out=o)
-        mbgmv_module.mbgmv(x, o, 0, O, row_slot, table, max_rank, workspace, pdl=pdl)
+        mbgmv_module.mbgmv(x, o, 0, O, row_slot, table, max_rank, workspace, config=o_config, pdl=pdl)
         torch.mm(x, w_gate_up.t(), out=gate_up)
         mbgmv_module.mbgmv_group(x, gate_up, 0, GATE, 2, row_slot, table, max_rank, workspace, config=gate_config, pdl=pdl)
 
