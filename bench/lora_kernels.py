@@ -119,6 +119,9 @@ def decode_methods(case: DecodeCase, baseline) -> dict:
     methods = {
         "mbgmv": lambda x, y, layer: mbgmv.lora_decode(x, y, layer, Q, batch, table, max_rank=max_rank, workspace=workspace),
     }
+    if mbgmv.pdl_unavailable(case.xs[0].device) is None:  # the expand launched early, as the engine does on Hopper
+        methods["mbgmv_pdl"] = lambda x, y, layer: mbgmv.lora_decode(x, y, layer, Q, batch, table, max_rank=max_rank,
+                                                                      workspace=workspace, pdl=True)
     if baseline is not None:
         methods["mbgmv_before"] = lambda x, y, layer: baseline.lora_decode(x, y, layer, Q, batch, table, max_rank=max_rank, workspace=workspace)
     methods["bgmv"] = lambda x, y, layer: bgmv.bgmv(x, y, layer, Q, batch.row_slot, table, max_rank, workspace)
@@ -227,13 +230,14 @@ def shape_sweep(args, device, timer: Timer, bandwidth: float, baseline, deadline
         print(f"decode sweep {name} {in_dim}->{out_dim}: floor {case.floor_us:.2f} us", flush=True)
         measure("shipped", run_config(shipped), shipped)
         pdl_pairs = []
+        shipped_pdl = mbgmv.decode_config(in_dim, out_dim, max_rank, True)  # the tiles the engine takes with PDL
         if args.pdl_pairs:  # the whole call with the expand launched early (lora_pdl on), per tile pair
-            measure("shipped-pdl", run_config(shipped, True), shipped)
+            measure("shipped-pdl", run_config(shipped_pdl, True), shipped_pdl)
             for (block_r, block_k, warps), (er, bn, ew) in itertools.product(SHRINK_TILES, EXPAND_TILES_LOW_RANK if max_rank <= 16 else EXPAND_TILES):
                 config = mbgmv.DecodeConfig(shrink_r=block_r, block_k=block_k, num_warps=warps, expand_r=er, block_n=bn, expand_warps=ew)
                 measure("pdl-pair", run_config(config, True), config, into=pdl_pairs)
             measure("shipped", run_config(shipped), shipped)  # again: the drift over the sweep
-            measure("shipped-pdl", run_config(shipped, True), shipped)
+            measure("shipped-pdl", run_config(shipped_pdl, True), shipped_pdl)
         if baseline is not None:
             measure("before", lambda x, y, layer: baseline.lora_decode(x, y, layer, Q, batch, table, max_rank=max_rank, workspace=workspace))
         for block_r, block_k, warps in SHRINK_TILES:  # alone: the figure counts the whole call's bytes

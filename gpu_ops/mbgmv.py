@@ -79,12 +79,19 @@ TUNED = {
 # still runs and loads its B tile (the bulk of its bytes) before waiting for the shrink to complete, so its
 # ramp-up hides under the shrink's tail. Tried and dropped: launching the shrink, too, early behind the
 # projection's GEMM (no gain over this, measured in the engine).
-# With it, batches of ranks <= 16 (the engine's low-rank decode graphs) take these tiles: the best pair of
-# bench/lora_kernels.py --ranks 16,16 --pdl-pairs on an H100 for q/o, gate/up and down (BENCHMARKS.md):
+# With it the best tiles change: bench/lora_kernels.py --pdl-pairs on an H100 timed every shrink x expand pair
+# for q/o, gate/up and down (BENCHMARKS.md). Batches of ranks <= 16 (the engine's low-rank decode graphs):
 # wider shrink tiles with 8 warps, narrow 2-warp expand programs that wait cheaply while the shrink ends.
+# Ranks up to 64: the expand walks the rank in 16-row blocks over 512 columns (its first block is what it
+# loads before the wait).
 TUNED_LOW_RANK_PDL = {
     shape: DecodeConfig(shrink_r=8, block_k=2048, num_warps=8, expand_r=16, block_n=256, expand_warps=2)
     for shape in ((4096, 4096), (4096, 11008), (11008, 4096))
+}
+TUNED_PDL = {
+    (4096, 4096): DecodeConfig(shrink_r=8, block_k=1024, expand_r=16, block_n=512),  # q, o
+    (4096, 11008): DecodeConfig(shrink_r=8, block_k=2048, expand_r=16, block_n=512),  # gate, up
+    (11008, 4096): DecodeConfig(shrink_r=8, block_k=1024, expand_r=16, block_n=512),  # down
 }
 
 
@@ -110,8 +117,10 @@ def pdl_unavailable(device: torch.device) -> str | None:
 def decode_config(in_dim: int, out_dim: int, max_rank: int, pdl: bool = False) -> DecodeConfig:
     """The tiles for a projection shape (pdl: the expand launched early); cached, so the launch path pays a
     dict lookup."""
-    if pdl and max_rank <= 16 and (in_dim, out_dim) in TUNED_LOW_RANK_PDL:
-        return TUNED_LOW_RANK_PDL[(in_dim, out_dim)]
+    if pdl and max_rank <= 64:
+        tuned = (TUNED_LOW_RANK_PDL if max_rank <= 16 else TUNED_PDL).get((in_dim, out_dim))
+        if tuned is not None:
+            return tuned
     config = TUNED.get((in_dim, out_dim)) or DecodeConfig()
     if max_rank <= 16:
         config = dataclasses.replace(config, expand_r=16)

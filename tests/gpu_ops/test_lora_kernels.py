@@ -458,7 +458,7 @@ def test_kernels_gpu_no_host_sync_and_graph_capture(kernels, gpu_setups):
 
 def gpu_mbgmv_configs(module) -> list:
     """The tuned tiles of every shape, and the interpreter's configurations with GPU-sized tiles."""
-    tuned = sorted(set(module.TUNED.values()) | set(module.TUNED_LOW_RANK_PDL.values()), key=repr)
+    tuned = sorted(set(module.TUNED.values()) | set(module.TUNED_LOW_RANK_PDL.values()) | set(module.TUNED_PDL.values()), key=repr)
     return tuned + [dataclasses.replace(config, block_k=512, block_n=128) for config in mbgmv_configs(module)[1:]]
 
 
@@ -524,21 +524,21 @@ def test_mbgmv_group_gpu(kernels, gpu_setups):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ranks", ["mixed", "low"])
+@pytest.mark.parametrize("ranks", ["mixed", "up-to-64", "low"])
 def test_mbgmv_pdl_gpu(ranks, kernels, gpu_setups):
     """The expand launched early (programmatic dependent launch) behind the GEMM that writes y and the shrink,
     eagerly and replayed from a CUDA graph: each replay on fresh x gives exactly the plain stream order's result
     with the same tiles, for y and for the kernel after the expand that reads it (a race with the GEMM or the
-    shrink would show as a difference). low: ranks <= 16, the tiles decode_config gives with PDL."""
+    shrink would show as a difference). up-to-64 and low (ranks <= 16): the tiles decode_config gives with PDL."""
     _, mbgmv_module, _ = kernels
     reason = mbgmv_module.pdl_unavailable(torch.device("cuda"))
     if reason is not None:
         pytest.skip(reason)
     setup = gpu_setups(torch.bfloat16)
     table = setup.table
-    if ranks == "low":
-        max_rank = 16
-        rows = mixed_rows([slot for slot, rank in enumerate(GPU_RANKS) if rank <= 16], 64, seed=4)
+    if ranks != "mixed":
+        max_rank = 16 if ranks == "low" else 64
+        rows = mixed_rows([slot for slot, rank in enumerate(GPU_RANKS) if rank <= max_rank], 64, seed=4)
     else:
         max_rank, rows = max(setup.ranks), gpu_rows("mixed", 64, seed=4)
     row_slot = torch.tensor(rows, dtype=torch.int32, device="cuda")
@@ -557,8 +557,8 @@ def test_mbgmv_pdl_gpu(ranks, kernels, gpu_setups):
     gate_config = mbgmv_module.group_fits(table, GATE, 2, max_rank, pdl=True)
     o_config = mbgmv_module.decode_config(*table.shapes[O], max_rank, True)
     assert qkv_config is not None and gate_config is not None
-    if ranks == "low":
-        assert o_config == mbgmv_module.TUNED_LOW_RANK_PDL[(4096, 4096)]
+    if ranks != "mixed":
+        assert o_config == (mbgmv_module.TUNED_LOW_RANK_PDL if ranks == "low" else mbgmv_module.TUNED_PDL)[(4096, 4096)]
 
     def outputs():
         return [torch.empty(64, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in (w_qkv, w_o, w_gate_up)] + [
