@@ -47,6 +47,9 @@ run_step() {
     lora_kernels) step bench_lora_kernels 300 python3 bench/lora_kernels.py --out "$OUTDIR/lora_kernels.json" ;;
     # the decode tiles for batches of ranks <= 16 (the engine's low-rank graphs), 64 rows of rank 16
     lora_kernels_r16) step bench_lora_kernels_r16 240 python3 bench/lora_kernels.py --ranks 16,16 --no-prefill --budget-s 150 --out "$OUTDIR/lora_kernels_r16.json" ;;
+    # issue 3, figure 2 alone: the q_proj decode methods (MBGMV plain and with the expand launched early, BGMV, ...)
+    lora_kernels_decode) step bench_lora_kernels_decode 150 python3 bench/lora_kernels.py --no-sweep --no-prefill \
+        --out "$OUTDIR/lora_kernels_decode.json" ;;
     # the rank-16 tiles with the expand launched early (lora_pdl on): every shrink x expand pair on the 7B shapes
     lora_kernels_pdl) step bench_lora_kernels_pdl 300 python3 bench/lora_kernels.py --ranks 16,16 --no-prefill --pdl-pairs \
         --only-shapes q_proj,gate_proj,down_proj --budget-s 230 --out "$OUTDIR/lora_kernels_pdl.json" ;;
