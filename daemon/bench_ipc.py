@@ -13,12 +13,14 @@ with the pool cold (idle workers sleep between polls, so each job waits for a wa
 
 Those rows are the python invocation path (the host copies x in, posts, waits, copies the result out):
 the CPU engine's, and the fallback. On a GPU host with the CUDA extension the engine takes the fused
-path instead (daemon/cpu_assist.py): per worker one `copy_and_signal` kernel writes its rows of x from
-device memory into the exchange and raises its job flag, then one `wait_and_add` kernel per worker
-waits for its done flag and adds its result rows into the device output; the host only enqueues. The
-`shm-fused` rows time that round trip on the device (CUDA events from the first copy to the last add),
-the host's enqueueing beside it (`host_us`); the device first idles for LEAD_S so that the host has
-enqueued everything before the first copy starts, as in a forward where the host runs ahead.
+path instead (daemon/cpu_assist.py): one `copy_and_signal` kernel writes the span's rows of x from
+device memory into the exchange and raises every worker's job flag, each to that worker's own seq,
+then one `wait_and_add` kernel waits for every done flag and adds the results into the device output;
+the host only enqueues. The `shm-fused` rows time that round trip on the device (CUDA events from the
+copy to the add), the host's enqueueing beside it (`host_us`); the device first idles for LEAD_S so
+that the host has enqueued everything before the copy starts, as in a forward where the host runs
+ahead. `shm-fused-per-worker`: a launch pair per worker (the engine's path before, and its fallback
+for spans one launch cannot serve).
 """
 
 from __future__ import annotations
@@ -75,18 +77,13 @@ def run(args) -> dict:
         rows.append({"method": "shm", "workers": workers, "tokens_per_worker": args.tokens,
                      "bytes_each_way": tokens * hidden * 4, "us": summary(shm_times), "us_cold": summary(shm_cold_times)})
         if fused_note is None:
-            device_times, host_times, lead_misses, host_phases = _fused_round_trips(
-                workers, x, ranges, args.rank, hidden, reps, warmup, device)
-            rows.append({"method": "shm-fused", "workers": workers, "tokens_per_worker": args.tokens,
-                         "bytes_each_way": tokens * hidden * 4, "us": summary(device_times),
-                         "host_us": summary(host_times), "host_phase_median_us": host_phases,
-                         "lead_misses": lead_misses})
-            device_times, host_times, lead_misses, host_phases = _fused_round_trips(
-                workers, x, ranges, args.rank, hidden, reps, warmup, device, batched=True)
-            rows.append({"method": "shm-fused-batched", "workers": workers, "tokens_per_worker": args.tokens,
-                         "bytes_each_way": tokens * hidden * 4, "us": summary(device_times),
-                         "host_us": summary(host_times), "host_phase_median_us": host_phases,
-                         "lead_misses": lead_misses})
+            for method, batched in (("shm-fused", True), ("shm-fused-per-worker", False)):
+                device_times, host_times, lead_misses, host_phases = _fused_round_trips(
+                    workers, x, ranges, args.rank, hidden, reps, warmup, device, batched=batched)
+                rows.append({"method": method, "workers": workers, "tokens_per_worker": args.tokens,
+                             "bytes_each_way": tokens * hidden * 4, "us": summary(device_times),
+                             "host_us": summary(host_times), "host_phase_median_us": host_phases,
+                             "lead_misses": lead_misses})
         rows.append({"method": "unix-socket", "workers": workers, "tokens_per_worker": args.tokens,
                      "bytes_each_way": tokens * hidden * 4, "us": summary(socket_times)})
     report = {
@@ -98,11 +95,12 @@ def run(args) -> dict:
         "notes": ["us: host wall clock of one round trip: x written, one job per worker, every result back",
                   ("shm us: the pool hot (heated before each round trip, as the engine does in a cold start); "
                    "us_cold: the pool cold (idle workers sleep between polls)"),
-                  ("shm-fused us: the engine's fused CUDA path, device time from the first copy_and_signal to the "
-                   "last wait_and_add (CUDA events), the pool hot; host_us: the host's enqueueing of those kernels "
-                   "and jobs; lead_misses: round trips whose first copy started before the host had enqueued all"),
-                  ("shm-fused-batched: the same with one copy_and_signal for every worker's rows and flag and one "
-                   "wait_and_add on every done flag (the workers at equal seqs); not the engine's path yet"),
+                  ("shm-fused us: the engine's fused CUDA path (one copy_and_signal raising every worker's job flag "
+                   "to its own seq, one wait_and_add on every done flag), device time from the copy to the add (CUDA "
+                   "events), the pool hot; host_us: the host's enqueueing of those kernels and jobs; lead_misses: "
+                   "round trips whose copy started before the host had enqueued all"),
+                  ("shm-fused-per-worker: the same with a copy_and_signal and a wait_and_add per worker (the "
+                   "engine's fallback, and its path before)"),
                   *notes],
     }
     print(markdown_table(
@@ -141,11 +139,10 @@ def _fused_unavailable(device: torch.device) -> str | None:
 
 def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden: int, reps: int, warmup: int,
                        device: torch.device, batched: bool = False) -> tuple[list[float], list[float], int, dict]:
-    """The engine's fused path (CpuAssist._apply_fused, a token split): per worker a job enqueued, one
-    copy_and_signal of its rows and, after every copy, one wait_and_add of its result, all on the
-    current stream. batched: one copy_and_signal of every worker's rows raising every job flag, then one
-    wait_and_add on every done flag (the kernels take several flags at a stride; every worker must be
-    at the same seq, as here, where each round trip gives each worker one job): two kernels in all.
+    """The engine's fused path (CpuAssist._apply_fused, a token split), all on the current stream. batched
+    (the engine's): a job enqueued per worker, one copy_and_signal of every worker's rows raising each job
+    flag to its worker's seq, then one wait_and_add on every done flag: two kernels in all. Else a
+    copy_and_signal of its rows per worker and, after every copy, a wait_and_add of its result per worker.
     -> (device round trips us, host enqueue us, round trips whose lead ran out, host phase medians)."""
     from lorad.cpu_lora.worker import WorkerPool
     from lorad.gpu_ops import cuda_ext
@@ -190,15 +187,14 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
                     stream = torch.cuda.current_stream(device).cuda_stream
                     if batched:
                         t0 = time.perf_counter_ns()
-                        seqs = {pool.enqueue(worker, Job(adapter_id, 0, 0, lo, hi, hidden, hidden, IN_FLOAT32))
-                                for worker, (lo, hi) in enumerate(ranges)}
-                        if len(seqs) != 1 or None in seqs:
-                            raise RuntimeError(f"batched round trip: the workers' seqs differ or a ring is full: {seqs}")
-                        seq = seqs.pop()
+                        seqs = [pool.enqueue(worker, Job(adapter_id, 0, 0, lo, hi, hidden, hidden, IN_FLOAT32))
+                                for worker, (lo, hi) in enumerate(ranges)]
+                        if None in seqs:
+                            raise RuntimeError(f"a worker's job ring stayed full: {seqs}")
                         t1 = time.perf_counter_ns()
-                        launcher.copy_and_signal(input_address, x_device, all_jobs, seq, stream)
+                        launcher.copy_and_signal(input_address, x_device, all_jobs, seqs, stream)
                         t2 = time.perf_counter_ns()
-                        launcher.wait_and_add(y, output_address, stride, all_done, seq, timeout_ns, stream, skip_if_error=True)
+                        launcher.wait_and_add(y, output_address, stride, all_done, seqs, timeout_ns, stream, skip_if_error=True)
                         spent = [t1 - t0, t2 - t1, time.perf_counter_ns() - t2]
                         ranges_now = ()
                     else:
@@ -407,7 +403,7 @@ def _receive_into(connection: socket.socket, view: memoryview) -> None:
 
 def _plot(plt, rows: list[dict]):
     figure, axis = plt.subplots(figsize=(6.5, 4))
-    for method, color in (("shm", "tab:blue"), ("shm-fused", "tab:green"), ("shm-fused-batched", "tab:olive"),
+    for method, color in (("shm", "tab:blue"), ("shm-fused", "tab:green"), ("shm-fused-per-worker", "tab:olive"),
                           ("unix-socket", "tab:orange")):
         points = sorted((r["workers"], r["us"]["median"], r["us"]["p99"]) for r in rows if r["method"] == method)
         if not points:

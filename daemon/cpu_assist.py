@@ -163,6 +163,10 @@ class CpuAssist:
                 self.launcher = cuda_ext.FusedLauncher(self.mapping, self.error)
                 self._job_flags_device = [self.launcher.flags(exchange.job_flags[w : w + 1]) for w in range(workers)]
                 self._done_flags_device = [self.launcher.flags(exchange.done_flags[w : w + 1]) for w in range(workers)]
+                # Workers 0..k-1 at once (one launch each way per span): entry k - 1.
+                batched = range(1, min(workers, cuda_ext.MAX_FLAG_SEQS) + 1)
+                self._job_flags_first = [self.launcher.flags(exchange.job_flags[:k]) for k in batched]
+                self._done_flags_first = [self.launcher.flags(exchange.done_flags[:k]) for k in batched]
                 self._input_address, self._input_nbytes = exchange.input_bytes.ctypes.data, exchange.input_bytes.size
                 self._output_address, self._output_stride = self.pool.output.ctypes.data, self.pool.output.shape[1]
             self.cost = self._profile(hidden)
@@ -336,8 +340,11 @@ class CpuAssist:
         return path
 
     def _apply_fused(self, x: torch.Tensor, y: torch.Tensor, layer: int, proj: int, spans: list[CpuSpan]) -> None:
-        """Per worker range: copy_and_signal now, wait_and_add after every copy of the call, all on the
-        current stream. Seqs come from the pool in enqueue order, which is the device's signal order."""
+        """Per span: one copy_and_signal of its rows raising the job flag of every worker it uses, each to
+        that worker's own seq, then (after every span's copy) one wait_and_add for all their done flags that
+        adds the span's rows; all on the current stream. Seqs come from the pool in enqueue order, which is
+        the device's signal order. A span one launch cannot serve (`_batchable`) takes a launch pair per
+        worker."""
         if self._cut_short:
             return  # this step is recomputed (after_step): the kernels would only wait in vain
         in_features, out_features = x.shape[1], y.shape[1]
@@ -349,56 +356,71 @@ class CpuAssist:
         launcher, pending = self.launcher, []
         stream = torch.cuda.current_stream(x.device).cuda_stream
         for span in spans:
-            if span.parts > 1:
-                if not self._enqueue_group(x, span, layer, proj, in_features, out_features, dtype_code, row_bytes,
-                                           stream, pending):
-                    break
+            jobs = self._span_jobs(span, layer, proj, in_features, out_features, dtype_code)
+            if jobs is None:
+                break
+            if not jobs:
                 continue
-            for worker, (start, end) in enumerate(span.ranges):
-                if start == end:
-                    continue
-                seq = self.pool.enqueue(worker, Job(span.adapter_id, layer, proj, start, end, in_features,
-                                                    out_features, dtype_code))
-                if seq is None:
-                    self._cut_short = True
-                    log.warning("cpu lora ring of worker %d full past %.1f s: the step is cut short", worker,
-                                self.job_timeout_s)
-                    break
+            if self._batchable(span, jobs):
+                seqs = [seq for _, seq, _, _ in jobs]
+                source = x[span.start : span.end]
+                launcher.copy_and_signal(self._input_address + span.start * row_bytes,
+                                         source if source.is_contiguous() else source.contiguous(),
+                                         self._job_flags_first[len(jobs) - 1], seqs, stream)
+                pending.append((self._done_flags_first[len(jobs) - 1], seqs, span.start, span.end))
+                continue
+            # One launch pair per worker. A split group (more parts than one launch takes): part 0's copy carries
+            # the rows and comes first, the others raise their flags only; part 0's wait adds the whole result
+            # and comes last, the others add nothing.
+            group = span.parts > 1
+            waits = []
+            for index, (worker, seq, start, end) in enumerate(jobs):
+                if group and index > 0:
+                    start = end = span.start
                 source = x[start:end]
                 launcher.copy_and_signal(self._input_address + start * row_bytes,
                                          source if source.is_contiguous() else source.contiguous(),
                                          self._job_flags_device[worker], seq, stream)
-                pending.append((worker, seq, start, end))
+                waits.append((self._done_flags_device[worker], seq, start, end))
+            pending.extend(waits[1:] + waits[:1] if group else waits)
         timeout_ns, stride = max(1, int(self.job_timeout_s * 1e9)), self._output_stride
-        for worker, seq, start, end in pending:  # a split group's parts past the first: empty rows, a wait only
-            launcher.wait_and_add(y[start:end], self._output_address + start * stride * 4, stride,
-                                  self._done_flags_device[worker], seq, timeout_ns, stream, skip_if_error=True)
+        for flags, seq, start, end in pending:
+            launcher.wait_and_add(y[start:end], self._output_address + start * stride * 4, stride, flags, seq,
+                                  timeout_ns, stream, skip_if_error=True)
 
-    def _enqueue_group(self, x, span: CpuSpan, layer: int, proj: int, in_features: int, out_features: int,
-                       dtype_code: int, row_bytes: int, stream: int, pending: list) -> bool:
-        """A split group's parts (fused path): one copy of the span's rows that raises part 0's flag,
-        then a flag-only signal per further part; the waits of parts 1.. add nothing (empty rows) and
-        part 0's wait adds the whole result, so the add follows every part's done flag. -> False when
-        posting was cut short (a full ring)."""
-        group, seqs = self.pool.next_group(), []
-        for part in range(span.parts):
-            seq = self.pool.enqueue(part, Job(span.adapter_id, layer, proj, span.start, span.end, in_features,
-                                              out_features, dtype_code, part, span.parts, group))
-            if seq is None:  # the parts enqueued so far are released by settle() and fail at their barrier
+    def _batchable(self, span: CpuSpan, jobs: list[tuple[int, int, int, int]]) -> bool:
+        """Whether one launch pair serves the span's jobs: their workers are 0..k-1 (the flags one launch
+        takes lie side by side) and their rows, together, are exactly the span's (a group's parts each
+        read all of them; a token split's ranges must tile them, so that the one add reads no row that
+        no worker wrote)."""
+        if len(jobs) > len(self._job_flags_first) or any(job[0] != index for index, job in enumerate(jobs)):
+            return False
+        if span.parts > 1:
+            return True
+        return (jobs[0][2] == span.start and jobs[-1][3] == span.end
+                and all(before[3] == after[2] for before, after in zip(jobs, jobs[1:])))
+
+    def _span_jobs(self, span: CpuSpan, layer: int, proj: int, in_features: int, out_features: int,
+                   dtype_code: int) -> list[tuple[int, int, int, int]] | None:
+        """Enqueue the span's jobs: (worker, seq, first row, end row) each; a split group's parts all read the
+        span's rows. None when posting was cut short (a full ring): the jobs enqueued so far are released by
+        settle() (a group's fail at their barrier)."""
+        if span.parts > 1:
+            group = self.pool.next_group()
+            work = [(part, Job(span.adapter_id, layer, proj, span.start, span.end, in_features, out_features,
+                               dtype_code, part, span.parts, group), span.start, span.end) for part in range(span.parts)]
+        else:
+            work = [(worker, Job(span.adapter_id, layer, proj, start, end, in_features, out_features, dtype_code), start, end)
+                    for worker, (start, end) in enumerate(span.ranges) if start < end]
+        jobs = []
+        for worker, job, start, end in work:
+            seq = self.pool.enqueue(worker, job)
+            if seq is None:
                 self._cut_short = True
-                log.warning("cpu lora ring of worker %d full past %.1f s: the step is cut short", part, self.job_timeout_s)
-                return False
-            seqs.append(seq)
-        source = x[span.start : span.end]
-        address = self._input_address + span.start * row_bytes
-        self.launcher.copy_and_signal(address, source if source.is_contiguous() else source.contiguous(),
-                                      self._job_flags_device[0], seqs[0], stream)
-        empty = source[:0]
-        for part in range(1, span.parts):
-            self.launcher.copy_and_signal(address, empty, self._job_flags_device[part], seqs[part], stream)
-        pending.extend((part, seqs[part], span.start, span.start) for part in range(1, span.parts))
-        pending.append((0, seqs[0], span.start, span.end))
-        return True
+                log.warning("cpu lora ring of worker %d full past %.1f s: the step is cut short", worker, self.job_timeout_s)
+                return None
+            jobs.append((worker, seq, start, end))
+        return jobs
 
     def _apply_python(self, x, y, layer: int, proj: int, spans: list[CpuSpan], gpu_lora) -> None:
         """The host copies, posts, waits and adds; a failed job sends its span to the pool path."""

@@ -40,6 +40,7 @@ except ImportError as error:  # built without a CUDA compiler: the python path o
 
 DEFAULT_TIMEOUT_S = 5.0  # a job that takes longer has a dead or stalled worker (cf. WorkerPool.job_timeout_s)
 FLAG_BYTES = 8
+MAX_FLAG_SEQS = 64  # the most flags one launch with per-flag seqs carries (the extension's kMaxFlagSeqs)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -339,22 +340,30 @@ class FusedLauncher:
         address, count, stride = _flag_layout(flags)
         return self._device(address, (count - 1) * stride + FLAG_BYTES, "flags"), count, stride
 
-    def copy_and_signal(self, dst_address: int, src: torch.Tensor, flags: tuple[int, int, int], seq: int,
+    def copy_and_signal(self, dst_address: int, src: torch.Tensor, flags: tuple[int, int, int], seq: int | list[int],
                         stream: int) -> None:
-        """`fused_copy_and_signal` of src's bytes to host address `dst_address` (in the region)."""
+        """`fused_copy_and_signal` of src's bytes to host address `dst_address` (in the region). seq: one for
+        every flag, or a list of one per flag (workers' seqs differ: one launch serves several workers)."""
         nbytes = src.numel() * src.element_size()
         dst = self._device(dst_address, nbytes, "dst") if nbytes else 0
-        _ext.copy_and_signal(dst, src.data_ptr(), nbytes, flags[0], seq, stream, flags[1], flags[2])
+        if isinstance(seq, int):
+            _ext.copy_and_signal(dst, src.data_ptr(), nbytes, flags[0], seq, stream, flags[1], flags[2])
+        else:
+            _ext.copy_and_signal(dst, src.data_ptr(), nbytes, flags[0], seq[0], stream, flags[1], flags[2], seq)
 
     def wait_and_add(self, out: torch.Tensor, result_address: int, result_row_stride: int, flags: tuple[int, int, int],
-                     seq: int, timeout_ns: int, stream: int, skip_if_error: bool = False) -> None:
+                     seq: int | list[int], timeout_ns: int, stream: int, skip_if_error: bool = False) -> None:
         """`fused_wait_and_add` into out [rows, cols] from the float32 rows at host `result_address` (in the
-        region), `result_row_stride` floats apart."""
+        region), `result_row_stride` floats apart. seq as in copy_and_signal."""
         rows, cols = out.shape
         span = ((rows - 1) * result_row_stride + cols) * 4 if rows and cols else 0
         result = self._device(result_address, span, "result") if span else 0
-        _ext.wait_and_add(out.data_ptr(), result, rows, cols, out.stride(0), result_row_stride, _DTYPE_CODES[out.dtype],
-                          flags[0], seq, stream, timeout_ns, self.error, flags[1], flags[2], skip_if_error)
+        if isinstance(seq, int):
+            _ext.wait_and_add(out.data_ptr(), result, rows, cols, out.stride(0), result_row_stride, _DTYPE_CODES[out.dtype],
+                              flags[0], seq, stream, timeout_ns, self.error, flags[1], flags[2], skip_if_error)
+        else:
+            _ext.wait_and_add(out.data_ptr(), result, rows, cols, out.stride(0), result_row_stride, _DTYPE_CODES[out.dtype],
+                              flags[0], seq[0], stream, timeout_ns, self.error, flags[1], flags[2], skip_if_error, seq)
 
 
 # ---- python path (CPU engine; CaraServe's "native" baseline on the GPU) -----------------------------

@@ -4,6 +4,7 @@
 // gpu_ops/cuda_ext.py wraps these with checks on torch tensors.
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "host_signal.h"
 
@@ -14,6 +15,7 @@ PYBIND11_MODULE(_lorad_cuda, m) {
   m.attr("DTYPE_FLOAT32") = static_cast<int>(lorad::kFloat32);
   m.attr("DTYPE_FLOAT16") = static_cast<int>(lorad::kFloat16);
   m.attr("DTYPE_BFLOAT16") = static_cast<int>(lorad::kBFloat16);
+  m.attr("MAX_FLAG_SEQS") = lorad::kMaxFlagSeqs;
 
   m.def("device_count", &lorad::device_count, "Number of CUDA devices; RuntimeError when none can be used.");
   m.def("runtime_version", &lorad::runtime_version, "CUDA runtime version this module was linked with (13000 = 13.0).");
@@ -24,13 +26,15 @@ PYBIND11_MODULE(_lorad_cuda, m) {
         "cudaHostGetDevicePointer: the device address of a registered host address.");
   m.def("copy_and_signal", &lorad::copy_and_signal, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("flag"),
         py::arg("seq"), py::arg("stream"), py::arg("num_flags") = 1, py::arg("flag_stride") = 8,
+        py::arg("seqs") = std::vector<std::int64_t>{},
         "One kernel on `stream`: copy nbytes device memory src -> mapped host memory dst (device addresses), "
-        "then store int64 seq into num_flags flags flag_stride bytes apart. Returns at once.");
+        "then store int64 seq into num_flags flags flag_stride bytes apart (flag f: seqs[f] when seqs is given). "
+        "Returns at once.");
   m.def("wait_and_add", &lorad::wait_and_add, py::arg("out"), py::arg("result"), py::arg("nrows"), py::arg("ncols"),
         py::arg("out_row_stride"), py::arg("result_row_stride"), py::arg("dtype_code"), py::arg("flag"), py::arg("seq"),
         py::arg("stream"), py::arg("timeout_ns"), py::arg("error"), py::arg("num_flags") = 1, py::arg("flag_stride") = 8,
-        py::arg("skip_if_error") = false,
-        "One kernel on `stream`: wait on the GPU until every flag >= seq, then out[r, c] += result[r, c] (fp32 result "
-        "in mapped host memory; strides in elements). After timeout_ns: add nothing, store seq into the int64 error "
-        "word if it is 0. skip_if_error: give up at once when the error word is already non-zero. Returns at once.");
+        py::arg("skip_if_error") = false, py::arg("seqs") = std::vector<std::int64_t>{},
+        "One kernel on `stream`: wait on the GPU until every flag >= seq (flag f: seqs[f] when seqs is given), then out[r, c] += result[r, c] (fp32 result "
+        "in mapped host memory; strides in elements). After timeout_ns: add nothing, store the missed seq into the "
+        "int64 error word if it is 0. skip_if_error: give up at once when the error word is already non-zero. Returns at once.");
 }

@@ -23,6 +23,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace lorad {
 namespace {
@@ -32,6 +33,12 @@ constexpr int kCopyUnroll = 4;       // independent 16-byte loads in flight per 
 constexpr int kMaxStreams = 1024;     // distinct streams one process may use these kernels on
 constexpr unsigned kPollMinNs = 64;   // first pause between two polls of a host flag
 constexpr unsigned kPollMaxNs = 2048; // the poller reads host memory over PCIe at most every ~2 µs
+
+// Each flag's own seq, passed by value (kernel parameters: no copy to the device first). A worker's seqs
+// count its own jobs, so one kernel for many workers stores (and waits for) a different value per flag.
+struct FlagSeqs {
+  long long value[kMaxFlagSeqs];
+};
 
 struct StreamState {
   unsigned copy_blocks_done;  // copy_and_signal: blocks whose stores are fenced
@@ -87,7 +94,7 @@ template <typename Word>
 __global__ void __launch_bounds__(kThreads) copy_and_signal_kernel(
     Word* __restrict__ dst, const Word* __restrict__ src, std::size_t words, unsigned char* __restrict__ dst_tail,
     const unsigned char* __restrict__ src_tail, unsigned tail_bytes, long long* flag, int num_flags,
-    std::int64_t flag_stride_words, long long seq, StreamState* state) {
+    std::int64_t flag_stride_words, FlagSeqs seqs, StreamState* state) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * kThreads * kCopyUnroll;
   for (std::size_t base = static_cast<std::size_t>(blockIdx.x) * kThreads * kCopyUnroll + threadIdx.x; base < words;
        base += stride) {
@@ -114,7 +121,7 @@ __global__ void __launch_bounds__(kThreads) copy_and_signal_kernel(
   if (add_acq_rel_gpu(&state->copy_blocks_done, 1) != gridDim.x - 1) return;
   state->copy_blocks_done = 0;  // the next kernel on this stream starts after this one ends
   __threadfence_system();
-  for (int f = 0; f < num_flags; ++f) store_relaxed_sys(flag + f * flag_stride_words, seq);
+  for (int f = 0; f < num_flags; ++f) store_relaxed_sys(flag + f * flag_stride_words, seqs.value[f]);
 }
 
 // ---- wait_and_add ------------------------------------------------------------------------------------
@@ -142,20 +149,21 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
-// True once every flag is >= seq; false after timeout_ns. Pauses double from kPollMinNs to kPollMaxNs.
-__device__ bool poll_flags(const long long* flag, int num_flags, std::int64_t flag_stride_words, long long seq,
-                           long long timeout_ns) {
+// -1 once every flag f is >= seqs.value[f]; after timeout_ns, the first flag still short of its seq.
+// Pauses double from kPollMinNs to kPollMaxNs.
+__device__ int poll_flags(const long long* flag, int num_flags, std::int64_t flag_stride_words, const FlagSeqs& seqs,
+                          long long timeout_ns) {
   const unsigned long long start = global_time_ns();
   unsigned pause = kPollMinNs;
   for (int f = 0; f < num_flags; ++f) {
     const long long* address = flag + f * flag_stride_words;
-    while (load_acquire_sys(address) < seq) {
-      if (static_cast<long long>(global_time_ns() - start) > timeout_ns) return false;
+    while (load_acquire_sys(address) < seqs.value[f]) {
+      if (static_cast<long long>(global_time_ns() - start) > timeout_ns) return f;
       __nanosleep(pause);
       pause = min(pause * 2, kPollMaxNs);
     }
   }
-  return true;
+  return -1;
 }
 
 // One block (the first to start) polls the host flags over PCIe; the others wait on its verdict in
@@ -165,20 +173,21 @@ template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) wait_and_add_kernel(
     T* out, const float* result, std::int64_t nrows, std::int64_t ncols, std::int64_t out_row_stride,
     std::int64_t result_row_stride, const long long* flag, int num_flags, std::int64_t flag_stride_words,
-    long long seq, long long timeout_ns, long long* error, bool skip_if_error, StreamState* state) {
+    FlagSeqs seqs, long long timeout_ns, long long* error, bool skip_if_error, StreamState* state) {
   __shared__ unsigned outcome;
   if (threadIdx.x == 0) {
     if (atomicCAS(&state->wait_claim, 0u, 1u) == 0u) {
       // skip_if_error: an earlier wait of this forward already timed out (its step is recomputed
       // anyway), so give up at once instead of spending another timeout per later projection.
+      int short_flag = 0;
       if (skip_if_error && load_acquire_sys(error) != 0)
         outcome = kTimedOut;
       else
-        outcome = poll_flags(flag, num_flags, flag_stride_words, seq, timeout_ns) ? kReady : kTimedOut;
+        outcome = (short_flag = poll_flags(flag, num_flags, flag_stride_words, seqs, timeout_ns)) < 0 ? kReady : kTimedOut;
       if (outcome == kTimedOut) {
         // Only the poller writes the word, and kernels on one stream do not overlap: no atomic is
         // needed, which matters because atomics on host memory across PCIe are not portable.
-        if (*reinterpret_cast<volatile long long*>(error) == 0) store_relaxed_sys(error, seq);
+        if (*reinterpret_cast<volatile long long*>(error) == 0) store_relaxed_sys(error, seqs.value[short_flag]);
         __threadfence_system();
       }
       store_release_gpu(&state->wait_outcome, outcome);
@@ -262,21 +271,21 @@ unsigned grid_for(std::int64_t items_per_block_pass, std::int64_t items) {
 
 template <typename Word>
 void launch_copy(std::uintptr_t dst, std::uintptr_t src, std::size_t nbytes, long long* flag, int num_flags,
-                 std::int64_t flag_stride_words, long long seq, cudaStream_t stream) {
+                 std::int64_t flag_stride_words, const FlagSeqs& seqs, cudaStream_t stream) {
   const std::size_t words = nbytes / sizeof(Word);
   const std::size_t body = words * sizeof(Word);
   const unsigned grid = grid_for(static_cast<std::int64_t>(kThreads) * kCopyUnroll, static_cast<std::int64_t>(words));
   copy_and_signal_kernel<Word><<<grid, kThreads, 0, stream>>>(
       reinterpret_cast<Word*>(dst), reinterpret_cast<const Word*>(src), words,
       reinterpret_cast<unsigned char*>(dst + body), reinterpret_cast<const unsigned char*>(src + body),
-      static_cast<unsigned>(nbytes - body), flag, num_flags, flag_stride_words, seq, stream_state(stream));
+      static_cast<unsigned>(nbytes - body), flag, num_flags, flag_stride_words, seqs, stream_state(stream));
   check_cuda(cudaGetLastError(), "copy_and_signal launch");
 }
 
 template <typename T>
 void launch_add(std::uintptr_t out, std::uintptr_t result, std::int64_t nrows, std::int64_t ncols,
                 std::int64_t out_row_stride, std::int64_t result_row_stride, const long long* flag, int num_flags,
-                std::int64_t flag_stride_words, long long seq, long long timeout_ns, long long* error,
+                std::int64_t flag_stride_words, const FlagSeqs& seqs, long long timeout_ns, long long* error,
                 bool skip_if_error, cudaStream_t stream) {
   // Four columns at a time (16-byte result loads) when every row start is aligned for it.
   const bool vector = ncols % 4 == 0 && out_row_stride % 4 == 0 && result_row_stride % 4 == 0 &&
@@ -287,13 +296,24 @@ void launch_add(std::uintptr_t out, std::uintptr_t result, std::int64_t nrows, s
   if (vector) {
     wait_and_add_kernel<T, 4><<<grid, kThreads, 0, stream>>>(
         reinterpret_cast<T*>(out), reinterpret_cast<const float*>(result), nrows, ncols, out_row_stride,
-        result_row_stride, flag, num_flags, flag_stride_words, seq, timeout_ns, error, skip_if_error, state);
+        result_row_stride, flag, num_flags, flag_stride_words, seqs, timeout_ns, error, skip_if_error, state);
   } else {
     wait_and_add_kernel<T, 1><<<grid, kThreads, 0, stream>>>(
         reinterpret_cast<T*>(out), reinterpret_cast<const float*>(result), nrows, ncols, out_row_stride,
-        result_row_stride, flag, num_flags, flag_stride_words, seq, timeout_ns, error, skip_if_error, state);
+        result_row_stride, flag, num_flags, flag_stride_words, seqs, timeout_ns, error, skip_if_error, state);
   }
   check_cuda(cudaGetLastError(), "wait_and_add launch");
+}
+
+// The flags' seqs: `seqs` (one per flag) when given, else `seq` for every flag.
+FlagSeqs flag_seqs(std::int64_t seq, const std::vector<std::int64_t>& seqs, int num_flags) {
+  if (num_flags > kMaxFlagSeqs)
+    throw std::invalid_argument("num_flags must be at most " + std::to_string(kMaxFlagSeqs));
+  if (!seqs.empty() && static_cast<int>(seqs.size()) != num_flags)
+    throw std::invalid_argument("seqs must hold one seq per flag (num_flags), or be empty");
+  FlagSeqs out{};
+  for (int f = 0; f < num_flags; ++f) out.value[f] = seqs.empty() ? seq : seqs[f];
+  return out;
 }
 
 void check_flags(std::uintptr_t flag, int num_flags, std::int64_t flag_stride) {
@@ -339,28 +359,31 @@ std::uintptr_t device_pointer(std::uintptr_t host_ptr) {
 }
 
 void copy_and_signal(std::uintptr_t dst, std::uintptr_t src, std::size_t nbytes, std::uintptr_t flag,
-                     std::int64_t seq, std::uintptr_t stream_handle, int num_flags, std::int64_t flag_stride) {
+                     std::int64_t seq, std::uintptr_t stream_handle, int num_flags, std::int64_t flag_stride,
+                     const std::vector<std::int64_t>& seqs) {
   check_flags(flag, num_flags, flag_stride);
+  const FlagSeqs values = flag_seqs(seq, seqs, num_flags);
   if (nbytes > 0 && (dst == 0 || src == 0)) throw std::invalid_argument("copy_and_signal: null pointer");
   auto* flags = reinterpret_cast<long long*>(flag);
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const std::uintptr_t both = dst | src;
   const std::int64_t stride_words = flag_stride / 8;
   if (both % 16 == 0)
-    launch_copy<uint4>(dst, src, nbytes, flags, num_flags, stride_words, seq, stream);
+    launch_copy<uint4>(dst, src, nbytes, flags, num_flags, stride_words, values, stream);
   else if (both % 8 == 0)
-    launch_copy<uint2>(dst, src, nbytes, flags, num_flags, stride_words, seq, stream);
+    launch_copy<uint2>(dst, src, nbytes, flags, num_flags, stride_words, values, stream);
   else if (both % 4 == 0)
-    launch_copy<unsigned>(dst, src, nbytes, flags, num_flags, stride_words, seq, stream);
+    launch_copy<unsigned>(dst, src, nbytes, flags, num_flags, stride_words, values, stream);
   else
-    launch_copy<unsigned char>(dst, src, nbytes, flags, num_flags, stride_words, seq, stream);
+    launch_copy<unsigned char>(dst, src, nbytes, flags, num_flags, stride_words, values, stream);
 }
 
 void wait_and_add(std::uintptr_t out, std::uintptr_t result, std::int64_t nrows, std::int64_t ncols,
                   std::int64_t out_row_stride, std::int64_t result_row_stride, int dtype_code, std::uintptr_t flag,
                   std::int64_t seq, std::uintptr_t stream_handle, std::int64_t timeout_ns, std::uintptr_t error,
-                  int num_flags, std::int64_t flag_stride, bool skip_if_error) {
+                  int num_flags, std::int64_t flag_stride, bool skip_if_error, const std::vector<std::int64_t>& seqs) {
   check_flags(flag, num_flags, flag_stride);
+  const FlagSeqs values = flag_seqs(seq, seqs, num_flags);
   if (nrows < 0 || ncols < 0) throw std::invalid_argument("wait_and_add: negative shape");
   if (out_row_stride < ncols || result_row_stride < ncols)
     throw std::invalid_argument("wait_and_add: a row stride is smaller than ncols");
@@ -374,16 +397,16 @@ void wait_and_add(std::uintptr_t out, std::uintptr_t result, std::int64_t nrows,
   const std::int64_t stride_words = flag_stride / 8;
   switch (dtype_code) {
     case kFloat32:
-      launch_add<float>(out, result, nrows, ncols, out_row_stride, result_row_stride, flags, num_flags, stride_words, seq,
+      launch_add<float>(out, result, nrows, ncols, out_row_stride, result_row_stride, flags, num_flags, stride_words, values,
                         timeout_ns, error_word, skip_if_error, stream);
       break;
     case kFloat16:
       launch_add<__half>(out, result, nrows, ncols, out_row_stride, result_row_stride, flags, num_flags, stride_words,
-                         seq, timeout_ns, error_word, skip_if_error, stream);
+                         values, timeout_ns, error_word, skip_if_error, stream);
       break;
     case kBFloat16:
       launch_add<__nv_bfloat16>(out, result, nrows, ncols, out_row_stride, result_row_stride, flags, num_flags,
-                                stride_words, seq, timeout_ns, error_word, skip_if_error, stream);
+                                stride_words, values, timeout_ns, error_word, skip_if_error, stream);
       break;
     default:
       throw std::invalid_argument("wait_and_add: dtype_code must be 0 (float32), 1 (float16) or 2 (bfloat16)");

@@ -6,10 +6,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace lorad {
 
 enum DtypeCode : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// The most flags one copy_and_signal or wait_and_add may carry (one per worker).
+constexpr int kMaxFlagSeqs = 64;
 
 // Throws std::runtime_error("<what>: <CUDA error name>: <description>") when `status` is not success.
 void check_cuda(int status, const char* what);
@@ -22,20 +26,24 @@ void unregister_host(std::uintptr_t host_ptr);
 std::uintptr_t device_pointer(std::uintptr_t host_ptr);
 
 // Copies `nbytes` from device memory `src` to mapped host memory `dst`, then, once every block's
-// stores are visible system-wide, stores `seq` into the `num_flags` 64-bit flags at `flag`,
-// `flag_stride` bytes apart (the workers' job flags). One kernel.
+// stores are visible system-wide, stores `seq` into the `num_flags` (<= kMaxFlagSeqs) 64-bit flags at
+// `flag`, `flag_stride` bytes apart (the workers' job flags); with `seqs` (one per flag), flag f gets
+// seqs[f]. One kernel.
 void copy_and_signal(std::uintptr_t dst, std::uintptr_t src, std::size_t nbytes, std::uintptr_t flag,
-                     std::int64_t seq, std::uintptr_t stream, int num_flags, std::int64_t flag_stride);
+                     std::int64_t seq, std::uintptr_t stream, int num_flags, std::int64_t flag_stride,
+                     const std::vector<std::int64_t>& seqs);
 
-// Waits (on the GPU) until every one of the `num_flags` flags is >= `seq`, then
+// Waits (on the GPU) until every one of the `num_flags` flags is >= `seq` (flag f: seqs[f] when `seqs`
+// is not empty), then
 // out[r, c] += result[r, c] for r < nrows, c < ncols (result fp32 in mapped host memory, out in the
 // dtype `dtype_code`; strides in elements). After `timeout_ns` it gives up, adds nothing and stores
-// `seq` into the 64-bit word `error` (device or mapped host memory) if that word is 0. With
+// the seq it missed into the 64-bit word `error` (device or mapped host memory) if that word is 0. With
 // `skip_if_error`, a wait that finds `error` non-zero when it starts gives up at once (adds nothing):
 // one stalled worker costs a forward one timeout, not one per projection. One kernel.
 void wait_and_add(std::uintptr_t out, std::uintptr_t result, std::int64_t nrows, std::int64_t ncols,
                   std::int64_t out_row_stride, std::int64_t result_row_stride, int dtype_code,
                   std::uintptr_t flag, std::int64_t seq, std::uintptr_t stream, std::int64_t timeout_ns,
-                  std::uintptr_t error, int num_flags, std::int64_t flag_stride, bool skip_if_error);
+                  std::uintptr_t error, int num_flags, std::int64_t flag_stride, bool skip_if_error,
+                  const std::vector<std::int64_t>& seqs);
 
 }  // namespace lorad

@@ -119,6 +119,11 @@ def test_without_a_gpu_the_module_imports_and_calls_fail_cleanly():
         ext.copy_and_signal(0, 0, 0, 3, 1, 0)
     with pytest.raises(ValueError, match="timeout"):
         ext.wait_and_add(0, 0, 0, 0, 0, 0, 0, 8, 1, 0, 0, 8)
+    assert ext.MAX_FLAG_SEQS == cuda_ext.MAX_FLAG_SEQS
+    with pytest.raises(ValueError, match="one seq per flag"):
+        ext.copy_and_signal(0, 0, 0, 8, 1, 0, 2, 8, [1, 2, 3])
+    with pytest.raises(ValueError, match="at most 64"):
+        ext.copy_and_signal(0, 0, 0, 8, 1, 0, 65, 8)
     with pytest.raises(RuntimeError, match="not usable here"):
         cuda_ext.register_host(np.zeros(16))
 
@@ -240,11 +245,16 @@ def test_fused_launcher_passes_device_addresses_worked_out_once(monkeypatch):
     launcher.copy_and_signal(host + 4096, empty, flags, 8, stream=11)  # a flag only: no destination
     out = torch.zeros(2, 4, dtype=torch.bfloat16)
     launcher.wait_and_add(out, host + 8192, 16, flags, 7, timeout_ns=5, stream=11, skip_if_error=True)
+    launcher.copy_and_signal(host + 4096, src, flags, [3, 5, 4], stream=11)  # a seq per flag: the workers' own
+    launcher.wait_and_add(out, host + 8192, 16, flags, [3, 5, 4], timeout_ns=5, stream=11)
     assert ext.calls == [
         ("copy_and_signal", ((1 << 40) + 4096, src.data_ptr(), 32, (1 << 40) + 1024, 7, 11, 3, 128)),
         ("copy_and_signal", (0, empty.data_ptr(), 0, (1 << 40) + 1024, 8, 11, 3, 128)),
         ("wait_and_add", (out.data_ptr(), (1 << 40) + 8192, 2, 4, 4, 16, cuda_ext._DTYPE_CODES[torch.bfloat16],
                           (1 << 40) + 1024, 7, 11, 5, (1 << 40) + 64, 3, 128, True)),
+        ("copy_and_signal", ((1 << 40) + 4096, src.data_ptr(), 32, (1 << 40) + 1024, 3, 11, 3, 128, [3, 5, 4])),
+        ("wait_and_add", (out.data_ptr(), (1 << 40) + 8192, 2, 4, 4, 16, cuda_ext._DTYPE_CODES[torch.bfloat16],
+                          (1 << 40) + 1024, 3, 11, 5, (1 << 40) + 64, 3, 128, False, [3, 5, 4])),
     ]
     for bad in (lambda: launcher.copy_and_signal(host + region.nbytes - 16, src, flags, 9, stream=11),
                 lambda: launcher.copy_and_signal(host - 64, src, flags, 9, stream=11),
@@ -252,7 +262,7 @@ def test_fused_launcher_passes_device_addresses_worked_out_once(monkeypatch):
                 lambda: launcher.flags(np.zeros(2, np.int64))):  # flags outside the region
         with pytest.raises(ValueError, match="outside the registered region"):
             bad()
-    assert len(ext.calls) == 3
+    assert len(ext.calls) == 5
     with pytest.raises(ValueError):
         cuda_ext.FusedLauncher(mapping, error.int())
 
@@ -420,6 +430,44 @@ def test_fused_wait_times_out_reports_and_recovers(mapped_exchange):
             assert int(word[0]) == 3  # kept until the caller resets it
             del error
         del word
+    del results
+
+
+@gpu
+@pytest.mark.timeout(60)
+def test_fused_launcher_per_flag_seqs(mapped_exchange):
+    """One launch for several workers whose seqs differ (FusedLauncher with a seq per flag): the copy raises
+    each job flag to its own seq; the wait adds once every done flag has reached its own, and a flag short of
+    its seq times out reporting that seq."""
+    exchange, mapping = mapped_exchange
+    error = torch.zeros(1, dtype=torch.int64, device="cuda")
+    launcher = cuda_ext.FusedLauncher(mapping, error)
+    jobs, done = job_flags(exchange), done_flags(exchange)
+    jobs[:], done[:] = 0, 0
+    src = torch.randn(5, 1024, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.current_stream().cuda_stream
+    launcher.copy_and_signal(exchange.input_bytes.ctypes.data, src, launcher.flags(exchange.job_flags[:3]), [4, 9, 2], stream)
+    torch.cuda.synchronize()
+    assert jobs.tolist() == [4, 9, 2]
+    staged = torch.from_numpy(exchange.input_bytes[: src.numel() * 2].copy()).view(torch.bfloat16).view(5, 1024)
+    assert torch.equal(staged, src.cpu())
+    results = torch.from_numpy(exchange.output)
+    results[:5, :256] = 1.0
+    out = torch.zeros(5, 256, device="cuda", dtype=torch.bfloat16)
+    flags = launcher.flags(exchange.done_flags[:3])
+    done[:] = [4, 9, 1]  # worker 2 has not answered job 2
+    launcher.wait_and_add(out, exchange.output.ctypes.data, exchange.output.shape[1], flags, [4, 9, 2],
+                          timeout_ns=int(0.2e9), stream=stream)
+    torch.cuda.synchronize()
+    assert int(error) == 2 and not out.any()
+    error.zero_()
+    done[2] = 2
+    launcher.wait_and_add(out, exchange.output.ctypes.data, exchange.output.shape[1], flags, [4, 9, 2],
+                          timeout_ns=int(10e9), stream=stream)
+    torch.cuda.synchronize()
+    assert int(error) == 0 and bool((out == 1).all())
+    with pytest.raises(ValueError, match="one seq per flag"):
+        launcher.copy_and_signal(exchange.input_bytes.ctypes.data, src, launcher.flags(exchange.job_flags[:3]), [1, 2], stream)
     del results
 
 
