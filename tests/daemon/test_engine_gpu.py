@@ -79,22 +79,28 @@ def test_cuda_graphs_equal_eager(demo_assets, dtype):
         torch.testing.assert_close(a.logits[0], b.logits[0], atol=1e-3 if dtype == "float32" else 5e-2, rtol=1e-2)
 
 
+def _one_request_per_adapter(demo_assets, **config):
+    """(results, status) of one greedy float32 request per demo adapter and one for the base model, on a fresh
+    cuda engine with `config`: MBGMV decode steps."""
+    adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
+    engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="float32",
+                                 max_running_requests=12, max_lora_rank=64, **config))
+    names = [*sorted(demo_assets.adapters), None]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    results = engine.generate([GenerationRequest([5 + i, 6, 7], name, greedy, keep_logits=True) for i, name in enumerate(names)])
+    status = engine.status()
+    del engine
+    gc.collect()  # the engine's page pool (most of the free memory) goes back before the next one is built
+    return results, status
+
+
 def test_cuda_fused_lora_groups_equal_per_projection(demo_assets):
     """fuse_lora_groups: decode steps launch gate|up's LoRA at once (the demo's q, k, v tile differently and
     stay per projection); the same tokens and logits as one launch pair per projection, graphs and eager."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
 
     def run(fuse, eager):
-        engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="float32",
-                                     eager=eager, fuse_lora_groups=fuse, max_running_requests=12, max_lora_rank=64))
-        names = [*sorted(demo_assets.adapters), None]  # one request per adapter: MBGMV decode steps
-        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-        results = engine.generate([GenerationRequest([5 + i, 6, 7], name, greedy, keep_logits=True) for i, name in enumerate(names)])
-        status = engine.status()
-        del engine
-        gc.collect()
-        return results, status
+        return _one_request_per_adapter(demo_assets, eager=eager, fuse_lora_groups=fuse)
 
     per_projection, status = run(False, eager=False)
     assert status["decode_lora_groups"] == {"qkv": "per projection", "gate_up": "per projection"}
@@ -170,18 +176,9 @@ def test_cuda_lora_pdl_gives_the_same_tokens(demo_assets):
     if reason is not None:
         pytest.skip(reason)
     torch.backends.cuda.matmul.allow_tf32 = False
-    adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
 
     def run(pdl, eager):
-        engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="float32",
-                                     eager=eager, lora_pdl=pdl, max_running_requests=12, max_lora_rank=64))
-        names = [*sorted(demo_assets.adapters), None]  # one request per adapter: MBGMV decode steps
-        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-        results = engine.generate([GenerationRequest([5 + i, 6, 7], name, greedy, keep_logits=True) for i, name in enumerate(names)])
-        status = engine.status()
-        del engine
-        gc.collect()
-        return results, status
+        return _one_request_per_adapter(demo_assets, eager=eager, lora_pdl=pdl)
 
     plain, status = run("off", eager=False)
     assert status["decode_lora_pdl"] == {"on": False, "why": "lora_pdl off"} and "mbgmv-pdl" not in status["ops"]
