@@ -21,6 +21,7 @@ import torch
 
 from triton_interpreter import needs_interpreter, interpreted  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
+from lorad.daemon.cuda_graphs import capture  # noqa: E402
 from lorad.gpu_ops import bgmv, mbgmm, mbgmv  # noqa: E402
 from lorad.gpu_ops.lora import LoraBatch, apply_lora_ref  # noqa: E402
 from lorad.gpu_ops.page_pool import AdapterTable, PagePool  # noqa: E402
@@ -582,13 +583,7 @@ def test_mbgmv_pdl_gpu(ranks, kernels, gpu_setups):
     for a, b in zip(plain, early):
         assert torch.equal(a, b)
     captured = outputs()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            forward(captured, True)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, _, _ = capture(lambda: forward(captured, True), warmups=0)
     for _ in range(8):
         x.copy_(torch.randn(64, 4096, device="cuda", generator=generator))
         forward(plain, False)
