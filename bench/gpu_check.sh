@@ -93,6 +93,15 @@ run_step() {
     mb_ipc) step mb_ipc 120 python3 -m lorad.daemon.cli bench ipc --out "$OUTDIR/mb_ipc.json" ;;
     mb_cpu_lora) step mb_cpu_lora 120 python3 -m lorad.daemon.cli bench cpu-lora --out "$OUTDIR/mb_cpu_lora.json" ;;
     mb_cold_start) step mb_cold_start 420 python3 -m lorad.daemon.cli bench cold-start --out "$OUTDIR/mb_cold_start.json" ;;
+    # figure 1: adapters in pageable memory (nothing pinned), the modes side by side in alternating rounds
+    mb_cold_start_pageable) step mb_cold_start_pageable 450 python3 -m lorad.daemon.cli bench cold-start \
+        --modes cached,ondemand,auto --pinned-host-bytes 0 --adapters 128 --rounds 2 --no-ablation \
+        --out "$OUTDIR/mb_cold_start_pageable.json" ;;
+    # figure 2: pinned adapters, auto against ondemand in alternating rounds
+    mb_cold_start_pinned) step mb_cold_start_pinned 450 python3 -m lorad.daemon.cli bench cold-start \
+        --modes ondemand,auto --rounds 3 --no-prime --no-ablation --out "$OUTDIR/mb_cold_start_pinned.json" ;;
+    pytest_stream) step pytest_stream 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/gpu_ops/test_adapter_stream.py tests/daemon/test_adapter_stream_gpu.py ;;
     pytest_gpu)  # both halves below (about 8 minutes: more than one device call holds with other steps)
         run_step pytest_gpu_ops
         run_step pytest_gpu_daemon ;;

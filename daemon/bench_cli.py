@@ -227,6 +227,9 @@ def add_microbench_parsers(actions) -> None:
     cold.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", metavar="P,P,...",
                       help="the adapters' projections (default: q_proj,k_proj,v_proj,o_proj)")
     cold.add_argument("--cpu-workers", type=int, default=0, metavar="N", help="CPU LoRA workers (default: 0, the engine's)")
+    cold.add_argument("--pinned-host-bytes", type=int, metavar="BYTES",
+                      help="every engine's pinned host budget for staged adapters (default: the engine's; 0: every "
+                           "load copies from pageable memory)")
     cold.add_argument("--model-config", metavar="NAME", help="(default: llama-2-7b on cuda, tiny-llama on cpu)")
     cold.add_argument("--rounds", type=_positive_int, default=1, metavar="N",
                       help="fresh engines for every mode N times, the modes' order reversed each round (ABBA), "

@@ -7,9 +7,10 @@ TTFT, time per output token and request latency
 
 for `cached` (every adapter placed before the first request: the floor), `ondemand` (wait for the
 load), `cpu` (CPU-assisted prefill) and `auto` (decided per request). Then an ablation on the distinct
-workload: pinned vs pageable host copies (pinned_host_bytes 0 keeps at most one staged adapter pinned,
-so loads stage and pin again), CPU assist on vs off, and layer-wise takeover when EngineConfig has a
-switch for it.
+workload: pinned vs pageable host copies (pinned_host_bytes 0: every load copies from the staged adapter in
+pageable memory), CPU assist on vs off, streaming on vs off for `auto` with pageable copies, and
+layer-wise takeover when EngineConfig has a switch for it. `--pinned-host-bytes` sets the pinned budget of
+every engine, the modes' own included (figure 1 of issue 5: the four modes with pageable adapters).
 
 One engine per mode, built and warmed up (every prompt length, with and without adapters, batched
 decodes, one CPU-assisted prefill in cpu/auto) before its first workload: build and warm-up times are
@@ -118,6 +119,10 @@ def run(args) -> dict:
         "max_model_len": prompt_tokens + output_tokens + WARMUP_PROMPT, "cpu_workers": args.cpu_workers,
         "seed": args.seed,
     }
+    if getattr(args, "pinned_host_bytes", None) is not None:
+        if args.pinned_host_bytes < 0:
+            raise BadRequest("--pinned-host-bytes must be >= 0")
+        base["pinned_host_bytes"] = args.pinned_host_bytes
     try:
         EngineConfig(**base)
     except TypeError as error:
@@ -173,7 +178,9 @@ def run(args) -> dict:
         if cuda:
             configs += [("cpu assist off, pageable host copies", {"cold_start": "ondemand", "pinned_host_bytes": 0}),
                         ("cpu assist on, pageable host copies", {"cold_start": "cpu", "pinned_host_bytes": 0}),
-                        ("auto, pageable host copies", {"cold_start": "auto", "pinned_host_bytes": 0})]
+                        ("auto, pageable host copies", {"cold_start": "auto", "pinned_host_bytes": 0}),
+                        ("auto, pageable host copies, layerwise=False (no streaming)",
+                         {"cold_start": "auto", "pinned_host_bytes": 0, "layerwise": False})]
         else:
             notes.append("ablation: no pinned vs pageable rows on the CPU (the page pool is host memory)")
         if switch is None:
@@ -195,7 +202,7 @@ def run(args) -> dict:
                    "alpha": args.alpha, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                    "adapter_rank": rank, "adapter_targets": args.targets, "cpu_workers": args.cpu_workers,
                    "modes": list(modes), "registered_adapters": base["dummy_adapters"], "seed": args.seed,
-                   "rounds": rounds,
+                   "rounds": rounds, "pinned_host_bytes": base.get("pinned_host_bytes", "engine default"),
                    "primed": bool(getattr(args, "prime", True) and cuda)},
         "rows": rows,
         "ablation": ablation,

@@ -38,12 +38,13 @@ from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, M
 from lorad.gpu_ops import cuda_ext
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
-from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool
+from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool, StreamedLoad
 from lorad.scheduler.admission import AdmissionPolicy, Objectives, OnlinePrefill, make_admission
 from lorad.scheduler.batching import Scheduler, Sequence
 from lorad.scheduler.cold_start import (
     CPU_ASSIST,
     DECISIONS,
+    GPU_STREAM,
     GPU_WAIT,
     ColdStart,
     ColdStartCosts,
@@ -129,6 +130,11 @@ class Engine:
         shapes = [self.spec.projection_shape(p) for p in PROJECTIONS]
         self.table = AdapterTable(self.pool, ADAPTER_SLOTS, self.spec.num_layers, shapes)
         self.lora_groups = self._lora_groups()
+        # cold_start auto may stream a cold adapter into the pool while its prefill runs (gpu-stream): the LoRA
+        # kernels, compiled and captured below, then wait on the device for each streamed layer.
+        self.adapter_streaming = self._adapter_streaming()
+        if self.adapter_streaming["on"]:
+            self.table.enable_streaming()
 
         self.registry = AdapterRegistry(self.spec, config.max_lora_rank, config.host_adapter_bytes, reserved_names=(self.model_name,))
         for name, path in (*demo_adapters, *config.adapters):
@@ -168,7 +174,8 @@ class Engine:
             self.prefill_graphs.capture()
             self.graphs.pool = self.prefill_graphs.pool
             self.graphs.capture()
-        self.residency = LoraResidency(self._host_adapter, self.table, self.stats, pinned_bytes=config.pinned_host_bytes)
+        self.residency = LoraResidency(self._host_adapter, self.table, self.stats, pinned_bytes=config.pinned_host_bytes,
+                                       staged_bytes=config.host_adapter_bytes)
         self.online_prefill: OnlinePrefill | None = None  # early abort's estimate when no profile was found
         admission, objectives = self._admission()
         self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency,
@@ -217,6 +224,21 @@ class Engine:
         if reason is not None and wanted == "on":
             raise BadRequest(f"lora_pdl on cannot run here: {reason}")
         log.info("decode lora pdl=%s", "on" if reason is None else f"off ({reason})")
+        return {"on": reason is None, "why": reason}
+
+    def _adapter_streaming(self) -> dict:
+        """Whether cold adapters may stream in during their prefill (`gpu-stream`, a choice of cold_start auto):
+        {"on": bool, "why": why it is off}; logged, in /v1/status."""
+        config = self.config
+        if config.cold_start != "auto":
+            reason = f"cold_start {config.cold_start} (only auto streams)"
+        elif not config.layerwise:
+            reason = "layerwise off"
+        elif self.device.type != "cuda" or not self.ops.name.startswith("triton"):
+            reason = f"{self.device.type}: reference ops (the device-side wait is a Triton kernel's)"
+        else:
+            reason = None
+        log.info("cold adapter streaming=%s", "on" if reason is None else f"off ({reason})")
         return {"on": reason is None, "why": reason}
 
     def _lora_groups(self) -> dict[str, str]:
@@ -344,7 +366,7 @@ class Engine:
                          sorted(os.sched_getaffinity(0)), assist.pool.worker_cores)
             # Cold adapters of cpu-assisted prefills are copied layer by layer, so each layer passes to
             # the GPU as it arrives; the others are placed as ondemand places them.
-            self.residency.layerwise_for = self._layerwise_placement
+            self.residency.placement_for = self._placement
             log.info("cpu_assist_invocation path=%r layerwise=%s", assist.invocation, self.config.layerwise)
             self.cold_start_costs = self._measure_cold_start_costs()
         except BaseException:
@@ -377,6 +399,7 @@ class Engine:
             overlapped=False,
             layerwise=self.config.layerwise and self.device.type == "cuda",
             num_layers=self.spec.num_layers,
+            streaming=self.adapter_streaming["on"],
         )
         # What the one-core model misses (exchange copies, wake-ups, the per-invocation sync, workers
         # sharing memory bandwidth) comes from a probe through the real path: per module invocation
@@ -433,6 +456,8 @@ class Engine:
                 "cpu_lora_invocation": cuda_ext.invocation_path(),
                 "cpu_assist_invocation": self.cpu_assist.invocation if self.cpu_assist is not None else "off",
                 "cpu_assist_layerwise": self.config.layerwise,
+                "cold_adapter_streaming": dict(self.adapter_streaming),
+                "cold_placements": dict(self.residency.placed),
                 "cpu_assist_layers": dict(self.cpu_assist.layers) if self.cpu_assist is not None else {"cpu": 0, "gpu": 0},
                 "cpu_assisted_prefills": self.cpu_assist.assisted if self.cpu_assist is not None else 0,
                 "cpu_assist_fallbacks": self.cpu_assist.fallbacks if self.cpu_assist is not None else 0,
@@ -637,6 +662,7 @@ class Engine:
         assist, self.cpu_assist = self.cpu_assist, None
         if assist is not None:
             assist.close()
+        self.table.close()
         thread, before = self._affinity
         if before is not None and thread == threading.get_ident():  # affinity is per thread: only the one that set it
             os.sched_setaffinity(0, before)
@@ -691,9 +717,10 @@ class Engine:
                              error="the request does not fit in the page pool even alone (adapter too large)")
             return
         started = time.perf_counter()
+        streamed = bool(self.residency.streaming())  # this step ran while adapters streamed in
         logits, sampled = self._forward(plan, assisted)
         self._prefetch()  # on a GPU the step above is still running: its adapters' copies overlap it
-        if self._overlappable(plan, sampled, assisted):  # its tokens are read by the next step(), after it launches its successor
+        if not streamed and self._overlappable(plan, sampled, assisted):  # its tokens are read by the next step(), after it launches its successor
             for seq in sampled:
                 seq.num_computed += 1
             self._in_flight = self._launch_tokens(logits, sampled)
@@ -702,7 +729,9 @@ class Engine:
         params = [seq.state.request.sampling for seq in sampled]
         tokens = sample(logits, params, [seq.state.generator for seq in sampled])  # waits for the device
         redo = self._after_cpu_assist(assisted, self._step_spans) if assisted else set()  # its prefill runs again
-        if not assisted and (self.online_prefill is not None or self.config.cold_start == "auto"):
+        if streamed:
+            redo |= self._after_streams(plan)  # failed: their step read an adapter that never arrived
+        if not assisted and not streamed and (self.online_prefill is not None or self.config.cold_start == "auto"):
             self._observe_prefill(plan, time.perf_counter() - started)  # before num_computed moves on
         for seq, count in plan:
             if seq not in redo:
@@ -820,7 +849,8 @@ class Engine:
 
     def _cold_starts(self, plan: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
         """The requests this step admitted whose adapter the pool did not hold: each one's first step
-        waits for the placement (gpu-wait) or has its LoRA computed by the CPU workers (cpu-assist).
+        waits for the placement (gpu-wait), runs while it streams in (gpu-stream: its adapter was placed
+        so, see `_placement`) or has its LoRA computed by the CPU workers (cpu-assist).
         -> {sequence: its adapter's id in the CPU store} for the cpu-assisted ones."""
         if not self.residency.admitted_cold:
             return {}
@@ -834,7 +864,11 @@ class Engine:
             if seq.num_computed or seq.adapter not in cold:
                 continue
             adapter = self._held[seq.adapter][0]
-            choice, decision = self._cold_start_choice(adapter, count, cold[seq.adapter])
+            if isinstance(self.residency.loading.get(seq.adapter), StreamedLoad):
+                choice, decision = GPU_STREAM, None
+            else:
+                choice, decision = self._cold_start_choice(adapter, count, cold[seq.adapter])
+                choice = GPU_WAIT if choice == GPU_STREAM else choice  # placed whole after all
             if choice == CPU_ASSIST:
                 # The workers poll from now on: their first job is moments away. Only then: a gpu-wait
                 # cold start must not set the workers spinning on cores the engine may need.
@@ -850,17 +884,23 @@ class Engine:
             self.stats.cold_start_decided(choice)
         # Layer-wise copies of adapters whose rows take the pool path this step: joined before the forward.
         # (An assisted request whose copy was placed in one piece has nothing in `loading`: the CPU
-        # serves all its layers.)
-        self.residency.join([name for name in self.residency.loading if name not in {seq.adapter for seq in assisted}])
+        # serves all its layers.) Streamed ones: the forward waits for their table rows only.
+        streaming = set(self.residency.streaming())
+        for name in streaming:
+            self.residency.loading[name].publish()
+        self.residency.join([name for name in self.residency.loading
+                             if name not in streaming and name not in {seq.adapter for seq in assisted}])
         return assisted
 
-    def _layerwise_placement(self, adapter: LoraAdapter, tier: str, tokens: int | None) -> bool:
-        """At admission, before the copy starts: is this cold adapter copied layer by layer? Only for a
-        prefill that will be cpu-assisted (the same decision `_cold_starts` makes next): a gpu-wait
-        cold start would pay per-layer copies and events, then join them all, for nothing."""
+    def _placement(self, adapter: LoraAdapter, tier: str, tokens: int | None) -> str:
+        """At admission, before the copy starts: how this cold adapter is placed (lora_residency.PLACEMENTS),
+        from the same decision `_cold_starts` makes next: layer by layer for a prefill that will be
+        cpu-assisted, streamed for a gpu-stream one, whole otherwise (a gpu-wait cold start would pay
+        per-layer copies and events, then join them all, for nothing)."""
         if not self.config.layerwise or (tokens is None and self.config.cold_start != "cpu"):
-            return False
-        return self._cold_start_choice(adapter, tokens or 0, tier)[0] == CPU_ASSIST
+            return "whole"
+        choice = self._cold_start_choice(adapter, tokens or 0, tier)[0]
+        return {CPU_ASSIST: "layerwise", GPU_STREAM: "stream"}.get(choice, "whole")
 
     def _cold_start_choice(self, adapter: LoraAdapter, tokens: int, tier: str) -> tuple[str, Decision | None]:
         """-> (the choice, the `auto` decision with its predicted costs; None in a forced mode)."""
@@ -907,6 +947,28 @@ class Engine:
             self.stats.cpu_assist_layers(path, count - assist.layers_seen[path])
         assist.restarts_seen, assist.fallbacks_seen, assist.layers_seen = assist.pool.restarts, assist.fallbacks, dict(assist.layers)
         return redo
+
+    def _after_streams(self, plan: list[tuple[Sequence, int]]) -> set[Sequence]:
+        """After a step that ran while adapters streamed in (its sampling synchronised the device): their
+        copies joined -> the sequences of the step that read a copy that failed or came too late (a LoRA
+        kernel gave up waiting). Those are failed with the reason and their adapters dropped from the pool;
+        the engine goes on."""
+        names = self.residency.streaming()
+        if not names:
+            return set()
+        failed = self.residency.finish_streams()
+        if self.table.stream_error.item():  # which slot a kernel gave up on is not kept: all of the step's
+            self.table.stream_error.zero_()
+            failed.update({name: "the adapter's copy to the GPU did not arrive in time" for name in names if name not in failed})
+        if not failed:
+            return set()
+        broken = {seq for seq, _ in plan if seq.adapter in failed}
+        for seq in broken:
+            log.error("request failed id=%s adapter=%s: %s", seq.request_id, seq.adapter, failed[seq.adapter])
+            self._finish(seq, "error", error=failed[seq.adapter])
+        for name in failed:
+            self.residency.drop(name)
+        return broken
 
     def _observe_prefill(self, plan: list[tuple[Sequence, int]], seconds: float) -> None:
         """The base prefill's cost per token, a moving average over steps with prompt tokens: for cold start

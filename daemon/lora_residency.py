@@ -3,12 +3,15 @@
 An adapter is pinned while requests that use it run; unpinned resident adapters stay (a warm cache)
 until the pool needs their pages for KV or for another adapter, least recently used first.
 
-A cold adapter is placed at admission, in one copy as ondemand does, or layer by layer where the
-engine's `layerwise_for` (cold_start cpu|auto) says so for the request admitted (its adapter, tier and
-first step's tokens): where its prefill is to be cpu-assisted. A layer-wise copy does not make the
-compute stream wait at once: its `LayerwiseLoad` stays in `loading` until the engine decides the
-request's cold start: a cpu-assisted prefill lets each layer take over from the CPU as it arrives
-(daemon/cpu_assist.py); everything else `join`s first.
+A cold adapter is placed at admission as the engine's `placement_for` (cold_start cpu|auto) says for the
+request admitted (its adapter, tier and first step's tokens):
+- "whole": in one copy that the compute stream waits for, as ondemand does;
+- "layerwise": layer by layer with an event per layer, for a prefill that is to be cpu-assisted: its
+  `LayerwiseLoad` stays in `loading` until the engine decides the request's cold start, and each layer
+  takes over from the CPU as it arrives (daemon/cpu_assist.py);
+- "stream": layer by layer by the table's loader thread while the prefill runs on the GPU, its LoRA
+  kernels waiting on the device for each layer (`AdapterTable.place_streamed`): the `StreamedLoad`
+  stays in `loading` until the step after its first one.
 """
 
 from __future__ import annotations
@@ -18,18 +21,20 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from lorad.gpu_ops.page_pool import AdapterTable, LayerwiseLoad, StagedAdapter
+from lorad.gpu_ops.page_pool import AdapterTable, LayerwiseLoad, StagedAdapter, StreamedLoad
+
+PLACEMENTS = ("whole", "layerwise", "stream")
 
 log = logging.getLogger(__name__)
 
 
 class LoraResidency:
-    def __init__(self, lookup, table: AdapterTable, metrics=None, pinned_bytes: int = 4 << 30):
+    def __init__(self, lookup, table: AdapterTable, metrics=None, pinned_bytes: int = 4 << 30,
+                 staged_bytes: int = 8 << 30):
         self.lookup = lookup  # name -> LoraAdapter (host copy)
         self.table = table
-        self.pinned: OrderedDict[int, tuple] = OrderedDict()  # staged adapters in pinned host memory
-        self.pinned_bytes = pinned_bytes
-        self.pinned_used = 0
+        self.pinned = StagedCache(pinned_bytes)  # cuda: staged adapters in pinned host memory
+        self.pageable = StagedCache(staged_bytes)  # cuda: every staged adapter, in pageable host memory
         self.metrics = metrics  # daemon/metrics.py's Metrics, or None
         self.slots: dict[str, int] = {}
         self.pins: dict[str, int] = {}
@@ -38,10 +43,11 @@ class LoraResidency:
         # (name, tier) of the adapters acquire() placed since the engine last cleared it: the requests
         # admitted with them found them cold. tier: "host" (the CPU pool), "pinned" or "pageable".
         self.admitted_cold: list[tuple[str, str]] = []
-        # (adapter, tier, tokens of its first step or None) -> whether this cold placement is layer-wise
-        # (see the module's note); None: never.
-        self.layerwise_for: Callable[[object, str, int | None], bool] | None = None
-        self.loading: dict[str, LayerwiseLoad] = {}  # layer-wise copies the compute stream has not joined
+        # (adapter, tier, tokens of its first step or None) -> how this cold adapter is placed, one of
+        # PLACEMENTS (see the module's note); None: always "whole".
+        self.placement_for: Callable[[object, str, int | None], str] | None = None
+        self.loading: dict[str, LayerwiseLoad | StreamedLoad] = {}  # copies the compute stream has not joined
+        self.placed = dict.fromkeys(PLACEMENTS, 0)  # cold placements by kind
         self.loads = 0
         self.prefetches = 0
         self.evictions = 0
@@ -64,12 +70,13 @@ class LoraResidency:
             slot = self.table.free_slot()
         started = time.perf_counter()
         staged, tier = self._staged(adapter)
-        layerwise = self.layerwise_for is not None and self.layerwise_for(adapter, tier, tokens)
-        while not self._place(name, slot, staged, layerwise):
+        kind = "whole" if self.placement_for is None else self.placement_for(adapter, tier, tokens)
+        while not self._place(name, slot, staged, kind):
             if not self.idle:
                 return False
             self._evict_oldest()
         self.loads += 1
+        self.placed[kind] += 1
         seconds = time.perf_counter() - started
         if self.metrics is not None:  # the request being admitted waited for this load: a cold start
             self.metrics.adapter_loaded("host_to_pool", seconds)
@@ -80,22 +87,43 @@ class LoraResidency:
         self.admitted_cold.append((name, tier))
         return True
 
-    def _place(self, name: str, slot: int, staged: StagedAdapter, layerwise: bool) -> bool:
-        if not layerwise:
+    def _place(self, name: str, slot: int, staged: StagedAdapter, kind: str) -> bool:
+        if kind == "whole":
             return self.table.place(slot, staged)
-        load = self.table.place_layerwise(slot, staged)
+        if kind == "stream":
+            load = self.table.place_streamed(slot, staged)
+        elif kind == "layerwise":
+            load = self.table.place_layerwise(slot, staged)
+        else:
+            raise ValueError(f"unknown placement {kind!r}")
         if load is None:
             return False
         self.loading[name] = load
         return True
 
     def join(self, names=None) -> None:
-        """The compute stream waits for the layer-wise copies of `names` (default: all of them); then
-        any kernel may read those adapters. Enqueues waits only: the host never blocks."""
+        """The compute stream waits for the layer-wise and streamed copies of `names` (default: all of
+        them); then any kernel may read those adapters. Enqueues waits only, but for a streamed copy whose
+        loader has not yet queued its last layer: the host waits for that (never for the copy itself)."""
         for name in list(self.loading) if names is None else names:
             load = self.loading.pop(name, None)
             if load is not None:
                 load.join()
+
+    def streaming(self) -> list[str]:
+        """The adapters whose streamed copy the compute stream has not joined."""
+        return [name for name, load in self.loading.items() if isinstance(load, StreamedLoad)]
+
+    def finish_streams(self) -> dict[str, str]:
+        """Joins every streamed copy -> {adapter: why its copy failed} for those that failed (their
+        steps read garbage: the engine fails their requests and drops them)."""
+        failed = {}
+        for name in self.streaming():
+            load = self.loading.pop(name)
+            load.join()
+            if load.error is not None:
+                failed[name] = load.error
+        return failed
 
     def preload(self, name: str) -> bool:
         """Places an adapter for good (cold_start="cached"): pinned by the engine itself, so never
@@ -112,21 +140,26 @@ class LoraResidency:
         return True
 
     def _staged(self, adapter) -> tuple[StagedAdapter, str]:
-        """The adapter in page layout and the tier it came from; on cuda kept pinned (keyed by its
-        weights, which benchmark adapters share) within `pinned_bytes`, least recently used dropped first."""
+        """The adapter in page layout and the tier its copy comes from. On cuda every adapter staged once
+        stays staged in pageable host memory (`pageable`, within `staged_bytes`), and the most recently
+        used ones also in pinned memory (`pinned`, within `pinned_bytes`): a cold load is one DMA from
+        pinned memory, or one copy from pageable memory (which the driver stages through its own pinned
+        buffers, ~5x slower), never a new staging. Keyed by the weights, which benchmark adapters share."""
         if not self.table.pool.pages.is_cuda:
             return self.table.stage(adapter.weights), "host"
         key = id(adapter.weights)
-        if key in self.pinned:
-            self.pinned.move_to_end(key)
-            return self.pinned[key][1], "pinned"
-        staged = self.table.stage(adapter.weights)
-        self.pinned[key] = (adapter.weights, staged)  # holding the weights keeps the id unique
-        self.pinned_used += staged.pages.nbytes
-        while self.pinned_used > self.pinned_bytes and len(self.pinned) > 1:
-            _, (_, dropped) = self.pinned.popitem(last=False)
-            self.pinned_used -= dropped.pages.nbytes
-        return staged, "pageable"
+        pinned = self.pinned.get(key)
+        if pinned is not None:
+            return pinned, "pinned"
+        staged = self.pageable.get(key)
+        if staged is None:
+            staged = self.table.stage(adapter.weights, pin=False)
+            self.pageable.put(key, adapter.weights, staged)
+        if staged.pages.nbytes > self.pinned.budget:
+            return staged, "pageable"
+        pinned = StagedAdapter(staged.pages.pin_memory(), staged.layout)
+        self.pinned.put(key, adapter.weights, pinned)
+        return pinned, "pinned"
 
     def prefetch(self, name: str, reserve_pages: int) -> bool:
         """Loads a queued request's adapter into free pages while the current step runs, evicting
@@ -181,3 +214,34 @@ class LoraResidency:
         del self.pins[name]
         self.evictions += 1
         log.debug("adapter evicted name=%s", name)
+
+
+
+class StagedCache:
+    """Staged adapters keyed by their weights' id, least recently used dropped first beyond `budget`
+    bytes (the newest always stays). An entry holds the weights too, which keeps their id unique."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.used = 0
+        self.entries: OrderedDict[int, tuple] = OrderedDict()
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, key: int) -> StagedAdapter | None:
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        self.entries.move_to_end(key)
+        return entry[1]
+
+    def put(self, key: int, weights, staged: StagedAdapter) -> None:
+        self.entries[key] = (weights, staged)
+        self.used += staged.pages.nbytes
+        while self.used > self.budget and len(self.entries) > 1:
+            _, (_, dropped) = self.entries.popitem(last=False)
+            self.used -= dropped.pages.nbytes

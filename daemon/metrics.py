@@ -52,7 +52,7 @@ class Metrics:
         self.generation_tokens = 0
         self.cold_starts = 0
         self.worker_restarts = 0
-        self.cold_start_decisions = {"gpu-wait": 0, "cpu-assist": 0}  # scheduler/cold_start.py's choices
+        self.cold_start_decisions = {"gpu-wait": 0, "gpu-stream": 0, "cpu-assist": 0}  # scheduler/cold_start.py's choices
         self.cpu_assist_fallbacks = 0  # cpu-assisted requests sent back to the pool path by a failed job
         self.cpu_assist_layers_total = {"cpu": 0, "gpu": 0}  # layers of cpu-assisted prefills, by the path that served them
         self.lora_kernel_steps = {"bgmv": 0, "mbgmv": 0}  # decode steps by LoRA kernel (daemon/kernel_choice.py)
@@ -203,8 +203,9 @@ def render(snapshot: dict) -> str:
     out.family("lorad_cpu_worker_restarts_total", "counter", "CPU LoRA workers replaced after dying or stalling.")
     out.sample("lorad_cpu_worker_restarts_total", {}, snapshot["worker_restarts"])
     out.family("lorad_cold_start_decisions_total", "counter",
-               "Cold admissions by what their first step did: gpu-wait (the adapter placed first) or cpu-assist.")
-    for decision, count in sorted(snapshot.get("cold_start_decisions", {"gpu-wait": 0, "cpu-assist": 0}).items()):
+               "Cold admissions by what their first step did: gpu-wait (the adapter placed first), gpu-stream "
+               "(placed while the step ran) or cpu-assist.")
+    for decision, count in sorted(snapshot.get("cold_start_decisions", {"gpu-wait": 0, "gpu-stream": 0, "cpu-assist": 0}).items()):
         out.sample("lorad_cold_start_decisions_total", {"decision": decision}, count)
     out.family("lorad_cpu_assist_fallbacks_total", "counter",
                "CPU-assisted requests whose LoRA went back to the page pool after a CPU worker's job failed.")

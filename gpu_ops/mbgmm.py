@@ -22,7 +22,7 @@ from lorad.gpu_ops.bgmv import (
     workspace_view,
 )
 from lorad.gpu_ops.lora import LoraBatch
-from lorad.gpu_ops.page_pool import AdapterTable, gather_rows
+from lorad.gpu_ops.page_pool import STREAM_TIMEOUT_NS, AdapterTable, gather_rows
 
 try:
     import triton
@@ -133,13 +133,32 @@ if triton is not None:
             m0 = tl.program_id(1) * BLOCK_M
         return segment, m0
 
-    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'slot_stride', 'table_offset', 'chunks_in', 'rank_blocks', 'num_tiles'])
+    @triton.jit
+    def _globaltimer():
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+    @triton.jit
+    def _wait_streamed(ready_ptr, error_ptr, slot, layer, TIMEOUT_NS: tl.constexpr):
+        """Spins until ready[slot] > layer: the slot's pages of this layer are in the pool
+        (AdapterTable.place_streamed). Past TIMEOUT_NS it raises error[0] and returns."""
+        if tl.load(ready_ptr + slot, volatile=True) <= layer:
+            began = _globaltimer()
+            waiting = 1
+            while waiting != 0:
+                arrived = tl.load(ready_ptr + slot, volatile=True) > layer
+                late = (_globaltimer() - began) > TIMEOUT_NS
+                waiting = tl.where(arrived | late, 0, 1)
+            if tl.load(ready_ptr + slot, volatile=True) <= layer:
+                tl.atomic_xchg(error_ptr, 1)
+
+    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'slot_stride', 'table_offset', 'chunks_in', 'rank_blocks', 'num_tiles', 'layer'])
     def _mbgmm_shrink_kernel(
         x_ptr, v_ptr, rows_ptr, meta_ptr, num_segments, rank_ptr, a_start_ptr, page_ids_ptr, pages_ptr,
         in_dim, max_rank, num_rows, stride_xt, stride_xk, slot_stride, table_offset, chunks_in, k_per_split, rank_blocks,
-        tiles_ptr, num_tiles,
+        tiles_ptr, num_tiles, ready_ptr, error_ptr, layer,
         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         ALIGNED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TILES: tl.constexpr,
+        STREAM: tl.constexpr, TIMEOUT_NS: tl.constexpr,
     ):
         segment, m0 = _segment_tile(tiles_ptr, num_tiles, BLOCK_M, USE_TILES)
         split = tl.program_id(2) // rank_blocks
@@ -152,6 +171,8 @@ if triton is not None:
         rank = tl.minimum(tl.load(rank_ptr + entry), max_rank)
         if r0 >= rank:
             return
+        if STREAM:  # the expand runs after this kernel on the same stream: it needs no wait of its own
+            _wait_streamed(ready_ptr, error_ptr, slot, layer, TIMEOUT_NS)
         first = tl.load(meta_ptr + num_segments + segment)
         a_start = tl.load(a_start_ptr + entry)
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -254,10 +275,10 @@ def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, blo
     _mbgmm_shrink_kernel[(grid0, grid1, rank_blocks * splits)](
         x, v, segments.rows, segments.meta, segments.num_segments, table.rank, table.a_start, table.page_ids, table.pool.pages,
         in_dim, width, num_rows, x.stride(0), x.stride(1), slot_stride, offset, chunks_in, k_per_split, rank_blocks,
-        tiles, num_tiles,
+        tiles, num_tiles, table.ready, table.stream_error, layer,
         PAGE=page, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, ALIGNED=aligned,
         PRECISION=_precision(x.dtype), UPCAST=_upcast(x.dtype), USE_TILES=segments.tiles is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        STREAM=table.streaming, TIMEOUT_NS=STREAM_TIMEOUT_NS, num_warps=num_warps, num_stages=num_stages,
     )
 
 

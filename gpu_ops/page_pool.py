@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,6 +23,9 @@ log = logging.getLogger(__name__)
 NUM_PROJECTIONS = 7
 SCRATCH_PAGE = 0  # never handed out: padded rows and table entries point here
 MAX_DIRECT_RUNS = 16  # an adapter in at most this many runs of pages is copied run by run
+# A kernel waiting for a streamed layer (`AdapterTable.ready`) gives up after this long, raises
+# `stream_error` and goes on: a lost copy must fail its requests, never hang the device.
+STREAM_TIMEOUT_NS = 10_000_000_000
 
 
 class PagePool:
@@ -189,6 +195,13 @@ class AdapterTable:
         self.placements: dict[int, AdapterPlacement] = {}
         self._index_end = 0  # bump allocator over page_ids; compacted when it runs out
         self._copy_stream = None
+        # Streamed placement (`place_streamed`): ready[slot] = how many of the slot's first layers are in
+        # the pool; the LoRA kernels that read a slot wait on the device until it passes their layer.
+        # num_layers for every slot that is not streaming. stream_error: set by a kernel that gave up.
+        self.ready = torch.full((num_slots,), num_layers, dtype=torch.int32, device=device)
+        self.stream_error = torch.zeros(1, dtype=torch.int32, device=device)
+        self.streaming = False  # enable_streaming(): the kernels are built with the wait
+        self._streamer: _Streamer | None = None
 
     def pages_needed(self, weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]) -> int:
         total = 0
@@ -203,9 +216,10 @@ class AdapterTable:
                 return slot
         return None
 
-    def stage(self, weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]) -> StagedAdapter:
+    def stage(self, weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]], pin: bool = True) -> StagedAdapter:
         """An adapter laid out as whole pool pages in host memory, in the pool's dtype: every A row and
-        B^T row padded to whole pages. On cuda the pages are pinned, so a load is one DMA copy."""
+        B^T row padded to whole pages. On cuda the pages are pinned unless `pin` is False, so a load is
+        one DMA copy (from pageable memory, one the driver stages through its own pinned buffers)."""
         page = self.pool.page_elems
         needed = self.pages_needed(weights)
         pages = torch.zeros(needed, page, dtype=self.pool.pages.dtype)
@@ -216,7 +230,7 @@ class AdapterTable:
             cursor = _stage_rows(pages, cursor, a, chunks_in, page)
             layout.append((layer, proj, a.shape[0], a_offset, cursor))
             cursor = _stage_rows(pages, cursor, b.t(), chunks_out, page)
-        if self.pool.pages.is_cuda:
+        if pin and self.pool.pages.is_cuda:
             pages = pages.pin_memory()
         return StagedAdapter(pages, layout)
 
@@ -241,6 +255,62 @@ class AdapterTable:
         before the next step). None (nothing taken) when the pool is short."""
         return self._place(slot, staged, layerwise=True)
 
+    def enable_streaming(self) -> None:
+        """Makes `place_streamed` available (cuda only). Call before any kernel that reads the table is
+        compiled or captured: the LoRA kernels check `ready` only when this is on."""
+        if not self.pool.pages.is_cuda:
+            raise RuntimeError("streamed adapter placement needs the pool on a cuda device")
+        self.streaming = True
+
+    def close(self) -> None:
+        """Stops the loader thread of streamed placements, if one was started (after the copies queued)."""
+        streamer, self._streamer = self._streamer, None
+        if streamer is not None:
+            streamer.stop()
+
+    def place_streamed(self, slot: int, staged: StagedAdapter) -> StreamedLoad | None:
+        """Like `place_layerwise`, but nothing on the host waits for the copy, and neither does the compute
+        stream: the table rows go out at once (the compute stream waits for those, `StreamedLoad.publish`),
+        then the table's loader thread copies the pages layer by layer in forward order on its own stream,
+        from pinned or pageable memory, raising `ready[slot]` after each layer. A LoRA kernel reading
+        layer l of the slot waits on the device until ready[slot] > l, so the forward runs as one CUDA
+        graph while the adapter arrives, and a layer's kernels start as soon as its pages are in.
+        `StreamedLoad.join` before the slot is used without that care. None when the pool is short."""
+        if not self.streaming:
+            raise RuntimeError("place_streamed needs enable_streaming() first")
+        if self._streamer is None:  # started here: the thread inherits its caller's cpu affinity
+            self._streamer = _Streamer(self)
+        page_ids = self.pool.alloc(staged.pages.shape[0], "adapter")
+        if page_ids is None:
+            return None
+        ids = np.asarray(page_ids, dtype=np.int32)
+        start = self._record_placement(slot, staged, page_ids, ids)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.pool.pages.device)
+        with torch.cuda.stream(self._copy_stream):
+            # ready first, then the rows: no kernel can see the new rows with the last owner's ready
+            self.ready[slot : slot + 1].copy_(self._streamer.values[:1], non_blocking=True)
+            self._publish(slot, start, len(ids))
+            published = _recorded()
+        load = StreamedLoad(slot, self.num_layers, published)
+        self._streamer.submit(load, staged, ids)
+        return load
+
+    def _record_placement(self, slot: int, staged: StagedAdapter, page_ids: list[int], ids: np.ndarray) -> int:
+        """The slot's host table rows and index entries -> the start of its page ids in the index."""
+        needed = len(page_ids)
+        if self._index_end + needed > len(self.page_ids_host):
+            self._compact()
+        start = self._index_end
+        for layer, proj, rank, a_offset, b_offset in staged.layout:
+            self.rank_host[slot, layer, proj] = rank
+            self.a_start_host[slot, layer, proj] = start + a_offset
+            self.b_start_host[slot, layer, proj] = start + b_offset
+        self.page_ids_host[start : start + needed] = ids
+        self._index_end = start + needed
+        self.placements[slot] = AdapterPlacement(slot, page_ids, start, needed)
+        return start
+
     def _place(self, slot: int, staged: StagedAdapter | dict, layerwise: bool) -> LayerwiseLoad | None:
         if not isinstance(staged, StagedAdapter):
             staged = self.stage(staged)
@@ -257,16 +327,7 @@ class AdapterTable:
                 with torch.cuda.stream(self._copy_stream):
                     pages[page_ids[0] : page_ids[0] + needed].copy_(staged.pages, non_blocking=True)
         ids = np.asarray(page_ids, dtype=np.int32)
-        if self._index_end + needed > len(self.page_ids_host):
-            self._compact()
-        start = self._index_end
-        for layer, proj, rank, a_offset, b_offset in staged.layout:
-            self.rank_host[slot, layer, proj] = rank
-            self.a_start_host[slot, layer, proj] = start + a_offset
-            self.b_start_host[slot, layer, proj] = start + b_offset
-        self.page_ids_host[start : start + needed] = ids
-        self._index_end = start + needed
-        self.placements[slot] = AdapterPlacement(slot, page_ids, start, needed)
+        start = self._record_placement(slot, staged, page_ids, ids)
         if not pages.is_cuda:
             pages.index_copy_(0, torch.from_numpy(ids).long(), staged.pages)
             self._publish(slot, start, needed)
@@ -364,6 +425,88 @@ class LayerwiseLoad:
         """The current stream waits for the whole copy: afterwards any kernel may read the slot."""
         if self.done is not None:
             torch.cuda.current_stream().wait_event(self.done)
+
+
+@dataclass
+class StreamedLoad:
+    """One adapter's copy by the table's loader thread (`AdapterTable.place_streamed`).
+
+    published: the event after the slot's table rows (and ready[slot] = 0) were sent; `publish()`
+    makes the current stream wait for it, which any kernel reading the slot needs. `join()` after the
+    loader has queued every layer: the current stream waits for the whole copy. `error`: why the copy
+    failed, if it did (the loader then raised ready[slot] to the end, so no kernel waits for it: the
+    requests that read the slot must be failed and the adapter dropped)."""
+
+    slot: int
+    num_layers: int
+    published: object
+    queued: threading.Event = field(default_factory=threading.Event)
+    done: object = None  # the event after the last layer, recorded by the loader
+    error: str | None = None
+    started: float = 0.0
+    seconds: float = 0.0  # the loader's time from taking the job to queueing its last copy
+
+    def publish(self) -> None:
+        torch.cuda.current_stream().wait_event(self.published)
+
+    def join(self) -> None:
+        self.queued.wait()
+        if self.done is not None:
+            torch.cuda.current_stream().wait_event(self.done)
+
+
+class _Streamer:
+    """The loader thread of streamed placements: one job at a time, in order, on its own stream. Only
+    copies run on that stream (DMA, no kernel), so a LoRA kernel spinning on `ready` can never hold up
+    the copy it waits for."""
+
+    def __init__(self, table: AdapterTable):
+        self.table = table
+        device = table.pool.pages.device
+        self.stream = torch.cuda.Stream(device)
+        # pinned sources of the ready values 0..num_layers: one small DMA raises ready[slot]
+        self.values = torch.arange(table.num_layers + 1, dtype=torch.int32).pin_memory()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, args=(device,), name="lorad-adapter-stream", daemon=True)
+        self.thread.start()
+
+    def submit(self, load: StreamedLoad, staged: StagedAdapter, ids: np.ndarray) -> None:
+        load.started = time.perf_counter()
+        self.jobs.put((load, staged, ids))
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+
+    def _run(self, device) -> None:
+        torch.cuda.set_device(device)
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            load, staged, ids = job
+            table, slot = self.table, load.slot
+            try:
+                with torch.cuda.stream(self.stream):
+                    self.stream.wait_event(load.published)
+                    for layer, (first, last) in _layer_bounds(staged.layout, len(ids)).items():
+                        for offset, page, length in _runs(ids[first:last]):
+                            table.pool.pages[page : page + length].copy_(
+                                staged.pages[first + offset : first + offset + length], non_blocking=True)
+                        table.ready[slot : slot + 1].copy_(self.values[layer + 1 : layer + 2], non_blocking=True)
+                    table.ready[slot : slot + 1].copy_(self.values[-1:], non_blocking=True)
+                    load.done = _recorded()
+            except Exception as error:  # the requests on this slot fail; the engine goes on
+                log.exception("streamed adapter copy failed slot=%d", slot)
+                load.error = f"the adapter's copy to the GPU failed: {error}"
+                try:
+                    with torch.cuda.stream(self.stream):
+                        table.ready[slot : slot + 1].copy_(self.values[-1:], non_blocking=True)
+                        load.done = _recorded()
+                except Exception:
+                    log.exception("releasing a failed streamed copy failed slot=%d", slot)
+            load.seconds = time.perf_counter() - load.started
+            load.queued.set()
 
 
 def _recorded():

@@ -1,9 +1,13 @@
-"""Cold start, per request: wait for the adapter's copy into the pool ("gpu-wait"), or run the prefill's
-LoRA on the CPU workers while it is copied ("cpu-assist", CaraServe §4).
+"""Cold start, per request: wait for the adapter's copy into the pool ("gpu-wait"), run the prefill on the
+GPU while the copy streams in, each layer's LoRA waiting on the device for that layer's pages
+("gpu-stream"), or run the prefill's LoRA on the CPU workers while it is copied ("cpu-assist",
+CaraServe §4).
 
 A pure cost comparison over numbers measured at start-up (or injected by tests and benchmarks):
 
     gpu-wait   = load_ms + prefill_ms
+    gpu-stream = the forward walked layer by layer, layer l starting once both the layer before it is done
+                 and its pages are in, at (l + 1) / L * load_ms: max(load_ms, prefill_ms) and a layer's share
     cpu-assist = correction * stage_ms + prefill_ms (+) correction * cpu_lora_ms   (+: max when overlapped, sum when serial)
     load_ms     = adapter_bytes / bytes_per_s of its tier (pinned, pageable host, ...)
     stage_ms    = adapter_bytes / stage_bytes_per_s when the adapter is not in the workers' store yet
@@ -22,6 +26,10 @@ every request in it, so near-ties go to the GPU.
 the base model's kernels (CaraServe's sync-free invocation); the python path and the CPU engine run
 the two one after the other.
 
+`streaming`: the engine can stream (cuda, layer-wise copies on, the Triton kernels, CUDA graphs or not).
+The LoRA kernels' wait needs a prefill kernel (MBGMM): a first step of one token runs the decode kernels,
+so it never streams.
+
 `layerwise` (the engine's layer-wise takeover): the adapter streams in layer by layer in forward order,
 layer l complete at (l + 1) / L * load_ms, and a layer whose pages have arrived when the forward gets
 there runs on the GPU. cpu-assist is then the forward walked layer by layer: a layer costs
@@ -35,8 +43,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-GPU_WAIT, CPU_ASSIST = "gpu-wait", "cpu-assist"
-DECISIONS = (GPU_WAIT, CPU_ASSIST)
+GPU_WAIT, GPU_STREAM, CPU_ASSIST = "gpu-wait", "gpu-stream", "cpu-assist"
+DECISIONS = (GPU_WAIT, GPU_STREAM, CPU_ASSIST)
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class ColdStartCosts:
     correction: float = 1.0  # observed / predicted extra time of assisted prefills (online)
     stage_bytes_per_s: float = 0.0  # copying an adapter into the workers' store (0: free)
     margin: float = 0.1  # cpu-assist must be predicted this fraction faster
+    streaming: bool = False  # gpu-stream is available (see the module's note)
     observed_assists: int = 0  # assisted prefills folded into `correction`
 
     def load_ms(self, adapter_bytes: int, tier: str) -> float:
@@ -90,9 +99,10 @@ class ColdStart:
 
 @dataclass(frozen=True)
 class Decision:
-    choice: str  # GPU_WAIT or CPU_ASSIST
+    choice: str  # GPU_WAIT, GPU_STREAM or CPU_ASSIST
     gpu_wait_ms: float
     cpu_assist_ms: float
+    gpu_stream_ms: float = math.inf  # inf where streaming is not available
     cpu_layers: int = 0  # layers the CPU serves in the cpu-assist prediction (all of them without layerwise)
     prefill_ms: float = 0.0  # the base prefill both predictions include
     correction: float = 1.0  # the costs' correction the prediction used
@@ -118,14 +128,26 @@ def hybrid_ms(prefill_ms: float, cpu_lora_ms: float, load_ms: float, num_layers:
     return now, cpu_layers
 
 
+def stream_ms(prefill_ms: float, load_ms: float, num_layers: int) -> float:
+    """The streamed forward: layer l runs once the layer before it is done and its pages are in."""
+    per_layer, now = prefill_ms / num_layers, 0.0
+    for layer in range(num_layers):
+        now = max(now, load_ms * (layer + 1) / num_layers) + per_layer
+    return now
+
+
 def decide(request: ColdStart, costs: ColdStartCosts) -> Decision:
-    """The faster of the two predicted first steps, cpu-assist only by `costs.margin`; ties and no
-    workers go to gpu-wait."""
+    """The fastest of the predicted first steps, cpu-assist only by `costs.margin` over the better GPU
+    one; gpu-stream wherever available (never slower than gpu-wait), ties and no workers to the GPU."""
     prefill_ms = costs.prefill_ms_per_token * request.prompt_tokens
     load_ms = costs.load_ms(request.adapter_bytes, request.tier)
     gpu_wait_ms = load_ms + prefill_ms
+    gpu_stream_ms = math.inf
+    if costs.streaming and request.prompt_tokens >= 2:
+        gpu_stream_ms = stream_ms(prefill_ms, load_ms, max(costs.num_layers, 1))
+    gpu_choice = GPU_STREAM if gpu_stream_ms <= gpu_wait_ms else GPU_WAIT
     if costs.workers < 1 or request.prompt_tokens < 1:
-        return Decision(GPU_WAIT, gpu_wait_ms, math.inf, prefill_ms=prefill_ms, correction=costs.correction)
+        return Decision(gpu_choice, gpu_wait_ms, math.inf, gpu_stream_ms, prefill_ms=prefill_ms, correction=costs.correction)
     cpu_ms = costs.correction * costs.cpu_lora_ms(request.prompt_tokens, request.rank, request.modules)
     # Staging runs before the forward, while the copy to the pool already streams: it delays the CPU's
     # layers, never the GPU's.
@@ -137,8 +159,8 @@ def decide(request: ColdStart, costs: ColdStartCosts) -> Decision:
         forward_ms = max(prefill_ms, cpu_ms) if costs.overlapped else prefill_ms + cpu_ms
         cpu_layers = costs.num_layers
     cpu_assist_ms = stage_ms + forward_ms
-    choice = CPU_ASSIST if cpu_assist_ms * (1.0 + costs.margin) < gpu_wait_ms else GPU_WAIT
-    return Decision(choice, gpu_wait_ms, cpu_assist_ms, cpu_layers, prefill_ms, costs.correction)
+    choice = CPU_ASSIST if cpu_assist_ms * (1.0 + costs.margin) < min(gpu_wait_ms, gpu_stream_ms) else gpu_choice
+    return Decision(choice, gpu_wait_ms, cpu_assist_ms, gpu_stream_ms, cpu_layers, prefill_ms, costs.correction)
 
 
 def observe_assisted(costs: ColdStartCosts, decisions: list[Decision], observed_extra_ms: float,

@@ -128,7 +128,7 @@ def test_an_assisted_request_placed_in_one_copy_runs_every_layer_on_the_cpu(demo
     engine = make_engine(demo_assets, adapters, cold_start="auto", cpu_workers=1)
     try:
         engine.cold_start_costs = dataclasses.replace(engine.cold_start_costs, load_bytes_per_s=SLOW_COPY)
-        engine.residency.layerwise_for = lambda adapter, tier, tokens: False
+        engine.residency.placement_for = lambda adapter, tier, tokens: "whole"
         seen = watch_placements(engine)
         assert_same(reference, engine.generate(batch(adapters)))
         status = engine.status()

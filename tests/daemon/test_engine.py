@@ -426,3 +426,18 @@ def test_lora_pdl_is_off_on_the_cpu_and_said(demo_assets):
         make_engine(demo_assets, lora_pdl="on")
     with pytest.raises(BadRequest, match="lora_pdl must be one of auto, on, off"):
         make_engine(demo_assets, lora_pdl="always")
+
+
+def test_adapter_streaming_is_off_on_the_cpu_and_said(demo_assets):
+    """gpu-stream needs the device-side wait of the Triton kernels: on the CPU auto never streams, and
+    says why; the other modes never stream at all."""
+    for config, why in (({"cold_start": "auto"}, "cpu: reference ops (the device-side wait is a Triton kernel's)"),
+                        ({"cold_start": "auto", "layerwise": False}, "layerwise off"),
+                        ({}, "cold_start ondemand (only auto streams)")):
+        engine = make_engine(demo_assets, cpu_workers=1, **config)
+        try:
+            status = engine.status()
+            assert status["cold_adapter_streaming"] == {"on": False, "why": why}
+            assert status["cold_placements"] == {"whole": 0, "layerwise": 0, "stream": 0}
+        finally:
+            engine.close()

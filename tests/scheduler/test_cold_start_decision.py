@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from lorad.scheduler.cold_start import CPU_ASSIST, GPU_WAIT, ColdStart, ColdStartCosts, decide
+from lorad.scheduler.cold_start import CPU_ASSIST, GPU_STREAM, GPU_WAIT, ColdStart, ColdStartCosts, decide
 
 MB = 1 << 20
 # A 7B-like server: 25 GB/s pinned, 3 GB/s pageable, 0.5 GB/s from a slow tier; one core does a
@@ -96,3 +96,45 @@ def test_layerwise_turns_a_losing_assist_into_a_winning_one():
     assert 0 <= hybrid.cpu_layers <= 32 and whole.cpu_layers == 1  # COSTS has num_layers 1 (the default)
     if hybrid.choice == CPU_ASSIST:
         assert hybrid.cpu_layers < 32
+
+
+# ---- gpu-stream: the prefill runs while the copy streams in, each layer waiting for its pages --------
+
+STREAMING = dataclasses.replace(COSTS, streaming=True, num_layers=32, workers=0)
+
+
+def walked(prefill_ms: float, load_ms: float, layers: int) -> float:
+    """The streamed forward by events: layer l ends at max(its arrival, the last layer's end) + its share."""
+    ends = []
+    for layer in range(layers):
+        arrival = load_ms * (layer + 1) / layers
+        ends.append(max(arrival, ends[-1] if ends else 0.0) + prefill_ms / layers)
+    return ends[-1]
+
+
+@pytest.mark.parametrize("tier, tokens", [("pinned", 512), ("pageable", 64), ("pageable", 512), ("slow", 64)])
+def test_streaming_costs_the_slower_of_copy_and_prefill_and_a_layer(tier, tokens):
+    decision = decide(request(tokens=tokens, tier=tier), STREAMING)
+    assert decision.choice == GPU_STREAM
+    prefill, load = decision.prefill_ms, decision.gpu_wait_ms - decision.prefill_ms
+    assert decision.gpu_stream_ms == pytest.approx(walked(prefill, load, 32))
+    assert max(prefill, load) < decision.gpu_stream_ms <= max(prefill, load) + min(prefill, load) / 32 + 1e-9
+    assert decision.gpu_stream_ms < decision.gpu_wait_ms
+
+
+def test_no_streaming_where_it_is_off_or_the_step_takes_the_decode_kernels():
+    assert decide(request(tier="pageable"), dataclasses.replace(STREAMING, streaming=False)).choice == GPU_WAIT
+    one_token = decide(request(tokens=1, tier="pageable"), STREAMING)
+    assert one_token.choice == GPU_WAIT and math.isinf(one_token.gpu_stream_ms)
+
+
+def test_cpu_assist_must_beat_streaming_not_waiting():
+    costs = dataclasses.replace(STREAMING, workers=4)
+    # a slow tier: the CPU's LoRA of a short prompt beats both
+    assert decide(request(tokens=64, tier="slow"), costs).choice == CPU_ASSIST
+    # where the CPU beats waiting by far but streaming not by the margin, the GPU streams
+    slow_prefill = dataclasses.replace(costs, prefill_ms_per_token=2.0)
+    decision = decide(request(tokens=64, tier="slow"), slow_prefill)
+    assert decision.cpu_assist_ms * (1 + costs.margin) < decision.gpu_wait_ms
+    assert decision.cpu_assist_ms * (1 + costs.margin) >= decision.gpu_stream_ms
+    assert decision.choice == GPU_STREAM

@@ -1,0 +1,99 @@
+"""`pytest -m gpu`: cold adapters streamed into the pool during their prefill (cold_start auto's gpu-stream).
+With the loader held back, the prefill (replayed from a CUDA graph, or eager) waits on the device for each
+layer and gives cached mode's greedy tokens; a copy that fails fails its request with the reason, and
+the engine goes on."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from lorad.config import EngineConfig
+from lorad.daemon.engine import Engine
+from lorad.daemon.request import GenerationRequest, SamplingParams
+from lorad.gpu_ops import page_pool
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+PROMPTS = [([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], "demo-r8"), ([20, 21, 22, 23, 24, 25, 26], "demo-r16")]
+HELD_S = 0.3
+
+
+def engine_for(demo_assets, **config) -> Engine:
+    adapters = tuple((name, str(path)) for name, path in demo_assets.adapters.items())
+    return Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="float32",
+                               max_model_len=64, pool_bytes=64 << 20, cpu_workers=2, **config))
+
+
+def run(engine: Engine, prompts=PROMPTS) -> list:
+    requests = [GenerationRequest(prompt, adapter, SamplingParams(max_tokens=6, temperature=0)) for prompt, adapter in prompts]
+    return engine.generate(requests)
+
+
+def always_stream(engine: Engine) -> None:
+    """No workers in the costs: auto's choice is the GPU's, and streaming is never slower than waiting."""
+    engine.cold_start_costs = dataclasses.replace(engine.cold_start_costs, workers=0)
+
+
+@pytest.fixture(scope="module")
+def cached_tokens(demo_assets):
+    engine = engine_for(demo_assets, cold_start="cached", eager=True)
+    try:
+        return [result.token_ids for result in run(engine)]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_streamed_cold_starts_give_the_cached_tokens(demo_assets, cached_tokens, eager, monkeypatch):
+    engine = engine_for(demo_assets, cold_start="auto", eager=eager)
+    try:
+        assert engine.status()["cold_adapter_streaming"] == {"on": True, "why": None}
+        always_stream(engine)
+        bounds, held = page_pool._layer_bounds, []
+
+        def held_back(layout, total):  # the loader's first adapter waits before its first layer
+            if threading.current_thread().name == "lorad-adapter-stream" and not held:
+                held.append(True)
+                time.sleep(HELD_S)
+            return bounds(layout, total)
+
+        monkeypatch.setattr(page_pool, "_layer_bounds", held_back)
+        graph_steps = engine.prefill_graph_steps
+        started = time.perf_counter()
+        assert [result.token_ids for result in run(engine)] == cached_tokens
+        assert time.perf_counter() - started >= HELD_S and held
+        status = engine.status()
+        assert status["cold_start_decisions"]["gpu-stream"] == 2
+        assert status["cold_placements"]["stream"] == 2
+        assert engine.table.stream_error.item() == 0 and not engine.residency.loading
+        if not eager:
+            assert engine.prefill_graph_steps > graph_steps
+    finally:
+        engine.close()
+
+
+def test_a_failed_stream_fails_its_request_and_the_engine_goes_on(demo_assets, cached_tokens, monkeypatch):
+    engine = engine_for(demo_assets, cold_start="auto")
+    try:
+        always_stream(engine)
+        runs, failures = page_pool._runs, []
+
+        def lost_once(ids):
+            if threading.current_thread().name == "lorad-adapter-stream" and not failures:
+                failures.append(True)
+                raise RuntimeError("the copy was lost")
+            return runs(ids)
+
+        monkeypatch.setattr(page_pool, "_runs", lost_once)
+        first, second = run(engine)
+        assert first.finish_reason == "error" and first.token_ids == []
+        assert second.finish_reason == "length" and second.token_ids == cached_tokens[1]
+        assert "demo-r8" not in engine.residency.slots  # dropped: its pages were never filled
+        again = run(engine, PROMPTS[:1])[0]  # placed afresh
+        assert again.finish_reason == "length" and again.token_ids == cached_tokens[0]
+    finally:
+        engine.close()
