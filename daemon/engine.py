@@ -236,6 +236,8 @@ class Engine:
             reason = "layerwise off"
         elif self.device.type != "cuda" or not self.ops.name.startswith("triton"):
             reason = f"{self.device.type}: reference ops (the device-side wait is a Triton kernel's)"
+        elif not cuda_ext.available():  # its copies are queued by the extension's native thread
+            reason = f"no CUDA extension ({cuda_ext.invocation_path()})"
         else:
             reason = None
         log.info("cold adapter streaming=%s", "on" if reason is None else f"off ({reason})")
@@ -662,7 +664,6 @@ class Engine:
         assist, self.cpu_assist = self.cpu_assist, None
         if assist is not None:
             assist.close()
-        self.table.close()
         thread, before = self._affinity
         if before is not None and thread == threading.get_ident():  # affinity is per thread: only the one that set it
             os.sched_setaffinity(0, before)

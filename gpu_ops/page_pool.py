@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
-import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -258,27 +255,25 @@ class AdapterTable:
     def enable_streaming(self) -> None:
         """Makes `place_streamed` available (cuda only). Call before any kernel that reads the table is
         compiled or captured: the LoRA kernels check `ready` only when this is on."""
+        from lorad.gpu_ops import cuda_ext
+
         if not self.pool.pages.is_cuda:
             raise RuntimeError("streamed adapter placement needs the pool on a cuda device")
+        if not cuda_ext.available():
+            raise RuntimeError(f"streamed adapter placement needs the CUDA extension: {cuda_ext.invocation_path()}")
         self.streaming = True
-
-    def close(self) -> None:
-        """Stops the loader thread of streamed placements, if one was started (after the copies queued)."""
-        streamer, self._streamer = self._streamer, None
-        if streamer is not None:
-            streamer.stop()
 
     def place_streamed(self, slot: int, staged: StagedAdapter) -> StreamedLoad | None:
         """Like `place_layerwise`, but nothing on the host waits for the copy, and neither does the compute
         stream: the table rows go out at once (the compute stream waits for those, `StreamedLoad.publish`),
-        then the table's loader thread copies the pages layer by layer in forward order on its own stream,
-        from pinned or pageable memory, raising `ready[slot]` after each layer. A LoRA kernel reading
+        then a native thread queues the pages layer by layer in forward order on the table's copy stream
+        for streams, from pinned or pageable memory, raising `ready[slot]` after each layer. A LoRA kernel reading
         layer l of the slot waits on the device until ready[slot] > l, so the forward runs as one CUDA
         graph while the adapter arrives, and a layer's kernels start as soon as its pages are in.
         `StreamedLoad.join` before the slot is used without that care. None when the pool is short."""
         if not self.streaming:
             raise RuntimeError("place_streamed needs enable_streaming() first")
-        if self._streamer is None:  # started here: the thread inherits its caller's cpu affinity
+        if self._streamer is None:
             self._streamer = _Streamer(self)
         page_ids = self.pool.alloc(staged.pages.shape[0], "adapter")
         if page_ids is None:
@@ -292,7 +287,7 @@ class AdapterTable:
             self.ready[slot : slot + 1].copy_(self._streamer.values[:1], non_blocking=True)
             self._publish(slot, start, len(ids))
             published = _recorded()
-        load = StreamedLoad(slot, self.num_layers, published)
+        load = StreamedLoad(slot, published, self._streamer.stream)
         self._streamer.submit(load, staged, ids)
         return load
 
@@ -429,84 +424,81 @@ class LayerwiseLoad:
 
 @dataclass
 class StreamedLoad:
-    """One adapter's copy by the table's loader thread (`AdapterTable.place_streamed`).
+    """One adapter's copy by a native thread (`AdapterTable.place_streamed`).
 
-    published: the event after the slot's table rows (and ready[slot] = 0) were sent; `publish()`
-    makes the current stream wait for it, which any kernel reading the slot needs. `join()` after the
-    loader has queued every layer: the current stream waits for the whole copy. `error`: why the copy
-    failed, if it did (the loader then raised ready[slot] to the end, so no kernel waits for it: the
-    requests that read the slot must be failed and the adapter dropped)."""
+    published: the event after the slot's table rows (and ready[slot] = 0) were sent; `publish()` makes
+    the current stream wait for it, which any kernel reading the slot needs. `join()`: the host waits
+    until the thread has queued every copy (never for the copies themselves), then the current stream
+    waits for the whole copy. `error` (after join): why the copy failed, if it did; the thread then raised
+    ready[slot] to the end, so no kernel waits for it, and the requests that read the slot must be failed
+    and the adapter dropped."""
 
     slot: int
-    num_layers: int
     published: object
-    queued: threading.Event = field(default_factory=threading.Event)
-    done: object = None  # the event after the last layer, recorded by the loader
+    stream: object  # the copies' stream
+    chain: object = None  # cuda_ext.CopyChain
+    source: object = None  # the staged pages, alive until joined
+    done: object = None  # the event after the last copy, recorded by join()
     error: str | None = None
-    started: float = 0.0
-    seconds: float = 0.0  # the loader's time from taking the job to queueing its last copy
+
+    def queued(self) -> bool:
+        """Whether every copy is queued (a non-blocking query)."""
+        return self.chain.done()
 
     def publish(self) -> None:
         torch.cuda.current_stream().wait_event(self.published)
 
     def join(self) -> None:
-        self.queued.wait()
-        if self.done is not None:
-            torch.cuda.current_stream().wait_event(self.done)
+        if self.done is None:
+            self.chain.wait()
+            self.error = self.chain.error or None
+            with torch.cuda.stream(self.stream):
+                self.done = _recorded()
+            self.source = None
+        torch.cuda.current_stream().wait_event(self.done)
 
 
 class _Streamer:
-    """The loader thread of streamed placements: one job at a time, in order, on its own stream. Only
-    copies run on that stream (DMA, no kernel), so a LoRA kernel spinning on `ready` can never hold up
-    the copy it waits for."""
+    """The copies of streamed placements: one stream, and per adapter one chain of copies (each layer's
+    pages, then its `ready` word) issued by a native thread (gpu_ops/csrc/copy_chain.h says why). Only
+    copies run on that stream (DMA, no kernel), so a LoRA kernel spinning on `ready` can never hold up the
+    copy it waits for."""
 
     def __init__(self, table: AdapterTable):
         self.table = table
-        device = table.pool.pages.device
-        self.stream = torch.cuda.Stream(device)
-        # pinned sources of the ready values 0..num_layers: one small DMA raises ready[slot]
+        self.device = table.pool.pages.device
+        self.stream = torch.cuda.Stream(self.device)
+        # pinned sources of the ready values 0..num_layers: one 4-byte DMA raises ready[slot]
         self.values = torch.arange(table.num_layers + 1, dtype=torch.int32).pin_memory()
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, args=(device,), name="lorad-adapter-stream", daemon=True)
-        self.thread.start()
 
     def submit(self, load: StreamedLoad, staged: StagedAdapter, ids: np.ndarray) -> None:
-        load.started = time.perf_counter()
-        self.jobs.put((load, staged, ids))
+        from lorad.gpu_ops import cuda_ext
 
-    def stop(self) -> None:
-        self.jobs.put(None)
-        self.thread.join()
+        self.stream.wait_event(load.published)
+        release = [self._ready(load.slot, self.table.num_layers)]
+        ops = _chain_ops(self.table.pool.pages, staged, ids, [self._ready(load.slot, layer + 1)
+                                                              for layer in range(self.table.num_layers)]) + release
+        load.source = staged
+        load.chain = cuda_ext.copy_chain(ops, release, self.stream, self.device)
 
-    def _run(self, device) -> None:
-        torch.cuda.set_device(device)
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            load, staged, ids = job
-            table, slot = self.table, load.slot
-            try:
-                with torch.cuda.stream(self.stream):
-                    self.stream.wait_event(load.published)
-                    for layer, (first, last) in _layer_bounds(staged.layout, len(ids)).items():
-                        for offset, page, length in _runs(ids[first:last]):
-                            table.pool.pages[page : page + length].copy_(
-                                staged.pages[first + offset : first + offset + length], non_blocking=True)
-                        table.ready[slot : slot + 1].copy_(self.values[layer + 1 : layer + 2], non_blocking=True)
-                    table.ready[slot : slot + 1].copy_(self.values[-1:], non_blocking=True)
-                    load.done = _recorded()
-            except Exception as error:  # the requests on this slot fail; the engine goes on
-                log.exception("streamed adapter copy failed slot=%d", slot)
-                load.error = f"the adapter's copy to the GPU failed: {error}"
-                try:
-                    with torch.cuda.stream(self.stream):
-                        table.ready[slot : slot + 1].copy_(self.values[-1:], non_blocking=True)
-                        load.done = _recorded()
-                except Exception:
-                    log.exception("releasing a failed streamed copy failed slot=%d", slot)
-            load.seconds = time.perf_counter() - load.started
-            load.queued.set()
+    def _ready(self, slot: int, value: int) -> tuple[int, int, int]:
+        """The copy that sets ready[slot] = value."""
+        ready, values = self.table.ready, self.values
+        return (ready.data_ptr() + slot * ready.element_size(), values.data_ptr() + value * values.element_size(),
+                ready.element_size())
+
+
+def _chain_ops(pages: torch.Tensor, staged: StagedAdapter, ids: np.ndarray, after_layer: list) -> list[tuple[int, int, int]]:
+    """(device address, host address, bytes) of each run of the adapter's pages, layer by layer in forward
+    order, each layer followed by after_layer[layer]."""
+    page_bytes = pages.stride(0) * pages.element_size()
+    base, source = pages.data_ptr(), staged.pages.data_ptr()
+    ops = []
+    for layer, (first, last) in _layer_bounds(staged.layout, len(ids)).items():
+        for offset, page, length in _runs(ids[first:last]):
+            ops.append((base + page * page_bytes, source + (first + offset) * page_bytes, length * page_bytes))
+        ops.append(after_layer[layer])
+    return ops
 
 
 def _recorded():

@@ -1,12 +1,11 @@
 """`pytest -m gpu`: cold adapters streamed into the pool during their prefill (cold_start auto's gpu-stream).
-With the loader held back, the prefill (replayed from a CUDA graph, or eager) waits on the device for each
+With the copies held back, the prefill (replayed from a CUDA graph, or eager) waits on the device for each
 layer and gives cached mode's greedy tokens; a copy that fails fails its request with the reason, and
 the engine goes on."""
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 
 import pytest
@@ -15,11 +14,12 @@ import torch
 from lorad.config import EngineConfig
 from lorad.daemon.engine import Engine
 from lorad.daemon.request import GenerationRequest, SamplingParams
-from lorad.gpu_ops import page_pool
+from lorad.gpu_ops import cuda_ext, page_pool
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 PROMPTS = [([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], "demo-r8"), ([20, 21, 22, 23, 24, 25, 26], "demo-r16")]
-HELD_S = 0.3
+HOLD_S = 0.3
+CYCLES_PER_S = 1.98e9
 
 
 def engine_for(demo_assets, **config) -> Engine:
@@ -53,19 +53,18 @@ def test_streamed_cold_starts_give_the_cached_tokens(demo_assets, cached_tokens,
     try:
         assert engine.status()["cold_adapter_streaming"] == {"on": True, "why": None}
         always_stream(engine)
-        bounds, held = page_pool._layer_bounds, []
+        submit = page_pool._Streamer.submit
 
-        def held_back(layout, total):  # the loader's first adapter waits before its first layer
-            if threading.current_thread().name == "lorad-adapter-stream" and not held:
-                held.append(True)
-                time.sleep(HELD_S)
-            return bounds(layout, total)
+        def held(self, load, staged, ids):  # the copies queue behind a sleeping kernel on their stream
+            with torch.cuda.stream(self.stream):
+                torch.cuda._sleep(int(HOLD_S * CYCLES_PER_S))
+            submit(self, load, staged, ids)
 
-        monkeypatch.setattr(page_pool, "_layer_bounds", held_back)
+        monkeypatch.setattr(page_pool._Streamer, "submit", held)
         graph_steps = engine.prefill_graph_steps
         started = time.perf_counter()
         assert [result.token_ids for result in run(engine)] == cached_tokens
-        assert time.perf_counter() - started >= HELD_S and held
+        assert time.perf_counter() - started >= HOLD_S
         status = engine.status()
         assert status["cold_start_decisions"]["gpu-stream"] == 2
         assert status["cold_placements"]["stream"] == 2
@@ -80,15 +79,27 @@ def test_a_failed_stream_fails_its_request_and_the_engine_goes_on(demo_assets, c
     engine = engine_for(demo_assets, cold_start="auto")
     try:
         always_stream(engine)
-        runs, failures = page_pool._runs, []
+        copy_chain, failures = cuda_ext.copy_chain, []
 
-        def lost_once(ids):
-            if threading.current_thread().name == "lorad-adapter-stream" and not failures:
-                failures.append(True)
-                raise RuntimeError("the copy was lost")
-            return runs(ids)
+        class Failed:
+            """The chain of a copy that failed at once: only its release was queued."""
 
-        monkeypatch.setattr(page_pool, "_runs", lost_once)
+            def __init__(self, chain):
+                self.chain, self.error = chain, "copy 0 of 9: cudaErrorInvalidValue: injected"
+
+            def done(self):
+                return self.chain.done()
+
+            def wait(self):
+                self.chain.wait()
+
+        def lost_once(ops, on_error, stream, device):
+            if failures:
+                return copy_chain(ops, on_error, stream, device)
+            failures.append(True)
+            return Failed(copy_chain(on_error, [], stream, device))
+
+        monkeypatch.setattr(cuda_ext, "copy_chain", lost_once)
         first, second = run(engine)
         assert first.finish_reason == "error" and first.token_ids == []
         assert second.finish_reason == "length" and second.token_ids == cached_tokens[1]

@@ -200,7 +200,7 @@ def test_cached_places_every_adapter_at_start(demo_assets, adapters, reference):
     assert_same(reference, results)
     status = engine.status()
     assert status["adapter_loads"] == len(names) and status["adapter_evictions"] == 0
-    assert status["cold_start_decisions"] == {"gpu-wait": 0, "cpu-assist": 0}
+    assert status["cold_start_decisions"] == {"gpu-wait": 0, "gpu-stream": 0, "cpu-assist": 0}
     assert engine.metrics()["cold_starts"] == 0
 
 
@@ -242,7 +242,7 @@ def test_auto_heats_the_workers_only_for_cpu_assisted_cold_starts(demo_assets, a
         heats = count_calls(pool, "heat")
         sampling = SamplingParams(max_tokens=2, temperature=0)
         engine.generate([GenerationRequest([5, 6, 7], "demo-r4", sampling)])
-        assert engine.status()["cold_start_decisions"] == {"gpu-wait": 1, "cpu-assist": 0}
+        assert engine.status()["cold_start_decisions"] == {"gpu-wait": 1, "gpu-stream": 0, "cpu-assist": 0}
         assert heats == [] and not pool.exchange.is_hot
         engine.cold_start_costs = dataclasses.replace(engine.cold_start_costs, load_bytes_per_s={"host": 1e3})
         engine.generate([GenerationRequest([5, 6, 7], "demo-r8", sampling)])
