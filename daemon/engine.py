@@ -236,8 +236,6 @@ class Engine:
             reason = "layerwise off"
         elif self.device.type != "cuda" or not self.ops.name.startswith("triton"):
             reason = f"{self.device.type}: reference ops (the device-side wait is a Triton kernel's)"
-        elif not cuda_ext.available():  # its copies are queued by the extension's native thread
-            reason = f"no CUDA extension ({cuda_ext.invocation_path()})"
         else:
             reason = None
         log.info("cold adapter streaming=%s", "on" if reason is None else f"off ({reason})")
@@ -992,7 +990,8 @@ class Engine:
         from a prefill graph (daemon/prefill_graphs.py) when the step has prompt rows and fits one; eager
         when CPU assist computes some of its rows. device_tokens: a decode step's input ids, on the device
         (overlapped decode), in place of each sequence's last token."""
-        if self.graphs is not None and not assisted and all(count == 1 and seq.num_computed + 1 == seq.num_tokens for seq, count in plan):
+        if self.graphs is not None and not assisted and not self.residency.loading \
+                and all(count == 1 and seq.num_computed + 1 == seq.num_tokens for seq, count in plan):
             max_blocks = max(len(seq.blocks) for seq, _ in plan)
             if self.graphs.fits(len(plan), max_blocks):
                 seqs = [seq for seq, _ in plan]
@@ -1012,8 +1011,14 @@ class Engine:
                                 self.residency.slot(seq.adapter), seq.blocks.array(), seq.num_computed + count == seq.num_tokens)
                         for seq, count in plan]
                 logits = self.prefill_graphs.run(seqs)
+                # Streamed adapters' pages go out now, while the graph runs: its LoRA kernels wait for each
+                # layer on the device (AdapterTable.place_streamed). Nothing above waited for the device.
+                self.residency.issue_streams()
                 self.prefill_graph_steps += 1
                 return logits, [seq for seq, count in plan if seq.num_computed + count == seq.num_tokens]
+        # An eager forward may wait for the device (a first launch of a kernel loads it): everything its
+        # kernels wait for is queued before it.
+        self.residency.issue_streams()
         step, sampled = self._build_step(plan, assisted or {})
         if device_tokens is not None:
             step.input_ids = device_tokens

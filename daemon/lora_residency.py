@@ -9,9 +9,9 @@ request admitted (its adapter, tier and first step's tokens):
 - "layerwise": layer by layer with an event per layer, for a prefill that is to be cpu-assisted: its
   `LayerwiseLoad` stays in `loading` until the engine decides the request's cold start, and each layer
   takes over from the CPU as it arrives (daemon/cpu_assist.py);
-- "stream": layer by layer by the table's loader thread while the prefill runs on the GPU, its LoRA
-  kernels waiting on the device for each layer (`AdapterTable.place_streamed`): the `StreamedLoad`
-  stays in `loading` until the step after its first one.
+- "stream": layer by layer while the prefill runs on the GPU, its LoRA kernels waiting on the device for
+  each layer (`AdapterTable.place_streamed`): the engine issues the copies right after launching the
+  forward, and the `StreamedLoad` stays in `loading` until that step has been sampled.
 """
 
 from __future__ import annotations
@@ -103,12 +103,19 @@ class LoraResidency:
 
     def join(self, names=None) -> None:
         """The compute stream waits for the layer-wise and streamed copies of `names` (default: all of
-        them); then any kernel may read those adapters. Enqueues waits only, but for a streamed copy whose
-        loader has not yet queued its last layer: the host waits for that (never for the copy itself)."""
+        them); then any kernel may read those adapters. Enqueues waits only (a streamed copy not yet issued
+        is issued first)."""
         for name in list(self.loading) if names is None else names:
             load = self.loading.pop(name, None)
             if load is not None:
                 load.join()
+
+    def issue_streams(self) -> None:
+        """Queues the pages of every streamed copy not yet queued (`StreamedLoad.issue`): right after the
+        forward that waits for them is launched (a graph), or before it (eager)."""
+        for load in self.loading.values():
+            if isinstance(load, StreamedLoad):
+                load.issue()
 
     def streaming(self) -> list[str]:
         """The adapters whose streamed copy the compute stream has not joined."""

@@ -311,15 +311,6 @@ def fused_wait_and_add(
     )
 
 
-def copy_chain(ops: list[tuple[int, int, int]], on_error: list[tuple[int, int, int]], stream, device: torch.device):
-    """Host -> device copies (device address, host address, bytes), queued in order on `stream` by a native
-    thread that never takes the interpreter's lock -> the extension's CopyChain (done(), wait(), error).
-    On a failed copy the chain stops and queues `on_error`. The caller keeps the host memory alive until
-    the copies are done (pageable sources: until wait() returns)."""
-    _require_extension()
-    return _ext.CopyChain(ops, on_error, _stream_handle(stream, device), device.index if device.index is not None else torch.cuda.current_device())
-
-
 class FusedLauncher:
     """`fused_copy_and_signal` / `fused_wait_and_add` for one registered region (an exchange segment), with
     the per-call Python cut to what changes between calls: the region's device address, the flags'

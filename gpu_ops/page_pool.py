@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -255,26 +256,27 @@ class AdapterTable:
     def enable_streaming(self) -> None:
         """Makes `place_streamed` available (cuda only). Call before any kernel that reads the table is
         compiled or captured: the LoRA kernels check `ready` only when this is on."""
-        from lorad.gpu_ops import cuda_ext
-
         if not self.pool.pages.is_cuda:
             raise RuntimeError("streamed adapter placement needs the pool on a cuda device")
-        if not cuda_ext.available():
-            raise RuntimeError(f"streamed adapter placement needs the CUDA extension: {cuda_ext.invocation_path()}")
+        if self._streamer is None:
+            self._streamer = _Streamer(self)
         self.streaming = True
 
     def place_streamed(self, slot: int, staged: StagedAdapter) -> StreamedLoad | None:
-        """Like `place_layerwise`, but nothing on the host waits for the copy, and neither does the compute
-        stream: the table rows go out at once (the compute stream waits for those, `StreamedLoad.publish`),
-        then a native thread queues the pages layer by layer in forward order on the table's copy stream
-        for streams, from pinned or pageable memory, raising `ready[slot]` after each layer. A LoRA kernel reading
-        layer l of the slot waits on the device until ready[slot] > l, so the forward runs as one CUDA
-        graph while the adapter arrives, and a layer's kernels start as soon as its pages are in.
+        """Like `place_layerwise`, but the compute stream waits for no event: the table rows go out now (the
+        compute stream waits for those: `StreamedLoad.publish`), and the pages follow when the caller
+        `issue()`s them, layer by layer in forward order on the table's stream for streamed copies, each
+        layer then raising `ready[slot]`. A LoRA kernel reading layer l of the slot waits on the device until
+        ready[slot] > l, so the forward that needs the adapter can be launched before its pages are sent, as
+        one CUDA graph, and each layer's kernels start as soon as its pages are in.
+
+        The caller must `issue()` right after launching that forward (a graph launch), or before it (an
+        eager forward), and make no call that waits for the device in between: the device is then never
+        waiting on anything the host has yet to do. A pageable source goes through a pinned buffer taken
+        here; `issue()` fills it layer by layer (parallel host copies) as the DMA of the layers before runs.
         `StreamedLoad.join` before the slot is used without that care. None when the pool is short."""
         if not self.streaming:
             raise RuntimeError("place_streamed needs enable_streaming() first")
-        if self._streamer is None:
-            self._streamer = _Streamer(self)
         page_ids = self.pool.alloc(staged.pages.shape[0], "adapter")
         if page_ids is None:
             return None
@@ -282,14 +284,15 @@ class AdapterTable:
         start = self._record_placement(slot, staged, page_ids, ids)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.pool.pages.device)
+        streamer = self._streamer
         with torch.cuda.stream(self._copy_stream):
             # ready first, then the rows: no kernel can see the new rows with the last owner's ready
-            self.ready[slot : slot + 1].copy_(self._streamer.values[:1], non_blocking=True)
+            self.ready[slot : slot + 1].copy_(streamer.values[:1], non_blocking=True)
             self._publish(slot, start, len(ids))
             published = _recorded()
-        load = StreamedLoad(slot, published, self._streamer.stream)
-        self._streamer.submit(load, staged, ids)
-        return load
+        streamer.stream.wait_event(published)
+        bounce = None if staged.pages.is_pinned() else torch.empty_like(staged.pages, pin_memory=True)
+        return StreamedLoad(slot, published, self, staged, ids, bounce)
 
     def _record_placement(self, slot: int, staged: StagedAdapter, page_ids: list[int], ids: np.ndarray) -> int:
         """The slot's host table rows and index entries -> the start of its page ids in the index."""
@@ -424,81 +427,76 @@ class LayerwiseLoad:
 
 @dataclass
 class StreamedLoad:
-    """One adapter's copy by a native thread (`AdapterTable.place_streamed`).
+    """One adapter's streamed copy (`AdapterTable.place_streamed`).
 
     published: the event after the slot's table rows (and ready[slot] = 0) were sent; `publish()` makes
-    the current stream wait for it, which any kernel reading the slot needs. `join()`: the host waits
-    until the thread has queued every copy (never for the copies themselves), then the current stream
-    waits for the whole copy. `error` (after join): why the copy failed, if it did; the thread then raised
-    ready[slot] to the end, so no kernel waits for it, and the requests that read the slot must be failed
-    and the adapter dropped."""
+    the current stream wait for it, which any kernel reading the slot needs. `issue()` queues the pages;
+    `join()` issues them if that was not done, then makes the current stream wait for the whole copy.
+    `error`: why queueing the copy failed, if it did (ready[slot] was then raised to the end, so no kernel
+    waits for it: the requests that read the slot must be failed and the adapter dropped)."""
 
     slot: int
     published: object
-    stream: object  # the copies' stream
-    chain: object = None  # cuda_ext.CopyChain
-    source: object = None  # the staged pages, alive until joined
-    done: object = None  # the event after the last copy, recorded by join()
+    table: AdapterTable
+    source: StagedAdapter | None  # the staged pages, until issued
+    ids: np.ndarray
+    bounce: torch.Tensor | None = None  # pinned, for a pageable source
+    done: object = None  # the event after the last copy
     error: str | None = None
+    issue_seconds: float = 0.0  # host time of issue()
 
-    def queued(self) -> bool:
-        """Whether every copy is queued (a non-blocking query)."""
-        return self.chain.done()
+    @property
+    def issued(self) -> bool:
+        return self.done is not None
 
     def publish(self) -> None:
         torch.cuda.current_stream().wait_event(self.published)
 
-    def join(self) -> None:
-        if self.done is None:
-            self.chain.wait()
-            self.error = self.chain.error or None
-            with torch.cuda.stream(self.stream):
+    def issue(self) -> None:
+        """Queues every layer's pages and ready word on the streaming stream; no call here waits for the
+        device. Idempotent. A failure is kept in `error`, and the kernels are released."""
+        if self.done is not None:
+            return
+        started = time.perf_counter()
+        streamer, slot = self.table._streamer, self.slot
+        pages, source, bounce = self.table.pool.pages, self.source.pages, self.bounce
+        try:
+            with torch.cuda.stream(streamer.stream):
+                for layer, (first, last) in _layer_bounds(self.source.layout, len(self.ids)).items():
+                    if bounce is not None:  # host copy first (torch's parallel copy), then its DMA
+                        bounce[first:last].copy_(source[first:last])
+                    origin = source if bounce is None else bounce
+                    for offset, page, length in _runs(self.ids[first:last]):
+                        pages[page : page + length].copy_(origin[first + offset : first + offset + length], non_blocking=True)
+                    streamer.raise_ready(slot, layer + 1)
+                streamer.raise_ready(slot, self.table.num_layers)
                 self.done = _recorded()
-            self.source = None
+        except Exception as error:  # the requests on this slot fail; the engine goes on
+            log.exception("streamed adapter copy failed slot=%d", slot)
+            self.error = f"the adapter's copy to the GPU failed: {error}"
+            with torch.cuda.stream(streamer.stream):
+                streamer.raise_ready(slot, self.table.num_layers)
+                self.done = _recorded()
+        self.source = self.bounce = None  # the caching host allocator keeps the bounce until its copies ran
+        self.issue_seconds = time.perf_counter() - started
+
+    def join(self) -> None:
+        self.issue()
         torch.cuda.current_stream().wait_event(self.done)
 
 
 class _Streamer:
-    """The copies of streamed placements: one stream, and per adapter one chain of copies (each layer's
-    pages, then its `ready` word) issued by a native thread (gpu_ops/csrc/copy_chain.h says why). Only
-    copies run on that stream (DMA, no kernel), so a LoRA kernel spinning on `ready` can never hold up the
-    copy it waits for."""
+    """The stream of streamed placements and the pinned sources of their `ready` words. Only copies run on
+    that stream (DMA, no kernel), so a LoRA kernel spinning on `ready` never holds up a copy it waits for."""
 
     def __init__(self, table: AdapterTable):
         self.table = table
-        self.device = table.pool.pages.device
-        self.stream = torch.cuda.Stream(self.device)
-        # pinned sources of the ready values 0..num_layers: one 4-byte DMA raises ready[slot]
+        self.stream = torch.cuda.Stream(table.pool.pages.device)
         self.values = torch.arange(table.num_layers + 1, dtype=torch.int32).pin_memory()
 
-    def submit(self, load: StreamedLoad, staged: StagedAdapter, ids: np.ndarray) -> None:
-        from lorad.gpu_ops import cuda_ext
-
-        self.stream.wait_event(load.published)
-        release = [self._ready(load.slot, self.table.num_layers)]
-        ops = _chain_ops(self.table.pool.pages, staged, ids, [self._ready(load.slot, layer + 1)
-                                                              for layer in range(self.table.num_layers)]) + release
-        load.source = staged
-        load.chain = cuda_ext.copy_chain(ops, release, self.stream, self.device)
-
-    def _ready(self, slot: int, value: int) -> tuple[int, int, int]:
-        """The copy that sets ready[slot] = value."""
-        ready, values = self.table.ready, self.values
-        return (ready.data_ptr() + slot * ready.element_size(), values.data_ptr() + value * values.element_size(),
-                ready.element_size())
-
-
-def _chain_ops(pages: torch.Tensor, staged: StagedAdapter, ids: np.ndarray, after_layer: list) -> list[tuple[int, int, int]]:
-    """(device address, host address, bytes) of each run of the adapter's pages, layer by layer in forward
-    order, each layer followed by after_layer[layer]."""
-    page_bytes = pages.stride(0) * pages.element_size()
-    base, source = pages.data_ptr(), staged.pages.data_ptr()
-    ops = []
-    for layer, (first, last) in _layer_bounds(staged.layout, len(ids)).items():
-        for offset, page, length in _runs(ids[first:last]):
-            ops.append((base + page * page_bytes, source + (first + offset) * page_bytes, length * page_bytes))
-        ops.append(after_layer[layer])
-    return ops
+    def raise_ready(self, slot: int, value: int) -> None:
+        """ready[slot] = value, by a 4-byte DMA on the current stream."""
+        self.table.ready[slot : slot + 1].copy_(self.values[value : value + 1], non_blocking=True)
 
 
 def _recorded():

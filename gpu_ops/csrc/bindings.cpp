@@ -6,7 +6,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "copy_chain.h"
 #include "host_signal.h"
 
 namespace py = pybind11;
@@ -38,27 +37,4 @@ PYBIND11_MODULE(_lorad_cuda, m) {
         "One kernel on `stream`: wait on the GPU until every flag >= seq (flag f: seqs[f] when seqs is given), then out[r, c] += result[r, c] (fp32 result "
         "in mapped host memory; strides in elements). After timeout_ns: add nothing, store the missed seq into the "
         "int64 error word if it is 0. skip_if_error: give up at once when the error word is already non-zero. Returns at once.");
-
-  py::class_<lorad::CopyChain, std::shared_ptr<lorad::CopyChain>>(
-      m, "CopyChain",
-      "Host->device copies issued in order on one stream by a native thread (never the interpreter's): "
-      "CopyChain(ops, on_error, stream, device), each op (dst device address, src host address, nbytes). When a "
-      "copy fails the chain stops, issues on_error and keeps the error.")
-      .def(py::init([](const std::vector<std::tuple<std::uintptr_t, std::uintptr_t, std::size_t>>& ops,
-                       const std::vector<std::tuple<std::uintptr_t, std::uintptr_t, std::size_t>>& on_error,
-                       std::uintptr_t stream, int device) {
-             auto convert = [](const auto& items) {
-               std::vector<lorad::CopyOp> out;
-               out.reserve(items.size());
-               for (const auto& [dst, src, nbytes] : items) out.push_back({dst, src, nbytes});
-               return out;
-             };
-             return std::make_shared<lorad::CopyChain>(convert(ops), convert(on_error), stream, device);
-           }),
-           py::arg("ops"), py::arg("on_error"), py::arg("stream"), py::arg("device"))
-      .def("done", &lorad::CopyChain::done, "Every copy issued, or the chain failed.")
-      .def("wait", &lorad::CopyChain::wait, py::call_guard<py::gil_scoped_release>(),
-           "Until done() (the interpreter's lock released meanwhile).")
-      .def("issued", &lorad::CopyChain::issued, "Copies issued so far.")
-      .def_property_readonly("error", &lorad::CopyChain::error, "\"\" unless a copy failed.");
 }

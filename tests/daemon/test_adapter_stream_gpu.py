@@ -1,5 +1,5 @@
 """`pytest -m gpu`: cold adapters streamed into the pool during their prefill (cold_start auto's gpu-stream).
-With the copies held back, the prefill (replayed from a CUDA graph, or eager) waits on the device for each
+With the pages issued late, the prefill (replayed from a CUDA graph, or eager) waits on the device for each
 layer and gives cached mode's greedy tokens; a copy that fails fails its request with the reason, and
 the engine goes on."""
 
@@ -14,12 +14,11 @@ import torch
 from lorad.config import EngineConfig
 from lorad.daemon.engine import Engine
 from lorad.daemon.request import GenerationRequest, SamplingParams
-from lorad.gpu_ops import cuda_ext, page_pool
+from lorad.gpu_ops import page_pool
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 PROMPTS = [([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], "demo-r8"), ([20, 21, 22, 23, 24, 25, 26], "demo-r16")]
 HOLD_S = 0.3
-CYCLES_PER_S = 1.98e9
 
 
 def engine_for(demo_assets, **config) -> Engine:
@@ -53,24 +52,23 @@ def test_streamed_cold_starts_give_the_cached_tokens(demo_assets, cached_tokens,
     try:
         assert engine.status()["cold_adapter_streaming"] == {"on": True, "why": None}
         always_stream(engine)
-        submit = page_pool._Streamer.submit
+        issue, launched = page_pool.StreamedLoad.issue, []
 
-        def held(self, load, staged, ids):  # the copies queue behind a sleeping kernel on their stream
-            with torch.cuda.stream(self.stream):
-                torch.cuda._sleep(int(HOLD_S * CYCLES_PER_S))
-            submit(self, load, staged, ids)
+        def late(load):  # the forward is launched first: its kernels wait on the device for the pages
+            if not load.issued:
+                launched.append(torch.cuda.current_stream().query())
+                time.sleep(HOLD_S)
+            issue(load)
 
-        monkeypatch.setattr(page_pool._Streamer, "submit", held)
+        monkeypatch.setattr(page_pool.StreamedLoad, "issue", late)
         graph_steps = engine.prefill_graph_steps
-        started = time.perf_counter()
         assert [result.token_ids for result in run(engine)] == cached_tokens
-        assert time.perf_counter() - started >= HOLD_S
         status = engine.status()
         assert status["cold_start_decisions"]["gpu-stream"] == 2
         assert status["cold_placements"]["stream"] == 2
         assert engine.table.stream_error.item() == 0 and not engine.residency.loading
-        if not eager:
-            assert engine.prefill_graph_steps > graph_steps
+        if not eager:  # the graph was launched and still waiting when the pages were issued
+            assert engine.prefill_graph_steps > graph_steps and launched and not any(launched)
     finally:
         engine.close()
 
@@ -79,28 +77,17 @@ def test_a_failed_stream_fails_its_request_and_the_engine_goes_on(demo_assets, c
     engine = engine_for(demo_assets, cold_start="auto")
     try:
         always_stream(engine)
-        copy_chain, failures = cuda_ext.copy_chain, []
+        bounds, failures = page_pool._layer_bounds, []
 
-        class Failed:
-            """The chain of a copy that failed at once: only its release was queued."""
+        def lost_once(layout, total):
+            if not failures:
+                failures.append(True)
+                raise RuntimeError("the copy was lost")
+            return bounds(layout, total)
 
-            def __init__(self, chain):
-                self.chain, self.error = chain, "copy 0 of 9: cudaErrorInvalidValue: injected"
-
-            def done(self):
-                return self.chain.done()
-
-            def wait(self):
-                self.chain.wait()
-
-        def lost_once(ops, on_error, stream, device):
-            if failures:
-                return copy_chain(ops, on_error, stream, device)
-            failures.append(True)
-            return Failed(copy_chain(on_error, [], stream, device))
-
-        monkeypatch.setattr(cuda_ext, "copy_chain", lost_once)
+        monkeypatch.setattr(page_pool, "_layer_bounds", lost_once)
         first, second = run(engine)
+        assert failures
         assert first.finish_reason == "error" and first.token_ids == []
         assert second.finish_reason == "length" and second.token_ids == cached_tokens[1]
         assert "demo-r8" not in engine.residency.slots  # dropped: its pages were never filled
