@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from lorad.gpu_ops.page_pool import AdapterTable, LayerwiseLoad, StagedAdapter, StreamedLoad
+from lorad.gpu_ops.page_pool import AdapterTable, LayerwiseLoad, StagedAdapter, StreamedLoad, issue_streamed
 
 PLACEMENTS = ("whole", "layerwise", "stream")
 
@@ -113,9 +113,7 @@ class LoraResidency:
     def issue_streams(self) -> None:
         """Queues the pages of every streamed copy not yet queued (`StreamedLoad.issue`): right after the
         forward that waits for them is launched (a graph), or before it (eager)."""
-        for load in self.loading.values():
-            if isinstance(load, StreamedLoad):
-                load.issue()
+        issue_streamed([load for load in self.loading.values() if isinstance(load, StreamedLoad)])
 
     def streaming(self) -> list[str]:
         """The adapters whose streamed copy the compute stream has not joined."""

@@ -260,6 +260,8 @@ class AdapterTable:
             raise RuntimeError("streamed adapter placement needs the pool on a cuda device")
         if self._streamer is None:
             self._streamer = _Streamer(self)
+        # `ready` was filled on the current stream; the copy stream writes it from now on
+        torch.cuda.current_stream().synchronize()
         self.streaming = True
 
     def place_streamed(self, slot: int, staged: StagedAdapter) -> StreamedLoad | None:
@@ -453,36 +455,60 @@ class StreamedLoad:
         torch.cuda.current_stream().wait_event(self.published)
 
     def issue(self) -> None:
-        """Queues every layer's pages and ready word on the streaming stream; no call here waits for the
-        device. Idempotent. A failure is kept in `error`, and the kernels are released."""
-        if self.done is not None:
-            return
-        started = time.perf_counter()
-        streamer, slot = self.table._streamer, self.slot
+        """Queues every layer's pages and ready word (`issue_streamed`). Idempotent."""
+        issue_streamed([self])
+
+    def _copy_layer(self, layer: int, first: int, last: int) -> None:
+        """Layer `layer`'s pages (staged rows first..last), then ready[slot] = layer + 1, on the current stream."""
         pages, source, bounce = self.table.pool.pages, self.source.pages, self.bounce
-        try:
-            with torch.cuda.stream(streamer.stream):
-                for layer, (first, last) in _layer_bounds(self.source.layout, len(self.ids)).items():
-                    if bounce is not None:  # host copy first (torch's parallel copy), then its DMA
-                        bounce[first:last].copy_(source[first:last])
-                    origin = source if bounce is None else bounce
-                    for offset, page, length in _runs(self.ids[first:last]):
-                        pages[page : page + length].copy_(origin[first + offset : first + offset + length], non_blocking=True)
-                    streamer.raise_ready(slot, layer + 1)
-                streamer.raise_ready(slot, self.table.num_layers)
-                self.done = _recorded()
-        except Exception as error:  # the requests on this slot fail; the engine goes on
-            log.exception("streamed adapter copy failed slot=%d", slot)
-            self.error = f"the adapter's copy to the GPU failed: {error}"
-            with torch.cuda.stream(streamer.stream):
-                streamer.raise_ready(slot, self.table.num_layers)
-                self.done = _recorded()
-        self.source = self.bounce = None  # the caching host allocator keeps the bounce until its copies ran
-        self.issue_seconds = time.perf_counter() - started
+        if bounce is not None:  # host copy first (torch's parallel copy), then its DMA
+            bounce[first:last].copy_(source[first:last])
+            source = bounce
+        for offset, page, length in _runs(self.ids[first:last]):
+            pages[page : page + length].copy_(source[first + offset : first + offset + length], non_blocking=True)
+        self.table._streamer.raise_ready(self.slot, layer + 1)
+
+    def _end(self, error: str | None) -> None:
+        """ready[slot] to the end (on the current stream), the done event; the sources let go (the caching
+        host allocator keeps the bounce buffer until its copies have run)."""
+        self.error = error
+        self.table._streamer.raise_ready(self.slot, self.table.num_layers)
+        self.done = _recorded()
+        self.source = self.bounce = None
 
     def join(self) -> None:
         self.issue()
         torch.cuda.current_stream().wait_event(self.done)
+
+
+def issue_streamed(loads: list[StreamedLoad]) -> None:
+    """Queues the pages of every load not yet issued on the streaming stream, layer-major: layer 0 of every
+    adapter, then layer 1, ..., so a forward reading several streamed adapters waits for each of its layers
+    only as long as that layer takes. No call here waits for the device. A load that fails is ended at once
+    (its `error` set, its kernels released); the others go on."""
+    pending = [load for load in loads if load.done is None]
+    if not pending:
+        return
+    started = time.perf_counter()
+    plans = {id(load): list(_layer_bounds(load.source.layout, len(load.ids)).items()) for load in pending}
+    with torch.cuda.stream(pending[0].table._streamer.stream):
+        for index in range(max(map(len, plans.values()))):
+            for load in pending:
+                plan = plans[id(load)]
+                if load.done is not None or index >= len(plan):
+                    continue
+                layer, (first, last) = plan[index]
+                try:
+                    load._copy_layer(layer, first, last)
+                except Exception as error:  # the requests on this slot fail; the engine goes on
+                    log.exception("streamed adapter copy failed slot=%d", load.slot)
+                    load._end(f"the adapter's copy to the GPU failed: {error}")
+        for load in pending:
+            if load.done is None:
+                load._end(None)
+    seconds = time.perf_counter() - started
+    for load in pending:
+        load.issue_seconds = seconds
 
 
 class _Streamer:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lorad.config import EngineConfig
+from lorad.daemon import lora_residency
 from lorad.daemon.engine import Engine
 from lorad.daemon.request import GenerationRequest, SamplingParams
 from lorad.gpu_ops import page_pool
@@ -52,15 +53,15 @@ def test_streamed_cold_starts_give_the_cached_tokens(demo_assets, cached_tokens,
     try:
         assert engine.status()["cold_adapter_streaming"] == {"on": True, "why": None}
         always_stream(engine)
-        issue, launched = page_pool.StreamedLoad.issue, []
+        issue, launched = lora_residency.issue_streamed, []
 
-        def late(load):  # the forward is launched first: its kernels wait on the device for the pages
-            if not load.issued:
+        def late(loads):  # the forward is launched first: its kernels wait on the device for the pages
+            if any(not load.issued for load in loads):
                 launched.append(torch.cuda.current_stream().query())
                 time.sleep(HOLD_S)
-            issue(load)
+            issue(loads)
 
-        monkeypatch.setattr(page_pool.StreamedLoad, "issue", late)
+        monkeypatch.setattr(lora_residency, "issue_streamed", late)
         graph_steps = engine.prefill_graph_steps
         assert [result.token_ids for result in run(engine)] == cached_tokens
         status = engine.status()
@@ -77,15 +78,15 @@ def test_a_failed_stream_fails_its_request_and_the_engine_goes_on(demo_assets, c
     engine = engine_for(demo_assets, cold_start="auto")
     try:
         always_stream(engine)
-        bounds, failures = page_pool._layer_bounds, []
+        runs, failures = page_pool._runs, []
 
-        def lost_once(layout, total):
+        def lost_once(ids):  # the first layer of the first streamed adapter
             if not failures:
                 failures.append(True)
                 raise RuntimeError("the copy was lost")
-            return bounds(layout, total)
+            return runs(ids)
 
-        monkeypatch.setattr(page_pool, "_layer_bounds", lost_once)
+        monkeypatch.setattr(page_pool, "_runs", lost_once)
         first, second = run(engine)
         assert failures
         assert first.finish_reason == "error" and first.token_ids == []

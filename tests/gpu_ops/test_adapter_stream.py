@@ -117,14 +117,14 @@ def test_a_copy_that_never_comes_ends_the_wait_with_an_error(table, monkeypatch)
 
 
 def test_a_copy_that_cannot_be_queued_releases_the_kernels_and_says_why(table, monkeypatch):
-    def broken(layout, total):
+    def broken(ids):
         raise RuntimeError("lost")
 
     load = table.place_streamed(0, table.stage(adapter(6), pin=False))
     load.publish()
     x, y, segments = rows_and_segments(table, [0] * ROWS)
     mbgmm.mbgmm(x, y, LAYERS - 1, Q, segments, table)
-    monkeypatch.setattr(page_pool, "_layer_bounds", broken)
+    monkeypatch.setattr(page_pool, "_runs", broken)
     load.issue()
     torch.cuda.synchronize()
     assert "lost" in load.error and table.ready[0].item() == LAYERS and table.stream_error.item() == 0
