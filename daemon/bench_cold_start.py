@@ -399,6 +399,9 @@ def _counters(engine) -> dict:
         "cpu_assist_fallbacks": assist.fallbacks if assist is not None else 0,
         "decisions": dict(engine.cold_start_decisions),
         "kernels_compiled": compiled_kernels(),
+        "stream_steps": engine.stream_steps["steps"],
+        "stream_step_s": engine.stream_steps["seconds"],
+        "stream_issue_s": engine.residency.issue_seconds,
     }
 
 
@@ -446,6 +449,11 @@ def _drive(engine, plan: dict, prompts: list, output_tokens: int) -> dict:
             # New Triton kernel variants during the workload (None without Triton): JIT compiles in the step loop.
             "kernels_compiled": None if before["kernels_compiled"] is None
             else after["kernels_compiled"] - before["kernels_compiled"],
+            # steps run while adapters streamed in (gpu-stream): their number, wall time, and the host's time
+            # issuing the copies in them (after each graph's launch); totals, so that rounds add up
+            "stream_steps": after["stream_steps"] - before["stream_steps"],
+            "stream_steps_ms": (after["stream_step_s"] - before["stream_step_s"]) * 1e3,
+            "stream_issue_ms": (after["stream_issue_s"] - before["stream_issue_s"]) * 1e3,
         },
     }
 

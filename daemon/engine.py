@@ -192,6 +192,7 @@ class Engine:
         self._stopping = False
         self.steps = 0
         self.cold_start_decisions = dict.fromkeys(DECISIONS, 0)
+        self.stream_steps = {"steps": 0, "seconds": 0.0}  # steps run while adapters streamed in, their wall time
         self.cpu_assist: CpuAssist | None = None
         # (thread, its cpu affinity before keep_off_cores) on cuda with CPU workers, restored by close()
         self._affinity: tuple = (None, None)
@@ -458,6 +459,9 @@ class Engine:
                 "cpu_assist_layerwise": self.config.layerwise,
                 "cold_adapter_streaming": dict(self.adapter_streaming),
                 "cold_placements": dict(self.residency.placed),
+                "cold_stream_steps": {"steps": self.stream_steps["steps"],
+                                      "wall_ms": round(self.stream_steps["seconds"] * 1e3, 3),
+                                      "issue_ms": round(self.residency.issue_seconds * 1e3, 3)},
                 "cpu_assist_layers": dict(self.cpu_assist.layers) if self.cpu_assist is not None else {"cpu": 0, "gpu": 0},
                 "cpu_assisted_prefills": self.cpu_assist.assisted if self.cpu_assist is not None else 0,
                 "cpu_assist_fallbacks": self.cpu_assist.fallbacks if self.cpu_assist is not None else 0,
@@ -730,6 +734,8 @@ class Engine:
         redo = self._after_cpu_assist(assisted, self._step_spans) if assisted else set()  # its prefill runs again
         if streamed:
             redo |= self._after_streams(plan)  # failed: their step read an adapter that never arrived
+            self.stream_steps["steps"] += 1
+            self.stream_steps["seconds"] += time.perf_counter() - started
         if not assisted and not streamed and (self.online_prefill is not None or self.config.cold_start == "auto"):
             self._observe_prefill(plan, time.perf_counter() - started)  # before num_computed moves on
         for seq, count in plan:

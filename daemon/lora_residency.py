@@ -48,6 +48,7 @@ class LoraResidency:
         self.placement_for: Callable[[object, str, int | None], str] | None = None
         self.loading: dict[str, LayerwiseLoad | StreamedLoad] = {}  # copies the compute stream has not joined
         self.placed = dict.fromkeys(PLACEMENTS, 0)  # cold placements by kind
+        self.issue_seconds = 0.0  # host time spent issuing streamed copies
         self.loads = 0
         self.prefetches = 0
         self.evictions = 0
@@ -113,7 +114,11 @@ class LoraResidency:
     def issue_streams(self) -> None:
         """Queues the pages of every streamed copy not yet queued (`StreamedLoad.issue`): right after the
         forward that waits for them is launched (a graph), or before it (eager)."""
-        issue_streamed([load for load in self.loading.values() if isinstance(load, StreamedLoad)])
+        started = time.perf_counter()
+        loads = [load for load in self.loading.values() if isinstance(load, StreamedLoad) and not load.issued]
+        if loads:
+            issue_streamed(loads)
+            self.issue_seconds += time.perf_counter() - started
 
     def streaming(self) -> list[str]:
         """The adapters whose streamed copy the compute stream has not joined."""

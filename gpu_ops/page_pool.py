@@ -461,8 +461,10 @@ class StreamedLoad:
     def _copy_layer(self, layer: int, first: int, last: int) -> None:
         """Layer `layer`'s pages (staged rows first..last), then ready[slot] = layer + 1, on the current stream."""
         pages, source, bounce = self.table.pool.pages, self.source.pages, self.bounce
-        if bounce is not None:  # host copy first (torch's parallel copy), then its DMA
-            bounce[first:last].copy_(source[first:last])
+        if bounce is not None:  # host copy first, then its DMA
+            # One thread's memcpy (numpy's): a layer is ~2 MB, and torch's parallel copy would wake its whole
+            # thread pool per layer, some of whose threads share cores with the CPU LoRA workers.
+            np.copyto(_raw(bounce[first:last]), _raw(source[first:last]))
             source = bounce
         for offset, page, length in _runs(self.ids[first:last]):
             pages[page : page + length].copy_(source[first + offset : first + offset + length], non_blocking=True)
@@ -523,6 +525,11 @@ class _Streamer:
     def raise_ready(self, slot: int, value: int) -> None:
         """ready[slot] = value, by a 4-byte DMA on the current stream."""
         self.table.ready[slot : slot + 1].copy_(self.values[value : value + 1], non_blocking=True)
+
+
+def _raw(tensor: torch.Tensor) -> np.ndarray:
+    """A host tensor's bytes as a numpy array (no copy; numpy has no bfloat16)."""
+    return tensor.view(torch.uint8).numpy()
 
 
 def _recorded():
