@@ -666,6 +666,7 @@ class Engine:
         assist, self.cpu_assist = self.cpu_assist, None
         if assist is not None:
             assist.close()
+        self.table.close()
         thread, before = self._affinity
         if before is not None and thread == threading.get_ident():  # affinity is per thread: only the one that set it
             os.sched_setaffinity(0, before)

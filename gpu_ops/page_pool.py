@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,9 @@ MAX_DIRECT_RUNS = 16  # an adapter in at most this many runs of pages is copied 
 # A kernel waiting for a streamed layer (`AdapterTable.ready`) gives up after this long, raises
 # `stream_error` and goes on: a lost copy must fail its requests, never hang the device.
 STREAM_TIMEOUT_NS = 10_000_000_000
+# Threads copying a streamed pageable adapter into pinned memory, a layer each at a time: one thread's memcpy
+# (~5 GB/s on the H100 host) paced a 7B prefill's layers; several keep ahead of them.
+BOUNCE_THREADS = 4
 
 
 class PagePool:
@@ -264,6 +268,12 @@ class AdapterTable:
         torch.cuda.current_stream().synchronize()
         self.streaming = True
 
+    def close(self) -> None:
+        """Lets the host-copy threads of streamed placements go (they are started on first use)."""
+        if self._streamer is not None and self._streamer._bouncer is not None:
+            self._streamer._bouncer.shutdown(wait=False)
+            self._streamer._bouncer = None
+
     def place_streamed(self, slot: int, staged: StagedAdapter) -> StreamedLoad | None:
         """Like `place_layerwise`, but the compute stream waits for no event: the table rows go out now (the
         compute stream waits for those: `StreamedLoad.publish`), and the pages follow when the caller
@@ -458,14 +468,16 @@ class StreamedLoad:
         """Queues every layer's pages and ready word (`issue_streamed`). Idempotent."""
         issue_streamed([self])
 
-    def _copy_layer(self, layer: int, first: int, last: int) -> None:
+    def _bounce(self, first: int, last: int) -> None:
+        """Host copy of staged rows first..last into the pinned buffer (a pageable source only; any thread).
+        numpy's memcpy, not torch's parallel copy, which would wake its whole thread pool per layer, some of
+        it on the CPU LoRA workers' cores."""
+        np.copyto(_raw(self.bounce[first:last]), _raw(self.source.pages[first:last]))
+
+    def _send(self, layer: int, first: int, last: int) -> None:
         """Layer `layer`'s pages (staged rows first..last), then ready[slot] = layer + 1, on the current stream."""
-        pages, source, bounce = self.table.pool.pages, self.source.pages, self.bounce
-        if bounce is not None:  # host copy first, then its DMA
-            # One thread's memcpy (numpy's): a layer is ~2 MB, and torch's parallel copy would wake its whole
-            # thread pool per layer, some of whose threads share cores with the CPU LoRA workers.
-            np.copyto(_raw(bounce[first:last]), _raw(source[first:last]))
-            source = bounce
+        pages = self.table.pool.pages
+        source = self.source.pages if self.bounce is None else self.bounce
         for offset, page, length in _runs(self.ids[first:last]):
             pages[page : page + length].copy_(source[first + offset : first + offset + length], non_blocking=True)
         self.table._streamer.raise_ready(self.slot, layer + 1)
@@ -486,23 +498,29 @@ class StreamedLoad:
 def issue_streamed(loads: list[StreamedLoad]) -> None:
     """Queues the pages of every load not yet issued on the streaming stream, layer-major: layer 0 of every
     adapter, then layer 1, ..., so a forward reading several streamed adapters waits for each of its layers
-    only as long as that layer takes. No call here waits for the device. A load that fails is ended at once
-    (its `error` set, its kernels released); the others go on."""
+    only as long as that layer takes. Pageable sources are copied into their pinned buffers by
+    BOUNCE_THREADS threads, layers in order, each layer's DMA queued as soon as its host copy is done. No
+    call here waits for the device. A load that fails is ended at once (its `error` set, its kernels
+    released); the others go on."""
     pending = [load for load in loads if load.done is None]
     if not pending:
         return
     started = time.perf_counter()
+    streamer = pending[0].table._streamer
     plans = {id(load): list(_layer_bounds(load.source.layout, len(load.ids)).items()) for load in pending}
-    with torch.cuda.stream(pending[0].table._streamer.stream):
-        for index in range(max(map(len, plans.values()))):
-            for load in pending:
-                plan = plans[id(load)]
-                if load.done is not None or index >= len(plan):
-                    continue
-                layer, (first, last) = plan[index]
-                try:
-                    load._copy_layer(layer, first, last)
-                except Exception as error:  # the requests on this slot fail; the engine goes on
+    work = [(load, *plans[id(load)][index]) for index in range(max(map(len, plans.values())))
+            for load in pending if index < len(plans[id(load)])]
+    bounced = [streamer.bouncer().submit(load._bounce, *rows) if load.bounce is not None else None
+               for load, _, rows in work]
+    with torch.cuda.stream(streamer.stream):
+        for (load, layer, (first, last)), host_copy in zip(work, bounced):
+            try:
+                if host_copy is not None:
+                    host_copy.result()
+                if load.done is None:
+                    load._send(layer, first, last)
+            except Exception as error:  # the requests on this slot fail; the engine goes on
+                if load.done is None:
                     log.exception("streamed adapter copy failed slot=%d", load.slot)
                     load._end(f"the adapter's copy to the GPU failed: {error}")
         for load in pending:
@@ -521,6 +539,14 @@ class _Streamer:
         self.table = table
         self.stream = torch.cuda.Stream(table.pool.pages.device)
         self.values = torch.arange(table.num_layers + 1, dtype=torch.int32).pin_memory()
+        self._bouncer = None
+
+    def bouncer(self) -> ThreadPoolExecutor:
+        """The host-copy threads of pageable sources, started on first use by the engine's thread, whose cpu
+        affinity they inherit (never the CPU LoRA workers' cores)."""
+        if self._bouncer is None:
+            self._bouncer = ThreadPoolExecutor(BOUNCE_THREADS, thread_name_prefix="lorad-bounce")
+        return self._bouncer
 
     def raise_ready(self, slot: int, value: int) -> None:
         """ready[slot] = value, by a 4-byte DMA on the current stream."""
