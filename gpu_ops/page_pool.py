@@ -285,7 +285,8 @@ class AdapterTable:
         The caller must `issue()` right after launching that forward (a graph launch), or before it (an
         eager forward), and make no call that waits for the device in between: the device is then never
         waiting on anything the host has yet to do. A pageable source goes through a pinned buffer taken
-        here; `issue()` fills it layer by layer (parallel host copies) as the DMA of the layers before runs.
+        here, which host-copy threads start filling layer by layer at once (no device work: nothing waits
+        on them but `issue()`, which queues each layer's DMA as its copy ends).
         `StreamedLoad.join` before the slot is used without that care. None when the pool is short."""
         if not self.streaming:
             raise RuntimeError("place_streamed needs enable_streaming() first")
@@ -303,8 +304,12 @@ class AdapterTable:
             self._publish(slot, start, len(ids))
             published = _recorded()
         streamer.stream.wait_event(published)
-        bounce = None if staged.pages.is_pinned() else torch.empty_like(staged.pages, pin_memory=True)
-        return StreamedLoad(slot, published, self, staged, ids, bounce)
+        load = StreamedLoad(slot, published, self, staged, ids)
+        if not staged.pages.is_pinned():  # host copies into pinned memory start now, in forward order
+            load.bounce = torch.empty_like(staged.pages, pin_memory=True)
+            load.bounced = {layer: streamer.bouncer().submit(load._bounce, first, last)
+                            for layer, (first, last) in _layer_bounds(staged.layout, len(ids)).items()}
+        return load
 
     def _record_placement(self, slot: int, staged: StagedAdapter, page_ids: list[int], ids: np.ndarray) -> int:
         """The slot's host table rows and index entries -> the start of its page ids in the index."""
@@ -453,6 +458,7 @@ class StreamedLoad:
     source: StagedAdapter | None  # the staged pages, until issued
     ids: np.ndarray
     bounce: torch.Tensor | None = None  # pinned, for a pageable source
+    bounced: dict | None = None  # layer -> the future of its host copy into `bounce`
     done: object = None  # the event after the last copy
     error: str | None = None
     issue_seconds: float = 0.0  # host time of issue()
@@ -488,7 +494,10 @@ class StreamedLoad:
         self.error = error
         self.table._streamer.raise_ready(self.slot, self.table.num_layers)
         self.done = _recorded()
-        self.source = self.bounce = None
+        if self.bounced is not None:  # a failed load's copies still running must not outlive its buffer
+            for future in self.bounced.values():
+                future.cancel() or future.exception()
+        self.source = self.bounce = self.bounced = None
 
     def join(self) -> None:
         self.issue()
@@ -498,9 +507,9 @@ class StreamedLoad:
 def issue_streamed(loads: list[StreamedLoad]) -> None:
     """Queues the pages of every load not yet issued on the streaming stream, layer-major: layer 0 of every
     adapter, then layer 1, ..., so a forward reading several streamed adapters waits for each of its layers
-    only as long as that layer takes. Pageable sources are copied into their pinned buffers by
-    BOUNCE_THREADS threads, layers in order, each layer's DMA queued as soon as its host copy is done. No
-    call here waits for the device. A load that fails is ended at once (its `error` set, its kernels
+    only as long as that layer takes. A pageable source's layers are copied into its pinned buffer by
+    BOUNCE_THREADS threads from its placement on, and each layer's DMA is queued here as soon as its host
+    copy is done. No call here waits for the device. A load that fails is ended at once (its `error` set, its kernels
     released); the others go on."""
     pending = [load for load in loads if load.done is None]
     if not pending:
@@ -510,13 +519,11 @@ def issue_streamed(loads: list[StreamedLoad]) -> None:
     plans = {id(load): list(_layer_bounds(load.source.layout, len(load.ids)).items()) for load in pending}
     work = [(load, *plans[id(load)][index]) for index in range(max(map(len, plans.values())))
             for load in pending if index < len(plans[id(load)])]
-    bounced = [streamer.bouncer().submit(load._bounce, *rows) if load.bounce is not None else None
-               for load, _, rows in work]
     with torch.cuda.stream(streamer.stream):
-        for (load, layer, (first, last)), host_copy in zip(work, bounced):
+        for load, layer, (first, last) in work:
             try:
-                if host_copy is not None:
-                    host_copy.result()
+                if load.bounced is not None:
+                    load.bounced[layer].result()
                 if load.done is None:
                     load._send(layer, first, last)
             except Exception as error:  # the requests on this slot fail; the engine goes on

@@ -64,6 +64,10 @@ class ColdStartCosts:
     stage_bytes_per_s: float = 0.0  # copying an adapter into the workers' store (0: free)
     margin: float = 0.1  # cpu-assist must be predicted this fraction faster
     streaming: bool = False  # gpu-stream is available (see the module's note)
+    # gpu-stream must be predicted to save this much over gpu-wait. Measured on the H100 (BENCHMARKS.md, issue 5):
+    # streaming pinned rank-32 q,k,v,o 7B adapters (1.4 ms copies) gained nothing measurable (auto / ondemand
+    # 0.98-1.03 over four workloads), pageable ones (~6.5 ms) 4-7 ms of mean TTFT.
+    stream_margin_ms: float = 2.0
     observed_assists: int = 0  # assisted prefills folded into `correction`
 
     def load_ms(self, adapter_bytes: int, tier: str) -> float:
@@ -137,15 +141,15 @@ def stream_ms(prefill_ms: float, load_ms: float, num_layers: int) -> float:
 
 
 def decide(request: ColdStart, costs: ColdStartCosts) -> Decision:
-    """The fastest of the predicted first steps, cpu-assist only by `costs.margin` over the better GPU
-    one; gpu-stream wherever available (never slower than gpu-wait), ties and no workers to the GPU."""
+    """The fastest of the predicted first steps: gpu-stream only by `costs.stream_margin_ms` over gpu-wait,
+    cpu-assist only by `costs.margin` over the better GPU one; ties and no workers to the GPU."""
     prefill_ms = costs.prefill_ms_per_token * request.prompt_tokens
     load_ms = costs.load_ms(request.adapter_bytes, request.tier)
     gpu_wait_ms = load_ms + prefill_ms
     gpu_stream_ms = math.inf
     if costs.streaming and request.prompt_tokens >= 2:
         gpu_stream_ms = stream_ms(prefill_ms, load_ms, max(costs.num_layers, 1))
-    gpu_choice = GPU_STREAM if gpu_stream_ms <= gpu_wait_ms else GPU_WAIT
+    gpu_choice = GPU_STREAM if gpu_stream_ms + costs.stream_margin_ms <= gpu_wait_ms else GPU_WAIT
     if costs.workers < 1 or request.prompt_tokens < 1:
         return Decision(gpu_choice, gpu_wait_ms, math.inf, gpu_stream_ms, prefill_ms=prefill_ms, correction=costs.correction)
     cpu_ms = costs.correction * costs.cpu_lora_ms(request.prompt_tokens, request.rank, request.modules)

@@ -138,3 +138,12 @@ def test_cpu_assist_must_beat_streaming_not_waiting():
     assert decision.cpu_assist_ms * (1 + costs.margin) < decision.gpu_wait_ms
     assert decision.cpu_assist_ms * (1 + costs.margin) >= decision.gpu_stream_ms
     assert decision.choice == GPU_STREAM
+
+
+def test_streaming_must_save_its_margin():
+    """A short copy (a small pinned adapter) saves less than the margin: gpu-wait, as measured on the H100."""
+    small = request(tier="pinned", adapter_bytes=4 * MB, tokens=512)
+    decision = decide(small, STREAMING)
+    assert decision.gpu_wait_ms - decision.gpu_stream_ms < STREAMING.stream_margin_ms
+    assert decision.choice == GPU_WAIT
+    assert decide(small, dataclasses.replace(STREAMING, stream_margin_ms=0.0)).choice == GPU_STREAM
