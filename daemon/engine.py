@@ -666,7 +666,6 @@ class Engine:
         assist, self.cpu_assist = self.cpu_assist, None
         if assist is not None:
             assist.close()
-        self.table.close()
         thread, before = self._affinity
         if before is not None and thread == threading.get_ident():  # affinity is per thread: only the one that set it
             os.sched_setaffinity(0, before)
@@ -916,7 +915,7 @@ class Engine:
         if mode == "cpu":
             return CPU_ASSIST, None
         request = ColdStart(tokens, adapter.nbytes, adapter.rank, len(adapter.weights), tier,
-                            staged=self.cpu_assist.is_staged(adapter))
+                            staged=self.cpu_assist.is_staged(adapter), copy_bytes=self.residency.copy_bytes.get(adapter.name))
         try:
             decision = decide(request, self.cold_start_costs)
         except KeyError as error:  # a tier not measured at start-up

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,9 +24,6 @@ MAX_DIRECT_RUNS = 16  # an adapter in at most this many runs of pages is copied 
 # A kernel waiting for a streamed layer (`AdapterTable.ready`) gives up after this long, raises
 # `stream_error` and goes on: a lost copy must fail its requests, never hang the device.
 STREAM_TIMEOUT_NS = 10_000_000_000
-# Threads copying a streamed pageable adapter into pinned memory, a layer each at a time: one thread's memcpy
-# (~5 GB/s on the H100 host) paced a 7B prefill's layers; several keep ahead of them.
-BOUNCE_THREADS = 4
 
 
 class PagePool:
@@ -268,12 +264,6 @@ class AdapterTable:
         torch.cuda.current_stream().synchronize()
         self.streaming = True
 
-    def close(self) -> None:
-        """Lets the host-copy threads of streamed placements go (they are started on first use)."""
-        if self._streamer is not None and self._streamer._bouncer is not None:
-            self._streamer._bouncer.shutdown(wait=False)
-            self._streamer._bouncer = None
-
     def place_streamed(self, slot: int, staged: StagedAdapter) -> StreamedLoad | None:
         """Like `place_layerwise`, but the compute stream waits for no event: the table rows go out now (the
         compute stream waits for those: `StreamedLoad.publish`), and the pages follow when the caller
@@ -284,9 +274,9 @@ class AdapterTable:
 
         The caller must `issue()` right after launching that forward (a graph launch), or before it (an
         eager forward), and make no call that waits for the device in between: the device is then never
-        waiting on anything the host has yet to do. A pageable source goes through a pinned buffer taken
-        here, which host-copy threads start filling layer by layer at once (no device work: nothing waits
-        on them but `issue()`, which queues each layer's DMA as its copy ends).
+        waiting on anything the host has yet to do. From a pageable source each layer's copy returns once
+        the driver has staged it through its own pinned buffers (~10 GB/s on the H100 host): `issue()`
+        then takes a few milliseconds of host time, while the forward's first layers run.
         `StreamedLoad.join` before the slot is used without that care. None when the pool is short."""
         if not self.streaming:
             raise RuntimeError("place_streamed needs enable_streaming() first")
@@ -304,12 +294,7 @@ class AdapterTable:
             self._publish(slot, start, len(ids))
             published = _recorded()
         streamer.stream.wait_event(published)
-        load = StreamedLoad(slot, published, self, staged, ids)
-        if not staged.pages.is_pinned():  # host copies into pinned memory start now, in forward order
-            load.bounce = torch.empty_like(staged.pages, pin_memory=True)
-            load.bounced = {layer: streamer.bouncer().submit(load._bounce, first, last)
-                            for layer, (first, last) in _layer_bounds(staged.layout, len(ids)).items()}
-        return load
+        return StreamedLoad(slot, published, self, staged, ids)
 
     def _record_placement(self, slot: int, staged: StagedAdapter, page_ids: list[int], ids: np.ndarray) -> int:
         """The slot's host table rows and index entries -> the start of its page ids in the index."""
@@ -457,8 +442,6 @@ class StreamedLoad:
     table: AdapterTable
     source: StagedAdapter | None  # the staged pages, until issued
     ids: np.ndarray
-    bounce: torch.Tensor | None = None  # pinned, for a pageable source
-    bounced: dict | None = None  # layer -> the future of its host copy into `bounce`
     done: object = None  # the event after the last copy
     error: str | None = None
     issue_seconds: float = 0.0  # host time of issue()
@@ -474,30 +457,20 @@ class StreamedLoad:
         """Queues every layer's pages and ready word (`issue_streamed`). Idempotent."""
         issue_streamed([self])
 
-    def _bounce(self, first: int, last: int) -> None:
-        """Host copy of staged rows first..last into the pinned buffer (a pageable source only; any thread).
-        numpy's memcpy, not torch's parallel copy, which would wake its whole thread pool per layer, some of
-        it on the CPU LoRA workers' cores."""
-        np.copyto(_raw(self.bounce[first:last]), _raw(self.source.pages[first:last]))
-
     def _send(self, layer: int, first: int, last: int) -> None:
         """Layer `layer`'s pages (staged rows first..last), then ready[slot] = layer + 1, on the current stream."""
-        pages = self.table.pool.pages
-        source = self.source.pages if self.bounce is None else self.bounce
+        pages, source = self.table.pool.pages, self.source.pages
         for offset, page, length in _runs(self.ids[first:last]):
             pages[page : page + length].copy_(source[first + offset : first + offset + length], non_blocking=True)
         self.table._streamer.raise_ready(self.slot, layer + 1)
 
     def _end(self, error: str | None) -> None:
-        """ready[slot] to the end (on the current stream), the done event; the sources let go (the caching
-        host allocator keeps the bounce buffer until its copies have run)."""
+        """ready[slot] to the end (on the current stream), the done event; the source let go (the staged
+        caches keep it alive while its copies run)."""
         self.error = error
         self.table._streamer.raise_ready(self.slot, self.table.num_layers)
         self.done = _recorded()
-        if self.bounced is not None:  # a failed load's copies still running must not outlive its buffer
-            for future in self.bounced.values():
-                future.cancel() or future.exception()
-        self.source = self.bounce = self.bounced = None
+        self.source = None
 
     def join(self) -> None:
         self.issue()
@@ -507,9 +480,8 @@ class StreamedLoad:
 def issue_streamed(loads: list[StreamedLoad]) -> None:
     """Queues the pages of every load not yet issued on the streaming stream, layer-major: layer 0 of every
     adapter, then layer 1, ..., so a forward reading several streamed adapters waits for each of its layers
-    only as long as that layer takes. A pageable source's layers are copied into its pinned buffer by
-    BOUNCE_THREADS threads from its placement on, and each layer's DMA is queued here as soon as its host
-    copy is done. No call here waits for the device. A load that fails is ended at once (its `error` set, its kernels
+    only as long as that layer takes. No call here waits for the device (a pageable source's copies wait
+    for the driver's staging of the host memory, and for earlier copies on the streaming stream only). A load that fails is ended at once (its `error` set, its kernels
     released); the others go on."""
     pending = [load for load in loads if load.done is None]
     if not pending:
@@ -522,8 +494,6 @@ def issue_streamed(loads: list[StreamedLoad]) -> None:
     with torch.cuda.stream(streamer.stream):
         for load, layer, (first, last) in work:
             try:
-                if load.bounced is not None:
-                    load.bounced[layer].result()
                 if load.done is None:
                     load._send(layer, first, last)
             except Exception as error:  # the requests on this slot fail; the engine goes on
@@ -546,23 +516,10 @@ class _Streamer:
         self.table = table
         self.stream = torch.cuda.Stream(table.pool.pages.device)
         self.values = torch.arange(table.num_layers + 1, dtype=torch.int32).pin_memory()
-        self._bouncer = None
-
-    def bouncer(self) -> ThreadPoolExecutor:
-        """The host-copy threads of pageable sources, started on first use by the engine's thread, whose cpu
-        affinity they inherit (never the CPU LoRA workers' cores)."""
-        if self._bouncer is None:
-            self._bouncer = ThreadPoolExecutor(BOUNCE_THREADS, thread_name_prefix="lorad-bounce")
-        return self._bouncer
 
     def raise_ready(self, slot: int, value: int) -> None:
         """ready[slot] = value, by a 4-byte DMA on the current stream."""
         self.table.ready[slot : slot + 1].copy_(self.values[value : value + 1], non_blocking=True)
-
-
-def _raw(tensor: torch.Tensor) -> np.ndarray:
-    """A host tensor's bytes as a numpy array (no copy; numpy has no bfloat16)."""
-    return tensor.view(torch.uint8).numpy()
 
 
 def _recorded():

@@ -99,6 +99,7 @@ class ColdStart:
     modules: int  # (layer, projection) pairs it targets
     tier: str  # where its weights lie now: a key of ColdStartCosts.load_bytes_per_s
     staged: bool = True  # already in the CPU workers' store (else cpu-assist copies it there first)
+    copy_bytes: int | None = None  # what the copy into the pool moves (pages in the pool's dtype); None: adapter_bytes
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def decide(request: ColdStart, costs: ColdStartCosts) -> Decision:
     """The fastest of the predicted first steps: gpu-stream only by `costs.stream_margin_ms` over gpu-wait,
     cpu-assist only by `costs.margin` over the better GPU one; ties and no workers to the GPU."""
     prefill_ms = costs.prefill_ms_per_token * request.prompt_tokens
-    load_ms = costs.load_ms(request.adapter_bytes, request.tier)
+    load_ms = costs.load_ms(request.adapter_bytes if request.copy_bytes is None else request.copy_bytes, request.tier)
     gpu_wait_ms = load_ms + prefill_ms
     gpu_stream_ms = math.inf
     if costs.streaming and request.prompt_tokens >= 2:
