@@ -49,7 +49,7 @@ class EngineConfig:
     max_waiting_requests: int = 1024  # beyond it new requests are refused (503)
     pool_bytes: int | None = None  # unified page pool; default: 256 MiB on cpu, most of free memory on cuda
     gpu_memory_utilization: float = 0.85
-    host_adapter_bytes: int = 8 << 30  # host-memory budget of loaded adapters (LRU beyond it)
+    host_adapter_bytes: int = 8 << 30  # host-memory budget of loaded adapters, and on cuda of their staged pages (LRU beyond it)
     seed: int = 0
     # on cuda: decode steps' MBGMV over q,k,v and over gate,up in one launch pair each (where their tiles agree).
     # Measured on the H100 beside one launch pair per projection (bench/engine_decode.py, BENCHMARKS.md): LoRA
@@ -74,7 +74,9 @@ class EngineConfig:
     pinned_host_bytes: int = 4 << 30  # on cuda: adapters staged in pinned host memory (LRU beyond it)
     # cold_start cpu|auto: the cold adapter of a request that will be cpu-assisted is copied into the pool layer
     # by layer, and its prefill moves each layer from the CPU workers to the GPU kernels as soon as that layer
-    # has arrived (a gpu-wait cold start is copied whole, as under ondemand).
+    # has arrived (a gpu-wait cold start is copied whole, as under ondemand). On cuda with auto it also allows
+    # gpu-stream: the prefill launched at once, each layer's LoRA waiting on the device for its pages. Measured
+    # on the H100 with pageable rank-32 7B adapters (BENCHMARKS.md, issue 5): mean TTFT 0.75-0.83x ondemand's.
     layerwise: bool = True
     # `lorad profile`'s performance models, from which each decode step's LoRA kernel (BGMV or MBGMV) is
     # chosen. None: <state_dir or ~/.cache/lorad>/profile-<model>-<device>.json when it exists
