@@ -49,7 +49,8 @@ class EngineConfig:
     max_waiting_requests: int = 1024  # beyond it new requests are refused (503)
     pool_bytes: int | None = None  # unified page pool; default: 256 MiB on cpu, most of free memory on cuda
     gpu_memory_utilization: float = 0.85
-    host_adapter_bytes: int = 8 << 30  # host-memory budget of loaded adapters, and on cuda of their staged pages (LRU beyond it)
+    # host-memory budget of loaded adapters, and on cuda of their staged pages (LRU beyond it)
+    host_adapter_bytes: int = 8 << 30
     seed: int = 0
     # on cuda: decode steps' MBGMV over q,k,v and over gate,up in one launch pair each (where their tiles agree).
     # Measured on the H100 beside one launch pair per projection (bench/engine_decode.py, BENCHMARKS.md): LoRA
