@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -444,7 +443,6 @@ class StreamedLoad:
     ids: np.ndarray
     done: object = None  # the event after the last copy
     error: str | None = None
-    issue_seconds: float = 0.0  # host time of issue()
 
     @property
     def issued(self) -> bool:
@@ -480,32 +478,27 @@ class StreamedLoad:
 def issue_streamed(loads: list[StreamedLoad]) -> None:
     """Queues the pages of every load not yet issued on the streaming stream, layer-major: layer 0 of every
     adapter, then layer 1, ..., so a forward reading several streamed adapters waits for each of its layers
-    only as long as that layer takes. No call here waits for the device (a pageable source's copies wait
-    for the driver's staging of the host memory, and for earlier copies on the streaming stream only). A load that fails is ended at once (its `error` set, its kernels
-    released); the others go on."""
+    only as long as that layer takes. No call here waits for the device (a pageable source's copy waits for
+    the driver's staging of the host memory and for earlier copies on the streaming stream, nothing else).
+    A load that fails is ended at once (its `error` set, its kernels released); the others go on."""
     pending = [load for load in loads if load.done is None]
     if not pending:
         return
-    started = time.perf_counter()
-    streamer = pending[0].table._streamer
     plans = {id(load): list(_layer_bounds(load.source.layout, len(load.ids)).items()) for load in pending}
     work = [(load, *plans[id(load)][index]) for index in range(max(map(len, plans.values())))
             for load in pending if index < len(plans[id(load)])]
-    with torch.cuda.stream(streamer.stream):
+    with torch.cuda.stream(pending[0].table._streamer.stream):
         for load, layer, (first, last) in work:
+            if load.done is not None:  # failed on an earlier layer
+                continue
             try:
-                if load.done is None:
-                    load._send(layer, first, last)
+                load._send(layer, first, last)
             except Exception as error:  # the requests on this slot fail; the engine goes on
-                if load.done is None:
-                    log.exception("streamed adapter copy failed slot=%d", load.slot)
-                    load._end(f"the adapter's copy to the GPU failed: {error}")
+                log.exception("streamed adapter copy failed slot=%d", load.slot)
+                load._end(f"the adapter's copy to the GPU failed: {error}")
         for load in pending:
             if load.done is None:
                 load._end(None)
-    seconds = time.perf_counter() - started
-    for load in pending:
-        load.issue_seconds = seconds
 
 
 class _Streamer:
