@@ -14,10 +14,12 @@ import time
 import pytest
 import torch
 
-from lorad.daemon.cuda_graphs import capture
-from lorad.gpu_ops import mbgmm, page_pool
-from lorad.gpu_ops.lora import LoraBatch
-from lorad.gpu_ops.page_pool import AdapterTable, PagePool
+import triton_interpreter  # noqa: F401  (before the kernel modules: sets TRITON_INTERPRET without a GPU)
+
+from lorad.daemon.cuda_graphs import capture  # noqa: E402
+from lorad.gpu_ops import mbgmm, page_pool  # noqa: E402
+from lorad.gpu_ops.lora import LoraBatch  # noqa: E402
+from lorad.gpu_ops.page_pool import AdapterTable, PagePool  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
