@@ -914,8 +914,10 @@ class Engine:
             return GPU_WAIT, None
         if mode == "cpu":
             return CPU_ASSIST, None
+        # what the copy into the pool moves: the staged pages (the pool's dtype), not the float32 host weights
+        copy_bytes = self.table.pages_needed(adapter.weights) * self.pool.page_elems * self.pool.pages.element_size()
         request = ColdStart(tokens, adapter.nbytes, adapter.rank, len(adapter.weights), tier,
-                            staged=self.cpu_assist.is_staged(adapter), copy_bytes=self.residency.copy_bytes.get(adapter.name))
+                            staged=self.cpu_assist.is_staged(adapter), copy_bytes=copy_bytes)
         try:
             decision = decide(request, self.cold_start_costs)
         except KeyError as error:  # a tier not measured at start-up

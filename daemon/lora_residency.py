@@ -49,7 +49,6 @@ class LoraResidency:
         self.loading: dict[str, LayerwiseLoad | StreamedLoad] = {}  # copies the compute stream has not joined
         self.placed = dict.fromkeys(PLACEMENTS, 0)  # cold placements by kind
         self.issue_seconds = 0.0  # host time spent issuing streamed copies
-        self.copy_bytes: dict[str, int] = {}  # name -> bytes its copy into the pool moves (staged pages)
         self.loads = 0
         self.prefetches = 0
         self.evictions = 0
@@ -72,7 +71,6 @@ class LoraResidency:
             slot = self.table.free_slot()
         started = time.perf_counter()
         staged, tier = self._staged(adapter)
-        self.copy_bytes[name] = staged.pages.nbytes
         kind = "whole" if self.placement_for is None else self.placement_for(adapter, tier, tokens)
         while not self._place(name, slot, staged, kind):
             if not self.idle:
@@ -226,7 +224,6 @@ class LoraResidency:
         del self.pins[name]
         self.evictions += 1
         log.debug("adapter evicted name=%s", name)
-
 
 
 class StagedCache:
