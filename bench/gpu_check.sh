@@ -101,7 +101,7 @@ run_step() {
     mb_cold_start_pinned) step mb_cold_start_pinned 450 python3 -m lorad.daemon.cli bench cold-start \
         --modes ondemand,auto --rounds 3 --no-prime --no-ablation --out "$OUTDIR/mb_cold_start_pinned.json" ;;
     stream_wait) step stream_wait 150 python3 bench/stream_wait.py --out "$OUTDIR/stream_wait.json" ;;
-    pytest_stream) step pytest_stream 150 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 60 \
+    pytest_stream) step pytest_stream 300 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 60 \
         tests/gpu_ops/test_adapter_stream.py tests/daemon/test_adapter_stream_gpu.py ;;
     pytest_gpu)  # both halves below (about 8 minutes: more than one device call holds with other steps)
         run_step pytest_gpu_ops

@@ -402,6 +402,9 @@ def _counters(engine) -> dict:
         "stream_steps": engine.stream_steps["steps"],
         "stream_step_s": engine.stream_steps["seconds"],
         "stream_issue_s": engine.residency.issue_seconds,
+        "streamed_ahead": engine.residency.streamed_ahead,
+        "ahead_layers": engine.residency.ahead_layers,
+        "ahead_issue_s": engine.residency.ahead_seconds,
     }
 
 
@@ -454,6 +457,10 @@ def _drive(engine, plan: dict, prompts: list, output_tokens: int) -> dict:
             "stream_steps": after["stream_steps"] - before["stream_steps"],
             "stream_steps_ms": (after["stream_step_s"] - before["stream_step_s"]) * 1e3,
             "stream_issue_ms": (after["stream_issue_s"] - before["stream_issue_s"]) * 1e3,
+            # adapters streamed ahead of their admission, their layers queued then, the host's time on it
+            "streamed_ahead": after["streamed_ahead"] - before["streamed_ahead"],
+            "ahead_layers": after["ahead_layers"] - before["ahead_layers"],
+            "ahead_issue_ms": (after["ahead_issue_s"] - before["ahead_issue_s"]) * 1e3,
         },
     }
 

@@ -462,6 +462,10 @@ class Engine:
                 "cold_stream_steps": {"steps": self.stream_steps["steps"],
                                       "wall_ms": round(self.stream_steps["seconds"] * 1e3, 3),
                                       "issue_ms": round(self.residency.issue_seconds * 1e3, 3)},
+                # cold adapters streamed ahead of their request's admission, while the host waited for a step
+                "cold_streamed_ahead": {"adapters": self.residency.streamed_ahead,
+                                        "layers": self.residency.ahead_layers,
+                                        "issue_ms": round(self.residency.ahead_seconds * 1e3, 3)},
                 "cpu_assist_layers": dict(self.cpu_assist.layers) if self.cpu_assist is not None else {"cpu": 0, "gpu": 0},
                 "cpu_assisted_prefills": self.cpu_assist.assisted if self.cpu_assist is not None else 0,
                 "cpu_assist_fallbacks": self.cpu_assist.fallbacks if self.cpu_assist is not None else 0,
@@ -706,6 +710,10 @@ class Engine:
         if self._in_flight is not None:
             if self._chain():
                 return
+            if self.scheduler.waiting and self.adapter_streaming["on"]:
+                # The host would only wait for the step in flight: queued requests' cold adapters start
+                # streaming in meanwhile (their copies hold the host until it is done, at most a layer more).
+                self._prefetch(self._in_flight.done)
             self._land()
         try:
             plan = self.scheduler.schedule()
@@ -722,7 +730,8 @@ class Engine:
         started = time.perf_counter()
         streamed = bool(self.residency.streaming())  # this step ran while adapters streamed in
         logits, sampled = self._forward(plan, assisted)
-        self._prefetch()  # on a GPU the step above is still running: its adapters' copies overlap it
+        # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
+        self._prefetch(_recorded_event() if self.adapter_streaming["on"] and self.scheduler.waiting else None)
         if not streamed and self._overlappable(plan, sampled, assisted):  # its tokens are read by the next step(), after it launches its successor
             for seq in sampled:
                 seq.num_computed += 1
@@ -1032,11 +1041,17 @@ class Engine:
             step.input_ids = device_tokens
         return self.model.forward(step, self.kv.view, self.table), sampled
 
-    def _prefetch(self) -> None:
+    def _prefetch(self, busy=None) -> None:
+        """Places the adapters of the first queued requests while the device runs a step. busy: that step's
+        event, where cold adapters may stream in (`adapter_streaming`): those the admission would stream are
+        streamed ahead, their layers queued until the event has passed (LoraResidency.prefetch)."""
         reserve = len(self.scheduler.running) * self.kv.pages_per_block  # one more block for each runner
         for seq in list(self.scheduler.waiting)[:PREFETCH_DEPTH]:
-            if seq.adapter is not None and not self.residency.prefetch(seq.adapter, reserve):
+            tokens = None if busy is None else seq.num_tokens - seq.num_computed
+            if seq.adapter is not None and not self.residency.prefetch(seq.adapter, reserve, tokens):
                 break
+        if busy is not None:
+            self.residency.issue_ahead(busy.query)
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -1204,6 +1219,12 @@ def _dummy_adapters(spec: ModelSpec, config: EngineConfig) -> list[LoraAdapter]:
         )
         for index in range(config.dummy_adapters)
     ]
+
+
+def _recorded_event() -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _best_seconds(copy, device: torch.device, repeats: int = 3) -> float:

@@ -12,6 +12,11 @@ request admitted (its adapter, tier and first step's tokens):
 - "stream": layer by layer while the prefill runs on the GPU, its LoRA kernels waiting on the device for
   each layer (`AdapterTable.place_streamed`): the engine issues the copies right after launching the
   forward, and the `StreamedLoad` stays in `loading` until that step has been sampled.
+
+A queued request's cold adapter may be placed before its admission (`prefetch`, while a step runs): whole,
+or, where its placement would be "stream", streamed ahead. A streamed-ahead copy waits in `ahead` and the
+engine queues its layers while the host would otherwise only wait for the device (`issue_ahead`); at
+admission it moves to `loading` as a streamed cold start whose first layers are already in.
 """
 
 from __future__ import annotations
@@ -47,10 +52,16 @@ class LoraResidency:
         # PLACEMENTS (see the module's note); None: always "whole".
         self.placement_for: Callable[[object, str, int | None], str] | None = None
         self.loading: dict[str, LayerwiseLoad | StreamedLoad] = {}  # copies the compute stream has not joined
+        # streamed ahead for a queued request (prefetch): name -> (its copy, the tier it comes from); no
+        # kernel reads these slots until acquire() moves them to `loading`
+        self.ahead: dict[str, tuple[StreamedLoad, str]] = {}
         self.placed = dict.fromkeys(PLACEMENTS, 0)  # cold placements by kind
-        self.issue_seconds = 0.0  # host time spent issuing streamed copies
+        self.issue_seconds = 0.0  # host time spent issuing streamed copies after their forward's launch
+        self.ahead_seconds = 0.0  # host time spent issuing streamed-ahead copies (while a step ran)
+        self.ahead_layers = 0  # layers queued ahead of their request's admission
         self.loads = 0
         self.prefetches = 0
+        self.streamed_ahead = 0  # prefetches streamed ahead
         self.evictions = 0
 
     def acquire(self, name: str | None, tokens: int | None = None) -> bool:
@@ -61,6 +72,12 @@ class LoraResidency:
         if name in self.slots:
             self.pins[name] += 1
             self.idle.pop(name, None)
+            if name in self.ahead:  # still streaming in: a cold start whose first layers are in already
+                load, tier = self.ahead.pop(name)
+                self.loading[name] = load
+                self.admitted_cold.append((name, tier))
+                if self.metrics is not None:
+                    self.metrics.cold_start()
             return True
         adapter = self.lookup(name)
         slot = self.table.free_slot()
@@ -171,23 +188,57 @@ class LoraResidency:
         self.pinned.put(key, adapter.weights, pinned)
         return pinned, "pinned"
 
-    def prefetch(self, name: str, reserve_pages: int) -> bool:
-        """Loads a queued request's adapter into free pages while the current step runs, evicting
-        nothing and leaving `reserve_pages` free for KV growth. It waits idle until admitted."""
+    def prefetch(self, name: str, reserve_pages: int, tokens: int | None = None) -> bool:
+        """Places a queued request's adapter into free pages while a step runs, evicting nothing and leaving
+        `reserve_pages` free for KV growth; it waits idle until admitted. False: no room now.
+
+        tokens: the request's first step, to ask `placement_for` how the adapter would be placed at
+        admission: "stream" streams it ahead (`issue_ahead` queues its layers later, a few at a time),
+        "layerwise" (a cpu-assisted cold start) and "whole" from pageable memory (whose copy would hold the
+        host for its whole length) leave it to the admission. Without tokens: placed whole."""
         if name in self.slots:
             return True
         slot = self.table.free_slot()
         if slot is None:
             return False
-        staged, _ = self._staged(self.lookup(name))
-        if self.table.pool.num_free - staged.pages.shape[0] < reserve_pages or not self.table.place(slot, staged):
+        adapter = self.lookup(name)
+        staged, tier = self._staged(adapter)
+        if self.table.pool.num_free - staged.pages.shape[0] < reserve_pages:
+            return False
+        kind = "whole"
+        if tokens is not None and self.placement_for is not None:
+            kind = self.placement_for(adapter, tier, tokens)
+            if kind == "layerwise" or (kind == "whole" and tier == "pageable"):
+                return True
+        if kind == "stream":
+            load = self.table.place_streamed(slot, staged)
+            if load is None:
+                return False
+            self.ahead[name] = (load, tier)
+            self.streamed_ahead += 1
+            self.placed["stream"] += 1
+        elif not self.table.place(slot, staged):
             return False
         self.loads += 1
         self.prefetches += 1
         self.slots[name] = slot
         self.pins[name] = 0
         self.idle[name] = None
+        log.debug("adapter prefetched name=%s slot=%d placement=%s tier=%s", name, slot, kind, tier)
         return True
+
+    def issue_ahead(self, until: Callable[[], bool]) -> None:
+        """Queues layers of the streamed-ahead copies (forward order, layer-major) until `until()` says stop
+        (the step the host waits for is done): host time that was idle. Nothing on the device waits for
+        these copies yet, so stopping anywhere is safe."""
+        loads = [load for load, _ in self.ahead.values() if not load.issued]
+        if not loads:
+            return
+        started = time.perf_counter()
+        before = sum(load.layers_left for load in loads)
+        issue_streamed(loads, until)
+        self.ahead_layers += before - sum(load.layers_left for load in loads)
+        self.ahead_seconds += time.perf_counter() - started
 
     def release(self, name: str | None) -> None:
         if name is None:
@@ -220,6 +271,8 @@ class LoraResidency:
 
     def _evict(self, name: str) -> None:
         self.join([name])  # its copy is ordered before the pages go to another owner
+        if name in self.ahead:
+            self.ahead.pop(name)[0].abandon()
         self.table.evict(self.slots.pop(name))
         del self.pins[name]
         self.evictions += 1

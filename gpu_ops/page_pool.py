@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -431,10 +432,12 @@ class StreamedLoad:
     """One adapter's streamed copy (`AdapterTable.place_streamed`).
 
     published: the event after the slot's table rows (and ready[slot] = 0) were sent; `publish()` makes
-    the current stream wait for it, which any kernel reading the slot needs. `issue()` queues the pages;
-    `join()` issues them if that was not done, then makes the current stream wait for the whole copy.
-    `error`: why queueing the copy failed, if it did (ready[slot] was then raised to the end, so no kernel
-    waits for it: the requests that read the slot must be failed and the adapter dropped)."""
+    the current stream wait for it, which any kernel reading the slot needs. `issue()` queues the pages
+    not yet queued; `issue_streamed(..., until=...)` may queue only the first layers, the rest later.
+    `join()` issues what is left, then makes the current stream wait for the whole copy. `abandon()` ends
+    it where it stands (an adapter evicted before any kernel read it). `error`: why queueing the copy
+    failed, if it did (ready[slot] was then raised to the end, so no kernel waits for it: the requests that
+    read the slot must be failed and the adapter dropped)."""
 
     slot: int
     published: object
@@ -443,29 +446,43 @@ class StreamedLoad:
     ids: np.ndarray
     done: object = None  # the event after the last copy
     error: str | None = None
+    layers: list = field(default_factory=list)  # [(layer, (first, last))] not yet queued, in forward order
+
+    def __post_init__(self):
+        self.layers = list(_layer_bounds(self.source.layout, len(self.ids)).items())
 
     @property
     def issued(self) -> bool:
         return self.done is not None
 
+    @property
+    def layers_left(self) -> int:
+        return len(self.layers)
+
     def publish(self) -> None:
         torch.cuda.current_stream().wait_event(self.published)
 
     def issue(self) -> None:
-        """Queues every layer's pages and ready word (`issue_streamed`). Idempotent."""
+        """Queues every layer's pages and ready word not yet queued (`issue_streamed`). Idempotent."""
         issue_streamed([self])
 
-    def _send(self, layer: int, first: int, last: int) -> None:
-        """Layer `layer`'s pages (staged rows first..last), then ready[slot] = layer + 1, on the current stream."""
+    def _send_next(self) -> None:
+        """The next layer's pages (staged rows first..last), then ready[slot] = layer + 1, on the current
+        stream; the load ended after its last layer."""
+        layer, (first, last) = self.layers[0]
         pages, source = self.table.pool.pages, self.source.pages
         for offset, page, length in _runs(self.ids[first:last]):
             pages[page : page + length].copy_(source[first + offset : first + offset + length], non_blocking=True)
         self.table._streamer.raise_ready(self.slot, layer + 1)
+        self.layers.pop(0)
+        if not self.layers:
+            self._end(None)
 
     def _end(self, error: str | None) -> None:
         """ready[slot] to the end (on the current stream), the done event; the source let go (the staged
         caches keep it alive while its copies run)."""
         self.error = error
+        self.layers = []
         self.table._streamer.raise_ready(self.slot, self.table.num_layers)
         self.done = _recorded()
         self.source = None
@@ -474,31 +491,45 @@ class StreamedLoad:
         self.issue()
         torch.cuda.current_stream().wait_event(self.done)
 
+    def abandon(self) -> None:
+        """Ends the copy without queueing the layers left (ready[slot] raised to the end, as a placement
+        that is not streamed expects), and orders the current stream and the table's copy stream after what
+        was queued: the slot's pages may then go to another owner."""
+        if self.done is None:
+            with torch.cuda.stream(self.table._streamer.stream):
+                self._end("abandoned")
+        torch.cuda.current_stream().wait_event(self.done)
+        if self.table._copy_stream is not None:
+            self.table._copy_stream.wait_event(self.done)
 
-def issue_streamed(loads: list[StreamedLoad]) -> None:
-    """Queues the pages of every load not yet issued on the streaming stream, layer-major: layer 0 of every
+
+def issue_streamed(loads: list[StreamedLoad], until: Callable[[], bool] | None = None) -> bool:
+    """Queues the layers not yet queued of `loads` on the streaming stream, layer-major: layer 0 of every
     adapter, then layer 1, ..., so a forward reading several streamed adapters waits for each of its layers
-    only as long as that layer takes. No call here waits for the device (a pageable source's copy waits for
-    the driver's staging of the host memory and for earlier copies on the streaming stream, nothing else).
-    A load that fails is ended at once (its `error` set, its kernels released); the others go on."""
+    only as long as that layer takes. `until`: asked before each layer; once it says True the rest stays for
+    a later call (a copy queued ahead, while the host would otherwise wait for the device). -> whether every
+    load is fully queued. No call here waits for the device (a pageable source's copy waits for the driver's
+    staging of the host memory and for earlier copies on the streaming stream, nothing else). A load that
+    fails is ended at once (its `error` set, its kernels released); the others go on."""
     pending = [load for load in loads if load.done is None]
     if not pending:
-        return
-    plans = {id(load): list(_layer_bounds(load.source.layout, len(load.ids)).items()) for load in pending}
-    work = [(load, *plans[id(load)][index]) for index in range(max(map(len, plans.values())))
-            for load in pending if index < len(plans[id(load)])]
+        return True
+    work = sorted((layer, order, load) for order, load in enumerate(pending) for layer, _ in load.layers)
     with torch.cuda.stream(pending[0].table._streamer.stream):
-        for load, layer, (first, last) in work:
+        for load in pending:
+            if not load.layers:  # nothing to copy: ended at once
+                load._end(None)
+        for _, _, load in work:
             if load.done is not None:  # failed on an earlier layer
                 continue
+            if until is not None and until():
+                return False
             try:
-                load._send(layer, first, last)
+                load._send_next()
             except Exception as error:  # the requests on this slot fail; the engine goes on
                 log.exception("streamed adapter copy failed slot=%d", load.slot)
                 load._end(f"the adapter's copy to the GPU failed: {error}")
-        for load in pending:
-            if load.done is None:
-                load._end(None)
+    return True
 
 
 class _Streamer:

@@ -55,11 +55,11 @@ def test_streamed_cold_starts_give_the_cached_tokens(demo_assets, cached_tokens,
         always_stream(engine)
         issue, launched = lora_residency.issue_streamed, []
 
-        def late(loads):  # the forward is launched first: its kernels wait on the device for the pages
-            if any(not load.issued for load in loads):
+        def late(loads, until=None):  # the forward is launched first: its kernels wait on the device for the pages
+            if until is None and any(not load.issued for load in loads):
                 launched.append(torch.cuda.current_stream().query())
                 time.sleep(HOLD_S)
-            issue(loads)
+            return issue(loads, until)
 
         monkeypatch.setattr(lora_residency, "issue_streamed", late)
         graph_steps = engine.prefill_graph_steps
@@ -94,5 +94,65 @@ def test_a_failed_stream_fails_its_request_and_the_engine_goes_on(demo_assets, c
         assert "demo-r8" not in engine.residency.slots  # dropped: its pages were never filled
         again = run(engine, PROMPTS[:1])[0]  # placed afresh
         assert again.finish_reason == "length" and again.token_ids == cached_tokens[0]
+    finally:
+        engine.close()
+
+
+def ahead_budget(monkeypatch, layers: int) -> None:
+    """Copies streamed ahead (`issue_ahead`) queue `layers` layers in all, whatever the device does: the
+    streamed-ahead adapters are partly in at their admission, whose forward must wait for the rest."""
+    issue, left = lora_residency.issue_streamed, [layers]
+
+    def budgeted(loads, until=None):
+        if until is None:
+            return issue(loads)
+
+        def stop() -> bool:
+            left[0] -= 1
+            return left[0] < 0
+
+        done = issue(loads, stop)
+        left[0] = max(left[0], 0)
+        return done
+
+    monkeypatch.setattr(lora_residency, "issue_streamed", budgeted)
+
+
+def test_queued_cold_adapters_stream_in_ahead_and_give_the_cached_tokens(demo_assets, monkeypatch):
+    prompts = PROMPTS + [([30, 31, 32, 33, 34], "demo-r16-mlp")]
+    cached = engine_for(demo_assets, cold_start="cached", max_running_requests=1)
+    try:
+        expected = [result.token_ids for result in run(cached, prompts)]
+    finally:
+        cached.close()
+    engine = engine_for(demo_assets, cold_start="auto", max_running_requests=1)  # the others wait their turn
+    try:
+        always_stream(engine)
+        ahead_budget(monkeypatch, 3)  # layer 0 of both queued adapters, layer 1 of the first (layer-major)
+        assert [result.token_ids for result in run(engine, prompts)] == expected
+        status = engine.status()
+        assert status["cold_streamed_ahead"]["adapters"] == 2 and status["cold_streamed_ahead"]["layers"] == 3
+        assert status["cold_start_decisions"]["gpu-stream"] == 3  # each still a streamed cold start
+        assert status["adapter_prefetches"] == 2 and status["adapter_loads"] == 3
+        assert engine.table.stream_error.item() == 0 and not engine.residency.loading and not engine.residency.ahead
+    finally:
+        engine.close()
+
+
+def test_an_adapter_dropped_while_it_streams_ahead_frees_its_slot(demo_assets, cached_tokens, monkeypatch):
+    engine = engine_for(demo_assets, cold_start="auto")
+    try:
+        always_stream(engine)
+        ahead_budget(monkeypatch, 1)
+        residency = engine.residency
+        assert residency.prefetch("demo-r8", 0, tokens=12) and "demo-r8" in residency.ahead
+        slot = residency.slots["demo-r8"]
+        residency.issue_ahead(lambda: False)  # one layer of four
+        assert residency.ahead_layers == 1
+        residency.drop("demo-r8")
+        torch.cuda.synchronize()
+        assert "demo-r8" not in residency.slots and not residency.ahead
+        assert engine.table.ready[slot].item() == engine.table.num_layers  # a later owner placed whole never waits
+        assert [result.token_ids for result in run(engine)] == cached_tokens
     finally:
         engine.close()

@@ -21,3 +21,38 @@ def test_queued_adapters_are_prefetched_and_outputs_do_not_change():
     assert status_queued["adapter_prefetches"] >= 3  # each waiting request's adapter went up early
     assert status_queued["adapter_loads"] == 5  # and was not loaded a second time on admission
     assert together == queued
+
+
+def _residency(placement):
+    """A CPU pool with room for two small adapters, and a residency whose placement rule is `placement`."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lorad.daemon.lora_residency import LoraResidency
+    from lorad.gpu_ops.page_pool import AdapterTable, PagePool
+
+    pool = PagePool(64, 16, torch.float32, torch.device("cpu"))
+    table = AdapterTable(pool, 4, 2, [(16, 16)] * 7)
+    weights = {(layer, 0): (torch.ones(2, 16), torch.ones(16, 2)) for layer in range(2)}
+    residency = LoraResidency(lambda name: SimpleNamespace(name=name, weights=weights), table)
+    asked = []
+
+    def placement_for(adapter, tier, tokens):
+        asked.append((adapter.name, tier, tokens))
+        return placement
+
+    residency.placement_for = placement_for
+    return residency, asked
+
+
+def test_a_prefetch_with_tokens_places_as_the_admission_would():
+    residency, asked = _residency("layerwise")
+    # a cpu-assisted cold start is left to the admission: its copy goes layer by layer beside the workers
+    assert residency.prefetch("a", 0, tokens=12) and "a" not in residency.slots
+    assert asked == [("a", "host", 12)]
+    assert residency.prefetch("a", 0) and "a" in residency.slots  # without tokens: whole, as before
+    assert len(asked) == 1 and residency.prefetches == 1 and residency.loads == 1
+    residency, _ = _residency("whole")
+    assert residency.prefetch("b", 0, tokens=12) and "b" in residency.slots and residency.pins["b"] == 0
+    assert not residency.ahead and residency.acquire("b") and not residency.admitted_cold  # a warm hit

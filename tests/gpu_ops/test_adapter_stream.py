@@ -143,3 +143,49 @@ def test_a_copy_that_cannot_be_queued_releases_the_kernels_and_says_why(table, m
     load.issue()
     torch.cuda.synchronize()
     assert "lost" in load.error and table.ready[0].item() == LAYERS and table.stream_error.item() == 0
+
+
+def layers_then_stop(count: int):
+    """An `until` for issue_streamed that lets `count` layers through, then says stop."""
+    asked = []
+
+    def until() -> bool:
+        asked.append(True)
+        return len(asked) > count
+
+    return until
+
+
+def test_a_copy_queued_in_parts_gives_the_truth(table):
+    load_kernels(table)
+    weights = adapter(7)
+    load = table.place_streamed(0, table.stage(weights, pin=False))
+    assert not page_pool.issue_streamed([load], until=layers_then_stop(2))  # ahead of the forward
+    assert load.layers_left == LAYERS - 2 and not load.issued
+    torch.cuda.synchronize()
+    assert table.ready[0].item() == 2
+    load.publish()
+    x, y, segments = rows_and_segments(table, [0] * ROWS)
+    mbgmm.mbgmm(x, y, LAYERS - 1, Q, segments, table)
+    assert still_running(), "the kernel did not wait for the layers not yet queued"
+    assert page_pool.issue_streamed([load])  # the rest, after the launch
+    torch.cuda.synchronize()
+    assert load.issued and load.error is None and table.stream_error.item() == 0
+    torch.testing.assert_close(y.double().cpu(), truth(x, weights, LAYERS - 1), atol=2e-2, rtol=2e-2)
+
+
+def test_an_abandoned_copy_frees_its_slot_for_a_placement_that_does_not_stream(table):
+    load_kernels(table)
+    load = table.place_streamed(0, table.stage(adapter(8), pin=False))
+    page_pool.issue_streamed([load], until=layers_then_stop(1))
+    load.abandon()
+    torch.cuda.synchronize()
+    assert load.issued and load.error == "abandoned" and table.ready[0].item() == LAYERS
+    table.evict(0)
+    weights = adapter(9)
+    assert table.place(0, weights)  # whole: its kernels do not wait, and must not find the old ready
+    x, y, segments = rows_and_segments(table, [0] * ROWS)
+    mbgmm.mbgmm(x, y, LAYERS - 1, Q, segments, table)
+    torch.cuda.synchronize()
+    assert table.stream_error.item() == 0
+    torch.testing.assert_close(y.double().cpu(), truth(x, weights, LAYERS - 1), atol=2e-2, rtol=2e-2)
