@@ -32,7 +32,7 @@ constexpr int kThreads = 256;
 constexpr int kCopyUnroll = 4;       // independent 16-byte loads in flight per thread
 constexpr int kMaxStreams = 1024;     // distinct streams one process may use these kernels on
 constexpr unsigned kPollMinNs = 64;   // first pause between two polls of a host flag
-constexpr unsigned kPollMaxNs = 2048; // the poller reads host memory over PCIe at most every ~2 µs
+constexpr unsigned kPollMaxNs = 1024; // then the poller reads host memory over PCIe every ~1 µs + a round trip
 
 // Each flag's own seq, passed by value (kernel parameters: no copy to the device first). A worker's seqs
 // count its own jobs, so one kernel for many workers stores (and waits for) a different value per flag.
@@ -150,40 +150,65 @@ struct alignas(sizeof(T) * N) Pack {
 };
 
 // -1 once every flag f is >= seqs.value[f]; after timeout_ns, the first flag still short of its seq.
-// Pauses double from kPollMinNs to kPollMaxNs.
-__device__ int poll_flags(const long long* flag, int num_flags, std::int64_t flag_stride_words, const FlagSeqs& seqs,
-                          long long timeout_ns) {
+// Called by the 32 lanes of one warp together: lane l reads flags l, l + 32, ..., so one poll costs one
+// PCIe round trip however many workers there are (read one after another, 8 flags took ~8). Every lane
+// returns the same answer. Pauses double from kPollMinNs to kPollMaxNs.
+__device__ int poll_flags_warp(const long long* flag, int num_flags, std::int64_t flag_stride_words,
+                               const FlagSeqs& seqs, long long timeout_ns) {
+  const int lane = static_cast<int>(threadIdx.x & 31u);
   const unsigned long long start = global_time_ns();
   unsigned pause = kPollMinNs;
-  for (int f = 0; f < num_flags; ++f) {
-    const long long* address = flag + f * flag_stride_words;
-    while (load_acquire_sys(address) < seqs.value[f]) {
-      if (static_cast<long long>(global_time_ns() - start) > timeout_ns) return f;
-      __nanosleep(pause);
-      pause = min(pause * 2, kPollMaxNs);
+  int first_short = num_flags;  // this lane's first flag short of its seq; num_flags: none
+  for (int f = lane; f < num_flags; f += 32) {
+    if (load_acquire_sys(flag + f * flag_stride_words) < seqs.value[f]) {
+      first_short = f;
+      break;
     }
   }
-  return -1;
+  while (true) {
+    int lowest = first_short;
+    for (int offset = 16; offset > 0; offset /= 2) lowest = min(lowest, __shfl_xor_sync(0xffffffffu, lowest, offset));
+    if (lowest == num_flags) return -1;
+    if (static_cast<long long>(global_time_ns() - start) > timeout_ns) return lowest;
+    __nanosleep(pause);
+    pause = min(pause * 2, kPollMaxNs);
+    // a lane's flags below first_short were reached already, and flags only grow
+    for (int f = first_short; f < num_flags; f += 32) {
+      if (load_acquire_sys(flag + f * flag_stride_words) < seqs.value[f]) break;
+      first_short = f + 32 < num_flags ? f + 32 : num_flags;
+    }
+  }
 }
 
-// One block (the first to start) polls the host flags over PCIe; the others wait on its verdict in
-// device memory, so a wait costs one PCIe read every few microseconds however large the grid is.
-// Whichever block claims the poll is running, so the others can never wait on a block not yet started.
+// One block (the first to start) polls the host flags over PCIe, with one warp; the others wait on its
+// verdict in device memory, so a wait costs one PCIe round trip every few microseconds however large the
+// grid is. Whichever block claims the poll is running, so the others can never wait on a block not yet
+// started. The polling lanes' acquire loads are ordered before the block's barrier, and the verdict's
+// release store after it: whoever sees the verdict (this block after the barrier, the others through
+// the acquire of wait_outcome) sees every worker's result.
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) wait_and_add_kernel(
     T* out, const float* result, std::int64_t nrows, std::int64_t ncols, std::int64_t out_row_stride,
     std::int64_t result_row_stride, const long long* flag, int num_flags, std::int64_t flag_stride_words,
     FlagSeqs seqs, long long timeout_ns, long long* error, bool skip_if_error, StreamState* state) {
   __shared__ unsigned outcome;
-  if (threadIdx.x == 0) {
-    if (atomicCAS(&state->wait_claim, 0u, 1u) == 0u) {
+  __shared__ bool poller;
+  __shared__ int short_flag;
+  if (threadIdx.x == 0) poller = atomicCAS(&state->wait_claim, 0u, 1u) == 0u;
+  __syncthreads();
+  if (poller) {
+    if (threadIdx.x < 32) {
       // skip_if_error: an earlier wait of this forward already timed out (its step is recomputed
       // anyway), so give up at once instead of spending another timeout per later projection.
-      int short_flag = 0;
-      if (skip_if_error && load_acquire_sys(error) != 0)
-        outcome = kTimedOut;
-      else
-        outcome = (short_flag = poll_flags(flag, num_flags, flag_stride_words, seqs, timeout_ns)) < 0 ? kReady : kTimedOut;
+      const bool skip = __shfl_sync(0xffffffffu, threadIdx.x == 0 && skip_if_error && load_acquire_sys(error) != 0, 0);
+      const int shortest = skip ? 0 : poll_flags_warp(flag, num_flags, flag_stride_words, seqs, timeout_ns);
+      if (threadIdx.x == 0) {
+        outcome = skip || shortest >= 0 ? kTimedOut : kReady;
+        short_flag = shortest < 0 ? 0 : shortest;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
       if (outcome == kTimedOut) {
         // Only the poller writes the word, and kernels on one stream do not overlap: no atomic is
         // needed, which matters because atomics on host memory across PCIe are not portable.
@@ -191,11 +216,11 @@ __global__ void __launch_bounds__(kThreads) wait_and_add_kernel(
         __threadfence_system();
       }
       store_release_gpu(&state->wait_outcome, outcome);
-    } else {
-      unsigned seen;
-      while ((seen = load_acquire_gpu(&state->wait_outcome)) == kPending) __nanosleep(kPollMinNs);
-      outcome = seen;
     }
+  } else if (threadIdx.x == 0) {
+    unsigned seen;
+    while ((seen = load_acquire_gpu(&state->wait_outcome)) == kPending) __nanosleep(kPollMinNs);
+    outcome = seen;
   }
   __syncthreads();
 
