@@ -16,8 +16,7 @@ the CPU engine's, and the fallback. On a GPU host with the CUDA extension the en
 path instead (daemon/cpu_assist.py): one `copy_and_signal` kernel writes the span's rows of x from
 device memory into the exchange and raises every worker's job flag, each to that worker's own seq,
 then one `wait_and_add` kernel waits for every done flag and adds the results into the device output;
-the host only enqueues. In every row the bench's own thread keeps off the workers' cores while it
-times them, as the engine's thread does. The `shm-fused` rows time that round trip on the device (CUDA events from the
+the host only enqueues. The `shm-fused` rows time that round trip on the device (CUDA events from the
 copy to the add), the host's enqueueing beside it (`host_us`); the device first idles for LEAD_S so
 that the host has enqueued everything before the copy starts, as in a forward where the host runs
 ahead. `shm-fused-per-worker`: a launch pair per worker (the engine's path before, and its fallback
@@ -32,7 +31,6 @@ import socket
 import struct
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -128,20 +126,6 @@ def run(args) -> dict:
     return report
 
 
-@contextmanager
-def _off_cores(taken):
-    """The bench's thread keeps off the workers' cores while it times them, as the engine's thread does
-    (daemon/cpu_assist.py's keep_off_cores): a worker never shares its core with the host side."""
-    from lorad.daemon.cpu_assist import keep_off_cores
-
-    before = keep_off_cores(taken)
-    try:
-        yield
-    finally:
-        if before is not None:
-            os.sched_setaffinity(0, before)
-
-
 def _fused_unavailable(device: torch.device) -> str | None:
     """Why the fused rows cannot run here, or None."""
     if device.type != "cuda":
@@ -178,7 +162,7 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
     phases = {"enqueue": [], "copy_and_signal": [], "wait_and_add": []}  # host us per round trip, all workers
     with AdapterStore.create(instance, 2 * rank * hidden * 4 + (1 << 16)) as store:
         adapter_id = store.put(probe)
-        with WorkerPool(workers, store, tokens, hidden, hidden, instance=instance) as pool, _off_cores(pool.worker_cores):
+        with WorkerPool(workers, store, tokens, hidden, hidden, instance=instance) as pool:
             exchange = pool.exchange
             buffer, layout = exchange.segment.buffer, exchange.layout
             job_flags = [np.ndarray((1,), np.int64, buffer, layout.job_line(w) + JOB_SEQ * 8) for w in range(workers)]
@@ -279,7 +263,7 @@ def _shm_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden: i
     instance = new_instance()
     with AdapterStore.create(instance, 2 * rank * hidden * 4 + (1 << 16)) as store:
         adapter_id = store.put(probe)
-        with WorkerPool(workers, store, tokens, hidden, hidden, instance=instance) as pool, _off_cores(pool.worker_cores):
+        with WorkerPool(workers, store, tokens, hidden, hidden, instance=instance) as pool:
             output = torch.from_numpy(pool.output)
 
             def round_trip():
@@ -383,8 +367,7 @@ def _socket_round_trips(workers: int, cores: list[int], x: torch.Tensor, ranges,
                 _receive_into(connection, memoryview(results[start:end]).cast("B"))
             return []
 
-        with _off_cores([cores[index % len(cores)] for index in range(workers)]):
-            return _time_us(round_trip, reps, warmup)
+        return _time_us(round_trip, reps, warmup)
     finally:
         for connection in connections:
             if connection is not None:
