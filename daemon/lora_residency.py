@@ -193,9 +193,9 @@ class LoraResidency:
         `reserve_pages` free for KV growth; it waits idle until admitted. False: no room now.
 
         tokens: the request's first step, to ask `placement_for` how the adapter would be placed at
-        admission: "stream" streams it ahead (`issue_ahead` queues its layers later, a few at a time),
-        "layerwise" (a cpu-assisted cold start) and "whole" from pageable memory (whose copy would hold the
-        host for its whole length) leave it to the admission. Without tokens: placed whole."""
+        admission: where it would be streamed it is streamed ahead (`issue_ahead` queues its layers later,
+        a few at a time); otherwise, and without tokens, it is placed whole (a request admitted with its
+        adapter resident needs no cold start at all)."""
         if name in self.slots:
             return True
         slot = self.table.free_slot()
@@ -206,10 +206,8 @@ class LoraResidency:
         if self.table.pool.num_free - staged.pages.shape[0] < reserve_pages:
             return False
         kind = "whole"
-        if tokens is not None and self.placement_for is not None:
-            kind = self.placement_for(adapter, tier, tokens)
-            if kind == "layerwise" or (kind == "whole" and tier == "pageable"):
-                return True
+        if tokens is not None and self.placement_for is not None and self.placement_for(adapter, tier, tokens) == "stream":
+            kind = "stream"
         if kind == "stream":
             load = self.table.place_streamed(slot, staged)
             if load is None:

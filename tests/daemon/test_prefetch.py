@@ -46,13 +46,11 @@ def _residency(placement):
     return residency, asked
 
 
-def test_a_prefetch_with_tokens_places_as_the_admission_would():
+def test_a_prefetch_asks_the_admissions_placement_only_with_tokens():
     residency, asked = _residency("layerwise")
-    # a cpu-assisted cold start is left to the admission: its copy goes layer by layer beside the workers
-    assert residency.prefetch("a", 0, tokens=12) and "a" not in residency.slots
-    assert asked == [("a", "host", 12)]
-    assert residency.prefetch("a", 0) and "a" in residency.slots  # without tokens: whole, as before
-    assert len(asked) == 1 and residency.prefetches == 1 and residency.loads == 1
-    residency, _ = _residency("whole")
+    assert residency.prefetch("a", 0) and "a" in residency.slots  # without tokens: whole, nothing asked
+    assert asked == [] and residency.prefetches == 1 and residency.loads == 1
+    # a cpu-assisted cold start at admission: placed whole now, so that the request needs no assist at all
     assert residency.prefetch("b", 0, tokens=12) and "b" in residency.slots and residency.pins["b"] == 0
-    assert not residency.ahead and residency.acquire("b") and not residency.admitted_cold  # a warm hit
+    assert asked == [("b", "host", 12)] and not residency.ahead
+    assert residency.acquire("b") and not residency.admitted_cold  # admitted warm
