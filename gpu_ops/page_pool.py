@@ -446,7 +446,7 @@ class StreamedLoad:
     ids: np.ndarray
     done: object = None  # the event after the last copy
     error: str | None = None
-    layers: list = field(default_factory=list)  # [(layer, (first, last))] not yet queued, in forward order
+    layers: list = field(init=False)  # [(layer, (first, last))] not yet queued, in forward order
 
     def __post_init__(self):
         self.layers = list(_layer_bounds(self.source.layout, len(self.ids)).items())
