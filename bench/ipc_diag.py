@@ -7,6 +7,9 @@ copy's start to the add's end (CUDA events, the device idling 1 ms first so that
 both kernels), with every done flag already raised before the launch: the wait returns at its first poll.
 Also the copy alone and the wait alone. Median and p90 over --reps, in us.
 
+Then the python path's round trip (host wall clock; no GPU) with an 8-worker pool, the pool hot: one job
+on worker w alone, for each w (does a worker's core make it slower?), and one job on every worker.
+
 Usage: python3 bench/ipc_diag.py [--reps 2000] [--out FILE.json]
 """
 
@@ -14,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import time
 
 import numpy as np
 import torch
@@ -74,6 +79,48 @@ def floor(workers: int, reps: int) -> dict:
     return {name: _stats(values) for name, values in times.items()}
 
 
+def per_worker_python(workers: int, reps: int) -> dict:
+    from types import SimpleNamespace
+
+    from lorad.cpu_lora.worker import WorkerPool
+    from lorad.shm.exchange import Job
+    from lorad.shm.segment import new_instance
+    from lorad.shm.store import AdapterStore
+
+    a, b = torch.randn(1, HIDDEN), torch.randn(HIDDEN, 1)
+    probe = SimpleNamespace(name="ipc-diag", weights={(0, 0): (a, b)})
+    instance = new_instance()
+    report = {}
+    with AdapterStore.create(instance, 2 * HIDDEN * 4 + (1 << 16)) as store:
+        adapter_id = store.put(probe)
+        with WorkerPool(workers, store, workers, HIDDEN, HIDDEN, instance=instance) as pool:
+            pool.exchange.input[:workers, :HIDDEN] = np.random.default_rng(0).standard_normal((workers, HIDDEN))
+            report["cores"] = pool.worker_cores
+            for worker in range(workers):
+                times = []
+                for rep in range(reps + 50):
+                    pool.heat(0.05)
+                    start = time.perf_counter_ns()
+                    seq = pool.submit(worker, Job(adapter_id, 0, 0, worker, worker + 1, HIDDEN, HIDDEN))
+                    if not pool.wait(worker, seq):
+                        raise RuntimeError(f"worker {worker} failed")
+                    if rep >= 50:
+                        times.append((time.perf_counter_ns() - start) / 1e3)
+                report[f"worker {worker} alone"] = _stats(times)
+            times = []
+            ranges = [(w, w + 1) for w in range(workers)]
+            for rep in range(reps + 50):
+                pool.heat(0.05)
+                start = time.perf_counter_ns()
+                if pool.run(adapter_id, 0, 0, ranges, HIDDEN, HIDDEN):
+                    raise RuntimeError("a job failed")
+                if rep >= 50:
+                    times.append((time.perf_counter_ns() - start) / 1e3)
+            report["every worker"] = _stats(times)
+            pool.cool()
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=2000)
@@ -84,6 +131,11 @@ def main() -> None:
         row = {"workers": workers, "bytes_each_way": workers * HIDDEN * 4, **floor(workers, args.reps)}
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) > 8:  # as the engine: this thread keeps off the workers' cores (0..7)
+        os.sched_setaffinity(0, cores[8:])
+    report["python_path_8_workers"] = per_worker_python(8, args.reps)
+    print(json.dumps(report["python_path_8_workers"]), flush=True)
     if args.out:
         with open(args.out, "w") as file:
             json.dump(report, file, indent=1)
