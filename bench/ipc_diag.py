@@ -79,7 +79,7 @@ def floor(workers: int, reps: int) -> dict:
     return {name: _stats(values) for name, values in times.items()}
 
 
-def per_worker_python(workers: int, reps: int) -> dict:
+def per_worker_python(workers: int, reps: int, cores: list[int]) -> dict:
     from types import SimpleNamespace
 
     from lorad.cpu_lora.worker import WorkerPool
@@ -93,7 +93,7 @@ def per_worker_python(workers: int, reps: int) -> dict:
     report = {}
     with AdapterStore.create(instance, 2 * HIDDEN * 4 + (1 << 16)) as store:
         adapter_id = store.put(probe)
-        with WorkerPool(workers, store, workers, HIDDEN, HIDDEN, instance=instance) as pool:
+        with WorkerPool(workers, store, workers, HIDDEN, HIDDEN, cores=cores[:workers], instance=instance) as pool:
             pool.exchange.input[:workers, :HIDDEN] = np.random.default_rng(0).standard_normal((workers, HIDDEN))
             report["cores"] = pool.worker_cores
             for worker in range(workers):
@@ -134,7 +134,7 @@ def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) > 8:  # as the engine: this thread keeps off the workers' cores (0..7)
         os.sched_setaffinity(0, cores[8:])
-    report["python_path_8_workers"] = per_worker_python(8, args.reps)
+    report["python_path_8_workers"] = per_worker_python(8, args.reps, cores)
     print(json.dumps(report["python_path_8_workers"]), flush=True)
     if args.out:
         with open(args.out, "w") as file:
