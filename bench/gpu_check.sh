@@ -94,7 +94,6 @@ run_step() {
     # where figure 4's and figure 3's times go (issue 5): the parts of the work, and the kernels with no worker
     diag_cpu_lora) step diag_cpu_lora 200 python3 bench/cpu_lora_diag.py --out "$OUTDIR/diag_cpu_lora.json" ;;
     diag_cores) step diag_cores 200 python3 bench/cpu_cores_diag.py --out "$OUTDIR/diag_cores.json" ;;
-    diag_ipc) step diag_ipc 120 python3 bench/ipc_diag.py --out "$OUTDIR/diag_ipc.json" ;;
     mb_cpu_lora) step mb_cpu_lora 120 python3 -m lorad.daemon.cli bench cpu-lora --out "$OUTDIR/mb_cpu_lora.json" ;;
     mb_cold_start) step mb_cold_start 420 python3 -m lorad.daemon.cli bench cold-start --out "$OUTDIR/mb_cold_start.json" ;;
     # figure 1: adapters in pageable memory (nothing pinned), the modes side by side in alternating rounds

@@ -250,6 +250,15 @@ class _Plans:
         return middle
 
 
+def can_poll_hot(workers: int, worker_cores: list[int], caller_cores) -> bool:
+    """Whether busy-polling gives every poller a core of its own: each worker its own core (pinned
+    workers on distinct cores; unpinned, fewer workers than the caller's cores), and the caller's
+    thread a core that no worker is pinned to."""
+    if not worker_cores:
+        return workers < len(caller_cores)
+    return len(set(worker_cores)) == workers and bool(set(caller_cores) - set(worker_cores))
+
+
 def _check_job(job: Job, a: torch.Tensor, b_t: torch.Tensor, config: ExchangeConfig) -> None:
     if a.shape[1] != job.in_features or b_t.shape[1] != job.out_features:
         raise ValueError(f"adapter module is {tuple(a.shape)} x {tuple(b_t.shape)}, job says {job.in_features} -> {job.out_features}")
@@ -303,11 +312,11 @@ class WorkerPool:
         self.job_timeout_s, self.stall_s, self.stop_timeout_s = job_timeout_s, stall_s, stop_timeout_s
         self.spin_s, self.max_pause_s = spin_s, max_pause_s
         self.restarts = 0
-        # Busy-polling needs a core per poller: the workers' and one for the engine's thread.
-        self.hot_polling = workers < len(os.sched_getaffinity(0))
+        pinned = [self.cores[worker % len(self.cores)] for worker in range(workers)] if self.cores else []
+        self.hot_polling = can_poll_hot(workers, pinned, os.sched_getaffinity(0))
         if not self.hot_polling:
-            log.info("workers=%d usable_cores=%d: no core left for the engine, so workers never busy-poll "
-                     "(heat() does nothing)", workers, len(os.sched_getaffinity(0)))
+            log.info("workers=%d on cores %s, caller's cores %s: no core for each poller, so workers never "
+                     "busy-poll (heat() does nothing)", workers, pinned or "unpinned", sorted(os.sched_getaffinity(0)))
         self._context = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             # Workers fork from a server that has imported torch once: a restart costs milliseconds.

@@ -7,7 +7,9 @@ layer (hidden x hidden each; the 7B shape on cuda hosts, a tiny one on the CPU):
   process running torch with N threads, for 128 tokens at rank 64, the processes sharing the work both
   ways partition.plan chooses between: the tokens split evenly (CaraServe's), and one split group (each
   worker all the tokens and a chunk of A's and B's columns). CaraServe's multi-process design aims at
-  1.5x over the threaded one.
+  1.5x over the threaded one;
+- the bound: the same work on one idle core divided by N (`perfect_split_ms`), and threads over it: what
+  no process split can beat, so whether that 1.5x is within reach on the host at hand.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ def run(args) -> dict:
             "fit": None if cost is None else {"overhead_ms": cost.overhead_ms, "per_token_ms": cost.per_token_ms,
                                               "tokens_per_ms": cost.tokens_per_ms},
         })
+    # The most any split over N cores can gain: the whole work on one idle core, divided by N (every part
+    # as fast as the whole, nothing spent to coordinate them). A target above threads_ms / that is out of
+    # reach on this host, whatever the protocol.
+    serial_ms = one_core_ms(args.scaling_tokens, args.scaling_rank, hidden, args.reps, cores[-1])
     scaling, notes = [], []
     for workers in worker_counts:
         if workers + 1 > len(cores):
@@ -62,12 +68,15 @@ def run(args) -> dict:
         threads_ms = threaded_ms(workers, args.scaling_tokens, args.scaling_rank, hidden, args.reps)
         scaling.append({"cores": workers, "processes_ms": processes_ms, "processes_groups_ms": groups_ms,
                         "threads_ms": threads_ms, "speedup": threads_ms / processes_ms,
-                        "speedup_groups": None if groups_ms is None else threads_ms / groups_ms})
+                        "speedup_groups": None if groups_ms is None else threads_ms / groups_ms,
+                        "perfect_split_ms": serial_ms / workers,
+                        "perfect_split_speedup": threads_ms / (serial_ms / workers)})
     report = {
         "version": 1, "kind": "bench-cpu-lora", "command": args.command_line, "machine": machine(device),
         "config": {"hidden": hidden, "modules": "q,k,v (hidden x hidden each)", "dtype": "float32",
                    "ranks": list(ranks), "tokens": list(token_counts), "reps": args.reps,
                    "scaling_tokens": args.scaling_tokens, "scaling_rank": args.scaling_rank},
+        "serial_ms": serial_ms,
         "profile": profile,
         "scaling": scaling,
         "target": f"processes at least {TARGET_SPEEDUP}x faster than threads at the same core count",
@@ -76,6 +85,9 @@ def run(args) -> dict:
                    "job per worker on its own tokens (what CPU assist does per layer); processes_groups_ms: the "
                    "same as three split groups (every worker all the tokens, a chunk of the columns); "
                    "threads_ms: torch with N threads, same math"),
+                  ("perfect_split_ms: serial_ms (the scaling work on one idle pinned core) / N, the least N "
+                   "processes could take if every part ran as fast as the whole and coordinating cost nothing; "
+                   "perfect_split_speedup: threads_ms over it, the most any process split can gain here"),
                   *notes],
     }
     print(markdown_table(
@@ -86,8 +98,10 @@ def run(args) -> dict:
     print()
     print(markdown_table(
         ["cores", f"{args.scaling_tokens} tokens rank {args.scaling_rank}: processes, token split ms",
-         "processes, split group ms", "threads ms", "speedup (token split)", "speedup (split group)"],
-        [[s["cores"], s["processes_ms"], s["processes_groups_ms"], s["threads_ms"], s["speedup"], s["speedup_groups"]]
+         "processes, split group ms", "threads ms", "speedup (token split)", "speedup (split group)",
+         "perfect split ms", "perfect split speedup (the bound)"],
+        [[s["cores"], s["processes_ms"], s["processes_groups_ms"], s["threads_ms"], s["speedup"], s["speedup_groups"],
+          s["perfect_split_ms"], s["perfect_split_speedup"]]
          for s in scaling],
     ))
     finish(args.out, report, lambda plt: _plot(plt, profile, scaling))

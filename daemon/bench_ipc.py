@@ -20,7 +20,10 @@ the host only enqueues. The `shm-fused` rows time that round trip on the device 
 copy to the add), the host's enqueueing beside it (`host_us`); the device first idles for LEAD_S so
 that the host has enqueued everything before the copy starts, as in a forward where the host runs
 ahead. `shm-fused-per-worker`: a launch pair per worker (the engine's path before, and its fallback
-for spans one launch cannot serve).
+for spans one launch cannot serve). `shm-fused-no-worker`: the same two kernels with every done flag
+raised before the launch and no worker behind them, so the wait passes at its first poll: the
+device's own share of the round trip (the rows both ways over PCIe, the flags, the launches), which
+the shm-fused rows less this one leave to the workers.
 """
 
 from __future__ import annotations
@@ -84,6 +87,10 @@ def run(args) -> dict:
                              "bytes_each_way": tokens * hidden * 4, "us": summary(device_times),
                              "host_us": summary(host_times), "host_phase_median_us": host_phases,
                              "lead_misses": lead_misses})
+            round_trips, copies, adds = _fused_no_worker(workers, x, hidden, reps, warmup, device)
+            rows.append({"method": "shm-fused-no-worker", "workers": workers, "tokens_per_worker": args.tokens,
+                         "bytes_each_way": tokens * hidden * 4, "us": summary(round_trips),
+                         "copy_and_signal_us": summary(copies), "wait_and_add_us": summary(adds)})
         rows.append({"method": "unix-socket", "workers": workers, "tokens_per_worker": args.tokens,
                      "bytes_each_way": tokens * hidden * 4, "us": summary(socket_times)})
     report = {
@@ -101,6 +108,9 @@ def run(args) -> dict:
                    "round trips whose copy started before the host had enqueued all"),
                   ("shm-fused-per-worker: the same with a copy_and_signal and a wait_and_add per worker (the "
                    "engine's fallback, and its path before)"),
+                  ("shm-fused-no-worker: the shm-fused kernels with the done flags raised before the launch and no "
+                   "worker: the device's own share of the round trip; copy_and_signal_us and wait_and_add_us split "
+                   "it (CUDA events between the kernels)"),
                   *notes],
     }
     print(markdown_table(
@@ -112,7 +122,7 @@ def run(args) -> dict:
          for s in [next(r for r in rows if r["workers"] == w and r["method"] == "shm")]
          for u in [next(r for r in rows if r["workers"] == w and r["method"] == "unix-socket")]],
     ))
-    fused_rows = [r for r in rows if r["method"].startswith("shm-fused")]
+    fused_rows = [r for r in rows if r["method"] in ("shm-fused", "shm-fused-per-worker")]
     if fused_rows:
         print()
         print(markdown_table(
@@ -120,6 +130,16 @@ def run(args) -> dict:
              "copy_and_signal launches", "wait_and_add launches", "lead misses"],
             [[r["method"], r["workers"], r["us"]["median"], r["us"]["p99"], r["host_us"]["median"], *r["host_phase_median_us"].values(),
               r["lead_misses"]] for r in fused_rows]))
+    floor_rows = [r for r in rows if r["method"] == "shm-fused-no-worker"]
+    if floor_rows:
+        print()
+        print(markdown_table(
+            ["workers", "shm-fused device median us", "no worker: device median us", "of it: copy_and_signal us",
+             "wait_and_add us", "left to the workers us"],
+            [[r["workers"], fused["us"]["median"], r["us"]["median"], r["copy_and_signal_us"]["median"],
+              r["wait_and_add_us"]["median"], fused["us"]["median"] - r["us"]["median"]]
+             for r in floor_rows
+             for fused in [next(f for f in rows if f["workers"] == r["workers"] and f["method"] == "shm-fused")]]))
     for note in notes:
         print(note)
     finish(args.out, report, lambda plt: _plot(plt, rows))
@@ -245,6 +265,62 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
                 del inputs, outputs, error, job_flags, done_flags
                 mapping.close()
     return device_times, host_times, misses, {phase: summary(values)["median"] for phase, values in phases.items()}
+
+
+def _fused_no_worker(workers: int, x: torch.Tensor, hidden: int, reps: int, warmup: int,
+                     device: torch.device) -> tuple[list[float], list[float], list[float]]:
+    """The shm-fused rows' two kernels over an exchange with no worker: the done flags are raised before
+    each launch, so wait_and_add passes at its first poll. -> device us per round trip, of the copy, of
+    the wait and add (CUDA events). Checks that the copy raised the job flags and the add added the rows."""
+    from lorad.gpu_ops import cuda_ext
+    from lorad.shm.exchange import Exchange, ExchangeConfig
+    from lorad.shm.segment import new_instance
+
+    tokens = x.shape[0]
+    x_device = x.to(device)
+    y = torch.zeros(tokens, hidden, device=device)
+    lead_cycles = int(LEAD_S * torch.cuda.get_device_properties(device).clock_rate * 1e3)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    round_trips, copies, adds = [], [], []
+    with Exchange.create(new_instance(), ExchangeConfig(workers, tokens, hidden, hidden)) as exchange:
+        error = torch.from_numpy(exchange.error_word)
+        results = exchange.output[:tokens, :hidden]
+        results[:] = np.random.default_rng(0).standard_normal((tokens, hidden))
+        mapping = cuda_ext.register_host(exchange.segment.buffer)
+        try:
+            launcher = cuda_ext.FusedLauncher(mapping, error)
+            jobs, done = launcher.flags(exchange.job_flags[:workers]), launcher.flags(exchange.done_flags[:workers])
+            input_address, output_address = exchange.input_bytes.ctypes.data, exchange.output.ctypes.data
+            stride = exchange.output.shape[1]
+            stream = torch.cuda.current_stream(device).cuda_stream
+            total = warmup + reps
+            for rep in range(total):
+                seqs = [rep + 1] * workers
+                exchange.done_flags[:workers] = rep + 1  # as if every worker had answered already
+                torch.cuda._sleep(lead_cycles)
+                events[0].record()
+                launcher.copy_and_signal(input_address, x_device, jobs, seqs, stream)
+                events[1].record()
+                launcher.wait_and_add(y, output_address, stride, done, seqs, 5 * 10**9, stream, skip_if_error=True)
+                events[2].record()
+                events[2].synchronize()
+                if int(error[0]):
+                    raise RuntimeError(f"no-worker round trip {rep}: the wait timed out")
+                if rep >= warmup:
+                    round_trips.append(events[0].elapsed_time(events[2]) * 1e3)
+                    copies.append(events[0].elapsed_time(events[1]) * 1e3)
+                    adds.append(events[1].elapsed_time(events[2]) * 1e3)
+            if not (exchange.job_flags[:workers] == total).all():
+                raise RuntimeError("copy_and_signal did not raise the job flags")
+            rows_in = torch.from_numpy(exchange.input_rows(0, tokens, hidden).view(np.float32).copy())
+            if not torch.equal(rows_in, x) or not torch.allclose(
+                    y.cpu(), total * torch.from_numpy(results.copy()), rtol=1e-3, atol=1e-2):
+                raise RuntimeError("the no-worker round trip moved the wrong rows")
+        finally:
+            torch.cuda.synchronize(device)
+            del error, results
+            mapping.close()
+    return round_trips, copies, adds
 
 
 def _shm_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden: int, reps: int,

@@ -80,3 +80,13 @@ def test_a_worker_dying_while_hot_is_replaced(pool):
     assert failed == [(0, 2)] and pool.restarts == 1  # a hot submit skips the exit check: the wait catches it
     assert pool.run(adapter_id, 0, 0, [(0, 2)], 16, 16, x=torch.randn(2, 16)) == []
     pool.cool()
+
+
+def test_hot_polling_needs_a_core_for_every_poller():
+    from lorad.cpu_lora.worker import can_poll_hot
+
+    assert can_poll_hot(2, [0, 1], {0, 1, 2})  # the pool's default: workers on the first cores, one left
+    assert not can_poll_hot(2, [0, 1], {0, 1})  # the caller would share a worker's core
+    assert can_poll_hot(8, list(range(8)), set(range(8, 16)))  # the caller already keeps off the workers
+    assert not can_poll_hot(3, [0, 1, 0], {0, 1, 2, 3})  # two workers pinned to one core
+    assert can_poll_hot(2, [], {0, 1, 2}) and not can_poll_hot(3, [], {0, 1, 2})  # unpinned: count them
