@@ -2,12 +2,12 @@
 on 8 cores, pinned worker processes against one process with 8 torch threads.
 
 Rows (median ms over --reps, inputs rotating):
-- one_core_full: the whole work on one pinned core (the serial baseline);
+- one_core_full: the whole work on one pinned core (the serial baseline; `lorad bench cpu-lora`'s measure);
 - one_core_part: one split-group part's compute alone (input columns 1/N of the shrink, output columns
   1/N of the expand, for q, k, v) on one pinned core; N of these are the work a split group shares;
 - concurrent_part: that same part run by N pinned processes at once, no coordination (the median of
   the slowest process per rep): what N busy cores cost each other (clocks, caches);
-- threads / threads_fused_shrink: torch with N threads, q, k, v one after another, or the three shrinks
+- threads (`lorad bench cpu-lora`'s measure) / threads_fused_shrink: torch with N threads, q, k, v one after another, or the three shrinks
   as one GEMM against A_q|A_k|A_v (the same math);
 - pool_groups_x_in / pool_groups: the worker pool (cpu_lora/worker.py), one split group per projection,
   with x copied into the exchange inside the timing (what `lorad bench cpu-lora` times) or before it
@@ -27,6 +27,7 @@ import statistics
 import time
 
 import torch
+from lorad.daemon.bench_cpu_lora import one_core_ms, threaded_ms
 
 TOKENS, HIDDEN, RANK = 128, 4096, 64
 
@@ -62,18 +63,6 @@ def _part_work(parts: int, part: int):
         for a, b_t in weights:
             torch.mm(x, a.t()[k0:k1], out=partial)
             torch.mm(partial, b_t[:, k0:k1], out=out[:, k0:k1])
-    return work
-
-
-def _full_work():
-    weights = _weights()
-    inputs = [torch.randn(TOKENS, HIDDEN) for _ in range(4)]
-    middle, out = torch.empty(TOKENS, RANK), torch.empty(TOKENS, HIDDEN)
-
-    def work(rep: int) -> None:
-        x = inputs[rep % len(inputs)]
-        for a, b_t in weights:
-            torch.mm(torch.mm(x, a.t(), out=middle), b_t, out=out)
     return work
 
 
@@ -166,7 +155,7 @@ def main() -> None:
     report = {"workers": n, "tokens": TOKENS, "hidden": HIDDEN, "rank": RANK, "cores": len(cores)}
     threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
     _pinned(cores[-1])
-    report["one_core_full_ms"] = _median_ms(_full_work(), args.reps)
+    report["one_core_full_ms"] = one_core_ms(TOKENS, RANK, HIDDEN, args.reps, cores[-1])
     report["one_core_part_ms"] = _median_ms(_part_work(n, 0), args.reps)
     report["one_core_fused_ms"] = _median_ms(_fused_work(), args.reps)
     os.sched_setaffinity(0, affinity)
@@ -174,8 +163,8 @@ def main() -> None:
     print(json.dumps(report), flush=True)
     report["concurrent_part"] = concurrent_part(n, cores, args.reps)
     print(json.dumps(report["concurrent_part"]), flush=True)
+    report["threads_ms"] = threaded_ms(n, TOKENS, RANK, HIDDEN, args.reps)
     torch.set_num_threads(n)
-    report["threads_ms"] = _median_ms(_full_work(), args.reps)
     report["threads_fused_shrink_ms"] = _median_ms(_fused_work(), args.reps)
     torch.set_num_threads(threads)
     if len(cores) > n:  # as the engine: its thread keeps off the workers' cores
