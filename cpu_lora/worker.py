@@ -14,6 +14,11 @@ the shared adapter store. Processes rather than threads: each is pinned to its o
 torch thread, and a crash costs one job, not the daemon. `WorkerPool` starts them, watches them
 (process exit, job deadline, heartbeat), replaces the ones that die or stall, and reports their jobs
 as failed so that the caller falls back to the GPU path; nothing waits forever.
+
+While the pool is hot, a worker hands its polling to a native loop (csrc/native_loop.cpp, where it is
+built): it serves the small jobs of modules this Python loop has already served (at most `max_work`
+rows x rank, measured at start-up against torch) with no interpreter work per job, and returns every
+other job here. `worker_loop_path()` says which loop the workers run.
 """
 
 from __future__ import annotations
@@ -26,11 +31,14 @@ import time
 
 import numpy as np
 import torch
+from lorad.cpu_lora.native_loop import IDLE, NativeServer, worker_loop_path
 from lorad.shm.exchange import (
+    ADAPTER,
     IN_BFLOAT16,
     IN_FLOAT16,
     IN_FLOAT32,
     INPUT_ITEMSIZE,
+    SPLITS,
     STATUS_ERROR,
     STATUS_OK,
     STOP,
@@ -63,8 +71,12 @@ def worker_main(
     spin_s: float,
     max_pause_s: float,
     split_wait_s: float = 1.0,
+    native_loop: bool = True,
+    native_max_work: int | None = None,
 ) -> None:
-    """The worker process: wait for job seq n > start_seq, compute its rows, publish done n; repeat."""
+    """The worker process: wait for job seq n > start_seq, compute its rows, publish done n; repeat.
+    native_loop: hand the hot polling to the native loop where it is built (see the module's note), for
+    jobs up to native_max_work rows x rank (None: measured here at start-up)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when workers stop
     if core is not None:
         os.sched_setaffinity(0, {core})
@@ -87,8 +99,15 @@ def worker_main(
     seq = int(start_seq)
     plans = _Plans(exchange, store, worker, split_wait_s)
     job_flag, hot, fields_of, finish, run = slot.job_flag, exchange.hot, slot.fields, slot.finish, plans.run
+    native = NativeServer.build(exchange, store, worker, native_max_work) if native_loop else None
+    idle_ns = int(max_pause_s * 1e9)
     try:
         while True:
+            if native is not None:
+                seq, why = native.serve(seq, idle_ns)
+                if why == IDLE:
+                    idle()
+                    continue
             slot.beat()
             # Hot (the engine has CPU-assisted work in flight or coming): poll, as CaraServe's pinned
             # workers do; cold: sleep, so that an idle daemon costs no cores.
@@ -109,10 +128,12 @@ def worker_main(
                     finish(seq, STATUS_ERROR)
                 else:
                     finish(seq, STATUS_OK)  # the result rows are written: status, then the done flag
+                    if native is not None and fields[SPLITS - ADAPTER] == 1:  # a job of its own rows
+                        native.learn(fields, plans.modules)
     except _Orphaned:
         log.warning("worker=%d parent_pid=%d gone, exiting", worker, parent_pid)
     finally:
-        del plans, run, finish, fields_of, job_flag, hot, slot
+        del plans, run, finish, fields_of, job_flag, hot, slot, native
         store.close()
         exchange.close()
 
@@ -307,8 +328,11 @@ class WorkerPool:
         max_pause_s: float = 1e-3,
         start_method: str = "forkserver",
         max_rank: int = 0,
+        native_loop: bool = True,
+        native_max_work: int | None = None,
     ):
         self.store = store
+        self.native_loop, self.native_max_work = native_loop, native_max_work
         self.cores = list(cores) if cores is not None else sorted(os.sched_getaffinity(0))
         self.job_timeout_s, self.stall_s, self.stop_timeout_s = job_timeout_s, stall_s, stop_timeout_s
         self.spin_s, self.max_pause_s = spin_s, max_pause_s
@@ -351,6 +375,17 @@ class WorkerPool:
         return [self.cores[worker % len(self.cores)] for worker in range(self.workers)] if self.cores else []
 
     @property
+    def worker_loop(self) -> str:
+        """"native" (the workers hand hot polling and small jobs to the native loop, each as far as its
+        start-up measurement allows), or "python: <why not>"."""
+        return worker_loop_path() if self.native_loop else "python: the pool was started with native_loop=False"
+
+    @property
+    def native_jobs(self) -> int:
+        """Jobs the workers' native loops have served since the pool started."""
+        return int(self.exchange.native_jobs.sum())
+
+    @property
     def max_rank(self) -> int:
         """The widest rank a split group may have (0: the pool takes token splits only)."""
         return self.exchange.config.max_rank
@@ -379,7 +414,7 @@ class WorkerPool:
             target=worker_main,
             name=f"lorad-cpu-lora-{worker}",
             args=(self.exchange.name, self.store.name, worker, core, int(self._seq[worker]), os.getpid(),
-                  self.spin_s, self.max_pause_s, self.split_wait_s),
+                  self.spin_s, self.max_pause_s, self.split_wait_s, self.native_loop, self.native_max_work),
             daemon=True,
         )
         process.start()

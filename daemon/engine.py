@@ -470,6 +470,9 @@ class Engine:
                 "cpu_assisted_prefills": self.cpu_assist.assisted if self.cpu_assist is not None else 0,
                 "cpu_assist_fallbacks": self.cpu_assist.fallbacks if self.cpu_assist is not None else 0,
                 "cpu_worker_restarts": self.cpu_assist.pool.restarts if self.cpu_assist is not None else 0,
+                # "native": hot polling and small jobs in the workers' C++ loop; else "python: why not"
+                "cpu_worker_loop": self.cpu_assist.pool.worker_loop if self.cpu_assist is not None else "off",
+                "cpu_jobs_native": self.cpu_assist.pool.native_jobs if self.cpu_assist is not None else 0,
                 # how assisted prefills were shared among the workers: token splits or split groups
                 "cpu_lora_split": self.config.cpu_lora_split,
                 "cpu_lora_plans": dict(self.cpu_assist.plans) if self.cpu_assist is not None else {},

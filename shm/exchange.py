@@ -36,7 +36,7 @@ Layout (every region 64-byte aligned):
              max_rank (the partial buffers' width)
     slots    per worker two lines: the job line (job seq flag, written by the host or the GPU) and the
              worker line (written by the worker: done seq flag, status, heartbeat, pid, first failed seq,
-             PHASE and READ of split jobs)
+             PHASE and READ of split jobs, jobs its native loop served)
     rings    per worker `ring` descriptors of two lines each (written by the engine's host thread)
     input    max_tokens * in_stride float32 worth of bytes. The padded view `input` [max_tokens,
              in_stride] float32, or per job the compact rows `input_rows()`: [rows, in_features] of the
@@ -74,7 +74,8 @@ DESCRIPTOR_BYTES = 2 * LINE
 # Worker line, written by the worker. FAILED: the seq of its first job that failed since the engine
 # last cleared it (0: none); sticky, because a device-signalled forward only looks after the step.
 # PHASE, READ: the last split group whose partial it has published, whose partials it has summed.
-DONE_SEQ, STATUS, HEARTBEAT, PID, FAILED, PHASE, READ = range(7)
+# NATIVE_JOBS: how many of its jobs the worker's native loop served (cpu_lora/csrc/native_loop.cpp).
+DONE_SEQ, STATUS, HEARTBEAT, PID, FAILED, PHASE, READ, NATIVE_JOBS = range(8)
 STATUS_OK, STATUS_ERROR = 0, 1
 # Input dtypes a job's rows may have (codes shared with gpu_ops/cuda_ext.py's kernels).
 IN_FLOAT32, IN_FLOAT16, IN_BFLOAT16 = 0, 1, 2
@@ -271,6 +272,8 @@ class Exchange:
         self.statuses = np.ndarray((config.workers,), np.int64, buffer, layout.worker_line(0) + STATUS * 8, slot_stride)
         self.phases = np.ndarray((config.workers,), np.int64, buffer, layout.worker_line(0) + PHASE * 8, slot_stride)
         self.reads = np.ndarray((config.workers,), np.int64, buffer, layout.worker_line(0) + READ * 8, slot_stride)
+        self.native_jobs = np.ndarray((config.workers,), np.int64, buffer, layout.worker_line(0) + NATIVE_JOBS * 8,
+                                      slot_stride)
         table = segment.array(layout.rings, (config.workers * config.ring, DESCRIPTOR_BYTES // 8), np.int64)
         self._columns = [table[:, field] for field in range(GROUP + 1)]
         self._ring_base = np.arange(config.workers, dtype=np.int64) * config.ring
@@ -367,7 +370,7 @@ class Exchange:
     def close(self) -> None:
         # Drop the views first so that the mapping can really be unmapped.
         self.input = self.input_bytes = self.output = self.partials = self.header = self.hot = None
-        self.job_flags = self.done_flags = self.statuses = self.phases = self.reads = None
+        self.job_flags = self.done_flags = self.statuses = self.phases = self.reads = self.native_jobs = None
         self._columns = []
         self.slots = []
         self.segment.close()

@@ -192,6 +192,12 @@ class AdapterStore:
         if not self.segment.owner:
             self._index = index
 
+    @property
+    def seen_generation(self) -> int:
+        """The generation of the index this reader last parsed (`refresh`): the views it hands out
+        are that index's."""
+        return self._seen
+
     def names(self) -> list[str]:
         self.refresh()
         return sorted(self._index["adapters"])

@@ -109,6 +109,8 @@ def test_cpu_assisted_prefills_give_the_ondemand_tokens(demo_assets, adapters, r
         assert status["cpu_lora_invocation"].startswith("python")  # no GPU here
         assert status["cpu_assisted_prefills"] == status["cold_start_decisions"]["cpu-assist"] > 0
         assert status["cpu_assist_fallbacks"] == 0 and status["cpu_worker_restarts"] == 0
+        assert status["cpu_worker_loop"] == engine.cpu_assist.pool.worker_loop  # "native", or "python: why"
+        assert status["cpu_jobs_native"] == engine.cpu_assist.pool.native_jobs >= 0
         assert {worker for worker, _ in jobs} == {0, 1}  # both workers computed rows
         # Adapters already in the pool take the normal op: nothing more is posted to the workers.
         posted = len(jobs)
