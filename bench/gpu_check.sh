@@ -90,7 +90,9 @@ run_step() {
     # issue 5: the cold-start microbenchmarks
     mb_load) step mb_load 200 python3 -m lorad.daemon.cli bench load --disk-dir "$PWD" --out "$OUTDIR/mb_load.json" ;;
     mb_invoke) step mb_invoke 150 python3 -m lorad.daemon.cli bench invoke --require-fused --out "$OUTDIR/mb_invoke.json" ;;
-    mb_ipc) step mb_ipc 120 python3 -m lorad.daemon.cli bench ipc --out "$OUTDIR/mb_ipc.json" ;;
+    mb_ipc) step mb_ipc 240 python3 -m lorad.daemon.cli bench ipc --out "$OUTDIR/mb_ipc.json" ;;
+    # the CPU side of the workers on this host's cores: the shm protocol, the pool, the native loop
+    pytest_workers) step pytest_workers 200 python3 -m pytest -q -p no:cacheprovider -m "not gpu" tests/cpu_lora tests/shm ;;
     # where figure 4's and figure 3's times go (issue 5): the parts of the work, and the kernels with no worker
     diag_cpu_lora) step diag_cpu_lora 200 python3 bench/cpu_lora_diag.py --out "$OUTDIR/diag_cpu_lora.json" ;;
     diag_cores) step diag_cores 200 python3 bench/cpu_cores_diag.py --out "$OUTDIR/diag_cores.json" ;;

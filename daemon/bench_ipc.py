@@ -24,6 +24,10 @@ for spans one launch cannot serve). `shm-fused-no-worker`: the same two kernels 
 raised before the launch and no worker behind them, so the wait passes at its first poll: the
 device's own share of the round trip (the rows both ways over PCIe, the flags, the launches), which
 the shm-fused rows less this one leave to the workers.
+
+The workers run as the engine's do: a hot worker polls in its native loop (cpu_lora/csrc/native_loop.cpp)
+and serves these small jobs there. `shm-python-loop` and `shm-fused-python-loop` are the same round
+trips with the workers' Python loop only (`WorkerPool(native_loop=False)`), measured in the same run.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from lorad.cpu_lora.native_loop import worker_loop_path
 from lorad.daemon.bench_report import (
     finish,
     machine,
@@ -75,18 +80,22 @@ def run(args) -> dict:
         tokens = workers * args.tokens
         x = torch.randn(tokens, hidden)
         ranges = [(w * args.tokens, (w + 1) * args.tokens) for w in range(workers)]
-        shm_times, shm_cold_times = _shm_round_trips(workers, x, ranges, args.rank, hidden, reps, warmup)
+        for method, native in (("shm", True), ("shm-python-loop", False)):
+            shm_times, shm_cold_times, native_share = _shm_round_trips(workers, x, ranges, args.rank, hidden, reps, warmup,
+                                                                       native_loop=native)
+            rows.append({"method": method, "workers": workers, "tokens_per_worker": args.tokens,
+                         "bytes_each_way": tokens * hidden * 4, "us": summary(shm_times),
+                         "us_cold": summary(shm_cold_times), "native_share": native_share})
         socket_times = _socket_round_trips(workers, cores, x, ranges, args.rank, hidden, reps, warmup)
-        rows.append({"method": "shm", "workers": workers, "tokens_per_worker": args.tokens,
-                     "bytes_each_way": tokens * hidden * 4, "us": summary(shm_times), "us_cold": summary(shm_cold_times)})
         if fused_note is None:
-            for method, batched in (("shm-fused", True), ("shm-fused-per-worker", False)):
-                device_times, host_times, lead_misses, host_phases = _fused_round_trips(
-                    workers, x, ranges, args.rank, hidden, reps, warmup, device, batched=batched)
+            for method, batched, native in (("shm-fused", True, True), ("shm-fused-python-loop", True, False),
+                                            ("shm-fused-per-worker", False, True)):
+                device_times, host_times, lead_misses, host_phases, native_share = _fused_round_trips(
+                    workers, x, ranges, args.rank, hidden, reps, warmup, device, batched=batched, native_loop=native)
                 rows.append({"method": method, "workers": workers, "tokens_per_worker": args.tokens,
                              "bytes_each_way": tokens * hidden * 4, "us": summary(device_times),
                              "host_us": summary(host_times), "host_phase_median_us": host_phases,
-                             "lead_misses": lead_misses})
+                             "lead_misses": lead_misses, "native_share": native_share})
             round_trips, copies, adds = _fused_no_worker(workers, x, hidden, reps, warmup, device)
             rows.append({"method": "shm-fused-no-worker", "workers": workers, "tokens_per_worker": args.tokens,
                          "bytes_each_way": tokens * hidden * 4, "us": summary(round_trips),
@@ -96,12 +105,15 @@ def run(args) -> dict:
     report = {
         "version": 1, "kind": "bench-ipc", "command": args.command_line, "machine": machine(device),
         "config": {"hidden": hidden, "rank": args.rank, "tokens_per_worker": args.tokens, "reps": reps,
-                   "warmup": warmup, "workers": list(worker_counts)},
+                   "warmup": warmup, "workers": list(worker_counts), "worker_loop": worker_loop_path()},
         "rows": rows,
         "target": f"median <= {TARGET_MEDIAN_US:.0f} us with 8 workers, flat in the number of workers (H100 host)",
         "notes": ["us: host wall clock of one round trip: x written, one job per worker, every result back",
                   ("shm us: the pool hot (heated before each round trip, as the engine does in a cold start); "
                    "us_cold: the pool cold (idle workers sleep between polls)"),
+                  ("the workers hand hot polling and small jobs to their native loop where it is built (config "
+                   "worker_loop); the *-python-loop rows are the same round trips with the workers' Python loop only "
+                   "(WorkerPool(native_loop=False)); native_share: the share of the row's jobs the native loops served"),
                   ("shm-fused us: the engine's fused CUDA path (one copy_and_signal raising every worker's job flag "
                    "to its own seq, one wait_and_add on every done flag), device time from the copy to the add (CUDA "
                    "events), the pool hot; host_us: the host's enqueueing of those kernels and jobs; lead_misses: "
@@ -130,6 +142,16 @@ def run(args) -> dict:
              "copy_and_signal launches", "wait_and_add launches", "lead misses"],
             [[r["method"], r["workers"], r["us"]["median"], r["us"]["p99"], r["host_us"]["median"], *r["host_phase_median_us"].values(),
               r["lead_misses"]] for r in fused_rows]))
+    loop_rows = [(r, python) for r in rows if r["method"] in ("shm", "shm-fused")
+                 for python in [next((p for p in rows if p["workers"] == r["workers"]
+                                      and p["method"] == r["method"] + "-python-loop"), None)] if python is not None]
+    if loop_rows:
+        print()
+        print(markdown_table(
+            ["method", "workers", "workers' native loop median us", "python loop median us", "python / native",
+             "native share of jobs"],
+            [[r["method"], r["workers"], r["us"]["median"], p["us"]["median"], p["us"]["median"] / r["us"]["median"],
+              r["native_share"]] for r, p in loop_rows]))
     floor_rows = [r for r in rows if r["method"] == "shm-fused-no-worker"]
     if floor_rows:
         print()
@@ -158,12 +180,14 @@ def _fused_unavailable(device: torch.device) -> str | None:
 
 
 def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden: int, reps: int, warmup: int,
-                       device: torch.device, batched: bool = False) -> tuple[list[float], list[float], int, dict]:
+                       device: torch.device, batched: bool = False,
+                       native_loop: bool = True) -> tuple[list[float], list[float], int, dict, float]:
     """The engine's fused path (CpuAssist._apply_fused, a token split), all on the current stream. batched
     (the engine's): a job enqueued per worker, one copy_and_signal of every worker's rows raising each job
     flag to its worker's seq, then one wait_and_add on every done flag: two kernels in all. Else a
     copy_and_signal of its rows per worker and, after every copy, a wait_and_add of its result per worker.
-    -> (device round trips us, host enqueue us, round trips whose lead ran out, host phase medians)."""
+    native_loop: the workers' (WorkerPool's). -> (device round trips us, host enqueue us, round trips whose
+    lead ran out, host phase medians, the share of the jobs the workers' native loops served)."""
     from lorad.cpu_lora.worker import WorkerPool
     from lorad.gpu_ops import cuda_ext
     from lorad.shm.exchange import DONE_SEQ, IN_FLOAT32, JOB_SEQ, Job
@@ -182,7 +206,7 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
     phases = {"enqueue": [], "copy_and_signal": [], "wait_and_add": []}  # host us per round trip, all workers
     with AdapterStore.create(instance, 2 * rank * hidden * 4 + (1 << 16)) as store:
         adapter_id = store.put(probe)
-        with WorkerPool(workers, store, tokens, hidden, hidden, instance=instance) as pool:
+        with WorkerPool(workers, store, tokens, hidden, hidden, instance=instance, native_loop=native_loop) as pool:
             exchange = pool.exchange
             buffer, layout = exchange.segment.buffer, exchange.layout
             job_flags = [np.ndarray((1,), np.int64, buffer, layout.job_line(w) + JOB_SEQ * 8) for w in range(workers)]
@@ -250,6 +274,7 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
                             phases[phase].append(ns / 1e3)
                         misses += bool(missed)
                 pool.cool()
+                native_share = pool.native_jobs / ((warmup + reps) * workers)
                 y.zero_()  # one more round trip, through the general functions, checked
                 for worker, (lo, hi) in enumerate(ranges):
                     seq = pool.enqueue(worker, Job(adapter_id, 0, 0, lo, hi, hidden, hidden, IN_FLOAT32))
@@ -264,7 +289,8 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
                 torch.cuda.synchronize(device)
                 del inputs, outputs, error, job_flags, done_flags
                 mapping.close()
-    return device_times, host_times, misses, {phase: summary(values)["median"] for phase, values in phases.items()}
+    phase_medians = {phase: summary(values)["median"] for phase, values in phases.items()}
+    return device_times, host_times, misses, phase_medians, native_share
 
 
 def _fused_no_worker(workers: int, x: torch.Tensor, hidden: int, reps: int, warmup: int,
@@ -324,10 +350,11 @@ def _fused_no_worker(workers: int, x: torch.Tensor, hidden: int, reps: int, warm
 
 
 def _shm_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden: int, reps: int,
-                     warmup: int) -> tuple[list[float], list[float]]:
+                     warmup: int, native_loop: bool = True) -> tuple[list[float], list[float], float]:
     """lorad's path: a WorkerPool over the exchange segment, a rank-`rank` adapter in the shared store;
     per round trip x goes in, one job per worker, the results come out (checked once at the end).
-    -> (round trips with the pool hot, round trips with it cold)."""
+    native_loop: the workers' (WorkerPool's). -> (round trips with the pool hot, round trips with it cold, the
+    share of the hot round trips' jobs the workers' native loops served)."""
     from lorad.cpu_lora.worker import WorkerPool
     from lorad.shm.segment import new_instance
     from lorad.shm.store import AdapterStore
@@ -339,7 +366,7 @@ def _shm_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden: i
     instance = new_instance()
     with AdapterStore.create(instance, 2 * rank * hidden * 4 + (1 << 16)) as store:
         adapter_id = store.put(probe)
-        with WorkerPool(workers, store, tokens, hidden, hidden, instance=instance) as pool:
+        with WorkerPool(workers, store, tokens, hidden, hidden, instance=instance, native_loop=native_loop) as pool:
             output = torch.from_numpy(pool.output)
 
             def round_trip():
@@ -352,12 +379,14 @@ def _shm_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden: i
                 return round_trip()
 
             cold = _time_us(round_trip, reps, warmup)
+            before = pool.native_jobs  # a cold pool's jobs are the Python loop's
             times = _time_us(hot_round_trip, reps, warmup)
+            native_share = (pool.native_jobs - before) / ((warmup + reps) * workers)
             pool.cool()
             output = None  # drop the view, so that closing the pool unmaps the exchange
     if not torch.allclose(out, x @ a.t() @ b.t(), rtol=1e-3, atol=1e-3):
         raise RuntimeError("the shared-memory workers returned a wrong result")
-    return times, cold
+    return times, cold, native_share
 
 
 def _time_us(round_trip, reps: int, warmup: int) -> list[float]:
@@ -479,7 +508,8 @@ def _receive_into(connection: socket.socket, view: memoryview) -> None:
 
 def _plot(plt, rows: list[dict]):
     figure, axis = plt.subplots(figsize=(6.5, 4))
-    for method, color in (("shm", "tab:blue"), ("shm-fused", "tab:green"), ("shm-fused-per-worker", "tab:olive"),
+    for method, color in (("shm", "tab:blue"), ("shm-python-loop", "tab:cyan"), ("shm-fused", "tab:green"),
+                          ("shm-fused-python-loop", "tab:red"), ("shm-fused-per-worker", "tab:olive"),
                           ("unix-socket", "tab:orange")):
         points = sorted((r["workers"], r["us"]["median"], r["us"]["p99"]) for r in rows if r["method"] == method)
         if not points:
