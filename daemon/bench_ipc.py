@@ -275,6 +275,11 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
                         misses += bool(missed)
                 pool.cool()
                 native_share = pool.native_jobs / ((warmup + reps) * workers)
+                expected = x @ a.t() @ b.t()
+                # every timed round trip added its rows into y: all of them were right, not just the last
+                error = (y.cpu() - (warmup + reps) * expected).norm() / ((warmup + reps) * expected).norm()
+                if not error < 2e-4:  # one round trip of 2000 missing would be 5e-4; fp32 sums stay far below
+                    raise RuntimeError(f"the timed fused round trips added wrong results (relative error {error:.2e})")
                 y.zero_()  # one more round trip, through the general functions, checked
                 for worker, (lo, hi) in enumerate(ranges):
                     seq = pool.enqueue(worker, Job(adapter_id, 0, 0, lo, hi, hidden, hidden, IN_FLOAT32))
@@ -282,7 +287,6 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
                     cuda_ext.fused_wait_and_add(y[lo:hi], outputs[lo:hi, :hidden], done_flags[worker], seq, error, 5.0,
                                                 skip_if_error=True)
                 torch.cuda.synchronize(device)
-                expected = x @ a.t() @ b.t()
                 if not torch.allclose(y.cpu(), expected, rtol=1e-3, atol=1e-3):
                     raise RuntimeError("the fused round trip returned a wrong result")
             finally:
