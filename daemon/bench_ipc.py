@@ -277,9 +277,9 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
                 native_share = pool.native_jobs / ((warmup + reps) * workers)
                 expected = x @ a.t() @ b.t()
                 # every timed round trip added its rows into y: all of them were right, not just the last
-                error = (y.cpu() - (warmup + reps) * expected).norm() / ((warmup + reps) * expected).norm()
-                if not error < 2e-4:  # one round trip of 2000 missing would be 5e-4; fp32 sums stay far below
-                    raise RuntimeError(f"the timed fused round trips added wrong results (relative error {error:.2e})")
+                drift = (y.cpu() - (warmup + reps) * expected).norm() / ((warmup + reps) * expected).norm()
+                if not drift < 2e-4:  # one round trip of 2000 missing would be 5e-4; fp32 sums stay far below
+                    raise RuntimeError(f"the timed fused round trips added wrong results (relative error {drift:.2e})")
                 y.zero_()  # one more round trip, through the general functions, checked
                 for worker, (lo, hi) in enumerate(ranges):
                     seq = pool.enqueue(worker, Job(adapter_id, 0, 0, lo, hi, hidden, hidden, IN_FLOAT32))
