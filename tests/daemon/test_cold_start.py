@@ -120,6 +120,23 @@ def test_cpu_assisted_prefills_give_the_ondemand_tokens(demo_assets, adapters, r
         engine.close()
 
 
+def test_one_hot_worker_serves_small_jobs_natively_and_gives_the_ondemand_tokens(demo_assets, adapters, reference):
+    # One worker leaves the engine a core, so the pool runs hot during cold starts and the worker's native
+    # loop serves the jobs it has learnt (the demo's jobs are a few rows at ranks 1..64, 64 wide).
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: the pool never runs hot, so the native loop never serves")
+    engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=1, cpu_lora_split="tokens")
+    try:
+        assert engine.cpu_assist.pool.hot_polling
+        assert_same(reference, engine.generate(batch(adapters)))
+        status = engine.status()
+        assert status["cpu_assisted_prefills"] > 0 and status["cpu_assist_fallbacks"] == 0
+        if status["cpu_worker_loop"] == "native":
+            assert status["cpu_jobs_native"] > 0
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("split", ["tokens", "groups"])
 def test_a_worker_killed_mid_run_costs_a_fallback_and_a_restart(demo_assets, adapters, reference, split):
     engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2, cpu_lora_split=split)
