@@ -16,9 +16,9 @@ torch thread, and a crash costs one job, not the daemon. `WorkerPool` starts the
 as failed so that the caller falls back to the GPU path; nothing waits forever.
 
 While the pool is hot, a worker hands its polling to a native loop (csrc/native_loop.cpp, where it is
-built): it serves the small jobs of modules this Python loop has already served (at most `max_work`
-rows x rank, measured at start-up against torch) with no interpreter work per job, and returns every
-other job here. `worker_loop_path()` says which loop the workers run.
+built). It serves the small jobs of modules this Python loop has already served, with no interpreter
+work per job: up to the rows x rank where the worker's start-up timing found it no slower than torch.
+It returns every other job here. `worker_loop_path()` says which loop the workers run.
 """
 
 from __future__ import annotations

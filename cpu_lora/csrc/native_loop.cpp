@@ -155,9 +155,6 @@ class NativeLoop {
 
   void forget() { modules_.clear(); }
 
-  std::size_t modules() const { return modules_.size(); }
-  std::int64_t max_work() const { return max_work_; }
-
   // Serve jobs seq + 1, seq + 2, ... as they are raised, while the pool is hot. Returns (the last seq
   // served, why it stopped): kNeedsPython, job seq + 1 is raised and Python must serve it; kCold, no
   // job and the hot period is over (Python sleeps); kIdle, no job for idle_ns (Python's housekeeping:
@@ -304,8 +301,6 @@ PYBIND11_MODULE(_lorad_cpu, m) {
       .def("learn", &NativeLoop::learn, py::arg("adapter"), py::arg("layer"), py::arg("proj"), py::arg("a"),
            py::arg("bt"), py::arg("rank"), py::arg("in_features"), py::arg("out_features"), py::arg("generation"))
       .def("forget", &NativeLoop::forget)
-      .def_property_readonly("modules", &NativeLoop::modules)
-      .def_property_readonly("max_work", &NativeLoop::max_work)
       .def("serve", &NativeLoop::serve, py::arg("seq"), py::arg("idle_ns"))
       .def_static("compute", &NativeLoop::compute, py::arg("x"), py::arg("x_stride"), py::arg("a"), py::arg("bt"),
                   py::arg("out"), py::arg("out_stride"), py::arg("rows"), py::arg("in_features"), py::arg("rank"),
