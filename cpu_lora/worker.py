@@ -333,6 +333,7 @@ class WorkerPool:
     ):
         self.store = store
         self.native_loop, self.native_max_work = native_loop, native_max_work
+        self._native_jobs_closed = 0
         self.cores = list(cores) if cores is not None else sorted(os.sched_getaffinity(0))
         self.job_timeout_s, self.stall_s, self.stop_timeout_s = job_timeout_s, stall_s, stop_timeout_s
         self.spin_s, self.max_pause_s = spin_s, max_pause_s
@@ -382,8 +383,9 @@ class WorkerPool:
 
     @property
     def native_jobs(self) -> int:
-        """Jobs the workers' native loops have served since the pool started."""
-        return int(self.exchange.native_jobs.sum())
+        """Jobs the workers' native loops have served since the pool started (kept after `close`)."""
+        exchange = self.exchange
+        return self._native_jobs_closed if exchange is None else int(exchange.native_jobs.sum())
 
     @property
     def max_rank(self) -> int:
@@ -668,6 +670,7 @@ class WorkerPool:
                 process.close()
         self._processes = [None] * len(self._processes)
         self.input = self.output = None
+        self._native_jobs_closed = int(self.exchange.native_jobs.sum())
         self.exchange.close()
         self.exchange = None
 

@@ -472,7 +472,7 @@ class Engine:
                 "cpu_worker_restarts": self.cpu_assist.pool.restarts if self.cpu_assist is not None else 0,
                 # "native": hot polling and small jobs in the workers' C++ loop; else "python: why not"
                 "cpu_worker_loop": self.cpu_assist.pool.worker_loop if self.cpu_assist is not None else "off",
-                "cpu_jobs_native": self.cpu_assist.pool.native_jobs if self.cpu_assist is not None else 0,
+                "cpu_jobs_native": assist.pool.native_jobs if (assist := self.cpu_assist) is not None else 0,
                 # how assisted prefills were shared among the workers: token splits or split groups
                 "cpu_lora_split": self.config.cpu_lora_split,
                 "cpu_lora_plans": dict(self.cpu_assist.plans) if self.cpu_assist is not None else {},
@@ -520,6 +520,7 @@ class Engine:
             waiting_adapters=waiting, max_lora=ADAPTER_SLOTS, pool=self.pool.occupancy(),
             adapters_resident=len(self.residency.slots), adapter_evictions=self.residency.evictions,
             admission_tpot_held=self.scheduler.tpot_held,
+            cpu_jobs_native=assist.pool.native_jobs if (assist := self.cpu_assist) is not None else 0,
         )
 
     def submit(self, request: GenerationRequest) -> None:

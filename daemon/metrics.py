@@ -202,6 +202,9 @@ def render(snapshot: dict) -> str:
         out.sample("lorad_pool_pages", {"owner": owner}, pool[owner])
     out.family("lorad_cpu_worker_restarts_total", "counter", "CPU LoRA workers replaced after dying or stalling.")
     out.sample("lorad_cpu_worker_restarts_total", {}, snapshot["worker_restarts"])
+    out.family("lorad_cpu_jobs_native_total", "counter",
+               "CPU LoRA jobs the workers' native loop served (the others went through their Python loop).")
+    out.sample("lorad_cpu_jobs_native_total", {}, snapshot.get("cpu_jobs_native", 0))
     out.family("lorad_cold_start_decisions_total", "counter",
                "Cold admissions by what their first step did: gpu-wait (the adapter placed first), gpu-stream "
                "(placed while the step ran) or cpu-assist.")

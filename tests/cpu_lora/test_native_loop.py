@@ -153,6 +153,19 @@ def test_malformed_jobs_on_a_known_module_are_the_python_loops_to_fail(hot_pool)
     assert pool.native_jobs == 1 and pool.restarts == 0
 
 
+def test_the_count_of_native_jobs_outlives_the_pool():
+    instance = new_instance()
+    with AdapterStore.create(instance, 1 << 20) as store:
+        first = adapter("first", 0)
+        first_id = store.put(first)
+        with WorkerPool(1, store, MAX_TOKENS, HIDDEN, MAX_OUT, instance=instance, native_max_work=64) as pool:
+            pool.hot_polling = True
+            pool.heat(60)
+            for seed in range(3):
+                run_job(pool, first_id, first.weights, 0, 0, 2, IN_FLOAT32, seed)
+        assert pool.exchange is None and pool.native_jobs == 2  # read by /metrics after the engine closed
+
+
 def test_a_hot_idle_native_loop_keeps_its_heartbeat(hot_pool):
     pool, _ = hot_pool
     deadline = time.monotonic() + 1.0  # more than three times stall_s

@@ -133,6 +133,7 @@ def test_one_hot_worker_serves_small_jobs_natively_and_gives_the_ondemand_tokens
         assert status["cpu_assisted_prefills"] > 0 and status["cpu_assist_fallbacks"] == 0
         if status["cpu_worker_loop"] == "native":
             assert status["cpu_jobs_native"] > 0
+        assert f'lorad_cpu_jobs_native_total {status["cpu_jobs_native"]}' in render(engine.metrics())
     finally:
         engine.close()
 

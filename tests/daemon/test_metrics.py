@@ -137,6 +137,7 @@ def test_render_parses_and_carries_the_values():
     assert value(families, "lorad_pool_pages", owner="free") == 50
     assert value(families, "lorad_adapter_evictions_total") == 4
     assert value(families, "lorad_cpu_worker_restarts_total") == 0
+    assert value(families, "lorad_cpu_jobs_native_total") == 0
 
 
 def test_a_bucket_bound_is_inclusive():
