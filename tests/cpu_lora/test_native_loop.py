@@ -190,3 +190,60 @@ def test_a_native_loop_busy_for_longer_than_stall_s_is_not_taken_for_stalled(hot
         assert pool.check() == 0
         jobs += 1
     assert pool.native_jobs == jobs and pool.restarts == 0
+
+
+def test_jobs_raised_together_mix_the_two_loops_in_order_and_every_result_is_right():
+    """As the GPU raises them (cuda_ext.copy_and_signal): several jobs described ahead, then the job flag
+    jumps to the last. Rounds mix jobs the native loop may serve with ones it must hand back (a new
+    module, a larger job, a malformed one), and the store changes between some rounds."""
+    rows_cap, rounds = 128, 40
+    generator = torch.Generator().manual_seed(7)
+    instance = new_instance()
+    with AdapterStore.create(instance, 4 << 20) as store:
+        adapters = {}
+        for seed in range(2):
+            weights = adapter(f"a{seed}", seed).weights
+            adapters[store.put(SimpleNamespace(name=f"a{seed}", weights=weights))] = weights
+        with WorkerPool(1, store, rows_cap, HIDDEN, MAX_OUT, instance=instance, native_max_work=64) as pool:
+            pool.hot_polling = True
+            pool.heat(120)
+            slot, served_by_python = pool.exchange.slots[0], 0
+            for round_index in range(rounds):
+                if round_index % 13 == 12:  # a new adapter: a new store generation
+                    weights = adapter(f"b{round_index}", 100 + round_index).weights
+                    adapters[store.put(SimpleNamespace(name=f"b{round_index}", weights=weights))] = weights
+                jobs, next_row, next_byte = [], 0, 0
+                input_bytes = pool.exchange.input_bytes.size
+                for _ in range(int(torch.randint(1, 9, (1,), generator=generator))):
+                    adapter_id = list(adapters)[int(torch.randint(len(adapters), (1,), generator=generator))]
+                    layer, proj = ((0, 0), (1, 2))[int(torch.randint(2, (1,), generator=generator))]
+                    a, b = adapters[adapter_id][(layer, proj)]
+                    rows = int(torch.randint(1, 13, (1,), generator=generator))
+                    dtype = (IN_FLOAT32, IN_FLOAT16, IN_BFLOAT16)[int(torch.randint(3, (1,), generator=generator))]
+                    bad = bool(torch.rand(1, generator=generator) < 0.1)
+                    x = torch.randn(rows, a.shape[1], generator=generator).to(TORCH_DTYPES[dtype])
+                    # A job's compact input rows start at its first row times its own row bytes, and its output
+                    # rows are its rows: lay the jobs out so that neither overlaps another job's.
+                    row_bytes = a.shape[1] * x.element_size()
+                    start = max(next_row, -(-next_byte // row_bytes))
+                    if start + rows > rows_cap or (start + rows) * row_bytes > input_bytes:
+                        break
+                    pool.exchange.input_rows(start, start + rows, a.shape[1], x.element_size())[:] = (
+                        x.view(torch.uint8).reshape(rows, -1).numpy())
+                    job = Job(adapter_id, layer, proj, start, start + rows, a.shape[1] - (8 if bad else 0), b.shape[0],
+                              dtype)
+                    assert pool.enqueue(0, job) is not None
+                    jobs.append((job, x, a, b, bad))
+                    next_row, next_byte = start + rows, (start + rows) * row_bytes
+                native_before = pool.native_jobs
+                slot.job_flag.store(int(pool._seq[0]))  # the jump: every job of the round raised at once
+                failed = pool.settle()
+                assert failed == ([0] if any(bad for *_, bad in jobs) else []), round_index
+                for job, x, a, b, bad in jobs:
+                    if bad:
+                        continue
+                    got = torch.from_numpy(pool.output[job.row_start : job.row_end, : b.shape[0]].copy())
+                    torch.testing.assert_close(got, x.float() @ a.t() @ b.t(), rtol=1e-4, atol=1e-3)
+                served_by_python += len(jobs) - (pool.native_jobs - native_before)
+                assert slot.done_flag.load() == int(pool._seq[0])  # every job served once, in order
+            assert pool.native_jobs > 0 and served_by_python > 0 and pool.restarts == 0
