@@ -142,9 +142,9 @@ def run(args) -> dict:
              "copy_and_signal launches", "wait_and_add launches", "lead misses"],
             [[r["method"], r["workers"], r["us"]["median"], r["us"]["p99"], r["host_us"]["median"], *r["host_phase_median_us"].values(),
               r["lead_misses"]] for r in fused_rows]))
-    loop_rows = [(r, python) for r in rows if r["method"] in ("shm", "shm-fused")
-                 for python in [next((p for p in rows if p["workers"] == r["workers"]
-                                      and p["method"] == r["method"] + "-python-loop"), None)] if python is not None]
+    by_method = {(r["method"], r["workers"]): r for r in rows}
+    loop_rows = [(r, by_method[(r["method"] + "-python-loop", r["workers"])]) for r in rows
+                 if (r["method"] + "-python-loop", r["workers"]) in by_method]
     if loop_rows:
         print()
         print(markdown_table(
