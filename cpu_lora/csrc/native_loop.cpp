@@ -27,7 +27,7 @@
 #include <vector>
 
 #if !defined(__x86_64__)
-#error "the native loop relies on x86-64 (TSO ordering, _Float16); CMakeLists.txt builds it there only"
+#error "the native loop relies on x86-64 store ordering (TSO); CMakeLists.txt builds it there only"
 #endif
 #include <immintrin.h>
 #define LORAD_PAUSE() _mm_pause()
@@ -237,9 +237,38 @@ class NativeLoop {
         __builtin_memcpy(to + j, &bits, 4);
       }
     } else {
+#if defined(__FLT16_MAX__) && !defined(LORAD_PORTABLE_HALF)  // the compiler has _Float16 (GCC 12+, Clang 15+)
       const _Float16* from = reinterpret_cast<const _Float16*>(row);
       for (std::int64_t j = 0; j < k; ++j) to[j] = static_cast<float>(from[j]);
+#else
+      const std::uint16_t* from = reinterpret_cast<const std::uint16_t*>(row);
+      for (std::int64_t j = 0; j < k; ++j) to[j] = half_to_float(from[j]);
+#endif
     }
+  }
+
+  // IEEE binary16 -> binary32, exact, for compilers without _Float16.
+  static float half_to_float(std::uint16_t half) {
+    const std::uint32_t sign = static_cast<std::uint32_t>(half & 0x8000u) << 16;
+    const std::uint32_t exponent = (half >> 10) & 0x1fu;
+    std::uint32_t mantissa = half & 0x3ffu, bits;
+    if (exponent == 0x1fu) {
+      bits = sign | 0x7f800000u | (mantissa << 13);  // infinity, NaN
+    } else if (exponent != 0) {
+      bits = sign | ((exponent + 112) << 23) | (mantissa << 13);  // normal: rebias 15 -> 127
+    } else if (mantissa == 0) {
+      bits = sign;  // zero
+    } else {  // subnormal: mantissa x 2^-24, normalised
+      std::uint32_t shift = 0;
+      while (!(mantissa & 0x400u)) {
+        mantissa <<= 1;
+        ++shift;
+      }
+      bits = sign | ((113 - shift) << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    float value;
+    __builtin_memcpy(&value, &bits, 4);
+    return value;
   }
 
   std::int64_t* job_flag_;
