@@ -31,8 +31,16 @@
 #endif
 #include <immintrin.h>
 #define LORAD_PAUSE() _mm_pause()
-// One build serves any x86-64 CPU: the loader picks the widest vector unit this CPU has.
+// One build serves any x86-64 CPU: the loader picks the widest vector unit this CPU has (where the
+// compiler can clone functions; else the baseline build).
+#if defined(__has_attribute)
+#if __has_attribute(target_clones)
 #define LORAD_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#endif
+#endif
+#ifndef LORAD_CLONES
+#define LORAD_CLONES
+#endif
 
 namespace py = pybind11;
 
