@@ -73,11 +73,16 @@ def worker_main(
     split_wait_s: float = 1.0,
     native_loop: bool = True,
     native_max_work: int | None = None,
+    log_level: int | None = None,
 ) -> None:
     """The worker process: wait for job seq n > start_seq, compute its rows, publish done n; repeat.
     native_loop: hand the hot polling to the native loop where it is built (see the module's note), for
-    jobs up to native_max_work rows x rank (None: measured here at start-up)."""
+    jobs up to native_max_work rows x rank (None: measured here at start-up). log_level: the engine's,
+    when it logs (a forkserver child inherits no handler): the worker's lines join the engine's stderr."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when workers stop
+    if log_level is not None and not logging.getLogger().handlers:
+        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s worker_pid={os.getpid()} "
+                                                      "%(message)s")
     if core is not None:
         os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
@@ -416,7 +421,8 @@ class WorkerPool:
             target=worker_main,
             name=f"lorad-cpu-lora-{worker}",
             args=(self.exchange.name, self.store.name, worker, core, int(self._seq[worker]), os.getpid(),
-                  self.spin_s, self.max_pause_s, self.split_wait_s, self.native_loop, self.native_max_work),
+                  self.spin_s, self.max_pause_s, self.split_wait_s, self.native_loop, self.native_max_work,
+                  root.getEffectiveLevel() if (root := logging.getLogger()).handlers else None),
             daemon=True,
         )
         process.start()

@@ -5,6 +5,9 @@ back what it must not serve (a changed store, a malformed job, a larger job), an
 from __future__ import annotations
 
 import platform
+import subprocess
+import sys
+import textwrap
 import time
 from types import SimpleNamespace
 
@@ -247,3 +250,25 @@ def test_jobs_raised_together_mix_the_two_loops_in_order_and_every_result_is_rig
                 served_by_python += len(jobs) - (pool.native_jobs - native_before)
                 assert slot.done_flag.load() == int(pool._seq[0])  # every job served once, in order
             assert pool.native_jobs > 0 and served_by_python > 0 and pool.restarts == 0
+
+
+def test_a_worker_logs_its_loop_to_the_engines_stderr():
+    """A forkserver child inherits no logging handler: the pool passes the engine's level, so the worker's
+    start-up line (which loop, and the measured limit) reaches the engine's log."""
+    script = textwrap.dedent(f"""
+        import logging
+        from lorad.cpu_lora.worker import WorkerPool
+        from lorad.shm.segment import new_instance
+        from lorad.shm.store import AdapterStore
+
+        if __name__ == "__main__":
+            logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+            instance = new_instance()
+            with AdapterStore.create(instance, 1 << 16) as store:
+                with WorkerPool(1, store, {MAX_TOKENS}, {HIDDEN}, {MAX_OUT}, instance=instance):
+                    pass
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "lorad.cpu_lora.native_loop worker_pid=" in line]
+    assert lines and ("native_max_work=" in lines[0] or "loop=python" in lines[0]), done.stderr
