@@ -164,7 +164,7 @@ class NativeServer:
     def learn(self, fields: tuple, modules: dict) -> None:
         """After the Python loop served job `fields` (Job's fields, not a split part): let the native
         loop serve its module from now on. `modules`: the worker's plans' (adapter, layer, proj) ->
-        (A, A^T, B^T, in, out), as validated against the store's generation `seen`."""
+        (A, A^T, B^T, in, out), views of the store's index of generation `store.seen_generation`."""
         key = fields[:3]
         generation = self.store.seen_generation
         if self._taught.get(key) == generation:
