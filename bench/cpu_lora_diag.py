@@ -27,7 +27,7 @@ import statistics
 import time
 
 import torch
-from lorad.daemon.bench_cpu_lora import one_core_ms, threaded_ms
+from lorad.daemon.bench.cpu_lora import one_core_ms, threaded_ms
 
 TOKENS, HIDDEN, RANK = 128, 4096, 64
 

@@ -15,9 +15,9 @@ import time
 import torch
 
 from lorad.config import EngineConfig
-from lorad.daemon.checkpoint import PROJECTIONS
-from lorad.daemon.engine import Engine
-from lorad.daemon.request import GenerationRequest, SamplingParams
+from lorad.daemon.model.checkpoint import PROJECTIONS
+from lorad.daemon.engine.engine import Engine
+from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 
 
 def device_copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -83,7 +83,7 @@ def step_breakdown(engine: Engine, adapters: list[str | None], prompt_len: int, 
     """Where a decode step's wall time goes: the graph's device time alone (its replays back to back),
     the host's phases of `engine.step()` (forward launch, sampling = the wait for the device, the rest),
     and the kernels of a few steps by device time (torch.profiler sees inside graph replays)."""
-    import lorad.daemon.engine as engine_module
+    import lorad.daemon.engine.engine as engine_module
 
     requests = start_decoding(engine, adapters, prompt_len, steps + 64)
     phases = {"forward": [], "sample": [], "step": []}

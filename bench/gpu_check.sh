@@ -68,7 +68,7 @@ run_step() {
         --out "$OUTDIR/engine_decode_pdl_off.json" ;;
     engine_decode_plain) step bench_engine_decode_plain 150 python3 bench/engine_decode.py --out "$OUTDIR/engine_decode_plain.json" ;;
     pytest_pdl) step pytest_pdl 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu_ops/test_lora_kernels.py \
-        -k "pdl or mbgmv_group_gpu or no_host_sync" tests/daemon/test_engine_gpu.py::test_cuda_lora_pdl_gives_the_same_tokens ;;
+        -k "pdl or mbgmv_group_gpu or no_host_sync" tests/daemon/engine/test_engine_gpu.py::test_cuda_lora_pdl_gives_the_same_tokens ;;
     # where an eager prefill's time goes (host launches vs device), with a cProfile of the host
     prefill_host) step prefill_host 200 python3 bench/prefill_host.py --out "$OUTDIR/prefill_host.json" ;;
     invoke) step bench_invoke 240 python3 bench/invoke.py --out "$OUTDIR/invoke.json" ;;
@@ -79,35 +79,35 @@ run_step() {
         step bench_slora 330 python3 bench/slora_workload.py --out "$OUTDIR/slora_workload.json"
         step bench_peft 220 python3 bench/peft_baseline.py --adapters 100 --requests 33 --budget-s 110 --out "$OUTDIR/peft_baseline.json" ;;
     peft) step bench_peft 200 python3 bench/peft_baseline.py --adapters 100 --requests 33 --budget-s 110 --out "$OUTDIR/peft_baseline.json" ;;
-    pytest_cold_start) step pytest_cold_start 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/daemon/test_cold_start_gpu.py tests/gpu_ops/test_cuda_ext.py ;;
+    pytest_cold_start) step pytest_cold_start 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/daemon/engine/test_cold_start_gpu.py tests/gpu_ops/test_cuda_ext.py ;;
     # the engine on the GPU (graphs vs eager vs the CPU) and the profile's fits
-    pytest_engine) step pytest_engine 420 python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider --durations=8 tests/daemon/test_engine_gpu.py tests/daemon/test_profile_gpu.py ;;
-    pytest_profile) step pytest_profile 400 python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider --durations=4 tests/daemon/test_profile_gpu.py ;;
+    pytest_engine) step pytest_engine 420 python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider --durations=8 tests/daemon/engine/test_engine_gpu.py tests/daemon/bench/test_profile_gpu.py ;;
+    pytest_profile) step pytest_profile 400 python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider --durations=4 tests/daemon/bench/test_profile_gpu.py ;;
     pytest_gemv) step pytest_gemv 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu_ops/test_gemv.py ;;
     pytest_fused) step pytest_fused 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu_ops/test_fused.py ;;
     # issue 6, figure 1: the performance models fitted on this GPU
-    profile) step profile 120 python3 -m lorad.daemon.cli profile --model-config llama-2-7b --max-lora-rank 64 --out "$OUTDIR/profile.json" ;;
+    profile) step profile 120 python3 -m lorad.daemon.server.cli profile --model-config llama-2-7b --max-lora-rank 64 --out "$OUTDIR/profile.json" ;;
     # issue 5: the cold-start microbenchmarks
-    mb_load) step mb_load 200 python3 -m lorad.daemon.cli bench load --disk-dir "$PWD" --out "$OUTDIR/mb_load.json" ;;
-    mb_invoke) step mb_invoke 150 python3 -m lorad.daemon.cli bench invoke --require-fused --out "$OUTDIR/mb_invoke.json" ;;
-    mb_ipc) step mb_ipc 240 python3 -m lorad.daemon.cli bench ipc --out "$OUTDIR/mb_ipc.json" ;;
+    mb_load) step mb_load 200 python3 -m lorad.daemon.server.cli bench load --disk-dir "$PWD" --out "$OUTDIR/mb_load.json" ;;
+    mb_invoke) step mb_invoke 150 python3 -m lorad.daemon.server.cli bench invoke --require-fused --out "$OUTDIR/mb_invoke.json" ;;
+    mb_ipc) step mb_ipc 240 python3 -m lorad.daemon.server.cli bench ipc --out "$OUTDIR/mb_ipc.json" ;;
     # the CPU side of the workers on this host's cores: the shm protocol, the pool, the native loop
     pytest_workers) step pytest_workers 200 python3 -m pytest -q -p no:cacheprovider -m "not gpu" tests/cpu_lora tests/shm ;;
     # where figure 4's and figure 3's times go (issue 5): the parts of the work, and the kernels with no worker
     diag_cpu_lora) step diag_cpu_lora 200 python3 bench/cpu_lora_diag.py --out "$OUTDIR/diag_cpu_lora.json" ;;
     diag_cores) step diag_cores 200 python3 bench/cpu_cores_diag.py --out "$OUTDIR/diag_cores.json" ;;
-    mb_cpu_lora) step mb_cpu_lora 120 python3 -m lorad.daemon.cli bench cpu-lora --out "$OUTDIR/mb_cpu_lora.json" ;;
-    mb_cold_start) step mb_cold_start 420 python3 -m lorad.daemon.cli bench cold-start --out "$OUTDIR/mb_cold_start.json" ;;
+    mb_cpu_lora) step mb_cpu_lora 120 python3 -m lorad.daemon.server.cli bench cpu-lora --out "$OUTDIR/mb_cpu_lora.json" ;;
+    mb_cold_start) step mb_cold_start 420 python3 -m lorad.daemon.server.cli bench cold-start --out "$OUTDIR/mb_cold_start.json" ;;
     # figure 1: adapters in pageable memory (nothing pinned), the modes side by side in alternating rounds
-    mb_cold_start_pageable) step mb_cold_start_pageable 450 python3 -m lorad.daemon.cli bench cold-start \
+    mb_cold_start_pageable) step mb_cold_start_pageable 450 python3 -m lorad.daemon.server.cli bench cold-start \
         --modes cached,ondemand,auto --pinned-host-bytes 0 --adapters 128 --rounds 2 --no-ablation \
         --out "$OUTDIR/mb_cold_start_pageable.json" ;;
     # figure 2: pinned adapters, auto against ondemand in alternating rounds
-    mb_cold_start_pinned) step mb_cold_start_pinned 450 python3 -m lorad.daemon.cli bench cold-start \
+    mb_cold_start_pinned) step mb_cold_start_pinned 450 python3 -m lorad.daemon.server.cli bench cold-start \
         --modes ondemand,auto --rounds 3 --no-prime --no-ablation --out "$OUTDIR/mb_cold_start_pinned.json" ;;
     stream_wait) step stream_wait 150 python3 bench/stream_wait.py --out "$OUTDIR/stream_wait.json" ;;
     pytest_stream) step pytest_stream 300 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 60 \
-        tests/gpu_ops/test_adapter_stream.py tests/daemon/test_adapter_stream_gpu.py ;;
+        tests/gpu_ops/test_adapter_stream.py tests/daemon/engine/test_adapter_stream_gpu.py ;;
     pytest_gpu)  # both halves below (about 8 minutes: more than one device call holds with other steps)
         run_step pytest_gpu_ops
         run_step pytest_gpu_daemon ;;

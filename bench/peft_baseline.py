@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from lorad.daemon.checkpoint import MODEL_CONFIGS
+from lorad.daemon.model.checkpoint import MODEL_CONFIGS
 from slora_workload import slora_trace  # bench/, beside this script
 
 

@@ -4,7 +4,7 @@ The profile (`lorad profile`) fits a prefill of 32..1024 tokens of the 7B shape 
 length, where its GEMMs take ~5 ms: the forward is bound by the host launching ~30 kernels a layer.
 This bench measures, for a few prompt lengths, the eager forward's wall time (host-bound) against the
 same forward replayed from a CUDA graph (device time alone) and through the engine's prefill graphs
-(daemon/prefill_graphs.py: padded to a token bucket, the host filling the static buffers), with and
+(daemon/engine/prefill_graphs.py: padded to a token bucket, the host filling the static buffers), with and
 without LoRA rows, and lists the Python functions the host spends the eager forward in (cProfile).
 
     python3 bench/prefill_host.py --out OUT/prefill_host.json
@@ -22,9 +22,9 @@ import time
 
 import numpy as np
 import torch
-from lorad.daemon.checkpoint import MODEL_CONFIGS, ModelSpec, dummy_weights
-from lorad.daemon.cuda_graphs import capture
-from lorad.daemon.profile import Bench, Plan
+from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec, dummy_weights
+from lorad.daemon.engine.decode_graphs import capture
+from lorad.daemon.bench.profile import Bench, Plan
 
 
 def wall_ms(run, reps: int, drain_after: bool = True) -> float:
@@ -101,7 +101,7 @@ def main() -> int:
             row = {"tokens": n, "rows": label, "wall_ms": wall_ms(run, args.reps), "host_ms": host_ms(run, args.reps),
                    "graph_ms": graph_ms(run, args.reps)}
             if device.type == "cuda":  # the engine's path: its prefill graphs, the host filling their buffers
-                from lorad.daemon.prefill_graphs import StepSeq
+                from lorad.daemon.engine.prefill_graphs import StepSeq
 
                 graphs = bench._prefill_graphs()
                 seqs = [StepSeq(bench.rng.integers(0, spec.vocab_size, size=n), 0, slot, block_pages[0], True)]

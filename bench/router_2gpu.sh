@@ -28,7 +28,7 @@ LORA_KERNEL=${LORA_KERNEL:-auto}
 RANKS=${RANKS:-8,16,32,64}
 PROFILE=${PROFILE:-}
 REPEATS=${REPEATS:-1}
-"$PYTHON" -c "import lorad.daemon.router_cli" || { echo "lorad is not importable by $PYTHON (set PYTHON)" >&2; exit 2; }
+"$PYTHON" -c "import lorad.daemon.router.cli" || { echo "lorad is not importable by $PYTHON (set PYTHON)" >&2; exit 2; }
 command -v lorad >/dev/null || { echo "no lorad on PATH" >&2; exit 2; }
 
 RUN=$(mktemp -d /tmp/lorad-router-bench.XXXXXX)  # sockets (AF_UNIX paths must be short) and adapters

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from lorad.config import EngineConfig
-from lorad.daemon.adapters import LoraAdapter
-from lorad.daemon.checkpoint import PROJECTIONS
-from lorad.daemon.engine import Engine
-from lorad.daemon.request import GenerationRequest, SamplingParams
+from lorad.daemon.model.adapters import LoraAdapter
+from lorad.daemon.model.checkpoint import PROJECTIONS
+from lorad.daemon.engine.engine import Engine
+from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 from lorad.scheduler.workload import Trace, UniformLengths, gamma_workload
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -15,7 +15,7 @@ import json
 import statistics
 
 import torch
-from lorad.daemon.checkpoint import MODEL_CONFIGS, ModelSpec
+from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec
 from lorad.gpu_ops import mbgmm
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import AdapterTable, PagePool

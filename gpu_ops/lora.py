@@ -26,8 +26,8 @@ class LoraBatch:
     slot_rows: list[tuple[int, torch.Tensor]]
     segments: object = None  # the kernels' per-step metadata (mbgmm.Segments), when they run
     max_rank: int = 0
-    decode_kernel: str = "mbgmv"  # the step's decode LoRA kernel, bgmv|mbgmv (daemon/kernel_choice.py)
-    # Rows whose LoRA the CPU workers compute (their row_slot is -1 here): daemon/cpu_assist.py's
+    decode_kernel: str = "mbgmv"  # the step's decode LoRA kernel, bgmv|mbgmv (daemon/engine/kernel_choice.py)
+    # Rows whose LoRA the CPU workers compute (their row_slot is -1 here): daemon/engine/cpu_assist.py's
     # CpuSpan per CPU-assisted sequence, read by the engine's lora op.
     cpu_spans: list = field(default_factory=list)
 

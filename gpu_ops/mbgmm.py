@@ -54,7 +54,7 @@ class Segments:
     the largest rank of any slot in any layer/projection (the workspace width).
     tiles: None, or int32 [2, n] on the device, the (segment, first row) of each row tile of
     `block_m` rows: launches then take one program row per tile instead of a segments x longest
-    segment grid; a fixed-grid caller (CUDA graphs, daemon/prefill_graphs.py) points its unused
+    segment grid; a fixed-grid caller (CUDA graphs, daemon/engine/prefill_graphs.py) points its unused
     tiles at a segment of length 0. Host `lengths` then only size the split-K choice.
     """
 

@@ -1,6 +1,6 @@
 """Configuration of a lorad daemon: frozen dataclasses, the only place defaults live.
 
-The CLI flags (daemon/cli.py) and the TOML keys map onto these fields one to one:
+The CLI flags (daemon/server/cli.py) and the TOML keys map onto these fields one to one:
 `--max-lora-rank` is `EngineConfig.max_lora_rank`, `[engine] max_lora_rank` in lorad.toml.
 """
 
@@ -61,7 +61,7 @@ class EngineConfig:
     # the H100 beside off (bench/engine_decode.py, BENCHMARKS.md): LoRA decode steps of 64 distinct rank-16
     # adapters 3-4% shorter (0.82-0.83x the base model's throughput -> 0.86x at prompt 512), the same tokens.
     lora_pdl: str = "auto"
-    # Greedy decode steps run one ahead of the host (daemon/engine.py, overlapped decode): the next step is
+    # Greedy decode steps run one ahead of the host (daemon/engine/engine.py, overlapped decode): the next step is
     # launched from the device's sampled tokens before the host reads them, so the host's bookkeeping
     # hides behind the device's work. Off: every step waits for its tokens before the next is launched.
     overlap_decode: bool = True
@@ -81,7 +81,7 @@ class EngineConfig:
     layerwise: bool = True
     # `lorad profile`'s performance models, from which each decode step's LoRA kernel (BGMV or MBGMV) is
     # chosen. None: <state_dir or ~/.cache/lorad>/profile-<model>-<device>.json when it exists
-    # (daemon/kernel_choice.py); "off": none, MBGMV always.
+    # (daemon/engine/kernel_choice.py); "off": none, MBGMV always.
     profile_path: str | None = None
     # The decode steps' LoRA kernel: auto (the profile's models choose per step; MBGMV without a profile), or
     # bgmv / mbgmv for every step (to compare, or to serve as CaraServe's and Punica's engines do).

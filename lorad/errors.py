@@ -1,7 +1,7 @@
 """The one exception hierarchy of lorad.
 
 Every error a user can cause is a `LoradError` with an HTTP status; the API maps them to
-`{"error": {"message", "type", "code"}}` in exactly one place (daemon/api.py), the CLI to a message
+`{"error": {"message", "type", "code"}}` in exactly one place (daemon/server/api.py), the CLI to a message
 and exit code 2. Anything else escaping is a bug in lorad.
 """
 

@@ -29,10 +29,22 @@ def free_gpu_memory(request):
             torch.cuda.empty_cache()
 
 
+@pytest.fixture
+def short_tmp():
+    """A fresh directory under /tmp: AF_UNIX paths are limited to 107 bytes, and pytest's tmp_path can be longer."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    directory = tempfile.mkdtemp(prefix="lorad-", dir="/tmp")
+    yield Path(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory):
-    """The built-in demo (daemon/demo.py) in a session temporary directory."""
-    from lorad.daemon.demo import build_demo
+    """The built-in demo (daemon/model/demo.py) in a session temporary directory."""
+    from lorad.daemon.model.demo import build_demo
 
     return build_demo(tmp_path_factory.mktemp("demo") / "demo")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lorad.daemon.demo import build_tokenizer
+from lorad.daemon.model.demo import build_tokenizer
 
 # Every architecture lorad serves, in the shapes that exercise its code paths.
 COMMON = dict(hidden_size=64, rms_norm_eps=1e-5, max_position_embeddings=512, bos_token_id=0, eos_token_id=1)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lorad.config import EngineConfig
-from lorad.daemon.engine import Engine
-from lorad.daemon.request import GenerationRequest, SamplingParams
+from lorad.daemon.engine.engine import Engine
+from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 
 MAX_TOKENS = 12
 ATOL = RTOL = 1e-4
@@ -138,7 +138,7 @@ def test_queued_requests_join_running_batch(hf_checkpoint, hf_reference):
 
 
 def test_demo_matches_hf_peft(demo_assets, hf_reference):
-    # Proves daemon/demo.py writes a checkpoint and adapters that transformers and PEFT read as lorad does.
+    # Proves daemon/model/demo.py writes a checkpoint and adapters that transformers and PEFT read as lorad does.
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(demo_assets.model_dir / "tokenizer.json"))

@@ -16,7 +16,7 @@ import torch
 
 import triton_interpreter  # noqa: F401  (before the kernel modules: sets TRITON_INTERPRET without a GPU)
 
-from lorad.daemon.cuda_graphs import capture  # noqa: E402
+from lorad.daemon.engine.decode_graphs import capture  # noqa: E402
 from lorad.gpu_ops import mbgmm, page_pool  # noqa: E402
 from lorad.gpu_ops.lora import LoraBatch  # noqa: E402
 from lorad.gpu_ops.page_pool import AdapterTable, PagePool  # noqa: E402

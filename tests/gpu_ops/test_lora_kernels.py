@@ -21,7 +21,7 @@ import torch
 
 from triton_interpreter import needs_interpreter, interpreted  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
-from lorad.daemon.cuda_graphs import capture  # noqa: E402
+from lorad.daemon.engine.decode_graphs import capture  # noqa: E402
 from lorad.gpu_ops import bgmv, mbgmm, mbgmv  # noqa: E402
 from lorad.gpu_ops.lora import LoraBatch, apply_lora_ref  # noqa: E402
 from lorad.gpu_ops.page_pool import AdapterTable, PagePool  # noqa: E402

@@ -221,7 +221,7 @@ def test_rope_matches_transformers():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from lorad.daemon.checkpoint import ModelSpec, rope_inv_freq
+    from lorad.daemon.model.checkpoint import ModelSpec, rope_inv_freq
 
     generator = torch.Generator().manual_seed(2)
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

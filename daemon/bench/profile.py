@@ -1,0 +1,574 @@
+"""`lorad profile`: measures one model shape on the machine at hand and fits CaraServe's performance
+models (scheduler/perf_model.py, §5): the two decode LoRA kernels (BGMV: alpha * |S| * max rank + beta;
+MBGMV: alpha * sum of ranks + beta), the whole decode step, and the prefill. The fitted `Profile` is
+saved where the engine looks for it (daemon/engine/kernel_choice.py: default_profile_path), and the engine
+then picks each decode step's LoRA kernel from it.
+
+What is timed is what the engine runs. On cuda: the Triton kernels, launched as the engine's CUDA
+graphs launch them (MBGMV at the configured max_lora_rank, BGMV at the batch's rank bucket), timed
+from replays of CUDA graphs with CUDA events; decode steps are replays of the engine's own decode
+graphs (daemon/engine/decode_graphs.py); prefills are replays of its prefill graphs (daemon/engine/prefill_graphs.py)
+where they fit them, eager forwards beyond. On the CPU: the torch references
+(bgmv_ref, mbgmv_ref; the CPU engine's ops), timed with perf_counter. Inputs are random, never zeros;
+adapter weights are random windows of a weight bank far larger than L2, and every timed replay reads
+other windows than the one before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from lorad.daemon.model.checkpoint import (
+    MODEL_CONFIGS,
+    PROJECTIONS,
+    ModelSpec,
+    dummy_weights,
+    load_spec,
+    load_weights,
+)
+from lorad.daemon.server.cli_args import Parser, parse
+from lorad.daemon.engine.kernel_choice import (
+    LoraKernelChoice,
+    default_profile_path,
+    device_tag,
+    rank_bucket,
+)
+from lorad.daemon.model.llama import LlamaModel, Ops, Step
+from lorad.gpu_ops.attention import AttentionBatch
+from lorad.gpu_ops.lora import LoraBatch
+from lorad.gpu_ops.page_pool import AdapterTable, KVCache, PagePool
+from lorad.scheduler.perf_model import (
+    KERNELS,
+    Profile,
+    fit_bgmv,
+    fit_decode_step,
+    fit_mbgmv,
+    fit_prefill,
+)
+
+from lorad.errors import BadRequest, LoradError
+
+log = logging.getLogger(__name__)
+
+L2_MULTIPLE = 40  # the weight bank is at least this many times a 50 MB L2 (H100) on cuda
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What is measured. Kernel samples: every batch size x every rank mix; decode-step samples: the
+    step batch sizes x contexts x the mixes all-min, all-max, uniform, skewed; prefill samples: each
+    prompt length alone at the min and max rank, and pairs of prompts of mixed ranks."""
+
+    batch_sizes: tuple[int, ...]
+    ranks: tuple[int, ...]  # rank mixes draw from these
+    step_batch_sizes: tuple[int, ...]
+    contexts: tuple[int, ...]
+    prefill_tokens: tuple[int, ...]
+    rounds: int  # layers' worth of kernel calls in one timed replay
+    variants: int  # adapter windows rotated between timed replays
+    reps: int  # timed replays per kernel sample (median)
+    step_reps: int  # timed decode steps per sample
+    prefill_reps: int
+    bank_bytes: int  # adapter weight bank
+
+    def max_tokens(self) -> int:
+        return max(max(self.prefill_tokens) * 2, max(self.batch_sizes), max(self.step_batch_sizes))
+
+
+CUDA_PLAN = Plan(
+    batch_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64), ranks=(8, 16, 32, 64), step_batch_sizes=(1, 8, 16, 32, 64),
+    contexts=(128, 512, 2048), prefill_tokens=(32, 128, 512, 1024, 2048), rounds=8, variants=4, reps=20,
+    step_reps=8, prefill_reps=3, bank_bytes=L2_MULTIPLE * (50 << 20),
+)
+CPU_PLAN = Plan(
+    batch_sizes=(1, 2, 4, 8, 16), ranks=(8, 16, 32, 64), step_batch_sizes=(1, 4, 8, 16), contexts=(32, 128),
+    prefill_tokens=(16, 64, 256), rounds=2, variants=2, reps=5, step_reps=5, prefill_reps=3, bank_bytes=64 << 20,
+)
+QUICK_PLAN = Plan(  # CI: a tiny model in seconds
+    batch_sizes=(1, 2, 4, 8), ranks=(8, 16), step_batch_sizes=(1, 2, 4), contexts=(8, 32), prefill_tokens=(4, 16, 32),
+    rounds=2, variants=2, reps=3, step_reps=3, prefill_reps=2, bank_bytes=4 << 20,
+)
+
+
+def rank_mixes(batch_size: int, ranks: tuple[int, ...], rng: np.random.Generator, every_equal: bool = True) -> dict[str, list[int]]:
+    """Named rank lists of batch_size rows: all-equal (each rank, or only the min and max), uniform over
+    `ranks`, and skewed (an eighth of the rows, at least one, at the max rank, the rest at the min)."""
+    low, high = min(ranks), max(ranks)
+    equal = ranks if every_equal else (low, high)
+    mixes = {f"equal-{rank}": [rank] * batch_size for rank in equal}
+    mixes["uniform"] = [int(rank) for rank in rng.choice(ranks, size=batch_size)]
+    high_rows = max(1, batch_size // 8)
+    mixes["skewed"] = [int(rank) for rank in rng.permutation([high] * high_rows + [low] * (batch_size - high_rows))]
+    return mixes
+
+
+class Clock:
+    """Seconds of a call: CUDA events on the GPU (device time), perf_counter on the CPU; the median
+    over reps, `before(rep)` run outside the timed span."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def median(self, run: Callable[[], object], reps: int, before: Callable[[int], None] | None = None) -> float:
+        times = []
+        for rep in range(reps):
+            if before is not None:
+                before(rep)
+            if self.cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                run()
+                end.record()
+                end.synchronize()
+                times.append(begin.elapsed_time(end) * 1e-3)
+            else:
+                started = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+
+class AdapterBank:
+    """Random adapter weights in the page pool and table rows pointing at them, for timing.
+
+    A bank of random pages holds no adapter in particular: each (slot, layer, projection) gets a
+    random window of it (page_ids is the identity over the bank), so thousands of slots of any rank
+    cost only the bank's memory, and every variant of the windows reads other data."""
+
+    def __init__(self, table: AdapterTable, first_page: int, num_pages: int, rng: np.random.Generator):
+        self.table, self.rng = table, rng
+        self.num_pages = num_pages
+        table.page_ids_host[:num_pages] = np.arange(first_page, first_page + num_pages, dtype=np.int32)
+        table.page_ids[:num_pages].copy_(torch.from_numpy(table.page_ids_host[:num_pages]))
+        self.chunks_in = np.array([chunks_in for chunks_in, _ in table.chunks], dtype=np.int64)
+        self.chunks_out = np.array([chunks_out for _, chunks_out in table.chunks], dtype=np.int64)
+
+    def windows(self, slot_ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rank, a_start, b_start) int32 [slots, L, 7] for slots of these ranks on every layer and
+        projection, each at a random window of the bank."""
+        shape = (len(slot_ranks), self.table.num_layers, len(PROJECTIONS))
+        rank = np.broadcast_to(np.asarray(slot_ranks, dtype=np.int64)[:, None, None], shape)
+        need = rank * (self.chunks_in + self.chunks_out)
+        if need.max(initial=0) > self.num_pages:
+            raise BadRequest(f"the weight bank ({self.num_pages} pages) cannot hold one adapter of rank {int(rank.max())}")
+        a_start = (self.rng.random(shape) * (self.num_pages - need + 1)).astype(np.int64)
+        b_start = a_start + rank * self.chunks_in
+        return rank.astype(np.int32), a_start.astype(np.int32), b_start.astype(np.int32)
+
+    def load(self, slot_ranks: np.ndarray, variants: int) -> Callable[[int], None]:
+        """Publishes slots 0..len-1 with these ranks; -> use(variant): points them at that variant's
+        windows (a device-to-device copy of the starts, stream-ordered before what follows)."""
+        table, count = self.table, len(slot_ranks)
+        sets = [self.windows(slot_ranks) for _ in range(variants)]
+        rank, a_start, b_start = sets[0]
+        table.rank_host[:count], table.a_start_host[:count], table.b_start_host[:count] = rank, a_start, b_start
+        table.rank_host[count:] = 0
+        table.rank.zero_()
+        table.rank[:count].copy_(torch.from_numpy(rank))
+        device = table.rank.device
+        starts = [(torch.from_numpy(a).to(device), torch.from_numpy(b).to(device)) for _, a, b in sets]
+
+        def use(variant: int) -> None:
+            a, b = starts[variant % len(starts)]
+            table.a_start[:count].copy_(a)
+            table.b_start[:count].copy_(b)
+
+        use(0)
+        return use
+
+
+class Bench:
+    """The model, the pool (weight bank + KV region) and the ops of one profiling run."""
+
+    def __init__(self, spec: ModelSpec, weights: dict, dtype: torch.dtype, device: torch.device, plan: Plan,
+                 max_lora_rank: int, seed: int):
+        self.spec, self.dtype, self.device, self.plan = spec, dtype, device, plan
+        self.max_lora_rank = max_lora_rank
+        self.rng = np.random.default_rng(seed)
+        self.clock = Clock(device)
+        self.choice = LoraKernelChoice.measuring_ranks(min(plan.ranks), max(plan.ranks))
+        self.max_tokens = plan.max_tokens()
+        self.ops = Ops.for_device(device, self.max_tokens, max_lora_rank, self.choice)
+        self.max_model_len = max(max(plan.contexts), max(plan.prefill_tokens)) + 1
+        self.model = LlamaModel(spec, weights, self.max_model_len, self.ops)
+        page = spec.hidden_size
+        page_bytes = page * torch.tensor([], dtype=dtype).element_size()
+        bank_pages = max(plan.bank_bytes // page_bytes, max(plan.ranks) * 8)
+        kv_size = spec.num_kv_heads * spec.head_dim
+        tokens_per_page = page // kv_size
+        # KV: enough distinct pages for the longest context of the largest batch, at most 4 GiB; sequences
+        # draw their pages from it at random (sharing pages changes no cost: far more than L2 is read).
+        kv_tokens = max(plan.contexts) * max(plan.step_batch_sizes)
+        kv_pages = min(-(-kv_tokens // tokens_per_page) * 2 * spec.num_layers, max(1, (4 << 30) // page_bytes))
+        kv_pages = max(kv_pages, -(-max(plan.contexts) // tokens_per_page) * 2 * spec.num_layers)
+        self.pool = PagePool(1 + bank_pages + kv_pages, page, dtype, device)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        for chunk in self.pool.pages.split(1 << 16):  # random, never zeros; in chunks to bound the float32 temporary
+            chunk.copy_(torch.randn(chunk.shape, generator=generator, device=device) * 0.02)
+        self.kv = KVCache(self.pool, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        self.kv_pages = (1 + bank_pages, kv_pages)
+        slots = max(plan.rounds * max(plan.batch_sizes), max(plan.step_batch_sizes))
+        shapes = [spec.projection_shape(p) for p in PROJECTIONS]
+        self.table = AdapterTable(self.pool, slots, spec.num_layers, shapes)
+        self.bank = AdapterBank(self.table, 1, bank_pages, self.rng)
+        self.workspace = torch.empty(_workspace_numel(self.max_tokens, max_lora_rank), dtype=torch.float32, device=device)
+        self.graphs = None
+        self.prefill_graphs = None
+
+    # ---- (a) the LoRA kernels -------------------------------------------------------------------
+    def launch_rank(self, kernel: str, ranks: list[int]) -> int:
+        """The max rank the engine launches a kernel with: on cuda its graphs' (MBGMV at max_lora_rank,
+        BGMV at the batch's rank bucket), on the CPU the batch's max (eager)."""
+        if self.device.type != "cuda":
+            return max(ranks)
+        return self.max_lora_rank if kernel == "mbgmv" else rank_bucket(max(ranks), self.max_lora_rank)
+
+    def kernel_seconds(self, kernel: str, ranks: list[int]) -> float:
+        """Seconds of one decode step's LoRA with this kernel: the seven projections of `rounds` layers,
+        each layer on other rows' adapters, timed together, per layer, times the model's layers."""
+        function = _kernel_function(kernel, self.device)
+        rows, rounds = len(ranks), self.plan.rounds
+        use = self.bank.load(np.tile(np.asarray(ranks), rounds), self.plan.variants)
+        row_slots = [torch.arange(r * rows, (r + 1) * rows, dtype=torch.int32, device=self.device) for r in range(rounds)]
+        operands = []
+        for proj in range(len(PROJECTIONS)):
+            fan_in, fan_out = self.spec.projection_shape(PROJECTIONS[proj])
+            x = torch.randn(rows, fan_in, dtype=self.dtype, device=self.device)
+            y = torch.randn(rows, fan_out, dtype=self.dtype, device=self.device)
+            operands.append((x, y))
+        max_rank = self.launch_rank(kernel, ranks)
+        layers = self.spec.num_layers
+
+        def calls():
+            for round_ in range(rounds):
+                for proj, (x, y) in enumerate(operands):
+                    function(x, y, round_ % layers, proj, row_slots[round_], self.table, max_rank, self.workspace)
+
+        run = _graphed(calls) if self.device.type == "cuda" else calls
+        run()  # warm-up (and, on the CPU, the allocator)
+        seconds = self.clock.median(run, self.plan.reps, before=lambda rep: use(rep + 1))
+        return seconds / rounds * layers
+
+    # ---- (b) decode steps ------------------------------------------------------------------------
+    def decode_seconds(self, kernel: str, ranks: list[int], context: int) -> float:
+        """Seconds of one decode step of len(ranks) sequences of `context` tokens each (the new one
+        included), each with its own adapter; on cuda a replay of the engine's decode graph."""
+        self.choice.forced = kernel
+        rows = len(ranks)
+        use = self.bank.load(np.asarray(ranks), self.plan.variants)
+        first, count = self.kv_pages
+        blocks = self.kv.blocks_for(context)
+        block_pages = self.rng.integers(first, first + count, size=(rows, blocks, self.spec.num_layers, 2), dtype=np.int32)
+        tokens = self.rng.integers(0, self.spec.vocab_size, size=rows)
+        positions = np.full(rows, context - 1)
+        slots = np.arange(rows)
+        if self.device.type == "cuda":
+            if self.graphs is None:
+                from lorad.daemon.engine.decode_graphs import DecodeGraphs
+
+                self.graphs = DecodeGraphs(self.model, self.kv, self.table, max(self.plan.step_batch_sizes),
+                                           self.max_model_len, self.max_lora_rank, self.choice)
+                self.graphs.capture()
+
+            def run():
+                self.graphs.run(tokens, positions, slots, block_pages)
+        else:
+            step = self.step([(1, context, slot) for slot in slots], block_pages)
+
+            def run():
+                self.model.forward(step, self.kv.view, self.table)
+        run()
+        return self.clock.median(run, self.plan.step_reps, before=lambda rep: use(rep + 1))
+
+    # ---- (c) prefills ------------------------------------------------------------------------------
+    def prefill_seconds(self, prompts: list[tuple[int, int]]) -> float:
+        """Seconds of one step over these prompts [(tokens, rank)], each with its own adapter: on cuda a
+        replay of the engine's prefill graph for the step's bucket (with the host's filling of its
+        buffers) when it fits the engine's default step (max_batch_tokens), else an eager forward."""
+        use = self.bank.load(np.asarray([rank for _, rank in prompts]), self.plan.variants)
+        tokens_per_page = self.kv.tokens_per_page
+        longest = max(tokens for tokens, _ in prompts)
+        first, count = self.kv_pages
+        block_pages = self.rng.integers(first, first + count, size=(len(prompts), -(-longest // tokens_per_page), self.spec.num_layers, 2), dtype=np.int32)
+        graphs = self._prefill_graphs() if self.device.type == "cuda" else None
+        if graphs is not None and graphs.fits(sum(tokens for tokens, _ in prompts), len(prompts), block_pages.shape[1]):
+            from lorad.daemon.engine.prefill_graphs import StepSeq
+
+            seqs = [StepSeq(self.rng.integers(0, self.spec.vocab_size, size=tokens), 0, slot, block_pages[slot], True)
+                    for slot, (tokens, _) in enumerate(prompts)]
+
+            def run():
+                graphs.run(seqs)
+        else:
+            step = self.step([(tokens, tokens, slot) for slot, (tokens, _) in enumerate(prompts)], block_pages)
+
+            def run():
+                self.model.forward(step, self.kv.view, self.table)
+
+        run()
+        return self.clock.median(run, self.plan.prefill_reps, before=lambda rep: use(rep + 1))
+
+    def _prefill_graphs(self):
+        """The engine's prefill graphs for its default step size, captured on first use."""
+        if self.prefill_graphs is None:
+            from lorad.config import EngineConfig
+            from lorad.daemon.engine.prefill_graphs import PrefillGraphs
+
+            defaults = EngineConfig()
+            self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.table, min(defaults.max_batch_tokens, self.max_tokens),
+                                                defaults.max_running_requests, self.max_model_len, self.max_lora_rank)
+            self.prefill_graphs.capture(pool=self.graphs.pool if self.graphs is not None else None)
+        return self.prefill_graphs
+
+    def step(self, sequences: list[tuple[int, int, int]], block_pages: np.ndarray) -> Step:
+        """A step of sequences (new tokens, context after the step, adapter slot) over these KV pages
+        [sequences, blocks, L, 2], as the engine's runner builds it."""
+        device, tokens_per_page = self.device, self.kv.tokens_per_page
+        input_ids, positions, row_slots, query_start, query_len, kv_len, sample_rows, dest = [], [], [], [], [], [], [], []
+        for index, (new, context, slot) in enumerate(sequences):
+            query_start.append(len(input_ids))
+            query_len.append(new)
+            kv_len.append(context)
+            span = np.arange(context - new, context)
+            input_ids.extend(self.rng.integers(0, self.spec.vocab_size, size=new).tolist())
+            positions.extend(span.tolist())
+            row_slots.extend([int(slot)] * new)
+            dest.append(block_pages[index, span // tokens_per_page])  # [new, L, 2]
+            sample_rows.append(len(input_ids) - 1)
+        positions_np = np.asarray(positions, dtype=np.int64)
+        attention = AttentionBatch(
+            block_table=torch.from_numpy(block_pages.transpose(2, 3, 0, 1).copy()).to(device),
+            dest_pages=torch.from_numpy(np.concatenate(dest).transpose(1, 2, 0).astype(np.int64)).to(device),
+            dest_offsets=torch.from_numpy(positions_np % tokens_per_page).to(device),
+            query_start=query_start, query_len=query_len, kv_len=kv_len,
+        )
+        lora = LoraBatch.build(row_slots, device)
+        self.ops.prepare_lora(lora, self.table)
+        return Step(torch.tensor(input_ids, dtype=torch.long, device=device), torch.from_numpy(positions_np).to(device),
+                    torch.tensor(sample_rows, dtype=torch.long, device=device), attention, lora)
+
+
+def _workspace_numel(max_tokens: int, max_rank: int) -> int:
+    from lorad.gpu_ops.bgmv import workspace_numel
+
+    return workspace_numel(max_tokens, max_rank)
+
+
+def _kernel_function(kernel: str, device: torch.device):
+    """(x, y, layer, proj, row_slot, table, max_rank, workspace): the Triton kernel on cuda, its
+    reference on the CPU."""
+    from lorad.gpu_ops import bgmv, mbgmv
+
+    if device.type == "cuda":
+        bgmv.require_triton()
+        return {"bgmv": bgmv.bgmv, "mbgmv": mbgmv.mbgmv}[kernel]
+    return {"bgmv": bgmv.bgmv_ref, "mbgmv": mbgmv.mbgmv_ref}[kernel]
+
+
+def _graphed(calls: Callable[[], None]) -> Callable[[], None]:
+    """A CUDA graph of calls() (warmed up on a side stream first, so Triton compiles outside it) -> its replay."""
+    from lorad.daemon.engine.decode_graphs import capture
+
+    return capture(calls, warmups=1)[0].replay
+
+
+# ---- the whole run ------------------------------------------------------------------------------
+
+
+def measure(bench: Bench, progress: Callable[[str], None] = lambda line: None) -> dict:
+    """Every sample of the plan: {"kernels": {kernel: [[ranks, seconds], ...]}, "decode": {kernel:
+    [[ranks, context tokens, seconds], ...]}, "prefill": [[[(tokens, rank), ...], seconds], ...]}."""
+    plan, rng = bench.plan, bench.rng
+    samples = {"kernels": {k: [] for k in KERNELS}, "decode": {k: [] for k in KERNELS}, "prefill": []}
+    for rows in plan.batch_sizes:
+        for name, ranks in rank_mixes(rows, plan.ranks, rng).items():
+            for kernel in KERNELS:
+                seconds = bench.kernel_seconds(kernel, ranks)
+                samples["kernels"][kernel].append([ranks, seconds])
+            progress(f"kernels rows={rows} mix={name} bgmv_us={samples['kernels']['bgmv'][-1][1] * 1e6:.1f} "
+                     f"mbgmv_us={samples['kernels']['mbgmv'][-1][1] * 1e6:.1f}")
+    for rows in plan.step_batch_sizes:
+        for context in plan.contexts:
+            for name, ranks in rank_mixes(rows, plan.ranks, rng, every_equal=False).items():
+                for kernel in KERNELS:
+                    seconds = bench.decode_seconds(kernel, ranks, context)
+                    samples["decode"][kernel].append([ranks, rows * context, seconds])
+                progress(f"decode rows={rows} context={context} mix={name} bgmv_ms={samples['decode']['bgmv'][-1][2] * 1e3:.2f} "
+                         f"mbgmv_ms={samples['decode']['mbgmv'][-1][2] * 1e3:.2f}")
+    low, high = min(plan.ranks), max(plan.ranks)
+    prompt_sets = [[(tokens, rank)] for tokens in plan.prefill_tokens for rank in (low, high)]
+    prompt_sets += [[(tokens, low), (tokens // 2, high)] for tokens in plan.prefill_tokens]
+    for prompts in prompt_sets:
+        seconds = bench.prefill_seconds(prompts)
+        samples["prefill"].append([prompts, seconds])
+        progress(f"prefill prompts={prompts} ms={seconds * 1e3:.2f}")
+    return samples
+
+
+def fit(samples: dict) -> dict:
+    """The models of the samples: bgmv, mbgmv (per-step LoRA cost), decode_bgmv, decode_mbgmv (whole
+    steps running that kernel), prefill."""
+    decode = samples["decode"]
+    return {
+        "bgmv": fit_bgmv((ranks, seconds) for ranks, seconds in samples["kernels"]["bgmv"]),
+        "mbgmv": fit_mbgmv((ranks, seconds) for ranks, seconds in samples["kernels"]["mbgmv"]),
+        "decode_bgmv": fit_decode_step(decode["bgmv"], "bgmv"),
+        "decode_mbgmv": fit_decode_step(decode["mbgmv"], "mbgmv"),
+        "prefill": fit_prefill([([tuple(p) for p in prompts], s) for prompts, s in samples["prefill"]]),
+    }
+
+
+def build_profile(fits: dict, samples: dict, machine: dict) -> Profile:
+    """The Profile the engine and the simulator read. Its one decode-step model is the kernel's that the
+    kernel models predict cheaper over the profiled rank mixes (the engine still picks per step); the
+    other kernel's step model is kept in notes."""
+    batches = [ranks for ranks, _ in samples["kernels"]["mbgmv"]]
+    total = {kernel: sum(fits[kernel].predict(ranks) for ranks in batches) for kernel in KERNELS}
+    kernel = min(KERNELS, key=lambda name: total[name])
+    other = "bgmv" if kernel == "mbgmv" else "mbgmv"
+    other_fit = fits[f"decode_{other}"]
+    return Profile(
+        machine=machine,
+        decode=fits[f"decode_{kernel}"],
+        prefill=fits["prefill"],
+        bgmv=fits["bgmv"],
+        mbgmv=fits["mbgmv"],
+        notes={
+            "decode_kernel": f"{kernel}: predicted cheaper over the profiled rank mixes "
+                             f"({total[kernel] * 1e3:.3f} ms against {total[other] * 1e3:.3f} ms of LoRA in all)",
+            f"decode_{other}": other_fit.to_json(),
+            "samples": samples,
+        },
+    )
+
+
+FORMS = {
+    "bgmv": "alpha * |S| * max_rank + beta (per decode step)",
+    "mbgmv": "alpha * sum(ranks) + per_row * |S| + beta (per decode step)",
+    "decode_bgmv": "fixed + per_request * |S| + per_context_token * ctx + alpha * |S| * max_rank",
+    "decode_mbgmv": "fixed + per_request * |S| + per_context_token * ctx + alpha * sum(ranks)",
+    "prefill": "per_token * T + per_rank_token * sum(r*t) + per_square_token * sum(t^2) + fixed",
+}
+
+
+def coefficients(model) -> dict[str, float]:
+    values = {key: value for key, value in dataclasses.asdict(model).items()
+              if not key.startswith("r2") and not isinstance(value, dict)}
+    if hasattr(model, "lora"):
+        values["alpha"] = model.lora.alpha
+    return values
+
+
+def fit_table(fits: dict, samples: dict) -> str:
+    counts = {"bgmv": len(samples["kernels"]["bgmv"]), "mbgmv": len(samples["kernels"]["mbgmv"]),
+              "decode_bgmv": len(samples["decode"]["bgmv"]), "decode_mbgmv": len(samples["decode"]["mbgmv"]),
+              "prefill": len(samples["prefill"])}
+    lines = ["| model | form | coefficients (seconds) | R^2 | samples |", "| --- | --- | --- | --- | --- |"]
+    for name, model in fits.items():
+        shown = ", ".join(f"{key}={value:.4g}" for key, value in coefficients(model).items())
+        r2 = f"{model.r2:.4f}"
+        if getattr(model, "r2_rank_sum_only", None) is not None:  # CaraServe's form, without per_row
+            r2 += f" (alpha * sum(ranks) + beta alone: {model.r2_rank_sum_only:.4f})"
+        lines.append(f"| {name} | {FORMS[name]} | {shown} | {r2} | {counts[name]} |")
+    return "\n".join(lines)
+
+
+def run_profile(spec: ModelSpec, weights: dict, model_name: str, dtype: torch.dtype, device: torch.device, plan: Plan,
+                max_lora_rank: int, seed: int = 0, progress: Callable[[str], None] = lambda line: None) -> tuple[Profile, dict]:
+    """Measures and fits; -> (the Profile, the fits by name)."""
+    if max(plan.ranks) > max_lora_rank:
+        raise BadRequest(f"ranks up to {max(plan.ranks)} need max_lora_rank >= {max(plan.ranks)}")
+    started = time.perf_counter()
+    bench = Bench(spec, weights, dtype, device, plan, max_lora_rank, seed)
+    samples = measure(bench, progress)
+    fits = fit(samples)
+    machine = {
+        "model": model_name, "device": device_tag(device), "dtype": str(dtype).removeprefix("torch."),
+        "kernels": "triton (gpu_ops/bgmv.py, mbgmv.py)" if device.type == "cuda" else "torch references (bgmv_ref, mbgmv_ref)",
+        "ops": bench.ops.name, "max_lora_rank": max_lora_rank, "plan": dataclasses.asdict(plan),
+        "torch": torch.__version__, "measured": True, "seconds": round(time.perf_counter() - started, 1),
+    }
+    if device.type == "cuda":
+        machine["gpu"] = torch.cuda.get_device_name(device)
+    return build_profile(fits, samples, machine), fits
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="lorad profile", description=(
+        "Measure the LoRA decode kernels (BGMV, MBGMV), decode steps and prefills of a model shape on this "
+        "machine, fit CaraServe's performance models and save them where `lorad serve` finds them."))
+    shape = parser.add_mutually_exclusive_group(required=True)
+    shape.add_argument("--model", metavar="DIR", help="a Hugging Face checkpoint directory (its weights are loaded)")
+    shape.add_argument("--model-config", metavar="NAME", help=f"a known shape with random weights: {', '.join(MODEL_CONFIGS)}")
+    parser.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N (default: auto)")
+    parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16 (default: auto, as lorad serve)")
+    parser.add_argument("--max-lora-rank", type=int, default=256, metavar="N",
+                        help="the engine's max_lora_rank: MBGMV's CUDA graphs are captured for it (default: 256, lorad serve's)")
+    parser.add_argument("--quick", action="store_true", help="a few samples of tiny batches: seconds on a CPU (tests)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--state-dir", metavar="DIR", help="the daemon's state_dir: the profile goes there (default: ~/.cache/lorad)")
+    parser.add_argument("--out", metavar="PATH", help="where to write the profile (default: <state-dir>/profile-<model>-<device>.json)")
+    parser.add_argument("--log-level", default="info", help="debug|info|warning|error")
+    return parser
+
+
+def profile_main(argv: list[str]) -> int:
+    """`lorad profile ...` (argv without the leading "profile"); 0 done, 2 bad usage or input."""
+    args = parse(build_parser(), argv, ("profile",))
+    if isinstance(args, int):
+        return args
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _profile(args)
+    except LoradError as error:
+        print(f"lorad profile: {error.message}", file=sys.stderr)
+        return 2
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from lorad.daemon.engine.engine import _resolve_device, _resolve_dtype
+
+    from lorad.config import EngineConfig
+
+    EngineConfig(device=args.device, dtype=args.dtype, max_lora_rank=args.max_lora_rank)  # the engine's checks
+    device = _resolve_device(args.device)
+    if args.model_config is not None:
+        if args.model_config not in MODEL_CONFIGS:
+            raise BadRequest(f"unknown model config {args.model_config!r}: one of {', '.join(MODEL_CONFIGS)}")
+        spec, name = ModelSpec.from_hf_config(MODEL_CONFIGS[args.model_config]), args.model_config
+    else:
+        spec, name = load_spec(args.model), Path(args.model).resolve().name
+    dtype = _resolve_dtype(args.dtype, spec.torch_dtype, device)
+    plan = QUICK_PLAN if args.quick else CUDA_PLAN if device.type == "cuda" else CPU_PLAN
+    out = Path(args.out) if args.out else default_profile_path(name, device, args.state_dir)
+    kernels = "the Triton kernels" if device.type == "cuda" else "the torch references (bgmv_ref, mbgmv_ref): no GPU"
+    print(f"profiling {name} on {device_tag(device)} ({str(dtype).removeprefix('torch.')}), timing {kernels}; "
+          f"the profile goes to {out}", flush=True)
+    weights = dummy_weights(spec, dtype, device, seed=args.seed) if args.model_config else load_weights(args.model, dtype, device)
+    profile, fits = run_profile(spec, weights, name, dtype, device, plan, args.max_lora_rank, args.seed,
+                                progress=lambda line: print("  " + line, flush=True))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(out)
+    print()
+    print(fit_table(fits, profile.notes["samples"]))
+    print()
+    summary = {name: {"r2": model.r2, **coefficients(model)} for name, model in fits.items()}
+    print(json.dumps({"profile": str(out), "machine": profile.machine["device"], "decode_kernel": profile.notes["decode_kernel"],
+                      "fits": summary}, indent=1))
+    print(f"wrote {out} in {profile.machine['seconds']} s; `lorad serve` on this machine and model loads it "
+          f"(or give --profile-path), `lorad simulate --profile {out}` simulates with it")
+    return 0

@@ -1,0 +1,307 @@
+"""Which adapters have their weights in the page pool, and which may leave.
+
+An adapter is pinned while requests that use it run; unpinned resident adapters stay (a warm cache)
+until the pool needs their pages for KV or for another adapter, least recently used first.
+
+A cold adapter is placed at admission as the engine's `placement_for` (cold_start cpu|auto) says for the
+request admitted (its adapter, tier and first step's tokens):
+- "whole": in one copy that the compute stream waits for, as ondemand does;
+- "layerwise": layer by layer with an event per layer, for a prefill that is to be cpu-assisted: its
+  `LayerwiseLoad` stays in `loading` until the engine decides the request's cold start, and each layer
+  takes over from the CPU as it arrives (daemon/engine/cpu_assist.py);
+- "stream": layer by layer while the prefill runs on the GPU, its LoRA kernels waiting on the device for
+  each layer (`AdapterTable.place_streamed`): the engine issues the copies right after launching the
+  forward, and the `StreamedLoad` stays in `loading` until that step has been sampled.
+
+A queued request's cold adapter may be placed before its admission (`prefetch`, while a step runs): whole,
+or, where its placement would be "stream", streamed ahead. A streamed-ahead copy waits in `ahead` and the
+engine queues its layers while the host would otherwise only wait for the device (`issue_ahead`); at
+admission it moves to `loading` as a streamed cold start whose first layers are already in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from lorad.gpu_ops.page_pool import AdapterTable, LayerwiseLoad, StagedAdapter, StreamedLoad, issue_streamed
+
+PLACEMENTS = ("whole", "layerwise", "stream")
+
+log = logging.getLogger(__name__)
+
+
+class LoraResidency:
+    def __init__(self, lookup, table: AdapterTable, metrics=None, pinned_bytes: int = 4 << 30,
+                 staged_bytes: int = 8 << 30):
+        self.lookup = lookup  # name -> LoraAdapter (host copy)
+        self.table = table
+        self.pinned = StagedCache(pinned_bytes)  # cuda: staged adapters in pinned host memory
+        self.pageable = StagedCache(staged_bytes)  # cuda: every staged adapter, in pageable host memory
+        self.metrics = metrics  # daemon/server/metrics.py's Metrics, or None
+        self.slots: dict[str, int] = {}
+        self.pins: dict[str, int] = {}
+        self.idle: OrderedDict[str, None] = OrderedDict()  # resident, unpinned, oldest first
+        self.permanent: set[str] = set()  # placed by preload (cold_start="cached"): pinned until dropped
+        # (name, tier) of the adapters acquire() placed since the engine last cleared it: the requests
+        # admitted with them found them cold. tier: "host" (the CPU pool), "pinned" or "pageable".
+        self.admitted_cold: list[tuple[str, str]] = []
+        # (adapter, tier, tokens of its first step or None) -> how this cold adapter is placed, one of
+        # PLACEMENTS (see the module's note); None: always "whole".
+        self.placement_for: Callable[[object, str, int | None], str] | None = None
+        self.loading: dict[str, LayerwiseLoad | StreamedLoad] = {}  # copies the compute stream has not joined
+        # streamed ahead for a queued request (prefetch): name -> (its copy, the tier it comes from); no
+        # kernel reads these slots until acquire() moves them to `loading`
+        self.ahead: dict[str, tuple[StreamedLoad, str]] = {}
+        self.placed = dict.fromkeys(PLACEMENTS, 0)  # cold placements by kind
+        self.issue_seconds = 0.0  # host time spent issuing streamed copies after their forward's launch
+        self.ahead_seconds = 0.0  # host time spent issuing streamed-ahead copies (while a step ran)
+        self.ahead_layers = 0  # layers queued ahead of their request's admission
+        self.loads = 0
+        self.prefetches = 0
+        self.streamed_ahead = 0  # prefetches streamed ahead
+        self.evictions = 0
+
+    def acquire(self, name: str | None, tokens: int | None = None) -> bool:
+        """Resident and pinned, or False (not now). `tokens`: the admitted request's first step, for the
+        choice of placement when the adapter is cold."""
+        if name is None:
+            return True
+        if name in self.slots:
+            self.pins[name] += 1
+            self.idle.pop(name, None)
+            if name in self.ahead:  # still streaming in: a cold start whose first layers are in already
+                load, tier = self.ahead.pop(name)
+                self.loading[name] = load
+                self.admitted_cold.append((name, tier))
+                if self.metrics is not None:
+                    self.metrics.cold_start()
+            return True
+        adapter = self.lookup(name)
+        slot = self.table.free_slot()
+        while slot is None:
+            if not self.idle:
+                return False
+            self._evict_oldest()
+            slot = self.table.free_slot()
+        started = time.perf_counter()
+        staged, tier = self._staged(adapter)
+        kind = "whole" if self.placement_for is None else self.placement_for(adapter, tier, tokens)
+        while not self._place(name, slot, staged, kind):
+            if not self.idle:
+                return False
+            self._evict_oldest()
+        self.loads += 1
+        self.placed[kind] += 1
+        seconds = time.perf_counter() - started
+        if self.metrics is not None:  # the request being admitted waited for this load: a cold start
+            self.metrics.adapter_loaded("host_to_pool", seconds)
+            self.metrics.cold_start()
+        log.info("adapter resident name=%s slot=%d ms=%.2f", name, slot, seconds * 1e3)
+        self.slots[name] = slot
+        self.pins[name] = 1
+        self.admitted_cold.append((name, tier))
+        return True
+
+    def _place(self, name: str, slot: int, staged: StagedAdapter, kind: str) -> bool:
+        if kind == "whole":
+            return self.table.place(slot, staged)
+        if kind == "stream":
+            load = self.table.place_streamed(slot, staged)
+        elif kind == "layerwise":
+            load = self.table.place_layerwise(slot, staged)
+        else:
+            raise ValueError(f"unknown placement {kind!r}")
+        if load is None:
+            return False
+        self.loading[name] = load
+        return True
+
+    def join(self, names=None) -> None:
+        """The compute stream waits for the layer-wise and streamed copies of `names` (default: all of
+        them); then any kernel may read those adapters. Enqueues waits only (a streamed copy not yet issued
+        is issued first)."""
+        for name in list(self.loading) if names is None else names:
+            load = self.loading.pop(name, None)
+            if load is not None:
+                load.join()
+
+    def issue_streams(self) -> None:
+        """Queues the pages of every streamed copy not yet queued (`StreamedLoad.issue`): right after the
+        forward that waits for them is launched (a graph), or before it (eager)."""
+        started = time.perf_counter()
+        loads = [load for load in self.loading.values() if isinstance(load, StreamedLoad) and not load.issued]
+        if loads:
+            issue_streamed(loads)
+            self.issue_seconds += time.perf_counter() - started
+
+    def streaming(self) -> list[str]:
+        """The adapters whose streamed copy the compute stream has not joined."""
+        return [name for name, load in self.loading.items() if isinstance(load, StreamedLoad)]
+
+    def finish_streams(self) -> dict[str, str]:
+        """Joins every streamed copy -> {adapter: why its copy failed} for those that failed (their
+        steps read garbage: the engine fails their requests and drops them)."""
+        failed = {}
+        for name in self.streaming():
+            load = self.loading.pop(name)
+            load.join()
+            if load.error is not None:
+                failed[name] = load.error
+        return failed
+
+    def preload(self, name: str) -> bool:
+        """Places an adapter for good (cold_start="cached"): pinned by the engine itself, so never
+        evicted until `drop`. False if it does not fit. Not counted as a request's cold start."""
+        metrics, self.metrics = self.metrics, None
+        try:
+            if not self.acquire(name):
+                return False
+        finally:
+            self.metrics = metrics
+        self.admitted_cold.clear()
+        self.join([name])
+        self.permanent.add(name)
+        return True
+
+    def _staged(self, adapter) -> tuple[StagedAdapter, str]:
+        """The adapter in page layout and the tier its copy comes from. On cuda every adapter staged once
+        stays staged in pageable host memory (`pageable`, within `staged_bytes`), and the most recently
+        used ones also in pinned memory (`pinned`, within `pinned_bytes`): a cold load is one DMA from
+        pinned memory, or one copy from pageable memory (which the driver stages through its own pinned
+        buffers, ~5x slower), never a new staging. Keyed by the weights, which benchmark adapters share."""
+        if not self.table.pool.pages.is_cuda:
+            return self.table.stage(adapter.weights), "host"
+        key = id(adapter.weights)
+        pinned = self.pinned.get(key)
+        if pinned is not None:
+            return pinned, "pinned"
+        staged = self.pageable.get(key)
+        if staged is None:
+            staged = self.table.stage(adapter.weights, pin=False)
+            self.pageable.put(key, adapter.weights, staged)
+        if staged.pages.nbytes > self.pinned.budget:
+            return staged, "pageable"
+        pinned = StagedAdapter(staged.pages.pin_memory(), staged.layout)
+        self.pinned.put(key, adapter.weights, pinned)
+        return pinned, "pinned"
+
+    def prefetch(self, name: str, reserve_pages: int, tokens: int | None = None) -> bool:
+        """Places a queued request's adapter into free pages while a step runs, evicting nothing and leaving
+        `reserve_pages` free for KV growth; it waits idle until admitted. False: no room now.
+
+        tokens: the request's first step, to ask `placement_for` how the adapter would be placed at
+        admission: where it would be streamed it is streamed ahead (`issue_ahead` queues its layers later,
+        a few at a time); otherwise, and without tokens, it is placed whole (a request admitted with its
+        adapter resident needs no cold start at all)."""
+        if name in self.slots:
+            return True
+        slot = self.table.free_slot()
+        if slot is None:
+            return False
+        adapter = self.lookup(name)
+        staged, tier = self._staged(adapter)
+        if self.table.pool.num_free - staged.pages.shape[0] < reserve_pages:
+            return False
+        kind = "whole"
+        if tokens is not None and self.placement_for is not None and self.placement_for(adapter, tier, tokens) == "stream":
+            kind = "stream"
+        if kind == "stream":
+            load = self.table.place_streamed(slot, staged)
+            if load is None:
+                return False
+            self.ahead[name] = (load, tier)
+            self.streamed_ahead += 1
+            self.placed["stream"] += 1
+        elif not self.table.place(slot, staged):
+            return False
+        self.loads += 1
+        self.prefetches += 1
+        self.slots[name] = slot
+        self.pins[name] = 0
+        self.idle[name] = None
+        log.debug("adapter prefetched name=%s slot=%d placement=%s tier=%s", name, slot, kind, tier)
+        return True
+
+    def issue_ahead(self, until: Callable[[], bool]) -> None:
+        """Queues layers of the streamed-ahead copies (forward order, layer-major) until `until()` says stop
+        (the step the host waits for is done): host time that was idle. Nothing on the device waits for
+        these copies yet, so stopping anywhere is safe."""
+        loads = [load for load, _ in self.ahead.values() if not load.issued]
+        if not loads:
+            return
+        started = time.perf_counter()
+        before = sum(load.layers_left for load in loads)
+        issue_streamed(loads, until)
+        self.ahead_layers += before - sum(load.layers_left for load in loads)
+        self.ahead_seconds += time.perf_counter() - started
+
+    def release(self, name: str | None) -> None:
+        if name is None:
+            return
+        self.pins[name] -= 1
+        if self.pins[name] == 0:
+            self.idle[name] = None
+
+    def reclaim(self, pages: int) -> bool:
+        """Evicts idle adapters until `pages` pool pages are free; False if that is not possible."""
+        while self.table.pool.num_free < pages and self.idle:
+            self._evict_oldest()
+        return self.table.pool.num_free >= pages
+
+    def slot(self, name: str | None) -> int:
+        return -1 if name is None else self.slots[name]
+
+    def drop(self, name: str) -> None:
+        """Forget an idle adapter's pool copy (it was unregistered or replaced)."""
+        if name in self.permanent:
+            self.permanent.discard(name)
+            self.release(name)
+        if name in self.idle:
+            self.idle.pop(name)
+            self._evict(name)
+
+    def _evict_oldest(self) -> None:
+        name, _ = self.idle.popitem(last=False)
+        self._evict(name)
+
+    def _evict(self, name: str) -> None:
+        self.join([name])  # its copy is ordered before the pages go to another owner
+        if name in self.ahead:
+            self.ahead.pop(name)[0].abandon()
+        self.table.evict(self.slots.pop(name))
+        del self.pins[name]
+        self.evictions += 1
+        log.debug("adapter evicted name=%s", name)
+
+
+class StagedCache:
+    """Staged adapters keyed by their weights' id, least recently used dropped first beyond `budget`
+    bytes (the newest always stays). An entry holds the weights too, which keeps their id unique."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.used = 0
+        self.entries: OrderedDict[int, tuple] = OrderedDict()
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, key: int) -> StagedAdapter | None:
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        self.entries.move_to_end(key)
+        return entry[1]
+
+    def put(self, key: int, weights, staged: StagedAdapter) -> None:
+        self.entries[key] = (weights, staged)
+        self.used += staged.pages.nbytes
+        while self.used > self.budget and len(self.entries) > 1:
+            _, (_, dropped) = self.entries.popitem(last=False)
+            self.used -= dropped.pages.nbytes

@@ -1,0 +1,228 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step (every sequence adds one token) launches hundreds of small kernels; replaying a captured
+graph removes their launch cost. Everything a graph reads lives in static buffers filled before each
+replay: token ids, positions, the KV block table and write destinations, each row's adapter slot and
+the attention metadata. Rows beyond the live batch are padding: they read and write only the scratch
+page and use no adapter.
+
+Graphs are keyed by the step's decode LoRA kernel too (daemon/engine/kernel_choice.py): MBGMV graphs are
+captured for the configured maximum rank (each row's own rank decides its work, so one graph serves
+any mix of adapters) and, where the maximum is above 16, for batches whose ranks are all <= 16 (their
+expand kernel takes 16-row rank tiles instead of tiles of the maximum, mostly masked); BGMV pads every row to the rank it is launched with, so its graphs are captured
+per rank bucket (16, 32, 64, ...: one compiled BGMV kernel each), and only for the buckets and batch
+sizes where the profile's models say BGMV can ever be the cheaper kernel. Capturing them up front,
+not on first use, keeps Triton compilation and capture (hundreds of ms a graph on a 7B model) out of
+the serving path; with no profile no BGMV graph is captured at all.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from lorad.daemon.engine.kernel_choice import LoraKernelChoice, rank_bucket, rank_buckets
+from lorad.daemon.model.llama import Step
+from lorad.gpu_ops.attention import AttentionBatch
+from lorad.gpu_ops.lora import LoraBatch
+from lorad.gpu_ops.page_pool import SCRATCH_PAGE
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+LOW_RANK = 16  # mbgmv.decode_config's smaller expand tile
+
+
+def capture(run, pool=None, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, object, object]:
+    """run() captured into a CUDA graph after `warmups` runs on a side stream (Triton compiles, the
+    allocator settles) -> (the graph, what the captured run returned, the graph's memory pool: pass it
+    to the next capture to share the memory)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, output, graph.pool()
+
+
+def capture_forward(model, step: Step, kv_view: torch.Tensor, table, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, object]:
+    """One forward over a static step captured -> (the graph, its logits, its memory pool)."""
+    return capture(lambda: model.forward(step, kv_view, table), pool)
+
+
+class BlockStaging:
+    """The step's block lists on their way into a graph's block table: staged in their own layout
+    [n, width, L, 2] in pinned memory (grown on demand), sent in one copy and transposed into the table's
+    [L, 2, rows, blocks] on the device (a host transpose of that size costs milliseconds a step)."""
+
+    def __init__(self, num_layers: int, device: torch.device):
+        self.num_layers, self.device = num_layers, device
+        self.pin = device.type == "cuda"
+        self.host = torch.zeros(0, dtype=torch.int32, pin_memory=self.pin)
+        self.device_copy = torch.zeros(0, dtype=torch.int32, device=device)
+
+    def stage(self, n: int, width: int) -> np.ndarray:
+        """The pinned [n, width, L, 2] area to fill (past a sequence's own blocks: stale ids, never read)."""
+        needed = n * width * self.num_layers * 2
+        if self.host.numel() < needed:
+            grown = max(needed, 2 * self.host.numel())
+            self.host = torch.zeros(grown, dtype=torch.int32, pin_memory=self.pin)
+            self.device_copy = torch.zeros(grown, dtype=torch.int32, device=self.device)
+        return self.host[:needed].numpy().reshape(n, width, self.num_layers, 2)
+
+    def send(self, n: int, width: int, block_table: torch.Tensor) -> None:
+        """block_table[:, :, :n, :width] = the staged blocks, transposed; no host sync."""
+        shape = (n, width, self.num_layers, 2)
+        staged = self.device_copy[: n * width * self.num_layers * 2].view(shape)
+        staged.copy_(self.host[: staged.numel()].view(shape), non_blocking=True)
+        block_table[:, :, :n, :width].copy_(staged.permute(2, 3, 0, 1))
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv, table, max_batch: int, max_model_len: int, max_lora_rank: int,
+                 kernel_choice: LoraKernelChoice | None = None):
+        self.model, self.kv, self.table = model, kv, table
+        self.kernel_choice = kernel_choice or LoraKernelChoice()
+        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        self.max_rank = max_lora_rank
+        self.max_blocks = kv.blocks_for(max_model_len)
+        device = kv.view.device
+        size, layers = self.buckets[-1], kv.num_layers
+        long = {"dtype": torch.long, "device": device}
+        int32 = {"dtype": torch.int32, "device": device}
+        # The per-row inputs, packed so that a step sends them in two copies from pinned mirrors:
+        # int64 rows input_ids, positions, dest_offsets; int32 rows query_start, query_len, kv_len
+        # (= seq_info) and row_slot.
+        self.packed64 = torch.zeros(3, size, **long)
+        self.packed32 = torch.ones(4, size, **int32)
+        self.packed32[0] = torch.arange(size, **int32)  # every row is its own decode sequence
+        self.pin = device.type == "cuda"
+        self.host64 = torch.zeros(3, size, dtype=torch.long, pin_memory=self.pin)
+        self.host32 = torch.ones(4, size, dtype=torch.int32, pin_memory=self.pin)
+        self.host32[0] = torch.arange(size, dtype=torch.int32)
+        self.input_ids, self.positions, self.dest_offsets = self.packed64
+        self.seq_info, self.row_slot = self.packed32[:3], self.packed32[3]
+        self.seq_ids = self.packed32[0]
+        self.dest_pages = torch.full((layers, 2, size), SCRATCH_PAGE, **long)
+        # Its pinned mirror, sent whole (128 KiB at most): a copy from pageable memory may wait for the
+        # stream, which would stall the host while the step before runs (overlapped decode).
+        self.host_dest = torch.full((layers, 2, size), SCRATCH_PAGE, dtype=torch.long, pin_memory=self.pin)
+        self.block_table = torch.full((layers, 2, size, self.max_blocks), SCRATCH_PAGE, **int32)
+        self.blocks = BlockStaging(layers, device)
+        self.rows = torch.arange(size, **long)
+        # (bucket, kernel, max rank): kernel "none" (no row has an adapter), "mbgmv" (max_lora_rank) or
+        # "bgmv" (a rank bucket).
+        self.graphs: dict[tuple[int, str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.last_key = None  # the graph the last run() replayed (benchmarks read it)
+        self.sent: torch.cuda.Event | None = None  # recorded after the last run's copies from pinned memory
+
+    def plan(self) -> list[tuple[int, str, int]]:
+        """The graphs to capture: per bucket, base-only and MBGMV, and BGMV at each rank bucket where the
+        kernel choice says BGMV can win for some batch of up to that many LoRA rows."""
+        keys = []
+        for size in self.buckets:
+            keys += [(size, "none", 0), (size, "mbgmv", self.max_rank)]
+            if self.max_rank > LOW_RANK:
+                keys.append((size, "mbgmv", LOW_RANK))
+            low = 1
+            for bucket in rank_buckets(self.max_rank):
+                if self.kernel_choice.bgmv_can_win(size, low, bucket):
+                    keys.append((size, "bgmv", bucket))
+                low = bucket + 1
+        return keys
+
+    def capture(self) -> None:
+        """Captures every planned graph, largest bucket first so the smaller graphs reuse its memory pool."""
+        keys = sorted(self.plan(), key=lambda key: -key[0])
+        for key in keys:
+            size, kernel, max_rank = key
+            graph, logits, self.pool = capture_forward(self.model, self._static_step(size, max_rank, kernel), self.kv.view,
+                                                       self.table, self.pool)
+            self.graphs[key] = (graph, logits)
+        bgmv = sorted({(size, rank) for size, kernel, rank in keys if kernel == "bgmv"})
+        log.info("cuda graphs captured buckets=%s max_rank=%d bgmv_graphs=%d (%s) kernel_choice=%s",
+                 ",".join(map(str, self.buckets)), self.max_rank, len(bgmv),
+                 " ".join(f"{size}x{rank}" for size, rank in bgmv) or "none", self.kernel_choice.describe())
+
+    def fits(self, num_seqs: int, max_blocks: int) -> bool:
+        return num_seqs <= self.buckets[-1] and max_blocks <= self.max_blocks
+
+    def run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, blocks: list[np.ndarray],
+            device_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step of n sequences -> logits [n, vocab] float32 (a view of static memory, valid
+        until the next replay). tokens, positions, slots: [n]; blocks: n arrays [num_blocks_i, L, 2] of
+        page ids (each sequence's BlockList); device_tokens: [n] input ids already on the device, which
+        replace `tokens` (overlapped decode). No host sync: every copy is from pinned memory, which the
+        last run's copies have finished reading (`sent`: long done by the time the host comes back,
+        unless the host runs a step ahead of the device, where it waits microseconds)."""
+        if self.sent is not None:
+            self.sent.synchronize()
+        n = len(tokens)
+        size = next(b for b in self.buckets if b >= n)
+        tokens_per_page, layers = self.kv.tokens_per_page, self.kv.num_layers
+        width = max(len(b) for b in blocks)
+        staged = self.blocks.stage(n, width)
+        for row, rows in enumerate(blocks):
+            staged[row, : len(rows)] = rows
+        host64, host32 = self.host64.numpy(), self.host32.numpy()
+        host64[:, n:size] = 0
+        host64[0, :n], host64[1, :n], host64[2, :n] = tokens, positions, positions % tokens_per_page
+        host32[1:, n:size] = ((1,), (1,), (-1,))  # padding rows: one position of the scratch page, no adapter
+        host32[2, :n], host32[3, :n] = positions + 1, slots
+        self.packed64[:, :size].copy_(self.host64[:, :size], non_blocking=True)
+        self.packed32[:, :size].copy_(self.host32[:, :size], non_blocking=True)
+        if device_tokens is not None:
+            self.input_ids[:n].copy_(device_tokens)
+        dest = self.host_dest.numpy()
+        dest[:, :, n:size] = SCRATCH_PAGE  # padding rows write the scratch page
+        dest[:, :, :n] = staged[np.arange(n), positions // tokens_per_page].transpose(1, 2, 0)
+        self.dest_pages.copy_(self.host_dest, non_blocking=True)
+        self.blocks.send(n, width, self.block_table)
+        if self.pin:
+            self.sent = torch.cuda.Event()
+            self.sent.record()
+        self.last_key = self._key(size, slots)
+        graph, logits = self.graphs[self.last_key]
+        graph.replay()
+        return logits[:n]
+
+    def _key(self, size: int, slots: np.ndarray) -> tuple[int, str, int]:
+        if not (slots >= 0).any():
+            return size, "none", 0
+        kernel = self.kernel_choice.choose_for_slots(slots, self.table.rank_host)
+        used = slots[slots >= 0]
+        if kernel == "mbgmv":
+            low = (size, "mbgmv", LOW_RANK)
+            if low in self.graphs and int(self.table.rank_host[used].max()) <= LOW_RANK:
+                return low
+            return size, "mbgmv", self.max_rank
+        key = (size, "bgmv", rank_bucket(int(self.table.rank_host[used].max()), self.max_rank))
+        if key not in self.graphs:  # bgmv_can_win covers every batch choose() can pick BGMV for
+            raise RuntimeError(f"no BGMV graph for bucket {size} at rank {key[2]}: the capture plan missed a case")
+        return key
+
+    def _static_step(self, size: int, max_rank: int, kernel: str) -> Step:
+        from lorad.gpu_ops.paged_attention import AttentionMeta
+
+        attention = AttentionBatch(
+            block_table=self.block_table[:, :, :size],
+            dest_pages=self.dest_pages[:, :, :size],
+            dest_offsets=self.dest_offsets[:size],
+            query_start=list(range(size)),
+            query_len=[1] * size,
+            kv_len=[1] * size,
+        )
+        empty = torch.zeros(0, dtype=torch.int32, device=self.rows.device)
+        attention._paged_meta = AttentionMeta(
+            seq_info=self.seq_info[:, :size], decode_seqs=self.seq_ids[:size], tile_seq=empty, tile_row=empty,
+            num_decode=size, num_tiles=0, max_context=self.max_blocks * self.kv.tokens_per_page,
+        )
+        lora = LoraBatch(row_slot=self.row_slot[:size], slot_rows=[], max_rank=max_rank,
+                         decode_kernel="bgmv" if kernel == "bgmv" else "mbgmv")
+        return Step(self.input_ids[:size], self.positions[:size], self.rows[:size], attention, lora)

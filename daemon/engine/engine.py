@@ -1,0 +1,1259 @@
+"""The engine: the model, its page pool, the adapters and the step loop.
+
+`submit` may be called from any thread; the step loop (a background thread after `start`, or the
+caller's thread in `generate`) takes new requests and aborts at the start of each step, asks the
+scheduler for the step's batch, runs one forward for all of it, samples, and reports each request's
+new tokens through its `on_output` callback. On cuda, greedy decode steps overlap (see "overlapped
+decode" below): a step launches the next one from its tokens on the device before reading them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lorad.config import EngineConfig
+from lorad.daemon.model.adapters import AdapterRegistry, LoraAdapter
+from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
+from lorad.daemon.engine.cpu_assist import PROFILE_RANK, CpuAssist, default_workers, keep_off_cores
+from lorad.daemon.engine.decode_graphs import DecodeGraphs
+from lorad.daemon.engine.kernel_choice import LoraKernelChoice
+from lorad.daemon.engine.adapter_residency import LoraResidency
+from lorad.daemon.server.metrics import Metrics
+from lorad.daemon.model.llama import LlamaModel, Ops, Step
+from lorad.daemon.engine.prefill_graphs import PrefillGraphs, StepSeq
+from lorad.daemon.engine.request import GenerationRequest, GenerationResult, RequestOutput
+from lorad.daemon.engine.sampler import make_generator, sample
+from lorad.daemon.engine.tokenizer import Detokenizer, NoTokenizer, Tokenizer
+from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded, PromptTooLong
+from lorad.gpu_ops import cuda_ext
+from lorad.gpu_ops.attention import AttentionBatch
+from lorad.gpu_ops.lora import LoraBatch
+from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool, StreamedLoad
+from lorad.scheduler.admission import AdmissionPolicy, Objectives, OnlinePrefill, make_admission
+from lorad.scheduler.batching import Scheduler, Sequence
+from lorad.scheduler.cold_start import (
+    CPU_ASSIST,
+    DECISIONS,
+    GPU_STREAM,
+    GPU_WAIT,
+    ColdStart,
+    ColdStartCosts,
+    Decision,
+    decide,
+    observe_assisted,
+)
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_DEFAULT_MODEL_LEN = 8192
+CPU_POOL_BYTES = 256 << 20
+ADAPTER_SLOTS = 1024
+PREFETCH_DEPTH = 8  # queued requests whose adapters are loaded ahead, while a step runs
+CPU_STORE_BYTES = 1 << 30  # the CPU workers' shared adapter store (fp32; least recently used make room)
+CPU_JOB_TIMEOUT_S = 5.0  # a CPU LoRA job not done by then has a dead or stalled worker: the pool path takes over
+CLUSTER_MAX_WAIT_MS = 1000.0  # admission cluster without a TTFT objective: how long another adapter's request waits at most
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A greedy decode step launched whose tokens the host has not read yet (overlapped decode)."""
+
+    seqs: list[Sequence]  # its rows, in order
+    tokens: torch.Tensor  # [n] int64 on the device: each row's argmax, the next step's input ids
+    host: torch.Tensor  # [n] int64, pinned on cuda: where the tokens are copied to
+    done: torch.cuda.Event | None  # recorded after that copy; None on the cpu (the copy is done)
+
+
+@dataclass(eq=False)
+class RequestState:
+    request: GenerationRequest
+    detokenizer: Detokenizer
+    generator: torch.Generator | None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    logits: list = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir, demo_adapters = self._model_dir(config)
+        self.device = _resolve_device(config.device)
+        if model_dir is None:  # a known shape with random weights (benchmarks)
+            self.spec = ModelSpec.from_hf_config(MODEL_CONFIGS[config.model_config])
+            self.model_name = config.model_config
+        else:
+            self.spec = load_spec(model_dir)
+            self.model_name = "lorad-demo" if config.demo else model_dir.name
+        self.dtype = _resolve_dtype(config.dtype, self.spec.torch_dtype, self.device)
+        tokenizer_path = model_dir / "tokenizer.json" if model_dir is not None else None
+        self.model_dir = model_dir
+        self.tokenizer = Tokenizer(tokenizer_path) if tokenizer_path and tokenizer_path.exists() else NoTokenizer()
+        self.vocab_size = self.spec.vocab_size
+        self.max_model_len = min(config.max_model_len or min(self.spec.max_position_embeddings, MAX_DEFAULT_MODEL_LEN), self.spec.max_position_embeddings)
+
+        started = time.perf_counter()
+        if model_dir is None:
+            weights = dummy_weights(self.spec, self.dtype, self.device, seed=config.seed)
+        else:
+            weights = load_weights(model_dir, self.dtype, self.device)
+        # The decode LoRA kernel per step, from `lorad profile`'s models when a profile is found.
+        self.kernel_choice = LoraKernelChoice.for_engine(
+            config.profile_path, self.model_name, self.device, config.state_dir, str(self.dtype).removeprefix("torch."),
+            config.lora_kernel)
+        log.info("decode lora kernel choice=%s", self.kernel_choice.describe())
+        self.lora_pdl = self._lora_pdl()
+        self.ops = Ops.for_device(self.device, config.max_batch_tokens, config.max_lora_rank, self.kernel_choice,
+                                  fuse_groups=config.fuse_lora_groups, pdl=self.lora_pdl["on"])
+        self.model = LlamaModel(self.spec, weights, self.max_model_len, self.ops)
+        del weights
+        self.pool = PagePool(self._pool_pages(), self.spec.hidden_size, self.dtype, self.device)
+        self.kv = KVCache(self.pool, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
+        if self.kv.blocks_for(self.max_model_len) * self.kv.pages_per_block > self.pool.capacity:
+            raise ModelError(
+                f"the page pool ({self.pool.capacity} pages) cannot hold one sequence of max_model_len="
+                f"{self.max_model_len}: give more pool memory or a smaller max_model_len"
+            )
+        shapes = [self.spec.projection_shape(p) for p in PROJECTIONS]
+        self.table = AdapterTable(self.pool, ADAPTER_SLOTS, self.spec.num_layers, shapes)
+        self.lora_groups = self._lora_groups()
+        # cold_start auto may stream a cold adapter into the pool while its prefill runs (gpu-stream): the LoRA
+        # kernels, compiled and captured below, then wait on the device for each streamed layer.
+        self.adapter_streaming = self._adapter_streaming()
+        if self.adapter_streaming["on"]:
+            self.table.enable_streaming()
+
+        self.registry = AdapterRegistry(self.spec, config.max_lora_rank, config.host_adapter_bytes, reserved_names=(self.model_name,))
+        for name, path in (*demo_adapters, *config.adapters):
+            self.registry.register(name, path)
+        for root in config.adapter_dirs:
+            self.registry.register_dir(root)
+        for adapter in _dummy_adapters(self.spec, config):
+            self.registry.add_in_memory(adapter)
+        self._adapter_roots = [Path(root).resolve() for root in config.adapter_roots]
+        if demo_adapters:
+            self._adapter_roots.append(Path(demo_adapters[0][1]).resolve().parent)
+        self._state_file = Path(config.state_dir) / "adapters.json" if config.state_dir else None
+        self._api_registrations = self._restore_registrations()
+        # Adapters of requests in flight, held by name until their last request ends: an adapter
+        # unloaded meanwhile still serves what was admitted before.
+        self._held: dict[str, list] = {}  # name -> [LoraAdapter, number of requests]
+        self._draining: set[str] = set()
+        self.stats = Metrics()  # counters for GET /metrics; Engine.metrics() snapshots them
+        self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
+        self.graphs = None
+        self.prefill_graphs = None
+        self.graph_steps = self.prefill_graph_steps = self.overlapped_steps = 0
+        # Overlapped decode (step(), _chain): only where the device runs behind the host. On the cpu a
+        # launch is the computation itself, so reading a step's tokens one step late would only delay them.
+        self.overlap_decode = config.overlap_decode and self.device.type == "cuda"
+        self._in_flight: InFlight | None = None
+        self._token_buffers = [torch.zeros(config.max_running_requests, dtype=torch.long, pin_memory=self.device.type == "cuda")
+                               for _ in range(2)]  # a step in flight and the one launched after it
+        self._token_turn = 0
+        if self.device.type == "cuda" and not config.eager and self.ops.name.startswith("triton"):
+            self.graphs = DecodeGraphs(self.model, self.kv, self.table, config.max_running_requests, self.max_model_len,
+                                       config.max_lora_rank, self.kernel_choice)
+            # Steps with prompt rows too: captured first (their largest bucket needs the most memory), the
+            # decode graphs then share their memory pool.
+            self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.table, config.max_batch_tokens,
+                                                config.max_running_requests, self.max_model_len, config.max_lora_rank)
+            self.prefill_graphs.capture()
+            self.graphs.pool = self.prefill_graphs.pool
+            self.graphs.capture()
+        self.residency = LoraResidency(self._host_adapter, self.table, self.stats, pinned_bytes=config.pinned_host_bytes,
+                                       staged_bytes=config.host_adapter_bytes)
+        self.online_prefill: OnlinePrefill | None = None  # early abort's estimate when no profile was found
+        admission, objectives = self._admission()
+        self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency,
+                                   admission, objectives, decode=self.tpot_decode)
+        self.admission_dropped = 0
+
+        self._lock = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._aborts: list[str] = []
+        self._drops: list[str] = []
+        self._sequences: dict[str, Sequence] = {}
+        self._finished: dict[str, Sequence] = {}  # read back by generate(); unused when started
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0
+        self.cold_start_decisions = dict.fromkeys(DECISIONS, 0)
+        self.stream_steps = {"steps": 0, "seconds": 0.0}  # steps run while adapters streamed in, their wall time
+        self.cpu_assist: CpuAssist | None = None
+        # (thread, its cpu affinity before keep_off_cores) on cuda with CPU workers, restored by close()
+        self._affinity: tuple = (None, None)
+        self.cold_start_costs: ColdStartCosts | None = None  # measured at start-up (auto); tests may replace it
+        if config.cold_start == "cached":
+            self._place_every_adapter()
+        elif config.cold_start in ("cpu", "auto"):
+            self._start_cpu_assist()
+        log.info(
+            "engine ready model=%s arch=%s device=%s dtype=%s ops=%s cuda_graphs=%s overlap_decode=%s pool_pages=%d "
+            "page_elems=%d kv_tokens=%d adapters=%d load_s=%.2f",
+            self.model_name, self.spec.architecture, self.device, str(self.dtype).removeprefix("torch."),
+            self.ops.name, "off" if self.graphs is None else "on", "on" if self.overlap_decode else "off", self.pool.capacity, self.pool.page_elems, self.kv.free_tokens(),
+            len(self.registry.names()), time.perf_counter() - started,
+        )
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _lora_pdl(self) -> dict:
+        """Whether decode steps launch the MBGMV expand early (config.lora_pdl): {"on": bool, "why": why it is off};
+        logged, in /v1/status. lora_pdl on where the device or triton cannot is refused."""
+        wanted = self.config.lora_pdl
+        if wanted == "off":
+            return {"on": False, "why": "lora_pdl off"}
+        if self.device.type != "cuda":
+            reason = f"{self.device.type}: reference ops"
+        else:
+            from lorad.gpu_ops.mbgmv import pdl_unavailable
+
+            reason = pdl_unavailable(self.device)
+        if reason is not None and wanted == "on":
+            raise BadRequest(f"lora_pdl on cannot run here: {reason}")
+        log.info("decode lora pdl=%s", "on" if reason is None else f"off ({reason})")
+        return {"on": reason is None, "why": reason}
+
+    def _adapter_streaming(self) -> dict:
+        """Whether cold adapters may stream in during their prefill (`gpu-stream`, a choice of cold_start auto):
+        {"on": bool, "why": why it is off}; logged, in /v1/status."""
+        config = self.config
+        if config.cold_start != "auto":
+            reason = f"cold_start {config.cold_start} (only auto streams)"
+        elif not config.layerwise:
+            reason = "layerwise off"
+        elif self.device.type != "cuda" or not self.ops.name.startswith("triton"):
+            reason = f"{self.device.type}: reference ops (the device-side wait is a Triton kernel's)"
+        else:
+            reason = None
+        log.info("cold adapter streaming=%s", "on" if reason is None else f"off ({reason})")
+        return {"on": reason is None, "why": reason}
+
+    def _lora_groups(self) -> dict[str, str]:
+        """How decode steps launch the LoRA of q,k,v and of gate,up (config.fuse_lora_groups): "one launch"
+        where the members' tiles agree (mbgmv.group_fits), else "per projection"; logged, in /v1/status."""
+        if not self.config.fuse_lora_groups or self.ops.lora_group == self.ops._lora_each:  # not on (the CPU ops: never)
+            return {"qkv": "per projection", "gate_up": "per projection"}
+        from lorad.gpu_ops.mbgmv import group_fits
+
+        groups = {name: "one launch" if group_fits(self.table, first, members, self.config.max_lora_rank, pdl=self.lora_pdl["on"])
+                  else "per projection"
+                  for name, first, members in (("qkv", 0, 3), ("gate_up", 4, 2))}
+        log.info("decode lora groups %s", " ".join(f"{name}={how.replace(' ', '-')}" for name, how in groups.items()))
+        return groups
+
+    @staticmethod
+    def _model_dir(config: EngineConfig) -> tuple[Path, list[tuple[str, str]]]:
+        if config.demo:
+            from lorad.daemon.model.demo import build_demo, default_demo_root
+
+            assets = build_demo(default_demo_root())
+            return assets.model_dir, [(name, str(path)) for name, path in assets.adapters.items()]
+        if config.model_config is not None:
+            if config.model is not None or not config.dummy_weights:
+                raise BadRequest("--model-config goes with --dummy-weights and without --model")
+            if config.model_config not in MODEL_CONFIGS:
+                raise BadRequest(f"unknown model config {config.model_config!r}: one of {', '.join(MODEL_CONFIGS)}")
+            return None, []
+        if config.model is None:
+            raise BadRequest("no model: give --model DIR, --demo, or --model-config NAME --dummy-weights")
+        return Path(config.model), []
+
+    def _pool_pages(self) -> int:
+        page_bytes = self.spec.hidden_size * torch.tensor([], dtype=self.dtype).element_size()
+        if self.config.pool_bytes is not None:
+            budget = self.config.pool_bytes
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # Leave room for the activations of the largest step (a generous multiple of its hidden states).
+            activations = self.config.max_batch_tokens * (self.spec.hidden_size * 8 + self.spec.intermediate_size * 4) * page_bytes // self.spec.hidden_size
+            if not self.config.eager:  # the CUDA graphs' memory pool holds one such step's activations for good
+                activations *= 2
+            budget = int(free * self.config.gpu_memory_utilization) - activations
+        else:
+            budget = CPU_POOL_BYTES
+        return max(2, budget // page_bytes)
+
+    def _admission(self) -> tuple[AdmissionPolicy, Objectives]:
+        """The admission policy and objectives of EngineConfig. Early abort predicts prefills with the
+        loaded profile's PrefillModel, or else with an estimate this engine measures as it runs."""
+        config = self.config
+        objectives = Objectives(config.slo_ttft_ms / 1e3 or float("inf"), config.slo_tpot_ms / 1e3 or float("inf"))
+        prefill = None
+        if config.admission == "early-abort":
+            profile = self.kernel_choice.profile
+            prefill = profile.prefill if profile is not None else OnlinePrefill()
+            self.online_prefill = None if profile is not None else prefill
+        max_wait_ms = config.slo_ttft_ms or CLUSTER_MAX_WAIT_MS
+        policy = make_admission(config.admission, prefill, config.cluster_max_adapters or None,
+                                max_wait_s=max_wait_ms / 1e3 if config.cluster_max_adapters else None)
+        self.admission_max_wait_ms = max_wait_ms if config.cluster_max_adapters else None
+        self.admission_estimate = self._admission_estimate_source()
+        # The time-per-token rule: no admission into a running batch whose predicted decode step breaks slo_tpot_ms.
+        self.tpot_decode = self.kernel_choice.decode_model if config.slo_tpot_ms else None
+        self.tpot_rule = (f"profile:{self.kernel_choice.source}" if self.tpot_decode is not None
+                          else "off (no slo_tpot_ms)" if not config.slo_tpot_ms else "off (no profile)")
+        log.info("admission policy=%s slo_ttft_ms=%s slo_tpot_ms=%s cluster_max_adapters=%d cluster_max_wait_ms=%s "
+                 "ttft_estimate=%r tpot_rule=%r", policy.name, config.slo_ttft_ms or "none", config.slo_tpot_ms or "none",
+                 config.cluster_max_adapters, self.admission_max_wait_ms or "-", self.admission_estimate, self.tpot_rule)
+        return policy, objectives
+
+    def _admission_estimate_source(self) -> str:
+        if self.config.admission != "early-abort":
+            return "none (no early abort)"
+        if self.online_prefill is not None:
+            return self.online_prefill.describe()
+        return f"profile:{self.kernel_choice.source}"
+
+    def _host_adapter(self, name: str) -> LoraAdapter:
+        held = self._held.get(name)
+        return held[0] if held is not None else self.registry.get(name)
+
+    def _place_every_adapter(self) -> None:
+        """cold_start="cached": every registered adapter in the pool before the first request."""
+        names = self.registry.names()
+        for placed, name in enumerate(names):
+            if not self.residency.preload(name):
+                raise ModelError(
+                    f"cold_start=cached: the page pool ({self.pool.capacity} pages) holds only {placed} of the "
+                    f"{len(names)} registered adapters; give more pool memory (pool_bytes) or use cold_start=ondemand"
+                )
+        needed = self.kv.blocks_for(self.max_model_len) * self.kv.pages_per_block
+        if self.pool.num_free < needed:
+            raise ModelError(
+                f"cold_start=cached: with every adapter placed, {self.pool.num_free} pool pages are left, fewer than "
+                f"one sequence of max_model_len={self.max_model_len} needs ({needed}); give more pool memory"
+            )
+        log.info("cold_start=cached adapters_placed=%d pool_free_pages=%d", len(names), self.pool.num_free)
+
+    def _start_cpu_assist(self) -> None:
+        """cold_start cpu|auto: the workers, their shared memory, and the lora op that uses them."""
+        shapes = [self.spec.projection_shape(p) for p in PROJECTIONS]
+        self.cpu_assist = CpuAssist(
+            default_workers(self.config.cpu_workers), self.config.max_batch_tokens,
+            max(fan_in for fan_in, _ in shapes), max(fan_out for _, fan_out in shapes), CPU_STORE_BYTES,
+            job_timeout_s=CPU_JOB_TIMEOUT_S, device=self.device, max_rank=self.config.max_lora_rank,
+            split=self.config.cpu_lora_split,
+        )
+        try:
+            base_lora, assist = self.ops.lora, self.cpu_assist
+
+            def gpu_lora(x, y, layer, proj, span):
+                # The span's rows on the pool path: a layer whose copy has arrived, or a failed job.
+                base_lora(x, y, layer, proj, span.gpu_batch, self.table)
+
+            def lora(x, y, layer, proj, batch, table):
+                base_lora(x, y, layer, proj, batch, table)
+                if batch.cpu_spans:
+                    assist.apply(x, y, layer, proj, batch.cpu_spans, gpu_lora)
+
+            self.ops.lora = lora
+            if self.device.type == "cuda":  # the GPU engine's host work never shares a core with a worker
+                self._affinity = (threading.get_ident(), keep_off_cores(assist.pool.worker_cores))
+                log.info("engine threads on cores %s, cpu lora workers on %s",
+                         sorted(os.sched_getaffinity(0)), assist.pool.worker_cores)
+            # Cold adapters of cpu-assisted prefills are copied layer by layer, so each layer passes to
+            # the GPU as it arrives; the others are placed as ondemand places them.
+            self.residency.placement_for = self._placement
+            log.info("cpu_assist_invocation path=%r layerwise=%s", assist.invocation, self.config.layerwise)
+            self.cold_start_costs = self._measure_cold_start_costs()
+        except BaseException:
+            self.close()
+            raise
+
+    def _measure_cold_start_costs(self) -> ColdStartCosts:
+        """What `auto` decides from: host -> pool bandwidth per tier, the workers' profiled cost."""
+        probe = 8 << 20
+        bandwidth = {}
+        if self.device.type == "cuda":
+            device_buffer = torch.empty(probe, dtype=torch.uint8, device=self.device)
+            for tier, pinned in (("pinned", True), ("pageable", False)):
+                source = torch.ones(probe, dtype=torch.uint8, pin_memory=pinned)
+                bandwidth[tier] = probe / _best_seconds(
+                    lambda: device_buffer.copy_(source, non_blocking=pinned), self.device)  # noqa: B023 (called at once)
+        else:
+            source, destination = torch.ones(probe, dtype=torch.uint8), torch.empty(probe, dtype=torch.uint8)
+            bandwidth["host"] = probe / _best_seconds(lambda: destination.copy_(source), self.device)
+        cost = self.cpu_assist.cost
+        # The profile is of one hidden x hidden module: scale to this model's mean projection.
+        shapes = [self.spec.projection_shape(p) for p in PROJECTIONS]
+        mean_width = sum(fan_in + fan_out for fan_in, fan_out in shapes) / len(shapes)
+        per_token_rank = cost.per_token_ms / cost.rank * mean_width / (cost.in_features + cost.out_features)
+        modelled = ColdStartCosts(
+            load_bytes_per_s=bandwidth, cpu_per_token_rank_ms=per_token_rank, cpu_overhead_ms=cost.overhead_ms,
+            dispatch_ms=cost.dispatch_ms, workers=self.cpu_assist.workers, prefill_ms_per_token=0.0,
+            # Serial on both paths: a layer's next kernels need its LoRA output, so the device's
+            # wait_and_add (fused) or the host's wait (python) holds the forward until the workers are done.
+            overlapped=False,
+            layerwise=self.config.layerwise and self.device.type == "cuda",
+            num_layers=self.spec.num_layers,
+            streaming=self.adapter_streaming["on"],
+        )
+        # What the one-core model misses (exchange copies, wake-ups, the per-invocation sync, workers
+        # sharing memory bandwidth) comes from a probe through the real path: per module invocation
+        # ms = invoke_ms + cpu_scale * modelled compute, fitted over the probe's prompt lengths.
+        probe = self.cpu_assist.calibrate(shapes, self.device, self.dtype)
+        points = [(modelled.cpu_lora_ms(tokens, PROFILE_RANK, 1), ms) for tokens, ms in probe["per_module_ms"]]
+        (x0, y0), (x1, y1) = points[0], points[-1]
+        cpu_scale = max((y1 - y0) / (x1 - x0), 0.1) if x1 > x0 else 1.0
+        invoke_ms = max(y0 - cpu_scale * x0, 0.0)
+        costs = dataclasses.replace(modelled, invoke_ms=invoke_ms, cpu_scale=cpu_scale,
+                                    stage_bytes_per_s=probe["stage_bytes_per_s"])
+        log.info("cold start costs %s probe_points=%s", costs, [(round(x, 4), round(y, 4)) for x, y in points])
+        return costs
+
+    # ---- the public interface ------------------------------------------------------------------
+    def models(self) -> list[dict]:
+        resident = set(self.residency.slots)
+        entries = [{"id": self.model_name, "parent": None, "kind": "base"}]
+        for name in self.registry.names():
+            info = self.registry.describe(name)
+            if name in resident:
+                info["location"] = "gpu" if self.device.type == "cuda" else "pool"
+            entries.append({"id": name, "parent": self.model_name, "kind": "lora", **info})
+        return entries
+
+    def status(self) -> dict:
+        with self._lock:
+            return {
+                "model": self.model_name,
+                "device": str(self.device),
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "ops": self.ops.name,
+                "pool": self.pool.occupancy(),
+                "adapters_resident": sorted(self.residency.slots),
+                "adapter_loads": self.residency.loads,
+                "adapter_prefetches": self.residency.prefetches,
+                "adapter_evictions": self.residency.evictions,
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting) + len(self._inbox),
+                "steps": self.steps,
+                "cuda_graph_steps": self.graph_steps,
+                "cuda_graphs": self.graphs.buckets if self.graphs is not None else "off",
+                "prefill_cuda_graph_steps": self.prefill_graph_steps,
+                "overlap_decode": self.overlap_decode,
+                "overlapped_decode_steps": self.overlapped_steps,
+                "prefill_cuda_graphs": self.prefill_graphs.tokens_buckets if self.prefill_graphs is not None else "off",
+                "lora_kernel_choice": self.kernel_choice.describe(),
+                "decode_lora_groups": self.lora_groups,
+                "decode_lora_pdl": dict(self.lora_pdl),
+                "lora_kernel_steps": dict(self.kernel_choice.steps),
+                "cold_start": self.config.cold_start,
+                "cold_start_decisions": dict(self.cold_start_decisions),
+                "cpu_workers": self.cpu_assist.workers if self.cpu_assist is not None else 0,
+                "cpu_lora_invocation": cuda_ext.invocation_path(),
+                "cpu_assist_invocation": self.cpu_assist.invocation if self.cpu_assist is not None else "off",
+                "cpu_assist_layerwise": self.config.layerwise,
+                "cold_adapter_streaming": dict(self.adapter_streaming),
+                "cold_placements": dict(self.residency.placed),
+                "cold_stream_steps": {"steps": self.stream_steps["steps"],
+                                      "wall_ms": round(self.stream_steps["seconds"] * 1e3, 3),
+                                      "issue_ms": round(self.residency.issue_seconds * 1e3, 3)},
+                # cold adapters streamed ahead of their request's admission, while the host waited for a step
+                "cold_streamed_ahead": {"adapters": self.residency.streamed_ahead,
+                                        "layers": self.residency.ahead_layers,
+                                        "issue_ms": round(self.residency.ahead_seconds * 1e3, 3)},
+                "cpu_assist_layers": dict(self.cpu_assist.layers) if self.cpu_assist is not None else {"cpu": 0, "gpu": 0},
+                "cpu_assisted_prefills": self.cpu_assist.assisted if self.cpu_assist is not None else 0,
+                "cpu_assist_fallbacks": self.cpu_assist.fallbacks if self.cpu_assist is not None else 0,
+                "cpu_worker_restarts": self.cpu_assist.pool.restarts if self.cpu_assist is not None else 0,
+                # "native": hot polling and small jobs in the workers' C++ loop; else "python: why not"
+                "cpu_worker_loop": self.cpu_assist.pool.worker_loop if self.cpu_assist is not None else "off",
+                "cpu_jobs_native": assist.pool.native_jobs if (assist := self.cpu_assist) is not None else 0,
+                # how assisted prefills were shared among the workers: token splits or split groups
+                "cpu_lora_split": self.config.cpu_lora_split,
+                "cpu_lora_plans": dict(self.cpu_assist.plans) if self.cpu_assist is not None else {},
+                "cpu_lora_group_dispatch_ms": (self.cpu_assist.cost.group_dispatch_ms
+                                               if self.cpu_assist is not None else None),
+                "admission": {
+                    "policy": self.scheduler.admission.name,
+                    "slo_ttft_ms": self.config.slo_ttft_ms or None,
+                    "slo_tpot_ms": self.config.slo_tpot_ms or None,
+                    "cluster_max_adapters": self.config.cluster_max_adapters or None,
+                    "cluster_max_wait_ms": self.admission_max_wait_ms,
+                    "ttft_estimate": self._admission_estimate_source(),
+                    "dropped": self.admission_dropped,
+                    "tpot_rule": self.tpot_rule,
+                    "tpot_held": self.scheduler.tpot_held,
+                },
+                **self._batch_locked(),
+            }
+
+    def _batch_locked(self) -> dict:
+        """The batch as a router sees it (scheduler/router.py's EngineView), for `lorad router`: each running
+        request as [adapter rank (0: base), context tokens, output tokens still allowed], each waiting one as
+        [adapter rank, tokens to prefill]; the batch limit and the KV positions free in the pool."""
+
+        def rank(seq: Sequence) -> int:  # _held keeps every in-flight request's adapter until it finishes
+            return 0 if seq.adapter is None else self._held[seq.adapter][0].rank
+
+        return {
+            "max_running_requests": self.config.max_running_requests,
+            "free_kv_tokens": self.kv.free_tokens(),
+            "running_batch": [
+                [rank(seq), seq.num_tokens, seq.state.request.sampling.max_tokens - seq.num_generated]
+                for seq in list(self.scheduler.running)
+            ],
+            "waiting_batch": [[rank(seq), seq.num_tokens] for seq in (*self.scheduler.waiting, *self._inbox)],
+        }
+
+    def metrics(self) -> dict:
+        """A picklable snapshot of the counters and gauges for GET /metrics (daemon/server/metrics.py renders it)."""
+        with self._lock:
+            running = [seq.adapter for seq in list(self.scheduler.running)]
+            waiting = [seq.adapter for seq in list(self.scheduler.waiting) + self._inbox]
+        return self.stats.snapshot(
+            model=self.model_name, running=len(running), waiting=len(waiting), running_adapters=running,
+            waiting_adapters=waiting, max_lora=ADAPTER_SLOTS, pool=self.pool.occupancy(),
+            adapters_resident=len(self.residency.slots), adapter_evictions=self.residency.evictions,
+            admission_tpot_held=self.scheduler.tpot_held,
+            cpu_jobs_native=assist.pool.native_jobs if (assist := self.cpu_assist) is not None else 0,
+        )
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Checks the request and queues it; raises BadRequest, NotFound, AdapterError, Overloaded."""
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise BadRequest("the prompt is empty")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
+            raise BadRequest(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        total = len(prompt) + request.sampling.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLong(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
+                f"{total} tokens, over this model's context of {self.max_model_len}"
+            )
+        if request.adapter is not None:
+            if request.adapter not in self.registry:
+                raise ModelNotFound(
+                    f"the model {request.adapter!r} does not exist (GET /v1/models lists the base model and adapters)"
+                )
+            adapter = self._read_adapter(request.adapter)  # read now, in the caller's thread: errors go to the caller
+        state = RequestState(request, Detokenizer(self.tokenizer, request.sampling.stop), make_generator(request.sampling))
+        seq = Sequence(request.request_id, list(prompt), len(prompt), request.adapter, blocks=BlockList(), state=state,
+                       rank=adapter.rank if request.adapter is not None else 0, arrival_s=self.scheduler.clock())
+        with self._lock:
+            if self._stopping:
+                raise Overloaded("the engine is shutting down")
+            if len(self.scheduler.waiting) + len(self._inbox) >= self.config.max_waiting_requests:
+                raise Overloaded(f"{self.config.max_waiting_requests} requests are already waiting")
+            if request.request_id in self._sequences:
+                raise BadRequest(f"request id {request.request_id} is already in use")
+            self._sequences[request.request_id] = seq
+            if request.adapter is not None:
+                held = self._held.setdefault(request.adapter, [adapter, 0])
+                held[1] += 1
+            self._inbox.append(seq)
+            self._lock.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+            self._lock.notify()
+
+    def load_adapter(self, name: str, path: str) -> dict:
+        """Registers an adapter through the API: the path must lie under an adapter root; the adapter is
+        read and checked now, and nothing already registered changes if it is refused."""
+        resolved = Path(path).resolve()  # follows symlinks: a link out of the roots is outside
+        if not any(resolved.is_relative_to(root) for root in self._adapter_roots):
+            if not self._adapter_roots:
+                raise BadRequest("no adapter roots are configured (adapter_roots): loading through the API is off")
+            roots = ", ".join(str(root) for root in self._adapter_roots)
+            raise BadRequest(f"{path} is not under an adapter root ({roots})")
+        with self._lock:
+            if name in self._draining:
+                raise BadRequest(f"adapter {name!r} is still finishing its requests after an unload; try again")
+            if name == self.model_name:
+                raise BadRequest(f"{name!r} is the base model's name")
+        self.registry.register(name, str(resolved))
+        try:
+            adapter = self._read_adapter(name)
+        except LoradError:
+            self.registry.unregister(name)
+            raise
+        self._api_registrations[name] = str(resolved)
+        self._save_registrations()
+        return adapter.describe()
+
+    def unload_adapter(self, name: str) -> None:
+        """New requests for it are refused at once; requests already submitted finish first, then its
+        pool pages go back."""
+        if name not in self.registry:
+            raise ModelNotFound(f"no adapter {name!r} is registered")
+        self.registry.unregister(name)
+        with self._lock:
+            if name in self._held:
+                self._draining.add(name)
+            else:
+                self._drops.append(name)  # the pool belongs to the engine thread
+            self._lock.notify()
+        if self._api_registrations.pop(name, None) is not None:
+            self._save_registrations()
+
+    def _read_adapter(self, name: str):
+        """registry.get, timed as a disk -> host load when the adapter was not in host memory."""
+        on_disk = self.registry.describe(name)["location"] == "disk"
+        started = time.perf_counter()
+        adapter = self.registry.get(name)
+        if on_disk:
+            self.stats.adapter_loaded("disk_to_host", time.perf_counter() - started)
+        return adapter
+
+    def _restore_registrations(self) -> dict[str, str]:
+        if self._state_file is None or not self._state_file.exists():
+            return {}
+        try:
+            saved = json.loads(self._state_file.read_text())
+        except (OSError, ValueError) as error:
+            log.warning("cannot read %s (%s): API registrations not restored", self._state_file, error)
+            return {}
+        restored = {}
+        for name, path in saved.items():
+            try:
+                self.registry.register(name, path)
+                restored[name] = path
+            except LoradError as error:
+                log.warning("registration not restored name=%s reason=%s", name, error.message)
+        return restored
+
+    def _save_registrations(self) -> None:
+        if self._state_file is None:
+            return
+        self._state_file.parent.mkdir(parents=True, exist_ok=True)
+        partial = self._state_file.with_suffix(".tmp")
+        partial.write_text(json.dumps(self._api_registrations, indent=1, sort_keys=True))
+        partial.replace(self._state_file)  # atomic: a crash leaves the old file or the new one
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Runs the requests together to completion in this thread (the engine must not be started)."""
+        if self._thread is not None:
+            raise RuntimeError("generate() drives the engine itself; do not call it after start()")
+        results: dict[str, GenerationResult] = {}
+        for request in requests:
+            self.submit(request)
+        while self.scheduler.has_work() or self._inbox:
+            self.step()
+        for request in requests:
+            seq = self._finished.pop(request.request_id)
+            state: RequestState = seq.state
+            results[request.request_id] = GenerationResult(
+                request.request_id, seq.tokens[: seq.prompt_len], seq.tokens[seq.prompt_len :],
+                state.detokenizer.text, state.finish_reason, state.logits if request.keep_logits else None,
+            )
+        return [results[r.request_id] for r in requests]
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="lorad-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def close(self) -> None:
+        """Stops the step loop (if started) and the CPU LoRA workers, and unlinks the engine's
+        shared-memory segments. Idempotent; the engine serves nothing afterwards."""
+        if self._thread is not None:
+            self.stop()
+        assist, self.cpu_assist = self.cpu_assist, None
+        if assist is not None:
+            assist.close()
+        thread, before = self._affinity
+        if before is not None and thread == threading.get_ident():  # affinity is per thread: only the one that set it
+            os.sched_setaffinity(0, before)
+            self._affinity = (None, None)
+
+    # ---- Memory protocol for the scheduler: KV growth may evict idle adapters ---------------------
+    def grow(self, blocks: list, num_tokens: int) -> bool:
+        if self.kv.grow(blocks, num_tokens):
+            return True
+        missing = (self.kv.blocks_for(num_tokens) - len(blocks)) * self.kv.pages_per_block
+        return self.residency.reclaim(missing) and self.kv.grow(blocks, num_tokens)
+
+    def release(self, blocks: list) -> None:
+        self.kv.release(blocks)
+
+    # ---- the step loop ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stopping or self._inbox or self._aborts or self._drops or self.scheduler.has_work()):
+                    self._lock.wait()
+                if self._stopping:
+                    break
+            try:
+                self.step()
+            except Exception:  # a bug must not kill the daemon: fail the step's requests, go on
+                log.exception("step failed; failing its requests")
+                self._in_flight = None
+                for seq in list(self.scheduler.running):
+                    self._finish(seq, "error", error="internal error in the engine step")
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + inbox:
+            self._finish(seq, "abort")
+
+    def step(self) -> None:
+        self._take_inbox()
+        if self._in_flight is not None:
+            if self._chain():
+                return
+            if self.scheduler.waiting and self.adapter_streaming["on"]:
+                # The host would only wait for the step in flight: queued requests' cold adapters start
+                # streaming in meanwhile (their copies hold the host until it is done, at most a layer more).
+                self._prefetch(self._in_flight.done)
+            self._land()
+        try:
+            plan = self.scheduler.schedule()
+        except LoradError as error:  # an adapter that broke between submit and admission
+            self._finish(self.scheduler.blocked, "error", error=error.message)
+            return
+        self._drop_by_admission()
+        assisted = self._cold_starts(plan)
+        if not plan:
+            if self.scheduler.waiting and not self.scheduler.running:
+                self._finish(self.scheduler.blocked, "error",
+                             error="the request does not fit in the page pool even alone (adapter too large)")
+            return
+        started = time.perf_counter()
+        streamed = bool(self.residency.streaming())  # this step ran while adapters streamed in
+        logits, sampled = self._forward(plan, assisted)
+        # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
+        self._prefetch(_recorded_event() if self.adapter_streaming["on"] and self.scheduler.waiting else None)
+        if not streamed and self._overlappable(plan, sampled, assisted):  # its tokens are read by the next step(), after it launches its successor
+            for seq in sampled:
+                seq.num_computed += 1
+            self._in_flight = self._launch_tokens(logits, sampled)
+            self.steps += 1
+            return
+        params = [seq.state.request.sampling for seq in sampled]
+        tokens = sample(logits, params, [seq.state.generator for seq in sampled])  # waits for the device
+        redo = self._after_cpu_assist(assisted, self._step_spans) if assisted else set()  # its prefill runs again
+        if streamed:
+            redo |= self._after_streams(plan)  # failed: their step read an adapter that never arrived
+            self.stream_steps["steps"] += 1
+            self.stream_steps["seconds"] += time.perf_counter() - started
+        if not assisted and not streamed and (self.online_prefill is not None or self.config.cold_start == "auto"):
+            self._observe_prefill(plan, time.perf_counter() - started)  # before num_computed moves on
+        for seq, count in plan:
+            if seq not in redo:
+                seq.num_computed += count
+        self.steps += 1
+        now = time.perf_counter()
+        for row, (seq, token) in enumerate(zip(sampled, tokens)):
+            if seq in redo:
+                continue
+            state: RequestState = seq.state
+            if state.request.keep_logits:
+                state.logits.append(logits[row].to("cpu", copy=True))  # graph logits live in static memory
+            self._take_token(seq, token, now)
+
+    def _take_token(self, seq: Sequence, token: int, now: float) -> None:
+        state: RequestState = seq.state
+        if state.first_token_time is None:
+            state.first_token_time = now
+            self.stats.first_token(now - state.arrival)
+        seq.tokens.append(token)
+        self._advance(seq, token)
+
+    # ---- overlapped decode -----------------------------------------------------------------------
+    # A greedy decode step's next input ids are its argmax, already on the device. So the step after it
+    # can be launched before the host has read them: its forward takes its input ids from the device,
+    # and the host reads the first step's tokens (and streams them, finishes requests) while the device
+    # runs the second. The host's work per step then hides behind the device's, instead of adding to it.
+    # A request that stops on a token (EOS, a stop sequence) has one row computed past its end, which is
+    # dropped; a request that stops on length is left out of the next step, as that is known in advance.
+    # Pages freed while a step is in flight are safe: KV pages are only written by later steps on the
+    # same stream, and adapter pages are only overwritten by a placement, which only the scheduler's
+    # admission and prefetch make, on the plain path, after the step in flight has been landed.
+
+    def _overlappable(self, plan: list[tuple[Sequence, int]], sampled: list[Sequence], assisted: dict) -> bool:
+        """Is this step's reading of its tokens deferred: a greedy decode step of every running request."""
+        if not self.overlap_decode or assisted or len(sampled) != len(plan) or len(plan) != len(self.scheduler.running):
+            return False
+        return all(count == 1 and seq.state.request.sampling.greedy and not seq.state.request.keep_logits
+                   and seq.num_computed + 1 == seq.num_tokens for seq, count in plan)
+
+    def _launch_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlight:
+        """The step's greedy tokens on the device, and their copy to the host started."""
+        tokens = logits.argmax(dim=-1)  # as sample() does for greedy rows
+        host = self._token_buffers[self._token_turn][: len(seqs)]
+        self._token_turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        done = None
+        if tokens.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return InFlight(seqs, tokens, host, done)
+
+    def _chain(self) -> bool:
+        """Launches the decode step after the one in flight from its tokens on the device, then lands the
+        one in flight. False (nothing done) when the next step is not that same decode batch: requests
+        wait to join it, or one of its KV caches cannot grow without the scheduler preempting."""
+        flight = self._in_flight
+        if self.scheduler.waiting or not self.overlap_decode:
+            return False
+        in_flight = set(flight.seqs)
+        if any(seq not in in_flight for seq in self.scheduler.running):
+            return False
+        rows = [row for row, seq in enumerate(flight.seqs) if not seq.state.finished and not self._ends_on_length(seq)]
+        seqs = [flight.seqs[row] for row in rows]
+        if not seqs or not all(self.grow(seq.blocks, seq.num_computed + 1) for seq in seqs):
+            return False
+        if rows == list(range(len(rows))):
+            device_tokens = flight.tokens[: len(rows)]
+        else:
+            index = torch.as_tensor(rows)
+            if flight.tokens.is_cuda:  # from pinned memory: a pageable copy may wait for the step in flight
+                index = index.pin_memory().to(flight.tokens.device, non_blocking=True)
+            device_tokens = flight.tokens[index]
+        for seq in seqs:
+            seq.tokens.append(0)  # stands for the token still on the device: the forward reads that one
+        try:
+            logits, _ = self._forward([(seq, 1) for seq in seqs], device_tokens=device_tokens)
+        finally:
+            for seq in seqs:
+                seq.tokens.pop()
+        following = self._launch_tokens(logits, seqs)
+        for seq in seqs:
+            seq.num_computed += 1
+        self.steps += 1
+        self.overlapped_steps += 1
+        self._land()
+        self._in_flight = following
+        if all(seq.state.finished for seq in seqs):  # every row ended on the tokens just landed
+            self._land()
+        return True
+
+    def _ends_on_length(self, seq: Sequence) -> bool:
+        """Will the token in flight be this sequence's last by length (_advance's rule, one token ahead)?"""
+        return seq.num_generated + 1 >= seq.state.request.sampling.max_tokens or seq.num_tokens + 1 >= self.max_model_len
+
+    def _land(self) -> None:
+        """Waits for the step in flight's tokens and hands them to their requests (those still going)."""
+        flight, self._in_flight = self._in_flight, None
+        if flight.done is not None:
+            flight.done.synchronize()
+        now = time.perf_counter()
+        for seq, token in zip(flight.seqs, flight.host.tolist()):
+            if not seq.state.finished:
+                self._take_token(seq, token, now)
+
+    def _drop_by_admission(self) -> None:
+        """Fails the requests the admission policy dropped this step, each with its reason (503)."""
+        for seq, reason in self.scheduler.take_dropped():
+            self.admission_dropped += 1
+            self.stats.dropped_by_admission(self.scheduler.admission.name)
+            log.info("request dropped id=%s adapter=%s policy=%s reason=%r",
+                     seq.request_id, seq.adapter, self.scheduler.admission.name, reason)
+            self._finish(seq, "error", error=f"dropped by {self.config.admission} admission: {reason}",
+                         error_type=AdmissionDropped.type)
+
+    def _cold_starts(self, plan: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
+        """The requests this step admitted whose adapter the pool did not hold: each one's first step
+        waits for the placement (gpu-wait), runs while it streams in (gpu-stream: its adapter was placed
+        so, see `_placement`) or has its LoRA computed by the CPU workers (cpu-assist).
+        -> {sequence: its adapter's id in the CPU store} for the cpu-assisted ones."""
+        if not self.residency.admitted_cold:
+            return {}
+        cold = dict(self.residency.admitted_cold)
+        self.residency.admitted_cold.clear()
+        assisted = {}
+        self._assist_began = time.perf_counter()  # staging included: the prediction includes it
+        self._assist_predictions = []
+        self._assist_step_tokens = sum(count for _, count in plan)
+        for seq, count in plan:
+            if seq.num_computed or seq.adapter not in cold:
+                continue
+            adapter = self._held[seq.adapter][0]
+            if isinstance(self.residency.loading.get(seq.adapter), StreamedLoad):
+                choice, decision = GPU_STREAM, None
+            else:
+                choice, decision = self._cold_start_choice(adapter, count, cold[seq.adapter])
+                choice = GPU_WAIT if choice == GPU_STREAM else choice  # placed whole after all
+            if choice == CPU_ASSIST:
+                # The workers poll from now on: their first job is moments away. Only then: a gpu-wait
+                # cold start must not set the workers spinning on cores the engine may need.
+                self.cpu_assist.heat()
+                adapter_id = self.cpu_assist.stage(adapter)
+                if adapter_id is None:
+                    choice = GPU_WAIT
+                else:
+                    assisted[seq] = adapter_id
+                    if decision is not None:
+                        self._assist_predictions.append(decision)
+            self.cold_start_decisions[choice] += 1
+            self.stats.cold_start_decided(choice)
+        # Layer-wise copies of adapters whose rows take the pool path this step: joined before the forward.
+        # (An assisted request whose copy was placed in one piece has nothing in `loading`: the CPU
+        # serves all its layers.) Streamed ones: the forward waits for their table rows only.
+        streaming = set(self.residency.streaming())
+        for name in streaming:
+            self.residency.loading[name].publish()
+        self.residency.join([name for name in self.residency.loading
+                             if name not in streaming and name not in {seq.adapter for seq in assisted}])
+        return assisted
+
+    def _placement(self, adapter: LoraAdapter, tier: str, tokens: int | None) -> str:
+        """At admission, before the copy starts: how this cold adapter is placed (lora_residency.PLACEMENTS),
+        from the same decision `_cold_starts` makes next: layer by layer for a prefill that will be
+        cpu-assisted, streamed for a gpu-stream one, whole otherwise (a gpu-wait cold start would pay
+        per-layer copies and events, then join them all, for nothing)."""
+        if not self.config.layerwise or (tokens is None and self.config.cold_start != "cpu"):
+            return "whole"
+        choice = self._cold_start_choice(adapter, tokens or 0, tier)[0]
+        return {CPU_ASSIST: "layerwise", GPU_STREAM: "stream"}.get(choice, "whole")
+
+    def _cold_start_choice(self, adapter: LoraAdapter, tokens: int, tier: str) -> tuple[str, Decision | None]:
+        """-> (the choice, the `auto` decision with its predicted costs; None in a forced mode)."""
+        mode = self.config.cold_start
+        if self.cpu_assist is None or mode not in ("cpu", "auto"):
+            return GPU_WAIT, None
+        if mode == "cpu":
+            return CPU_ASSIST, None
+        # what the copy into the pool moves: the staged pages (the pool's dtype), not the float32 host weights
+        copy_bytes = self.table.pages_needed(adapter.weights) * self.pool.page_elems * self.pool.pages.element_size()
+        request = ColdStart(tokens, adapter.nbytes, adapter.rank, len(adapter.weights), tier,
+                            staged=self.cpu_assist.is_staged(adapter), copy_bytes=copy_bytes)
+        try:
+            decision = decide(request, self.cold_start_costs)
+        except KeyError as error:  # a tier not measured at start-up
+            log.warning("cold start decision impossible (%s): gpu-wait", error)
+            return GPU_WAIT, None
+        log.debug("cold start adapter=%s tier=%s tokens=%d staged=%s choice=%s gpu_wait_ms=%.3f cpu_assist_ms=%.3f "
+                  "prefill_ms=%.3f cpu_layers=%d correction=%.3f", adapter.name, tier, tokens, request.staged,
+                  decision.choice, decision.gpu_wait_ms, decision.cpu_assist_ms, decision.prefill_ms,
+                  decision.cpu_layers, decision.correction)
+        return decision.choice, decision
+
+    def _after_cpu_assist(self, assisted: dict, spans: list) -> set:
+        """After the step's sync (sampling): the layer-wise copies joined, the counters moved on, and
+        -> the sequences whose step must be recomputed (a failed fused-path job: cpu_assist.after_step);
+        their prefill runs again next step on the pool path, where the adapter now is."""
+        assist = self.cpu_assist
+        self.residency.join()
+        broken = {span.request_id for span in assist.after_step(spans)}
+        redo = {seq for seq in assisted if seq.request_id in broken}
+        predictions, self._assist_predictions = self._assist_predictions, []
+        if predictions and not redo and self.cold_start_costs is not None:
+            # auto's online check: what the assisted step took beyond the base prefill's moving average.
+            elapsed_ms = (time.perf_counter() - self._assist_began) * 1e3
+            base_ms = self.cold_start_costs.prefill_ms_per_token * self._assist_step_tokens
+            self.cold_start_costs = observe_assisted(self.cold_start_costs, predictions, elapsed_ms - base_ms)
+            log.debug("cold start observed assisted step ms=%.3f base_ms=%.3f predicted_extra_ms=%.3f correction=%.3f",
+                      elapsed_ms, base_ms, sum(d.cpu_extra_ms for d in predictions), self.cold_start_costs.correction)
+        assist.assisted += len(assisted) - len(redo)
+        for _ in range(assist.pool.restarts - assist.restarts_seen):
+            self.stats.worker_restarted()
+        for _ in range(assist.fallbacks - assist.fallbacks_seen):
+            self.stats.cpu_assist_fell_back()
+        for path, count in assist.layers.items():
+            self.stats.cpu_assist_layers(path, count - assist.layers_seen[path])
+        assist.restarts_seen, assist.fallbacks_seen, assist.layers_seen = assist.pool.restarts, assist.fallbacks, dict(assist.layers)
+        return redo
+
+    def _after_streams(self, plan: list[tuple[Sequence, int]]) -> set[Sequence]:
+        """After a step that ran while adapters streamed in (its sampling synchronised the device): their
+        copies joined -> the sequences of the step that read a copy that failed or came too late (a LoRA
+        kernel gave up waiting). Those are failed with the reason and their adapters dropped from the pool;
+        the engine goes on."""
+        names = self.residency.streaming()
+        if not names:
+            return set()
+        failed = self.residency.finish_streams()
+        if self.table.stream_error.item():  # which slot a kernel gave up on is not kept: all of the step's
+            self.table.stream_error.zero_()
+            failed.update({name: "the adapter's copy to the GPU did not arrive in time" for name in names if name not in failed})
+        if not failed:
+            return set()
+        broken = {seq for seq, _ in plan if seq.adapter in failed}
+        for seq in broken:
+            log.error("request failed id=%s adapter=%s: %s", seq.request_id, seq.adapter, failed[seq.adapter])
+            self._finish(seq, "error", error=failed[seq.adapter])
+        for name in failed:
+            self.residency.drop(name)
+        return broken
+
+    def _observe_prefill(self, plan: list[tuple[Sequence, int]], seconds: float) -> None:
+        """The base prefill's cost per token, a moving average over steps with prompt tokens: for cold start
+        `auto`, and for early abort's TTFT estimate when no profile was loaded."""
+        tokens = sum(count for seq, count in plan if seq.num_computed < seq.prompt_len)
+        if tokens < 8:
+            return
+        if self.online_prefill is not None:
+            self.online_prefill.observe(sum(count for _, count in plan), seconds)
+        if self.cold_start_costs is None or self.config.cold_start != "auto":
+            return
+        previous = self.cold_start_costs.prefill_ms_per_token
+        sample = seconds * 1e3 / sum(count for _, count in plan)
+        self.cold_start_costs = dataclasses.replace(
+            self.cold_start_costs, prefill_ms_per_token=sample if previous == 0 else 0.8 * previous + 0.2 * sample)
+
+    def _forward(self, plan: list[tuple[Sequence, int]], assisted: dict | None = None,
+                 device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Sequence]]:
+        """Runs the step's forward: replayed from a decode CUDA graph when every sequence decodes one token,
+        from a prefill graph (daemon/engine/prefill_graphs.py) when the step has prompt rows and fits one; eager
+        when CPU assist computes some of its rows. device_tokens: a decode step's input ids, on the device
+        (overlapped decode), in place of each sequence's last token."""
+        if self.graphs is not None and not assisted and not self.residency.loading \
+                and all(count == 1 and seq.num_computed + 1 == seq.num_tokens for seq, count in plan):
+            max_blocks = max(len(seq.blocks) for seq, _ in plan)
+            if self.graphs.fits(len(plan), max_blocks):
+                seqs = [seq for seq, _ in plan]
+                logits = self.graphs.run(
+                    np.array([seq.tokens[-1] for seq in seqs]),
+                    np.array([seq.num_computed for seq in seqs]),
+                    np.array([self.residency.slot(seq.adapter) for seq in seqs]),
+                    [seq.blocks.array() for seq in seqs],
+                    device_tokens,
+                )
+                self.graph_steps += 1
+                return logits, seqs
+        if self.prefill_graphs is not None and not assisted and device_tokens is None:
+            num_tokens = sum(count for _, count in plan)
+            if self.prefill_graphs.fits(num_tokens, len(plan), max(len(seq.blocks) for seq, _ in plan)):
+                seqs = [StepSeq(np.asarray(seq.tokens[seq.num_computed : seq.num_computed + count]), seq.num_computed,
+                                self.residency.slot(seq.adapter), seq.blocks.array(), seq.num_computed + count == seq.num_tokens)
+                        for seq, count in plan]
+                logits = self.prefill_graphs.run(seqs)
+                # Streamed adapters' pages go out now, while the graph runs: its LoRA kernels wait for each
+                # layer on the device (AdapterTable.place_streamed). Nothing above waited for the device.
+                self.residency.issue_streams()
+                self.prefill_graph_steps += 1
+                return logits, [seq for seq, count in plan if seq.num_computed + count == seq.num_tokens]
+        # An eager forward may wait for the device (a first launch of a kernel loads it): everything its
+        # kernels wait for is queued before it.
+        self.residency.issue_streams()
+        step, sampled = self._build_step(plan, assisted or {})
+        if device_tokens is not None:
+            step.input_ids = device_tokens
+        return self.model.forward(step, self.kv.view, self.table), sampled
+
+    def _prefetch(self, busy=None) -> None:
+        """Places the adapters of the first queued requests while the device runs a step. busy: that step's
+        event, where cold adapters may stream in (`adapter_streaming`): those the admission would stream are
+        streamed ahead, their layers queued until the event has passed (LoraResidency.prefetch)."""
+        reserve = len(self.scheduler.running) * self.kv.pages_per_block  # one more block for each runner
+        for seq in list(self.scheduler.waiting)[:PREFETCH_DEPTH]:
+            tokens = None if busy is None else seq.num_tokens - seq.num_computed
+            if seq.adapter is not None and not self.residency.prefetch(seq.adapter, reserve, tokens):
+                break
+        if busy is not None:
+            self.residency.issue_ahead(busy.query)
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+            drops, self._drops = self._drops, []
+        for name in drops:
+            self.residency.drop(name)
+        for seq in inbox:
+            self.scheduler.add(seq)
+        for request_id in aborts:
+            seq = self._sequences.get(request_id)
+            if seq is not None:
+                self._finish(seq, "abort")
+
+    def _build_step(self, plan: list[tuple[Sequence, int]], assisted: dict) -> tuple[Step, list[Sequence]]:
+        """The step's metadata, built once on the host and sent to the device. The rows of
+        cpu-assisted sequences get slot -1 and a CpuSpan instead: the CPU workers compute their LoRA."""
+        tokens_per_page = self.kv.tokens_per_page
+        num_layers = self.spec.num_layers
+        input_ids, positions, row_slots = [], [], []
+        query_start, query_len, kv_len, sample_rows, sampled = [], [], [], [], []
+        max_blocks = max(len(seq.blocks) for seq, _ in plan)
+        block_table = np.zeros((len(plan), max_blocks, num_layers, 2), dtype=np.int32)
+        dest, cpu_spans = [], []
+        device = self.device
+        for index, (seq, count) in enumerate(plan):
+            start, first_row = seq.num_computed, len(input_ids)
+            query_start.append(first_row)
+            query_len.append(count)
+            kv_len.append(start + count)
+            input_ids.extend(seq.tokens[start : start + count])
+            positions.extend(range(start, start + count))
+            adapter_id = assisted.get(seq)
+            if adapter_id is None:
+                row_slots.extend([self.residency.slot(seq.adapter)] * count)
+            else:
+                row_slots.extend([-1] * count)
+                held = self._held[seq.adapter][0]
+                span = self.cpu_assist.span(seq.request_id, adapter_id, self.residency.slot(seq.adapter),
+                                            held.weights.keys(), first_row, first_row + count, rank=held.rank)
+                # Its rows on the pool path (a layer whose copy arrived, or a failed job), built here:
+                # the forward never builds metadata, which would copy to the device from pageable memory.
+                span.gpu_batch = LoraBatch.build([span.slot] * count, device)
+                self.ops.prepare_lora(span.gpu_batch, self.table)
+                span.load = self.residency.loading.get(seq.adapter)
+                cpu_spans.append(span)
+            blocks = seq.blocks.array()
+            block_table[index, : len(blocks)] = blocks
+            dest.append(blocks[np.arange(start, start + count) // tokens_per_page])
+            if start + count == seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sampled.append(seq)
+        positions_np = np.asarray(positions, dtype=np.int64)
+        attention = AttentionBatch(
+            block_table=torch.from_numpy(block_table.transpose(2, 3, 0, 1).copy()).to(device),
+            dest_pages=torch.from_numpy(np.concatenate(dest).transpose(1, 2, 0).astype(np.int64)).to(device),
+            dest_offsets=torch.from_numpy(positions_np % tokens_per_page).to(device),
+            query_start=query_start,
+            query_len=query_len,
+            kv_len=kv_len,
+        )
+        step = Step(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=torch.from_numpy(positions_np).to(device),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+            attention=attention,
+            lora=LoraBatch.build(row_slots, device),
+        )
+        step.lora.cpu_spans = self._step_spans = cpu_spans
+        self.ops.prepare_lora(step.lora, self.table)
+        return step, sampled
+
+    def _advance(self, seq: Sequence, token: int) -> None:
+        state: RequestState = seq.state
+        sampling = state.request.sampling
+        stopped = state.detokenizer.add(token)
+        reason = None
+        if stopped:
+            reason = "stop"
+        elif not sampling.ignore_eos and token in self.spec.eos_token_ids:
+            reason = "stop"
+        elif token in sampling.stop_token_ids:
+            reason = "stop"
+        elif seq.num_generated >= sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason, new_tokens=[token])
+        else:
+            self._emit(seq, RequestOutput(seq.request_id, [token], state.detokenizer.take(final=False)))
+
+    def _finish(self, seq: Sequence, reason: str, new_tokens: list[int] | None = None, error: str | None = None,
+                error_type: str | None = None) -> None:
+        state: RequestState = seq.state
+        if state.finished:
+            return
+        state.finished = True
+        state.finish_reason = reason
+        now = time.perf_counter()
+        decode_s = None if state.first_token_time is None else now - state.first_token_time
+        self.stats.request_finished(reason, seq.prompt_len, seq.num_generated, now - state.arrival, decode_s)
+        self.scheduler.finish(seq)
+        with self._lock:
+            self._sequences.pop(seq.request_id, None)
+            if seq.adapter is not None:
+                held = self._held[seq.adapter]
+                held[1] -= 1
+                if held[1] == 0:
+                    del self._held[seq.adapter]
+                    if seq.adapter in self._draining:
+                        self._draining.discard(seq.adapter)
+                        self.residency.drop(seq.adapter)
+        if self._thread is None:
+            self._finished[seq.request_id] = seq
+        text = state.detokenizer.take(final=True) if reason in ("stop", "length") else ""
+        self._emit(seq, RequestOutput(seq.request_id, new_tokens or [], text, True, reason, seq.prompt_len, seq.num_generated, error,
+                                      error_type))
+        if reason in ("stop", "length", "abort", "error"):
+            ttft = (state.first_token_time - state.arrival) * 1e3 if state.first_token_time else -1
+            log.debug("request done id=%s adapter=%s reason=%s generated=%d ttft_ms=%.1f", seq.request_id, seq.adapter, reason, seq.num_generated, ttft)
+
+    @staticmethod
+    def _emit(seq: Sequence, output: RequestOutput) -> None:
+        callback = seq.state.request.on_output
+        if callback is None:
+            return
+        try:
+            callback(output)
+        except Exception:  # a consumer's failure is the consumer's problem, never the engine's
+            log.exception("on_output callback failed request=%s", seq.request_id)
+
+
+def _dummy_adapters(spec: ModelSpec, config: EngineConfig) -> list[LoraAdapter]:
+    """`dummy_adapters` random adapters of one rank and target set, straight into host memory.
+
+    A handful of distinct weight sets is shared by all of them (generating thousands of 7B-sized
+    adapters would take minutes and tens of GB); each still has its own name, its own pool pages and
+    its own host->device load, which is what serving costs depend on."""
+    if config.dummy_adapters <= 0:
+        return []
+    targets = tuple(t.strip() for t in config.dummy_adapter_targets.split(",") if t.strip())
+    unknown = [t for t in targets if t not in PROJECTIONS]
+    if unknown or not targets:
+        raise BadRequest(f"dummy_adapter_targets: unknown projections {unknown}; use {', '.join(PROJECTIONS)}")
+    rank = config.dummy_adapter_rank
+    if not 1 <= rank <= config.max_lora_rank:
+        raise BadRequest(f"dummy_adapter_rank must be in 1..{config.max_lora_rank}")
+    generator = torch.Generator().manual_seed(config.seed)
+    weight_sets = []
+    for _ in range(min(4, config.dummy_adapters)):
+        weights = {}
+        for layer in range(spec.num_layers):
+            for projection in targets:
+                fan_in, fan_out = spec.projection_shape(projection)
+                a = torch.randn(rank, fan_in, generator=generator) * fan_in**-0.5
+                b = torch.randn(fan_out, rank, generator=generator) * (0.5 / rank)
+                weights[(layer, PROJECTIONS.index(projection))] = (a, b)
+        weight_sets.append(weights)
+    nbytes = sum(a.nbytes + b.nbytes for a, b in weight_sets[0].values())
+    return [
+        LoraAdapter(
+            name=f"dummy-{index}", path="<memory>", rank=rank, targets=tuple(p for p in PROJECTIONS if p in targets),
+            weights=weight_sets[index % len(weight_sets)], nbytes=nbytes,
+            scaling={key: 1.0 for key in weight_sets[0]},
+        )
+        for index in range(config.dummy_adapters)
+    ]
+
+
+def _recorded_event() -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _best_seconds(copy, device: torch.device, repeats: int = 3) -> float:
+    """The fastest of a few runs of `copy` (synchronised on cuda): a bandwidth probe."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        copy()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return max(best, 1e-9)
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BadRequest("device cuda was asked for, but torch sees no CUDA GPU")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16

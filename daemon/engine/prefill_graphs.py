@@ -1,0 +1,226 @@
+"""Steps with prompt rows (prefills, chunked prefills mixed with decodes) replayed from CUDA graphs, one
+graph per token bucket.
+
+An eager forward of the 7B shape launches ~20 kernels a layer; Triton's launcher costs tens of
+microseconds each, so a prefill of 32..512 tokens took 30-40 ms on the host where its kernels take
+6-18 ms on the device (bench/prefill_host.py; BENCHMARKS.md). A graph per bucket of step tokens
+(16, 32, ..., max_batch_tokens) removes that cost. Everything a graph reads lives in static buffers
+filled before each replay, and every grid is fixed by the bucket:
+
+- rows past the step's tokens are padding: token 0 at position 0, written to the scratch page, in
+  no LoRA segment, never sampled;
+- attention runs every sequence, decode rows included, through the prefill kernel over a fixed
+  number of query tiles (the bucket's tokens / the tile height, plus one per sequence); tiles past
+  the step's point at a padding sequence of no rows, which returns at once;
+- LoRA runs MBGMM at the configured maximum rank over a fixed list of row tiles (the bucket's tokens /
+  64, plus one per segment, a segment being one adapter's rows); tiles past the step's point at a
+  padding segment of no rows, and each program past its adapter's rank returns at once;
+- logits come back for a fixed number of sampled rows; the caller reads the first ones.
+
+Graphs are captured per bucket for steps without any adapter row ("none": no LoRA launches) and with
+("lora"). Steps with CPU-assisted rows, or larger than the largest bucket, run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from lorad.daemon.engine.decode_graphs import BlockStaging, capture_forward
+from lorad.daemon.model.llama import Step
+from lorad.gpu_ops.attention import AttentionBatch
+from lorad.gpu_ops.lora import LoraBatch
+from lorad.gpu_ops.page_pool import SCRATCH_PAGE
+
+log = logging.getLogger(__name__)
+
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+@dataclass(frozen=True)
+class StepSeq:
+    """One sequence's part of a step: its new tokens, the position of the first, its adapter slot
+    (-1: none), its block list [blocks, L, 2] and whether its last row is sampled."""
+
+    tokens: np.ndarray
+    start: int
+    slot: int
+    blocks: np.ndarray
+    sample: bool
+
+
+class _Bucket:
+    """The static metadata of one token bucket: `tokens` rows, at most `seqs` sequences and `seqs` LoRA
+    segments (and a padding one of each after them), `tiles` attention tiles of `tile_m` rows, `seg_tiles`
+    LoRA row tiles of `seg_tile_m` rows."""
+
+    def __init__(self, tokens: int, seqs: int, tile_m: int, seg_tile_m: int, device: torch.device, pin: bool):
+        self.tokens, self.seqs, self.tile_m, self.seg_tile_m = tokens, seqs, tile_m, seg_tile_m
+        self.tiles = -(-tokens // tile_m) + seqs
+        self.seg_tiles = -(-tokens // seg_tile_m) + seqs
+        # int32, one copy: seg_meta [3, seqs + 1] | seg_rows [tokens] | row_slot [tokens] | seq_info [3, seqs + 1]
+        # | tile_seq [tiles] | tile_row [tiles] | seg_tile [2, seg_tiles]
+        self.sizes = (3 * (seqs + 1), tokens, tokens, 3 * (seqs + 1), self.tiles, self.tiles, 2 * self.seg_tiles)
+        total = sum(self.sizes)
+        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
+        self.device = torch.zeros(total, dtype=torch.int32, device=device)
+        parts = self.device.split(self.sizes)
+        self.seg_meta, self.seg_rows, self.row_slot = parts[0].view(3, seqs + 1), parts[1], parts[2]
+        self.seq_info, self.tile_seq, self.tile_row = parts[3].view(3, seqs + 1), parts[4], parts[5]
+        self.seg_tile = parts[6].view(2, self.seg_tiles)
+        self.host_parts = [part.numpy() for part in self.host.split(self.sizes)]
+
+
+class PrefillGraphs:
+    def __init__(self, model, kv, table, max_tokens: int, max_seqs: int, max_model_len: int, max_lora_rank: int,
+                 buckets: tuple[int, ...] = TOKEN_BUCKETS):
+        from lorad.gpu_ops.mbgmm import GRAPH_BLOCK_M
+        from lorad.gpu_ops.paged_attention import PREFILL_BLOCK_M
+
+        self.model, self.kv, self.table = model, kv, table
+        self.max_rank = max_lora_rank
+        self.max_blocks = kv.blocks_for(max_model_len)
+        self.tokens_buckets = [b for b in buckets if b < max_tokens] + [max_tokens]
+        device = kv.view.device
+        self.pin = device.type == "cuda"
+        largest = self.tokens_buckets[-1]
+        self.max_seqs = min(max_seqs, largest)
+        layers = kv.num_layers
+        self.buckets = {t: _Bucket(t, min(t, self.max_seqs), PREFILL_BLOCK_M, GRAPH_BLOCK_M, device, self.pin) for t in self.tokens_buckets}
+        # int64 rows: input_ids, positions, dest_offsets, sample_rows
+        self.packed64 = torch.zeros(4, largest, dtype=torch.long, device=device)
+        self.host64 = torch.zeros(4, largest, dtype=torch.long, pin_memory=self.pin)
+        self.dest_pages = torch.full((layers, 2, largest), SCRATCH_PAGE, dtype=torch.long, device=device)
+        self.host_dest = torch.full((layers, 2, largest), SCRATCH_PAGE, dtype=torch.long, pin_memory=self.pin)
+        self.block_table = torch.full((layers, 2, self.max_seqs + 1, self.max_blocks), SCRATCH_PAGE, dtype=torch.int32,
+                                      device=device)
+        self.blocks = BlockStaging(layers, device)
+        self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.last_key = None
+
+    def plan(self) -> list[tuple[int, str]]:
+        return [(tokens, kind) for tokens in self.tokens_buckets for kind in ("none", "lora")]
+
+    def capture(self, pool=None) -> None:
+        """Captures every bucket's graphs, largest first so the smaller ones reuse its memory; `pool`: a
+        graph memory pool to share (the engine captures these first and hands their pool to the decode
+        graphs; `lorad profile` hands these the decode graphs')."""
+        self.pool = pool
+        for key in sorted(self.plan(), key=lambda key: -key[0]):
+            graph, logits, self.pool = capture_forward(self.model, self.static_step(*key), self.kv.view, self.table, self.pool)
+            self.graphs[key] = (graph, logits)
+        log.info("prefill cuda graphs captured token_buckets=%s max_seqs=%d max_rank=%d",
+                 ",".join(map(str, self.tokens_buckets)), self.max_seqs, self.max_rank)
+
+    def fits(self, num_tokens: int, num_seqs: int, max_blocks: int) -> bool:
+        return num_tokens <= self.tokens_buckets[-1] and num_seqs <= self.max_seqs and max_blocks <= self.max_blocks
+
+    def run(self, seqs: list[StepSeq]) -> torch.Tensor:
+        """One step -> logits [sampled sequences, vocab] float32, in the order of `seqs` (a view of static
+        memory, valid until the next replay). No host sync: every copy is from pinned memory, which the
+        previous step's sampling (a host sync) has finished reading."""
+        key, num_sampled = self.fill(seqs)
+        self.last_key = key
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits[:num_sampled]
+
+    def fill(self, seqs: list[StepSeq]) -> tuple[tuple[int, str], int]:
+        """Fills the static buffers for this step -> (the graph key, the number of sampled rows)."""
+        lengths = np.fromiter((len(s.tokens) for s in seqs), dtype=np.int64, count=len(seqs))
+        n = int(lengths.sum())
+        tokens = next(t for t in self.tokens_buckets if t >= n)
+        bucket = self.buckets[tokens]
+        tokens_per_page, layers = self.kv.tokens_per_page, self.kv.num_layers
+        starts_row = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        first_pos = np.fromiter((s.start for s in seqs), dtype=np.int64, count=len(seqs))
+        positions = np.repeat(first_pos - starts_row, lengths) + np.arange(n)
+        slots = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=len(seqs))
+        row_slot = np.repeat(slots, lengths)
+        sampled = [index for index, s in enumerate(seqs) if s.sample]
+
+        host64 = self.host64.numpy()
+        host64[:, :tokens] = 0
+        host64[0, :n] = np.concatenate([np.asarray(s.tokens, dtype=np.int64) for s in seqs])
+        host64[1, :n] = positions
+        host64[2, :n] = positions % tokens_per_page
+        host64[3, : len(sampled)] = starts_row[sampled] + lengths[sampled] - 1
+
+        seg_meta, seg_rows, slot_rows, seq_info, tile_seq, tile_row, seg_tile = bucket.host_parts
+        seg_meta[:] = 0  # padding segments (the last one always): no rows
+        seg_rows[:] = 0
+        slot_rows[:] = -1
+        slot_rows[:n] = row_slot
+        seg_tile = seg_tile.reshape(2, -1)
+        seg_tile[0], seg_tile[1] = bucket.seqs, 0  # unused tiles: the padding segment
+        used = np.flatnonzero(row_slot >= 0)
+        if len(used):
+            order = used[np.argsort(row_slot[used], kind="stable")]
+            seg_slots, seg_first, seg_len = np.unique(row_slot[order], return_index=True, return_counts=True)
+            count = len(seg_slots)
+            seg_meta.reshape(3, -1)[:, :count] = (seg_slots, seg_first, seg_len)
+            seg_rows[: len(order)] = order
+            per_segment = -(-seg_len // bucket.seg_tile_m)
+            num = int(per_segment.sum())
+            seg_tile[0, :num] = np.repeat(np.arange(count), per_segment)
+            seg_tile[1, :num] = (np.arange(num) - np.repeat(np.cumsum(per_segment) - per_segment, per_segment)) * bucket.seg_tile_m
+        info = seq_info.reshape(3, -1)
+        info[:] = 0  # padding sequences (from len(seqs) on, the last one always): no rows, no context
+        info[0, : len(seqs)] = starts_row
+        info[1, : len(seqs)] = lengths
+        info[2, : len(seqs)] = first_pos + lengths
+        tile_m = bucket.tile_m
+        tiles_per_seq = -(-lengths // tile_m)
+        num_tiles = int(tiles_per_seq.sum())
+        tile_seq[:] = bucket.seqs  # the padding sequence
+        tile_row[:] = 0
+        tile_seq[:num_tiles] = np.repeat(np.arange(len(seqs)), tiles_per_seq)
+        tile_row[:num_tiles] = (np.arange(num_tiles) - np.repeat(np.cumsum(tiles_per_seq) - tiles_per_seq, tiles_per_seq)) * tile_m
+
+        width = max(len(s.blocks) for s in seqs)
+        staged = self.blocks.stage(len(seqs), width)
+        dest = np.empty((n, layers, 2), dtype=np.int64)
+        for index, s in enumerate(seqs):
+            staged[index, : len(s.blocks)] = s.blocks
+            rows = slice(starts_row[index], starts_row[index] + lengths[index])
+            dest[rows] = s.blocks[positions[rows] // tokens_per_page]
+        host_dest = self.host_dest.numpy()
+        host_dest[:, :, :tokens] = SCRATCH_PAGE
+        host_dest[:, :, :n] = dest.transpose(1, 2, 0)
+
+        self.packed64[:, :tokens].copy_(self.host64[:, :tokens], non_blocking=True)
+        self.dest_pages[:, :, :tokens].copy_(self.host_dest[:, :, :tokens], non_blocking=True)
+        bucket.device.copy_(bucket.host, non_blocking=True)
+        self.blocks.send(len(seqs), width, self.block_table)
+        return (tokens, "lora" if len(used) else "none"), len(sampled)
+
+    def static_step(self, tokens: int, kind: str) -> Step:
+        """The bucket's Step over the static buffers (what its graph is captured from; the CPU tests run
+        it eagerly through the kernels in Triton's interpreter)."""
+        from lorad.gpu_ops.mbgmm import Segments
+        from lorad.gpu_ops.paged_attention import AttentionMeta
+
+        bucket = self.buckets[tokens]
+        seqs = bucket.seqs
+        attention = AttentionBatch(
+            block_table=self.block_table[:, :, : seqs + 1],
+            dest_pages=self.dest_pages[:, :, :tokens],
+            dest_offsets=self.packed64[2, :tokens],
+            query_start=[], query_len=[], kv_len=[],  # the kernels read the static meta below
+        )
+        empty = torch.zeros(0, dtype=torch.int32, device=self.block_table.device)
+        attention._paged_meta = AttentionMeta(
+            seq_info=bucket.seq_info, decode_seqs=empty, tile_seq=bucket.tile_seq, tile_row=bucket.tile_row,
+            num_decode=0, num_tiles=bucket.tiles, max_context=self.max_blocks * self.kv.tokens_per_page,
+        )
+        lora = LoraBatch(row_slot=bucket.row_slot, slot_rows=[])
+        if kind == "lora":
+            # One program row per tile of the list; the host lengths only size the split-K choice.
+            lora.segments = Segments(rows=bucket.seg_rows, meta=bucket.seg_meta, slots=[0] * (seqs + 1),
+                                     lengths=[tokens] + [0] * seqs, max_rank=self.max_rank, tiles=bucket.seg_tile,
+                                     block_m=bucket.seg_tile_m)
+            lora.max_rank = self.max_rank
+        return Step(self.packed64[0, :tokens], self.packed64[1, :tokens], self.packed64[3, :seqs], attention, lora)

@@ -1,0 +1,565 @@
+"""The `lorad` command: `lorad serve` runs the daemon on a Unix socket (flags over the config file over
+lorad.config's defaults, which are the only ones), `lorad generate` streams one completion from a running
+daemon, `lorad install-systemd` puts the unit files and a sample config in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import errno
+import logging
+import os
+import signal
+import socket
+import stat
+import struct
+import sys
+import weakref
+from pathlib import Path
+
+from lorad.daemon.server.cli_args import Parser, parse
+
+from lorad.config import DTYPES, Config, EngineConfig, ServerConfig
+from lorad.errors import BadRequest, LoradError
+
+log = logging.getLogger(__name__)
+
+_SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+
+# Flags whose name or shape differs from their field; every other field of EngineConfig/ServerConfig
+# becomes --field-name with the field's type.
+_ENGINE_FLAG_HELP = {
+    "model": "Hugging Face checkpoint directory of the base model",
+    "demo": "serve the built-in tiny random Llama and its adapters (no other flags needed)",
+    "adapters": "register an adapter: NAME=DIR (repeatable)",
+    "adapter_dirs": "register every adapter found in the subdirectories of DIR, by name (repeatable)",
+    "adapter_roots": "where adapters may be loaded from through the API (repeatable; none: API loads refused)",
+    "state_dir": "where adapters registered through the API are remembered across restarts",
+    "device": "auto|cpu|cuda|cuda:N",
+    "dtype": "|".join(DTYPES),
+    "max_model_len": "default: the checkpoint's max_position_embeddings, capped at 8192",
+    "pool_bytes": "unified page pool bytes (K/M/G suffixes accepted)",
+    "host_adapter_bytes": "host-memory budget of loaded adapters (K/M/G suffixes accepted)",
+    "cold_start": "cached|ondemand|cpu|auto: what a request whose adapter is not in the pool waits for",
+    "cpu_workers": "CPU LoRA worker processes for --cold-start cpu|auto (0: min(4, cores - 1))",
+    "cpu_lora_split": "auto|tokens|groups: how the CPU workers share an assisted prompt's LoRA: each its own tokens, "
+                      "or all the tokens and a chunk of the adapter's columns (auto: from the costs measured at start)",
+    "pinned_host_bytes": "on cuda: adapters kept staged in pinned host memory (K/M/G suffixes accepted)",
+    "layerwise": "--cold-start cpu|auto: copy a cold adapter layer by layer and move each layer of a "
+                 "cpu-assisted prefill to the GPU as soon as it has arrived",
+    "profile_path": "lorad profile's performance models, from which each decode step's LoRA kernel is chosen "
+                    "(default: STATE_DIR or ~/.cache/lorad, /profile-MODEL-DEVICE.json, when it exists; off: none, MBGMV)",
+    "lora_kernel": "auto|bgmv|mbgmv: the decode steps' LoRA kernel (auto: chosen per step from the profile's models; "
+                   "MBGMV without a profile)",
+    "admission": "fcfs|early-abort|cluster: which waiting requests join a step (early-abort drops those that "
+                 "cannot meet --slo-ttft-ms; cluster caps the running batch's distinct adapters)",
+    "slo_ttft_ms": "time-to-first-token objective in ms (0: none; early-abort needs one)",
+    "fuse_lora_groups": "on cuda: a decode step's LoRA over q, k, v (and over gate, up) in one launch pair instead "
+                        "of one per projection (--no-fuse-lora-groups: one per projection)",
+    "lora_pdl": "auto|on|off: on Hopper and later, a decode step's LoRA expand kernel starts loading its adapter "
+                "weights while the shrink still runs (programmatic dependent launch); auto: on where supported",
+    "overlap_decode": "greedy decode steps launched one ahead of the host, from the sampled tokens on the device "
+                      "(--no-overlap-decode: each step waits for its tokens first)",
+    "slo_tpot_ms": "time-per-output-token objective in ms (0: none); with a profile loaded, no request joins a running "
+                   "batch whose predicted decode step would break it",
+    "cluster_max_adapters": "--admission cluster (or early-abort): distinct adapters in the running batch before "
+                            "other adapters' requests wait (at most the TTFT objective, else 1 s)",
+}
+_SERVER_FLAG_HELP = {
+    "socket": "Unix socket to listen on",
+    "socket_mode": "permissions of the socket, in octal",
+    "log_level": "debug|info|warning|error",
+    "shutdown_grace_s": "on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted",
+}
+
+
+def _byte_size(text: str) -> int:
+    from lorad.daemon.server.settings import parse_byte_size
+
+    try:
+        return parse_byte_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _adapter_pair(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, not {text!r}")
+    return name, path
+
+
+def _octal(text: str) -> int:
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an octal mode: {text!r}") from None
+
+
+def _converter(field: dataclasses.Field):
+    kind = str(field.type).replace(" | None", "")
+    if field.name.endswith("_bytes"):
+        return _byte_size
+    if field.name.endswith("_mode"):
+        return _octal
+    return {"int": int, "float": float, "str": str}.get(kind)
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, config_class, helps: dict, dest_prefix: str) -> None:
+    """One flag per field; a flag not given is not passed, so the dataclass's default applies."""
+    for field in dataclasses.fields(config_class):
+        flag, metavar = f"--{field.name.replace('_', '-')}", field.name.upper()
+        options = {"dest": f"{dest_prefix}{field.name}", "default": argparse.SUPPRESS}
+        default_note = "" if field.default in (None, ()) else f" (default: {_show(field)})"
+        help_text = (helps.get(field.name, "") + default_note).strip()
+        if field.name == "adapters":  # repeated NAME=DIR pairs
+            parser.add_argument("--adapter", action="append", type=_adapter_pair, metavar="NAME=DIR",
+                                help=help_text, **options)
+        elif str(field.type) == "tuple[str, ...]":  # repeated: adapter_dirs is --adapter-dir DIR ...
+            singular = field.name.removesuffix("s").replace("_", "-")
+            parser.add_argument(f"--{singular}", action="append", metavar="DIR", help=help_text, **options)
+        elif str(field.type) == "bool":  # --flag; --flag/--no-flag when it is on by default
+            action = argparse.BooleanOptionalAction if field.default is True else "store_true"
+            parser.add_argument(flag, action=action, help=helps.get(field.name), **options)
+        else:
+            converter = _converter(field)
+            if converter is None:
+                raise TypeError(f"no flag type for {config_class.__name__}.{field.name}: {field.type}")
+            metavar = {"model": "DIR", "socket": "PATH"}.get(field.name) or {
+                _byte_size: "BYTES", _octal: "MODE", int: "N", float: "X"}.get(converter, metavar)
+            parser.add_argument(flag, type=converter, metavar=metavar, help=help_text, **options)
+
+
+def _show(field: dataclasses.Field) -> str:
+    if field.name.endswith("_mode"):
+        return oct(field.default)[2:]
+    return str(field.default)
+
+
+def _config_values(args: argparse.Namespace, prefix: str) -> dict:
+    values = {name[len(prefix):]: value for name, value in vars(args).items() if name.startswith(prefix)}
+    for name, value in values.items():
+        if isinstance(value, list):  # repeated flags
+            values[name] = tuple(value)
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="lorad", description="Serve many LoRA adapters on one base model.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    serve = commands.add_parser("serve", help="run the daemon on a Unix socket")
+    serve.add_argument("--config", metavar="PATH",
+                       help="TOML config file ([engine], [server]; flags given win over it) "
+                            "(default: /etc/lorad/lorad.toml when it exists)")
+    _add_config_flags(serve, EngineConfig, _ENGINE_FLAG_HELP, "engine.")
+    _add_config_flags(serve, ServerConfig, _SERVER_FLAG_HELP, "server.")
+
+    for name, what in (("generate", "stream one completion from a running daemon"),
+                       ("adapters", "list, load or unload the adapters of a running daemon"),
+                       ("status", "the running daemon's engine state")):
+        commands.add_parser(name, help=f"{what} (lorad {name} --help)", add_help=False)  # client_cli.py parses these
+    for name, what in (("trace", "make a request trace (trace make)"),
+                       ("simulate", "simulate engines serving a trace under routing policies"),
+                       ("bench", "replay a trace against a running daemon (bench trace)")):
+        commands.add_parser(name, help=f"{what} (lorad {name} --help)", add_help=False)  # bench_cli.py parses these
+    commands.add_parser("profile", help="measure this machine's LoRA kernels, decode steps and prefills; fit and save "
+                        "the performance models (lorad profile --help)", add_help=False)  # profile.py parses it
+    commands.add_parser("router", help="one socket in front of several lorad engines (lorad router --help)",
+                        add_help=False)  # router_cli.py parses it
+
+    demo = commands.add_parser("demo", help="write random PEFT adapters for a model shape (benchmarks)")
+    demo_commands = demo.add_subparsers(dest="demo_command", required=True, parser_class=Parser)
+    adapters = demo_commands.add_parser("adapters", help="write N random PEFT adapters")
+    shape = adapters.add_mutually_exclusive_group(required=True)
+    shape.add_argument("--model", metavar="DIR", help="a checkpoint directory whose config.json gives the shape")
+    shape.add_argument("--model-config", metavar="NAME", help="a known shape: llama-2-7b, llama-2-13b, llama-3-8b, tiny-llama")
+    adapters.add_argument("--count", type=int, required=True, metavar="N")
+    adapters.add_argument("--ranks", default="8", metavar="R,R,...", help="ranks, round robin (default: 8)")
+    adapters.add_argument("--targets", default="q,k,v,o", metavar="P,P,...", help="projections (default: q,k,v,o)")
+    adapters.add_argument("--seed", type=int, default=0)
+    adapters.add_argument("--out", required=True, metavar="DIR")
+
+    install = commands.add_parser("install-systemd", help="install lorad.service, lorad.socket and a sample config")
+    install.add_argument("--prefix", default="/", help="root to install under (default: /)")
+    install.add_argument("--dry-run", action="store_true", help="say what would be written, write nothing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    from lorad.daemon.server.client_cli import COMMANDS, client_main
+
+    if argv and argv[0] in COMMANDS:  # the commands that talk to a running daemon
+        return client_main(argv)
+    from lorad.daemon.bench.cli import COMMANDS as BENCH_COMMANDS
+    from lorad.daemon.bench.cli import bench_main
+
+    if argv and argv[0] in BENCH_COMMANDS:  # traces, simulation, replay
+        return bench_main(argv)
+    if argv and argv[0] == "profile":  # performance models of this machine
+        from lorad.daemon.bench.profile import profile_main
+
+        return profile_main(argv[1:])
+    if argv and argv[0] == "router":  # one front socket over several engines
+        from lorad.daemon.router.cli import router_main
+
+        return router_main(argv[1:])
+    args = parse(build_parser(), argv)
+    if isinstance(args, int):
+        return args
+    try:
+        if args.command == "serve":
+            return serve(args)
+        if args.command == "demo":
+            return demo_adapters(args)
+        return install_systemd(args)
+    except LoradError as error:
+        print(f"lorad: {error.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+# --- lorad serve --------------------------------------------------------------------------------------
+#
+# Two processes: this one (the API: aiohttp on the Unix socket, no torch) and the engine's
+# (daemon/engine/process.py). Signals come here: SIGTERM/SIGINT stop accepting, let running requests
+# finish for shutdown_grace_s, abort the rest and exit 0; SIGHUP re-reads the config file's adapters.
+# If the engine process dies, every request in flight fails at once and serve exits 1 (systemd's
+# Restart=on-failure starts a fresh daemon).
+
+EXIT_ENGINE_DIED = 1
+
+
+def serve(args: argparse.Namespace) -> int:
+    from lorad.daemon.server import systemd
+    from lorad.daemon.server.settings import resolve
+
+    cli_engine, cli_server = _config_values(args, "engine."), _config_values(args, "server.")
+    config_path = getattr(args, "config", None)
+    config, used_path = resolve(cli_engine, cli_server, config_path)
+    _setup_logging(config.server.log_level)
+    if used_path is not None:
+        log.info("config file=%s", used_path)
+
+    passed = systemd.listen_fds()
+    if len(passed) > 1:
+        raise BadRequest(f"systemd passed {len(passed)} sockets; lorad.socket must have exactly one ListenStream")
+    if passed:
+        try:
+            listener = systemd.unix_listener(passed[0])
+        except ValueError as error:
+            raise BadRequest(str(error)) from None
+        path = listener.getsockname()
+        path = path.decode(errors="replace") if isinstance(path, bytes) else path
+    else:
+        listener, path = None, config.server.socket
+        try:
+            _claim_socket_path(path)
+        except OSError as error:
+            raise BadRequest(f"cannot use the socket {path}: {error.strerror or error}") from None
+
+    from lorad.daemon.engine.process import EngineProcess
+
+    engine = EngineProcess(config.engine)
+    # Until the event loop takes the signals over: a stop is a clean stop (SIGINT already raises
+    # KeyboardInterrupt), a reload has nothing to reload yet.
+    previous_term = signal.signal(signal.SIGTERM, _interrupt)
+    previous_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        model = "demo" if config.engine.demo else config.engine.model or config.engine.model_config
+        systemd.notify(f"STATUS=loading the model ({model})")
+        engine.start()
+        _log_engine(engine, config.engine)
+
+        def reload_config() -> Config:
+            return resolve(cli_engine, cli_server, config_path)[0]
+
+        return _run_event_loop(_serve(engine, config, listener, path, reload_config))
+    except KeyboardInterrupt:
+        log.info("stopped while loading the model" if engine.model_name is None else "stop signal before serving")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+        signal.signal(signal.SIGHUP, previous_hup)
+        engine.stop()
+        if listener is None:  # a socket systemd passed is systemd's to remove
+            _remove_socket(path)
+        if engine.model_name is not None:
+            log.info("stopped")
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _setup_logging(level_name: str) -> None:
+    level = logging.getLevelName(level_name.upper())
+    if not isinstance(level, int):
+        raise BadRequest(f"log level must be one of debug, info, warning, error, not {level_name!r}")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
+
+
+def _claim_socket_path(path: str) -> None:
+    """Make `path` free to bind: create its parent, remove a stale socket; refuse if a daemon listens."""
+    if len(os.fsencode(path)) > _SOCKET_PATH_MAX:
+        raise BadRequest(f"socket path is longer than {_SOCKET_PATH_MAX} bytes: {path}")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise BadRequest(f"{path} exists and is not a socket; not touching it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError as error:
+        if error.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+            raise
+        log.info("removing stale socket path=%s", path)
+        os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise BadRequest(f"another lorad is already listening on {path}")
+
+
+def _bind(path: str, mode: int) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        os.chmod(path, mode)  # before listen(): nobody connects while the mode is still the umask's
+        listener.listen(1024)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def _remove_socket(path: str) -> None:
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _log_engine(engine, config: EngineConfig) -> None:
+    adapter_paths = [path for _, path in config.adapters] + list(config.adapter_dirs)
+    log.info(
+        "serving model=%s model_dir=%s device=%s dtype=%s max_model_len=%d adapters=%d adapter_paths=%s engine_pid=%d",
+        engine.model_name, engine.model_dir, engine.device, engine.dtype, engine.max_model_len,
+        len(engine.models()) - 1, ",".join(adapter_paths) or "-", engine.pid,
+    )
+
+
+def _run_event_loop(main_coroutine):
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main_coroutine)
+    return uvloop.run(main_coroutine)
+
+
+async def _serve(engine, config: Config, listener: socket.socket | None, path: str, reload_config) -> int:
+    from aiohttp import web
+    from lorad.daemon.server import systemd
+    from lorad.daemon.server.api import IN_FLIGHT, LISTEN_BACKLOG, create_app
+
+    server = config.server
+    loop = asyncio.get_running_loop()
+    stop, died = asyncio.Event(), asyncio.Event()
+    engine.on_death = lambda reason: loop.call_soon_threadsafe(died.set)
+    if not engine.alive:
+        died.set()
+    hurry = asyncio.Event()  # a second SIGTERM/SIGINT: no more grace
+
+    def on_stop_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_stop_signal)
+    reloads: set[asyncio.Task] = set()
+
+    def on_sighup() -> None:
+        task = loop.create_task(_reload_adapters(engine, config.engine, reload_config))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
+
+    app = create_app(engine)
+    app.middlewares.insert(0, _peer_middleware)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    try:
+        if listener is None:
+            try:
+                listener = _bind(path, server.socket_mode)
+            except OSError as error:
+                raise BadRequest(f"cannot listen on {path}: {error.strerror or error}") from None
+            log.info("listening socket=%s mode=%o event_loop=%s", path, server.socket_mode, type(loop).__module__)
+        else:
+            log.info("listening socket=%s (from systemd) event_loop=%s", path, type(loop).__module__)
+        site = web.SockSite(runner, listener, backlog=LISTEN_BACKLOG)  # aiohttp re-listens: keep the depth
+        await site.start()
+        systemd.notify(f"READY=1\nSTATUS=serving model={engine.model_name} socket={path}")
+        watchdog = systemd.watchdog_interval()
+        pinger = loop.create_task(_watchdog(engine, watchdog)) if watchdog else None
+
+        waiters = [loop.create_task(stop.wait()), loop.create_task(died.wait())]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in waiters:
+            waiter.cancel()
+        engine_died = died.is_set()
+        systemd.notify("STOPPING=1\nSTATUS=" + ("the engine process died" if engine_died else "stopping"))
+        await site.stop()  # the listener is closed: no new connections
+        runner.server.pre_shutdown()  # idle keep-alive connections close; running requests go on
+        in_flight = app[IN_FLIGHT]
+        if not engine_died and in_flight:
+            log.info("shutting down: no new connections, %d requests running, grace_s=%.0f", len(in_flight), server.shutdown_grace_s)
+            deadline = loop.time() + server.shutdown_grace_s
+            while in_flight and loop.time() < deadline and not hurry.is_set():
+                await asyncio.sleep(0.02)
+            if in_flight:
+                log.warning("shutdown grace over: aborting %d requests still running", len(in_flight))
+        else:
+            log.info("shutting down: no new connections, nothing running" if not engine_died else
+                     "shutting down: the engine process died")
+        if pinger is not None:
+            pinger.cancel()
+    finally:
+        await runner.cleanup()  # the API aborts whatever still runs, handlers answer, connections close
+        # Before the loop closes: that waits for its executor's threads, and a call to an engine that
+        # stopped answering only returns once the engine process is gone.
+        engine.stop()
+    return EXIT_ENGINE_DIED if engine_died else 0
+
+
+async def _watchdog(engine, interval: float) -> None:
+    """WATCHDOG=1 every `interval` while the engine process lives and answers: each ping waits for the
+    answer to a status() sent one interval before, so an engine that stopped answering (a deadlock, a
+    wedged device call holding its lock) stops the pings and systemd restarts the daemon."""
+    from lorad.daemon.server import systemd
+
+    loop = asyncio.get_running_loop()
+    probe = None
+    while True:
+        answered = probe is None or (probe.done() and probe.exception() is None)
+        if engine.alive and answered:  # a dead engine gets no pings either
+            systemd.notify("WATCHDOG=1")
+        if probe is None or probe.done():
+            probe = loop.run_in_executor(None, engine.status)
+        await asyncio.sleep(interval)
+
+
+async def _reload_adapters(engine, current: EngineConfig, reload_config) -> None:
+    """SIGHUP: the config file's adapters become the registered ones (API registrations untouched)."""
+    log.info("SIGHUP: reloading the adapters of the config file")
+    try:
+        fresh = reload_config()
+    except LoradError as error:
+        log.error("reload refused, nothing changed: %s", error.message)
+        return
+    ignored = [field.name for field in dataclasses.fields(EngineConfig)
+               if field.name not in ("adapters", "adapter_dirs") and getattr(fresh.engine, field.name) != getattr(current, field.name)]
+    if ignored:
+        log.warning("reload: changes to %s take effect at the next restart", ",".join(ignored))
+    loop = asyncio.get_running_loop()
+    try:
+        changes = await loop.run_in_executor(None, engine.reload_adapters, fresh.engine.adapters, fresh.engine.adapter_dirs)
+    except LoradError as error:
+        log.error("reload failed: %s", error.message)
+        return
+    log.info(
+        "adapters reloaded added=%s removed=%s changed=%s failed=%d",
+        ",".join(changes["added"]) or "-", ",".join(changes["removed"]) or "-", ",".join(changes["changed"]) or "-",
+        len(changes["failed"]),
+    )
+    for name, reason in changes["failed"].items():
+        log.error("adapter not registered name=%s reason=%s", name, reason)
+
+
+# Peer credentials (SO_PEERCRED) of each connection, logged once per connection at debug level (the
+# API's request log line carries them too, see api.peer_credentials).
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_seen_connections: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _peer_credentials(transport) -> tuple[int, int, int] | None:
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    try:
+        return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    except OSError:
+        return None
+
+
+async def _peer_middleware(request, handler):
+    transport = request.transport
+    if log.isEnabledFor(logging.DEBUG) and transport is not None:
+        try:
+            first = transport not in _seen_connections
+            _seen_connections.add(transport)
+        except TypeError:  # a transport that cannot be weakly referenced: log every request's
+            first = True
+        peer = _peer_credentials(transport) if first else None
+        if peer is not None:
+            log.debug("connection peer_pid=%d peer_uid=%d peer_gid=%d", *peer)
+    return await handler(request)
+
+
+_peer_middleware.__middleware_version__ = 1  # aiohttp's new-style middleware marker (web.middleware)
+
+
+# --- lorad demo adapters --------------------------------------------------------------------------------
+
+
+def demo_adapters(args: argparse.Namespace) -> int:
+    from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec, load_spec
+    from lorad.daemon.model.demo import write_adapter_set
+
+    if args.model_config is not None:
+        if args.model_config not in MODEL_CONFIGS:
+            raise BadRequest(f"unknown model config {args.model_config!r}: one of {', '.join(MODEL_CONFIGS)}")
+        spec = ModelSpec.from_hf_config(MODEL_CONFIGS[args.model_config])
+    else:
+        spec = load_spec(args.model)
+    try:
+        ranks = [int(rank) for rank in args.ranks.split(",")]
+        written = write_adapter_set(args.out, spec, args.count, ranks, args.targets.split(","), args.seed)
+    except ValueError as error:
+        raise BadRequest(str(error)) from None
+    print(f"wrote {len(written)} adapters under {args.out} (serve them with --adapter-dir {args.out})")
+    return 0
+
+
+# --- lorad install-systemd ---------------------------------------------------------------------------------
+
+
+def install_systemd(args: argparse.Namespace) -> int:
+    from lorad.daemon.server.systemd import install
+
+    actions, next_steps = install(args.prefix, args.dry_run, _lorad_command())
+    for line in actions:
+        print(line)
+    print("\nnext:" if not args.dry_run else "\nthen:")
+    for line in next_steps:
+        print(f"  {line}")
+    return 0
+
+
+def _lorad_command() -> str:
+    """How the unit should start this lorad: the script next to this Python (a venv's), else via PATH."""
+    script = Path(sys.executable).with_name("lorad")
+    return str(script) if script.exists() else "/usr/bin/env lorad"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

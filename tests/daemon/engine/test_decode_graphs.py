@@ -1,0 +1,77 @@
+"""DecodeGraphs' host side on the CPU: what a replay reads from its static buffers after `run()` fills
+them (the capture and the replay itself need a GPU: tests/daemon/engine/test_engine_gpu.py)."""
+
+import numpy as np
+import torch
+
+from lorad.daemon.engine.decode_graphs import LOW_RANK, DecodeGraphs
+from lorad.gpu_ops.page_pool import SCRATCH_PAGE, AdapterTable, KVCache, PagePool
+
+LAYERS, KV_HEADS, HEAD_DIM = 3, 2, 4
+
+
+class Replay:
+    """Stands in for a captured graph: records what the buffers held at replay time."""
+
+    def __init__(self, graphs: DecodeGraphs, key):
+        self.graphs, self.key, self.seen = graphs, key, None
+
+    def replay(self):
+        g = self.graphs
+        self.seen = {name: getattr(g, name).clone() for name in
+                     ("input_ids", "positions", "dest_offsets", "row_slot", "seq_info", "dest_pages", "block_table")}
+
+
+def make(max_batch=8, max_rank=64):
+    pool = PagePool(4096, KV_HEADS * HEAD_DIM * 2, torch.float32, torch.device("cpu"))  # 2 tokens a page
+    kv = KVCache(pool, LAYERS, KV_HEADS, HEAD_DIM)
+    table = AdapterTable(pool, 4, LAYERS, [(8, 8)] * 7)
+    graphs = DecodeGraphs(None, kv, table, max_batch, max_model_len=64, max_lora_rank=max_rank)
+    for key in graphs.plan():
+        graphs.graphs[key] = (Replay(graphs, key), torch.zeros(key[0], 5))
+    return graphs, kv, table
+
+
+def test_run_fills_every_buffer_a_replay_reads():
+    graphs, kv, table = make()
+    rng = np.random.default_rng(0)
+    lengths = [5, 1, 9]  # blocks per sequence
+    blocks = [rng.integers(1, 4096, size=(n, LAYERS, 2), dtype=np.int32) for n in lengths]
+    positions = np.array([2 * n - 1 for n in lengths])  # the last position of each sequence's last block
+    tokens, slots = np.array([7, 8, 9]), np.array([-1, -1, -1])
+    graphs.run(tokens, positions, slots, blocks)
+    size = 4  # the bucket holding 3 rows
+    replay = graphs.graphs[(size, "none", 0)][0]
+    seen = replay.seen
+    assert seen is not None, "the base-only graph replays when no row has an adapter"
+    assert seen["input_ids"][:3].tolist() == [7, 8, 9] and seen["input_ids"][3] == 0
+    assert seen["positions"][:3].tolist() == positions.tolist()
+    assert seen["dest_offsets"][:3].tolist() == (positions % kv.tokens_per_page).tolist()
+    assert seen["row_slot"][:size].tolist() == [-1] * size
+    assert seen["seq_info"][:, :size].tolist() == [[0, 1, 2, 3], [1, 1, 1, 1], [*(positions + 1).tolist(), 1]]
+    for row, rows in enumerate(blocks):
+        table_rows = seen["block_table"][:, :, row, : len(rows)]  # [L, 2, blocks]
+        assert torch.equal(table_rows, torch.from_numpy(rows).permute(1, 2, 0))
+        assert torch.equal(seen["dest_pages"][:, :, row], torch.from_numpy(rows[-1]).long())
+    assert (seen["dest_pages"][:, :, 3] == SCRATCH_PAGE).all(), "a padding row writes only the scratch page"
+
+
+def test_a_smaller_batch_after_a_larger_one_pads_its_rows_again():
+    graphs, _, table = make()
+    table.rank_host[1, :, :] = 8
+    table.rank_host[2, :, :] = 32
+    blocks = [np.full((2, LAYERS, 2), 10 + i, dtype=np.int32) for i in range(4)]
+    graphs.run(np.arange(4), np.full(4, 3), np.array([1, 2, 1, 2]), blocks)
+    assert graphs.graphs[(4, "mbgmv", 64)][0].seen is not None, "a rank-32 row needs the full-rank graph"
+    graphs.run(np.arange(3), np.full(3, 3), np.array([1, -1, 1]), blocks[:3])
+    seen = graphs.graphs[(4, "mbgmv", LOW_RANK)][0].seen
+    assert seen is not None, "ranks <= 16 replay the low-rank MBGMV graph"
+    assert seen["row_slot"][:4].tolist() == [1, -1, 1, -1]
+    assert seen["seq_info"][2, 3] == 1 and seen["input_ids"][3] == 0 and seen["positions"][3] == 0
+    assert (seen["dest_pages"][:, :, 3] == SCRATCH_PAGE).all()
+
+
+def test_no_low_rank_graph_when_the_maximum_is_low():
+    graphs, _, _ = make(max_rank=16)
+    assert all(rank == 16 for _, kernel, rank in graphs.plan() if kernel == "mbgmv")
+    assert len([key for key in graphs.plan() if key[1] == "mbgmv"]) == len(graphs.buckets)

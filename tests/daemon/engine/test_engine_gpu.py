@@ -1,0 +1,190 @@
+"""The engine on an NVIDIA GPU: the same requests on cuda as on the CPU reference, mixed adapters in one
+batch; float32 must give the same greedy tokens, bfloat16 logits close to float32's."""
+
+import gc
+
+import pytest
+import torch
+
+from lorad.config import EngineConfig
+from lorad.daemon.engine.engine import Engine
+from lorad.daemon.engine.request import GenerationRequest, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def _requests(adapters):
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7], list(range(20, 60)), [9] * 11, list(range(100, 103))]
+    names = [None, *sorted(adapters)]
+    return [
+        GenerationRequest(prompt_token_ids=prompts[i % len(prompts)], adapter=names[i % len(names)], sampling=greedy, keep_logits=True)
+        for i in range(2 * len(names))
+    ]
+
+
+def _run(demo_assets, device, dtype):
+    config = EngineConfig(
+        model=str(demo_assets.model_dir), adapters=tuple((n, str(p)) for n, p in demo_assets.adapters.items()),
+        device=device, dtype=dtype, max_batch_tokens=64,
+    )
+    return Engine(config).generate(_requests(demo_assets.adapters))
+
+
+def test_cuda_float32_equals_cpu(demo_assets):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cpu = _run(demo_assets, "cpu", "float32")
+    gpu = _run(demo_assets, "cuda", "float32")
+    for a, b in zip(cpu, gpu):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logits, b.logits):
+            torch.testing.assert_close(x, y, atol=2e-4, rtol=2e-4)
+
+
+def test_cuda_bfloat16_close_to_float32(demo_assets):
+    full = _run(demo_assets, "cuda", "float32")
+    half = _run(demo_assets, "cuda", "bfloat16")
+    for a, b in zip(full, half):
+        first_a, first_b = a.logits[0], b.logits[0]  # same context: the prompt
+        rel = (first_a - first_b).norm() / first_a.norm()
+        assert rel < 3e-2, rel
+
+
+def test_cuda_engine_says_it_runs_the_triton_lora_kernels(demo_assets):
+    engine = Engine(EngineConfig(model=str(demo_assets.model_dir), device="cuda", dtype="bfloat16"))
+    assert engine.status()["ops"].startswith("triton[")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_equal_eager(demo_assets, dtype):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
+
+    def run(eager):
+        engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype=dtype,
+                                     eager=eager, max_running_requests=12, max_lora_rank=64))
+        results = engine.generate(_requests(demo_assets.adapters))
+        status = engine.status()
+        del engine
+        gc.collect()  # the engine's page pool (most of the free memory) goes back before the next one is built
+        return results, status
+
+    eager, eager_status = run(True)
+    graphed, graphed_status = run(False)
+    assert eager_status["cuda_graph_steps"] == 0 and graphed_status["cuda_graph_steps"] > 0
+    assert eager_status["prefill_cuda_graph_steps"] == 0 and graphed_status["prefill_cuda_graph_steps"] > 0
+    for a, b in zip(eager, graphed):
+        if dtype == "float32":
+            assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logits[0], b.logits[0], atol=1e-3 if dtype == "float32" else 5e-2, rtol=1e-2)
+
+
+def _one_request_per_adapter(demo_assets, **config):
+    """(results, status) of one greedy float32 request per demo adapter and one for the base model, on a fresh
+    cuda engine with `config`: MBGMV decode steps."""
+    adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
+    engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="float32",
+                                 max_running_requests=12, max_lora_rank=64, **config))
+    names = [*sorted(demo_assets.adapters), None]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    results = engine.generate([GenerationRequest([5 + i, 6, 7], name, greedy, keep_logits=True) for i, name in enumerate(names)])
+    status = engine.status()
+    del engine
+    gc.collect()  # the engine's page pool (most of the free memory) goes back before the next one is built
+    return results, status
+
+
+def test_cuda_fused_lora_groups_equal_per_projection(demo_assets):
+    """fuse_lora_groups: decode steps launch gate|up's LoRA at once (the demo's q, k, v tile differently and
+    stay per projection); the same tokens and logits as one launch pair per projection, graphs and eager."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def run(fuse, eager):
+        return _one_request_per_adapter(demo_assets, eager=eager, fuse_lora_groups=fuse)
+
+    per_projection, status = run(False, eager=False)
+    assert status["decode_lora_groups"] == {"qkv": "per projection", "gate_up": "per projection"}
+    for eager in (False, True):
+        fused, status = run(True, eager)
+        assert status["decode_lora_groups"]["gate_up"] == "one launch"
+        for a, b in zip(per_projection, fused):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_cuda_overlapped_decode_equals_the_cpu(demo_assets, eager):
+    """Overlapped decode (on by default on cuda) through the decode graphs and eager: the CPU's tokens, with
+    requests ending on length at different steps and one on a stop token while its next row is in flight."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
+    names = [None, *sorted(demo_assets.adapters)]
+
+    def requests(stop_token=None):
+        prompts = [[5, 6, 7], list(range(20, 60)), [9] * 11, list(range(100, 103))]
+        return [GenerationRequest(prompts[i % 4], names[i % len(names)], SamplingParams(
+                    max_tokens=6 + 2 * i, temperature=0, ignore_eos=True,
+                    stop_token_ids=(stop_token,) if stop_token is not None and i == 1 else ()))
+                for i in range(2 * len(names))]
+
+    cpu_engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cpu", dtype="float32"))
+    full = cpu_engine.generate(requests())
+    stop_token = full[1].token_ids[len(full[1].token_ids) // 2]
+    cpu = cpu_engine.generate(requests(stop_token))
+    engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="float32",
+                                 eager=eager, max_running_requests=12, max_lora_rank=64))
+    assert engine.overlap_decode and engine.status()["overlap_decode"] is True
+    gpu = engine.generate(requests(stop_token))
+    assert [r.token_ids for r in gpu] == [r.token_ids for r in cpu]
+    assert [r.finish_reason for r in gpu] == [r.finish_reason for r in cpu]
+    assert cpu[1].finish_reason == "stop"
+    assert engine.overlapped_steps > 0 and engine._in_flight is None
+    assert engine.pool.occupancy()["kv"] == 0
+    del engine
+    gc.collect()
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_cuda_forced_bgmv_equals_the_cpu(demo_assets, eager):
+    """lora_kernel=bgmv: every decode step pads to its largest rank (BGMV graphs at each rank bucket, or
+    eager), and the float32 tokens and logits are the CPU reference's."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cpu = _run(demo_assets, "cpu", "float32")
+    adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
+    engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="float32",
+                                 eager=eager, lora_kernel="bgmv", max_batch_tokens=64, max_running_requests=12,
+                                 max_lora_rank=64))
+    gpu = engine.generate(_requests(demo_assets.adapters))
+    status = engine.status()
+    del engine
+    gc.collect()
+    assert status["lora_kernel_choice"].startswith("forced:bgmv")
+    assert status["lora_kernel_steps"]["bgmv"] > 0 and status["lora_kernel_steps"]["mbgmv"] == 0
+    assert (status["cuda_graph_steps"] > 0) != eager
+    for a, b in zip(cpu, gpu):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logits, b.logits):
+            torch.testing.assert_close(x, y, atol=2e-4, rtol=2e-4)
+
+
+def test_cuda_lora_pdl_gives_the_same_tokens(demo_assets):
+    """lora_pdl: the decode MBGMV's expand launched early gives the tokens and logits of plain stream order,
+    through the decode graphs and eagerly; /v1/status says which launch runs."""
+    from lorad.gpu_ops.mbgmv import pdl_unavailable
+
+    reason = pdl_unavailable(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def run(pdl, eager):
+        return _one_request_per_adapter(demo_assets, eager=eager, lora_pdl=pdl)
+
+    plain, status = run("off", eager=False)
+    assert status["decode_lora_pdl"] == {"on": False, "why": "lora_pdl off"} and "mbgmv-pdl" not in status["ops"]
+    for eager in (False, True):
+        early, status = run("auto", eager)
+        assert status["decode_lora_pdl"] == {"on": True, "why": None} and "mbgmv-pdl" in status["ops"]
+        for a, b in zip(plain, early):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,145 @@
+"""Overlapped decode (daemon/engine/engine.py): a greedy decode step launched from the tokens of the step before
+it while they are still "on the device", and those tokens read afterwards. The engine turns it on only on
+cuda; these tests turn it on for the CPU demo model, where every launch completes at once, to check the
+bookkeeping: the same tokens, finish reasons, text and streamed outputs as plain stepping, through stop
+tokens and strings (a row computed past its end), length limits (rows left out), arrivals and aborts
+while a step is in flight, preemption in a tiny pool, and the requests it must not touch."""
+
+from __future__ import annotations
+
+import pytest
+from test_engine import GREEDY, count_calls, make_engine, prompts, requests
+
+from lorad.daemon.engine.engine import Engine
+from lorad.daemon.engine.request import GenerationRequest, SamplingParams
+
+ADAPTERS = [None, "demo-r1", "demo-r2", "demo-r8", "demo-r16"]
+
+
+def overlapped(engine: Engine) -> Engine:
+    engine.overlap_decode = True
+    return engine
+
+
+@pytest.fixture(scope="module")
+def plain(demo_assets) -> Engine:
+    return make_engine(demo_assets)
+
+
+def mixed_requests(plain: Engine) -> list[GenerationRequest]:
+    """Mixed adapters and lengths; one stops on a token and one on a string, mid-stream."""
+    cases = [(prompt, ADAPTERS[i % len(ADAPTERS)]) for i, prompt in enumerate(prompts(7, seed=21, low=3, high=18))]
+    reqs = [GenerationRequest(list(prompt), adapter, SamplingParams(max_tokens=4 + 3 * i, **GREEDY))
+            for i, (prompt, adapter) in enumerate(cases)]
+    full = plain.generate([GenerationRequest(cases[5][0], cases[5][1], SamplingParams(max_tokens=19, **GREEDY))])[0]
+    reqs[5] = GenerationRequest(cases[5][0], cases[5][1], SamplingParams(max_tokens=19, stop_token_ids=(full.token_ids[6],), **GREEDY))
+    text = plain.generate([GenerationRequest(cases[6][0], cases[6][1], SamplingParams(max_tokens=22, **GREEDY))])[0].text
+    reqs[6] = GenerationRequest(cases[6][0], cases[6][1], SamplingParams(max_tokens=22, stop=(text[len(text) // 2 : len(text) // 2 + 2],), **GREEDY))
+    return reqs
+
+
+def streamed(reqs: list[GenerationRequest]) -> dict[str, list]:
+    outputs: dict[str, list] = {}
+    for request in reqs:
+        outputs[request.request_id] = []
+        request.on_output = outputs[request.request_id].append
+    return outputs
+
+
+def test_off_on_the_cpu_by_default_and_said(demo_assets):
+    engine = make_engine(demo_assets)
+    assert engine.config.overlap_decode and not engine.overlap_decode  # nothing to overlap with on the cpu
+    status = engine.status()
+    assert status["overlap_decode"] is False and status["overlapped_decode_steps"] == 0
+
+
+def test_same_tokens_text_and_stream_as_plain_stepping(demo_assets, plain):
+    expected = plain.generate(mixed_requests(plain))
+    reqs = mixed_requests(plain)
+    outputs = streamed(reqs)
+    engine = overlapped(make_engine(demo_assets))
+    results = engine.generate(reqs)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert [r.finish_reason for r in results] == [r.finish_reason for r in expected]
+    assert [r.text for r in results] == [r.text for r in expected]
+    assert {r.finish_reason for r in results} == {"length", "stop"}
+    assert results[5].finish_reason == "stop" and len(results[5].token_ids) < 19  # ended with rows still in flight
+    assert results[6].finish_reason == "stop" and len(results[6].token_ids) < 22
+    assert engine.overlapped_steps > 10
+    for request, result in zip(reqs, results):
+        chunks = outputs[request.request_id]
+        assert [t for o in chunks for t in o.new_token_ids] == result.token_ids
+        assert "".join(o.text_delta for o in chunks) == result.text
+        assert sum(o.finished for o in chunks) == 1 and chunks[-1].finished
+    assert engine.pool.occupancy()["kv"] == 0 and not engine.scheduler.has_work() and engine._in_flight is None
+
+
+def test_arrivals_and_aborts_while_a_step_is_in_flight(demo_assets, plain):
+    cases = [(prompt, ADAPTERS[i]) for i, prompt in enumerate(prompts(4, seed=5, low=4, high=12))]
+    expected = [plain.generate(requests([case], 12))[0].token_ids for case in cases]
+    engine = overlapped(make_engine(demo_assets))
+    reqs = requests(cases, 12)
+    outputs = streamed(reqs)
+    engine.submit(reqs[0])
+    engine.submit(reqs[1])
+    engine.submit(reqs[2])
+    while engine.overlapped_steps < 3:
+        engine.step()
+    assert engine._in_flight is not None
+    engine.submit(reqs[3])  # joins: the step in flight is landed first, then the plain step admits it
+    engine.abort(reqs[1].request_id)  # its row in flight is dropped
+    steps = engine.overlapped_steps
+    engine.step()
+    assert engine.overlapped_steps == steps
+    assert outputs[reqs[1].request_id][-1].finish_reason == "abort"
+    aborted_at = len([t for o in outputs[reqs[1].request_id] for t in o.new_token_ids])
+    while engine.scheduler.has_work():
+        engine.step()
+    tokens = {r.request_id: [t for o in outputs[r.request_id] for t in o.new_token_ids] for r in reqs}
+    assert tokens[reqs[0].request_id] == expected[0]
+    assert tokens[reqs[2].request_id] == expected[2]
+    assert tokens[reqs[3].request_id] == expected[3]
+    assert tokens[reqs[1].request_id] == expected[1][:aborted_at]  # nothing after the abort
+    assert engine.overlapped_steps > steps
+    assert engine._in_flight is None and engine.pool.occupancy()["kv"] == 0
+
+
+def test_tiny_pool_preempts_and_tokens_do_not_change(demo_assets, plain):
+    cases = [(prompt, [None, "demo-r1", "demo-r2"][i % 3]) for i, prompt in enumerate(prompts(6, seed=1, low=8, high=16))]
+    expected = [plain.generate(requests([case], 14))[0].token_ids for case in cases]
+    engine = overlapped(make_engine(demo_assets, pages=200, max_model_len=32))
+    preemptions = count_calls(engine.scheduler, "preempt")
+    results = engine.generate(requests(cases, 14))
+    assert preemptions, "the pool was large enough to run without preemption"
+    assert [r.token_ids for r in results] == expected
+    assert engine.overlapped_steps > 0
+    assert engine.pool.occupancy()["kv"] == 0
+
+
+def test_rows_ending_on_length_are_not_launched(demo_assets, plain):
+    prompt = prompts(1, seed=3, low=20, high=20)[0]
+    engine = overlapped(make_engine(demo_assets))
+    launched = count_calls(engine, "_forward")
+    result = engine.generate(requests([(prompt, "demo-r2")], 8))[0]
+    assert result.finish_reason == "length" and len(result.token_ids) == 8
+    assert result.token_ids == plain.generate(requests([(prompt, "demo-r2")], 8))[0].token_ids
+    assert len(launched) == 8 and engine.overlapped_steps == 6  # a prefill and 7 decodes, none past the 8th token
+
+
+@pytest.mark.parametrize("kind", ["sampled", "keep_logits"])
+def test_steps_with_a_request_it_must_not_touch_stay_plain(demo_assets, plain, kind):
+    cases = [(prompt, ADAPTERS[i]) for i, prompt in enumerate(prompts(3, seed=11))]
+    reqs = requests(cases, 6)
+    if kind == "sampled":
+        reqs[1] = GenerationRequest(cases[1][0], cases[1][1], SamplingParams(max_tokens=6, temperature=0.8, seed=3))
+        expected_sampled = plain.generate([GenerationRequest(cases[1][0], cases[1][1], SamplingParams(max_tokens=6, temperature=0.8, seed=3))])[0]
+    else:
+        reqs[1] = GenerationRequest(cases[1][0], cases[1][1], SamplingParams(max_tokens=6, **GREEDY), keep_logits=True)
+    engine = overlapped(make_engine(demo_assets))
+    results = engine.generate(reqs)
+    assert engine.overlapped_steps == 0
+    assert results[0].token_ids == plain.generate(requests([cases[0]], 6))[0].token_ids
+    if kind == "sampled":
+        assert results[1].token_ids == expected_sampled.token_ids
+    else:
+        assert len(results[1].logits) == 6

@@ -1,0 +1,178 @@
+"""PrefillGraphs (daemon/engine/prefill_graphs.py) on the CPU: what a replay reads from the static buffers after
+`fill()`, and the padded static step run eagerly through the Triton kernels (Triton's interpreter)
+inside the engine, which must give the reference engine's greedy tokens, token for token, and the
+same logits. The capture and the replay themselves need a GPU: tests/daemon/engine/test_engine_gpu.py."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from triton_interpreter import CUDA, HAS_TRITON, interpreted  # before the kernel modules: sets TRITON_INTERPRET without a GPU
+
+from lorad.daemon.engine.engine import Engine
+from lorad.daemon.model.llama import Ops
+from lorad.daemon.engine.prefill_graphs import PrefillGraphs, StepSeq
+from lorad.daemon.engine.request import GenerationRequest, SamplingParams
+from lorad.gpu_ops.page_pool import SCRATCH_PAGE, AdapterTable, KVCache, PagePool
+
+from lorad.config import EngineConfig
+
+LAYERS, KV_HEADS, HEAD_DIM = 3, 2, 4
+GATE_PROJ = 4  # daemon/model/llama.py's GATE
+PAGE_BYTES = 64 * 4  # the demo's hidden size, float32
+
+
+def make(max_tokens=64, max_seqs=8, max_rank=64, max_model_len=64):
+    pool = PagePool(4096, KV_HEADS * HEAD_DIM * 2, torch.float32, torch.device("cpu"))  # 2 tokens a page
+    kv = KVCache(pool, LAYERS, KV_HEADS, HEAD_DIM)
+    table = AdapterTable(pool, 4, LAYERS, [(8, 8)] * 7)
+    return PrefillGraphs(None, kv, table, max_tokens, max_seqs, max_model_len=max_model_len, max_lora_rank=max_rank), kv
+
+
+def test_fill_lays_out_a_mixed_step_for_the_fixed_grids():
+    graphs, kv = make()
+    rng = np.random.default_rng(0)
+    blocks = [rng.integers(1, 4096, size=(n, LAYERS, 2), dtype=np.int32) for n in (5, 2, 9)]
+    # a prompt chunk of 7 tokens at position 0, a decode at position 3, a chunk of 10 at position 6
+    seqs = [StepSeq(np.arange(100, 107), 0, 2, blocks[0], sample=False),
+            StepSeq(np.array([55]), 3, -1, blocks[1], sample=True),
+            StepSeq(np.arange(200, 210), 6, 2, blocks[2], sample=True)]
+    key, sampled = graphs.fill(seqs)
+    assert key == (32, "lora") and sampled == 2  # 18 tokens: the 32 bucket
+    bucket = graphs.buckets[32]
+    ids, positions, offsets, sample_rows = graphs.packed64[:, :32]
+    assert ids[:18].tolist() == [*range(100, 107), 55, *range(200, 210)] and not ids[18:].any()
+    assert positions[:18].tolist() == [*range(7), 3, *range(6, 16)] and not positions[18:].any()
+    assert offsets[:18].tolist() == [p % kv.tokens_per_page for p in positions[:18].tolist()]
+    assert sample_rows[:2].tolist() == [7, 17], "the last row of each sampled sequence, in order"
+    assert bucket.seq_info[:, :4].tolist() == [[0, 7, 8, 0], [7, 1, 10, 0], [7, 4, 16, 0]]
+    assert not bucket.seq_info[:, 3:].any(), "padding sequences have no rows and no context"
+    tiles = [(s, r) for s, r in zip(bucket.tile_seq.tolist(), bucket.tile_row.tolist())]
+    assert tiles[:3] == [(0, 0), (1, 0), (2, 0)] and all(t == (bucket.seqs, 0) for t in tiles[3:])
+    assert bucket.row_slot[:18].tolist() == [2] * 7 + [-1] + [2] * 10 and (bucket.row_slot[18:] == -1).all()
+    meta = bucket.seg_meta
+    assert meta.shape == (3, bucket.seqs + 1)
+    assert meta[:, 0].tolist() == [2, 0, 17] and not meta[2, 1:].any(), "one segment of slot 2, the rest empty"
+    assert bucket.seg_rows[:17].tolist() == [*range(7), *range(8, 18)]
+    assert bucket.seg_tile[:, 0].tolist() == [0, 0], "17 rows: one tile of 64"
+    assert (bucket.seg_tile[0, 1:] == bucket.seqs).all() and not bucket.seg_tile[1, 1:].any()
+    for index, (seq, first) in enumerate(zip(seqs, (0, 7, 8))):
+        table_rows = graphs.block_table[:, :, index, : len(seq.blocks)]
+        assert torch.equal(table_rows, torch.from_numpy(seq.blocks).permute(1, 2, 0))
+        for row in range(len(seq.tokens)):
+            page = seq.blocks[(seq.start + row) // kv.tokens_per_page]
+            assert torch.equal(graphs.dest_pages[:, :, first + row], torch.from_numpy(page).long())
+    assert (graphs.dest_pages[:, :, 18:32] == SCRATCH_PAGE).all(), "padding rows write only the scratch page"
+    assert (graphs.block_table[:, :, bucket.seqs] == SCRATCH_PAGE).all(), "the padding sequence reads the scratch page"
+
+
+def test_a_base_only_step_takes_the_graph_without_lora_and_long_prompts_take_several_tiles():
+    graphs, _ = make(max_tokens=200, max_model_len=160)
+    assert graphs.tokens_buckets == [16, 32, 64, 128, 200]
+    blocks = np.ones((75, LAYERS, 2), dtype=np.int32)
+    key, sampled = graphs.fill([StepSeq(np.arange(150), 0, -1, blocks, sample=True)])
+    bucket = graphs.buckets[200]
+    assert key == (200, "none") and sampled == 1
+    assert bucket.tile_row[:3].tolist() == [0, 64, 128] and bucket.tile_seq[:3].tolist() == [0, 0, 0]
+    assert bucket.tile_seq[3] == bucket.seqs
+    blocks2 = np.ones((40, LAYERS, 2), dtype=np.int32)
+    graphs.fill([StepSeq(np.arange(70), 0, 1, blocks2, sample=True), StepSeq(np.arange(5), 0, 3, blocks2, sample=True),
+                 StepSeq(np.arange(66), 0, 1, blocks2, sample=True)])
+    bucket = graphs.buckets[200]
+    assert bucket.seg_meta[:, :3].tolist() == [[1, 3, 0], [0, 136, 0], [136, 5, 0]]
+    assert bucket.seg_tile[:, :4].tolist() == [[0, 0, 0, 1], [0, 64, 128, 0]], "136 rows of slot 1 in 3 tiles, then slot 3"
+    assert (bucket.seg_tile[0, 4:] == bucket.seqs).all()
+    assert graphs.fits(200, 8, 80) and not graphs.fits(201, 1, 1) and not graphs.fits(10, 9, 1) and not graphs.fits(10, 1, 81)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The padded static steps through the kernels, inside the engine
+
+
+class EagerReplay:
+    """Stands in for a captured graph: runs the bucket's static step through `model` (Triton ops)."""
+
+    def __init__(self, model, graphs: PrefillGraphs, key, logits: torch.Tensor, keys: list):
+        self.model, self.graphs, self.key, self.logits, self.keys = model, graphs, key, logits, keys
+
+    def replay(self):
+        step = self.graphs.static_step(*self.key)
+        self.logits.copy_(self.model.forward(step, self.graphs.kv.view, self.graphs.table))
+        self.keys.append(self.key)
+
+
+def make_engine(demo_assets, **config) -> Engine:
+    adapters = tuple((name, str(path)) for name, path in demo_assets.adapters.items())
+    return Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cpu", pool_bytes=32768 * PAGE_BYTES,
+                               max_model_len=64, max_batch_tokens=64, max_lora_rank=64, **config))
+
+
+def batch(names, count=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for index in range(count):
+        length = int(torch.randint(3, 21, (1,), generator=generator))
+        prompt = torch.randint(3, 500, (length,), generator=generator).tolist()
+        adapter = names[index % len(names)]
+        out.append(GenerationRequest(prompt, adapter, SamplingParams(max_tokens=4, temperature=0), keep_logits=True))
+    return out
+
+
+@pytest.mark.skipif(not HAS_TRITON or CUDA, reason="Triton's interpreter on the CPU (a GPU runs the compiled graphs: -m gpu)")
+def test_the_padded_static_steps_give_the_reference_engines_tokens(demo_assets):
+    from lorad.gpu_ops import bgmv, fused, gemv, mbgmm, mbgmv, paged_attention
+
+    interpreted(mbgmm._mbgmm_shrink_kernel, bgmv, mbgmv, mbgmm, paged_attention, fused, gemv)
+    names = [name for name in demo_assets.adapters if name in ("demo-r1", "demo-r8", "demo-r16")] + [None]
+    reference = make_engine(demo_assets)
+    expected = reference.generate(batch(names)) + reference.generate(batch([None], count=2, seed=1))
+    reference.close()
+
+    engine = make_engine(demo_assets)
+    graphs = PrefillGraphs(engine.model, engine.kv, engine.table, 64, engine.config.max_running_requests, engine.max_model_len, 64)
+    kernels = copy.copy(engine.model)
+    kernels.ops = Ops.triton(engine.device, 64, 64)
+    replayed = []
+    for key in graphs.plan():
+        logits = torch.empty(graphs.buckets[key[0]].seqs, engine.vocab_size)
+        graphs.graphs[key] = (EagerReplay(kernels, graphs, key, logits, replayed), logits)
+    engine.prefill_graphs = graphs
+    results = engine.generate(batch(names)) + engine.generate(batch([None], count=2, seed=1))
+    engine.close()
+
+    assert engine.prefill_graph_steps > 0 and {kind for _, kind in replayed} == {"none", "lora"}
+    for got, want in zip(results, expected):
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not HAS_TRITON or CUDA, reason="Triton's interpreter on the CPU (a GPU runs the compiled kernels: -m gpu)")
+def test_the_engine_on_the_triton_ops_gives_the_reference_tokens(demo_assets):
+    """Every step eager through the Triton ops (decode steps: MBGMV, gate|up as one group launch; q|k|v
+    per projection, their tiles differ at the demo's GQA widths), against the reference engine."""
+    from lorad.gpu_ops import bgmv, fused, gemv, mbgmm, mbgmv, paged_attention
+
+    interpreted(mbgmv._mbgmv_shrink_kernel, bgmv, mbgmv, mbgmm, paged_attention, fused, gemv)
+    names = [name for name in demo_assets.adapters if name in ("demo-r4", "demo-r16")] + [None]
+    reference = make_engine(demo_assets)
+    expected = reference.generate(batch(names, count=3, seed=2))  # one row per adapter: MBGMV decode steps
+    reference.close()
+
+    engine = make_engine(demo_assets)
+    engine.ops = engine.model.ops = Ops.triton(engine.device, 64, 64, fuse_groups=True)
+    groups = []
+    original = mbgmv.mbgmv_group
+    mbgmv.mbgmv_group = lambda *args, **kwargs: (groups.append(args[3]), original(*args, **kwargs))
+    try:
+        results = engine.generate(batch(names, count=3, seed=2))
+    finally:
+        mbgmv.mbgmv_group = original
+        engine.close()
+    assert groups and set(groups) == {GATE_PROJ}, "decode steps launch gate|up as one group"
+    for got, want in zip(results, expected):
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)

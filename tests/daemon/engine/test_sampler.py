@@ -1,0 +1,175 @@
+"""daemon/engine/sampler.py and the checks of SamplingParams: greedy rows, temperature / top-k / top-p against
+the distributions they should draw from, and per-request seeds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lorad.daemon.engine.request import SamplingParams
+from lorad.daemon.engine.sampler import make_generator, sample
+from lorad.errors import BadRequest
+
+VOCAB = 50
+
+
+def random_logits(rows: int, seed: int, spread: float = 3.0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * spread
+
+
+def draw(logits_row: torch.Tensor, params: SamplingParams, count: int) -> list[int]:
+    """`count` draws from one row, through sample() in batches of 500 identical rows."""
+    generator = make_generator(params)
+    tokens = []
+    while len(tokens) < count:
+        n = min(500, count - len(tokens))
+        tokens += sample(logits_row.expand(n, -1).clone(), [params] * n, [generator] * n)
+    return tokens
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor, draws: int) -> tuple[float, int]:
+    """Pearson's statistic over the cells with expected count >= 5 (the rest pooled), and its dof."""
+    expected = probs * draws
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    expected = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    keep = expected > 0
+    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    return statistic, int(keep.sum()) - 1
+
+
+def assert_matches(tokens: list[int], probs: torch.Tensor) -> None:
+    counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB).double()
+    statistic, dof = chi_square(counts, probs.double(), len(tokens))
+    # mean dof, sd sqrt(2 dof): 6 sd above the mean is far beyond chance and well below a wrong distribution
+    assert statistic < dof + 6 * math.sqrt(2 * dof), (statistic, dof)
+
+
+def test_greedy_is_argmax():
+    logits = random_logits(16, 0)
+    params = [SamplingParams(temperature=0)] * 16
+    assert sample(logits, params, [None] * 16) == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_beside_sampled_rows():
+    logits = random_logits(6, 1)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)] * 3
+    generators = [make_generator(p) for p in params]
+    tokens = sample(logits, params, generators)
+    assert tokens[0::2] == logits[0::2].argmax(-1).tolist()
+    assert all(0 <= t < VOCAB for t in tokens)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_top_k_one_and_tiny_top_p_are_greedy(seed):
+    logits = random_logits(8, seed, spread=1.0)
+    greedy = logits.argmax(-1).tolist()
+    for params in (SamplingParams(temperature=1.5, top_k=1, seed=seed), SamplingParams(temperature=1.5, top_p=1e-6, seed=seed)):
+        generators = [make_generator(params) for _ in range(8)]
+        for _ in range(20):
+            assert sample(logits.clone(), [params] * 8, generators) == greedy
+
+
+def test_same_seed_same_tokens_different_seeds_differ():
+    logits = random_logits(1, 2, spread=1.0)[0]
+    first = draw(logits, SamplingParams(temperature=1.0, seed=42), 200)
+    again = draw(logits, SamplingParams(temperature=1.0, seed=42), 200)
+    other = draw(logits, SamplingParams(temperature=1.0, seed=43), 200)
+    assert first == again
+    assert first != other
+    assert sum(a != b for a, b in zip(first, other)) > 100
+
+
+def test_generator_only_for_seeded_sampling():
+    assert make_generator(SamplingParams(temperature=0, seed=1)) is None
+    assert make_generator(SamplingParams(temperature=1.0)) is None
+    assert isinstance(make_generator(SamplingParams(temperature=1.0, seed=1)), torch.Generator)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_temperature_frequencies_match_softmax(temperature):
+    logits = random_logits(1, 3, spread=1.5)[0]
+    tokens = draw(logits, SamplingParams(temperature=temperature, seed=7), 4000)
+    assert_matches(tokens, torch.softmax(logits.double() / temperature, -1))
+
+
+def test_top_k_frequencies():
+    logits = random_logits(1, 4, spread=1.0)[0]
+    k = 5
+    tokens = draw(logits, SamplingParams(temperature=1.0, top_k=k, seed=8), 4000)
+    top = set(torch.topk(logits, k).indices.tolist())
+    assert set(tokens) <= top
+    probs = torch.zeros(VOCAB, dtype=torch.float64)
+    index = torch.tensor(sorted(top))
+    probs[index] = torch.softmax(logits.double()[index], -1)
+    assert_matches(tokens, probs)
+
+
+def test_top_p_frequencies():
+    logits = random_logits(1, 5, spread=1.5)[0]
+    top_p = 0.6
+    tokens = draw(logits, SamplingParams(temperature=1.0, top_p=top_p, seed=9), 4000)
+    probs = torch.softmax(logits.double(), -1)
+    order = probs.argsort(descending=True)
+    kept, mass = [], 0.0
+    for token in order.tolist():  # the smallest prefix of the sorted tokens whose mass reaches top_p
+        kept.append(token)
+        mass += float(probs[token])
+        if mass >= top_p:
+            break
+    assert 1 < len(kept) < VOCAB
+    assert set(tokens) <= set(kept)
+    nucleus = torch.zeros(VOCAB, dtype=torch.float64)
+    nucleus[kept] = probs[kept] / probs[kept].sum()
+    assert_matches(tokens, nucleus)
+
+
+def test_top_k_and_top_p_together():
+    logits = random_logits(1, 6, spread=0.5)[0]
+    tokens = draw(logits, SamplingParams(temperature=0.7, top_k=10, top_p=0.5, seed=10), 1000)
+    assert set(tokens) <= set(torch.topk(logits, 10).indices.tolist())
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(max_tokens=0),
+        dict(max_tokens=-3),
+        dict(max_tokens="5"),
+        dict(max_tokens=True),
+        dict(max_tokens=2.0),
+        dict(temperature=-1),
+        dict(temperature=float("nan")),
+        dict(temperature=float("inf")),
+        dict(temperature="1"),
+        dict(temperature=True),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_p=-0.1),
+        dict(top_p=float("nan")),
+        dict(top_k=-2),
+        dict(top_k=2.5),
+        dict(top_k=True),
+        dict(seed="1"),
+        dict(seed=1.0),
+        dict(seed=False),
+        dict(stop=("",)),
+        dict(stop=(5,)),
+        dict(stop=("ok", None)),
+        dict(stop=tuple(f"s{i}" for i in range(17))),
+        dict(stop_token_ids=(-1,)),
+        dict(stop_token_ids=(True,)),
+        dict(stop_token_ids=("3",)),
+    ],
+)
+def test_sampling_params_refusals(fields):
+    with pytest.raises(BadRequest):
+        SamplingParams(**fields)
+
+
+def test_sampling_params_accepts_the_edges():
+    SamplingParams(max_tokens=1, temperature=0, top_p=1.0, top_k=-1, seed=0)
+    SamplingParams(temperature=0.01, top_p=1e-9, top_k=0, stop=tuple(f"s{i}" for i in range(16)), stop_token_ids=(0, 5))
+    assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.5).greedy

@@ -1,0 +1,227 @@
+"""daemon/model/checkpoint.py: config.json (as transformers writes it) into a ModelSpec, every refusal, the RoPE
+frequencies against transformers' own init functions, and reading the checkpoint's files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lorad.daemon.model.checkpoint import ModelSpec, load_spec, load_weights, rope_inv_freq, safetensors_files
+from lorad.errors import ModelError
+
+CPU = torch.device("cpu")
+
+# --- rope_inv_freq and ModelSpec.from_hf_config -----------------------------------------------------
+
+LLAMA3 = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)
+
+
+@pytest.mark.parametrize(
+    "parameters,head_dim",
+    [
+        (LLAMA3, 16),
+        (dict(LLAMA3, factor=32.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=512), 64),
+        (dict(LLAMA3, original_max_position_embeddings=8192, rope_theta=500000.0), 128),
+    ],
+)
+def test_rope_inv_freq_llama3_matches_transformers(parameters, head_dim):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        max_position_embeddings=4 * parameters["original_max_position_embeddings"],
+        rope_parameters=dict(parameters),
+    )
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, CPU)
+    config_dict = config.to_dict()
+    config_dict["architectures"] = ["LlamaForCausalLM"]
+    spec = ModelSpec.from_hf_config(config_dict)
+    assert spec.rope_theta == parameters["rope_theta"]
+    assert spec.rope_scaling["rope_type"] == "llama3"
+    got = rope_inv_freq(spec)
+    assert got.dtype == torch.float32 and got.shape == (head_dim // 2,)
+    torch.testing.assert_close(got, expected)
+    # the three bands are all present in the first case, so the comparison covers each formula
+    plain = 1.0 / (parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    assert (got == plain).any() and (got < plain).any()
+
+
+def test_rope_inv_freq_llama3_old_style_rope_scaling():
+    """transformers 4.x wrote `rope_scaling` (and rope_theta beside it); the result is the same."""
+    base = llama_dict()
+    new_style = dict(base, rope_parameters=dict(LLAMA3))
+    old_style = dict(base, rope_theta=500000.0, rope_scaling={k: v for k, v in LLAMA3.items() if k != "rope_theta"})
+    old_style.pop("rope_parameters", None)
+    torch.testing.assert_close(
+        rope_inv_freq(ModelSpec.from_hf_config(new_style)), rope_inv_freq(ModelSpec.from_hf_config(old_style))
+    )
+
+
+def test_rope_inv_freq_default():
+    spec = ModelSpec.from_hf_config(dict(llama_dict(), rope_parameters={"rope_type": "default", "rope_theta": 1234.0}))
+    assert spec.rope_scaling is None and spec.rope_theta == 1234.0
+    expected = torch.tensor([1234.0 ** (-i / 16) for i in range(0, 16, 2)], dtype=torch.float64)
+    torch.testing.assert_close(rope_inv_freq(spec).double(), expected, rtol=1e-6, atol=0)
+
+
+def llama_dict(**overrides) -> dict:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=1,
+        **overrides,
+    ).to_dict()
+    config["architectures"] = ["LlamaForCausalLM"]  # as save_pretrained writes it
+    return config
+
+
+def test_from_hf_config_llama():
+    spec = ModelSpec.from_hf_config(llama_dict())
+    assert spec.architecture == "LlamaForCausalLM"
+    assert (spec.vocab_size, spec.hidden_size, spec.intermediate_size, spec.num_layers) == (300, 64, 172, 3)
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 2, 16)
+    assert spec.rms_norm_eps == 1e-5 and spec.rope_theta == 10000.0 and spec.rope_scaling is None
+    assert spec.max_position_embeddings == 512 and not spec.tie_word_embeddings and not spec.qkv_bias
+    assert spec.bos_token_id == 0 and spec.eos_token_ids == (1,)
+    assert spec.projection_shape("k_proj") == (64, 32) and spec.projection_shape("down_proj") == (172, 64)
+    # generation_config.json's ids win, and a list of EOS ids is kept whole
+    spec = ModelSpec.from_hf_config(llama_dict(), {"eos_token_id": [1, 7], "bos_token_id": 5})
+    assert spec.eos_token_ids == (1, 7) and spec.bos_token_id == 5
+
+
+def test_from_hf_config_mistral_and_qwen2():
+    from transformers import MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, max_position_embeddings=1024)
+    mistral = MistralConfig(num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=None, **common).to_dict()
+    mistral["architectures"] = ["MistralForCausalLM"]
+    spec = ModelSpec.from_hf_config(mistral)
+    assert spec.architecture == "MistralForCausalLM"
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.q_size) == (8, 2, 16, 128)
+    assert spec.projection_shape("o_proj") == (128, 64)
+    # a window as long as the context is full attention
+    mistral_window = MistralConfig(num_attention_heads=4, sliding_window=1024, **common).to_dict()
+    mistral_window["architectures"] = ["MistralForCausalLM"]
+    assert ModelSpec.from_hf_config(mistral_window).num_kv_heads == 8  # MistralConfig's default
+
+    qwen = Qwen2Config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **common).to_dict()
+    qwen["architectures"] = ["Qwen2ForCausalLM"]
+    spec = ModelSpec.from_hf_config(qwen)
+    assert spec.architecture == "Qwen2ForCausalLM" and spec.qkv_bias and spec.tie_word_embeddings
+    assert spec.head_dim == 16 and spec.eos_token_ids == ()
+
+
+def refused(config: dict, *words: str) -> None:
+    with pytest.raises(ModelError) as error:
+        ModelSpec.from_hf_config(config)
+    for word in words:
+        assert word in error.value.message, error.value.message
+
+
+def test_from_hf_config_refusals():
+    from transformers import MistralConfig, Qwen2Config
+
+    refused(dict(llama_dict(), architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel", "LlamaForCausalLM")
+    refused(dict(llama_dict(), architectures=["GemmaForCausalLM"]), "unsupported architecture")
+
+    mistral = MistralConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=8192, sliding_window=4096).to_dict()
+    mistral["architectures"] = ["MistralForCausalLM"]
+    refused(mistral, "sliding_window", "4096", "8192")
+
+    qwen = Qwen2Config(hidden_size=64, num_attention_heads=4, use_sliding_window=True, sliding_window=64).to_dict()
+    qwen["architectures"] = ["Qwen2ForCausalLM"]
+    refused(qwen, "sliding")
+
+    for rope_type in ("yarn", "dynamic", "linear", "longrope"):
+        refused(dict(llama_dict(), rope_parameters={"rope_type": rope_type, "factor": 4.0, "rope_theta": 1e4}), rope_type)
+        old = dict(llama_dict(), rope_scaling={"type": rope_type, "factor": 4.0})
+        old.pop("rope_parameters")
+        refused(old, rope_type)
+
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        config = llama_dict()
+        del config[field]
+        refused(config, field)
+    refused(dict(llama_dict(), vocab_size="many"), "many")
+    refused(dict(llama_dict(), hidden_size=None), "config.json")
+
+
+def test_from_hf_config_bad_value_names_its_field():
+    refused(dict(llama_dict(), hidden_size=None), "hidden_size")
+
+
+def test_from_hf_config_zero_heads_is_a_model_error():
+    config = llama_dict()
+    del config["head_dim"]
+    config["num_attention_heads"] = 0
+    refused(config, "num_attention_heads")
+
+
+# --- the checkpoint's files -------------------------------------------------------------------------
+
+
+def test_load_spec_reads_config_and_generation_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(llama_dict()))
+    assert load_spec(tmp_path).eos_token_ids == (1,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 9]}))
+    assert load_spec(tmp_path).eos_token_ids == (1, 9)
+
+
+def test_load_spec_refusals(tmp_path):
+    with pytest.raises(ModelError, match="does not exist"):
+        load_spec(tmp_path / "absent")
+    with pytest.raises(ModelError, match="not found"):
+        load_spec(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match="not valid JSON"):
+        load_spec(tmp_path)
+
+
+def test_safetensors_files_and_load_weights(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    one = {"a.weight": torch.randn(3, 4, generator=generator), "b.weight": torch.randn(2, generator=generator)}
+    two = {"c.weight": torch.randn(5, 1, generator=generator).to(torch.bfloat16)}
+    with pytest.raises(ModelError, match="safetensors"):
+        safetensors_files(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ModelError, match="pickled"):
+        safetensors_files(tmp_path)
+    save_file(one, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(two, str(tmp_path / "model-00002-of-00002.safetensors"))
+    index = {"weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00001-of-00002.safetensors",
+                            "c.weight": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert [p.name for p in safetensors_files(tmp_path)] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    weights = load_weights(tmp_path, torch.float32, CPU)
+    assert set(weights) == {"a.weight", "b.weight", "c.weight"}
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    assert torch.equal(weights["a.weight"], one["a.weight"])
+    assert torch.equal(weights["c.weight"], two["c.weight"].float())
+
+
+def test_load_weights_corrupt_file_is_a_model_error(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
+    with pytest.raises(ModelError, match="cannot read"):
+        load_weights(tmp_path, torch.float32, CPU)

@@ -1,0 +1,45 @@
+"""Benchmark mode: a known model shape with random weights and random in-memory adapters."""
+
+import pytest
+
+from lorad.config import EngineConfig
+from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec
+from lorad.daemon.engine.engine import Engine
+from lorad.daemon.engine.request import GenerationRequest, SamplingParams
+from lorad.errors import BadRequest
+
+
+def test_known_shapes_parse():
+    shapes = {name: ModelSpec.from_hf_config(config) for name, config in MODEL_CONFIGS.items()}
+    assert shapes["llama-2-7b"].projection_shape("down_proj") == (11008, 4096)
+    assert shapes["llama-3-8b"].kv_size == 1024
+
+
+def test_dummy_model_serves_dummy_adapters_in_one_batch():
+    engine = Engine(EngineConfig(model_config="tiny-llama", dummy_weights=True, dummy_adapters=6,
+                                 dummy_adapter_rank=4, dummy_adapter_targets="q_proj,down_proj", device="cpu"))
+    models = engine.models()
+    assert models[0]["id"] == "tiny-llama" and len(models) == 7
+    assert models[1]["targets"] == ["q_proj", "down_proj"] and models[1]["rank"] == 4
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    requests = [GenerationRequest([1, 2, 3], adapter=f"dummy-{i}", sampling=greedy) for i in range(6)]
+    results = engine.generate(requests + [GenerationRequest([1, 2, 3], sampling=greedy)])
+    assert all(len(r.token_ids) == 4 for r in results)
+    # Adapters 0 and 4 share weights (4 distinct sets), 0 and 1 do not; the base differs from both.
+    assert results[0].token_ids == results[4].token_ids
+    assert {tuple(results[0].token_ids), tuple(results[1].token_ids), tuple(results[6].token_ids)} != {tuple(results[0].token_ids)}
+    assert engine.status()["adapters_resident"] == [f"dummy-{i}" for i in range(6)]
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"model_config": "tiny-llama"}, "--dummy-weights"),
+        ({"model_config": "gpt-9", "dummy_weights": True}, "unknown model config"),
+        ({"model_config": "tiny-llama", "dummy_weights": True, "dummy_adapters": 2, "dummy_adapter_targets": "lm_head"}, "unknown projections"),
+        ({"model_config": "tiny-llama", "dummy_weights": True, "dummy_adapters": 2, "dummy_adapter_rank": 0}, "dummy_adapter_rank"),
+    ],
+)
+def test_bad_benchmark_settings_are_refused(fields, message):
+    with pytest.raises(BadRequest, match=message):
+        Engine(EngineConfig(device="cpu", **fields))
