@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from lorad.client import Client
-from lorad.daemon.server.api import create_app, serve_unix
+from lorad.daemon.server.api import create_app
+from lorad.daemon.server.unix_socket import serve_unix
 
 LORAD = Path(sys.executable).with_name("lorad")
 COMMAND = [str(LORAD)] if LORAD.exists() else [sys.executable, "-m", "lorad.daemon.server.cli"]

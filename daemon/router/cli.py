@@ -97,41 +97,37 @@ def make_policy(args: argparse.Namespace) -> tuple[object, dict]:
 
 def router_main(argv: list[str]) -> int:
     """Runs `lorad router <argv>` until SIGTERM/SIGINT; returns the exit code."""
-    from lorad.daemon.server.cli import (
-        _claim_socket_path,
-        _remove_socket,
-        _run_event_loop,
-        _setup_logging,
-    )
+    from lorad.daemon.server import unix_socket
+    from lorad.daemon.server.cli import run_event_loop, setup_logging
 
     args = parse(build_parser(), argv)
     if isinstance(args, int):
         return args
     try:
-        _setup_logging(args.log_level)
+        setup_logging(args.log_level)
         if args.poll_interval_ms <= 0:
             raise BadRequest("--poll-interval-ms must be positive")
         if args.ttft_slo_ms is not None and args.ttft_slo_ms <= 0:
             raise BadRequest("--ttft-slo-ms must be positive")
         policy, about = make_policy(args)
         try:
-            _claim_socket_path(args.socket)
+            unix_socket.claim_path(args.socket)
         except OSError as error:
             raise BadRequest(f"cannot use the socket {args.socket}: {error.strerror or error}") from None
     except LoradError as error:
         print(f"lorad router: {error.message}", file=sys.stderr)
         return 2
     try:
-        return _run_event_loop(_serve(args, policy, about))
+        return run_event_loop(_serve(args, policy, about))
     except LoradError as error:
         print(f"lorad router: {error.message}", file=sys.stderr)
         return 2
     finally:
-        _remove_socket(args.socket)
+        unix_socket.remove(args.socket)
 
 
 async def _serve(args: argparse.Namespace, policy, about: dict) -> int:
-    from lorad.daemon.server.api import serve_unix
+    from lorad.daemon.server.unix_socket import serve_unix
     from lorad.daemon.router.server import Router, create_app
 
     ttft_slo_s = args.ttft_slo_ms / 1e3 if args.ttft_slo_ms else None

@@ -10,9 +10,6 @@ import asyncio
 import json
 import logging
 import math
-import os
-import socket
-import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,12 +20,12 @@ from lorad.errors import (
     AdmissionDropped, BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, NotFound, Overloaded, PromptTooLong,
 )
 from lorad.daemon.server import metrics as metrics_format
+from lorad.daemon.server.unix_socket import PeerCredentials, peer_credentials
 from lorad.daemon.engine.request import GenerationRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20
-LISTEN_BACKLOG = 1024  # connections the kernel holds before accept(): bursts of many clients
 # Prompts longer than this are tokenized off the event loop, so one huge prompt does not stall the others.
 _TOKENIZE_INLINE_CHARS = 4096
 
@@ -279,24 +276,9 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     return web.json_response({"id": name, "object": "model", "deleted": True})
 
 
-def peer_credentials(request: web.Request) -> tuple[int, int] | None:
-    """(uid, pid) of the process at the other end of the Unix socket, when the kernel says."""
-    transport = request.transport
-    if transport is None:
-        return None
-    sock = transport.get_extra_info("socket")
-    if sock is None or getattr(sock, "family", None) != socket.AF_UNIX or not hasattr(socket, "SO_PEERCRED"):
-        return None
-    try:
-        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    except OSError:
-        return None
-    return uid, pid
-
-
 def _peer_fields(request: web.Request) -> str:
-    peer = peer_credentials(request)
-    return "" if peer is None else f" peer_uid={peer[0]} peer_pid={peer[1]}"
+    peer = peer_credentials(request.transport)
+    return "" if peer is None else f" peer_uid={peer.uid} peer_pid={peer.pid}"
 
 
 # --- completions ------------------------------------------------------------------------------------
@@ -306,7 +288,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     engine = request.app[ENGINE]
     loop = asyncio.get_running_loop()
-    peer = peer_credentials(request)  # now: the transport is gone once the client leaves
+    peer = peer_credentials(request.transport)  # now: the transport is gone once the client leaves
     completion = parse_completion(await _json_body(request))
 
     prompt_ids = completion.prompt
@@ -376,7 +358,7 @@ class _Tally:
     model: str
     prompt_tokens: int
     arrived: float
-    peer: tuple[int, int] | None = None  # (uid, pid) of the client
+    peer: PeerCredentials | None = None  # the client process
     completion_tokens: int = 0
     first_token_at: float | None = None
     finish_reason: str | None = None
@@ -397,7 +379,7 @@ class _Tally:
 
     def log(self) -> None:
         ttft = "-" if self.first_token_at is None else f"{(self.first_token_at - self.arrived) * 1e3:.1f}"
-        uid, pid = self.peer or ("-", "-")
+        uid, pid = ("-", "-") if self.peer is None else (self.peer.uid, self.peer.pid)
         log.info(
             "request finished request_id=%s adapter=%s prompt_tokens=%d completion_tokens=%d ttft_ms=%s "
             "latency_ms=%.1f finish_reason=%s peer_uid=%s peer_pid=%s",
@@ -492,22 +474,3 @@ def create_app(engine) -> web.Application:
     app.on_shutdown.append(_abort_in_flight)
     return app
 
-
-async def serve_unix(app: web.Application, path: str, mode: int = 0o660) -> web.AppRunner:
-    """Listen on a Unix socket at `path` (which must not exist) with permissions `mode`.
-
-    The caller owns the socket file: `await runner.cleanup()` stops serving, then remove `path`.
-    """
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(path)
-        os.chmod(path, mode)  # before listen(): nobody connects while the mode is still the umask's
-        site = web.SockSite(runner, listener, backlog=LISTEN_BACKLOG)
-        await site.start()
-    except BaseException:
-        listener.close()
-        await runner.cleanup()
-        raise
-    return runner

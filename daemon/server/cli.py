@@ -8,25 +8,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import errno
 import logging
-import os
 import signal
 import socket
-import stat
-import struct
 import sys
-import weakref
 from pathlib import Path
 
+from lorad.daemon.server import unix_socket
 from lorad.daemon.server.cli_args import Parser, parse
-
 from lorad.config import DTYPES, Config, EngineConfig, ServerConfig
 from lorad.errors import BadRequest, LoradError
 
 log = logging.getLogger(__name__)
-
-_SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 
 # Flags whose name or shape differs from their field; every other field of EngineConfig/ServerConfig
 # becomes --field-name with the field's type.
@@ -241,7 +234,7 @@ def serve(args: argparse.Namespace) -> int:
     cli_engine, cli_server = _config_values(args, "engine."), _config_values(args, "server.")
     config_path = getattr(args, "config", None)
     config, used_path = resolve(cli_engine, cli_server, config_path)
-    _setup_logging(config.server.log_level)
+    setup_logging(config.server.log_level)
     if used_path is not None:
         log.info("config file=%s", used_path)
 
@@ -258,7 +251,7 @@ def serve(args: argparse.Namespace) -> int:
     else:
         listener, path = None, config.server.socket
         try:
-            _claim_socket_path(path)
+            unix_socket.claim_path(path)
         except OSError as error:
             raise BadRequest(f"cannot use the socket {path}: {error.strerror or error}") from None
 
@@ -278,7 +271,7 @@ def serve(args: argparse.Namespace) -> int:
         def reload_config() -> Config:
             return resolve(cli_engine, cli_server, config_path)[0]
 
-        return _run_event_loop(_serve(engine, config, listener, path, reload_config))
+        return run_event_loop(_serve(engine, config, listener, path, reload_config))
     except KeyboardInterrupt:
         log.info("stopped while loading the model" if engine.model_name is None else "stop signal before serving")
         return 0
@@ -287,7 +280,7 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGHUP, previous_hup)
         engine.stop()
         if listener is None:  # a socket systemd passed is systemd's to remove
-            _remove_socket(path)
+            unix_socket.remove(path)
         if engine.model_name is not None:
             log.info("stopped")
 
@@ -296,57 +289,11 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _setup_logging(level_name: str) -> None:
+def setup_logging(level_name: str) -> None:
     level = logging.getLevelName(level_name.upper())
     if not isinstance(level, int):
         raise BadRequest(f"log level must be one of debug, info, warning, error, not {level_name!r}")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
-
-
-def _claim_socket_path(path: str) -> None:
-    """Make `path` free to bind: create its parent, remove a stale socket; refuse if a daemon listens."""
-    if len(os.fsencode(path)) > _SOCKET_PATH_MAX:
-        raise BadRequest(f"socket path is longer than {_SOCKET_PATH_MAX} bytes: {path}")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise BadRequest(f"{path} exists and is not a socket; not touching it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except OSError as error:
-        if error.errno not in (errno.ECONNREFUSED, errno.ENOENT):
-            raise
-        log.info("removing stale socket path=%s", path)
-        os.unlink(path)
-        return
-    finally:
-        probe.close()
-    raise BadRequest(f"another lorad is already listening on {path}")
-
-
-def _bind(path: str, mode: int) -> socket.socket:
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(path)
-        os.chmod(path, mode)  # before listen(): nobody connects while the mode is still the umask's
-        listener.listen(1024)
-    except BaseException:
-        listener.close()
-        raise
-    return listener
-
-
-def _remove_socket(path: str) -> None:
-    try:
-        if stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _log_engine(engine, config: EngineConfig) -> None:
@@ -358,7 +305,7 @@ def _log_engine(engine, config: EngineConfig) -> None:
     )
 
 
-def _run_event_loop(main_coroutine):
+def run_event_loop(main_coroutine):
     try:
         import uvloop
     except ImportError:
@@ -367,9 +314,8 @@ def _run_event_loop(main_coroutine):
 
 
 async def _serve(engine, config: Config, listener: socket.socket | None, path: str, reload_config) -> int:
-    from aiohttp import web
     from lorad.daemon.server import systemd
-    from lorad.daemon.server.api import IN_FLIGHT, LISTEN_BACKLOG, create_app
+    from lorad.daemon.server.api import IN_FLIGHT, create_app
 
     server = config.server
     loop = asyncio.get_running_loop()
@@ -394,20 +340,18 @@ async def _serve(engine, config: Config, listener: socket.socket | None, path: s
     loop.add_signal_handler(signal.SIGHUP, on_sighup)
 
     app = create_app(engine)
-    app.middlewares.insert(0, _peer_middleware)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
+    app.middlewares.insert(0, unix_socket.log_connection_peer)
+    runner = None
     try:
         if listener is None:
             try:
-                listener = _bind(path, server.socket_mode)
+                listener = unix_socket.bind(path, server.socket_mode)
             except OSError as error:
                 raise BadRequest(f"cannot listen on {path}: {error.strerror or error}") from None
             log.info("listening socket=%s mode=%o event_loop=%s", path, server.socket_mode, type(loop).__module__)
         else:
             log.info("listening socket=%s (from systemd) event_loop=%s", path, type(loop).__module__)
-        site = web.SockSite(runner, listener, backlog=LISTEN_BACKLOG)  # aiohttp re-listens: keep the depth
-        await site.start()
+        runner = await unix_socket.serve(app, listener)
         systemd.notify(f"READY=1\nSTATUS=serving model={engine.model_name} socket={path}")
         watchdog = systemd.watchdog_interval()
         pinger = loop.create_task(_watchdog(engine, watchdog)) if watchdog else None
@@ -418,7 +362,8 @@ async def _serve(engine, config: Config, listener: socket.socket | None, path: s
             waiter.cancel()
         engine_died = died.is_set()
         systemd.notify("STOPPING=1\nSTATUS=" + ("the engine process died" if engine_died else "stopping"))
-        await site.stop()  # the listener is closed: no new connections
+        for site in runner.sites:
+            await site.stop()  # the listener is closed: no new connections
         runner.server.pre_shutdown()  # idle keep-alive connections close; running requests go on
         in_flight = app[IN_FLIGHT]
         if not engine_died and in_flight:
@@ -434,7 +379,8 @@ async def _serve(engine, config: Config, listener: socket.socket | None, path: s
         if pinger is not None:
             pinger.cancel()
     finally:
-        await runner.cleanup()  # the API aborts whatever still runs, handlers answer, connections close
+        if runner is not None:
+            await runner.cleanup()  # the API aborts whatever still runs, handlers answer, connections close
         # Before the loop closes: that waits for its executor's threads, and a call to an engine that
         # stopped answering only returns once the engine process is gone.
         engine.stop()
@@ -483,39 +429,6 @@ async def _reload_adapters(engine, current: EngineConfig, reload_config) -> None
     )
     for name, reason in changes["failed"].items():
         log.error("adapter not registered name=%s reason=%s", name, reason)
-
-
-# Peer credentials (SO_PEERCRED) of each connection, logged once per connection at debug level (the
-# API's request log line carries them too, see api.peer_credentials).
-_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_seen_connections: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def _peer_credentials(transport) -> tuple[int, int, int] | None:
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None or sock.family != socket.AF_UNIX:
-        return None
-    try:
-        return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-    except OSError:
-        return None
-
-
-async def _peer_middleware(request, handler):
-    transport = request.transport
-    if log.isEnabledFor(logging.DEBUG) and transport is not None:
-        try:
-            first = transport not in _seen_connections
-            _seen_connections.add(transport)
-        except TypeError:  # a transport that cannot be weakly referenced: log every request's
-            first = True
-        peer = _peer_credentials(transport) if first else None
-        if peer is not None:
-            log.debug("connection peer_pid=%d peer_uid=%d peer_gid=%d", *peer)
-    return await handler(request)
-
-
-_peer_middleware.__middleware_version__ = 1  # aiohttp's new-style middleware marker (web.middleware)
 
 
 # --- lorad demo adapters --------------------------------------------------------------------------------

@@ -5,11 +5,8 @@ the default; bad admission settings are refused at start-up."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import pytest
-from lorad.daemon.server.api import create_app, serve_unix
+from daemon_harness import ServerThread
 from lorad.daemon.server.cli import main
 from lorad.client import Client
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
@@ -28,48 +25,13 @@ def demo_engine(demo_assets, **config):
         return Engine(EngineConfig(demo=True, device="cpu", pool_bytes=8 << 20, max_model_len=64, **config))
 
 
-class Server:
-    """create_app(engine) on a Unix socket, served by an event loop in its own thread."""
-
-    def __init__(self, engine, path: str):
-        self.path, self.loop = path, asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def run():
-            asyncio.set_event_loop(self.loop)
-            self.runner = self.loop.run_until_complete(serve_unix(create_app(engine), path))
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert ready.wait(10)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
-@pytest.fixture
-def short_tmp():
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    directory = tempfile.mkdtemp(prefix="lorad-", dir="/tmp")  # Unix socket paths must stay short
-    yield Path(directory)
-    shutil.rmtree(directory, ignore_errors=True)
-
-
 def test_early_abort_drops_what_cannot_make_it_and_the_client_is_told(demo_assets, short_tmp):
     engine = demo_engine(demo_assets, admission="early-abort", slo_ttft_ms=1000)
     assert engine.status()["admission"]["ttft_estimate"].startswith("online:")  # no profile on this machine
     # injected: 0.1 s per prompt token, so 10 tokens or more cannot make 1 s
     engine.scheduler.admission = EarlyAbort(PrefillModel(0.1, 0.0, 0.0, 0.0))
     engine.start()
-    server = Server(engine, f"{short_tmp}/admission.sock")
+    server = ServerThread(engine, f"{short_tmp}/admission.sock")
     client = Client(server.path, timeout=30)
     try:
         with pytest.raises(Overloaded) as caught:

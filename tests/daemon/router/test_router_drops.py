@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from lorad.daemon.server.api import serve_unix
+from lorad.daemon.server.unix_socket import serve_unix
 from lorad.daemon.router.server import Router, create_app
 from lorad.scheduler.router import FirstFit
 
