@@ -31,10 +31,10 @@ from lorad.daemon.engine.adapter_residency import LoraResidency
 from lorad.daemon.server.metrics import Metrics
 from lorad.daemon.model.llama import LlamaModel, Ops, Step
 from lorad.daemon.engine.prefill_graphs import PrefillGraphs, StepSeq
-from lorad.daemon.engine.request import GenerationRequest, GenerationResult, RequestOutput
+from lorad.daemon.engine.request import GenerationRequest, GenerationResult, RequestOutput, check_prompt
 from lorad.daemon.engine.sampler import make_generator, sample
 from lorad.daemon.engine.tokenizer import Detokenizer, NoTokenizer, Tokenizer
-from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded, PromptTooLong
+from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded
 from lorad.gpu_ops import cuda_ext
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
@@ -526,16 +526,7 @@ class Engine:
     def submit(self, request: GenerationRequest) -> None:
         """Checks the request and queues it; raises BadRequest, NotFound, AdapterError, Overloaded."""
         prompt = request.prompt_token_ids
-        if not prompt:
-            raise BadRequest("the prompt is empty")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
-            raise BadRequest(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        total = len(prompt) + request.sampling.max_tokens
-        if total > self.max_model_len:
-            raise PromptTooLong(
-                f"the prompt ({len(prompt)} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
-                f"{total} tokens, over this model's context of {self.max_model_len}"
-            )
+        check_prompt(prompt, request.sampling, self.vocab_size, self.max_model_len)
         if request.adapter is not None:
             if request.adapter not in self.registry:
                 raise ModelNotFound(

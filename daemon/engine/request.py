@@ -1,5 +1,6 @@
-"""What a request is, inside the engine and across its boundary: sampling parameters (checked once,
-here), the request itself, and what the engine reports back after each step."""
+"""What a request is, inside the engine and across its boundary: sampling parameters and the prompt
+(each checked in one place, here, by the API and the engine alike), the request itself, and what the
+engine reports back after each step."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from lorad.errors import BadRequest
+from lorad.errors import BadRequest, PromptTooLong
 
 _ids = itertools.count()
 
@@ -56,6 +57,28 @@ class SamplingParams:
 
 def _real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_prompt(prompt_token_ids: list[int], sampling: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """Raises BadRequest unless the prompt is a non-empty list of token ids in the vocabulary and every stop
+    token id is in it too, and PromptTooLong unless the prompt plus max_tokens fits the model's context."""
+    if not prompt_token_ids:
+        raise BadRequest("the prompt is empty")
+    for token in prompt_token_ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise BadRequest(
+                f"prompt token id {token!r} is out of the vocabulary: prompt token ids must be integers in "
+                f"[0, {vocab_size})"
+            )
+    bad = next((t for t in sampling.stop_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"stop token id {bad} is out of the vocabulary (0..{vocab_size - 1})")
+    total = len(prompt_token_ids) + sampling.max_tokens
+    if total > max_model_len:
+        raise PromptTooLong(
+            f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({sampling.max_tokens}) is "
+            f"{total} tokens, over this model's context of {max_model_len}"
+        )
 
 
 @dataclass

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from lorad.errors import (
-    AdmissionDropped, BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, NotFound, Overloaded, PromptTooLong,
+    AdmissionDropped, BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, NotFound, Overloaded,
 )
 from lorad.daemon.server import metrics as metrics_format
 from lorad.daemon.server.unix_socket import PeerCredentials, peer_credentials
-from lorad.daemon.engine.request import GenerationRequest, RequestOutput, SamplingParams
+from lorad.daemon.engine.request import GenerationRequest, RequestOutput, SamplingParams, check_prompt
 
 log = logging.getLogger(__name__)
 
@@ -177,24 +177,6 @@ def _flag(fields: dict, name: str) -> bool:
     return value
 
 
-def _check_prompt_ids(ids: list[int], sampling: SamplingParams, engine) -> None:
-    if not ids:
-        raise BadRequest("prompt is empty once tokenized")
-    vocab = engine.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise BadRequest(f"prompt token id {bad} is out of the vocabulary (0..{vocab - 1})")
-    bad = next((t for t in sampling.stop_token_ids if t >= vocab), None)
-    if bad is not None:
-        raise BadRequest(f"stop token id {bad} is out of the vocabulary (0..{vocab - 1})")
-    limit = engine.max_model_len
-    if len(ids) + sampling.max_tokens > limit:
-        raise PromptTooLong(
-            f"the model's context is {limit} tokens, but the prompt has {len(ids)} tokens and max_tokens "
-            f"is {sampling.max_tokens}: {len(ids) + sampling.max_tokens} tokens in all"
-        )
-
-
 # --- handlers -------------------------------------------------------------------------------------------
 
 
@@ -297,7 +279,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             prompt_ids = engine.tokenizer.encode(prompt_ids)
         else:
             prompt_ids = await loop.run_in_executor(None, engine.tokenizer.encode, prompt_ids)
-    _check_prompt_ids(prompt_ids, completion.sampling, engine)
+    check_prompt(prompt_ids, completion.sampling, engine.vocab_size, engine.max_model_len)
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
     generation = GenerationRequest(
