@@ -128,10 +128,7 @@ class Client:
         connection, which aborts the request in the daemon."""
         connection, response = self._send("POST", "/v1/completions", {**fields, "stream": True})
         try:
-            for line in response:
-                chunk = _stream_chunk(line)
-                if chunk is not None:
-                    yield chunk
+            yield from (chunk for chunk in map(_stream_chunk, response) if chunk is not None)
             raise LoradError("the stream ended without [DONE]")
         except _Done:
             return
@@ -225,8 +222,7 @@ class AsyncClient:
             await self._check(response)
             try:
                 async for line in response.content:
-                    chunk = _stream_chunk(line)
-                    if chunk is not None:
+                    if (chunk := _stream_chunk(line)) is not None:
                         yield chunk
                 raise LoradError("the stream ended without [DONE]")
             except _Done:

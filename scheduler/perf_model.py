@@ -18,6 +18,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from lorad.errors import BadRequest
+from lorad.scheduler.json_file import read_json
 
 KERNELS = ("bgmv", "mbgmv")
 
@@ -282,11 +283,7 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise BadRequest(f"cannot read profile {path}: {error}") from None
-        return cls.from_json(data)
+        return cls.from_json(read_json(path, "profile"))
 
 
 def example_profile(kernel: str = "bgmv") -> Profile:

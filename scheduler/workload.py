@@ -22,6 +22,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from lorad.errors import BadRequest
+from lorad.scheduler.json_file import read_json
 
 AZURE_ATTRIBUTION = (
     "Azure LLM inference trace 2023 (Azure Public Dataset; Patel et al., Splitwise: Efficient generative "
@@ -76,11 +77,7 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise BadRequest(f"cannot read trace {path}: {error}") from None
-        return cls.from_json(data)
+        return cls.from_json(read_json(path, "trace"))
 
 
 # ---------------------------------------------------------------------------------------------------
