@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -81,6 +82,23 @@ def start_daemon(demo_assets, path: Path, *extra: str, env: dict | None = None, 
                    "--max-model-len", "128", *extra],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
     )
+
+
+def stop_daemon(process: subprocess.Popen, timeout: float = 20.0) -> None:
+    """SIGTERM, and SIGKILL if it has not exited within `timeout` seconds."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_daemon(process)
+
+
+def kill_daemon(process: subprocess.Popen) -> None:
+    """Kill it if it still runs: a test that failed half-way leaves no daemon behind."""
+    if process.poll() is None:
+        process.kill()
+        process.wait()
 
 
 def wait_healthy(process: subprocess.Popen, path: Path, timeout: float = 60.0) -> Client:

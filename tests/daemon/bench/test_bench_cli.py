@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ from lorad.daemon.server.cli import main
 from lorad.scheduler.workload import AZURE_ATTRIBUTION, Trace
 
 # test_cli.py's helpers (pytest puts this folder on sys.path)
-from daemon_harness import start_daemon, wait_healthy
+from daemon_harness import start_daemon, stop_daemon, wait_healthy
 
 DATA_DIR = Path(__file__).resolve().parents[3].parent / "shared" / "data"
 
@@ -119,12 +117,7 @@ def test_bench_trace_replays_against_the_demo_daemon(capsys, demo_assets, short_
                                   "--slo-tpot-s", 10, "--out", report_path)
         assert code == 0, err
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_daemon(process, timeout=30)
     assert "mapped onto the daemon's 8 by index modulo 8" in out and "daemon" in out
     report = json.loads(report_path.read_text())
     summary = report["summary"]

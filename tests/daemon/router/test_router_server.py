@@ -9,7 +9,6 @@ import dataclasses
 
 import json
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -20,7 +19,7 @@ from lorad.client import Client, UnixHTTPConnection
 from lorad.daemon.router.backends import Backend, Flight
 
 # test_cli.py's daemon starter (pytest puts this folder on sys.path).
-from daemon_harness import COMMAND, start_daemon, wait_healthy
+from daemon_harness import COMMAND, start_daemon, stop_daemon, wait_healthy
 
 from lorad.errors import BackendError, BadRequest, LoradError, ModelNotFound
 
@@ -33,16 +32,6 @@ def wait_until(condition, timeout: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +52,7 @@ def daemons(demo_assets, workdir):
         yield [str(path) for path in paths]
     finally:
         for process in processes:
-            stop(process)
+            stop_daemon(process)
 
 
 class RouterProcess:
@@ -91,7 +80,7 @@ class RouterProcess:
         return next(b for b in self.client.status()["backends"] if b["socket"] == socket_path)
 
     def close(self) -> None:
-        stop(self.process)
+        stop_daemon(self.process)
         assert self.process.returncode == 0, self.log.read_text()
         assert not self.path.exists()  # the router removes its socket
 
@@ -275,7 +264,7 @@ def test_backend_killed_mid_stream(router_factory, daemons, demo_assets, workdir
     finally:
         for process in (doomed, revived):
             if process is not None:
-                stop(process)
+                stop_daemon(process)
 
 
 # --- the view the policies read -------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from lorad.errors import LoradError
 
 # test_api.py's fake engine (pytest puts this folder on sys.path).
 from test_api import FakeEngine
-from daemon_harness import COMMAND, ServerThread, start_daemon, wait_healthy  # noqa: F401
+from daemon_harness import COMMAND, ServerThread, kill_daemon, start_daemon, wait_healthy  # noqa: F401
 
 
 
@@ -175,9 +175,7 @@ def test_serve_demo_then_sigterm(demo_assets, short_tmp):
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        kill_daemon(process)
     log = process.stderr.read()
     assert not path.exists()
     assert "Traceback" not in log
@@ -202,9 +200,7 @@ def test_sigint_during_a_stream_exits_0(demo_assets, short_tmp, grace, signals, 
         assert rest[-1]["choices"][0]["finish_reason"] == finish_reason
         assert process.wait(30) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        kill_daemon(process)
     assert not path.exists()
     assert "Traceback" not in process.stderr.read()
 
@@ -267,9 +263,7 @@ def test_sighup_reloads_adapters_and_sigterm_lets_a_request_finish(demo_assets, 
         assert result["choices"][0]["finish_reason"] == "length" and result["usage"]["completion_tokens"] == 100
         assert process.wait(30) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        kill_daemon(process)
     log = process.stderr.read()
     assert "Traceback" not in log and not path.exists()
     assert "adapters reloaded added=new removed=old" in log and "adapter not registered name=bad" in log
@@ -288,8 +282,6 @@ def test_engine_death_ends_serve_with_exit_1(demo_assets, short_tmp):
             list(chunks)
         assert process.wait(30) == 1  # systemd's Restart=on-failure starts a fresh one
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        kill_daemon(process)
     log = process.stderr.read()
     assert "killed by SIGKILL" in log and "Traceback" not in log and not path.exists()

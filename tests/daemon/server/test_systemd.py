@@ -21,7 +21,7 @@ from lorad.daemon.server import systemd
 from lorad.daemon.server.cli import _watchdog, main
 from lorad.client import Client
 
-from daemon_harness import COMMAND
+from daemon_harness import COMMAND, kill_daemon
 
 PACKAGING = Path(__file__).resolve().parents[3] / "packaging"
 
@@ -178,9 +178,7 @@ def test_serve_on_a_socket_passed_by_systemd(demo_assets, short_tmp, notify_sock
         received(notify, "STOPPING=1", timeout=30)
         assert process.wait(30) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        kill_daemon(process)
     log = process.stderr.read()
     assert "Traceback" not in log and "(from systemd)" in log
     assert path.exists() and stat.S_IMODE(os.stat(path).st_mode) == 0o600  # systemd's, not removed
@@ -198,9 +196,7 @@ def test_sigterm_while_the_model_loads_exits_0(demo_assets, short_tmp, notify_so
         process.terminate()
         assert process.wait(30) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        kill_daemon(process)
     log = process.stderr.read()
     assert "stopped while loading the model" in log and "Traceback" not in log, log
     assert not path.exists() and not any("READY=1" in message for message in messages)
