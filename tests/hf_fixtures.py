@@ -1,6 +1,6 @@
 """Tiny random Hugging Face checkpoints and PEFT adapters built with transformers and peft, and the
-HF + PEFT greedy reference lorad is compared with. Imported by conftest.py only; tests reach these
-through its fixtures.
+HF + PEFT greedy reference lorad is compared with. Imported by conftest.py, whose fixtures tests reach
+these through; test_checkpoint.py takes LLAMA3_ROPE from here too.
 
 Weights are re-initialised with a larger spread than HF's 0.02 so that greedy decoding depends on the
 prompt and the adapter (with std 0.02 every prompt decodes to one repeated token, and parity on that
@@ -17,68 +17,31 @@ import torch
 
 from lorad.daemon.model.demo import build_tokenizer
 
+# llama3 rope scaling, with an original context short enough that at head_dim 16 some frequencies are kept,
+# some interpolated and some divided by `factor`.
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+
 # Every architecture lorad serves, in the shapes that exercise its code paths.
 COMMON = dict(hidden_size=64, rms_norm_eps=1e-5, max_position_embeddings=512, bos_token_id=0, eos_token_id=1)
 ARCHITECTURES: dict[str, dict] = {
     # GQA (4 query heads share 2 KV heads), default RoPE, intermediate not a multiple of hidden.
-    "llama": dict(
-        family="llama", intermediate_size=172, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2
-    ),
-    # llama3 rope scaling, with an original context short enough that at head_dim 16 some frequencies
-    # are kept, some interpolated and some divided by `factor`.
-    "llama3_rope": dict(
-        family="llama",
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        rope_parameters=dict(
-            rope_type="llama3",
-            rope_theta=500000.0,
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=64,
-        ),
-    ),
+    "llama": dict(family="llama", intermediate_size=172, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "llama3_rope": dict(family="llama", intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=4, rope_parameters=dict(LLAMA3_ROPE)),
     # lm_head shares the embedding: the checkpoint holds no lm_head.weight.
-    "llama_tied": dict(
-        family="llama",
-        intermediate_size=172,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    ),
+    "llama_tied": dict(family="llama", intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=1, tie_word_embeddings=True),
     # head_dim * heads (128) != hidden (64), as in Mistral-Nemo; no sliding window.
-    "mistral": dict(
-        family="mistral",
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=None,
-    ),
+    "mistral": dict(family="mistral", intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
+                    num_key_value_heads=2, head_dim=16, sliding_window=None),
     # q/k/v biases (nonzero after re-initialisation).
-    "qwen2": dict(
-        family="qwen2",
-        intermediate_size=172,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_sliding_window=False,
-        tie_word_embeddings=False,
-    ),
+    "qwen2": dict(family="qwen2", intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, use_sliding_window=False, tie_word_embeddings=False),
     # Saved in several shards: model.safetensors.index.json maps names to files.
-    "llama_sharded": dict(
-        family="llama",
-        intermediate_size=172,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_shard_size="400KB",
-    ),
+    "llama_sharded": dict(family="llama", intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_shard_size="400KB"),
 }
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

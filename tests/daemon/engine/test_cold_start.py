@@ -9,7 +9,6 @@ import os
 import signal
 import threading
 
-import posix_ipc
 import pytest
 import torch
 
@@ -29,15 +28,7 @@ EXTRA = {"extra-r3": (3, ("k_proj", "down_proj")), "extra-r12": (12, ("q_proj", 
          "extra-r24": (24, ("v_proj", "gate_proj")), "extra-r48": (48, ("q_proj", "k_proj", "v_proj", "o_proj"))}
 
 
-@pytest.fixture(autouse=True)
-def no_leftover_segments():
-    mine = f"/lorad-{os.getpid()}x"
-    before = set(lorad_segments(mine))
-    yield
-    leaked = set(lorad_segments(mine)) - before
-    for name in leaked:
-        posix_ipc.unlink_shared_memory(name)
-    assert not leaked, f"test left segments behind: {sorted(leaked)}"
+pytestmark = pytest.mark.usefixtures("no_leftover_segments")  # conftest.py's, for every test here
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from hf_fixtures import LLAMA3_ROPE
 from lorad.daemon.model.checkpoint import ModelSpec, load_spec, load_weights, rope_inv_freq, safetensors_files
 from lorad.errors import ModelError
 
@@ -16,22 +17,13 @@ CPU = torch.device("cpu")
 
 # --- rope_inv_freq and ModelSpec.from_hf_config -----------------------------------------------------
 
-LLAMA3 = dict(
-    rope_type="llama3",
-    rope_theta=500000.0,
-    factor=8.0,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    original_max_position_embeddings=64,
-)
-
 
 @pytest.mark.parametrize(
     "parameters,head_dim",
     [
-        (LLAMA3, 16),
-        (dict(LLAMA3, factor=32.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=512), 64),
-        (dict(LLAMA3, original_max_position_embeddings=8192, rope_theta=500000.0), 128),
+        (LLAMA3_ROPE, 16),
+        (dict(LLAMA3_ROPE, factor=32.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=512), 64),
+        (dict(LLAMA3_ROPE, original_max_position_embeddings=8192, rope_theta=500000.0), 128),
     ],
 )
 def test_rope_inv_freq_llama3_matches_transformers(parameters, head_dim):
@@ -62,8 +54,8 @@ def test_rope_inv_freq_llama3_matches_transformers(parameters, head_dim):
 def test_rope_inv_freq_llama3_old_style_rope_scaling():
     """transformers 4.x wrote `rope_scaling` (and rope_theta beside it); the result is the same."""
     base = llama_dict()
-    new_style = dict(base, rope_parameters=dict(LLAMA3))
-    old_style = dict(base, rope_theta=500000.0, rope_scaling={k: v for k, v in LLAMA3.items() if k != "rope_theta"})
+    new_style = dict(base, rope_parameters=dict(LLAMA3_ROPE))
+    old_style = dict(base, rope_theta=500000.0, rope_scaling={k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"})
     old_style.pop("rope_parameters", None)
     torch.testing.assert_close(
         rope_inv_freq(ModelSpec.from_hf_config(new_style)), rope_inv_freq(ModelSpec.from_hf_config(old_style))
