@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import http.client
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,21 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+@contextmanager
+def serve_engine(engine, socket_name: str):
+    """Starts `engine` and serves it on a socket in a fresh short directory under /tmp (AF_UNIX paths are
+    limited to 107 bytes); on exit, stops both and removes the directory."""
+    engine.start()
+    directory = tempfile.mkdtemp(prefix="lorad-", dir="/tmp")
+    server = ServerThread(engine, f"{directory}/{socket_name}")
+    try:
+        yield server
+    finally:
+        server.close()
+        engine.stop()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def raw_request(path: str, method: str, target: str, body: bytes = b"", headers: dict | None = None,

@@ -8,10 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -23,7 +21,7 @@ from lorad.daemon.engine.engine import Engine
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 from lorad.errors import AdapterError, BadRequest, LoradError, ModelNotFound, NotFound
 
-from daemon_harness import ServerThread, raw_request
+from daemon_harness import raw_request, serve_engine
 
 MAX_RANK = 32
 
@@ -61,13 +59,8 @@ def make_engine(demo_assets, roots, state_dir=None, **config) -> Engine:
 def served(demo_assets, roots):
     """(client, engine, server) on a fresh engine: each test starts from the demo's adapters."""
     engine = make_engine(demo_assets, roots)
-    engine.start()
-    directory = tempfile.mkdtemp(prefix="lorad-", dir="/tmp")
-    server = ServerThread(engine, f"{directory}/admin.sock")
-    yield Client(server.path, timeout=30), engine, server
-    server.close()
-    engine.stop()
-    shutil.rmtree(directory, ignore_errors=True)
+    with serve_engine(engine, "admin.sock") as server:
+        yield Client(server.path, timeout=30), engine, server
 
 
 def adapter_ids(client: Client) -> list[str]:

@@ -9,9 +9,7 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import socket
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +19,7 @@ import pytest
 from lorad.daemon.server.api import MAX_BODY_BYTES
 from lorad.client import Client
 from lorad.daemon.engine.request import RequestOutput
-from daemon_harness import ServerThread, raw_request  # noqa: F401
+from daemon_harness import ServerThread, raw_request, serve_engine
 from lorad.errors import AdapterError, BadRequest, LoradError, ModelNotFound, NotFound, Overloaded, PromptTooLong
 
 EOS = 0
@@ -547,13 +545,8 @@ def demo_server(demo_assets):
         )[0]
         for adapter in (None, "demo-r8")
     }
-    engine.start()
-    directory = tempfile.mkdtemp(prefix="lorad-", dir="/tmp")
-    server = ServerThread(engine, f"{directory}/demo.sock")
-    yield server, engine, references
-    server.close()
-    engine.stop()
-    shutil.rmtree(directory, ignore_errors=True)
+    with serve_engine(engine, "demo.sock") as server:
+        yield server, engine, references
 
 
 def test_demo_models(demo_server):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import tempfile
 
 import pytest
 
@@ -16,7 +15,7 @@ from lorad.config import EngineConfig
 from lorad.daemon.server.client_cli import client_main
 from lorad.errors import AdapterError, BadRequest, LoradError, ModelNotFound, NotFound, Overloaded
 
-from daemon_harness import ServerThread  # noqa: F401
+from daemon_harness import serve_engine
 from test_api import engine, server, wait_until  # noqa: F401 (fixtures)
 
 AsyncClient, Client = lorad.client.AsyncClient, lorad.client.Client
@@ -112,13 +111,8 @@ def demo_daemon(demo_assets):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LORAD_DEMO_DIR", str(demo_assets.model_dir.parent))
         engine = Engine(EngineConfig(demo=True, device="cpu", pool_bytes=8 << 20, max_model_len=64))
-    engine.start()
-    directory = tempfile.mkdtemp(prefix="lorad-", dir="/tmp")
-    server = ServerThread(engine, f"{directory}/cli.sock")
-    yield server.path, engine, demo_assets
-    server.close()
-    engine.stop()
-    shutil.rmtree(directory, ignore_errors=True)
+    with serve_engine(engine, "cli.sock") as server:
+        yield server.path, engine, demo_assets
 
 
 def test_async_admin_and_metrics(demo_daemon):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import math
 import pickle
 import re
-import shutil
-import tempfile
 import threading
 import time
 
@@ -19,7 +17,7 @@ from lorad.daemon.engine.engine import Engine
 from lorad.daemon.server.metrics import CONTENT_TYPE, Metrics, render
 from lorad.errors import ModelNotFound
 
-from daemon_harness import ServerThread, raw_request
+from daemon_harness import raw_request, serve_engine
 
 # --- a small parser of the text format (0.0.4) ---------------------------------------------------------
 
@@ -172,13 +170,8 @@ def demo(demo_assets):
         patch.setenv("LORAD_DEMO_DIR", str(demo_assets.model_dir.parent))
         engine = Engine(EngineConfig(demo=True, device="cpu", pool_bytes=8 << 20, max_model_len=64,
                                      max_running_requests=1))
-    engine.start()
-    directory = tempfile.mkdtemp(prefix="lorad-", dir="/tmp")
-    server = ServerThread(engine, f"{directory}/metrics.sock")
-    yield Client(server.path, timeout=30), engine, server
-    server.close()
-    engine.stop()
-    shutil.rmtree(directory, ignore_errors=True)
+    with serve_engine(engine, "metrics.sock") as server:
+        yield Client(server.path, timeout=30), engine, server
 
 
 def scrape(server) -> dict:
