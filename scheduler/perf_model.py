@@ -286,6 +286,9 @@ class Profile:
         return cls.from_json(read_json(path, "profile"))
 
 
+NOT_MEASURED = "NOT MEASURED: the example profile's illustrative coefficients (scheduler/perf_model.py), not this machine's"
+
+
 def example_profile(kernel: str = "bgmv") -> Profile:
     """Illustrative coefficients, not a measurement: a Llama-2-7B-sized model on one A10-class GPU, in
     the range of CaraServe's Fig. 5 (a batch of 24 at rank 32 decodes in ~35 ms). For tests and for

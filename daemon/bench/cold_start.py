@@ -29,16 +29,8 @@ import time
 
 import numpy as np
 import torch
-from lorad.daemon.bench.report import (
-    DEFAULT_MODEL,
-    finish,
-    machine,
-    markdown_table,
-    resolve_device,
-    summary,
-)
-
 from lorad.config import EngineConfig
+from lorad.daemon.bench.report import DEFAULT_MODEL, finish, machine, markdown_table, resolve_device, summary
 from lorad.errors import BadRequest, LoradError
 
 log = logging.getLogger(__name__)

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_policy(args: argparse.Namespace) -> tuple[object, dict]:
     """The policy and what /v1/status says about it (profile, objective)."""
-    from lorad.daemon.bench.cli import NOT_MEASURED
+    from lorad.scheduler.perf_model import NOT_MEASURED
     from lorad.scheduler.router import FirstFit, MostIdle, Random, RankAware
 
     if args.policy == "most-idle":

@@ -157,11 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in (("trace", "make a request trace (trace make)"),
                        ("simulate", "simulate engines serving a trace under routing policies"),
                        ("bench", "replay a trace against a running daemon (bench trace)")):
-        commands.add_parser(name, help=f"{what} (lorad {name} --help)", add_help=False)  # bench_cli.py parses these
+        commands.add_parser(name, help=f"{what} (lorad {name} --help)", add_help=False)  # daemon/bench/cli.py parses these
     commands.add_parser("profile", help="measure this machine's LoRA kernels, decode steps and prefills; fit and save "
-                        "the performance models (lorad profile --help)", add_help=False)  # profile.py parses it
+                        "the performance models (lorad profile --help)", add_help=False)  # daemon/bench/profile.py parses it
     commands.add_parser("router", help="one socket in front of several lorad engines (lorad router --help)",
-                        add_help=False)  # router_cli.py parses it
+                        add_help=False)  # daemon/router/cli.py parses it
 
     demo = commands.add_parser("demo", help="write random PEFT adapters for a model shape (benchmarks)")
     demo_commands = demo.add_subparsers(dest="demo_command", required=True, parser_class=Parser)

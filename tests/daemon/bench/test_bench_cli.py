@@ -1,5 +1,5 @@
-"""daemon/bench/cli.py: `lorad trace make` writes replayable traces (the Azure kinds with their CC BY 4.0
-attribution), `lorad simulate` prints one row per policy and admission and writes the JSON report, saying
+"""daemon/bench/cli.py and the modules it runs: `lorad trace make` writes replayable traces (the Azure kinds
+with their CC BY 4.0 attribution), `lorad simulate` prints one row per policy and admission and writes the JSON report, saying
 the example profile is not measured, and `lorad bench trace` replays a tiny trace against `lorad serve
 --demo` as a real process, streaming, with the adapters mapped onto the daemon's."""
 
