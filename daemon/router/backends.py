@@ -24,11 +24,11 @@ STATUS_TIMEOUT_S = 2.0  # a poll not answered by then marks the backend down
 MODELS_EVERY_S = 2.0  # /v1/models is re-read this often (adapters come and go through the admin routes)
 DOWN_RETRY_S = 1.0  # a backend marked down is probed again this often
 _BATCH_FIELDS = ("max_running_requests", "free_kv_tokens", "running_batch", "waiting_batch")
-_flight_ids = itertools.count()
+_in_flight_ids = itertools.count()
 
 
 @dataclass(eq=False)
-class Flight:
+class InFlightRequest:
     """One request the router forwarded to a backend and has not seen end."""
 
     rank: int  # of its adapter (0: the base model)
@@ -38,7 +38,7 @@ class Flight:
     generated: int = 0  # tokens seen so far: from the stream, or from the last poll for non-streamed ones
     running: bool = False  # in the engine's running batch (not waiting for its prefill)
     started: float = field(default_factory=time.monotonic)
-    id: int = field(default_factory=lambda: next(_flight_ids))
+    id: int = field(default_factory=lambda: next(_in_flight_ids))
 
 
 class Backend:
@@ -60,7 +60,7 @@ class Backend:
         self.status: dict | None = None  # its last /v1/status
         self.polled_at: float | None = None
         self.models_at: float = -1e9
-        self.flights: dict[int, Flight] = {}
+        self.in_flight: dict[int, InFlightRequest] = {}
         self.foreign_running: list[tuple[int, int, int]] = []  # (rank, output tokens left, context tokens)
         self.foreign_waiting: list[tuple[int, int]] = []  # (rank, prompt tokens)
         self.routed = 0  # requests forwarded
@@ -86,7 +86,7 @@ class Backend:
 
     def mark_down(self, reason: str) -> None:
         if self.up:
-            log.warning("backend down socket=%s reason=%s in_flight=%d", self.socket_path, reason, len(self.flights))
+            log.warning("backend down socket=%s reason=%s in_flight=%d", self.socket_path, reason, len(self.in_flight))
             self.down_since = time.time()
         self.up = False
         self.down_reason = reason
@@ -120,7 +120,7 @@ class Backend:
             self.mark_down(_describe(error))
             return
         self.status, self.polled_at = status, time.monotonic()
-        self._split_foreign(status["running_batch"], status["waiting_batch"])
+        self._find_foreign_requests(status["running_batch"], status["waiting_batch"])
         self._mark_up()
 
     async def _get(self, path: str) -> dict:
@@ -141,14 +141,14 @@ class Backend:
                 ranks[entry["id"]] = entry.get("rank") if entry.get("rank") is not None else declared_rank(entry.get("path"))
         self.models, self.ranks, self.models_at = entries, ranks, time.monotonic()
 
-    def _split_foreign(self, running: list, waiting: list) -> None:
+    def _find_foreign_requests(self, running: list, waiting: list) -> None:
         """The polled batch less the router's own requests: those are matched to entries of their rank
         (oldest first, the running batch first for those that have produced tokens); what is left was sent
         by someone else. A non-streamed request matched in the running batch is marked running, with
         the tokens it has produced so far."""
         running = [list(entry) for entry in running]  # [rank, context tokens, output tokens left]
         waiting = [list(entry) for entry in waiting]  # [rank, tokens to prefill]
-        for flight in sorted(self.flights.values(), key=lambda f: f.started):
+        for flight in sorted(self.in_flight.values(), key=lambda f: f.started):
             order = (running, waiting) if flight.generated or flight.running else (waiting, running)
             for entries in order:
                 match = next((i for i, entry in enumerate(entries) if entry[0] == flight.rank), None)
@@ -161,20 +161,20 @@ class Backend:
         self.foreign_running = [(rank, left, context) for rank, context, left in running]
         self.foreign_waiting = [(rank, prompt) for rank, prompt in waiting]
 
-    def dropped(self, flight: Flight, kind: str) -> None:
+    def dropped(self, flight: InFlightRequest, kind: str) -> None:
         """The backend refused `flight` (early abort, or no room to queue it): counted, and forgotten at once
         in this backend's view, so the policy does not count it here while it is routed elsewhere."""
-        self.flights.pop(flight.id, None)
+        self.in_flight.pop(flight.id, None)
         self.drops[kind] = self.drops.get(kind, 0) + 1
 
     # --- the view the policies read -------------------------------------------------------------------------
 
-    def view(self) -> EngineView:
+    def engine_view(self) -> EngineView:
         """EngineView (engine_id = this backend's index) of the batch a new request would join; only for
         a backend that is up (it has answered a poll)."""
         status = self.status
         running, queued = list(self.foreign_running), list(self.foreign_waiting)
-        for flight in self.flights.values():
+        for flight in self.in_flight.values():
             if flight.running or flight.generated:
                 left = max(0, flight.max_tokens - flight.generated)
                 running.append((flight.rank, left, flight.prompt_tokens + flight.generated))
@@ -198,7 +198,7 @@ class Backend:
             "failed": self.failed,
             "drops": dict(self.drops),
             "retries": self.retries,
-            "in_flight": len(self.flights),
+            "in_flight": len(self.in_flight),
             "foreign_running": len(self.foreign_running),
             "foreign_waiting": len(self.foreign_waiting),
             "status_age_s": None if self.polled_at is None else round(time.monotonic() - self.polled_at, 3),

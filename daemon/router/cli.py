@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 
-from lorad.daemon.server.cli_args import Parser, parse
+from lorad.daemon.server.cli_args import Parser, octal_mode, parse
 
 from lorad.config import ServerConfig
 from lorad.errors import BadRequest, LoradError
@@ -24,20 +24,13 @@ POLICIES = ("rank-aware", "most-idle", "first-fit", "random")
 DEFAULT_SOCKET = "/tmp/lorad/router.sock"
 
 
-def _octal(text: str) -> int:
-    try:
-        return int(text, 8)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an octal mode: {text!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="lorad router", description="One Unix socket in front of several lorad engines.")
     parser.add_argument("--backend", action="append", required=True, metavar="PATH",
                         help="a backend daemon's Unix socket (repeatable, one per engine)")
     parser.add_argument("--socket", default=DEFAULT_SOCKET, metavar="PATH",
                         help=f"the router's Unix socket, created with --socket-mode (default: {DEFAULT_SOCKET})")
-    parser.add_argument("--socket-mode", type=_octal, default=ServerConfig.socket_mode,
+    parser.add_argument("--socket-mode", type=octal_mode, default=ServerConfig.socket_mode,
                         metavar="MODE", help=f"in octal (default: {ServerConfig.socket_mode:o})")
     parser.add_argument("--policy", choices=POLICIES, default="rank-aware",
                         help="rank-aware: CaraServe's Algorithm 1 (needs --tpot-slo-ms); most-idle: fewest requests; "

@@ -24,7 +24,7 @@ from lorad.daemon.server.api import (
     error_middleware,
     parse_completion,
 )
-from lorad.daemon.router.backends import Backend, Flight
+from lorad.daemon.router.backends import Backend, InFlightRequest
 from lorad.scheduler.router import RouteRequest
 
 from lorad.errors import (
@@ -117,7 +117,7 @@ class Router:
         return largest
 
     def choose(self, request: RouteRequest, pool: list[Backend]) -> Backend:
-        chosen = self.backends[self.policy.choose(request, [backend.view() for backend in pool])]
+        chosen = self.backends[self.policy.choose(request, [backend.engine_view() for backend in pool])]
         self.decisions[chosen.socket_path] += 1
         return chosen
 
@@ -169,7 +169,7 @@ async def metrics(request: web.Request) -> web.Response:
     lines.append("# TYPE lorad_router_backend_up gauge")
     lines += [f'lorad_router_backend_up{{backend="{b.socket_path}"}} {int(b.up)}' for b in router.backends]
     lines.append("# TYPE lorad_router_in_flight gauge")
-    lines += [f'lorad_router_in_flight{{backend="{b.socket_path}"}} {len(b.flights)}' for b in router.backends]
+    lines += [f'lorad_router_in_flight{{backend="{b.socket_path}"}} {len(b.in_flight)}' for b in router.backends]
     lines.append("# TYPE lorad_router_backend_failures_total counter")
     lines += [f'lorad_router_backend_failures_total{{backend="{b.socket_path}"}} {b.failed}' for b in router.backends]
     lines.append("# TYPE lorad_router_backend_drops_total counter")
@@ -205,7 +205,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             refusal, head = await _refused(upstream, completion.stream, backend)
         except BaseException:
             upstream.close()
-            backend.flights.pop(flight.id, None)
+            backend.in_flight.pop(flight.id, None)
             raise
         if refusal is None:
             break
@@ -213,7 +213,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         backend.dropped(flight, refusal.kind)
         refusals.append(refusal)
         pool = [b for b in pool if b.up and all(b is not r.backend for r in refusals)]
-        stop = _why_not_again(router, request, pool, arrived)
+        stop = _reason_not_to_retry(router, request, pool, arrived)
         log.info("request refused model=%s rank=%d backend=%s reason=%s retry=%s", completion.model, route.rank,
                  backend.socket_path, refusal.kind, "no: " + stop if stop else "yes")
         if stop:
@@ -238,7 +238,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return web.Response(body=answer, status=upstream.status, content_type="application/json")
     finally:
         upstream.close()  # if the client left early, this is what aborts the request in the backend
-        backend.flights.pop(flight.id, None)
+        backend.in_flight.pop(flight.id, None)
         log.info("request routed model=%s rank=%d prompt_tokens=%d backend=%s outcome=%s tokens_seen=%d latency_ms=%.1f "
                  "refused_by=%d", completion.model, route.rank, prompt_tokens, backend.socket_path, outcome,
                  flight.generated, (time.monotonic() - flight.started) * 1e3, len(refusals))
@@ -249,24 +249,24 @@ async def _forward(router: Router, route: RouteRequest, pool: list[Backend], com
     backend that refuses the connection is marked down and another chosen (nothing was sent)."""
     while True:
         backend = router.choose(route, pool)
-        flight = Flight(route.rank, route.prompt_tokens, completion.sampling.max_tokens, completion.stream)
-        backend.flights[flight.id] = flight
+        flight = InFlightRequest(route.rank, route.prompt_tokens, completion.sampling.max_tokens, completion.stream)
+        backend.in_flight[flight.id] = flight
         try:
             upstream = await backend.session.post(
                 "http://localhost/v1/completions", data=raw, headers={"Content-Type": "application/json"})
             return backend, flight, upstream
         except aiohttp.ClientConnectorError as error:  # nothing was sent: safe to send elsewhere
-            del backend.flights[flight.id]
+            del backend.in_flight[flight.id]
             backend.mark_down(f"connection refused: {error.os_error}")
             pool = [b for b in pool if b.up]
             if not pool:
                 raise BackendError(f"no backend serving {completion.model!r} accepts connections "
                                    f"(last tried {backend.socket_path}: {error.os_error})") from None
         except (aiohttp.ClientError, OSError) as error:  # sent, then lost: it may have run, do not repeat it
-            del backend.flights[flight.id]
+            del backend.in_flight[flight.id]
             raise _backend_failed(backend, error) from None
         except asyncio.CancelledError:  # the client left while waiting: the cancelled post closed the connection
-            del backend.flights[flight.id]
+            del backend.in_flight[flight.id]
             raise
 
 
@@ -283,7 +283,7 @@ async def _refused(upstream, stream: bool, backend: Backend) -> tuple[_Refusal |
     if upstream.status == 503:
         body = await upstream.read()
         # read() keeps the body: the caller passes on a refusal that is not retried as it came
-        return _refusal_in(body, backend, upstream.headers.get("Retry-After")), b""
+        return _retryable_refusal(body, backend, upstream.headers.get("Retry-After")), b""
     if not stream or upstream.status != 200:
         return None, b""
     head = b""
@@ -297,11 +297,11 @@ async def _refused(upstream, stream: bool, backend: Backend) -> tuple[_Refusal |
         head += data
     event = head.split(b"\n\n", 1)[0]
     if event.startswith(b"data: {"):
-        return _refusal_in(event[len(b"data: "):], backend, None), head
+        return _retryable_refusal(event[len(b"data: "):], backend, None), head
     return None, head
 
 
-def _refusal_in(body: bytes, backend: Backend, retry_after: str | None) -> _Refusal | None:
+def _retryable_refusal(body: bytes, backend: Backend, retry_after: str | None) -> _Refusal | None:
     try:
         error = json.loads(body).get("error")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
@@ -315,7 +315,7 @@ def _refusal_in(body: bytes, backend: Backend, retry_after: str | None) -> _Refu
     return _Refusal(backend, error["type"], str(error.get("message", "")), retry_after_s)
 
 
-def _why_not_again(router: Router, request: web.Request, pool: list[Backend], arrived: float) -> str | None:
+def _reason_not_to_retry(router: Router, request: web.Request, pool: list[Backend], arrived: float) -> str | None:
     """Why a refused request is not routed again (None: it is)."""
     if request.transport is None or request.transport.is_closing():
         return "the client left"
@@ -347,7 +347,7 @@ def _backend_failed(backend: Backend, error: BaseException) -> BackendError:
     return BackendError(f"the backend {backend.socket_path} failed during the request: {reason}")
 
 
-async def _pass_stream(request, upstream, backend: Backend, flight: Flight,
+async def _pass_stream(request, upstream, backend: Backend, flight: InFlightRequest,
                        head: bytes = b"") -> tuple[web.StreamResponse, str]:
     """Writes each piece of the backend's event stream to the client as it arrives (`head` first: what
     was read already), counting the tokens of the complete events for the router's view. A backend that
@@ -384,8 +384,8 @@ async def _pass_stream(request, upstream, backend: Backend, flight: Flight,
         partial = events.pop()
         for event in events:
             done |= event.startswith(_DONE)
-            flight.generated += _tokens_in(event)
-            refusal = _refusal_in(event[len(b"data: "):], backend, None) if event.startswith(b"data: {\"error\"") else None
+            flight.generated += _tokens_in_event(event)
+            refusal = _retryable_refusal(event[len(b"data: "):], backend, None) if event.startswith(b"data: {\"error\"") else None
             if refusal is not None:
                 backend.drops[refusal.kind] = backend.drops.get(refusal.kind, 0) + 1
                 dropped = True
@@ -393,7 +393,7 @@ async def _pass_stream(request, upstream, backend: Backend, flight: Flight,
     return response, "backend_failed" if failure is not None else "dropped" if dropped else "streamed"
 
 
-def _tokens_in(event: bytes) -> int:
+def _tokens_in_event(event: bytes) -> int:
     """Tokens one server-sent event carries: its token_ids when the client asked for them, else one per
     choice (the daemon sends a chunk per engine step, one token each)."""
     if not event.startswith(b"data: {"):

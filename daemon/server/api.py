@@ -288,8 +288,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         sampling=completion.sampling,
         request_id=request_id,
     )
-    stream = _Stream(loop)
-    generation.on_output = stream.push
+    outputs = _OutputQueue(loop)
+    generation.on_output = outputs.push
     # submit() may read a cold adapter from disk: off the event loop, so other requests keep streaming.
     submitted = loop.run_in_executor(None, engine.submit, generation)
     try:
@@ -300,20 +300,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     in_flight = request.app[IN_FLIGHT]
     in_flight.add(request_id)
-    tally = _Tally(request_id, completion.model, len(prompt_ids), arrived, peer)
+    record = _RequestRecord(request_id, completion.model, len(prompt_ids), arrived, peer)
     try:
         if completion.stream:
-            return await _stream_response(request, completion, generation, stream, tally)
-        return await _full_response(completion, generation, stream, tally)
+            return await _stream_response(request, completion, generation, outputs, record)
+        return await _full_response(completion, generation, outputs, record)
     finally:
         in_flight.discard(request_id)
-        if tally.finish_reason is None:  # the client went away, or we failed: the engine must let go
+        if record.finish_reason is None:  # the client went away, or we failed: the engine must let go
             engine.abort(request_id)
-            tally.finish_reason = "abort"
-        tally.log()
+            record.finish_reason = "abort"
+        record.log()
 
 
-class _Stream:
+class _OutputQueue:
     """Carries RequestOutputs from the engine thread to the handler's task."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
@@ -335,7 +335,7 @@ class _Stream:
 
 
 @dataclass
-class _Tally:
+class _RequestRecord:
     request_id: str
     model: str
     prompt_tokens: int
@@ -370,24 +370,24 @@ class _Tally:
         )
 
 
-def _failure(output: RequestOutput) -> LoradError:
+def _error_of(output: RequestOutput) -> LoradError:
     if output.error_type == AdmissionDropped.type:
         return AdmissionDropped(output.error)
     return LoradError(f"generation failed: {output.error or 'the engine gave no reason'}")
 
 
-async def _full_response(completion, generation, stream, tally) -> web.Response:
+async def _full_response(completion, generation, outputs, record) -> web.Response:
     text, token_ids = [], []
-    async for output in stream:
-        tally.add(output)
+    async for output in outputs:
+        record.add(output)
         text.append(output.text_delta)
         token_ids.extend(output.new_token_ids)
     if output.finish_reason == "error":
-        raise _failure(output)
+        raise _error_of(output)
     choice = {"index": 0, "text": "".join(text), "finish_reason": output.finish_reason, "logprobs": None}
     answer = {
         "id": generation.request_id, "object": "text_completion", "created": int(time.time()),
-        "model": completion.model, "choices": [choice], "usage": tally.usage(),
+        "model": completion.model, "choices": [choice], "usage": record.usage(),
     }
     if completion.return_token_ids:
         choice["token_ids"] = token_ids
@@ -395,17 +395,17 @@ async def _full_response(completion, generation, stream, tally) -> web.Response:
     return web.json_response(answer)
 
 
-async def _stream_response(request, completion, generation, stream, tally) -> web.StreamResponse:
+async def _stream_response(request, completion, generation, outputs, record) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     created = int(time.time())
     head = {"id": generation.request_id, "object": "text_completion", "created": created, "model": completion.model}
     first = True
     try:
-        async for output in stream:
-            tally.add(output)
+        async for output in outputs:
+            record.add(output)
             if output.finish_reason == "error":
-                await _send(response, error_body(_failure(output)))
+                await _send_event(response, error_body(_error_of(output)))
                 break
             choice = {"index": 0, "text": output.text_delta, "finish_reason": output.finish_reason,
                       "logprobs": None}
@@ -416,11 +416,11 @@ async def _stream_response(request, completion, generation, stream, tally) -> we
                     chunk["prompt_token_ids"] = generation.prompt_token_ids
             if completion.include_usage:
                 chunk["usage"] = None
-            await _send(response, chunk)
+            await _send_event(response, chunk)
             first = False
         else:
             if completion.include_usage:
-                await _send(response, {**head, "choices": [], "usage": tally.usage()})
+                await _send_event(response, {**head, "choices": [], "usage": record.usage()})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except ConnectionResetError:  # the client went away; completions() aborts the request if still running
@@ -428,7 +428,7 @@ async def _stream_response(request, completion, generation, stream, tally) -> we
     return response
 
 
-async def _send(response: web.StreamResponse, chunk: dict) -> None:
+async def _send_event(response: web.StreamResponse, chunk: dict) -> None:
     await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
 
 

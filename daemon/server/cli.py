@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from lorad.daemon.server import unix_socket
-from lorad.daemon.server.cli_args import Parser, parse
+from lorad.daemon.server.cli_args import Parser, octal_mode, parse
 from lorad.config import DTYPES, Config, EngineConfig, ServerConfig
 from lorad.errors import BadRequest, LoradError
 
@@ -84,19 +84,12 @@ def _adapter_pair(text: str) -> tuple[str, str]:
     return name, path
 
 
-def _octal(text: str) -> int:
-    try:
-        return int(text, 8)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an octal mode: {text!r}") from None
-
-
 def _converter(field: dataclasses.Field):
     kind = str(field.type).replace(" | None", "")
     if field.name.endswith("_bytes"):
         return _byte_size
     if field.name.endswith("_mode"):
-        return _octal
+        return octal_mode
     return {"int": int, "float": float, "str": str}.get(kind)
 
 
@@ -105,7 +98,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, config_class, helps: dict
     for field in dataclasses.fields(config_class):
         flag, metavar = f"--{field.name.replace('_', '-')}", field.name.upper()
         options = {"dest": f"{dest_prefix}{field.name}", "default": argparse.SUPPRESS}
-        default_note = "" if field.default in (None, ()) else f" (default: {_show(field)})"
+        default_note = "" if field.default in (None, ()) else f" (default: {_default_text(field)})"
         help_text = (helps.get(field.name, "") + default_note).strip()
         if field.name == "adapters":  # repeated NAME=DIR pairs
             parser.add_argument("--adapter", action="append", type=_adapter_pair, metavar="NAME=DIR",
@@ -121,11 +114,11 @@ def _add_config_flags(parser: argparse.ArgumentParser, config_class, helps: dict
             if converter is None:
                 raise TypeError(f"no flag type for {config_class.__name__}.{field.name}: {field.type}")
             metavar = {"model": "DIR", "socket": "PATH"}.get(field.name) or {
-                _byte_size: "BYTES", _octal: "MODE", int: "N", float: "X"}.get(converter, metavar)
+                _byte_size: "BYTES", octal_mode: "MODE", int: "N", float: "X"}.get(converter, metavar)
             parser.add_argument(flag, type=converter, metavar=metavar, help=help_text, **options)
 
 
-def _show(field: dataclasses.Field) -> str:
+def _default_text(field: dataclasses.Field) -> str:
     if field.name.endswith("_mode"):
         return oct(field.default)[2:]
     return str(field.default)
@@ -260,7 +253,7 @@ def serve(args: argparse.Namespace) -> int:
     engine = EngineProcess(config.engine)
     # Until the event loop takes the signals over: a stop is a clean stop (SIGINT already raises
     # KeyboardInterrupt), a reload has nothing to reload yet.
-    previous_term = signal.signal(signal.SIGTERM, _interrupt)
+    previous_term = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     previous_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         model = "demo" if config.engine.demo else config.engine.model or config.engine.model_config
@@ -285,7 +278,7 @@ def serve(args: argparse.Namespace) -> int:
             log.info("stopped")
 
 
-def _interrupt(signum, frame):
+def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 

@@ -18,6 +18,14 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
+def octal_mode(text: str) -> int:
+    """An argparse type: a file mode in octal ("660")."""
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an octal mode: {text!r}") from None
+
+
 def parse(parser: argparse.ArgumentParser, argv: list[str], commands: tuple[str, ...] = ()) -> argparse.Namespace | int:
     """The parsed arguments, or the exit code to return (2 after a one-line message; --help's code)."""
     try:

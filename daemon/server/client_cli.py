@@ -106,7 +106,7 @@ def _adapters(client: Client, args: argparse.Namespace) -> int:
     if args.action == "load":
         entry = client.load_adapter(args.name, os.path.abspath(args.path))  # the daemon's cwd is not ours
         print(f"loaded {entry['id']}: rank {entry.get('rank')}, targets {','.join(entry.get('targets') or [])}, "
-              f"{_size(entry.get('nbytes'))}, from {entry.get('path')}")
+              f"{_human_bytes(entry.get('nbytes'))}, from {entry.get('path')}")
         return OK
     if args.action == "unload":
         client.unload_adapter(args.name)
@@ -120,7 +120,7 @@ def _adapters(client: Client, args: argparse.Namespace) -> int:
     for entry in adapters:
         rows.append((
             entry["id"], "-" if entry.get("rank") is None else str(entry["rank"]),
-            ",".join(_short(t) for t in entry.get("targets") or []) or "-", _size(entry.get("nbytes")),
+            ",".join(_projection(t) for t in entry.get("targets") or []) or "-", _human_bytes(entry.get("nbytes")),
             entry.get("location", "-"), entry.get("path", "-") + (f"  ({entry['error']})" if entry.get("error") else ""),
         ))
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
@@ -143,11 +143,11 @@ def _status(client: Client, args: argparse.Namespace) -> int:
     return OK
 
 
-def _short(target: str) -> str:
+def _projection(target: str) -> str:
     return target.removesuffix("_proj")
 
 
-def _size(nbytes) -> str:
+def _human_bytes(nbytes) -> str:
     if nbytes is None:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB"):

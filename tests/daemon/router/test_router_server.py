@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from lorad.client import Client, UnixHTTPConnection
-from lorad.daemon.router.backends import Backend, Flight
+from lorad.daemon.router.backends import Backend, InFlightRequest
 
 # test_cli.py's daemon starter (pytest puts this folder on sys.path).
 from daemon_harness import COMMAND, start_daemon, stop_daemon, wait_healthy
@@ -272,17 +272,17 @@ def test_backend_killed_mid_stream(router_factory, daemons, demo_assets, workdir
 
 def test_backend_view_counts_own_and_foreign_requests():
     backend = Backend(3, "/nonexistent.sock")
-    streamed = Flight(rank=16, prompt_tokens=10, max_tokens=50, streamed=True, generated=5)
-    plain = Flight(rank=8, prompt_tokens=20, max_tokens=30, streamed=False)
-    queued = Flight(rank=64, prompt_tokens=7, max_tokens=9, streamed=True)
+    streamed = InFlightRequest(rank=16, prompt_tokens=10, max_tokens=50, streamed=True, generated=5)
+    plain = InFlightRequest(rank=8, prompt_tokens=20, max_tokens=30, streamed=False)
+    queued = InFlightRequest(rank=64, prompt_tokens=7, max_tokens=9, streamed=True)
     for flight in (streamed, plain, queued):
-        backend.flights[flight.id] = flight
+        backend.in_flight[flight.id] = flight
     # the engine's batch: ours (rank 16 and 8 running, 64 waiting) and two of someone else's
     backend.status = {"max_running_requests": 4, "free_kv_tokens": 1000}
-    backend._split_foreign(running=[[16, 15, 45], [8, 26, 24], [32, 100, 10]], waiting=[[64, 7], [4, 12]])
+    backend._find_foreign_requests(running=[[16, 15, 45], [8, 26, 24], [32, 100, 10]], waiting=[[64, 7], [4, 12]])
     assert backend.foreign_running == [(32, 10, 100)] and backend.foreign_waiting == [(4, 12)]
     assert plain.running and plain.generated == 6  # learned from the poll: it is not streamed
-    view = backend.view()
+    view = backend.engine_view()
     assert (view.engine_id, view.max_running, view.free_kv_tokens) == (3, 4, 1000)
     assert (view.num_running, view.num_queued) == (3, 2)
     assert view.rank_counts == {16: 1, 8: 1, 32: 1, 64: 1, 4: 1} and view.max_rank == 64
