@@ -109,7 +109,7 @@ class AdmissionPolicy(Protocol):
     def select(self, queue: Sequence[Queued], now: float, room: Room, objectives: Objectives) -> Admission: ...
 
 
-class _Filler:
+class _StepFiller:
     """Takes requests in the order given while they fit; the first that does not stops the step
     (head-of-line: a later, smaller request does not overtake it). A request fits when the step has room
     for it and the decode step with it keeps the time-per-token objective (`held` when only that fails)."""
@@ -158,12 +158,12 @@ class FCFS:
     name: str = "fcfs"
 
     def select(self, queue, now, room, objectives):
-        filler = _fill(queue, room, objectives.tpot_s)
+        filler = _fill_step(queue, room, objectives.tpot_s)
         return Admission(tuple(r.key for r in filler.taken), held=tuple(filler.held))
 
 
-def _fill(queue: Iterable[Queued], room: Room, tpot_s: float = math.inf) -> _Filler:
-    filler = _Filler(room, tpot_s)
+def _fill_step(queue: Iterable[Queued], room: Room, tpot_s: float = math.inf) -> _StepFiller:
+    filler = _StepFiller(room, tpot_s)
     for request in queue:
         if not filler.fits(request):
             break
@@ -188,7 +188,7 @@ class EarlyAbort:
     name: str = "early_abort"
 
     def select(self, queue, now, room, objectives):
-        filler = _Filler(room, objectives.tpot_s)
+        filler = _StepFiller(room, objectives.tpot_s)
         features = (0.0, 0.0, 0.0)  # of the step so far: tokens, rank x tokens, tokens squared
         step_s = 0.0
         drops: list[tuple[int, str]] = []

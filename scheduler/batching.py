@@ -135,7 +135,7 @@ class Scheduler:
                 head = self.waiting[0]
                 context = head.num_tokens - head.num_computed + 1
                 if not decode_step_allows(self.decode, batch, head.rank, context, self.objectives.tpot_s):
-                    self._held(head)
+                    self._hold_for_tpot(head)
                     break
                 if not self._admit(head, budget, plan):
                     break
@@ -168,7 +168,7 @@ class Scheduler:
             running_adapters=frozenset(seq.adapter for seq in self.running if seq.adapter is not None),
             running=self._running_batch() if self.decode is not None else RunningBatch(), decode=self.decode,
         )
-        decision = self.admission.select([self._queued(seq) for seq in self.waiting], self.clock(), room, self.objectives)
+        decision = self.admission.select([self._queue_entry(seq) for seq in self.waiting], self.clock(), room, self.objectives)
         gone = set()
         for key, reason in decision.drop:
             seq = self._by_key.pop(key)
@@ -176,7 +176,7 @@ class Scheduler:
             self.dropped.append((seq, reason))
             gone.add(seq)
         for key in decision.held:
-            self._held(self._by_key[key])
+            self._hold_for_tpot(self._by_key[key])
         for key in decision.admit:  # in the policy's order, until one does not get its adapter or KV
             seq = self._by_key[key]
             if budget <= 0 or len(self.running) >= self.max_running or not self._admit(seq, budget, plan):
@@ -193,14 +193,14 @@ class Scheduler:
         ranks = [seq.rank for seq in self.running]
         return RunningBatch(len(ranks), max(ranks, default=0), sum(ranks), sum(seq.num_tokens for seq in self.running))
 
-    def _held(self, seq: Sequence) -> None:
+    def _hold_for_tpot(self, seq: Sequence) -> None:
         if not seq.held_for_tpot:
             seq.held_for_tpot = True
             self.tpot_held += 1
             log.debug("held for the time-per-token objective request=%s rank=%d running=%d",
                       seq.request_id, seq.rank, len(self.running))
 
-    def _queued(self, seq: Sequence) -> Queued:
+    def _queue_entry(self, seq: Sequence) -> Queued:
         """The policy's view of a waiting sequence, built once per stay in the queue."""
         if seq.queued is None:
             key = next(self._keys)

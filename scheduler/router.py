@@ -124,12 +124,12 @@ class RankAware:
     mixed_steps: bool = False
     name: str = "rank_aware"
 
-    def _joins(self, engine: EngineView) -> bool:
+    def _prefill_already_paid(self, engine: EngineView) -> bool:
         """Is the prefill's fixed part paid already on this engine (see the class's text)?"""
         return bool(engine.num_queued or (self.mixed_steps and engine.num_running))
 
     def cost(self, request: RouteRequest, engine: EngineView) -> float:
-        if self._joins(engine):
+        if self._prefill_already_paid(engine):
             delta_prefill = self.prefill.from_features(
                 request.prompt_tokens, request.rank * request.prompt_tokens, request.prompt_tokens**2
             ) - self.prefill.fixed_s

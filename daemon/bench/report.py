@@ -4,7 +4,6 @@ and the optional PNG plot they write."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lorad.daemon.bench.trace_report import write_json
 from lorad.errors import BadRequest
 
 log = logging.getLogger(__name__)
@@ -100,17 +100,7 @@ def write_report(path: str | None, report: dict) -> None:
     which, or why there is none."""
     if not path:
         return
-
-    def clean(value):
-        if isinstance(value, float) and not math.isfinite(value):
-            return None
-        if isinstance(value, dict):
-            return {str(k): clean(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [clean(v) for v in value]
-        return value
-
-    Path(path).write_text(json.dumps(clean(report), indent=1, allow_nan=False) + "\n")
+    write_json(path, report)
     print(f"wrote {path}")
 
 

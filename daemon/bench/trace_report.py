@@ -92,11 +92,12 @@ def _percent(value) -> str:
 
 
 def write_json(path: str, report: dict) -> None:
+    """`report` as JSON at `path`, non-finite numbers as null (the microbenchmarks' reports too)."""
     def clean(value):
         if isinstance(value, float) and not math.isfinite(value):
             return None
         if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
+            return {str(k): clean(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [clean(v) for v in value]
         return value
