@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 # What a request whose adapter is not in the page pool waits for (DESIGN.md, CPU-assisted cold start):
 # cached: every adapter placed at start-up (refused if they do not fit); ondemand: the adapter is
@@ -95,8 +95,8 @@ class EngineConfig:
         # Values that come from the user (CLI, TOML) are checked here, once.
         from lorad.errors import BadRequest
 
-        if self.dtype not in DTYPES:
-            raise BadRequest(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise BadRequest(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, not {self.dtype!r}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise BadRequest(f"device must be one of {', '.join(DEVICES)} or cuda:N, not {self.device!r}")
         if not 1 <= self.max_lora_rank <= 1024:

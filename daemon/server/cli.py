@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lorad.daemon.server import unix_socket
 from lorad.daemon.server.cli_args import Parser, octal_mode, parse
-from lorad.config import DTYPES, Config, EngineConfig, ServerConfig
+from lorad.config import DTYPE_CHOICES, Config, EngineConfig, ServerConfig
 from lorad.errors import BadRequest, LoradError
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ _ENGINE_FLAG_HELP = {
     "adapter_roots": "where adapters may be loaded from through the API (repeatable; none: API loads refused)",
     "state_dir": "where adapters registered through the API are remembered across restarts",
     "device": "auto|cpu|cuda|cuda:N",
-    "dtype": "|".join(DTYPES),
+    "dtype": "|".join(DTYPE_CHOICES),
     "max_model_len": "default: the checkpoint's max_position_embeddings, capped at 8192",
     "pool_bytes": "unified page pool bytes (K/M/G suffixes accepted)",
     "host_adapter_bytes": "host-memory budget of loaded adapters (K/M/G suffixes accepted)",
