@@ -130,7 +130,7 @@ def build_demo(root: Path | None = None) -> DemoAssets:
     staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.building-", dir=root.parent))
     try:
         _write_demo(staging)
-        _replace(staging, root)
+        _move_into_place(staging, root)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("built demo root=%s version=%d", root, FORMAT_VERSION)
@@ -152,7 +152,7 @@ def _is_complete(root: Path) -> bool:
     return marker.get("format_version") == FORMAT_VERSION
 
 
-def _replace(staging: Path, root: Path) -> None:
+def _move_into_place(staging: Path, root: Path) -> None:
     """Move the finished `staging` to `root`, setting aside an older demo found there."""
     old = None
     if root.exists():
@@ -186,21 +186,21 @@ def _write_demo(root: Path) -> None:
     weights = random_llama_weights(spec, seed=0)
     # Damp the tokens that would print as garbage (lone bytes of multi-byte characters, control bytes,
     # <s>, <unk>) so that the demo's text, though nonsense, is readable.
-    garbage = [token for token in range(spec.vocab_size) if not _printable(tokenizer.decode([token]))]
+    garbage = [token for token in range(spec.vocab_size) if not _is_printable(tokenizer.decode([token]))]
     weights["lm_head.weight"][garbage] *= 0.1
     save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     for name, (rank, targets, use_rslora, seed) in DEMO_ADAPTERS.items():
         write_random_adapter(root / "adapters" / name, spec, rank, targets, seed, use_rslora=use_rslora)
     # Written last: its presence means everything above is complete.
     _write_json(root / MARKER, {"format_version": FORMAT_VERSION, "adapters": sorted(DEMO_ADAPTERS)})
-    _share(root)
+    _apply_umask_modes(root)
 
 
-def _printable(text: str) -> bool:
+def _is_printable(text: str) -> bool:
     return bool(text) and "\ufffd" not in text and all(c.isprintable() or c in "\n\t" for c in text)
 
 
-def _share(root: Path) -> None:
+def _apply_umask_modes(root: Path) -> None:
     """Give the demo the modes of the umask (mkdtemp and safetensors create them private)."""
     umask = os.umask(0)
     os.umask(umask)
