@@ -49,6 +49,10 @@ class Trace:
     def duration_s(self) -> float:
         return self.requests[-1].arrival_s if self.requests else 0.0
 
+    @property
+    def requests_per_s(self) -> float:
+        return len(self.requests) / self.duration_s if self.duration_s > 0 else 0.0
+
     def to_json(self) -> dict:
         return {
             "version": 1,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lorad.daemon.bench.trace_report import format_table, plot_cdfs, quantiles, write_json
+from lorad.daemon.bench.trace_report import format_table, plot_cdfs, print_attribution, quantiles, write_json
 from lorad.errors import BadRequest
 from lorad.scheduler.admission import make_admission
 from lorad.scheduler.perf_model import NOT_MEASURED, profile_for
@@ -46,12 +46,10 @@ def run(args: argparse.Namespace) -> None:
     )
     objectives = objectives_for(trace, profile, config)
     average_output = float(np.mean([max(1, r.output_tokens) for r in trace.requests]))
-    span = trace.duration_s
     print(f"trace {args.trace}: {len(trace.requests)} requests, {len(trace.adapter_ranks)} adapters, "
-          f"{len(trace.requests) / span if span > 0 else 0:.1f} req/s over {span:.1f} s; {args.engines} engines; "
+          f"{trace.requests_per_s:.1f} req/s over {trace.duration_s:.1f} s; {args.engines} engines; "
           f"objectives: TTFT {objectives.ttft_s * 1e3:.1f} ms, time per token {objectives.tpot_s * 1e3:.2f} ms")
-    if "attribution" in trace.source:
-        print(f"data: {trace.source['attribution']}")
+    print_attribution(trace)
 
     def policy(name: str):
         return {

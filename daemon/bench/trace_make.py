@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from lorad.daemon.bench.trace_report import print_attribution
 from lorad.errors import BadRequest
 from lorad.scheduler import workload
 
@@ -56,9 +57,7 @@ def run(args: argparse.Namespace) -> None:
     if not trace.requests:
         raise BadRequest("the trace has no requests (raise --rate or --duration)")
     trace.save(args.out)
-    span = trace.duration_s
-    print(f"wrote {args.out}: {len(trace.requests)} requests over {span:.1f} s "
-          f"({len(trace.requests) / span if span > 0 else 0:.1f} req/s), {len(trace.adapter_ranks)} adapters used "
-          f"of {args.adapters}, kind {args.kind}")
-    if "attribution" in trace.source:
-        print(f"data: {trace.source['attribution']}")
+    print(f"wrote {args.out}: {len(trace.requests)} requests over {trace.duration_s:.1f} s "
+          f"({trace.requests_per_s:.1f} req/s), {len(trace.adapter_ranks)} adapters used of {args.adapters}, "
+          f"kind {args.kind}")
+    print_attribution(trace)

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from lorad.daemon.bench.trace_report import format_table, write_json
+from lorad.daemon.bench.trace_report import format_table, print_attribution, write_json
 from lorad.errors import BadRequest, LoradError, Overloaded
 from lorad.scheduler.workload import Trace
 
@@ -25,8 +25,7 @@ def run(args: argparse.Namespace) -> None:
         raise BadRequest(f"the trace {args.trace} has no requests")
     report = asyncio.run(replay(args.socket, trace, requests, args))
     print(report["mapping"]["note"])
-    if "attribution" in trace.source:
-        print(f"data: {trace.source['attribution']}")
+    print_attribution(trace)
     print(format_table([report["summary"]]))
     errors = report["summary"]["drop_reasons"]
     if errors:

@@ -16,6 +16,12 @@ log = logging.getLogger(__name__)
 CDF_POINTS = 201  # quantiles kept per metric in the JSON report
 
 
+def print_attribution(trace) -> None:
+    """The data's attribution (the Azure traces' licence asks for it), when the trace carries one."""
+    if "attribution" in trace.source:
+        print(f"data: {trace.source['attribution']}")
+
+
 def quantiles(values: np.ndarray) -> list[float]:
     values = values[~np.isnan(values)]
     if not len(values):
