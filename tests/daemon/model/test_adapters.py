@@ -28,23 +28,10 @@ PREFIX = "base_model.model.model.layers"
 
 def tiny_spec(**overrides) -> ModelSpec:
     fields = dict(
-        architecture="LlamaForCausalLM",
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_layers=LAYERS,
-        num_heads=HEADS,
-        num_kv_heads=KV_HEADS,
-        head_dim=HIDDEN // HEADS,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        qkv_bias=False,
-        torch_dtype="float32",
-        bos_token_id=1,
-        eos_token_ids=(2,),
+        architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+        num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HIDDEN // HEADS, rms_norm_eps=1e-6,
+        rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128, tie_word_embeddings=False,
+        qkv_bias=False, torch_dtype="float32", bos_token_id=1, eos_token_ids=(2,),
     )
     fields.update(overrides)
     return ModelSpec(**fields)
@@ -60,14 +47,8 @@ SPEC = tiny_spec()
 def base_model():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        intermediate_size=INTERMEDIATE,
-        vocab_size=VOCAB,
-    )
+    config = transformers.LlamaConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                      num_key_value_heads=KV_HEADS, intermediate_size=INTERMEDIATE, vocab_size=VOCAB)
     return transformers.LlamaForCausalLM(config).eval()
 
 
