@@ -28,7 +28,10 @@ EXTRA = {"extra-r3": (3, ("k_proj", "down_proj")), "extra-r12": (12, ("q_proj", 
          "extra-r24": (24, ("v_proj", "gate_proj")), "extra-r48": (48, ("q_proj", "k_proj", "v_proj", "o_proj"))}
 
 
-pytestmark = pytest.mark.usefixtures("no_leftover_segments")  # conftest.py's, for every test here
+@pytest.fixture(autouse=True)
+def no_leftover_segments(no_leftover_segments):
+    """conftest.py's check, for every test here and in the modules that import this fixture."""
+    yield
 
 
 @pytest.fixture(scope="module")
