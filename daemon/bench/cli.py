@@ -1,7 +1,8 @@
 """The benchmark commands of `lorad`, parsed here and run by one module each: `trace make` writes a request
 trace (trace_make.py), `simulate` runs it through N simulated engines under each routing policy
 (simulate.py), `bench trace` replays it against a running daemon (trace_replay.py); the last two print
-the same table and write a JSON report (trace_report.py). `bench load|invoke|ipc|cpu-lora|cold-start`
+the same table and write a JSON report (trace_report.py). `bench serve` loads a running daemon as
+`vllm bench serve` does (serve.py). `bench load|invoke|ipc|cpu-lora|cold-start`
 are the cold-start microbenchmarks, run in this process (load.py, invoke.py, ipc.py, cpu_lora.py,
 cold_start.py). daemon/server/cli.py hands them `bench_main(argv)`.
 
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 from lorad.config import ServerConfig
+from lorad.daemon.bench import serve
 from lorad.daemon.server.cli_args import Parser, parse
 from lorad.errors import LoradError
 
@@ -107,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--seed", type=int, default=0, metavar="N", help="the random policy's seed")
     simulate.add_argument("--out", metavar="PATH", help="JSON report (and PATH's .png CDFs when matplotlib is there)")
 
-    bench = commands.add_parser("bench", help="replay a trace against a running daemon; cold-start microbenchmarks")
+    bench = commands.add_parser("bench", help="load a running daemon, replay a trace against it; cold-start "
+                                              "microbenchmarks")
     bench_actions = bench.add_subparsers(dest="action", required=True, parser_class=Parser)
     replay = bench_actions.add_parser("trace", help="send a trace's requests at its arrival times, streaming")
     replay.add_argument("--trace", required=True, metavar="PATH")
@@ -123,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--slo-ttft-s", type=float, metavar="S", help="TTFT objective (default: none)")
     replay.add_argument("--slo-tpot-s", type=float, metavar="S", help="time-per-token objective (default: none)")
     replay.add_argument("--out", metavar="PATH", help="JSON report")
+    serve.add_parser(bench_actions, ServerConfig.socket)
     add_microbench_parsers(bench_actions)
     return parser
 
@@ -249,6 +253,8 @@ def bench_main(argv: list[str]) -> int:
             from lorad.daemon.bench import simulate as command
         elif args.action == "trace":
             from lorad.daemon.bench import trace_replay as command
+        elif args.action == "serve":
+            return serve.run(args)
         else:
             return microbench(args)
         command.run(args)
@@ -258,7 +264,7 @@ def bench_main(argv: list[str]) -> int:
         return REFUSED
     except OSError as error:
         reason = error.strerror or str(error) or type(error).__name__
-        replaying = args.command == "bench" and args.action == "trace"
+        replaying = args.command == "bench" and args.action in ("trace", "serve")
         print(f"lorad: cannot reach the daemon at {args.socket}: {reason} (is `lorad serve` running?)"
               if replaying else f"lorad: {reason}", file=sys.stderr)
         return UNREACHABLE if replaying else REFUSED

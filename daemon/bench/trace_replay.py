@@ -11,7 +11,8 @@ import math
 import numpy as np
 
 from lorad.daemon.bench.trace_report import format_table, print_attribution, write_json
-from lorad.errors import BadRequest, LoradError, Overloaded
+from lorad.daemon.bench.serve import Outcome, stream_request
+from lorad.errors import BadRequest
 from lorad.scheduler.workload import Trace
 
 
@@ -140,32 +141,9 @@ async def _send_one(client, loop, start: float, at: float, model: str, prompt: l
     delay = start + at - loop.time()
     if delay > 0:
         await asyncio.sleep(delay)
-    outcome = {"sent": loop.time(), "first": math.nan, "last": math.nan, "tokens": 0, "error": None}
-    try:
-        async for chunk in client.stream_completions(model=model, prompt=prompt, max_tokens=max_tokens,
-                                                     temperature=0, ignore_eos=True, return_token_ids=True):
-            new = sum(len(choice.get("token_ids") or ()) for choice in chunk.get("choices", ()))
-            if new:
-                now = loop.time()
-                if not outcome["tokens"]:
-                    outcome["first"] = now
-                outcome["last"] = now
-                outcome["tokens"] += new
-        if not outcome["tokens"]:
-            outcome["error"] = "no tokens"
-    except Overloaded as error:
-        outcome["error"] = f"overloaded: {error.message}"
-    except LoradError as error:
-        outcome["error"] = f"{type(error).__name__}: {error.message}"
-    except (OSError, asyncio.TimeoutError) as error:  # connection refused or dropped mid-stream
-        outcome["error"] = f"connection: {error or type(error).__name__}"
-    except Exception as error:  # aiohttp's ClientError (payload, disconnect): the request is lost, the replay goes on
-        if type(error).__module__.split(".")[0] != "aiohttp":
-            raise
-        outcome["error"] = f"connection: {type(error).__name__}: {error}"
-    if outcome["error"]:
-        outcome["first"] = outcome["last"] = math.nan
-    return outcome
+    outcome = await stream_request(client, model, prompt, max_tokens, Outcome(model, len(prompt), max_tokens), loop.time)
+    first, last = (outcome.chunk_times[0], outcome.chunk_times[-1]) if outcome.ok else (math.nan, math.nan)
+    return {"sent": outcome.sent, "first": first, "last": last, "tokens": outcome.tokens, "error": outcome.error}
 
 
 def _finite(value) -> float | None:

@@ -1,0 +1,142 @@
+"""`lorad bench serve` (daemon/bench/serve.py) against `lorad serve --demo` as a real process: the report's
+fields and counts, a sweep with its plot, the Azure dataset at its own arrivals, goodput, and the clear errors
+and partial report when the daemon is not there or dies mid-run. The metrics themselves are checked on
+outcomes made by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from lorad.daemon.bench.serve import Outcome, summarize
+from lorad.daemon.server.cli import main
+from lorad.scheduler.workload import AZURE_ATTRIBUTION
+
+from daemon_harness import COMMAND, kill_daemon, start_daemon, stop_daemon, wait_healthy
+
+DATA_DIR = Path(__file__).resolve().parents[3].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="module")
+def daemon(demo_assets, tmp_path_factory):
+    import shutil
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="lorad-", dir="/tmp"))  # AF_UNIX paths are short
+    path = directory / "lorad.sock"
+    process = start_daemon(demo_assets, path)
+    try:
+        wait_healthy(process, path)
+        yield path
+    finally:
+        stop_daemon(process)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def bench(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["bench", "serve", "--no-progress", *[str(a) for a in argv]])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_the_metrics_of_outcomes_made_by_hand():
+    one = Outcome("a", prompt_len=10, max_tokens=3, sent=0.0, chunk_times=[0.1, 0.3, 0.6], tokens=3)
+    two = Outcome("b", prompt_len=20, max_tokens=2, sent=1.0, chunk_times=[1.5, 1.6], tokens=2)
+    lost = Outcome("c", prompt_len=5, max_tokens=4, sent=1.0, error="connection: reset")
+    summary = summarize([one, two, lost], duration_s=2.0, goodput={"ttft": 200.0})
+    assert (summary["requests"], summary["completed"], summary["failed"]) == (3, 2, 1)
+    assert summary["errors"] == {"connection: reset": 1}
+    assert summary["total_input_tokens"] == 30 and summary["total_output_tokens"] == 5
+    assert summary["request_throughput"] == 1.0 and summary["output_throughput"] == 2.5
+    assert summary["total_token_throughput"] == 17.5
+    assert summary["ttft_ms"]["mean"] == pytest.approx(300.0)  # 100 and 500
+    assert summary["tpot_ms"]["median"] == pytest.approx(175.0)  # 250 and 100
+    assert sorted(round(x * 1e3) for x in one.inter_token_latencies() + two.inter_token_latencies()) == [100, 200, 300]
+    assert summary["e2el_ms"]["p99"] == pytest.approx(600.0)  # both took 600 ms
+    assert summary["goodput"]["requests_met"] == 1 and summary["goodput"]["request_goodput"] == 0.5
+    assert summary["goodput"]["share_met"] == pytest.approx(1 / 3)
+
+
+def test_a_sweep_reports_every_point_and_plots_it(capsys, daemon, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "serve.json"
+    code, stdout, err = bench(capsys, "--socket", daemon, "--input-len", 12, "--output-len", 6, "--ignore-eos",
+                              "--num-prompts", 8, "--adapters", 3, "--alpha", 1.2,
+                              "--sweep", "max-concurrency=1,4", "--goodput", "ttft:60000", "tpot:60000", "--out", out)
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    assert report["kind"] == "serve" and report["sweep"] == {"key": "max-concurrency", "points": [1, 4]}
+    assert report["models"]["adapters"] == 3 and report["dataset"]["dataset"] == "random"
+    assert [run["max_concurrency"] for run in report["runs"]] == [1, 4]
+    for run in report["runs"]:
+        assert run["completed"] == 8 and run["failed"] == 0
+        assert run["total_output_tokens"] == 8 * 6 and run["total_input_tokens"] == 8 * 12  # --ignore-eos
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            assert set(run[metric]) == {"mean", "median", "p50", "p90", "p99"}
+            assert 0 < run[metric]["median"] <= run[metric]["p99"]
+        assert run["output_throughput"] > 0 and run["request_throughput"] > 0
+        assert run["goodput"]["requests_met"] == 8
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "max-concurrency" in stdout and "wrote" in stdout
+
+
+@pytest.mark.skipif(not DATA_DIR.is_dir(), reason="the Azure traces are in ../shared/data")
+def test_azure_prompts_at_their_own_arrivals(capsys, daemon, tmp_path):
+    out = tmp_path / "azure.json"
+    code, stdout, err = bench(capsys, "--socket", daemon, "--dataset", "azure-conv", "--data-dir", DATA_DIR,
+                              "--num-prompts", 6, "--max-input-len", 24, "--request-rate", "trace",
+                              "--time-scale", 0.001, "--out", out)
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    assert report["dataset"]["attribution"] == AZURE_ATTRIBUTION and "CC BY 4.0" in stdout
+    assert report["dataset"]["prompts"] == 6 and report["models"] == {"base_model": "lorad-demo", "adapters": 0}
+    run = report["runs"][0]
+    assert run["request_rate"] == "trace" and run["completed"] == 6
+    assert run["total_input_tokens"] <= 6 * 24  # cut to --max-input-len, and to fit the context of 128
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--sweep", "speed=1,2"], "expected request-rate=R,R,... or max-concurrency=N,N,..."),
+    (["--request-rate", "0"], "not a positive number, inf or trace"),
+    (["--goodput", "ttft:fast"], "--goodput ttft:fast"),
+    (["--num-prompts", "0"], "--num-prompts must be at least 1"),
+])
+def test_bad_flags_are_one_line(capsys, argv, fragment, tmp_path):
+    code, _, err = bench(capsys, "--socket", tmp_path / "none.sock", *argv)
+    assert code == 2 and fragment in err and err.count("\n") == 1, err
+
+
+def test_no_daemon_is_a_clear_error(capsys, tmp_path):
+    code, _, err = bench(capsys, "--socket", tmp_path / "none.sock", "--num-prompts", 2)
+    assert code == 1 and "cannot reach the daemon" in err and "lorad serve" in err, err
+
+
+def test_a_daemon_that_dies_mid_run_leaves_a_partial_report(demo_assets, short_tmp, tmp_path):
+    path = short_tmp / "lorad.sock"
+    daemon = start_daemon(demo_assets, path)
+    out = tmp_path / "partial.json"
+    try:
+        wait_healthy(daemon, path)
+        load = subprocess.Popen(
+            COMMAND + ["bench", "serve", "--no-progress", "--socket", str(path), "--input-len", "8", "--output-len", "64",
+                       "--ignore-eos", "--num-prompts", "400", "--max-concurrency", "2", "--out", str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(3.0)
+        assert load.poll() is None, load.communicate()
+        kill_daemon(daemon)
+        stdout, stderr = load.communicate(timeout=60)
+    finally:
+        kill_daemon(daemon)
+    assert load.returncode == 1, stderr
+    assert "the daemon stopped answering" in stderr and "Traceback" not in stderr
+    report = json.loads(out.read_text())
+    run = report["runs"][0]
+    assert run["completed"] > 0 and run["failed"] > 0 and run["completed"] + run["failed"] == 400
+    assert "lost their connection" in report["stopped"]
+    assert all(error.startswith("connection") for error in run["errors"]), run["errors"]
+    assert not math.isnan(run["ttft_ms"]["median"])
