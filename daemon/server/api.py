@@ -194,7 +194,7 @@ async def models(request: web.Request) -> web.Response:
         extra = {key: value for key, value in entry.items() if key not in ("id", "parent")}
         data.append(
             {"id": entry["id"], "object": "model", "created": created, "owned_by": "lorad",
-             "parent": entry.get("parent"), **extra}
+             "parent": entry.get("parent"), "max_model_len": request.app[ENGINE].max_model_len, **extra}
         )
     return web.json_response({"object": "list", "data": data})
 

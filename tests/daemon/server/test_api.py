@@ -193,6 +193,7 @@ def test_models(client):
     for entry in models:
         assert entry["object"] == "model" and entry["owned_by"] == "lorad" and isinstance(entry["created"], int)
     assert sql["rank"] == 8 and sql["kind"] == "lora"
+    assert all(entry["max_model_len"] == 128 for entry in models)  # as vLLM lists it: clients size prompts by it
 
 
 def test_status(client):
