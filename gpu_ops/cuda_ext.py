@@ -317,7 +317,7 @@ class FusedLauncher:
     device addresses (`flags()`, once per set of flags) and the error word's are worked out here once;
     a call takes host addresses and sizes, checks that they lie in the region, and launches. The CPU
     LoRA's fused path makes two calls per worker per projection: with the general functions' checks and
-    lookups, ~35 us of Python each on the H100 host (bench/results/ipc_h100_s6.json), longer than the
+    lookups, ~35 us of Python each on the H100 host (`lorad bench ipc`'s host time), longer than the
     round trip itself.
 
     The caller guarantees what the general functions check: `src`, `out` on the current device, src
