@@ -131,7 +131,7 @@ def load_prompts(args: argparse.Namespace, max_model_len: int | None, rng: np.ra
         raise BadRequest(f"the {args.dataset} dataset gave no prompts")
     prompts, clipped = [], 0
     for (prompt_len, output_len), arrival in zip(lengths, arrivals):
-        fitted = _fit(prompt_len, output_len, args.max_input_len, max_model_len)
+        fitted = fit_lengths(prompt_len, output_len, args.max_input_len, max_model_len)
         clipped += fitted != (prompt_len, output_len)
         token_ids = rng.integers(*PROMPT_TOKEN_RANGE, size=fitted[0]).tolist()
         prompts.append(Prompt(token_ids, fitted[1], arrival))
@@ -140,7 +140,8 @@ def load_prompts(args: argparse.Namespace, max_model_len: int | None, rng: np.ra
     return prompts, source
 
 
-def _fit(prompt_len: int, output_len: int, max_input_len: int | None, max_model_len: int | None) -> tuple[int, int]:
+def fit_lengths(prompt_len: int, output_len: int, max_input_len: int | None, max_model_len: int | None) -> tuple[int, int]:
+    """(prompt, output) lengths cut to max_input_len, then, where both exceed the context, halved into it."""
     prompt_len = max(1, min(prompt_len, max_input_len or prompt_len))
     output_len = max(1, output_len)
     if max_model_len and prompt_len + output_len > max_model_len:

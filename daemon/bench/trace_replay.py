@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from lorad.daemon.bench.trace_report import format_table, print_attribution, write_json
-from lorad.daemon.bench.serve import Outcome, stream_request
+from lorad.daemon.bench.serve import PROMPT_TOKEN_RANGE, Outcome, fit_lengths, stream_request
 from lorad.errors import BadRequest
 from lorad.scheduler.workload import Trace
 
@@ -52,19 +52,15 @@ async def replay(socket_path: str, trace, requests, args: argparse.Namespace) ->
         note = (f"adapters: the trace's {len(trace_adapters)} (sorted by name) mapped onto the daemon's "
                 f"{len(adapters)} by index modulo {len(adapters)}" if adapters else
                 f"adapters: the daemon lists none; every request goes to the base model {base}")
-        max_model_len = status.get("max_model_len") if isinstance(status, dict) else None
+        max_model_len = models[0].get("max_model_len")
         rng = np.random.default_rng(0)
         plans, clipped = [], 0
         for request in requests:
-            prompt = min(request.prompt_tokens, args.max_prompt_tokens)
-            output = min(max(1, request.output_tokens), args.max_output_tokens)
-            if isinstance(max_model_len, int) and prompt + output > max_model_len:
-                prompt = max(1, min(prompt, max_model_len // 2))
-                output = max(1, min(output, max_model_len - prompt))
+            prompt, output = fit_lengths(request.prompt_tokens, min(max(1, request.output_tokens), args.max_output_tokens),
+                                         args.max_prompt_tokens, max_model_len)
             clipped += (prompt, output) != (request.prompt_tokens, max(1, request.output_tokens))
-            # token ids 16..255: inside any vocabulary, clear of the usual special tokens
             plans.append((request.arrival_s * args.time_scale, target[request.adapter],
-                          rng.integers(16, 256, size=prompt).tolist(), output))
+                          rng.integers(*PROMPT_TOKEN_RANGE, size=prompt).tolist(), output))
 
         loop = asyncio.get_running_loop()
         start = loop.time() + 0.05
