@@ -1,0 +1,90 @@
+"""What one step must move and compute, and so the least time it can take on this device: the engine's own
+accounting against its floor, the larger of bytes / HBM bandwidth and FLOPs / dense GEMM rate.
+
+A step reads every weight once (each layer's projections and norms, the final norm, the embedding rows of
+its tokens, the LM head when a row is sampled), reads each sequence's KV cache over its whole context and
+writes its new tokens' K and V, and reads the A and B rows of every adapter in it once per targeted
+projection. Its FLOPs are 2 per weight per row for the projections (the LM head for sampled rows only),
+attention's QK^T and PV over each row's causal context, and each adapter row's shrink and expand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lorad.daemon.model.checkpoint import PROJECTIONS, ModelSpec
+
+
+@dataclass(frozen=True)
+class StepCost:
+    weight_bytes: int
+    kv_bytes: int
+    adapter_bytes: int
+    flops: int
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.adapter_bytes
+
+    def floor_s(self, bandwidth_bytes_per_s: float, flops_per_s: float) -> float:
+        """The least time the step can take: bound by memory or by compute, whichever is slower."""
+        return max(self.bytes / bandwidth_bytes_per_s, self.flops / flops_per_s)
+
+
+@dataclass(frozen=True)
+class SequenceInStep:
+    new_tokens: int  # rows this sequence adds to the step
+    context: int  # tokens in its KV cache once the step has run (earlier tokens + new_tokens)
+    sampled: bool  # its last row's logits are computed
+    adapter: str | None  # None: the base model alone
+
+
+class StepCostModel:
+    """StepCost of a step from its sequences, for one model shape and dtype. `adapter_ranks(name)` gives
+    an adapter's rank per (layer, projection index) it targets."""
+
+    def __init__(self, spec: ModelSpec, dtype_bytes: int, adapter_ranks):
+        self.spec, self.dtype_bytes, self.adapter_ranks = spec, dtype_bytes, adapter_ranks
+        self.shapes = [spec.projection_shape(name) for name in PROJECTIONS]
+        # q, k, v, o, gate, up, down: in * out weights each, in every layer
+        self.layer_weights = sum(inputs * outputs for inputs, outputs in self.shapes)
+        self.norm_weights = spec.num_layers * 2 * spec.hidden_size + spec.hidden_size
+        self.head_weights = spec.vocab_size * spec.hidden_size
+        self.kv_per_token = 2 * spec.num_layers * spec.kv_size  # K and V elements of one token, every layer
+        self._adapter_elements: dict[str, tuple[int, int]] = {}
+
+    def cost(self, sequences: list[SequenceInStep]) -> StepCost:
+        spec = self.spec
+        rows = sum(seq.new_tokens for seq in sequences)
+        sampled = sum(seq.sampled for seq in sequences)
+        weights = spec.num_layers * self.layer_weights + self.norm_weights + rows * spec.hidden_size
+        weights += self.head_weights if sampled else 0
+        flops = 2 * rows * spec.num_layers * self.layer_weights + 2 * sampled * self.head_weights
+        kv = 0
+        adapters: dict[str, int] = {}
+        for seq in sequences:
+            kv += (seq.context + seq.new_tokens) * self.kv_per_token  # the context read, the new tokens written
+            earlier = seq.context - seq.new_tokens
+            # row i (0-based) of the new tokens attends to earlier + i + 1 keys
+            pairs = seq.new_tokens * earlier + seq.new_tokens * (seq.new_tokens + 1) // 2
+            flops += 4 * spec.num_layers * spec.q_size * pairs  # QK^T and PV, 2 FLOPs per multiply-add
+            if seq.adapter is not None:
+                adapters[seq.adapter] = adapters.get(seq.adapter, 0) + seq.new_tokens
+        adapter_elements = 0
+        for name, adapter_rows in adapters.items():
+            elements = self._adapter_size(name)
+            adapter_elements += elements
+            flops += 2 * adapter_rows * elements  # shrink x @ A^T and expand @ B^T: rank * (in + out) per row
+        return StepCost(weights * self.dtype_bytes, kv * self.dtype_bytes, adapter_elements * self.dtype_bytes, flops)
+
+    def _adapter_size(self, name: str) -> int:
+        """Elements of an adapter's A and B over every (layer, projection) it targets: sum of rank * (in + out)."""
+        if name not in self._adapter_elements:
+            self._adapter_elements[name] = sum(
+                rank * sum(self.shapes[projection]) for (_, projection), rank in self.adapter_ranks(name).items()
+            )
+        return self._adapter_elements[name]
+
+    def forget(self, name: str) -> None:
+        """An adapter was unloaded (or reloaded with other weights): its size is computed again next time."""
+        self._adapter_elements.pop(name, None)

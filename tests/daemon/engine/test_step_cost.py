@@ -1,0 +1,51 @@
+"""daemon/engine/step_cost.py: a step's bytes and FLOPs for the demo model, against the same numbers worked out
+by hand from its config (hidden 64, intermediate 172, 4 layers, 4 heads and 2 KV heads of 16, vocabulary 512,
+float32) and its rank-8 q, k, v adapter."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorad.daemon.engine.step_cost import SequenceInStep, StepCost, StepCostModel
+from lorad.daemon.model.adapters import load_peft_adapter
+from lorad.daemon.model.checkpoint import load_spec
+
+
+@pytest.fixture(scope="module")
+def model(demo_assets):
+    spec = load_spec(demo_assets.model_dir)
+    assert (spec.hidden_size, spec.intermediate_size, spec.num_layers, spec.num_heads, spec.num_kv_heads,
+            spec.head_dim, spec.vocab_size) == (64, 172, 4, 4, 2, 16, 512)
+    adapter = load_peft_adapter(demo_assets.adapters["demo-r8"], spec, max_rank=64)
+    ranks = {key: a.shape[0] for key, (a, _) in adapter.weights.items()}
+    return StepCostModel(spec, dtype_bytes=4, adapter_ranks=lambda name: ranks)
+
+
+def test_a_mixed_step_by_hand(model):
+    # a 5-token prompt with the rank-8 adapter, and one decode row of the base model at context 10
+    cost = model.cost([SequenceInStep(new_tokens=5, context=5, sampled=True, adapter="demo-r8"),
+                       SequenceInStep(new_tokens=1, context=10, sampled=True, adapter=None)])
+    layer = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 172  # q, k, v, o, gate, up, down: 45312
+    weights = 4 * layer + (4 * 2 * 64 + 64) + 6 * 64 + 512 * 64  # layers, norms, 6 embedding rows, LM head
+    kv = (5 + 5) * 2 * 4 * 32 + (10 + 1) * 2 * 4 * 32  # context read plus new tokens written, K and V, 4 layers
+    adapter = 4 * 8 * ((64 + 64) + (64 + 32) + (64 + 32))  # rank 8: A [8, in] and B [out, 8] of q, k, v
+    flops = (2 * 6 * 4 * layer  # the projections, 6 rows
+             + 2 * 2 * 512 * 64  # the LM head for 2 sampled rows
+             + 4 * 4 * 64 * (15 + 10)  # attention: 1+2+3+4+5 and 10 query-key pairs, 4 layers, 64 q dims
+             + 2 * 5 * adapter)  # shrink and expand for the adapter's 5 rows
+    assert cost == StepCost(weight_bytes=4 * weights, kv_bytes=4 * kv, adapter_bytes=4 * adapter, flops=flops)
+    assert (weights, kv, adapter, flops) == (214976, 5376, 10240, 2434048)
+
+
+def test_a_decode_only_step_reads_no_head_without_samples_and_counts_each_adapter_once(model):
+    cost = model.cost([SequenceInStep(1, 20, False, "demo-r8"), SequenceInStep(1, 30, False, "demo-r8")])
+    assert cost.weight_bytes == 4 * (4 * 45312 + 576 + 2 * 64)
+    assert cost.adapter_bytes == 4 * 10240  # one adapter, two rows: its pages are read once
+    assert cost.kv_bytes == 4 * (21 + 31) * 256
+
+
+def test_the_floor_is_the_slower_of_memory_and_compute():
+    cost = StepCost(weight_bytes=600, kv_bytes=300, adapter_bytes=100, flops=4000)
+    assert cost.bytes == 1000
+    assert cost.floor_s(bandwidth_bytes_per_s=100.0, flops_per_s=1000.0) == 10.0  # memory: 10 s against 4 s
+    assert cost.floor_s(bandwidth_bytes_per_s=1000.0, flops_per_s=100.0) == 40.0  # compute
