@@ -88,3 +88,50 @@ class StepCostModel:
     def forget(self, name: str) -> None:
         """An adapter was unloaded (or reloaded with other weights): its size is computed again next time."""
         self._adapter_elements.pop(name, None)
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """What the device sustains, measured at start-up: bytes per second read and written (a device-to-device
+    copy counts its bytes twice) and dense GEMM FLOPs per second in the model's dtype."""
+
+    bandwidth_bytes_per_s: float
+    flops_per_s: float
+
+
+def measure_device_rates(device, dtype, repeats: int = 5) -> DeviceRates:
+    """The fastest of `repeats` timed runs of a large copy and a large square matmul on `device` (CUDA events
+    on a GPU; the host's clock elsewhere, at sizes that keep a CPU start-up short)."""
+    import time
+
+    import torch
+
+    cuda = device.type == "cuda"
+    copy_elements = (512 << 20) // torch.empty((), dtype=dtype).element_size() if cuda else 8 << 20
+    side = 8192 if cuda else 256
+    source = torch.randn(copy_elements, device=device).to(dtype)
+    target = torch.empty_like(source)
+    a = torch.randn(side, side, device=device).to(dtype)
+    b = torch.randn(side, side, device=device).to(dtype)
+
+    def best_seconds(run) -> float:
+        run()  # warm-up: first launches, allocations
+        times = []
+        for _ in range(repeats):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                began = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - began)
+        return min(times)
+
+    copy_s = best_seconds(lambda: target.copy_(source))
+    gemm_s = best_seconds(lambda: torch.mm(a, b))
+    return DeviceRates(bandwidth_bytes_per_s=2 * source.numel() * source.element_size() / copy_s,
+                       flops_per_s=2 * side**3 / gemm_s)

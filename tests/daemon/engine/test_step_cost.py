@@ -49,3 +49,13 @@ def test_the_floor_is_the_slower_of_memory_and_compute():
     assert cost.bytes == 1000
     assert cost.floor_s(bandwidth_bytes_per_s=100.0, flops_per_s=1000.0) == 10.0  # memory: 10 s against 4 s
     assert cost.floor_s(bandwidth_bytes_per_s=1000.0, flops_per_s=100.0) == 40.0  # compute
+
+
+def test_the_device_rates_are_measured():
+    import torch
+
+    from lorad.daemon.engine.step_cost import measure_device_rates
+
+    rates = measure_device_rates(torch.device("cpu"), torch.float32, repeats=2)
+    # a CPU core copies more than 100 MB/s and multiplies at more than 100 MFLOP/s; no device reaches 100 TB/s
+    assert 1e8 < rates.bandwidth_bytes_per_s < 1e14 and 1e8 < rates.flops_per_s < 1e16
