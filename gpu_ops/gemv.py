@@ -9,7 +9,7 @@ every row of x's products in float32. The reference is `gemv_ref` (torch's F.lin
 bench/gemv.py measures it against cuBLAS (H100, bench/results/gemv_h100.json): with one row and 4-column
 bands read 1024 elements deep it reads the 7B projections at 2.36-2.95 TB/s where cuBLAS reads 2.02-2.62
 (o_proj +17%, lm_head +13%, gate|up +11%, qkv +4%, down +4%); with two rows it wins on some shapes and
-loses on others, with four it loses on all. So `Ops.linear` (daemon/model/llama.py) takes it for one row only
+loses on others, with four it loses on all. So `TritonOps.linear` (daemon/model/ops.py) takes it for one row only
 (`GEMV_MAX_ROWS`): batch-1 decode; the kernel itself takes up to `KERNEL_MAX_ROWS`.
 """
 
@@ -28,7 +28,7 @@ except ImportError:  # the CPU engine runs the reference only
 
 __all__ = ["GEMV_MAX_ROWS", "KERNEL_MAX_ROWS", "GemvConfig", "gemv", "gemv_config", "gemv_ref"]
 
-GEMV_MAX_ROWS = 1  # rows (tokens) up to which Ops.linear takes this kernel on cuda: where it beat cuBLAS
+GEMV_MAX_ROWS = 1  # rows (tokens) up to which TritonOps.linear takes this kernel on cuda: where it beat cuBLAS
 KERNEL_MAX_ROWS = 4
 
 

@@ -28,8 +28,9 @@ class LoraBatch:
     max_rank: int = 0
     decode_kernel: str = "mbgmv"  # the step's decode LoRA kernel, bgmv|mbgmv (daemon/engine/kernel_choice.py)
     # Rows whose LoRA the CPU workers compute (their row_slot is -1 here): daemon/engine/cpu_assist.py's
-    # CpuSpan per CPU-assisted sequence, read by the engine's lora op.
+    # CpuSpan per CPU-assisted sequence, and the CpuAssist that computes them (daemon/model/ops.py calls it).
     cpu_spans: list = field(default_factory=list)
+    cpu_assist: object = None
 
     @classmethod
     def build(cls, row_slots: list[int], device: torch.device) -> LoraBatch:

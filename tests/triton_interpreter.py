@@ -27,8 +27,13 @@ needs_interpreter = pytest.mark.skipif(
 
 
 def interpreted(probe, *modules) -> None:
-    """Without a GPU: reload `modules` when `probe`, one of their kernels, was decorated compiled (a module
-    imported them before TRITON_INTERPRET was set), so that their kernels run in the interpreter."""
-    if not CUDA and HAS_TRITON and type(probe).__name__ != "InterpretedFunction":
+    """Without a GPU: reload `modules`, in the order given (a module imports names of those before it), when
+    `probe` or any kernel of theirs was decorated compiled (a module imported them before TRITON_INTERPRET was
+    set), so that their kernels run in the interpreter."""
+    if CUDA or not HAS_TRITON:
+        return
+    kernels = [probe] + [value for module in modules for value in vars(module).values()
+                         if type(value).__module__.startswith("triton.runtime")]
+    if any(type(kernel).__name__ == "JITFunction" for kernel in kernels):
         for module in modules:
             importlib.reload(module)

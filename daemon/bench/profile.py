@@ -44,7 +44,8 @@ from lorad.daemon.engine.kernel_choice import (
     device_tag,
     rank_bucket,
 )
-from lorad.daemon.model.llama import LlamaModel, Ops, Step
+from lorad.daemon.model.llama import LlamaModel, Step
+from lorad.daemon.model.ops import select_ops
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import AdapterTable, KVCache, PagePool
@@ -199,7 +200,7 @@ class Bench:
         self.clock = Clock(device)
         self.choice = LoraKernelChoice.measuring_ranks(min(plan.ranks), max(plan.ranks))
         self.max_tokens = plan.max_tokens()
-        self.ops = Ops.for_device(device, self.max_tokens, max_lora_rank, self.choice)
+        self.ops = select_ops(device, self.max_tokens, max_lora_rank, self.choice)
         self.max_model_len = max(max(plan.contexts), max(plan.prefill_tokens)) + 1
         self.model = LlamaModel(spec, weights, self.max_model_len, self.ops)
         page = spec.hidden_size

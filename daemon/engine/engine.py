@@ -29,7 +29,8 @@ from lorad.daemon.engine.decode_graphs import DecodeGraphs
 from lorad.daemon.engine.kernel_choice import LoraKernelChoice
 from lorad.daemon.engine.adapter_residency import LoraResidency
 from lorad.daemon.server.metrics import Metrics
-from lorad.daemon.model.llama import LlamaModel, Ops, Step
+from lorad.daemon.model.llama import LlamaModel, Step
+from lorad.daemon.model.ops import select_ops
 from lorad.daemon.engine.prefill_graphs import PrefillGraphs, StepSeq
 from lorad.daemon.engine.request import GenerationRequest, GenerationResult, RequestOutput, check_prompt
 from lorad.daemon.engine.sampler import make_generator, sample
@@ -116,7 +117,7 @@ class Engine:
             config.lora_kernel)
         log.info("decode lora kernel choice=%s", self.kernel_choice.describe())
         self.lora_pdl = self._lora_pdl()
-        self.ops = Ops.for_device(self.device, config.max_batch_tokens, config.max_lora_rank, self.kernel_choice,
+        self.ops = select_ops(self.device, config.max_batch_tokens, config.max_lora_rank, self.kernel_choice,
                                   fuse_groups=config.fuse_lora_groups, pdl=self.lora_pdl["on"])
         self.model = LlamaModel(self.spec, weights, self.max_model_len, self.ops)
         del weights
@@ -245,7 +246,7 @@ class Engine:
     def _lora_groups(self) -> dict[str, str]:
         """How decode steps launch the LoRA of q,k,v and of gate,up (config.fuse_lora_groups): "one launch"
         where the members' tiles agree (mbgmv.group_fits), else "per projection"; logged, in /v1/status."""
-        if not self.config.fuse_lora_groups or self.ops.lora_group == self.ops._lora_each:  # not on (the CPU ops: never)
+        if not self.ops.fuses_groups:  # fuse_lora_groups off, or the reference ops
             return {"qkv": "per projection", "gate_up": "per projection"}
         from lorad.gpu_ops.mbgmv import group_fits
 
@@ -349,18 +350,7 @@ class Engine:
             split=self.config.cpu_lora_split,
         )
         try:
-            base_lora, assist = self.ops.lora, self.cpu_assist
-
-            def gpu_lora(x, y, layer, proj, span):
-                # The span's rows on the pool path: a layer whose copy has arrived, or a failed job.
-                base_lora(x, y, layer, proj, span.gpu_batch, self.table)
-
-            def lora(x, y, layer, proj, batch, table):
-                base_lora(x, y, layer, proj, batch, table)
-                if batch.cpu_spans:
-                    assist.apply(x, y, layer, proj, batch.cpu_spans, gpu_lora)
-
-            self.ops.lora = lora
+            assist = self.cpu_assist
             if self.device.type == "cuda":  # the GPU engine's host work never shares a core with a worker
                 self._affinity = (threading.get_ident(), keep_off_cores(assist.pool.worker_cores))
                 log.info("engine threads on cores %s, cpu lora workers on %s",
@@ -1117,6 +1107,7 @@ class Engine:
             lora=LoraBatch.build(row_slots, device),
         )
         step.lora.cpu_spans = self._step_spans = cpu_spans
+        step.lora.cpu_assist = self.cpu_assist
         self.ops.prepare_lora(step.lora, self.table)
         return step, sampled
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from lorad.daemon.model.checkpoint import ModelSpec, rope_inv_freq
+from lorad.daemon.model.ops import TorchOps
 from lorad.errors import ModelError
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
@@ -41,156 +41,8 @@ class Layer:
     down: torch.Tensor
 
 
-class Ops:
-    """The op functions the model calls. `Ops.reference()`: the pure-torch references (the CPU engine,
-    and any device where the kernels cannot run); `Ops.for_device()` picks the Triton kernels on cuda.
-    `name` says which set runs: the engine logs it and /v1/status shows it."""
-
-    def __init__(self, name: str, rms_norm, add_rms_norm, rope_qk, silu_mul, write_kv, attention, lora,
-                 prepare_lora=None, linear=F.linear):
-        self.name = name
-        self.linear = linear  # the base model's projections: (x, weight [out, in], bias or None) -> x @ weight^T + bias
-        self.rms_norm = rms_norm
-        # h += delta, then (h, rms_norm(h)): the residual add fused into the norm after it.
-        self.add_rms_norm = add_rms_norm
-        self.rope_qk = rope_qk
-        self.silu_mul = silu_mul
-        self.write_kv = write_kv
-        self.attention = attention
-        self.lora = lora
-        # Per-step LoRA metadata the kernels need beyond LoraBatch (segments, max rank): built once
-        # per step by the runner, never per layer.
-        self.prepare_lora = prepare_lora or (lambda batch, table: None)
-        # The LoRA of consecutive projections on one x (q, k, v; gate, up) whose outputs lie side by side
-        # in `fused`: (x, fused, outs, layer, first projection, batch, table). Default: `lora` per member
-        # (looked up at call time: the engine may wrap `lora`); the GPU ops launch decode steps' groups at once.
-        self.lora_group = self._lora_each
-
-    def _lora_each(self, x, fused, outs, layer, first, batch, table) -> None:
-        for member, out in enumerate(outs):
-            self.lora(x, out, layer, first + member, batch, table)
-
-    @classmethod
-    def reference(cls, name: str = "torch-reference") -> Ops:
-        from lorad.gpu_ops.attention import paged_attention_ref, write_kv_ref
-        from lorad.gpu_ops.fused import rope_qk_ref, silu_mul_ref
-        from lorad.gpu_ops.lora import apply_lora_ref
-        from lorad.gpu_ops.norm import add_rms_norm_ref, rms_norm_ref
-
-        return cls(name, rms_norm_ref, add_rms_norm_ref, rope_qk_ref, silu_mul_ref, write_kv_ref, paged_attention_ref,
-                   apply_lora_ref)
-
-    @classmethod
-    def for_device(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
-                   fuse_groups: bool = False, pdl: bool = False) -> Ops:
-        """kernel_choice (daemon/engine/kernel_choice.py): picks each decode step's LoRA kernel, BGMV or MBGMV,
-        in `prepare_lora`; None: MBGMV. On the CPU only a profile (or `lorad profile` measuring) makes
-        decode steps run the kernels' references, bgmv_ref or mbgmv_ref; otherwise apply_lora_ref."""
-        if device.type != "cuda":
-            return cls._reference_with_choice(cls.reference(), kernel_choice)
-        try:
-            from lorad.gpu_ops import bgmv
-
-            bgmv.require_triton()
-        except (ImportError, RuntimeError) as error:
-            return cls._reference_with_choice(cls.reference(f"torch-reference (triton unavailable: {error})"), kernel_choice)
-        return cls.triton(device, max_batch_tokens, max_lora_rank, kernel_choice, fuse_groups, pdl)
-
-    @classmethod
-    def triton(cls, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
-               fuse_groups: bool = False, pdl: bool = False) -> Ops:
-        """The Triton kernels (on the CPU they run only in Triton's interpreter: the tests). fuse_groups: a
-        decode step's MBGMV takes q, k, v in one launch pair and gate, up in one (where their tiles agree:
-        mbgmv.group_fits), not one pair per projection. pdl: the decode MBGMV's expand launched early (the
-        caller checks mbgmv.pdl_unavailable)."""
-        from lorad.gpu_ops import bgmv, fused, mbgmm, mbgmv, paged_attention
-
-        from lorad.gpu_ops import gemv
-
-        groups = ",mbgmv-groups:qkv|gate-up" if fuse_groups else ""
-        groups += ",mbgmv-pdl" if pdl else ""
-        ops = cls.reference(f"triton[lora:mbgmv|bgmv+mbgmm{groups},paged-attention,fused-norm-rope-silu,"
-                            f"gemv(rows<={gemv.GEMV_MAX_ROWS})]")
-
-        def linear(x, weight, bias=None):
-            if x.shape[0] <= gemv.GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous():
-                return gemv.gemv(x, weight, bias)
-            return F.linear(x, weight, bias)
-
-        ops.linear = linear
-        ops.attention = paged_attention.attention
-        ops.write_kv = paged_attention.write_kv
-        ops.rms_norm = fused.rms_norm
-        ops.add_rms_norm = fused.add_rms_norm
-        ops.rope_qk = lambda q, k, cos, sin: fused.rope_qk(q, k, cos, sin, inplace=True)
-        ops.silu_mul = fused.silu_mul
-        workspace = torch.empty(bgmv.workspace_numel(max_batch_tokens, max_lora_rank), dtype=torch.float32, device=device)
-
-        def prepare_lora(batch, table):
-            if batch.slot_rows:
-                batch.segments = mbgmm.Segments.build(batch, table)
-                batch.max_rank = batch.segments.max_rank
-                if batch.segments.max_len == 1 and kernel_choice is not None:  # a decode step
-                    batch.decode_kernel = kernel_choice.choose([int(table.rank_host[slot].max()) for slot, _ in batch.slot_rows])
-
-        def lora(x, y, layer, proj, batch, table):
-            if batch.max_rank == 0:  # no row uses an adapter
-                return
-            if batch.segments is None or batch.segments.max_len == 1:  # each adapter has one row: decode
-                if batch.decode_kernel == "bgmv":
-                    bgmv.bgmv(x, y, layer, proj, batch.row_slot, table, batch.max_rank, workspace)
-                else:
-                    mbgmv.lora_decode(x, y, layer, proj, batch, table, max_rank=batch.max_rank, workspace=workspace, pdl=pdl)
-            else:
-                mbgmm.lora_prefill(x, y, layer, proj, batch, table, segments=batch.segments, workspace=workspace)
-
-        def lora_group(x, fused_out, outs, layer, first, batch, table):
-            if (batch.max_rank and batch.decode_kernel == "mbgmv" and not batch.cpu_spans
-                    and (batch.segments is None or batch.segments.max_len == 1)):
-                config = mbgmv.group_fits(table, first, len(outs), batch.max_rank, pdl=pdl)
-                if config is not None:
-                    mbgmv.mbgmv_group(x, fused_out, layer, first, len(outs), batch.row_slot, table, batch.max_rank,
-                                      workspace, config=config, pdl=pdl)
-                    return
-            ops._lora_each(x, fused_out, outs, layer, first, batch, table)
-
-        ops.lora = lora
-        ops.prepare_lora = prepare_lora
-        if fuse_groups:
-            ops.lora_group = lora_group
-        return ops
-
-    @staticmethod
-    def _reference_with_choice(ops: Ops, kernel_choice) -> Ops:
-        """The reference ops; with a profile (or while `lorad profile` measures), decode steps run
-        bgmv_ref or mbgmv_ref as chosen: the references of what the profile timed on this device."""
-        if kernel_choice is None or not kernel_choice.active:
-            return ops
-        from lorad.gpu_ops.bgmv import batch_max_rank, bgmv_ref
-        from lorad.gpu_ops.lora import apply_lora_ref
-        from lorad.gpu_ops.mbgmv import mbgmv_ref
-
-        kernels = {"bgmv": bgmv_ref, "mbgmv": mbgmv_ref}
-        ops.name += "[decode lora: bgmv_ref|mbgmv_ref]"
-
-        def prepare_lora(batch, table):
-            if batch.slot_rows and all(rows.numel() == 1 for _, rows in batch.slot_rows):  # a decode step
-                batch.max_rank = batch_max_rank(batch, table)
-                batch.decode_kernel = kernel_choice.choose([int(table.rank_host[slot].max()) for slot, _ in batch.slot_rows])
-
-        def lora(x, y, layer, proj, batch, table):
-            if batch.max_rank:
-                kernels[batch.decode_kernel](x, y, layer, proj, batch.row_slot, table, batch.max_rank)
-            else:
-                apply_lora_ref(x, y, layer, proj, batch, table)
-
-        ops.lora = lora
-        ops.prepare_lora = prepare_lora
-        return ops
-
-
 class LlamaModel:
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], max_positions: int, ops: Ops):
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], max_positions: int, ops: TorchOps):
         self.spec = spec
         self.ops = ops
         take = _Taker(weights)

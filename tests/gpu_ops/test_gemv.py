@@ -65,11 +65,11 @@ def test_gemv_refuses_what_it_does_not_take(kernels):
 
 
 def test_ops_linear_takes_the_kernel_for_few_rows_only(monkeypatch):
-    """Ops.triton's linear: gemv up to GEMV_MAX_ROWS rows (one), F.linear beyond (and for a strided x)."""
+    """TritonOps.linear: gemv up to GEMV_MAX_ROWS rows (one), F.linear beyond (and for a strided x)."""
     pytest.importorskip("triton")
-    from lorad.daemon.model.llama import Ops
+    from lorad.daemon.model.ops import TritonOps
 
-    ops = Ops.triton(torch.device("cpu"), 64, 16)
+    ops = TritonOps(torch.device("cpu"), 64, 16)
     calls = []
     monkeypatch.setattr(gemv_module, "gemv", lambda x, w, b=None: calls.append(x.shape[0]) or F.linear(x, w, b))
     w = torch.randn(8, 16)

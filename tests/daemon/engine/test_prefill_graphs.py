@@ -14,7 +14,7 @@ import torch
 from triton_interpreter import CUDA, HAS_TRITON, interpreted  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
 from lorad.daemon.engine.engine import Engine
-from lorad.daemon.model.llama import Ops
+from lorad.daemon.model.ops import TritonOps
 from lorad.daemon.engine.prefill_graphs import PrefillGraphs, StepSeq
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 from lorad.gpu_ops.page_pool import SCRATCH_PAGE, AdapterTable, KVCache, PagePool
@@ -135,7 +135,7 @@ def test_the_padded_static_steps_give_the_reference_engines_tokens(demo_assets):
     engine = make_engine(demo_assets)
     graphs = PrefillGraphs(engine.model, engine.kv, engine.table, 64, engine.config.max_running_requests, engine.max_model_len, 64)
     kernels = copy.copy(engine.model)
-    kernels.ops = Ops.triton(engine.device, 64, 64)
+    kernels.ops = TritonOps(engine.device, 64, 64)
     replayed = []
     for key in graphs.plan():
         logits = torch.empty(graphs.buckets[key[0]].seqs, engine.vocab_size)
@@ -163,7 +163,7 @@ def test_the_engine_on_the_triton_ops_gives_the_reference_tokens(demo_assets):
     reference.close()
 
     engine = make_engine(demo_assets)
-    engine.ops = engine.model.ops = Ops.triton(engine.device, 64, 64, fuse_groups=True)
+    engine.ops = engine.model.ops = TritonOps(engine.device, 64, 64, fuse_groups=True)
     groups = []
     original = mbgmv.mbgmv_group
     mbgmv.mbgmv_group = lambda *args, **kwargs: (groups.append(args[3]), original(*args, **kwargs))

@@ -1,0 +1,189 @@
+"""The ops the decoder calls, as two sets with one interface: `TorchOps`, the pure-torch references (the
+CPU engine, and any device where the kernels cannot run), and `TritonOps`, the Triton kernels on cuda.
+`select_ops` picks the set for a device; `ops.name` says which runs (the engine logs it, /v1/status shows it).
+The kernel modules are imported when a set is made, not with this module: the tests set Triton's interpreter
+up before any kernel is decorated.
+
+LoRA enters through `lora(x, y, layer, proj, batch, table)` per projection and `lora_group` for q, k, v and
+gate, up, whose outputs lie side by side in one fused GEMM's output. Rows that the CPU workers compute for a
+cold adapter (`batch.cpu_spans`) are handed to `batch.cpu_assist`, which runs the pool path for a layer that
+has arrived.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lorad.gpu_ops.lora import LoraBatch, apply_lora_ref
+from lorad.gpu_ops.page_pool import AdapterTable
+
+
+class TorchOps:
+    """The pure-torch references. kernel_choice (daemon/engine/kernel_choice.py): with a profile (or while
+    `lorad profile` measures), decode steps run bgmv_ref or mbgmv_ref as chosen, the references of what the
+    profile timed; otherwise every step runs apply_lora_ref."""
+
+    fuses_groups = False  # lora_group launches a group at once (TritonOps with fuse_groups only)
+
+    def __init__(self, name: str = "torch-reference", kernel_choice=None):
+        from lorad.gpu_ops import attention, fused, norm
+
+        self.kernel_choice = kernel_choice if kernel_choice is not None and kernel_choice.active else None
+        self.name = name + ("[decode lora: bgmv_ref|mbgmv_ref]" if self.kernel_choice is not None else "")
+        self._attention, self._fused, self._norm = attention, fused, norm
+        if self.kernel_choice is not None:
+            from lorad.gpu_ops import bgmv, mbgmv
+
+            self._decode_refs = {"bgmv": bgmv.bgmv_ref, "mbgmv": mbgmv.mbgmv_ref}
+            self._batch_max_rank = bgmv.batch_max_rank
+
+    # The base model's ops.
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight^T + bias; weight: [out, in]."""
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x, weight, eps):
+        return self._norm.rms_norm_ref(x, weight, eps)
+
+    def add_rms_norm(self, h, delta, weight, eps):
+        """h += delta, then (h, rms_norm(h)): the residual add fused into the norm after it."""
+        return self._norm.add_rms_norm_ref(h, delta, weight, eps)
+
+    def rope_qk(self, q, k, cos, sin):
+        return self._fused.rope_qk_ref(q, k, cos, sin)
+
+    def silu_mul(self, gate, up):
+        return self._fused.silu_mul_ref(gate, up)
+
+    def write_kv(self, kv_view, layer, k, v, attention):
+        self._attention.write_kv_ref(kv_view, layer, k, v, attention)
+
+    def attention(self, q, kv_view, layer, attention, scale):
+        return self._attention.paged_attention_ref(q, kv_view, layer, attention, scale)
+
+    # LoRA.
+    def prepare_lora(self, batch: LoraBatch, table: AdapterTable) -> None:
+        """The per-step LoRA metadata the kernels need beyond LoraBatch (segments, max rank, the decode
+        kernel): built once per step by the runner, never per layer."""
+        if self.kernel_choice is None:
+            return
+        if batch.slot_rows and all(rows.numel() == 1 for _, rows in batch.slot_rows):  # a decode step
+            batch.max_rank = self._batch_max_rank(batch, table)
+            batch.decode_kernel = self.kernel_choice.choose(
+                [int(table.rank_host[slot].max()) for slot, _ in batch.slot_rows])
+
+    def lora(self, x, y, layer: int, proj: int, batch: LoraBatch, table: AdapterTable) -> None:
+        """y += (x @ A^T) @ B^T for every row with an adapter: the pool's rows here, the CPU-assisted rows
+        by batch.cpu_assist. x: [T, in]; y: [T, out], accumulated in place."""
+        self.pool_lora(x, y, layer, proj, batch, table)
+        if batch.cpu_spans:
+            batch.cpu_assist.apply(
+                x, y, layer, proj, batch.cpu_spans,
+                lambda x_rows, y_rows, layer, proj, span: self.pool_lora(x_rows, y_rows, layer, proj, span.gpu_batch, table),
+            )
+
+    def pool_lora(self, x, y, layer: int, proj: int, batch: LoraBatch, table: AdapterTable) -> None:
+        """The LoRA of the rows whose adapter is in the page pool."""
+        if self.kernel_choice is not None and batch.max_rank:
+            self._decode_refs[batch.decode_kernel](x, y, layer, proj, batch.row_slot, table, batch.max_rank)
+        else:
+            apply_lora_ref(x, y, layer, proj, batch, table)
+
+    def lora_group(self, x, fused, outs, layer: int, first: int, batch: LoraBatch, table: AdapterTable) -> None:
+        """The LoRA of consecutive projections on one x (q, k, v; gate, up) whose outputs `outs` lie side by
+        side in `fused`, starting at projection `first`: here one projection after another."""
+        for member, out in enumerate(outs):
+            self.lora(x, out, layer, first + member, batch, table)
+
+
+class TritonOps(TorchOps):
+    """The Triton kernels (on the CPU they run only in Triton's interpreter: the tests): gemv for one-row
+    projections, paged attention, fused norm / RoPE / SiLU-mul, MBGMV or BGMV for decode LoRA (chosen per
+    step by kernel_choice; MBGMV without one), MBGMM for prefill LoRA. fuse_groups: a decode step's MBGMV takes
+    q, k, v in one launch pair and gate, up in one (where their tiles agree: mbgmv.group_fits). pdl: the decode
+    MBGMV's expand launched early (the caller checks mbgmv.pdl_unavailable)."""
+
+    def __init__(self, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
+                 fuse_groups: bool = False, pdl: bool = False):
+        from lorad.gpu_ops import bgmv, fused, gemv, mbgmm, mbgmv, paged_attention
+
+        groups = ",mbgmv-groups:qkv|gate-up" if fuse_groups else ""
+        groups += ",mbgmv-pdl" if pdl else ""
+        super().__init__(f"triton[lora:mbgmv|bgmv+mbgmm{groups},paged-attention,fused-norm-rope-silu,"
+                         f"gemv(rows<={gemv.GEMV_MAX_ROWS})]")
+        self.decode_choice = kernel_choice
+        self._fused, self._paged_attention, self._gemv = fused, paged_attention, gemv
+        self._bgmv, self._mbgmv, self._mbgmm = bgmv, mbgmv, mbgmm
+        self.fuses_groups, self.pdl = fuse_groups, pdl
+        self.workspace = torch.empty(bgmv.workspace_numel(max_batch_tokens, max_lora_rank), dtype=torch.float32,
+                                     device=device)
+
+    def linear(self, x, weight, bias=None):
+        if x.shape[0] <= self._gemv.GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous():
+            return self._gemv.gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x, weight, eps):
+        return self._fused.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, h, delta, weight, eps):
+        return self._fused.add_rms_norm(h, delta, weight, eps)
+
+    def rope_qk(self, q, k, cos, sin):
+        return self._fused.rope_qk(q, k, cos, sin, inplace=True)
+
+    def silu_mul(self, gate, up):
+        return self._fused.silu_mul(gate, up)
+
+    def write_kv(self, kv_view, layer, k, v, attention):
+        self._paged_attention.write_kv(kv_view, layer, k, v, attention)
+
+    def attention(self, q, kv_view, layer, attention, scale):
+        return self._paged_attention.attention(q, kv_view, layer, attention, scale)
+
+    def prepare_lora(self, batch, table):
+        if batch.slot_rows:
+            batch.segments = self._mbgmm.Segments.build(batch, table)
+            batch.max_rank = batch.segments.max_rank
+            if batch.segments.max_len == 1 and self.decode_choice is not None:  # a decode step
+                batch.decode_kernel = self.decode_choice.choose(
+                    [int(table.rank_host[slot].max()) for slot, _ in batch.slot_rows])
+
+    def pool_lora(self, x, y, layer, proj, batch, table):
+        if batch.max_rank == 0:  # no row uses an adapter
+            return
+        if batch.segments is None or batch.segments.max_len == 1:  # each adapter has one row: decode
+            if batch.decode_kernel == "bgmv":
+                self._bgmv.bgmv(x, y, layer, proj, batch.row_slot, table, batch.max_rank, self.workspace)
+            else:
+                self._mbgmv.lora_decode(x, y, layer, proj, batch, table, max_rank=batch.max_rank, workspace=self.workspace,
+                                  pdl=self.pdl)
+        else:
+            self._mbgmm.lora_prefill(x, y, layer, proj, batch, table, segments=batch.segments, workspace=self.workspace)
+
+    def lora_group(self, x, fused, outs, layer, first, batch, table):
+        """With fuse_groups, a decode step's group in one MBGMV launch pair where the members' tiles agree;
+        otherwise one projection after another."""
+        if (self.fuses_groups and batch.max_rank and batch.decode_kernel == "mbgmv" and not batch.cpu_spans
+                and (batch.segments is None or batch.segments.max_len == 1)):
+            config = self._mbgmv.group_fits(table, first, len(outs), batch.max_rank, pdl=self.pdl)
+            if config is not None:
+                self._mbgmv.mbgmv_group(x, fused, layer, first, len(outs), batch.row_slot, table, batch.max_rank,
+                                  self.workspace, config=config, pdl=self.pdl)
+                return
+        super().lora_group(x, fused, outs, layer, first, batch, table)
+
+
+def select_ops(device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
+               fuse_groups: bool = False, pdl: bool = False) -> TorchOps:
+    """TritonOps on cuda where Triton works; TorchOps elsewhere, named with the reason on a GPU."""
+    if device.type != "cuda":
+        return TorchOps(kernel_choice=kernel_choice)
+    try:
+        from lorad.gpu_ops import bgmv
+
+        bgmv.require_triton()
+    except (ImportError, RuntimeError) as error:
+        return TorchOps(f"torch-reference (triton unavailable: {error})", kernel_choice)
+    return TritonOps(device, max_batch_tokens, max_lora_rank, kernel_choice, fuse_groups, pdl)
