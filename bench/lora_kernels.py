@@ -98,7 +98,7 @@ class DecodeCase:
         self.floor_us = self.moved / (bandwidth * 1e9) * 1e6
         self.start = 0.1 * torch.randn_like(self.ys[0])  # fresh: the timed buffers grow by many adds
         self.expected = self.start.clone()
-        bgmv.lora_rows_ref(self.xs[0], self.expected, 0, Q, self.batch.row_slot, self.table, self.max_rank)
+        bgmv.bgmv_ref(self.xs[0], self.expected, 0, Q, self.batch.row_slot, self.table, self.max_rank)
 
     def calls(self, fn) -> list:
         return [lambda layer=layer: fn(self.xs[layer], self.ys[layer], layer) for layer in range(len(self.xs))]

@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from lorad.gpu_ops.launch import cdiv, next_power_of_2, require_triton, sm_count
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import AdapterTable
 
@@ -43,31 +44,16 @@ def page_block(page_elems: int, dim: int, want: int, minimum: int = 16) -> tuple
     """A power-of-two tile along a paged dimension of `dim` elements, and whether it divides the page
     (then a tile never straddles pages and one page id serves a whole tile row). Pages whose size has
     no power-of-two factor >= minimum fall back to a page lookup per element."""
-    block = max(minimum, min(want, triton_next_power_of_2(dim)))
+    block = max(minimum, min(want, next_power_of_2(dim)))
     aligned_block = min(block, page_elems & -page_elems)
     if aligned_block >= minimum:
         return aligned_block, True
     return block, False
 
 
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
 def num_splits(programs: int, inner_tiles: int, device: torch.device, per_sm: int = TARGET_PROGRAMS_PER_SM, most: int = MAX_SPLITS) -> int:
     """Split-K factor (a power of two <= most) so that about per_sm programs run per SM."""
-    want = per_sm * _sm_count(device)
+    want = per_sm * sm_count(device, otherwise=8)
     splits = 1
     while splits < most and programs * splits < want and splits * 2 <= inner_tiles:
         splits *= 2
@@ -123,11 +109,6 @@ def workspace_view(workspace: torch.Tensor | None, splits: int, num_rows: int, m
 def workspace_numel(max_tokens: int, max_rank: int) -> int:
     """Elements of a workspace big enough for any launch of up to max_tokens rows (all LoRA files)."""
     return MAX_SPLITS * max_tokens * cdiv(max_rank, 16) * 16
-
-
-def require_triton() -> None:
-    if triton is None:
-        raise RuntimeError("the LoRA kernels need triton (pip install triton); the *_ref functions do not")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -226,14 +207,14 @@ def bgmv_shrink(x, v, layer, proj, row_slot, table, max_rank):
     x: [T, in] model dtype (row stride free); v: float32 [splits, T, max_rank] contiguous (splits from
     its shape); row_slot: int32 [T] (-1: rows skipped, v left unwritten); max_rank: the batch's max.
     """
-    require_triton()
+    require_triton("LoRA kernels")
     splits, num_rows, width = v.shape
     pages = table.pool.pages
     page = table.pool.page_elems
     in_dim, _ = table.shapes[proj]
     chunks_in, _ = table.chunks[proj]
     slot_stride, offset = table_offsets(table, layer, proj)
-    block_r = max(16, triton_next_power_of_2(max_rank))
+    block_r = max(16, next_power_of_2(max_rank))
     block_k, aligned = page_block(page, in_dim, max(16, 8192 // block_r))
     k_per_split = cdiv(cdiv(in_dim, splits), block_k) * block_k
     _bgmv_shrink_kernel[(num_rows, splits)](
@@ -248,13 +229,13 @@ def bgmv_expand(v, y, layer, proj, row_slot, table, max_rank):
 
     v: float32 [splits, T, max_rank]; y: [T, out] (any strides: a column slice of a fused output works).
     """
-    require_triton()
+    require_triton("LoRA kernels")
     splits, num_rows, width = v.shape
     page = table.pool.page_elems
     _, out_dim = table.shapes[proj]
     _, chunks_out = table.chunks[proj]
     slot_stride, offset = table_offsets(table, layer, proj)
-    block_r = max(16, triton_next_power_of_2(max_rank))
+    block_r = max(16, next_power_of_2(max_rank))
     block_n, aligned = page_block(page, out_dim, min(256, max(32, 8192 // block_r)))
     grid = (num_rows, cdiv(out_dim, block_n))
     _bgmv_expand_kernel[grid](
@@ -276,7 +257,7 @@ def bgmv(x, y, layer, proj, row_slot, table, max_rank, workspace=None):
     num_rows = x.shape[0]
     if num_rows == 0 or max_rank <= 0:
         return
-    block_r = max(16, triton_next_power_of_2(max_rank))
+    block_r = max(16, next_power_of_2(max_rank))
     block_k, _ = page_block(table.pool.page_elems, in_dim, max(16, 8192 // block_r))
     splits = num_splits(num_rows, cdiv(in_dim, block_k), x.device)
     v = workspace_view(workspace, splits, num_rows, max_rank, x.device)
@@ -303,9 +284,10 @@ def gather_weights(table: AdapterTable, start: torch.Tensor, rank: torch.Tensor,
     return torch.where(valid[:, :, None], weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
 
 
-def lora_rows_ref(x, y, layer, proj, row_slot, table, max_rank, rows_per_chunk: int = 64) -> None:
-    """The per-row LoRA in pure torch on device tensors: the references of bgmv and mbgmv (both compute
-    the same function; padding changes only the work). fp32 math, y accumulated in its own dtype."""
+def bgmv_ref(x, y, layer, proj, row_slot, table, max_rank, workspace=None, rows_per_chunk: int = 64) -> None:
+    """The per-row LoRA in pure torch on device tensors, with `bgmv`'s signature (the workspace is unused):
+    the reference of bgmv and of mbgmv, which compute the same function (padding changes only the work).
+    fp32 math, y accumulated in its own dtype."""
     in_dim, out_dim = check_operands(x, y, proj, table, row_slot)
     if x.shape[0] == 0 or max_rank <= 0:
         return
@@ -323,8 +305,3 @@ def lora_rows_ref(x, y, layer, proj, row_slot, table, max_rank, rows_per_chunk: 
         block = y[lo:hi]
         touched = (rank > 0)[:, None]
         block.copy_(torch.where(touched, (block.float() + delta).to(y.dtype), block))
-
-
-def bgmv_ref(x, y, layer, proj, row_slot, table, max_rank, workspace=None):
-    """Pure-torch `bgmv` (same signature and result; the workspace is unused)."""
-    lora_rows_ref(x, y, layer, proj, row_slot, table, max_rank)

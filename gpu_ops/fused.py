@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from lorad.gpu_ops.norm import add_rms_norm_ref, rms_norm_ref
 from lorad.gpu_ops.rope import apply_rope_ref
 
+from lorad.gpu_ops.launch import next_power_of_2, require_triton
+
 try:
     import triton
     import triton.language as tl
@@ -22,15 +24,6 @@ except ImportError:  # the CPU engine runs the references only
 __all__ = ["add_rms_norm", "add_rms_norm_ref", "rms_norm", "rms_norm_ref", "rope_qk", "rope_qk_ref", "silu_mul", "silu_mul_ref"]
 
 SILU_BLOCK = 1024
-
-
-def require_triton() -> None:
-    if triton is None:
-        raise RuntimeError("the fused kernels need triton; use the *_ref functions")
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _warps(elements: int) -> int:
@@ -122,7 +115,7 @@ def _rows(x: torch.Tensor, name: str) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Drop-in for `rms_norm_ref`: x [T, hidden] (rows may be strided), weight [hidden] -> [T, hidden] of
     x's dtype. One program per row. Bytes: 2 * T * hidden * element size (+ the weight, cached)."""
-    require_triton()
+    require_triton("fused kernels")
     _rows(x, "x")
     tokens, hidden = x.shape
     if weight.shape != (hidden,):
@@ -139,7 +132,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     """Drop-in for `add_rms_norm_ref`: h += delta (in place, h [T, hidden] contiguous rows), then
     -> (h, rms_norm(h)). One program per row. Bytes: 4 * T * hidden * element size (read h and delta,
     write h and the normed rows)."""
-    require_triton()
+    require_triton("fused kernels")
     _rows(h, "h")
     _rows(delta, "delta")
     tokens, hidden = h.shape
@@ -173,7 +166,7 @@ def rope_qk(
     inplace=True rotates them where they are and returns them, else new contiguous tensors.
     Bytes: 2 * T * (heads + kv_heads) * head_dim * element size + the cos/sin rows.
     """
-    require_triton()
+    require_triton("fused kernels")
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if k.shape != (tokens, kv_heads, head_dim) or q.stride(2) != 1 or k.stride(2) != 1 or head_dim % 2:
@@ -212,7 +205,7 @@ def rope_qk_ref(q, k, cos, sin, positions=None, *, inplace: bool = False):
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU(gate) * up -> [T, n] of gate's dtype; gate, up [T, n] may be column slices of a fused gate_up
     output. Computed in float32, rounded once. Bytes: 3 * T * n * element size."""
-    require_triton()
+    require_triton("fused kernels")
     _rows(gate, "gate")
     _rows(up, "up")
     if gate.shape != up.shape:

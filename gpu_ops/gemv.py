@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lorad.gpu_ops.launch import require_triton
+
 try:
     import triton
     import triton.language as tl
@@ -85,8 +87,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= KERNEL_MAX_ROWS, unit stride along K), weight [N, K] contiguous, bias [N] or None
     -> y [M, N] in x's dtype (into `out` when given). No host sync; capturable in a CUDA graph."""
-    if triton is None:
-        raise RuntimeError("gemv needs triton; use gemv_ref")
+    require_triton("gemv kernel")
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or not weight.is_contiguous() or x.stride(1) != 1:

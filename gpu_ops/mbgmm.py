@@ -12,15 +12,14 @@ import numpy as np
 import torch
 
 from lorad.gpu_ops.bgmv import (
-    cdiv,
     batch_max_rank,
     check_operands,
     num_splits,
     page_block,
-    require_triton,
     table_offsets,
     workspace_view,
 )
+from lorad.gpu_ops.launch import cdiv, require_triton
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import STREAM_TIMEOUT_NS, AdapterTable, gather_rows
 
@@ -260,7 +259,7 @@ def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, blo
     x: [T, in]; v: float32 [splits, T, max_rank] contiguous. Grid (segments, max_len / block_m,
     rank blocks * splits); programs past their segment's length or rank return at once.
     """
-    require_triton()
+    require_triton("LoRA kernels")
     splits, num_rows, width = v.shape
     page = table.pool.page_elems
     in_dim, _ = table.shapes[proj]
@@ -285,7 +284,7 @@ def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, blo
 def mbgmm_expand(v, y, layer, proj, segments: Segments, table, block_m=None, block_r=BLOCK_R_EXPAND, block_n=BLOCK_N, num_warps=4, num_stages=2):
     """y[t] += (sum over splits of v[:, t, :rank]) @ B^T for every row of every segment; other rows
     untouched. v: float32 [splits, T, max_rank]; y: [T, out], any strides."""
-    require_triton()
+    require_triton("LoRA kernels")
     splits, num_rows, width = v.shape
     page = table.pool.page_elems
     _, out_dim = table.shapes[proj]

@@ -20,15 +20,12 @@ import torch
 from lorad.gpu_ops.bgmv import (
     MAX_SPLITS,
     batch_max_rank,
-    cdiv,
     check_operands,
-    lora_rows_ref,
     page_block,
-    require_triton,
     table_offsets,
-    triton_next_power_of_2,
     workspace_view,
 )
+from lorad.gpu_ops.launch import cdiv, next_power_of_2, require_triton
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import AdapterTable
 
@@ -46,7 +43,7 @@ except ImportError:
     triton = None
 
 __all__ = ["DecodeConfig", "batch_max_rank", "decode_config", "group_fits", "lora_decode", "mbgmv",
-           "mbgmv_expand", "mbgmv_group", "mbgmv_ref", "mbgmv_shrink", "pdl_unavailable"]
+           "mbgmv_expand", "mbgmv_group", "mbgmv_shrink", "pdl_unavailable"]
 
 
 @dataclass(frozen=True)
@@ -286,13 +283,13 @@ def _expand(v, y, layer, proj, row_slot, table, max_rank, config: DecodeConfig, 
     cols = [sum(outs[:m]) for m in range(members)]
     slot_stride, offset = table_offsets(table, layer, proj)
     block_n, aligned = page_block(page, outs[0], config.block_n)
-    block_r = min(config.expand_r, max(16, triton_next_power_of_2(max_rank)))
+    block_r = min(config.expand_r, max(16, next_power_of_2(max_rank)))
     n_tiles = cdiv(max(outs), block_n)
     _mbgmv_expand_kernel[(num_rows * n_tiles, members)](
         v, y, row_slot, table.rank, table.b_start, table.page_ids, table.pool.pages,
         outs[0], max_rank, width, num_rows, splits, n_tiles, y.stride(0), y.stride(1), slot_stride, offset, chunks[0],
         splits * num_rows * width, *_members_1_2(outs), *_members_1_2(chunks), *_members_1_2(cols),
-        PAGE=page, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=max(2, triton_next_power_of_2(splits)), ALIGNED=aligned,
+        PAGE=page, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=max(2, next_power_of_2(splits)), ALIGNED=aligned,
         GROUPED=members > 1, PDL=pdl, num_warps=config.expand_warps, num_stages=1, **({"launch_pdl": True} if pdl else {}),
     )
 
@@ -308,7 +305,7 @@ def mbgmv_shrink(x, v, layer, proj, row_slot, table, max_rank, block_r=8, block_
     x: [T, in]; v: float32 [splits, T, width >= max_rank] contiguous (splits from its shape);
     row_slot: int32 [T]. One program per (row, block_r rank rows, split); those past the rank return.
     """
-    require_triton()
+    require_triton("LoRA kernels")
     _shrink(x, v, layer, proj, row_slot, table, max_rank, DecodeConfig(shrink_r=block_r, block_k=block_k, num_warps=num_warps))
 
 
@@ -318,7 +315,7 @@ def mbgmv_expand(v, y, layer, proj, row_slot, table, max_rank, block_r=64, block
     v: float32 [splits, T, width]; y: [T, out], any strides. One program per (row, block_n columns),
     looping over the rank in steps of block_r.
     """
-    require_triton()
+    require_triton("LoRA kernels")
     _expand(v, y, layer, proj, row_slot, table, max_rank, DecodeConfig(expand_r=block_r, block_n=block_n, expand_warps=num_warps))
 
 
@@ -339,7 +336,7 @@ def mbgmv(x, y, layer, proj, row_slot, table, max_rank, workspace=None, *, confi
     num_rows = x.shape[0]
     if num_rows == 0 or max_rank <= 0:
         return
-    require_triton()
+    require_triton("LoRA kernels")
     config = config or decode_config(in_dim, out_dim, max_rank, pdl)
     splits = _shrink_plan(table.pool.page_elems, in_dim, None, config)[0]
     v = workspace_view(workspace, splits, num_rows, max_rank, x.device)
@@ -385,7 +382,7 @@ def mbgmv_group(x, y, layer, proj, members, row_slot, table, max_rank, workspace
         raise ValueError(f"y {tuple(y.shape)} is not the {members} projections' outputs side by side")
     if num_rows == 0 or max_rank <= 0:
         return
-    require_triton()
+    require_triton("LoRA kernels")
     config = config or group_fits(table, proj, members, max_rank, pdl=pdl)
     if config is None:
         raise ValueError(f"projections {proj}..{proj + members - 1} cannot share one launch (see group_fits)")
@@ -393,11 +390,6 @@ def mbgmv_group(x, y, layer, proj, members, row_slot, table, max_rank, workspace
     v = workspace_view(workspace, members * splits, num_rows, max_rank, x.device).view(members, splits, num_rows, -1)
     _shrink(x, v, layer, proj, row_slot, table, max_rank, config, members, pdl)
     _expand(v, y, layer, proj, row_slot, table, max_rank, config, members, pdl)
-
-
-def mbgmv_ref(x, y, layer, proj, row_slot, table, max_rank, workspace=None):
-    """Pure-torch `mbgmv` (same signature and result; the workspace is unused)."""
-    lora_rows_ref(x, y, layer, proj, row_slot, table, max_rank)
 
 
 def lora_decode(

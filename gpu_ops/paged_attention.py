@@ -16,12 +16,13 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from lorad.gpu_ops.attention import AttentionBatch, paged_attention_ref, write_kv_ref
+
+from lorad.gpu_ops.launch import next_power_of_2, require_triton, sm_count
 
 try:
     import triton
@@ -50,26 +51,6 @@ DECODE_BLOCK_N = {"mha": 32, "gqa": 64}
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in the combine than it saves
 PROGRAMS_PER_SM = 2
-
-
-def require_triton() -> None:
-    if triton is None:
-        raise RuntimeError("the paged attention kernels need triton; use gpu_ops/attention.py's references")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,7 +126,7 @@ def attention_meta(batch: AttentionBatch, tokens_per_page: int, device) -> Atten
 def decode_splits(num_seqs: int, kv_heads: int, max_context: int, device: torch.device) -> int:
     """Split-K factor (a power of two) so that about PROGRAMS_PER_SM programs run per SM, each split
     keeping at least MIN_SPLIT_TOKENS positions of the longest context."""
-    want = PROGRAMS_PER_SM * _sm_count(device)
+    want = PROGRAMS_PER_SM * sm_count(device, otherwise=4)
     splits = 1
     while splits < MAX_SPLITS and num_seqs * kv_heads * splits < want and max_context >= 2 * splits * MIN_SPLIT_TOKENS:
         splits *= 2
@@ -375,7 +356,7 @@ def write_kv(kv_view: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor
     """Drop-in for `write_kv_ref`: k, v [T, kv_heads, head_dim] (strided rows allowed, e.g. views of a
     fused qkv output) into kv_view[dest_pages[layer, 0|1, t], dest_offsets[t]]. One launch, one program
     per token. Bytes: 4 * T * kv_heads * head_dim * element size."""
-    require_triton()
+    require_triton("paged attention kernels")
     _, tokens_per_page, kv_heads, head_dim = kv_view.shape
     row = kv_heads * head_dim
     tokens = k.shape[0]
@@ -420,7 +401,7 @@ def decode_attention(
     combine launch; workspace: optional (out [>= num_seqs*heads*splits*head_pad], lse [>= num_seqs*heads*splits]).
     Roofline: bytes = sum_s 2 * kv_len[s] * kv_heads * head_dim * element size; flops = 4 * that / size * group.
     """
-    require_triton()
+    require_triton("paged attention kernels")
     heads, kv_heads, head_dim, tokens_per_page = _check_q(q, kv_view)
     if num_seqs == 0:
         return
@@ -470,7 +451,7 @@ def prefill_attention(
     """Causal attention for the prefill tiles of `meta` (query rows of sequences with query_len > 1
     over all their cached positions, the rows' own K/V already written). Grid (num_tiles, heads);
     query tiles of PREFILL_BLOCK_M rows. Shapes as in `decode_attention`."""
-    require_triton()
+    require_triton("paged attention kernels")
     heads, kv_heads, head_dim, tokens_per_page = _check_q(q, kv_view)
     if meta.num_tiles == 0:
         return

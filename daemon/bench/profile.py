@@ -9,7 +9,7 @@ graphs launch them (MBGMV at the configured max_lora_rank, BGMV at the batch's r
 from replays of CUDA graphs with CUDA events; decode steps are replays of the engine's own decode
 graphs (daemon/engine/decode_graphs.py); prefills are replays of its prefill graphs (daemon/engine/prefill_graphs.py)
 where they fit them, eager forwards beyond. On the CPU: the torch references
-(bgmv_ref, mbgmv_ref; the CPU engine's ops), timed with perf_counter. Inputs are random, never zeros;
+(bgmv_ref, the reference of both; the CPU engine's ops), timed with perf_counter. Inputs are random, never zeros;
 adapter weights are random windows of a weight bank far larger than L2, and every timed replay reads
 other windows than the one before.
 """
@@ -370,11 +370,12 @@ def _kernel_function(kernel: str, device: torch.device):
     """(x, y, layer, proj, row_slot, table, max_rank, workspace): the Triton kernel on cuda, its
     reference on the CPU."""
     from lorad.gpu_ops import bgmv, mbgmv
+    from lorad.gpu_ops.launch import require_triton
 
     if device.type == "cuda":
-        bgmv.require_triton()
+        require_triton("LoRA kernels")
         return {"bgmv": bgmv.bgmv, "mbgmv": mbgmv.mbgmv}[kernel]
-    return {"bgmv": bgmv.bgmv_ref, "mbgmv": mbgmv.mbgmv_ref}[kernel]
+    return bgmv.bgmv_ref
 
 
 def _graphed(calls: Callable[[], None]) -> Callable[[], None]:
@@ -496,7 +497,7 @@ def run_profile(spec: ModelSpec, weights: dict, model_name: str, dtype: torch.dt
     fits = fit(samples)
     machine = {
         "model": model_name, "device": device_tag(device), "dtype": str(dtype).removeprefix("torch."),
-        "kernels": "triton (gpu_ops/bgmv.py, mbgmv.py)" if device.type == "cuda" else "torch references (bgmv_ref, mbgmv_ref)",
+        "kernels": "triton (gpu_ops/bgmv.py, mbgmv.py)" if device.type == "cuda" else "torch references (one function, bgmv_ref)",
         "ops": bench.ops.name, "max_lora_rank": max_lora_rank, "plan": dataclasses.asdict(plan),
         "torch": torch.__version__, "measured": True, "seconds": round(time.perf_counter() - started, 1),
     }
@@ -556,7 +557,7 @@ def _profile(args: argparse.Namespace) -> int:
     dtype = _resolve_dtype(args.dtype, spec.torch_dtype, device)
     plan = QUICK_PLAN if args.quick else CUDA_PLAN if device.type == "cuda" else CPU_PLAN
     out = Path(args.out) if args.out else default_profile_path(name, device, args.state_dir)
-    kernels = "the Triton kernels" if device.type == "cuda" else "the torch references (bgmv_ref, mbgmv_ref): no GPU"
+    kernels = "the Triton kernels" if device.type == "cuda" else "the torch references of both kernels (one function, bgmv_ref): no GPU"
     print(f"profiling {name} on {device_tag(device)} ({str(dtype).removeprefix('torch.')}), timing {kernels}; "
           f"the profile goes to {out}", flush=True)
     weights = dummy_weights(spec, dtype, device, seed=args.seed) if args.model_config else load_weights(args.model, dtype, device)

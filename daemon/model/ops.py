@@ -21,8 +21,8 @@ from lorad.gpu_ops.page_pool import AdapterTable
 
 class TorchOps:
     """The pure-torch references. kernel_choice (daemon/engine/kernel_choice.py): with a profile (or while
-    `lorad profile` measures), decode steps run bgmv_ref or mbgmv_ref as chosen, the references of what the
-    profile timed; otherwise every step runs apply_lora_ref."""
+    `lorad profile` measures), decode steps are counted by the kernel chosen and run bgmv_ref, the reference
+    of both decode kernels the profile timed; otherwise every step runs apply_lora_ref."""
 
     fuses_groups = False  # lora_group launches a group at once (TritonOps with fuse_groups only)
 
@@ -30,13 +30,12 @@ class TorchOps:
         from lorad.gpu_ops import attention, fused, norm
 
         self.kernel_choice = kernel_choice if kernel_choice is not None and kernel_choice.active else None
-        self.name = name + ("[decode lora: bgmv_ref|mbgmv_ref]" if self.kernel_choice is not None else "")
+        self.name = name + ("[decode lora: bgmv_ref]" if self.kernel_choice is not None else "")
         self._attention, self._fused, self._norm = attention, fused, norm
         if self.kernel_choice is not None:
-            from lorad.gpu_ops import bgmv, mbgmv
+            from lorad.gpu_ops import bgmv
 
-            self._decode_refs = {"bgmv": bgmv.bgmv_ref, "mbgmv": mbgmv.mbgmv_ref}
-            self._batch_max_rank = bgmv.batch_max_rank
+            self._bgmv_ref, self._batch_max_rank = bgmv.bgmv_ref, bgmv.batch_max_rank
 
     # The base model's ops.
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,7 +85,7 @@ class TorchOps:
     def pool_lora(self, x, y, layer: int, proj: int, batch: LoraBatch, table: AdapterTable) -> None:
         """The LoRA of the rows whose adapter is in the page pool."""
         if self.kernel_choice is not None and batch.max_rank:
-            self._decode_refs[batch.decode_kernel](x, y, layer, proj, batch.row_slot, table, batch.max_rank)
+            self._bgmv_ref(x, y, layer, proj, batch.row_slot, table, batch.max_rank)
         else:
             apply_lora_ref(x, y, layer, proj, batch, table)
 
@@ -181,9 +180,9 @@ def select_ops(device: torch.device, max_batch_tokens: int, max_lora_rank: int, 
     if device.type != "cuda":
         return TorchOps(kernel_choice=kernel_choice)
     try:
-        from lorad.gpu_ops import bgmv
+        from lorad.gpu_ops.launch import require_triton
 
-        bgmv.require_triton()
+        require_triton("LoRA kernels")
     except (ImportError, RuntimeError) as error:
         return TorchOps(f"torch-reference (triton unavailable: {error})", kernel_choice)
     return TritonOps(device, max_batch_tokens, max_lora_rank, kernel_choice, fuse_groups, pdl)

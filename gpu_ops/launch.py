@@ -1,0 +1,36 @@
+"""What every kernel launcher in gpu_ops shares: whether Triton is there, and the host-side arithmetic of
+grids and tiles (ceil-division, powers of two, the device's SM count). Shapes only, never a device read.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+except ImportError:  # the CPU engine runs the references only
+    triton = None
+
+
+def require_triton(kernels: str) -> None:
+    """Raises RuntimeError naming `kernels` when Triton is not installed (their *_ref functions need none)."""
+    if triton is None:
+        raise RuntimeError(f"the {kernels} need triton (pip install triton); the *_ref functions do not")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device, otherwise: int) -> int:
+    """The device's streaming multiprocessors; `otherwise` on a device that has none (Triton's interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return otherwise
