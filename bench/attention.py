@@ -35,7 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from lorad.gpu_ops import fused, paged_attention  # noqa: E402
 from timing import Timer, copy_bandwidth  # noqa: E402  (bench/timing.py, beside this script)
-from lorad.gpu_ops.attention import AttentionBatch, paged_attention_ref, write_kv_ref  # noqa: E402
+from lorad.gpu_ops.attention import AttentionBatch, paged_attention_ref, scattered_block_table, write_kv_ref  # noqa: E402
 from lorad.gpu_ops.rope import rope_cache  # noqa: E402
 
 ROTATE_BYTES = 256 << 20
@@ -52,28 +52,9 @@ class PagedCache:
         blocks = [-(-kv // tokens_per_page) for kv, _ in shapes]
         num_pages = 1 + 2 * layers * sum(blocks)
         self.kv_view = torch.empty(num_pages, tokens_per_page, kv_heads, head_dim, dtype=dtype, device=device).normal_()
-        page_ids = rng.permutation(np.arange(1, num_pages, dtype=np.int32))
-        table = np.zeros((layers, 2, len(shapes), max(blocks)), dtype=np.int32)
-        used = 0
-        for seq, count in enumerate(blocks):
-            table[:, :, seq, :count] = page_ids[used : used + 2 * layers * count].reshape(layers, 2, count)
-            used += 2 * layers * count
-        dest, offsets, starts, start = [], [], [], 0
-        for seq, (kv_len, query_len) in enumerate(shapes):
-            positions = np.arange(kv_len - query_len, kv_len)
-            dest.append(table[:, :, seq, positions // tokens_per_page])
-            offsets.append(positions % tokens_per_page)
-            starts.append(start)
-            start += query_len
-        self.tokens = start
-        self.batch = AttentionBatch(
-            block_table=torch.from_numpy(table).to(device),
-            dest_pages=torch.from_numpy(np.concatenate(dest, axis=2).astype(np.int64)).to(device),
-            dest_offsets=torch.from_numpy(np.concatenate(offsets).astype(np.int64)).to(device),
-            query_start=starts,
-            query_len=[q for _, q in shapes],
-            kv_len=[kv for kv, _ in shapes],
-        )
+        table = scattered_block_table(blocks, layers, num_pages, rng)
+        self.tokens = sum(query_len for _, query_len in shapes)
+        self.batch = AttentionBatch.from_block_table(table, shapes, tokens_per_page, device)
         self.meta = paged_attention.AttentionMeta.build(self.batch, tokens_per_page, device)
         self.q = [torch.randn(self.tokens, heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         self.out = torch.empty(self.tokens, heads * head_dim, dtype=dtype, device=device)

@@ -133,7 +133,7 @@ def pool(workers: int, reps: int, tokens: int, x_in_timing: bool, cores: list[in
             def setup(rep: int) -> None:
                 if not x_in_timing:
                     rows[:] = inputs[rep % len(inputs)]
-                workers_pool.heat(1.0)
+                workers_pool.poll_hot_for(1.0)
 
             def work(rep: int) -> None:
                 if x_in_timing:

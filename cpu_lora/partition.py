@@ -141,7 +141,7 @@ def profile_dispatch(pool, adapter_id: int, layer: int, proj: int, in_features: 
     includes one token's compute, which is noise next to the wake-up at the ranks that matter."""
     times = []
     for _ in range(repeats):
-        pool.heat(0.05)  # as the engine runs it: the worker polls, the round trip pays no wake-up
+        pool.poll_hot_for(0.05)  # as the engine runs it: the worker polls, the round trip pays no wake-up
         start = time.perf_counter()
         failed = pool.run(adapter_id, layer, proj, [(0, 1)], in_features, out_features)
         times.append((time.perf_counter() - start) * 1e3)
@@ -157,7 +157,7 @@ def profile_group_dispatch(pool, adapter_id: int, layer: int, proj: int, in_feat
     as `CostModel.group_dispatch_ms`. Needs a pool of 2 workers or more with `max_rank`."""
     times = []
     for _ in range(repeats):
-        pool.heat(0.05)
+        pool.poll_hot_for(0.05)
         start = time.perf_counter()
         ok = pool.run_split(adapter_id, layer, proj, (0, 1), pool.workers, in_features, out_features)
         times.append((time.perf_counter() - start) * 1e3)

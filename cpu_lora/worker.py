@@ -312,7 +312,7 @@ class WorkerPool:
     and its job is reported as failed. One thread (the engine's step loop) drives a pool.
 
     Idle workers sleep between polls (up to `max_pause_s`), so a job posted to a sleeping worker
-    waits for its wake-up. `heat(seconds)` makes the workers and the pool's own waits busy-poll for a
+    waits for its wake-up. `poll_hot_for(seconds)` makes the workers and the pool's own waits busy-poll for a
     bounded period: call it when CPU-assisted work is in flight or about to be.
     """
 
@@ -347,7 +347,7 @@ class WorkerPool:
         self.hot_polling = can_poll_hot(workers, pinned, os.sched_getaffinity(0))
         if not self.hot_polling:
             log.info("workers=%d on cores %s, caller's cores %s: no core for each poller, so workers never "
-                     "busy-poll (heat() does nothing)", workers, pinned or "unpinned", sorted(os.sched_getaffinity(0)))
+                     "busy-poll (poll_hot_for() does nothing)", workers, pinned or "unpinned", sorted(os.sched_getaffinity(0)))
         self._context = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             # Workers fork from a server that has imported torch once: a restart costs milliseconds.
@@ -402,16 +402,16 @@ class WorkerPool:
         self._group += 1
         return self._group
 
-    def heat(self, seconds: float) -> bool:
-        """Workers and waits busy-poll for the next `seconds` (Exchange.heat). Only when every worker
+    def poll_hot_for(self, seconds: float) -> bool:
+        """Workers and waits busy-poll for the next `seconds` (Exchange.poll_hot_for). Only when every worker
         and the engine's thread have a core of their own (`hot_polling`): pollers sharing a core take
         turns by the scheduler's time slice, milliseconds, far worse than sleeping. -> whether it heated."""
         if self.hot_polling:
-            self.exchange.heat(seconds)
+            self.exchange.poll_hot_for(seconds)
         return self.hot_polling
 
-    def cool(self) -> None:
-        self.exchange.cool()
+    def stop_hot_polling(self) -> None:
+        self.exchange.stop_hot_polling()
 
     def _start(self, worker: int) -> None:
         slot = self.exchange.slots[worker]

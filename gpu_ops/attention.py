@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +28,40 @@ class AttentionBatch:
     query_start: list[int]
     query_len: list[int]
     kv_len: list[int]
+
+    @classmethod
+    def from_block_table(cls, table: np.ndarray, shapes: list[tuple[int, int]], tokens_per_page: int,
+                         device: torch.device) -> AttentionBatch:
+        """The batch of sequences of (kv_len, query_len) whose pages are `table` ([L, 2, S, max_blocks]),
+        their new tokens being the last query_len positions of each."""
+        dest, offsets, starts, start = [], [], [], 0
+        for seq, (kv_len, query_len) in enumerate(shapes):
+            positions = np.arange(kv_len - query_len, kv_len)
+            dest.append(table[:, :, seq, positions // tokens_per_page])
+            offsets.append(positions % tokens_per_page)
+            starts.append(start)
+            start += query_len
+        return cls(
+            block_table=torch.from_numpy(table).to(device),
+            dest_pages=torch.from_numpy(np.concatenate(dest, axis=2).astype(np.int64)).to(device),
+            dest_offsets=torch.from_numpy(np.concatenate(offsets).astype(np.int64)).to(device),
+            query_start=starts,
+            query_len=[query_len for _, query_len in shapes],
+            kv_len=[kv_len for kv_len, _ in shapes],
+        )
+
+
+def scattered_block_table(blocks: list[int], layers: int, num_pages: int, rng: np.random.Generator) -> np.ndarray:
+    """A block table [layers, 2, len(blocks), max(blocks)] whose pages are drawn at random from pages
+    1..num_pages-1, as a long-running pool hands them out (page 0 pads): the kernel tests and benchmarks
+    read pages scattered over the pool, never one contiguous run."""
+    page_ids = rng.permutation(np.arange(1, num_pages, dtype=np.int32))
+    table = np.zeros((layers, 2, len(blocks), max(blocks)), dtype=np.int32)
+    used = 0
+    for seq, count in enumerate(blocks):
+        table[:, :, seq, :count] = page_ids[used : used + 2 * layers * count].reshape(layers, 2, count)
+        used += 2 * layers * count
+    return table
 
 
 def write_kv_ref(kv_view: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> None:

@@ -69,6 +69,13 @@ def table_offsets(table: AdapterTable, layer: int, proj: int) -> tuple[int, int]
     return num_layers * num_projections, layer * num_projections + proj
 
 
+def paged_operand(table: AdapterTable, layer: int, proj: int, side: int) -> tuple[int, int, int, int, int]:
+    """What a launcher passes for one side of (layer, proj) in the pool: (page elements, the side's dim,
+    pages per row, slot stride, offset into the tables). side 0: A's rows (in_dim); 1: B^T's rows (out_dim)."""
+    slot_stride, offset = table_offsets(table, layer, proj)
+    return table.pool.page_elems, table.shapes[proj][side], table.chunks[proj][side], slot_stride, offset
+
+
 def check_operands(x: torch.Tensor, y: torch.Tensor, proj: int, table: AdapterTable, row_slot: torch.Tensor | None = None) -> tuple[int, int]:
     """Shapes, dtypes and devices of x [T, in], y [T, out] (y may be a strided column slice) and
     row_slot int32 [T]."""
@@ -210,10 +217,7 @@ def bgmv_shrink(x, v, layer, proj, row_slot, table, max_rank):
     require_triton("LoRA kernels")
     splits, num_rows, width = v.shape
     pages = table.pool.pages
-    page = table.pool.page_elems
-    in_dim, _ = table.shapes[proj]
-    chunks_in, _ = table.chunks[proj]
-    slot_stride, offset = table_offsets(table, layer, proj)
+    page, in_dim, chunks_in, slot_stride, offset = paged_operand(table, layer, proj, side=0)
     block_r = max(16, next_power_of_2(max_rank))
     block_k, aligned = page_block(page, in_dim, max(16, 8192 // block_r))
     k_per_split = cdiv(cdiv(in_dim, splits), block_k) * block_k
@@ -231,10 +235,7 @@ def bgmv_expand(v, y, layer, proj, row_slot, table, max_rank):
     """
     require_triton("LoRA kernels")
     splits, num_rows, width = v.shape
-    page = table.pool.page_elems
-    _, out_dim = table.shapes[proj]
-    _, chunks_out = table.chunks[proj]
-    slot_stride, offset = table_offsets(table, layer, proj)
+    page, out_dim, chunks_out, slot_stride, offset = paged_operand(table, layer, proj, side=1)
     block_r = max(16, next_power_of_2(max_rank))
     block_n, aligned = page_block(page, out_dim, min(256, max(32, 8192 // block_r)))
     grid = (num_rows, cdiv(out_dim, block_n))

@@ -16,7 +16,7 @@ from lorad.gpu_ops.bgmv import (
     check_operands,
     num_splits,
     page_block,
-    table_offsets,
+    paged_operand,
     workspace_view,
 )
 from lorad.gpu_ops.launch import cdiv, require_triton
@@ -261,10 +261,7 @@ def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, blo
     """
     require_triton("LoRA kernels")
     splits, num_rows, width = v.shape
-    page = table.pool.page_elems
-    in_dim, _ = table.shapes[proj]
-    chunks_in, _ = table.chunks[proj]
-    slot_stride, offset = table_offsets(table, layer, proj)
+    page, in_dim, chunks_in, slot_stride, offset = paged_operand(table, layer, proj, side=0)
     block_m = block_m or _segments_block_m(segments)
     block_r = block_r or _block_r_shrink(width)
     block_k, aligned = page_block(page, in_dim, block_k)
@@ -286,10 +283,7 @@ def mbgmm_expand(v, y, layer, proj, segments: Segments, table, block_m=None, blo
     untouched. v: float32 [splits, T, max_rank]; y: [T, out], any strides."""
     require_triton("LoRA kernels")
     splits, num_rows, width = v.shape
-    page = table.pool.page_elems
-    _, out_dim = table.shapes[proj]
-    _, chunks_out = table.chunks[proj]
-    slot_stride, offset = table_offsets(table, layer, proj)
+    page, out_dim, chunks_out, slot_stride, offset = paged_operand(table, layer, proj, side=1)
     block_m = block_m or _segments_block_m(segments)
     block_n, aligned = page_block(page, out_dim, block_n)
     grid0, grid1, tiles, num_tiles = _grid_rows(segments, block_m)
@@ -353,17 +347,8 @@ def mbgmm_ref(x, y, layer, proj, segments: Segments, table, workspace=None):
         y[rows] = (y.index_select(0, rows).float() + delta).to(y.dtype)
 
 
-def lora_prefill(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    layer: int,
-    proj: int,
-    batch: LoraBatch,
-    table: AdapterTable,
-    *,
-    segments: Segments,
-    workspace: torch.Tensor | None = None,
-) -> None:
+def lora_prefill(x: torch.Tensor, y: torch.Tensor, layer: int, proj: int, batch: LoraBatch, table: AdapterTable, *,
+                 segments: Segments, workspace: torch.Tensor | None = None) -> None:
     """Drop-in for `apply_lora_ref(x, y, layer, proj, batch, table)` on the GPU for steps whose rows
     share adapters (prefill, chunked prefill mixed with decode). segments: `Segments.build(batch,
     table)` once per step; `batch` itself is not read again (its rows are in `segments`)."""

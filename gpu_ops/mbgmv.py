@@ -22,6 +22,7 @@ from lorad.gpu_ops.bgmv import (
     batch_max_rank,
     check_operands,
     page_block,
+    paged_operand,
     table_offsets,
     workspace_view,
 )
@@ -258,10 +259,7 @@ def _shrink(x, v, layer, proj, row_slot, table, max_rank, config: DecodeConfig, 
     """v: [members, splits, T, width] (or [splits, T, width] for one); members: consecutive projections
     from `proj` on the same x; pdl: let the expand launch early."""
     splits, num_rows, width = v.shape[-3:]
-    in_dim, _ = table.shapes[proj]
-    chunks_in, _ = table.chunks[proj]
-    slot_stride, offset = table_offsets(table, layer, proj)
-    page = table.pool.page_elems
+    page, in_dim, chunks_in, slot_stride, offset = paged_operand(table, layer, proj, side=0)
     _, k_per_split, block_k, aligned = _shrink_plan(page, in_dim, splits, config)
     rank_blocks = cdiv(max_rank, config.shrink_r)
     _mbgmv_shrink_kernel[(num_rows * rank_blocks * splits, members)](
@@ -288,13 +286,13 @@ def _expand(v, y, layer, proj, row_slot, table, max_rank, config: DecodeConfig, 
     _mbgmv_expand_kernel[(num_rows * n_tiles, members)](
         v, y, row_slot, table.rank, table.b_start, table.page_ids, table.pool.pages,
         outs[0], max_rank, width, num_rows, splits, n_tiles, y.stride(0), y.stride(1), slot_stride, offset, chunks[0],
-        splits * num_rows * width, *_members_1_2(outs), *_members_1_2(chunks), *_members_1_2(cols),
+        splits * num_rows * width, *_members_after_first(outs), *_members_after_first(chunks), *_members_after_first(cols),
         PAGE=page, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=max(2, next_power_of_2(splits)), ALIGNED=aligned,
         GROUPED=members > 1, PDL=pdl, num_warps=config.expand_warps, num_stages=1, **({"launch_pdl": True} if pdl else {}),
     )
 
 
-def _members_1_2(values: list[int]) -> list[int]:
+def _members_after_first(values: list[int]) -> list[int]:
     """The values of group members 1 and 2 as the expand kernel takes them (member 0's where there are fewer)."""
     return (values + [values[0]] * 2)[1:3]
 
@@ -392,18 +390,8 @@ def mbgmv_group(x, y, layer, proj, members, row_slot, table, max_rank, workspace
     _expand(v, y, layer, proj, row_slot, table, max_rank, config, members, pdl)
 
 
-def lora_decode(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    layer: int,
-    proj: int,
-    batch: LoraBatch,
-    table: AdapterTable,
-    *,
-    max_rank: int,
-    workspace: torch.Tensor | None = None,
-    pdl: bool = False,
-) -> None:
+def lora_decode(x: torch.Tensor, y: torch.Tensor, layer: int, proj: int, batch: LoraBatch, table: AdapterTable, *,
+                max_rank: int, workspace: torch.Tensor | None = None, pdl: bool = False) -> None:
     """Drop-in for `apply_lora_ref(x, y, layer, proj, batch, table)` on the GPU, per-row (best when
     rows rarely share an adapter, i.e. decode). max_rank: `batch_max_rank(batch, table)` computed once
     per step (or the configured max); workspace and pdl as in `mbgmv`."""

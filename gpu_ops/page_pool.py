@@ -431,7 +431,7 @@ class LayerwiseLoad:
 class StreamedLoad:
     """One adapter's streamed copy (`AdapterTable.place_streamed`).
 
-    published: the event after the slot's table rows (and ready[slot] = 0) were sent; `publish()` makes
+    published: the event after the slot's table rows (and ready[slot] = 0) were sent; `make_current_stream_wait()` makes
     the current stream wait for it, which any kernel reading the slot needs. `issue()` queues the pages
     not yet queued; `issue_streamed(..., until=...)` may queue only the first layers, the rest later.
     `join()` issues what is left, then makes the current stream wait for the whole copy. `abandon()` ends
@@ -459,7 +459,7 @@ class StreamedLoad:
     def layers_left(self) -> int:
         return len(self.layers)
 
-    def publish(self) -> None:
+    def make_current_stream_wait(self) -> None:
         torch.cuda.current_stream().wait_event(self.published)
 
     def issue(self) -> None:

@@ -32,7 +32,7 @@ Layout (every region 64-byte aligned):
     header   one line: MAGIC, VERSION, workers, max_tokens, hidden, max_out, ring, error word (written
              by the GPU's wait_and_add when a wait timed out; the host clears it)
     control  one line: the hot deadline (a `time.monotonic_ns()` value, written by the engine): until it
-             passes, workers and the host busy-poll their flags instead of sleeping (`Exchange.heat`);
+             passes, workers and the host busy-poll their flags instead of sleeping (`Exchange.poll_hot_for`);
              max_rank (the partial buffers' width)
     slots    per worker two lines: the job line (job seq flag, written by the host or the GPU) and the
              worker line (written by the worker: done seq flag, status, heartbeat, pid, first failed seq,
@@ -322,7 +322,7 @@ class Exchange:
             raise ValueError(f"rows {start}:{end} of width {in_features} do not fit the exchange's input")
         return self.input_bytes[start * row_bytes : end * row_bytes].reshape(end - start, row_bytes)
 
-    def heat(self, seconds: float) -> None:
+    def poll_hot_for(self, seconds: float) -> None:
         """Keep the workers (and the host's waits) busy-polling for the next `seconds`: a job is in
         flight or about to be. Only ever extends the hot period; it ends by itself, so an engine that
         stops heating (or dies) leaves the workers sleeping again within `seconds`."""
@@ -330,7 +330,7 @@ class Exchange:
         if until > self.hot.load():
             self.hot.store(until)
 
-    def cool(self) -> None:
+    def stop_hot_polling(self) -> None:
         """End the hot period now (the workers go back to sleeping at their next check)."""
         self.hot.store(0)
 

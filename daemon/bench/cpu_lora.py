@@ -181,7 +181,7 @@ def pool_ms(workers: int, tokens: int, rank: int, hidden: int, reps: int, groups
             times = []
             for rep in range(reps + 2):
                 x = inputs[rep % len(inputs)]
-                pool.heat(1.0)  # as the engine runs the pool in a cold start: workers poll, no wake-ups
+                pool.poll_hot_for(1.0)  # as the engine runs the pool in a cold start: workers poll, no wake-ups
                 start = time.perf_counter()
                 for proj in PROJECTIONS_QKV:
                     if groups:

@@ -7,7 +7,7 @@ of receiving workers.
 Each worker gets `tokens` token rows and a LoRA of rank `rank` (default 1): the compute is kept tiny, so
 the times are the invocation's cost. Host wall clock per round trip; median and p99 over `reps`.
 
-The shared-memory rows run the pool hot, as the engine does during a cold start (`WorkerPool.heat`
+The shared-memory rows run the pool hot, as the engine does during a cold start (`WorkerPool.poll_hot_for`
 before each invocation: workers and the host busy-poll); `us_cold` beside them is the same round trip
 with the pool cold (idle workers sleep between polls, so each job waits for a wake-up).
 
@@ -223,7 +223,7 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
                 input_address, output_address = exchange.input_bytes.ctypes.data, pool.output.ctypes.data
                 stride, row_bytes, timeout_ns = pool.output.shape[1], hidden * 4, 5 * 10**9
                 for rep in range(warmup + reps):
-                    pool.heat(HOT_S)
+                    pool.poll_hot_for(HOT_S)
                     torch.cuda._sleep(lead_cycles)
                     start.record()
                     began = time.perf_counter_ns()
@@ -273,7 +273,7 @@ def _fused_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden:
                         for phase, ns in zip(phases, spent):
                             phases[phase].append(ns / 1e3)
                         misses += bool(missed)
-                pool.cool()
+                pool.stop_hot_polling()
                 native_share = pool.native_jobs / ((warmup + reps) * workers)
                 expected = x @ a.t() @ b.t()
                 # every timed round trip added its rows into y: all of them were right, not just the last
@@ -379,14 +379,14 @@ def _shm_round_trips(workers: int, x: torch.Tensor, ranges, rank: int, hidden: i
                 return failed
 
             def hot_round_trip():
-                pool.heat(HOT_S)  # what CpuAssist does before each invocation
+                pool.poll_hot_for(HOT_S)  # what CpuAssist does before each invocation
                 return round_trip()
 
             cold = _time_us(round_trip, reps, warmup)
             before = pool.native_jobs  # a cold pool's jobs are the Python loop's
             times = _time_us(hot_round_trip, reps, warmup)
             native_share = (pool.native_jobs - before) / ((warmup + reps) * workers)
-            pool.cool()
+            pool.stop_hot_polling()
             output = None  # drop the view, so that closing the pool unmaps the exchange
     if not torch.allclose(out, x @ a.t() @ b.t(), rtol=1e-3, atol=1e-3):
         raise RuntimeError("the shared-memory workers returned a wrong result")

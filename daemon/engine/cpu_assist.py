@@ -29,7 +29,7 @@ synchronous, so there is nothing to overlap: the workers serve every layer unles
 (tests, benchmarks) says a layer has arrived.
 
 Hot polling: idle workers sleep between polls, and a job posted to a sleeping worker waits for its
-wake-up (hundreds of µs at 8 workers). `heat()` (the engine calls it when it admits a cold request,
+wake-up (hundreds of µs at 8 workers). `keep_workers_hot()` (the engine calls it when it admits a cold request,
 and every invocation calls it) keeps the workers and the host's waits busy-polling for HOT_S more.
 
 `calibrate()` measures, at start-up, what `auto` must know of this path: a probe adapter's LoRA
@@ -194,16 +194,16 @@ class CpuAssist:
                         if self.max_rank else None)
         finally:
             self.store.remove(Probe.name)
-            self.pool.cool()
+            self.pool.stop_hot_polling()
         cost = cost.with_dispatch(dispatch_ms, group_ms)
         log.info("cpu lora profile rank=%d per_token_ms=%.5f overhead_ms=%.4f dispatch_ms=%.4f group_dispatch_ms=%s "
                  "workers=%d", cost.rank, cost.per_token_ms, cost.overhead_ms, cost.dispatch_ms,
                  "off" if group_ms is None else f"{group_ms:.4f}", self.workers)
         return cost
 
-    def heat(self) -> None:
+    def keep_workers_hot(self) -> None:
         """CPU-assisted work is in flight or about to be: workers poll for the next HOT_S."""
-        self.pool.heat(HOT_S)
+        self.pool.poll_hot_for(HOT_S)
 
     def is_staged(self, adapter) -> bool:
         """Whether `stage(adapter)` would find it in the store already (no copy)."""
@@ -245,7 +245,7 @@ class CpuAssist:
                 times = []
                 for rep in range(repeats + 1):
                     span = self.span(PROBE_NAME, adapter_id, -1, weights.keys(), 0, tokens, rank=rank)
-                    self.heat()
+                    self.keep_workers_hot()
                     begun = time.perf_counter()
                     for layer in range(layers):
                         for proj in range(len(shapes)):
@@ -258,7 +258,7 @@ class CpuAssist:
                         times.append((time.perf_counter() - begun) * 1e3)
                 samples.append((tokens, statistics.median(times) / (layers * len(shapes))))
         finally:
-            self.pool.cool()  # the probe is over: no worker spins until a real cold start heats them
+            self.pool.stop_hot_polling()  # the probe is over: no worker spins until a real cold start keeps them hot
             self.store.remove(PROBE_NAME)
             self.layers, self.layers_seen, self.assisted = layers_before, dict(layers_before), assisted_before
             self.plans = plans_before
@@ -318,7 +318,7 @@ class CpuAssist:
                 on_cpu.append(span)
         if not on_cpu:
             return
-        self.pool.heat(HOT_S)
+        self.pool.poll_hot_for(HOT_S)
         if self.fused:
             self._apply_fused(x, y, layer, proj, on_cpu)
         else:

@@ -871,7 +871,7 @@ class Engine:
             if choice == CPU_ASSIST:
                 # The workers poll from now on: their first job is moments away. Only then: a gpu-wait
                 # cold start must not set the workers spinning on cores the engine may need.
-                self.cpu_assist.heat()
+                self.cpu_assist.keep_workers_hot()
                 adapter_id = self.cpu_assist.stage(adapter)
                 if adapter_id is None:
                     choice = GPU_WAIT
@@ -886,7 +886,7 @@ class Engine:
         # serves all its layers.) Streamed ones: the forward waits for their table rows only.
         streaming = set(self.residency.streaming())
         for name in streaming:
-            self.residency.loading[name].publish()
+            self.residency.loading[name].make_current_stream_wait()
         self.residency.join([name for name in self.residency.loading
                              if name not in streaming and name not in {seq.adapter for seq in assisted}])
         return assisted

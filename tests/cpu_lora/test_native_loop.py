@@ -74,9 +74,9 @@ def hot_pool():
         with WorkerPool(1, store, MAX_TOKENS, HIDDEN, MAX_OUT, instance=instance, job_timeout_s=5.0, stall_s=0.3,
                         native_max_work=64) as pool:
             pool.hot_polling = True  # one worker and this thread may share a core in CI: still correct
-            pool.heat(60)
+            pool.poll_hot_for(60)
             yield pool, store
-            pool.cool()
+            pool.stop_hot_polling()
 
 
 def run_job(pool, adapter_id: int, weights, layer: int, proj: int, rows: int, dtype: int, seed: int) -> None:
@@ -163,7 +163,7 @@ def test_the_count_of_native_jobs_outlives_the_pool():
         first_id = store.put(first)
         with WorkerPool(1, store, MAX_TOKENS, HIDDEN, MAX_OUT, instance=instance, native_max_work=64) as pool:
             pool.hot_polling = True
-            pool.heat(60)
+            pool.poll_hot_for(60)
             for seed in range(3):
                 run_job(pool, first_id, first.weights, 0, 0, 2, IN_FLOAT32, seed)
         assert pool.exchange is None and pool.native_jobs == 2  # read by /metrics after the engine closed
@@ -209,7 +209,7 @@ def test_jobs_raised_together_mix_the_two_loops_in_order_and_every_result_is_rig
             adapters[store.put(SimpleNamespace(name=f"a{seed}", weights=weights))] = weights
         with WorkerPool(1, store, rows_cap, HIDDEN, MAX_OUT, instance=instance, native_max_work=64) as pool:
             pool.hot_polling = True
-            pool.heat(120)
+            pool.poll_hot_for(120)
             slot, served_by_python = pool.exchange.slots[0], 0
             for round_index in range(rounds):
                 if round_index % 13 == 12:  # a new adapter: a new store generation

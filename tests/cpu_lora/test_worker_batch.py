@@ -74,14 +74,14 @@ def host_cost_us(store, workers: int, reps: int = 3000) -> float:
             os.kill(process.pid, signal.SIGSTOP)
         pool.exchange.done_flags[:] = 1 << 60
         pool.hot_polling = True
-        pool.heat(600)  # as the engine runs it: no liveness syscall per job
+        pool.poll_hot_for(600)  # as the engine runs it: no liveness syscall per job
         ranges, adapter_id, times = [(4 * w, 4 * w + 4) for w in range(workers)], store.adapter_id("full"), []
         for _ in range(reps):
             begun = time.perf_counter_ns()
             failed = pool.run(adapter_id, 0, 0, ranges, 96, 96)
             times.append(time.perf_counter_ns() - begun)
             assert failed == []
-        pool.cool()
+        pool.stop_hot_polling()
     return statistics.median(times[reps // 10 :]) / 1e3
 
 

@@ -80,7 +80,7 @@ def test_the_kernel_waits_for_the_streamed_layer(table, pinned):
     load_kernels(table)
     weights = adapter(1)
     load = table.place_streamed(0, table.stage(weights, pin=pinned))
-    load.publish()
+    load.make_current_stream_wait()
     x, y, segments = rows_and_segments(table, [0] * ROWS)
     mbgmm.mbgmm(x, y, LAYERS - 1, Q, segments, table)
     assert still_running(), "the kernel did not wait for the copy"
@@ -103,7 +103,7 @@ def test_a_graph_captured_before_the_adapter_waits_for_it(table):
     table.evict(0)
     weights = adapter(4)
     load = table.place_streamed(0, table.stage(weights, pin=False))
-    load.publish()
+    load.make_current_stream_wait()
     y.zero_()
     graph.replay()
     assert still_running(), "the graph's kernel did not wait for the copy"
@@ -118,7 +118,7 @@ def test_a_copy_that_never_comes_ends_the_wait_with_an_error(table, monkeypatch)
     monkeypatch.setattr(mbgmm, "STREAM_TIMEOUT_NS", 50_000_000)
     load_kernels(table)
     load = table.place_streamed(0, table.stage(adapter(5), pin=False))
-    load.publish()
+    load.make_current_stream_wait()
     x, y, segments = rows_and_segments(table, [0] * ROWS)
     started = time.perf_counter()
     mbgmm.mbgmm(x, y, 0, Q, segments, table)
@@ -136,7 +136,7 @@ def test_a_copy_that_cannot_be_queued_releases_the_kernels_and_says_why(table, m
 
     load_kernels(table)
     load = table.place_streamed(0, table.stage(adapter(6), pin=False))
-    load.publish()
+    load.make_current_stream_wait()
     x, y, segments = rows_and_segments(table, [0] * ROWS)
     mbgmm.mbgmm(x, y, LAYERS - 1, Q, segments, table)
     monkeypatch.setattr(page_pool, "_runs", broken)
@@ -164,7 +164,7 @@ def test_a_copy_queued_in_parts_gives_the_truth(table):
     assert load.layers_left == LAYERS - 2 and not load.issued
     torch.cuda.synchronize()
     assert table.ready[0].item() == 2
-    load.publish()
+    load.make_current_stream_wait()
     x, y, segments = rows_and_segments(table, [0] * ROWS)
     mbgmm.mbgmm(x, y, LAYERS - 1, Q, segments, table)
     assert still_running(), "the kernel did not wait for the layers not yet queued"

@@ -22,7 +22,7 @@ import torch
 from triton_interpreter import needs_interpreter, interpreted  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
 from lorad.gpu_ops import paged_attention  # noqa: E402
-from lorad.gpu_ops.attention import AttentionBatch, paged_attention_ref, write_kv_ref  # noqa: E402
+from lorad.gpu_ops.attention import AttentionBatch, paged_attention_ref, scattered_block_table, write_kv_ref  # noqa: E402
 
 
 
@@ -54,15 +54,9 @@ def build_case(heads, kv_heads, head_dim, tokens_per_page, shapes, dtype, device
     generator = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     blocks = [-(-kv_len // tokens_per_page) for kv_len, _ in shapes]
-    max_blocks = max(blocks)
     num_pages = 1 + 2 * layers * sum(blocks) + 5
     kv_view = torch.full((num_pages, tokens_per_page, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
-    page_ids = rng.permutation(np.arange(1, num_pages))  # page 0: padding of the block table
-    table = np.zeros((layers, 2, len(shapes), max_blocks), dtype=np.int32)
-    used = 0
-    for seq, count in enumerate(blocks):
-        table[:, :, seq, :count] = page_ids[used : used + 2 * layers * count].reshape(layers, 2, count)
-        used += 2 * layers * count
+    table = scattered_block_table(blocks, layers, num_pages, rng)  # page 0: padding of the block table
     keys, values = [], []
     for seq, (kv_len, _) in enumerate(shapes):
         k = torch.randn(layers, kv_len, kv_heads, head_dim, generator=generator).to(dtype)
@@ -76,21 +70,7 @@ def build_case(heads, kv_heads, head_dim, tokens_per_page, shapes, dtype, device
             kv_view[v_pages.to(device), offsets.to(device)] = v[layer].to(device)
         keys.append(k)
         values.append(v)
-    dest, dest_offsets, query_start, start = [], [], [], 0
-    for seq, (kv_len, query_len) in enumerate(shapes):
-        positions = np.arange(kv_len - query_len, kv_len)
-        dest.append(table[:, :, seq, positions // tokens_per_page])
-        dest_offsets.append(positions % tokens_per_page)
-        query_start.append(start)
-        start += query_len
-    batch = AttentionBatch(
-        block_table=torch.from_numpy(table).to(device),
-        dest_pages=torch.from_numpy(np.concatenate(dest, axis=2).astype(np.int64)).to(device),
-        dest_offsets=torch.from_numpy(np.concatenate(dest_offsets).astype(np.int64)).to(device),
-        query_start=query_start,
-        query_len=[q for _, q in shapes],
-        kv_len=[kv for kv, _ in shapes],
-    )
+    batch = AttentionBatch.from_block_table(table, shapes, tokens_per_page, device)
     return Case(kv_view, batch, keys, values, heads, list(shapes), layers)
 
 

@@ -20,15 +20,15 @@ from lorad.shm.store import AdapterStore
 def test_heat_extends_and_expires():
     with Exchange.create(new_instance(), ExchangeConfig(workers=1, max_tokens=4, hidden=8, max_out=8)) as exchange:
         assert not exchange.is_hot
-        exchange.heat(0.05)
+        exchange.poll_hot_for(0.05)
         assert exchange.is_hot
         until = exchange.hot.load()
-        exchange.heat(0.001)  # never shortens
+        exchange.poll_hot_for(0.001)  # never shortens
         assert exchange.hot.load() == until
         time.sleep(0.06)
         assert not exchange.is_hot
-        exchange.heat(10)
-        exchange.cool()
+        exchange.poll_hot_for(10)
+        exchange.stop_hot_polling()
         assert not exchange.is_hot
 
 
@@ -61,7 +61,7 @@ def test_no_job_lost_or_duplicated_across_hot_and_cold(pool):
     slot = pool.exchange.slots[0]
     for index in range(60):
         if index % 20 == 0:
-            pool.heat(0.05) if index % 40 == 0 else pool.cool()
+            pool.poll_hot_for(0.05) if index % 40 == 0 else pool.stop_hot_polling()
         if index % 7 == 0:
             time.sleep(0.003)  # let a cold worker fall asleep
         x = torch.randn(3, 16)
@@ -72,14 +72,14 @@ def test_no_job_lost_or_duplicated_across_hot_and_cold(pool):
 
 def test_a_worker_dying_while_hot_is_replaced(pool):
     pool, adapter_id, _ = pool
-    pool.heat(10)
+    pool.poll_hot_for(10)
     assert pool.run(adapter_id, 0, 0, [(0, 2)], 16, 16, x=torch.randn(2, 16)) == []
     os.kill(pool.exchange.slots[0].pid, signal.SIGKILL)
     time.sleep(0.05)
     failed = pool.run(adapter_id, 0, 0, [(0, 2)], 16, 16, x=torch.randn(2, 16))
     assert failed == [(0, 2)] and pool.restarts == 1  # a hot submit skips the exit check: the wait catches it
     assert pool.run(adapter_id, 0, 0, [(0, 2)], 16, 16, x=torch.randn(2, 16)) == []
-    pool.cool()
+    pool.stop_hot_polling()
 
 
 def test_hot_polling_needs_a_core_for_every_poller():

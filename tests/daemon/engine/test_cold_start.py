@@ -253,7 +253,7 @@ def test_auto_heats_the_workers_only_for_cpu_assisted_cold_starts(demo_assets, a
     engine = make_engine(demo_assets, adapters, cold_start="auto", cpu_workers=1)
     try:
         pool = engine.cpu_assist.pool
-        heats = count_calls(pool, "heat")
+        heats = count_calls(pool, "poll_hot_for")
         sampling = SamplingParams(max_tokens=2, temperature=0)
         engine.generate([GenerationRequest([5, 6, 7], "demo-r4", sampling)])
         assert engine.status()["cold_start_decisions"] == {"gpu-wait": 1, "gpu-stream": 0, "cpu-assist": 0}

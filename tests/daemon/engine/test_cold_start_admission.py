@@ -62,7 +62,7 @@ def test_auto_gpu_wait_places_as_ondemand_does(demo_assets, adapters, reference)
     try:
         engine.cold_start_costs = dataclasses.replace(engine.cold_start_costs, load_bytes_per_s=CHEAP_COPY)
         seen = watch_placements(engine)
-        heats = count_calls(engine.cpu_assist.pool, "heat")
+        heats = count_calls(engine.cpu_assist.pool, "poll_hot_for")
         assert_same(reference, engine.generate(batch(adapters)))
         decisions = engine.status()["cold_start_decisions"]
         assert decisions["cpu-assist"] == 0 and decisions["gpu-wait"] > 0
