@@ -542,19 +542,19 @@ def profile_main(argv: list[str]) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from lorad.daemon.engine.engine import _resolve_device, _resolve_dtype
+    from lorad.daemon.engine.engine import resolve_device, resolve_dtype
 
     from lorad.config import EngineConfig
 
     EngineConfig(device=args.device, dtype=args.dtype, max_lora_rank=args.max_lora_rank)  # the engine's checks
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)
     if args.model_config is not None:
         if args.model_config not in MODEL_CONFIGS:
             raise BadRequest(f"unknown model config {args.model_config!r}: one of {', '.join(MODEL_CONFIGS)}")
         spec, name = ModelSpec.from_hf_config(MODEL_CONFIGS[args.model_config]), args.model_config
     else:
         spec, name = load_spec(args.model), Path(args.model).resolve().name
-    dtype = _resolve_dtype(args.dtype, spec.torch_dtype, device)
+    dtype = resolve_dtype(args.dtype, spec.torch_dtype, device)
     plan = QUICK_PLAN if args.quick else CUDA_PLAN if device.type == "cuda" else CPU_PLAN
     out = Path(args.out) if args.out else default_profile_path(name, device, args.state_dir)
     kernels = "the Triton kernels" if device.type == "cuda" else "the torch references of both kernels (one function, bgmv_ref): no GPU"

@@ -56,7 +56,7 @@ from lorad.scheduler.cold_start import (
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_DEFAULT_MODEL_LEN = 8192
 CPU_POOL_BYTES = 256 << 20
 ADAPTER_SLOTS = 1024
@@ -67,13 +67,21 @@ CLUSTER_MAX_WAIT_MS = 1000.0  # admission cluster without a TTFT objective: how 
 
 
 @dataclass(eq=False)
-class InFlight:
+class StepInFlight:
     """A greedy decode step launched whose tokens the host has not read yet (overlapped decode)."""
 
     seqs: list[Sequence]  # its rows, in order
     tokens: torch.Tensor  # [n] int64 on the device: each row's argmax, the next step's input ids
     host: torch.Tensor  # [n] int64, pinned on cuda: where the tokens are copied to
     done: torch.cuda.Event | None  # recorded after that copy; None on the cpu (the copy is done)
+
+
+@dataclass(eq=False)
+class HeldAdapter:
+    """An adapter that requests in the engine use: kept (not re-read from the registry) until the last ends."""
+
+    adapter: LoraAdapter
+    requests: int = 0
 
 
 @dataclass(eq=False)
@@ -92,14 +100,14 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         model_dir, demo_adapters = self._model_dir(config)
-        self.device = _resolve_device(config.device)
+        self.device = resolve_device(config.device)
         if model_dir is None:  # a known shape with random weights (benchmarks)
             self.spec = ModelSpec.from_hf_config(MODEL_CONFIGS[config.model_config])
             self.model_name = config.model_config
         else:
             self.spec = load_spec(model_dir)
             self.model_name = "lorad-demo" if config.demo else model_dir.name
-        self.dtype = _resolve_dtype(config.dtype, self.spec.torch_dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.spec.torch_dtype, self.device)
         tokenizer_path = model_dir / "tokenizer.json" if model_dir is not None else None
         self.model_dir = model_dir
         self.tokenizer = Tokenizer(tokenizer_path) if tokenizer_path and tokenizer_path.exists() else NoTokenizer()
@@ -151,17 +159,17 @@ class Engine:
         self._api_registrations = self._restore_registrations()
         # Adapters of requests in flight, held by name until their last request ends: an adapter
         # unloaded meanwhile still serves what was admitted before.
-        self._held: dict[str, list] = {}  # name -> [LoraAdapter, number of requests]
+        self._held: dict[str, HeldAdapter] = {}
         self._draining: set[str] = set()
         self.stats = Metrics()  # counters for GET /metrics; Engine.metrics() snapshots them
         self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
         self.graphs = None
         self.prefill_graphs = None
         self.graph_steps = self.prefill_graph_steps = self.overlapped_steps = 0
-        # Overlapped decode (step(), _chain): only where the device runs behind the host. On the cpu a
+        # Overlapped decode (step(), _launch_next_decode): only where the device runs behind the host. On the cpu a
         # launch is the computation itself, so reading a step's tokens one step late would only delay them.
         self.overlap_decode = config.overlap_decode and self.device.type == "cuda"
-        self._in_flight: InFlight | None = None
+        self._in_flight: StepInFlight | None = None
         self._token_buffers = [torch.zeros(config.max_running_requests, dtype=torch.long, pin_memory=self.device.type == "cuda")
                                for _ in range(2)]  # a step in flight and the one launched after it
         self._token_turn = 0
@@ -321,7 +329,7 @@ class Engine:
 
     def _host_adapter(self, name: str) -> LoraAdapter:
         held = self._held.get(name)
-        return held[0] if held is not None else self.registry.get(name)
+        return held.adapter if held is not None else self.registry.get(name)
 
     def _place_every_adapter(self) -> None:
         """cold_start="cached": every registered adapter in the pool before the first request."""
@@ -488,7 +496,7 @@ class Engine:
         [adapter rank, tokens to prefill]; the batch limit and the KV positions free in the pool."""
 
         def rank(seq: Sequence) -> int:  # _held keeps every in-flight request's adapter until it finishes
-            return 0 if seq.adapter is None else self._held[seq.adapter][0].rank
+            return 0 if seq.adapter is None else self._held[seq.adapter].adapter.rank
 
         return {
             "max_running_requests": self.config.max_running_requests,
@@ -535,8 +543,7 @@ class Engine:
                 raise BadRequest(f"request id {request.request_id} is already in use")
             self._sequences[request.request_id] = seq
             if request.adapter is not None:
-                held = self._held.setdefault(request.adapter, [adapter, 0])
-                held[1] += 1
+                self._held.setdefault(request.adapter, HeldAdapter(adapter)).requests += 1
             self._inbox.append(seq)
             self._lock.notify()
 
@@ -693,13 +700,13 @@ class Engine:
     def step(self) -> None:
         self._take_inbox()
         if self._in_flight is not None:
-            if self._chain():
+            if self._launch_next_decode():
                 return
             if self.scheduler.waiting and self.adapter_streaming["on"]:
                 # The host would only wait for the step in flight: queued requests' cold adapters start
                 # streaming in meanwhile (their copies hold the host until it is done, at most a layer more).
                 self._prefetch(self._in_flight.done)
-            self._land()
+            self._finish_step_in_flight()
         try:
             plan = self.scheduler.schedule()
         except LoradError as error:  # an adapter that broke between submit and admission
@@ -771,7 +778,7 @@ class Engine:
         return all(count == 1 and seq.state.request.sampling.greedy and not seq.state.request.keep_logits
                    and seq.num_computed + 1 == seq.num_tokens for seq, count in plan)
 
-    def _launch_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlight:
+    def _launch_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepInFlight:
         """The step's greedy tokens on the device, and their copy to the host started."""
         tokens = logits.argmax(dim=-1)  # as sample() does for greedy rows
         host = self._token_buffers[self._token_turn][: len(seqs)]
@@ -781,9 +788,9 @@ class Engine:
         if tokens.is_cuda:
             done = torch.cuda.Event()
             done.record()
-        return InFlight(seqs, tokens, host, done)
+        return StepInFlight(seqs, tokens, host, done)
 
-    def _chain(self) -> bool:
+    def _launch_next_decode(self) -> bool:
         """Launches the decode step after the one in flight from its tokens on the device, then lands the
         one in flight. False (nothing done) when the next step is not that same decode batch: requests
         wait to join it, or one of its KV caches cannot grow without the scheduler preempting."""
@@ -816,17 +823,17 @@ class Engine:
             seq.num_computed += 1
         self.steps += 1
         self.overlapped_steps += 1
-        self._land()
+        self._finish_step_in_flight()
         self._in_flight = following
         if all(seq.state.finished for seq in seqs):  # every row ended on the tokens just landed
-            self._land()
+            self._finish_step_in_flight()
         return True
 
     def _ends_on_length(self, seq: Sequence) -> bool:
         """Will the token in flight be this sequence's last by length (_advance's rule, one token ahead)?"""
         return seq.num_generated + 1 >= seq.state.request.sampling.max_tokens or seq.num_tokens + 1 >= self.max_model_len
 
-    def _land(self) -> None:
+    def _finish_step_in_flight(self) -> None:
         """Waits for the step in flight's tokens and hands them to their requests (those still going)."""
         flight, self._in_flight = self._in_flight, None
         if flight.done is not None:
@@ -862,7 +869,7 @@ class Engine:
         for seq, count in plan:
             if seq.num_computed or seq.adapter not in cold:
                 continue
-            adapter = self._held[seq.adapter][0]
+            adapter = self._held[seq.adapter].adapter
             if isinstance(self.residency.loading.get(seq.adapter), StreamedLoad):
                 choice, decision = GPU_STREAM, None
             else:
@@ -1075,7 +1082,7 @@ class Engine:
                 row_slots.extend([self.residency.slot(seq.adapter)] * count)
             else:
                 row_slots.extend([-1] * count)
-                held = self._held[seq.adapter][0]
+                held = self._held[seq.adapter].adapter
                 span = self.cpu_assist.span(seq.request_id, adapter_id, self.residency.slot(seq.adapter),
                                             held.weights.keys(), first_row, first_row + count, rank=held.rank)
                 # Its rows on the pool path (a layer whose copy arrived, or a failed job), built here:
@@ -1144,8 +1151,8 @@ class Engine:
             self._sequences.pop(seq.request_id, None)
             if seq.adapter is not None:
                 held = self._held[seq.adapter]
-                held[1] -= 1
-                if held[1] == 0:
+                held.requests -= 1
+                if held.requests == 0:
                     del self._held[seq.adapter]
                     if seq.adapter in self._draining:
                         self._draining.discard(seq.adapter)
@@ -1225,7 +1232,7 @@ def _best_seconds(copy, device: torch.device, repeats: int = 3) -> float:
     return max(best, 1e-9)
 
 
-def _resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -1233,9 +1240,9 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
     if dtype != "auto":
-        return DTYPES[dtype]
+        return TORCH_DTYPES[dtype]
     if device.type == "cpu":
         return torch.float32
-    return DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
+    return TORCH_DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
