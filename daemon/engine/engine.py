@@ -32,9 +32,9 @@ from lorad.daemon.server.metrics import Metrics
 from lorad.daemon.model.llama import LlamaModel, Step
 from lorad.daemon.model.ops import select_ops
 from lorad.daemon.engine.prefill_graphs import PrefillGraphs, StepSeq
-from lorad.daemon.engine.request import GenerationRequest, GenerationResult, RequestOutput, check_prompt
+from lorad.daemon.engine.request import GenerationRequest, GenerationResult, RequestOutput, check_prompt, deliver
 from lorad.daemon.engine.sampler import make_generator, sample
-from lorad.daemon.engine.tokenizer import Detokenizer, NoTokenizer, Tokenizer
+from lorad.daemon.engine.tokenizer import Detokenizer, load_tokenizer
 from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded
 from lorad.gpu_ops import cuda_ext
 from lorad.gpu_ops.attention import AttentionBatch
@@ -108,9 +108,8 @@ class Engine:
             self.spec = load_spec(model_dir)
             self.model_name = "lorad-demo" if config.demo else model_dir.name
         self.dtype = resolve_dtype(config.dtype, self.spec.torch_dtype, self.device)
-        tokenizer_path = model_dir / "tokenizer.json" if model_dir is not None else None
         self.model_dir = model_dir
-        self.tokenizer = Tokenizer(tokenizer_path) if tokenizer_path and tokenizer_path.exists() else NoTokenizer()
+        self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = self.spec.vocab_size
         self.max_model_len = min(config.max_model_len or min(self.spec.max_position_embeddings, MAX_DEFAULT_MODEL_LEN), self.spec.max_position_embeddings)
 
@@ -1168,13 +1167,7 @@ class Engine:
 
     @staticmethod
     def _emit(seq: Sequence, output: RequestOutput) -> None:
-        callback = seq.state.request.on_output
-        if callback is None:
-            return
-        try:
-            callback(output)
-        except Exception:  # a consumer's failure is the consumer's problem, never the engine's
-            log.exception("on_output callback failed request=%s", seq.request_id)
+        deliver(seq.state.request.on_output, output)
 
 
 def _dummy_adapters(spec: ModelSpec, config: EngineConfig) -> list[LoraAdapter]:

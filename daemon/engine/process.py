@@ -34,7 +34,8 @@ import threading
 from pathlib import Path
 
 from lorad.config import EngineConfig
-from lorad.daemon.engine.request import GenerationRequest, RequestOutput
+from lorad.daemon.engine.request import GenerationRequest, RequestOutput, deliver
+from lorad.daemon.engine.tokenizer import load_tokenizer
 from lorad.errors import BadRequest, EngineDead, LoradError, NotFound
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class EngineProcess:
                 thread.start()
             info = self._ready.result()
             # the API process tokenizes prompts itself, with the engine's tokenizer.json
-            tokenizer = _load_tokenizer(None if info["model_dir"] is None else Path(info["model_dir"]))
+            tokenizer = load_tokenizer(None if info["model_dir"] is None else Path(info["model_dir"]))
         except KeyboardInterrupt:  # a stop asked for while the model loads: nothing to wait for
             self.stop(timeout=0)
             raise
@@ -236,7 +237,7 @@ class EngineProcess:
             with self._lock:
                 callback = self._requests.pop(output.request_id, None) if output.finished else self._requests.get(output.request_id)
             if callback is not None:
-                _call_back(callback, output)
+                deliver(callback, output)
 
     def _died(self, reason: str) -> None:
         with self._lock:
@@ -253,18 +254,9 @@ class EngineProcess:
         for future in calls.values():
             future.set_exception(EngineDead(reason))
         for request_id, callback in requests.items():
-            _call_back(callback, RequestOutput(request_id, [], "", True, "error", error=reason))
+            deliver(callback, RequestOutput(request_id, [], "", True, "error", error=reason))
         if unexpected and self.on_death is not None:
             self.on_death(reason)
-
-
-def _call_back(callback, output: RequestOutput) -> None:
-    if callback is None:
-        return
-    try:
-        callback(output)
-    except Exception:  # the consumer's failure is the consumer's problem
-        log.exception("on_output callback failed request=%s", output.request_id)
 
 
 def _describe_exit(code: int | None) -> str:
@@ -276,13 +268,6 @@ def _describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
-
-
-def _load_tokenizer(model_dir: Path | None):
-    from lorad.daemon.engine.tokenizer import NoTokenizer, Tokenizer
-
-    path = None if model_dir is None else model_dir / "tokenizer.json"
-    return Tokenizer(path) if path is not None and path.exists() else NoTokenizer()
 
 
 class _Outbox:

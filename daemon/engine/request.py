@@ -5,11 +5,14 @@ engine reports back after each step."""
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 from lorad.errors import BadRequest, PromptTooLong
+
+log = logging.getLogger(__name__)
 
 _ids = itertools.count()
 
@@ -94,6 +97,16 @@ class RequestOutput:
     num_generated_tokens: int = 0
     error: str | None = None
     error_type: str | None = None  # the LoradError type of a failure the API answers as that error
+
+
+def deliver(on_output: Callable[[RequestOutput], None] | None, output: RequestOutput) -> None:
+    """Hands `output` to its request's callback: a callback that fails is logged, never the engine's failure."""
+    if on_output is None:
+        return
+    try:
+        on_output(output)
+    except Exception:
+        log.exception("on_output callback failed request=%s", output.request_id)
 
 
 @dataclass

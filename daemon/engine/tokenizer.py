@@ -34,6 +34,12 @@ class NoTokenizer:
         return ""
 
 
+def load_tokenizer(model_dir: Path | None) -> Tokenizer | NoTokenizer:
+    """The checkpoint's tokenizer.json, or NoTokenizer where it has none (a model given by shape only)."""
+    path = None if model_dir is None else model_dir / "tokenizer.json"
+    return Tokenizer(path) if path is not None and path.exists() else NoTokenizer()
+
+
 class Detokenizer:
     """Follows one request's generated ids and yields the new text after each token.
 
