@@ -40,7 +40,7 @@ class LoraResidency:
         self.table = table
         self.pinned = StagedCache(pinned_bytes)  # cuda: staged adapters in pinned host memory
         self.pageable = StagedCache(staged_bytes)  # cuda: every staged adapter, in pageable host memory
-        self.metrics = metrics  # daemon/server/metrics.py's Metrics, or None
+        self.metrics = metrics  # daemon/engine/stats.py's Metrics, or None
         self.slots: dict[str, int] = {}
         self.pins: dict[str, int] = {}
         self.idle: OrderedDict[str, None] = OrderedDict()  # resident, unpinned, oldest first

@@ -28,7 +28,7 @@ from lorad.daemon.engine.cpu_assist import PROFILE_RANK, CpuAssist, default_work
 from lorad.daemon.engine.decode_graphs import DecodeGraphs
 from lorad.daemon.engine.kernel_choice import LoraKernelChoice
 from lorad.daemon.engine.adapter_residency import LoraResidency
-from lorad.daemon.server.metrics import Metrics
+from lorad.daemon.engine.stats import Metrics
 from lorad.daemon.model.llama import LlamaModel, Step
 from lorad.daemon.model.ops import select_ops
 from lorad.daemon.engine.prefill_graphs import PrefillGraphs, StepSeq

@@ -14,7 +14,8 @@ import pytest
 from lorad.config import EngineConfig
 from lorad.client import Client
 from lorad.daemon.engine.engine import Engine
-from lorad.daemon.server.metrics import CONTENT_TYPE, Metrics, render
+from lorad.daemon.engine.stats import Metrics
+from lorad.daemon.server.metrics import CONTENT_TYPE, render
 from lorad.errors import ModelNotFound
 
 from daemon_harness import raw_request, serve_engine
