@@ -28,6 +28,7 @@ from lorad.daemon.engine.cpu_assist import PROFILE_RANK, CpuAssist, default_work
 from lorad.daemon.engine.decode_graphs import DecodeGraphs
 from lorad.daemon.engine.kernel_choice import LoraKernelChoice
 from lorad.daemon.engine.adapter_residency import LoraResidency
+from lorad.daemon.engine import status
 from lorad.daemon.engine.stats import Metrics
 from lorad.daemon.model.llama import LlamaModel, Step
 from lorad.daemon.model.ops import select_ops
@@ -36,7 +37,6 @@ from lorad.daemon.engine.request import GenerationRequest, GenerationResult, Req
 from lorad.daemon.engine.sampler import make_generator, sample
 from lorad.daemon.engine.tokenizer import Detokenizer, load_tokenizer
 from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded
-from lorad.gpu_ops import cuda_ext
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool, StreamedLoad
@@ -309,22 +309,14 @@ class Engine:
         policy = make_admission(config.admission, prefill, config.cluster_max_adapters or None,
                                 max_wait_s=max_wait_ms / 1e3 if config.cluster_max_adapters else None)
         self.admission_max_wait_ms = max_wait_ms if config.cluster_max_adapters else None
-        self.admission_estimate = self._admission_estimate_source()
         # The time-per-token rule: no admission into a running batch whose predicted decode step breaks slo_tpot_ms.
         self.tpot_decode = self.kernel_choice.decode_model if config.slo_tpot_ms else None
         self.tpot_rule = (f"profile:{self.kernel_choice.source}" if self.tpot_decode is not None
                           else "off (no slo_tpot_ms)" if not config.slo_tpot_ms else "off (no profile)")
         log.info("admission policy=%s slo_ttft_ms=%s slo_tpot_ms=%s cluster_max_adapters=%d cluster_max_wait_ms=%s "
                  "ttft_estimate=%r tpot_rule=%r", policy.name, config.slo_ttft_ms or "none", config.slo_tpot_ms or "none",
-                 config.cluster_max_adapters, self.admission_max_wait_ms or "-", self.admission_estimate, self.tpot_rule)
+                 config.cluster_max_adapters, self.admission_max_wait_ms or "-", status.admission_estimate_source(self), self.tpot_rule)
         return policy, objectives
-
-    def _admission_estimate_source(self) -> str:
-        if self.config.admission != "early-abort":
-            return "none (no early abort)"
-        if self.online_prefill is not None:
-            return self.online_prefill.describe()
-        return f"profile:{self.kernel_choice.source}"
 
     def _host_adapter(self, name: str) -> LoraAdapter:
         held = self._held.get(name)
@@ -424,101 +416,12 @@ class Engine:
         return entries
 
     def status(self) -> dict:
-        with self._lock:
-            return {
-                "model": self.model_name,
-                "device": str(self.device),
-                "dtype": str(self.dtype).removeprefix("torch."),
-                "ops": self.ops.name,
-                "pool": self.pool.occupancy(),
-                "adapters_resident": sorted(self.residency.slots),
-                "adapter_loads": self.residency.loads,
-                "adapter_prefetches": self.residency.prefetches,
-                "adapter_evictions": self.residency.evictions,
-                "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting) + len(self._inbox),
-                "steps": self.steps,
-                "cuda_graph_steps": self.graph_steps,
-                "cuda_graphs": self.graphs.buckets if self.graphs is not None else "off",
-                "prefill_cuda_graph_steps": self.prefill_graph_steps,
-                "overlap_decode": self.overlap_decode,
-                "overlapped_decode_steps": self.overlapped_steps,
-                "prefill_cuda_graphs": self.prefill_graphs.tokens_buckets if self.prefill_graphs is not None else "off",
-                "lora_kernel_choice": self.kernel_choice.describe(),
-                "decode_lora_groups": self.lora_groups,
-                "decode_lora_pdl": dict(self.lora_pdl),
-                "lora_kernel_steps": dict(self.kernel_choice.steps),
-                "cold_start": self.config.cold_start,
-                "cold_start_decisions": dict(self.cold_start_decisions),
-                "cpu_workers": self.cpu_assist.workers if self.cpu_assist is not None else 0,
-                "cpu_lora_invocation": cuda_ext.invocation_path(),
-                "cpu_assist_invocation": self.cpu_assist.invocation if self.cpu_assist is not None else "off",
-                "cpu_assist_layerwise": self.config.layerwise,
-                "cold_adapter_streaming": dict(self.adapter_streaming),
-                "cold_placements": dict(self.residency.placed),
-                "cold_stream_steps": {"steps": self.stream_steps["steps"],
-                                      "wall_ms": round(self.stream_steps["seconds"] * 1e3, 3),
-                                      "issue_ms": round(self.residency.issue_seconds * 1e3, 3)},
-                # cold adapters streamed ahead of their request's admission, while the host waited for a step
-                "cold_streamed_ahead": {"adapters": self.residency.streamed_ahead,
-                                        "layers": self.residency.ahead_layers,
-                                        "issue_ms": round(self.residency.ahead_seconds * 1e3, 3)},
-                "cpu_assist_layers": dict(self.cpu_assist.layers) if self.cpu_assist is not None else {"cpu": 0, "gpu": 0},
-                "cpu_assisted_prefills": self.cpu_assist.assisted if self.cpu_assist is not None else 0,
-                "cpu_assist_fallbacks": self.cpu_assist.fallbacks if self.cpu_assist is not None else 0,
-                "cpu_worker_restarts": self.cpu_assist.pool.restarts if self.cpu_assist is not None else 0,
-                # "native": hot polling and small jobs in the workers' C++ loop; else "python: why not"
-                "cpu_worker_loop": self.cpu_assist.pool.worker_loop if self.cpu_assist is not None else "off",
-                "cpu_jobs_native": assist.pool.native_jobs if (assist := self.cpu_assist) is not None else 0,
-                # how assisted prefills were shared among the workers: token splits or split groups
-                "cpu_lora_split": self.config.cpu_lora_split,
-                "cpu_lora_plans": dict(self.cpu_assist.plans) if self.cpu_assist is not None else {},
-                "cpu_lora_group_dispatch_ms": (self.cpu_assist.cost.group_dispatch_ms
-                                               if self.cpu_assist is not None else None),
-                "admission": {
-                    "policy": self.scheduler.admission.name,
-                    "slo_ttft_ms": self.config.slo_ttft_ms or None,
-                    "slo_tpot_ms": self.config.slo_tpot_ms or None,
-                    "cluster_max_adapters": self.config.cluster_max_adapters or None,
-                    "cluster_max_wait_ms": self.admission_max_wait_ms,
-                    "ttft_estimate": self._admission_estimate_source(),
-                    "dropped": self.admission_dropped,
-                    "tpot_rule": self.tpot_rule,
-                    "tpot_held": self.scheduler.tpot_held,
-                },
-                **self._batch_locked(),
-            }
-
-    def _batch_locked(self) -> dict:
-        """The batch as a router sees it (scheduler/router.py's EngineView), for `lorad router`: each running
-        request as [adapter rank (0: base), context tokens, output tokens still allowed], each waiting one as
-        [adapter rank, tokens to prefill]; the batch limit and the KV positions free in the pool."""
-
-        def rank(seq: Sequence) -> int:  # _held keeps every in-flight request's adapter until it finishes
-            return 0 if seq.adapter is None else self._held[seq.adapter].adapter.rank
-
-        return {
-            "max_running_requests": self.config.max_running_requests,
-            "free_kv_tokens": self.kv.free_tokens(),
-            "running_batch": [
-                [rank(seq), seq.num_tokens, seq.state.request.sampling.max_tokens - seq.num_generated]
-                for seq in list(self.scheduler.running)
-            ],
-            "waiting_batch": [[rank(seq), seq.num_tokens] for seq in (*self.scheduler.waiting, *self._inbox)],
-        }
+        """GET /v1/status: what runs and how (daemon/engine/status.py)."""
+        return status.engine_status(self)
 
     def metrics(self) -> dict:
-        """A picklable snapshot of the counters and gauges for GET /metrics (daemon/server/metrics.py renders it)."""
-        with self._lock:
-            running = [seq.adapter for seq in list(self.scheduler.running)]
-            waiting = [seq.adapter for seq in list(self.scheduler.waiting) + self._inbox]
-        return self.stats.snapshot(
-            model=self.model_name, running=len(running), waiting=len(waiting), running_adapters=running,
-            waiting_adapters=waiting, max_lora=ADAPTER_SLOTS, pool=self.pool.occupancy(),
-            adapters_resident=len(self.residency.slots), adapter_evictions=self.residency.evictions,
-            admission_tpot_held=self.scheduler.tpot_held,
-            cpu_jobs_native=assist.pool.native_jobs if (assist := self.cpu_assist) is not None else 0,
-        )
+        """A picklable snapshot of the counters and gauges for GET /metrics (daemon/engine/status.py)."""
+        return status.metrics_snapshot(self)
 
     def submit(self, request: GenerationRequest) -> None:
         """Checks the request and queues it; raises BadRequest, NotFound, AdapterError, Overloaded."""

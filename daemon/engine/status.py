@@ -1,0 +1,126 @@
+"""What the engine reports about itself: GET /v1/status (what runs, which paths are on and why, the pool, the
+adapters, the cold-start and admission choices, the batch as `lorad router` reads it) and the snapshot of
+counters and gauges that GET /metrics renders. Read under the engine's lock, from any thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lorad.gpu_ops import cuda_ext
+from lorad.scheduler.batching import Sequence
+
+if TYPE_CHECKING:
+    from lorad.daemon.engine.engine import Engine
+
+
+def engine_status(engine: Engine) -> dict:
+    """GET /v1/status: the model, the ops and paths that run (and why others do not), the pool, the adapters,
+    the cold-start and admission choices, and the batch as a router sees it."""
+    with engine._lock:
+        return {
+            "model": engine.model_name,
+            "device": str(engine.device),
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "ops": engine.ops.name,
+            "pool": engine.pool.occupancy(),
+            "adapters_resident": sorted(engine.residency.slots),
+            "adapter_loads": engine.residency.loads,
+            "adapter_prefetches": engine.residency.prefetches,
+            "adapter_evictions": engine.residency.evictions,
+            "running": len(engine.scheduler.running),
+            "waiting": len(engine.scheduler.waiting) + len(engine._inbox),
+            "steps": engine.steps,
+            "cuda_graph_steps": engine.graph_steps,
+            "cuda_graphs": engine.graphs.buckets if engine.graphs is not None else "off",
+            "prefill_cuda_graph_steps": engine.prefill_graph_steps,
+            "overlap_decode": engine.overlap_decode,
+            "overlapped_decode_steps": engine.overlapped_steps,
+            "prefill_cuda_graphs": engine.prefill_graphs.tokens_buckets if engine.prefill_graphs is not None else "off",
+            "lora_kernel_choice": engine.kernel_choice.describe(),
+            "decode_lora_groups": engine.lora_groups,
+            "decode_lora_pdl": dict(engine.lora_pdl),
+            "lora_kernel_steps": dict(engine.kernel_choice.steps),
+            "cold_start": engine.config.cold_start,
+            "cold_start_decisions": dict(engine.cold_start_decisions),
+            "cpu_workers": engine.cpu_assist.workers if engine.cpu_assist is not None else 0,
+            "cpu_lora_invocation": cuda_ext.invocation_path(),
+            "cpu_assist_invocation": engine.cpu_assist.invocation if engine.cpu_assist is not None else "off",
+            "cpu_assist_layerwise": engine.config.layerwise,
+            "cold_adapter_streaming": dict(engine.adapter_streaming),
+            "cold_placements": dict(engine.residency.placed),
+            "cold_stream_steps": {"steps": engine.stream_steps["steps"],
+                                  "wall_ms": round(engine.stream_steps["seconds"] * 1e3, 3),
+                                  "issue_ms": round(engine.residency.issue_seconds * 1e3, 3)},
+            # cold adapters streamed ahead of their request's admission, while the host waited for a step
+            "cold_streamed_ahead": {"adapters": engine.residency.streamed_ahead,
+                                    "layers": engine.residency.ahead_layers,
+                                    "issue_ms": round(engine.residency.ahead_seconds * 1e3, 3)},
+            "cpu_assist_layers": dict(engine.cpu_assist.layers) if engine.cpu_assist is not None else {"cpu": 0, "gpu": 0},
+            "cpu_assisted_prefills": engine.cpu_assist.assisted if engine.cpu_assist is not None else 0,
+            "cpu_assist_fallbacks": engine.cpu_assist.fallbacks if engine.cpu_assist is not None else 0,
+            "cpu_worker_restarts": engine.cpu_assist.pool.restarts if engine.cpu_assist is not None else 0,
+            # "native": hot polling and small jobs in the workers' C++ loop; else "python: why not"
+            "cpu_worker_loop": engine.cpu_assist.pool.worker_loop if engine.cpu_assist is not None else "off",
+            "cpu_jobs_native": assist.pool.native_jobs if (assist := engine.cpu_assist) is not None else 0,
+            # how assisted prefills were shared among the workers: token splits or split groups
+            "cpu_lora_split": engine.config.cpu_lora_split,
+            "cpu_lora_plans": dict(engine.cpu_assist.plans) if engine.cpu_assist is not None else {},
+            "cpu_lora_group_dispatch_ms": (engine.cpu_assist.cost.group_dispatch_ms
+                                           if engine.cpu_assist is not None else None),
+            "admission": {
+                "policy": engine.scheduler.admission.name,
+                "slo_ttft_ms": engine.config.slo_ttft_ms or None,
+                "slo_tpot_ms": engine.config.slo_tpot_ms or None,
+                "cluster_max_adapters": engine.config.cluster_max_adapters or None,
+                "cluster_max_wait_ms": engine.admission_max_wait_ms,
+                "ttft_estimate": admission_estimate_source(engine),
+                "dropped": engine.admission_dropped,
+                "tpot_rule": engine.tpot_rule,
+                "tpot_held": engine.scheduler.tpot_held,
+            },
+            **_batch_locked(engine),
+        }
+
+
+def _batch_locked(engine: Engine) -> dict:
+    """The batch as a router sees it (scheduler/router.py's EngineView), for `lorad router`: each running
+    request as [adapter rank (0: base), context tokens, output tokens still allowed], each waiting one as
+    [adapter rank, tokens to prefill]; the batch limit and the KV positions free in the pool."""
+
+    def rank(seq: Sequence) -> int:  # _held keeps every in-flight request's adapter until it finishes
+        return 0 if seq.adapter is None else engine._held[seq.adapter].adapter.rank
+
+    return {
+        "max_running_requests": engine.config.max_running_requests,
+        "free_kv_tokens": engine.kv.free_tokens(),
+        "running_batch": [
+            [rank(seq), seq.num_tokens, seq.state.request.sampling.max_tokens - seq.num_generated]
+            for seq in list(engine.scheduler.running)
+        ],
+        "waiting_batch": [[rank(seq), seq.num_tokens] for seq in (*engine.scheduler.waiting, *engine._inbox)],
+    }
+
+
+def metrics_snapshot(engine: Engine) -> dict:
+    """A picklable snapshot of the counters (daemon/engine/stats.py) and the gauges, for GET /metrics
+    (daemon/server/metrics.py renders it)."""
+    with engine._lock:
+        running = [seq.adapter for seq in list(engine.scheduler.running)]
+        waiting = [seq.adapter for seq in list(engine.scheduler.waiting) + engine._inbox]
+    return engine.stats.snapshot(
+        model=engine.model_name, running=len(running), waiting=len(waiting), running_adapters=running,
+        waiting_adapters=waiting, max_lora=engine.table.num_slots, pool=engine.pool.occupancy(),
+        adapters_resident=len(engine.residency.slots), adapter_evictions=engine.residency.evictions,
+        admission_tpot_held=engine.scheduler.tpot_held,
+        cpu_jobs_native=assist.pool.native_jobs if (assist := engine.cpu_assist) is not None else 0,
+    )
+
+
+def admission_estimate_source(engine: Engine) -> str:
+    """Where early abort's prefill estimate comes from: the profile, or the engine's online fit."""
+    if engine.config.admission != "early-abort":
+        return "none (no early abort)"
+    if engine.online_prefill is not None:
+        return engine.online_prefill.describe()
+    return f"profile:{engine.kernel_choice.source}"
