@@ -335,20 +335,20 @@ def _warm_up(engine, prompt_tokens: int, output_tokens: int) -> None:
         if weights not in staged:
             staged.add(weights)
             engine.generate([GenerationRequest([4] * WARMUP_PROMPT, adapter=name, sampling=sampling)])
-    if engine.cpu_assist is not None:
-        saved = engine.cold_start_costs
+    if engine.cold_starts.cpu_assist is not None:
+        saved = engine.cold_starts.costs
         if saved is not None:  # auto: a tier too slow to wait for makes the next cold start cpu-assisted
-            engine.cold_start_costs = dataclasses.replace(saved, load_bytes_per_s=dict.fromkeys(saved.load_bytes_per_s, 1.0))
+            engine.cold_starts.costs = dataclasses.replace(saved, load_bytes_per_s=dict.fromkeys(saved.load_bytes_per_s, 1.0))
         _evict_idle(engine)
-        assisted = engine.cpu_assist.assisted
+        assisted = engine.cold_starts.cpu_assist.assisted
         try:
             for adapter in spare[1:]:
                 engine.generate([GenerationRequest([3] * prompt_tokens, adapter=adapter, sampling=sampling)])
         finally:
             if saved is not None:
-                engine.cold_start_costs = dataclasses.replace(
-                    saved, prefill_ms_per_token=engine.cold_start_costs.prefill_ms_per_token)
-        if engine.cpu_assist.assisted == assisted:
+                engine.cold_starts.costs = dataclasses.replace(
+                    saved, prefill_ms_per_token=engine.cold_starts.costs.prefill_ms_per_token)
+        if engine.cold_starts.cpu_assist.assisted == assisted:
             raise RuntimeError("the warm-up's cold requests were not CPU-assisted")
     _evict_idle(engine)
 
@@ -384,15 +384,15 @@ def compiled_kernels() -> int | None:
 
 
 def _counters(engine) -> dict:
-    assist = engine.cpu_assist
+    assist = engine.cold_starts.cpu_assist
     return {
         "adapter_loads": engine.residency.loads,
         "cpu_assisted_prefills": assist.assisted if assist is not None else 0,
         "cpu_assist_fallbacks": assist.fallbacks if assist is not None else 0,
-        "decisions": dict(engine.cold_start_decisions),
+        "decisions": dict(engine.cold_starts.decisions),
         "kernels_compiled": compiled_kernels(),
-        "stream_steps": engine.stream_steps["steps"],
-        "stream_step_s": engine.stream_steps["seconds"],
+        "stream_steps": engine.cold_starts.stream_steps["steps"],
+        "stream_step_s": engine.cold_starts.stream_steps["seconds"],
         "stream_issue_s": engine.residency.issue_seconds,
         "streamed_ahead": engine.residency.streamed_ahead,
         "ahead_layers": engine.residency.ahead_layers,

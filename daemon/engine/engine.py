@@ -9,10 +9,8 @@ decode" below): a step launches the next one from its tokens on the device befor
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,7 +22,7 @@ import torch
 from lorad.config import EngineConfig
 from lorad.daemon.model.adapters import AdapterRegistry, LoraAdapter
 from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
-from lorad.daemon.engine.cpu_assist import PROFILE_RANK, CpuAssist, default_workers, keep_off_cores
+from lorad.daemon.engine.cold_start import ColdStarts, streaming_availability
 from lorad.daemon.engine.decode_graphs import DecodeGraphs
 from lorad.daemon.engine.kernel_choice import LoraKernelChoice
 from lorad.daemon.engine.adapter_residency import LoraResidency
@@ -39,20 +37,9 @@ from lorad.daemon.engine.tokenizer import Detokenizer, load_tokenizer
 from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
-from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool, StreamedLoad
+from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool
 from lorad.scheduler.admission import AdmissionPolicy, Objectives, OnlinePrefill, make_admission
 from lorad.scheduler.batching import Scheduler, Sequence
-from lorad.scheduler.cold_start import (
-    CPU_ASSIST,
-    DECISIONS,
-    GPU_STREAM,
-    GPU_WAIT,
-    ColdStart,
-    ColdStartCosts,
-    Decision,
-    decide,
-    observe_assisted,
-)
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +48,6 @@ MAX_DEFAULT_MODEL_LEN = 8192
 CPU_POOL_BYTES = 256 << 20
 ADAPTER_SLOTS = 1024
 PREFETCH_DEPTH = 8  # queued requests whose adapters are loaded ahead, while a step runs
-CPU_STORE_BYTES = 1 << 30  # the CPU workers' shared adapter store (fp32; least recently used make room)
-CPU_JOB_TIMEOUT_S = 5.0  # a CPU LoRA job not done by then has a dead or stalled worker: the pool path takes over
 CLUSTER_MAX_WAIT_MS = 1000.0  # admission cluster without a TTFT objective: how long another adapter's request waits at most
 
 
@@ -140,8 +125,8 @@ class Engine:
         self.lora_groups = self._lora_groups()
         # cold_start auto may stream a cold adapter into the pool while its prefill runs (gpu-stream): the LoRA
         # kernels, compiled and captured below, then wait on the device for each streamed layer.
-        self.adapter_streaming = self._adapter_streaming()
-        if self.adapter_streaming["on"]:
+        streaming = streaming_availability(config, self.device, self.ops.name)
+        if streaming["on"]:
             self.table.enable_streaming()
 
         self.registry = AdapterRegistry(self.spec, config.max_lora_rank, config.host_adapter_bytes, reserved_names=(self.model_name,))
@@ -199,16 +184,13 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
-        self.cold_start_decisions = dict.fromkeys(DECISIONS, 0)
-        self.stream_steps = {"steps": 0, "seconds": 0.0}  # steps run while adapters streamed in, their wall time
-        self.cpu_assist: CpuAssist | None = None
-        # (thread, its cpu affinity before keep_off_cores) on cuda with CPU workers, restored by close()
-        self._affinity: tuple = (None, None)
-        self.cold_start_costs: ColdStartCosts | None = None  # measured at start-up (auto); tests may replace it
+        self.cold_starts = ColdStarts(config, self.spec, self.device, self.dtype, self.table, self.residency, self.stats,
+                                      streaming, held=lambda name: self._held[name].adapter,
+                                      fail=lambda seq, reason: self._finish(seq, "error", error=reason))
         if config.cold_start == "cached":
             self._place_every_adapter()
         elif config.cold_start in ("cpu", "auto"):
-            self._start_cpu_assist()
+            self.cold_starts.start_cpu_assist()
         log.info(
             "engine ready model=%s arch=%s device=%s dtype=%s ops=%s cuda_graphs=%s overlap_decode=%s pool_pages=%d "
             "page_elems=%d kv_tokens=%d adapters=%d load_s=%.2f",
@@ -233,21 +215,6 @@ class Engine:
         if reason is not None and wanted == "on":
             raise BadRequest(f"lora_pdl on cannot run here: {reason}")
         log.info("decode lora pdl=%s", "on" if reason is None else f"off ({reason})")
-        return {"on": reason is None, "why": reason}
-
-    def _adapter_streaming(self) -> dict:
-        """Whether cold adapters may stream in during their prefill (`gpu-stream`, a choice of cold_start auto):
-        {"on": bool, "why": why it is off}; logged, in /v1/status."""
-        config = self.config
-        if config.cold_start != "auto":
-            reason = f"cold_start {config.cold_start} (only auto streams)"
-        elif not config.layerwise:
-            reason = "layerwise off"
-        elif self.device.type != "cuda" or not self.ops.name.startswith("triton"):
-            reason = f"{self.device.type}: reference ops (the device-side wait is a Triton kernel's)"
-        else:
-            reason = None
-        log.info("cold adapter streaming=%s", "on" if reason is None else f"off ({reason})")
         return {"on": reason is None, "why": reason}
 
     def _lora_groups(self) -> dict[str, str]:
@@ -339,72 +306,6 @@ class Engine:
             )
         log.info("cold_start=cached adapters_placed=%d pool_free_pages=%d", len(names), self.pool.num_free)
 
-    def _start_cpu_assist(self) -> None:
-        """cold_start cpu|auto: the workers, their shared memory, and the lora op that uses them."""
-        shapes = [self.spec.projection_shape(p) for p in PROJECTIONS]
-        self.cpu_assist = CpuAssist(
-            default_workers(self.config.cpu_workers), self.config.max_batch_tokens,
-            max(fan_in for fan_in, _ in shapes), max(fan_out for _, fan_out in shapes), CPU_STORE_BYTES,
-            job_timeout_s=CPU_JOB_TIMEOUT_S, device=self.device, max_rank=self.config.max_lora_rank,
-            split=self.config.cpu_lora_split,
-        )
-        try:
-            assist = self.cpu_assist
-            if self.device.type == "cuda":  # the GPU engine's host work never shares a core with a worker
-                self._affinity = (threading.get_ident(), keep_off_cores(assist.pool.worker_cores))
-                log.info("engine threads on cores %s, cpu lora workers on %s",
-                         sorted(os.sched_getaffinity(0)), assist.pool.worker_cores)
-            # Cold adapters of cpu-assisted prefills are copied layer by layer, so each layer passes to
-            # the GPU as it arrives; the others are placed as ondemand places them.
-            self.residency.placement_for = self._placement
-            log.info("cpu_assist_invocation path=%r layerwise=%s", assist.invocation, self.config.layerwise)
-            self.cold_start_costs = self._measure_cold_start_costs()
-        except BaseException:
-            self.close()
-            raise
-
-    def _measure_cold_start_costs(self) -> ColdStartCosts:
-        """What `auto` decides from: host -> pool bandwidth per tier, the workers' profiled cost."""
-        probe = 8 << 20
-        bandwidth = {}
-        if self.device.type == "cuda":
-            device_buffer = torch.empty(probe, dtype=torch.uint8, device=self.device)
-            for tier, pinned in (("pinned", True), ("pageable", False)):
-                source = torch.ones(probe, dtype=torch.uint8, pin_memory=pinned)
-                bandwidth[tier] = probe / _best_seconds(
-                    lambda: device_buffer.copy_(source, non_blocking=pinned), self.device)  # noqa: B023 (called at once)
-        else:
-            source, destination = torch.ones(probe, dtype=torch.uint8), torch.empty(probe, dtype=torch.uint8)
-            bandwidth["host"] = probe / _best_seconds(lambda: destination.copy_(source), self.device)
-        cost = self.cpu_assist.cost
-        # The profile is of one hidden x hidden module: scale to this model's mean projection.
-        shapes = [self.spec.projection_shape(p) for p in PROJECTIONS]
-        mean_width = sum(fan_in + fan_out for fan_in, fan_out in shapes) / len(shapes)
-        per_token_rank = cost.per_token_ms / cost.rank * mean_width / (cost.in_features + cost.out_features)
-        modelled = ColdStartCosts(
-            load_bytes_per_s=bandwidth, cpu_per_token_rank_ms=per_token_rank, cpu_overhead_ms=cost.overhead_ms,
-            dispatch_ms=cost.dispatch_ms, workers=self.cpu_assist.workers, prefill_ms_per_token=0.0,
-            # Serial on both paths: a layer's next kernels need its LoRA output, so the device's
-            # wait_and_add (fused) or the host's wait (python) holds the forward until the workers are done.
-            overlapped=False,
-            layerwise=self.config.layerwise and self.device.type == "cuda",
-            num_layers=self.spec.num_layers,
-            streaming=self.adapter_streaming["on"],
-        )
-        # What the one-core model misses (exchange copies, wake-ups, the per-invocation sync, workers
-        # sharing memory bandwidth) comes from a probe through the real path: per module invocation
-        # ms = invoke_ms + cpu_scale * modelled compute, fitted over the probe's prompt lengths.
-        probe = self.cpu_assist.calibrate(shapes, self.device, self.dtype)
-        points = [(modelled.cpu_lora_ms(tokens, PROFILE_RANK, 1), ms) for tokens, ms in probe["per_module_ms"]]
-        (x0, y0), (x1, y1) = points[0], points[-1]
-        cpu_scale = max((y1 - y0) / (x1 - x0), 0.1) if x1 > x0 else 1.0
-        invoke_ms = max(y0 - cpu_scale * x0, 0.0)
-        costs = dataclasses.replace(modelled, invoke_ms=invoke_ms, cpu_scale=cpu_scale,
-                                    stage_bytes_per_s=probe["stage_bytes_per_s"])
-        log.info("cold start costs %s probe_points=%s", costs, [(round(x, 4), round(y, 4)) for x, y in points])
-        return costs
-
-    # ---- the public interface ------------------------------------------------------------------
     def models(self) -> list[dict]:
         resident = set(self.residency.slots)
         entries = [{"id": self.model_name, "parent": None, "kind": "base"}]
@@ -561,13 +462,7 @@ class Engine:
         shared-memory segments. Idempotent; the engine serves nothing afterwards."""
         if self._thread is not None:
             self.stop()
-        assist, self.cpu_assist = self.cpu_assist, None
-        if assist is not None:
-            assist.close()
-        thread, before = self._affinity
-        if before is not None and thread == threading.get_ident():  # affinity is per thread: only the one that set it
-            os.sched_setaffinity(0, before)
-            self._affinity = (None, None)
+        self.cold_starts.close()
 
     # ---- Memory protocol for the scheduler: KV growth may evict idle adapters ---------------------
     def grow(self, blocks: list, num_tokens: int) -> bool:
@@ -604,7 +499,7 @@ class Engine:
         if self._in_flight is not None:
             if self._launch_next_decode():
                 return
-            if self.scheduler.waiting and self.adapter_streaming["on"]:
+            if self.scheduler.waiting and self.cold_starts.streaming["on"]:
                 # The host would only wait for the step in flight: queued requests' cold adapters start
                 # streaming in meanwhile (their copies hold the host until it is done, at most a layer more).
                 self._prefetch(self._in_flight.done)
@@ -615,7 +510,7 @@ class Engine:
             self._finish(self.scheduler.blocked, "error", error=error.message)
             return
         self._drop_by_admission()
-        assisted = self._cold_starts(plan)
+        assisted = self.cold_starts.admit(plan)
         if not plan:
             if self.scheduler.waiting and not self.scheduler.running:
                 self._finish(self.scheduler.blocked, "error",
@@ -625,7 +520,7 @@ class Engine:
         streamed = bool(self.residency.streaming())  # this step ran while adapters streamed in
         logits, sampled = self._forward(plan, assisted)
         # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
-        self._prefetch(_recorded_event() if self.adapter_streaming["on"] and self.scheduler.waiting else None)
+        self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)
         if not streamed and self._overlappable(plan, sampled, assisted):  # its tokens are read by the next step(), after it launches its successor
             for seq in sampled:
                 seq.num_computed += 1
@@ -634,11 +529,10 @@ class Engine:
             return
         params = [seq.state.request.sampling for seq in sampled]
         tokens = sample(logits, params, [seq.state.generator for seq in sampled])  # waits for the device
-        redo = self._after_cpu_assist(assisted, self._step_spans) if assisted else set()  # its prefill runs again
+        redo = self.cold_starts.after_cpu_assist(assisted, self._step_spans) if assisted else set()  # its prefill runs again
         if streamed:
-            redo |= self._after_streams(plan)  # failed: their step read an adapter that never arrived
-            self.stream_steps["steps"] += 1
-            self.stream_steps["seconds"] += time.perf_counter() - started
+            redo |= self.cold_starts.after_streams(plan)  # failed: their step read an adapter that never arrived
+            self.cold_starts.count_stream_step(time.perf_counter() - started)
         if not assisted and not streamed and (self.online_prefill is not None or self.config.cold_start == "auto"):
             self._observe_prefill(plan, time.perf_counter() - started)  # before num_computed moves on
         for seq, count in plan:
@@ -755,145 +649,15 @@ class Engine:
             self._finish(seq, "error", error=f"dropped by {self.config.admission} admission: {reason}",
                          error_type=AdmissionDropped.type)
 
-    def _cold_starts(self, plan: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
-        """The requests this step admitted whose adapter the pool did not hold: each one's first step
-        waits for the placement (gpu-wait), runs while it streams in (gpu-stream: its adapter was placed
-        so, see `_placement`) or has its LoRA computed by the CPU workers (cpu-assist).
-        -> {sequence: its adapter's id in the CPU store} for the cpu-assisted ones."""
-        if not self.residency.admitted_cold:
-            return {}
-        cold = dict(self.residency.admitted_cold)
-        self.residency.admitted_cold.clear()
-        assisted = {}
-        self._assist_began = time.perf_counter()  # staging included: the prediction includes it
-        self._assist_predictions = []
-        self._assist_step_tokens = sum(count for _, count in plan)
-        for seq, count in plan:
-            if seq.num_computed or seq.adapter not in cold:
-                continue
-            adapter = self._held[seq.adapter].adapter
-            if isinstance(self.residency.loading.get(seq.adapter), StreamedLoad):
-                choice, decision = GPU_STREAM, None
-            else:
-                choice, decision = self._cold_start_choice(adapter, count, cold[seq.adapter])
-                choice = GPU_WAIT if choice == GPU_STREAM else choice  # placed whole after all
-            if choice == CPU_ASSIST:
-                # The workers poll from now on: their first job is moments away. Only then: a gpu-wait
-                # cold start must not set the workers spinning on cores the engine may need.
-                self.cpu_assist.keep_workers_hot()
-                adapter_id = self.cpu_assist.stage(adapter)
-                if adapter_id is None:
-                    choice = GPU_WAIT
-                else:
-                    assisted[seq] = adapter_id
-                    if decision is not None:
-                        self._assist_predictions.append(decision)
-            self.cold_start_decisions[choice] += 1
-            self.stats.cold_start_decided(choice)
-        # Layer-wise copies of adapters whose rows take the pool path this step: joined before the forward.
-        # (An assisted request whose copy was placed in one piece has nothing in `loading`: the CPU
-        # serves all its layers.) Streamed ones: the forward waits for their table rows only.
-        streaming = set(self.residency.streaming())
-        for name in streaming:
-            self.residency.loading[name].make_current_stream_wait()
-        self.residency.join([name for name in self.residency.loading
-                             if name not in streaming and name not in {seq.adapter for seq in assisted}])
-        return assisted
-
-    def _placement(self, adapter: LoraAdapter, tier: str, tokens: int | None) -> str:
-        """At admission, before the copy starts: how this cold adapter is placed (lora_residency.PLACEMENTS),
-        from the same decision `_cold_starts` makes next: layer by layer for a prefill that will be
-        cpu-assisted, streamed for a gpu-stream one, whole otherwise (a gpu-wait cold start would pay
-        per-layer copies and events, then join them all, for nothing)."""
-        if not self.config.layerwise or (tokens is None and self.config.cold_start != "cpu"):
-            return "whole"
-        choice = self._cold_start_choice(adapter, tokens or 0, tier)[0]
-        return {CPU_ASSIST: "layerwise", GPU_STREAM: "stream"}.get(choice, "whole")
-
-    def _cold_start_choice(self, adapter: LoraAdapter, tokens: int, tier: str) -> tuple[str, Decision | None]:
-        """-> (the choice, the `auto` decision with its predicted costs; None in a forced mode)."""
-        mode = self.config.cold_start
-        if self.cpu_assist is None or mode not in ("cpu", "auto"):
-            return GPU_WAIT, None
-        if mode == "cpu":
-            return CPU_ASSIST, None
-        # what the copy into the pool moves: the staged pages (the pool's dtype), not the float32 host weights
-        copy_bytes = self.table.pages_needed(adapter.weights) * self.pool.page_elems * self.pool.pages.element_size()
-        request = ColdStart(tokens, adapter.nbytes, adapter.rank, len(adapter.weights), tier,
-                            staged=self.cpu_assist.is_staged(adapter), copy_bytes=copy_bytes)
-        try:
-            decision = decide(request, self.cold_start_costs)
-        except KeyError as error:  # a tier not measured at start-up
-            log.warning("cold start decision impossible (%s): gpu-wait", error)
-            return GPU_WAIT, None
-        log.debug("cold start adapter=%s tier=%s tokens=%d staged=%s choice=%s gpu_wait_ms=%.3f cpu_assist_ms=%.3f "
-                  "prefill_ms=%.3f cpu_layers=%d correction=%.3f", adapter.name, tier, tokens, request.staged,
-                  decision.choice, decision.gpu_wait_ms, decision.cpu_assist_ms, decision.prefill_ms,
-                  decision.cpu_layers, decision.correction)
-        return decision.choice, decision
-
-    def _after_cpu_assist(self, assisted: dict, spans: list) -> set:
-        """After the step's sync (sampling): the layer-wise copies joined, the counters moved on, and
-        -> the sequences whose step must be recomputed (a failed fused-path job: cpu_assist.after_step);
-        their prefill runs again next step on the pool path, where the adapter now is."""
-        assist = self.cpu_assist
-        self.residency.join()
-        broken = {span.request_id for span in assist.after_step(spans)}
-        redo = {seq for seq in assisted if seq.request_id in broken}
-        predictions, self._assist_predictions = self._assist_predictions, []
-        if predictions and not redo and self.cold_start_costs is not None:
-            # auto's online check: what the assisted step took beyond the base prefill's moving average.
-            elapsed_ms = (time.perf_counter() - self._assist_began) * 1e3
-            base_ms = self.cold_start_costs.prefill_ms_per_token * self._assist_step_tokens
-            self.cold_start_costs = observe_assisted(self.cold_start_costs, predictions, elapsed_ms - base_ms)
-            log.debug("cold start observed assisted step ms=%.3f base_ms=%.3f predicted_extra_ms=%.3f correction=%.3f",
-                      elapsed_ms, base_ms, sum(d.cpu_extra_ms for d in predictions), self.cold_start_costs.correction)
-        assist.assisted += len(assisted) - len(redo)
-        for _ in range(assist.pool.restarts - assist.restarts_seen):
-            self.stats.worker_restarted()
-        for _ in range(assist.fallbacks - assist.fallbacks_seen):
-            self.stats.cpu_assist_fell_back()
-        for path, count in assist.layers.items():
-            self.stats.cpu_assist_layers(path, count - assist.layers_seen[path])
-        assist.restarts_seen, assist.fallbacks_seen, assist.layers_seen = assist.pool.restarts, assist.fallbacks, dict(assist.layers)
-        return redo
-
-    def _after_streams(self, plan: list[tuple[Sequence, int]]) -> set[Sequence]:
-        """After a step that ran while adapters streamed in (its sampling synchronised the device): their
-        copies joined -> the sequences of the step that read a copy that failed or came too late (a LoRA
-        kernel gave up waiting). Those are failed with the reason and their adapters dropped from the pool;
-        the engine goes on."""
-        names = self.residency.streaming()
-        if not names:
-            return set()
-        failed = self.residency.finish_streams()
-        if self.table.stream_error.item():  # which slot a kernel gave up on is not kept: all of the step's
-            self.table.stream_error.zero_()
-            failed.update({name: "the adapter's copy to the GPU did not arrive in time" for name in names if name not in failed})
-        if not failed:
-            return set()
-        broken = {seq for seq, _ in plan if seq.adapter in failed}
-        for seq in broken:
-            log.error("request failed id=%s adapter=%s: %s", seq.request_id, seq.adapter, failed[seq.adapter])
-            self._finish(seq, "error", error=failed[seq.adapter])
-        for name in failed:
-            self.residency.drop(name)
-        return broken
-
     def _observe_prefill(self, plan: list[tuple[Sequence, int]], seconds: float) -> None:
-        """The base prefill's cost per token, a moving average over steps with prompt tokens: for cold start
-        `auto`, and for early abort's TTFT estimate when no profile was loaded."""
-        tokens = sum(count for seq, count in plan if seq.num_computed < seq.prompt_len)
-        if tokens < 8:
+        """The base prefill's cost per token, a moving average over steps with prompt tokens: for early abort's
+        TTFT estimate when no profile was loaded, and for cold start `auto`."""
+        if sum(count for seq, count in plan if seq.num_computed < seq.prompt_len) < 8:
             return
+        tokens = sum(count for _, count in plan)
         if self.online_prefill is not None:
-            self.online_prefill.observe(sum(count for _, count in plan), seconds)
-        if self.cold_start_costs is None or self.config.cold_start != "auto":
-            return
-        previous = self.cold_start_costs.prefill_ms_per_token
-        sample = seconds * 1e3 / sum(count for _, count in plan)
-        self.cold_start_costs = dataclasses.replace(
-            self.cold_start_costs, prefill_ms_per_token=sample if previous == 0 else 0.8 * previous + 0.2 * sample)
+            self.online_prefill.observe(tokens, seconds)
+        self.cold_starts.observe_prefill(tokens, seconds)
 
     def _forward(self, plan: list[tuple[Sequence, int]], assisted: dict | None = None,
                  device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Sequence]]:
@@ -937,7 +701,7 @@ class Engine:
 
     def _prefetch(self, busy=None) -> None:
         """Places the adapters of the first queued requests while the device runs a step. busy: that step's
-        event, where cold adapters may stream in (`adapter_streaming`): those the admission would stream are
+        event, where cold adapters may stream in (`cold_starts.streaming`): those the admission would stream are
         streamed ahead, their layers queued until the event has passed (LoraResidency.prefetch)."""
         reserve = len(self.scheduler.running) * self.kv.pages_per_block  # one more block for each runner
         for seq in list(self.scheduler.waiting)[:PREFETCH_DEPTH]:
@@ -985,7 +749,7 @@ class Engine:
             else:
                 row_slots.extend([-1] * count)
                 held = self._held[seq.adapter].adapter
-                span = self.cpu_assist.span(seq.request_id, adapter_id, self.residency.slot(seq.adapter),
+                span = self.cold_starts.cpu_assist.span(seq.request_id, adapter_id, self.residency.slot(seq.adapter),
                                             held.weights.keys(), first_row, first_row + count, rank=held.rank)
                 # Its rows on the pool path (a layer whose copy arrived, or a failed job), built here:
                 # the forward never builds metadata, which would copy to the device from pageable memory.
@@ -1016,7 +780,7 @@ class Engine:
             lora=LoraBatch.build(row_slots, device),
         )
         step.lora.cpu_spans = self._step_spans = cpu_spans
-        step.lora.cpu_assist = self.cpu_assist
+        step.lora.cpu_assist = self.cold_starts.cpu_assist
         self.ops.prepare_lora(step.lora, self.table)
         return step, sampled
 
@@ -1114,18 +878,6 @@ def _recorded_event() -> torch.cuda.Event:
     event = torch.cuda.Event()
     event.record()
     return event
-
-
-def _best_seconds(copy, device: torch.device, repeats: int = 3) -> float:
-    """The fastest of a few runs of `copy` (synchronised on cuda): a bandwidth probe."""
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        copy()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
-    return max(best, 1e-9)
 
 
 def resolve_device(device: str) -> torch.device:

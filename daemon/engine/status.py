@@ -42,32 +42,32 @@ def engine_status(engine: Engine) -> dict:
             "decode_lora_pdl": dict(engine.lora_pdl),
             "lora_kernel_steps": dict(engine.kernel_choice.steps),
             "cold_start": engine.config.cold_start,
-            "cold_start_decisions": dict(engine.cold_start_decisions),
-            "cpu_workers": engine.cpu_assist.workers if engine.cpu_assist is not None else 0,
+            "cold_start_decisions": dict(engine.cold_starts.decisions),
+            "cpu_workers": engine.cold_starts.cpu_assist.workers if engine.cold_starts.cpu_assist is not None else 0,
             "cpu_lora_invocation": cuda_ext.invocation_path(),
-            "cpu_assist_invocation": engine.cpu_assist.invocation if engine.cpu_assist is not None else "off",
+            "cpu_assist_invocation": engine.cold_starts.cpu_assist.invocation if engine.cold_starts.cpu_assist is not None else "off",
             "cpu_assist_layerwise": engine.config.layerwise,
-            "cold_adapter_streaming": dict(engine.adapter_streaming),
+            "cold_adapter_streaming": dict(engine.cold_starts.streaming),
             "cold_placements": dict(engine.residency.placed),
-            "cold_stream_steps": {"steps": engine.stream_steps["steps"],
-                                  "wall_ms": round(engine.stream_steps["seconds"] * 1e3, 3),
+            "cold_stream_steps": {"steps": engine.cold_starts.stream_steps["steps"],
+                                  "wall_ms": round(engine.cold_starts.stream_steps["seconds"] * 1e3, 3),
                                   "issue_ms": round(engine.residency.issue_seconds * 1e3, 3)},
             # cold adapters streamed ahead of their request's admission, while the host waited for a step
             "cold_streamed_ahead": {"adapters": engine.residency.streamed_ahead,
                                     "layers": engine.residency.ahead_layers,
                                     "issue_ms": round(engine.residency.ahead_seconds * 1e3, 3)},
-            "cpu_assist_layers": dict(engine.cpu_assist.layers) if engine.cpu_assist is not None else {"cpu": 0, "gpu": 0},
-            "cpu_assisted_prefills": engine.cpu_assist.assisted if engine.cpu_assist is not None else 0,
-            "cpu_assist_fallbacks": engine.cpu_assist.fallbacks if engine.cpu_assist is not None else 0,
-            "cpu_worker_restarts": engine.cpu_assist.pool.restarts if engine.cpu_assist is not None else 0,
+            "cpu_assist_layers": dict(engine.cold_starts.cpu_assist.layers) if engine.cold_starts.cpu_assist is not None else {"cpu": 0, "gpu": 0},
+            "cpu_assisted_prefills": engine.cold_starts.cpu_assist.assisted if engine.cold_starts.cpu_assist is not None else 0,
+            "cpu_assist_fallbacks": engine.cold_starts.cpu_assist.fallbacks if engine.cold_starts.cpu_assist is not None else 0,
+            "cpu_worker_restarts": engine.cold_starts.cpu_assist.pool.restarts if engine.cold_starts.cpu_assist is not None else 0,
             # "native": hot polling and small jobs in the workers' C++ loop; else "python: why not"
-            "cpu_worker_loop": engine.cpu_assist.pool.worker_loop if engine.cpu_assist is not None else "off",
-            "cpu_jobs_native": assist.pool.native_jobs if (assist := engine.cpu_assist) is not None else 0,
+            "cpu_worker_loop": engine.cold_starts.cpu_assist.pool.worker_loop if engine.cold_starts.cpu_assist is not None else "off",
+            "cpu_jobs_native": assist.pool.native_jobs if (assist := engine.cold_starts.cpu_assist) is not None else 0,
             # how assisted prefills were shared among the workers: token splits or split groups
             "cpu_lora_split": engine.config.cpu_lora_split,
-            "cpu_lora_plans": dict(engine.cpu_assist.plans) if engine.cpu_assist is not None else {},
-            "cpu_lora_group_dispatch_ms": (engine.cpu_assist.cost.group_dispatch_ms
-                                           if engine.cpu_assist is not None else None),
+            "cpu_lora_plans": dict(engine.cold_starts.cpu_assist.plans) if engine.cold_starts.cpu_assist is not None else {},
+            "cpu_lora_group_dispatch_ms": (engine.cold_starts.cpu_assist.cost.group_dispatch_ms
+                                           if engine.cold_starts.cpu_assist is not None else None),
             "admission": {
                 "policy": engine.scheduler.admission.name,
                 "slo_ttft_ms": engine.config.slo_ttft_ms or None,
@@ -113,7 +113,7 @@ def metrics_snapshot(engine: Engine) -> dict:
         waiting_adapters=waiting, max_lora=engine.table.num_slots, pool=engine.pool.occupancy(),
         adapters_resident=len(engine.residency.slots), adapter_evictions=engine.residency.evictions,
         admission_tpot_held=engine.scheduler.tpot_held,
-        cpu_jobs_native=assist.pool.native_jobs if (assist := engine.cpu_assist) is not None else 0,
+        cpu_jobs_native=assist.pool.native_jobs if (assist := engine.cold_starts.cpu_assist) is not None else 0,
     )
 
 

@@ -35,7 +35,7 @@ def run(engine: Engine, prompts=PROMPTS) -> list:
 
 def always_stream(engine: Engine) -> None:
     """No workers and no margin in the costs: auto streams every cold start (a demo adapter is tiny)."""
-    engine.cold_start_costs = dataclasses.replace(engine.cold_start_costs, workers=0, stream_margin_ms=0.0)
+    engine.cold_starts.costs = dataclasses.replace(engine.cold_starts.costs, workers=0, stream_margin_ms=0.0)
 
 
 @pytest.fixture(scope="module")

@@ -95,7 +95,7 @@ def count_calls(obj, method: str, before=None) -> list:
 def test_cpu_assisted_prefills_give_the_ondemand_tokens(demo_assets, adapters, reference):
     engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2, cpu_lora_split="tokens")
     try:
-        jobs = count_calls(engine.cpu_assist.pool, "submit")
+        jobs = count_calls(engine.cold_starts.cpu_assist.pool, "submit")
         results = engine.generate(batch(adapters))
         assert_same(reference, results)
         status = engine.status()
@@ -103,8 +103,8 @@ def test_cpu_assisted_prefills_give_the_ondemand_tokens(demo_assets, adapters, r
         assert status["cpu_lora_invocation"].startswith("python")  # no GPU here
         assert status["cpu_assisted_prefills"] == status["cold_start_decisions"]["cpu-assist"] > 0
         assert status["cpu_assist_fallbacks"] == 0 and status["cpu_worker_restarts"] == 0
-        assert status["cpu_worker_loop"] == engine.cpu_assist.pool.worker_loop  # "native", or "python: why"
-        assert status["cpu_jobs_native"] == engine.cpu_assist.pool.native_jobs >= 0
+        assert status["cpu_worker_loop"] == engine.cold_starts.cpu_assist.pool.worker_loop  # "native", or "python: why"
+        assert status["cpu_jobs_native"] == engine.cold_starts.cpu_assist.pool.native_jobs >= 0
         assert {worker for worker, _ in jobs} == {0, 1}  # both workers computed rows
         # Adapters already in the pool take the normal op: nothing more is posted to the workers.
         posted = len(jobs)
@@ -121,7 +121,7 @@ def test_one_hot_worker_serves_small_jobs_natively_and_gives_the_ondemand_tokens
         pytest.skip("one core: the pool never runs hot, so the native loop never serves")
     engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=1, cpu_lora_split="tokens")
     try:
-        assert engine.cpu_assist.pool.hot_polling
+        assert engine.cold_starts.cpu_assist.pool.hot_polling
         assert_same(reference, engine.generate(batch(adapters)))
         status = engine.status()
         assert status["cpu_assisted_prefills"] > 0 and status["cpu_assist_fallbacks"] == 0
@@ -136,7 +136,7 @@ def test_one_hot_worker_serves_small_jobs_natively_and_gives_the_ondemand_tokens
 def test_a_worker_killed_mid_run_costs_a_fallback_and_a_restart(demo_assets, adapters, reference, split):
     engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2, cpu_lora_split=split)
     try:
-        pool = engine.cpu_assist.pool
+        pool = engine.cold_starts.cpu_assist.pool
         victims = []
         # A token split posts one job per worker (submit, then wait), a split group one post for both parts
         # (post, then wait_posted); either way the victim is stopped in the middle of the first prefill
@@ -174,7 +174,7 @@ def test_a_worker_killed_mid_run_costs_a_fallback_and_a_restart(demo_assets, ada
 def test_split_groups_give_the_ondemand_tokens(demo_assets, adapters, reference):
     engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2, cpu_lora_split="groups")
     try:
-        groups = count_calls(engine.cpu_assist.pool, "run_split")
+        groups = count_calls(engine.cold_starts.cpu_assist.pool, "run_split")
         assert_same(reference, engine.generate(batch(adapters)))
         status = engine.status()
         assert status["cpu_lora_split"] == "groups"
@@ -195,7 +195,7 @@ def test_cpu_lora_split_is_checked(demo_assets, adapters):
 
 def test_close_stops_the_workers_and_unlinks_the_segments(demo_assets, adapters):
     engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2)
-    pids = [process.pid for process in engine.cpu_assist.pool._processes]
+    pids = [process.pid for process in engine.cold_starts.cpu_assist.pool._processes]
     names = lorad_segments(f"/lorad-{os.getpid()}x")
     assert len(names) >= 2  # the adapter store and the exchange
     engine.close()
@@ -226,7 +226,7 @@ def test_cached_refuses_adapters_that_do_not_fit(demo_assets, adapters):
 def test_auto_decides_from_the_costs_and_counts(demo_assets, adapters, reference):
     engine = make_engine(demo_assets, adapters, cold_start="auto", cpu_workers=1)
     try:
-        costs = engine.cold_start_costs
+        costs = engine.cold_starts.costs
         assert costs.workers == 1 and costs.load_bytes_per_s["host"] > 0 and costs.cpu_per_token_rank_ms > 0
         requests = batch(adapters)
         first = [r for r in requests if r.adapter in (None, "demo-r1", "demo-r2", "demo-r4", "demo-r8", "demo-r16")]
@@ -236,7 +236,7 @@ def test_auto_decides_from_the_costs_and_counts(demo_assets, adapters, reference
         decisions = engine.status()["cold_start_decisions"]
         assert decisions["gpu-wait"] > 0 and decisions["cpu-assist"] == 0
         # Injected: a tier at 1 KB/s makes every cold adapter worth the CPU.
-        engine.cold_start_costs = dataclasses.replace(costs, load_bytes_per_s={"host": 1e3})
+        engine.cold_starts.costs = dataclasses.replace(costs, load_bytes_per_s={"host": 1e3})
         results += engine.generate(rest)
         status = engine.status()
         assert status["cold_start_decisions"]["cpu-assist"] > 0
@@ -247,18 +247,18 @@ def test_auto_decides_from_the_costs_and_counts(demo_assets, adapters, reference
         engine.close()
 
 
-def test_auto_heats_the_workers_only_for_cpu_assisted_cold_starts(demo_assets, adapters):
+def test_auto_keeps_the_workers_hot_only_for_cpu_assisted_cold_starts(demo_assets, adapters):
     """A gpu-wait cold start sets no worker spinning (on the H100 that cost auto ~30 ms of TTFT on
     every-request-cold traffic: 4 workers busy-polling 0.1 s after each cold admission)."""
     engine = make_engine(demo_assets, adapters, cold_start="auto", cpu_workers=1)
     try:
-        pool = engine.cpu_assist.pool
+        pool = engine.cold_starts.cpu_assist.pool
         heats = count_calls(pool, "poll_hot_for")
         sampling = SamplingParams(max_tokens=2, temperature=0)
         engine.generate([GenerationRequest([5, 6, 7], "demo-r4", sampling)])
         assert engine.status()["cold_start_decisions"] == {"gpu-wait": 1, "gpu-stream": 0, "cpu-assist": 0}
         assert heats == [] and not pool.exchange.is_hot
-        engine.cold_start_costs = dataclasses.replace(engine.cold_start_costs, load_bytes_per_s={"host": 1e3})
+        engine.cold_starts.costs = dataclasses.replace(engine.cold_starts.costs, load_bytes_per_s={"host": 1e3})
         engine.generate([GenerationRequest([5, 6, 7], "demo-r8", sampling)])
         assert engine.status()["cold_start_decisions"]["cpu-assist"] == 1 and heats
     finally:

@@ -60,15 +60,15 @@ def watch_placements(engine) -> dict:
 def test_auto_gpu_wait_places_as_ondemand_does(demo_assets, adapters, reference):  # noqa: F811
     engine = make_engine(demo_assets, adapters, cold_start="auto", cpu_workers=1)
     try:
-        engine.cold_start_costs = dataclasses.replace(engine.cold_start_costs, load_bytes_per_s=CHEAP_COPY)
+        engine.cold_starts.costs = dataclasses.replace(engine.cold_starts.costs, load_bytes_per_s=CHEAP_COPY)
         seen = watch_placements(engine)
-        heats = count_calls(engine.cpu_assist.pool, "poll_hot_for")
+        heats = count_calls(engine.cold_starts.cpu_assist.pool, "poll_hot_for")
         assert_same(reference, engine.generate(batch(adapters)))
         decisions = engine.status()["cold_start_decisions"]
         assert decisions["cpu-assist"] == 0 and decisions["gpu-wait"] > 0
         assert seen["place_layerwise"] == 0 and seen["place"] == cold_loads(engine) > 0
         assert not any(seen["loading_after"]) and not engine.residency.loading
-        assert heats == [] and not engine.cpu_assist.pool.exchange.is_hot
+        assert heats == [] and not engine.cold_starts.cpu_assist.pool.exchange.is_hot
     finally:
         engine.close()
 
@@ -76,7 +76,7 @@ def test_auto_gpu_wait_places_as_ondemand_does(demo_assets, adapters, reference)
 def test_auto_cpu_assist_places_layer_by_layer(demo_assets, adapters, reference):  # noqa: F811
     engine = make_engine(demo_assets, adapters, cold_start="auto", cpu_workers=1)
     try:
-        engine.cold_start_costs = dataclasses.replace(engine.cold_start_costs, load_bytes_per_s=SLOW_COPY)
+        engine.cold_starts.costs = dataclasses.replace(engine.cold_starts.costs, load_bytes_per_s=SLOW_COPY)
         seen = watch_placements(engine)
         assert_same(reference, engine.generate(batch(adapters)))
         status = engine.status()
@@ -105,7 +105,7 @@ def test_admission_decides_with_the_first_steps_tokens(demo_assets, adapters):  
     follows see the same adapter, tier and tokens."""
     engine = make_engine(demo_assets, adapters, cold_start="auto", cpu_workers=1, max_batch_tokens=128)
     try:
-        calls = count_calls(engine, "_cold_start_choice")
+        calls = count_calls(engine.cold_starts, "choice")
         seen = watch_placements(engine)
         requests = batch(adapters, count=24, max_tokens=2)
         engine.generate(requests)
@@ -127,7 +127,7 @@ def test_an_assisted_request_placed_in_one_copy_runs_every_layer_on_the_cpu(demo
     nothing to join, the CPU serves every layer, and the tokens are those of ondemand."""
     engine = make_engine(demo_assets, adapters, cold_start="auto", cpu_workers=1)
     try:
-        engine.cold_start_costs = dataclasses.replace(engine.cold_start_costs, load_bytes_per_s=SLOW_COPY)
+        engine.cold_starts.costs = dataclasses.replace(engine.cold_starts.costs, load_bytes_per_s=SLOW_COPY)
         engine.residency.placement_for = lambda adapter, tier, tokens: "whole"
         seen = watch_placements(engine)
         assert_same(reference, engine.generate(batch(adapters)))

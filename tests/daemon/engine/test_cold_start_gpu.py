@@ -75,8 +75,8 @@ def test_a_stalled_worker_costs_a_recompute_not_a_hang(demo_assets, cached_token
         import os
         import signal
 
-        engine.cpu_assist.job_timeout_s = 0.2
-        victim = engine.cpu_assist.pool._processes[stalled].pid
+        engine.cold_starts.cpu_assist.job_timeout_s = 0.2
+        victim = engine.cold_starts.cpu_assist.pool._processes[stalled].pid
         os.kill(victim, signal.SIGSTOP)  # worker 0 never answers: the GPU wait times out
         started = time.monotonic()
         assert run(engine) == cached_tokens

@@ -23,7 +23,7 @@ def test_the_takeover_point_moves_and_the_tokens_stay(demo_assets, adapters, ref
             seen.append(layer)
             return layer >= arrived
 
-        engine.cpu_assist.layers_arrived = layers_arrived
+        engine.cold_starts.cpu_assist.layers_arrived = layers_arrived
         assert_same(reference, engine.generate(batch(adapters)))
         status = engine.status()
         prefills = status["cpu_assisted_prefills"]
@@ -43,7 +43,7 @@ def test_the_takeover_point_moves_and_the_tokens_stay(demo_assets, adapters, ref
 def test_a_reported_timeout_recomputes_the_step_on_the_pool_path(demo_assets, adapters, reference):  # noqa: F811
     engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2)
     try:
-        assist = engine.cpu_assist
+        assist = engine.cold_starts.cpu_assist
         calls = []
 
         def layers_arrived(span, layer):
