@@ -1,4 +1,4 @@
-"""Do this host's cores slow each other down? One split-group part of issue 5's figure 4 (q, k, v LoRA, 128
+"""Do this host's cores slow each other down? One split-group part of BENCHMARKS.md's figure 5.4 (q, k, v LoRA, 128
 tokens, rank 64, 1/8 of the columns; bench/cpu_lora_diag.py) timed on each core alone, on every pair of
 cores at once, and on sets of 8 cores at once. A pair whose members each run much slower together than
 alone shares something (a physical core under two vCPUs, a cache, a power budget).

@@ -1,4 +1,4 @@
-"""Where the time of issue 5's figure 4 goes: 128 tokens of q, k, v LoRA at rank 64 (hidden 4096, fp32)
+"""Where the time of BENCHMARKS.md's figure 5.4 goes: 128 tokens of q, k, v LoRA at rank 64 (hidden 4096, fp32)
 on 8 cores, pinned worker processes against one process with 8 torch threads.
 
 Rows (median ms over --reps, inputs rotating):

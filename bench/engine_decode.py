@@ -1,6 +1,6 @@
 """Decode throughput and latency of the whole engine on a GPU, against the baselines measured in the
 same run: the same engine serving the base model alone, the memory-bandwidth floor, and the pinned
-host->GPU copy bandwidth for adapter loads (issue 3's figures 3, 4 and 5).
+host->GPU copy bandwidth for adapter loads (BENCHMARKS.md's figures 3.3, 3.4 and 3.5).
 
     python3 bench/engine_decode.py --model-config llama-2-7b --out bench/results/engine_decode.json
 """

@@ -47,7 +47,7 @@ run_step() {
     lora_kernels) step bench_lora_kernels 300 python3 bench/lora_kernels.py --out "$OUTDIR/lora_kernels.json" ;;
     # the decode tiles for batches of ranks <= 16 (the engine's low-rank graphs), 64 rows of rank 16
     lora_kernels_r16) step bench_lora_kernels_r16 240 python3 bench/lora_kernels.py --ranks 16,16 --no-prefill --budget-s 150 --out "$OUTDIR/lora_kernels_r16.json" ;;
-    # issue 3, figure 2 alone: the q_proj decode methods (MBGMV plain and with the expand launched early, BGMV, ...)
+    # figure 3.2 alone: the q_proj decode methods (MBGMV plain and with the expand launched early, BGMV, ...)
     lora_kernels_decode) step bench_lora_kernels_decode 150 python3 bench/lora_kernels.py --no-sweep --no-prefill \
         --out "$OUTDIR/lora_kernels_decode.json" ;;
     # the rank-16 tiles with the expand launched early (lora_pdl on): every shrink x expand pair on the 7B shapes
@@ -72,10 +72,10 @@ run_step() {
     # where an eager prefill's time goes (host launches vs device), with a cProfile of the host
     prefill_host) step prefill_host 200 python3 bench/prefill_host.py --out "$OUTDIR/prefill_host.json" ;;
     invoke) step bench_invoke 240 python3 bench/invoke.py --out "$OUTDIR/invoke.json" ;;
-    # issue 3, figure 6: S-LoRA's workload on lorad, then the transformers + PEFT server on the first
+    # figure 3.6: S-LoRA's workload on lorad, then the transformers + PEFT server on the first
     # requests of the same n=100 trace
     slora) step bench_slora 420 python3 bench/slora_workload.py --out "$OUTDIR/slora_workload.json" ;;
-    slora_peft)  # issue 3's figure 6 from one device call: lorad's S1/S2 runs, then the PEFT server on the n = 100 trace
+    slora_peft)  # figure 3.6 from one device call: lorad's S1/S2 runs, then the PEFT server on the n = 100 trace
         step bench_slora 330 python3 bench/slora_workload.py --out "$OUTDIR/slora_workload.json"
         step bench_peft 220 python3 bench/peft_baseline.py --adapters 100 --requests 33 --budget-s 110 --out "$OUTDIR/peft_baseline.json" ;;
     peft) step bench_peft 200 python3 bench/peft_baseline.py --adapters 100 --requests 33 --budget-s 110 --out "$OUTDIR/peft_baseline.json" ;;
@@ -85,15 +85,15 @@ run_step() {
     pytest_profile) step pytest_profile 400 python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider --durations=4 tests/daemon/bench/test_profile_gpu.py ;;
     pytest_gemv) step pytest_gemv 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu_ops/test_gemv.py ;;
     pytest_fused) step pytest_fused 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu_ops/test_fused.py ;;
-    # issue 6, figure 1: the performance models fitted on this GPU
+    # figure 6.1: the performance models fitted on this GPU
     profile) step profile 120 python3 -m lorad.daemon.server.cli profile --model-config llama-2-7b --max-lora-rank 64 --out "$OUTDIR/profile.json" ;;
-    # issue 5: the cold-start microbenchmarks
+    # figures 5.x: the cold-start microbenchmarks
     mb_load) step mb_load 200 python3 -m lorad.daemon.server.cli bench load --disk-dir "$PWD" --out "$OUTDIR/mb_load.json" ;;
     mb_invoke) step mb_invoke 150 python3 -m lorad.daemon.server.cli bench invoke --require-fused --out "$OUTDIR/mb_invoke.json" ;;
     mb_ipc) step mb_ipc 240 python3 -m lorad.daemon.server.cli bench ipc --out "$OUTDIR/mb_ipc.json" ;;
     # the CPU side of the workers on this host's cores: the shm protocol, the pool, the native loop
     pytest_workers) step pytest_workers 200 python3 -m pytest -q -p no:cacheprovider -m "not gpu" tests/cpu_lora tests/shm ;;
-    # where figure 4's and figure 3's times go (issue 5): the parts of the work, and the kernels with no worker
+    # where the times of figures 5.4 and 5.3 go: the parts of the work, and the kernels with no worker
     diag_cpu_lora) step diag_cpu_lora 200 python3 bench/cpu_lora_diag.py --out "$OUTDIR/diag_cpu_lora.json" ;;
     diag_cores) step diag_cores 200 python3 bench/cpu_cores_diag.py --out "$OUTDIR/diag_cores.json" ;;
     mb_cpu_lora) step mb_cpu_lora 120 python3 -m lorad.daemon.server.cli bench cpu-lora --out "$OUTDIR/mb_cpu_lora.json" ;;

@@ -1,4 +1,4 @@
-"""S-LoRA's synthetic workload on lorad (issue 3, figure 6): throughput as the number of adapters grows.
+"""S-LoRA's synthetic workload on lorad (BENCHMARKS.md, figure 3.6): throughput as the number of adapters grows.
 
 Adapter popularity is a power law (alpha = 1), arrivals per adapter Gamma with cv = 1, prompt and output
 lengths uniform in [8, 512]; adapters on q, k, v, o. S1: every adapter rank 8; S2: ranks 64/32/16/8

@@ -77,7 +77,7 @@ class EngineConfig:
     # by layer, and its prefill moves each layer from the CPU workers to the GPU kernels as soon as that layer
     # has arrived (a gpu-wait cold start is copied whole, as under ondemand). On cuda with auto it also allows
     # gpu-stream: the prefill launched at once, each layer's LoRA waiting on the device for its pages. Measured
-    # on the H100 with pageable rank-32 7B adapters (BENCHMARKS.md, issue 5): mean TTFT 0.75-0.83x ondemand's.
+    # on the H100 with pageable rank-32 7B adapters (BENCHMARKS.md, figure 5.1): mean TTFT 0.75-0.83x ondemand's.
     layerwise: bool = True
     # `lorad profile`'s performance models, from which each decode step's LoRA kernel (BGMV or MBGMV) is
     # chosen. None: <state_dir or ~/.cache/lorad>/profile-<model>-<device>.json when it exists

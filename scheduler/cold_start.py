@@ -64,7 +64,7 @@ class ColdStartCosts:
     stage_bytes_per_s: float = 0.0  # copying an adapter into the workers' store (0: free)
     margin: float = 0.1  # cpu-assist must be predicted this fraction faster
     streaming: bool = False  # gpu-stream is available (see the module's note)
-    # gpu-stream must be predicted to save this much over gpu-wait. Measured on the H100 (BENCHMARKS.md, issue 5):
+    # gpu-stream must be predicted to save this much over gpu-wait. Measured on the H100 (BENCHMARKS.md, cold starts):
     # streaming pinned rank-32 q,k,v,o 7B adapters (1.4 ms copies) gained nothing measurable (auto / ondemand
     # 0.98-1.03 over four workloads), pageable ones (~6.5 ms) 4-7 ms of mean TTFT.
     stream_margin_ms: float = 2.0

@@ -10,7 +10,7 @@ load), `cpu` (CPU-assisted prefill) and `auto` (decided per request). Then an ab
 workload: pinned vs pageable host copies (pinned_host_bytes 0: every load copies from the staged adapter in
 pageable memory), CPU assist on vs off, streaming on vs off for `auto` with pageable copies, and
 layer-wise takeover when EngineConfig has a switch for it. `--pinned-host-bytes` sets the pinned budget of
-every engine, the modes' own included (figure 1 of issue 5: the four modes with pageable adapters).
+every engine, the modes' own included (BENCHMARKS.md's figure 5.1: the four modes with pageable adapters).
 
 One engine per mode, built and warmed up (every prompt length, with and without adapters, batched
 decodes, one CPU-assisted prefill in cpu/auto) before its first workload: build and warm-up times are
