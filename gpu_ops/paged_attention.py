@@ -147,6 +147,23 @@ if triton is not None:
         return p
 
     @triton.jit
+    def _load_kv_block(
+        kv_ptr, k_table_ptr, v_table_ptr, table_row, positions, n_ok, kv_head, offs_d, d_ok,
+        HEAD_DIM: tl.constexpr, KV_HEADS: tl.constexpr, TOKENS_PER_PAGE: tl.constexpr,
+    ):
+        """K and V [BLOCK_N, HEAD_PAD] of one KV head at `positions` of one sequence, through its rows of
+        the block tables (`table_row`); rows where `n_ok` is false and columns past HEAD_DIM read 0."""
+        block = positions // TOKENS_PER_PAGE
+        slot = (positions % TOKENS_PER_PAGE) * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        k_page = tl.load(k_table_ptr + table_row + block, mask=n_ok, other=0).to(tl.int64)
+        v_page = tl.load(v_table_ptr + table_row + block, mask=n_ok, other=0).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        page_elems = TOKENS_PER_PAGE * KV_HEADS * HEAD_DIM
+        k = tl.load(kv_ptr + (k_page * page_elems + slot)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_ptr + (v_page * page_elems + slot)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        return k, v
+
+    @triton.jit
     def _write_kv_kernel(
         k_ptr, v_ptr, kv_ptr, dest_k_ptr, dest_v_ptr, dest_offset_ptr, stride_kt, stride_vt,
         ROW: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
@@ -199,14 +216,8 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             positions = start + offs_n
             n_ok = positions < hi
-            block = positions // TOKENS_PER_PAGE
-            slot = (positions % TOKENS_PER_PAGE) * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-            k_page = tl.load(k_table_ptr + table_row + block, mask=n_ok, other=0).to(tl.int64)
-            v_page = tl.load(v_table_ptr + table_row + block, mask=n_ok, other=0).to(tl.int64)
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            page_elems = TOKENS_PER_PAGE * KV_HEADS * HEAD_DIM
-            k = tl.load(kv_ptr + (k_page * page_elems + slot)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(kv_ptr + (v_page * page_elems + slot)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            k, v = _load_kv_block(kv_ptr, k_table_ptr, v_table_ptr, table_row, positions, n_ok, kv_head, offs_d, d_ok,
+                                  HEAD_DIM, KV_HEADS, TOKENS_PER_PAGE)
             if UPCAST:
                 k = k.to(tl.float32)
             if USE_DOT:
@@ -285,7 +296,6 @@ if triton is not None:
         if UPCAST:
             q = q.to(tl.float32)
         table_row = seq.to(tl.int64) * stride_table
-        page_elems = TOKENS_PER_PAGE * KV_HEADS * HEAD_DIM
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
@@ -296,13 +306,8 @@ if triton is not None:
         for start in range(0, hi, BLOCK_N):
             positions = start + offs_n
             n_ok = positions < hi
-            block = positions // TOKENS_PER_PAGE
-            slot = (positions % TOKENS_PER_PAGE) * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-            k_page = tl.load(k_table_ptr + table_row + block, mask=n_ok, other=0).to(tl.int64)
-            v_page = tl.load(v_table_ptr + table_row + block, mask=n_ok, other=0).to(tl.int64)
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(kv_ptr + (k_page * page_elems + slot)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(kv_ptr + (v_page * page_elems + slot)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            k, v = _load_kv_block(kv_ptr, k_table_ptr, v_table_ptr, table_row, positions, n_ok, kv_head, offs_d, d_ok,
+                                  HEAD_DIM, KV_HEADS, TOKENS_PER_PAGE)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
