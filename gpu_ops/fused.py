@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from lorad.gpu_ops.norm import add_rms_norm_ref, rms_norm_ref
 from lorad.gpu_ops.rope import apply_rope_ref
 
-from lorad.gpu_ops.launch import next_power_of_2, require_triton
+from lorad.gpu_ops.launch import cdiv, next_power_of_2, require_triton
 
 try:
     import triton
@@ -214,7 +214,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
     if out is None:
         out = torch.empty(tokens, width, dtype=gate.dtype, device=gate.device)
     if tokens:
-        grid = (tokens, triton.cdiv(width, SILU_BLOCK))
+        grid = (tokens, cdiv(width, SILU_BLOCK))
         _silu_mul_kernel[grid](gate, up, out, gate.stride(0), up.stride(0), out.stride(0), width, BLOCK=SILU_BLOCK, num_warps=4)
     return out
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lorad.gpu_ops.launch import require_triton
+from lorad.gpu_ops.launch import cdiv, next_power_of_2, require_triton
 
 try:
     import triton
@@ -48,7 +48,7 @@ class GemvConfig:
 def gemv_config(n: int, k: int) -> GemvConfig:
     """Bands of 4 output columns, K read 1024 elements (2 KiB of bf16 a row) per iteration, 4 warps: the
     sweep's best for one row on every 7B and 8B projection but the 8B's qkv (within 3% of its best)."""
-    return GemvConfig(4, min(1024, triton.next_power_of_2(k)), 4)
+    return GemvConfig(4, min(1024, next_power_of_2(k)), 4)
 
 
 if triton is not None:
@@ -98,10 +98,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     config = config or gemv_config(n, k)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, config.block_n),)
+    grid = (cdiv(n, config.block_n),)
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        M=m, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        M=m, BLOCK_M=next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, num_warps=config.num_warps,
     )
     return out
