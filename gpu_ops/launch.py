@@ -1,5 +1,6 @@
 """What every kernel launcher in gpu_ops shares: whether Triton is there, and the host-side arithmetic of
-grids and tiles (ceil-division, powers of two, the device's SM count). Shapes only, never a device read.
+grids and tiles (ceil-division, powers of two, the device's SM count), and when the interpreter needs bf16
+dot operands widened. Shapes only, never a device read.
 """
 
 from __future__ import annotations
@@ -34,3 +35,10 @@ def sm_count(device: torch.device, otherwise: int) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return otherwise
+
+
+def widen_bf16_dots(dtype: torch.dtype, kernel) -> bool:
+    """Whether `kernel` must widen its bf16 dot operands to float32: Triton's CPU interpreter multiplies
+    bf16 dot operands as raw bits (triton 3.9), and the operands are exact in fp32. Compiled kernels never
+    take this branch."""
+    return dtype == torch.bfloat16 and type(kernel).__name__ == "InterpretedFunction"

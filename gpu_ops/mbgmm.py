@@ -19,7 +19,7 @@ from lorad.gpu_ops.bgmv import (
     paged_operand,
     workspace_view,
 )
-from lorad.gpu_ops.launch import cdiv, require_triton
+from lorad.gpu_ops.launch import cdiv, require_triton, widen_bf16_dots
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import STREAM_TIMEOUT_NS, AdapterTable, gather_rows
 
@@ -247,12 +247,6 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _upcast(dtype: torch.dtype) -> bool:
-    """Triton's CPU interpreter multiplies bf16 dot operands as raw bits (triton 3.9); there the
-    operands, exact in fp32, are widened first. Compiled kernels never take this branch."""
-    return dtype == torch.bfloat16 and type(_mbgmm_shrink_kernel).__name__ == "InterpretedFunction"
-
-
 def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, block_r=None, block_k=BLOCK_K, num_warps=4, num_stages=3):
     """v[s, t, :rank] = partial sums over K split s of x[t] @ A^T for every row t of every segment.
 
@@ -273,7 +267,7 @@ def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, blo
         in_dim, width, num_rows, x.stride(0), x.stride(1), slot_stride, offset, chunks_in, k_per_split, rank_blocks,
         tiles, num_tiles, table.ready, table.stream_error, layer,
         PAGE=page, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, ALIGNED=aligned,
-        PRECISION=_precision(x.dtype), UPCAST=_upcast(x.dtype), USE_TILES=segments.tiles is not None,
+        PRECISION=_precision(x.dtype), UPCAST=widen_bf16_dots(x.dtype, _mbgmm_shrink_kernel), USE_TILES=segments.tiles is not None,
         STREAM=table.streaming, TIMEOUT_NS=STREAM_TIMEOUT_NS, num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -291,7 +285,7 @@ def mbgmm_expand(v, y, layer, proj, segments: Segments, table, block_m=None, blo
         v, y, segments.rows, segments.meta, segments.num_segments, table.rank, table.b_start, table.page_ids, table.pool.pages,
         out_dim, width, num_rows, splits, y.stride(0), y.stride(1), slot_stride, offset, chunks_out, tiles, num_tiles,
         PAGE=page, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, ALIGNED=aligned,
-        PRECISION=_precision(table.pool.pages.dtype), UPCAST=_upcast(table.pool.pages.dtype),
+        PRECISION=_precision(table.pool.pages.dtype), UPCAST=widen_bf16_dots(table.pool.pages.dtype, _mbgmm_shrink_kernel),
         USE_TILES=segments.tiles is not None, num_warps=num_warps, num_stages=num_stages,
     )
 

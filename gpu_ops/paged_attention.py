@@ -22,7 +22,7 @@ import torch
 
 from lorad.gpu_ops.attention import AttentionBatch, paged_attention_ref, write_kv_ref
 
-from lorad.gpu_ops.launch import next_power_of_2, require_triton, sm_count
+from lorad.gpu_ops.launch import next_power_of_2, require_triton, sm_count, widen_bf16_dots
 
 try:
     import triton
@@ -352,9 +352,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _upcast(dtype: torch.dtype) -> bool:
-    """Triton's CPU interpreter multiplies bf16 dot operands as raw bits (triton 3.9); there the
-    operands, exact in fp32, are widened first. Compiled kernels never take this branch."""
-    return dtype == torch.bfloat16 and type(_decode_kernel).__name__ == "InterpretedFunction"
+    return widen_bf16_dots(dtype, _decode_kernel)
 
 
 def write_kv(kv_view: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> None:
