@@ -36,6 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 from lorad.gpu_ops import fused, paged_attention  # noqa: E402
 from timing import Timer, copy_bandwidth  # noqa: E402  (bench/timing.py, beside this script)
 from lorad.gpu_ops.attention import AttentionBatch, paged_attention_ref, scattered_block_table, write_kv_ref  # noqa: E402
+from lorad.gpu_ops.norm import rms_norm_ref  # noqa: E402
 from lorad.gpu_ops.rope import rope_cache  # noqa: E402
 
 ROTATE_BYTES = 256 << 20
@@ -189,7 +190,7 @@ def fused_bench(args, device, timer: Timer, bandwidth: float, token_counts) -> l
 
         cases = {
             "rms_norm": ([lambda i=i: fused.rms_norm(xs[i], weight, 1e-5) for i in range(rounds)],
-                         [lambda i=i: fused.rms_norm_ref(xs[i], weight, 1e-5) for i in range(rounds)], 2 * tokens * hidden * 2),
+                         [lambda i=i: rms_norm_ref(xs[i], weight, 1e-5) for i in range(rounds)], 2 * tokens * hidden * 2),
             "rope_qk": ([lambda i=i: fused.rope_qk(*qk(i), cos, sin, positions, inplace=True) for i in range(rounds)],
                         [lambda i=i: fused.rope_qk_ref(*qk(i), cos, sin, positions) for i in range(rounds)], 2 * tokens * (heads + kv_heads) * head_dim * 2),
             "silu_mul": ([lambda i=i: fused.silu_mul(*gate_ups[i].chunk(2, dim=-1)) for i in range(rounds)],

@@ -10,10 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lorad.gpu_ops.norm import add_rms_norm_ref, rms_norm_ref
-from lorad.gpu_ops.rope import apply_rope_ref
-
 from lorad.gpu_ops.launch import cdiv, next_power_of_2, require_triton
+from lorad.gpu_ops.rope import apply_rope_ref
 
 try:
     import triton
@@ -21,7 +19,7 @@ try:
 except ImportError:  # the CPU engine runs the references only
     triton = None
 
-__all__ = ["add_rms_norm", "add_rms_norm_ref", "rms_norm", "rms_norm_ref", "rope_qk", "rope_qk_ref", "silu_mul", "silu_mul_ref"]
+__all__ = ["add_rms_norm", "rms_norm", "rope_qk", "rope_qk_ref", "silu_mul", "silu_mul_ref"]
 
 SILU_BLOCK = 1024
 
