@@ -19,7 +19,6 @@ import torch
 
 from lorad.gpu_ops.bgmv import (
     MAX_SPLITS,
-    batch_max_rank,
     check_operands,
     page_block,
     paged_operand,
@@ -43,7 +42,7 @@ try:
 except ImportError:
     triton = None
 
-__all__ = ["DecodeConfig", "batch_max_rank", "decode_config", "group_fits", "lora_decode", "mbgmv",
+__all__ = ["DecodeConfig", "decode_config", "group_fits", "lora_decode", "mbgmv",
            "mbgmv_expand", "mbgmv_group", "mbgmv_shrink", "pdl_unavailable"]
 
 
@@ -324,7 +323,7 @@ def mbgmv(x, y, layer, proj, row_slot, table, max_rank, workspace=None, *, confi
 
     x: [T, in], y: [T, out] of the model dtype (y may be a strided column slice of a fused output);
     row_slot: int32 [T] on the device (-1: base only, y's row untouched); max_rank: host int >= every
-    rank in the batch (the workspace width; `batch_max_rank` or the configured max); workspace: optional
+    rank in the batch (the workspace width; `bgmv.batch_max_rank` or the configured max); workspace: optional
     float32 buffer of >= workspace_numel(T, max_rank) elements, reused across calls; config: tiles
     (default: `decode_config` for the shape); pdl: launch the expand early (Hopper and later: the caller
     checks `pdl_unavailable`).
@@ -393,6 +392,6 @@ def mbgmv_group(x, y, layer, proj, members, row_slot, table, max_rank, workspace
 def lora_decode(x: torch.Tensor, y: torch.Tensor, layer: int, proj: int, batch: LoraBatch, table: AdapterTable, *,
                 max_rank: int, workspace: torch.Tensor | None = None, pdl: bool = False) -> None:
     """Drop-in for `apply_lora_ref(x, y, layer, proj, batch, table)` on the GPU, per-row (best when
-    rows rarely share an adapter, i.e. decode). max_rank: `batch_max_rank(batch, table)` computed once
+    rows rarely share an adapter, i.e. decode). max_rank: `bgmv.batch_max_rank(batch, table)` computed once
     per step (or the configured max); workspace and pdl as in `mbgmv`."""
     mbgmv(x, y, layer, proj, batch.row_slot, table, max_rank, workspace, pdl=pdl)

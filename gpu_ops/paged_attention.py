@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lorad.gpu_ops.attention import AttentionBatch, paged_attention_ref, write_kv_ref
-
+from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.launch import next_power_of_2, require_triton, sm_count, widen_bf16_dots
 
 try:
@@ -38,8 +37,6 @@ __all__ = [
     "decode_splits",
     "prefill_attention",
     "write_kv",
-    "paged_attention_ref",
-    "write_kv_ref",
 ]
 
 LOG2E = 1.4426950408889634
