@@ -36,7 +36,7 @@ CALIBRATION_REPS = 7
 MAX_MODULES = 4096  # modules a loop knows before it starts over
 
 
-def _disagreement() -> str | None:
+def _build_mismatch() -> str | None:
     """What the built module numbers differently from shm/exchange.py (a stale build), or None."""
     for name, value in _native.FIELDS.items():
         ours = getattr(layout_names, name, None)
@@ -53,7 +53,7 @@ def worker_loop_path() -> str:
     if _native is None:
         return (f"python: the native worker loop lorad.cpu_lora._lorad_cpu is not built ({_IMPORT_ERROR}); "
                 "it is built on x86-64 hosts by `pip install -e .`")
-    disagreement = _disagreement()
+    disagreement = _build_mismatch()
     if disagreement is not None:
         return f"python: the native worker loop is stale ({disagreement}); reinstall lorad (`pip install -e .`)"
     return "native"
@@ -83,7 +83,7 @@ def calibrate(hidden: int, max_out: int, max_tokens: int) -> tuple[int, dict[int
                 torch.mm(x[:rows], a_t, out=middle[:rows])
                 torch.mm(middle[:rows], b_t, out=out[:rows])
 
-            native_us, torch_us = _race(native, reference)
+            native_us, torch_us = _best_times(native, reference)
             if not torch.allclose(native_out[:rows], out[:rows], rtol=1e-3, atol=1e-3):
                 raise RuntimeError(f"the native loop's arithmetic disagrees with torch at {rows} rows x rank {rank}")
             timings[rows] = (native_us, torch_us)
@@ -93,7 +93,7 @@ def calibrate(hidden: int, max_out: int, max_tokens: int) -> tuple[int, dict[int
     return max_work, timings
 
 
-def _race(native, reference) -> tuple[float, float]:
+def _best_times(native, reference) -> tuple[float, float]:
     """The fastest of CALIBRATION_REPS runs of each, in turns: a worker calibrates while its siblings
     start up on their cores, and taking turns exposes both ways to the same disturbances. -> us."""
     native()  # warm: first touch of the buffers, the first dispatch
@@ -163,7 +163,7 @@ class NativeServer:
 
     def learn(self, fields: tuple, modules: dict) -> None:
         """After the Python loop served job `fields` (Job's fields, not a split part): let the native
-        loop serve its module from now on. `modules`: the worker's plans' (adapter, layer, proj) ->
+        loop serve its module from now on. `modules`: the worker's _JobRunner.modules, (adapter, layer, proj) ->
         (A, A^T, B^T, in, out), views of the store's index of generation `store.seen_generation`."""
         key = fields[:3]
         generation = self.store.seen_generation

@@ -102,8 +102,8 @@ def worker_main(
 
     slot.pid = os.getpid()
     seq = int(start_seq)
-    plans = _Plans(exchange, store, worker, split_wait_s)
-    job_flag, hot, fields_of, finish, run = slot.job_flag, exchange.hot, slot.fields, slot.finish, plans.run
+    runner = _JobRunner(exchange, store, worker, split_wait_s)
+    job_flag, hot, fields_of, finish, run = slot.job_flag, exchange.hot, slot.fields, slot.finish, runner.run
     native = NativeServer.build(exchange, store, worker, native_max_work) if native_loop else None
     idle_ns = int(max_pause_s * 1e9)
     try:
@@ -134,11 +134,11 @@ def worker_main(
                 else:
                     finish(seq, STATUS_OK)  # the result rows are written: status, then the done flag
                     if native is not None and fields[SPLITS - ADAPTER] == 1:  # a job of its own rows
-                        native.learn(fields, plans.modules)
+                        native.learn(fields, runner.modules)
     except _Orphaned:
         log.warning("worker=%d parent_pid=%d gone, exiting", worker, parent_pid)
     finally:
-        del plans, run, finish, fields_of, job_flag, hot, slot, native
+        del runner, run, finish, fields_of, job_flag, hot, slot, native
         store.close()
         exchange.close()
 
@@ -147,7 +147,7 @@ _TORCH_INPUT = {IN_FLOAT32: torch.float32, IN_FLOAT16: torch.float16, IN_BFLOAT1
 PLAN_LIMIT = 4096  # cached entries of each kind before a cache starts over
 
 
-class _Plans:
+class _JobRunner:
     """A worker's jobs with the per-job Python work cached: the tensors a job reads and writes depend
     on its descriptor only, so they are built once per distinct rows (every projection of a step
     shares its token ranges), per module (validated against the store's current view at each job),
@@ -177,7 +177,7 @@ class _Plans:
         module = self.modules.get((adapter_id, layer, proj))
         if module is None or module[0] is not a:
             module = self._module(adapter_id, layer, proj, a, b_t)
-        if module[3] != in_features or module[4] != out_features:  # also checked per module: rows plans are shared
+        if module[3] != in_features or module[4] != out_features:  # also checked per module: cached rows are shared
             raise ValueError(f"adapter module is {tuple(a.shape)} x {tuple(b_t.shape)}, job says {in_features} -> {out_features}")
         rows = self.rows.get(fields[3:8])
         if rows is None:
@@ -209,7 +209,7 @@ class _Plans:
             if rank > config.max_rank:
                 raise ValueError(f"rank {rank} exceeds the exchange's split rank {config.max_rank}")
             if self.last_parts:  # every part that summed this buffer's last partial has done so
-                self._meet(self.reads, self.last_parts, self.last_group, "read")
+                self._wait_for_parts(self.reads, self.last_parts, self.last_group, "read")
             k0, k1 = chunk(in_features, parts, part)
             n0, n1 = chunk(out_features, parts, part)
             partial = self.partials[part, : rows * rank].view(rows, rank)
@@ -222,7 +222,7 @@ class _Plans:
             else:
                 partial.zero_()
             self.phases[part] = group
-            self._meet(self.phases, parts, group, "partial")
+            self._wait_for_parts(self.phases, parts, group, "partial")
             torch.sum(self.partials[:parts, : rows * rank], dim=0, out=middle.view(-1))
             self.reads[part] = group
             if n1 > n0:
@@ -232,7 +232,7 @@ class _Plans:
             self.reads[part] = max(int(self.reads[part]), group)
             self.last_group, self.last_parts = group, parts
 
-    def _meet(self, cells: np.ndarray, parts: int, group: int, what: str) -> None:
+    def _wait_for_parts(self, cells: np.ndarray, parts: int, group: int, what: str) -> None:
         """Spin until cells[:parts] (PHASE or READ of workers 0..parts-1) all reach `group`; a part
         that has not after `split_wait_s` (its worker died or stalled) fails this one too."""
         view, polls, deadline = cells[:parts], 0, None
