@@ -60,7 +60,7 @@ def worker_loop_path() -> str:
 
 
 def calibrate(hidden: int, max_out: int, max_tokens: int) -> tuple[int, dict[int, tuple[float, float]]]:
-    """Time one job of `rows` x CALIBRATION_RANK, `hidden` -> `max_out`, both ways on this core (`_race`).
+    """Time one job of `rows` x CALIBRATION_RANK, `hidden` -> `max_out`, both ways on this core (`_best_times`).
     -> (the largest rows x rank up to which native was never slower, 0 if it was slower at one row;
     {rows: (native us, torch us)}). Raises RuntimeError if the two disagree."""
     rank = CALIBRATION_RANK
