@@ -297,8 +297,8 @@ def test_a_stalled_reader_costs_requests_not_memory(demo_assets):
     """The API process's reader thread blocks (its callback hangs): the pipe fills, the engine's outbox
     reaches its bound, and requests are aborted with an error that says why, instead of piling up."""
     engine = start_engine(demo_assets, demo_config(max_model_len=512), max_pending_outputs=32)
+    stalled, release = threading.Event(), threading.Event()
     try:
-        stalled, release = threading.Event(), threading.Event()
         collectors = []
 
         def stall(output: RequestOutput) -> None:
@@ -316,4 +316,5 @@ def test_a_stalled_reader_costs_requests_not_memory(demo_assets):
         assert any(final.finish_reason == "error" and final.error == SHED_MESSAGE for final in finals), finals
         assert engine.alive and engine.status()["running"] == 0
     finally:
+        release.set()  # a failure above must not leave stop() waiting on the stalled callback
         engine.stop()
