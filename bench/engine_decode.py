@@ -87,7 +87,7 @@ def step_breakdown(engine: Engine, adapters: list[str | None], prompt_len: int, 
 
     requests = start_decoding(engine, adapters, prompt_len, steps + 64)
     phases = {"forward": [], "sample": [], "step": []}
-    forward, sample = engine._forward, engine_module.sample
+    forward, sample = engine.runner.forward, engine_module.sample
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -98,7 +98,7 @@ def step_breakdown(engine: Engine, adapters: list[str | None], prompt_len: int, 
                 phases[name].append((time.perf_counter() - started) * 1e3)
         return wrapper
 
-    engine._forward, engine_module.sample = timed("forward", forward), timed("sample", sample)
+    engine.runner.forward, engine_module.sample = timed("forward", forward), timed("sample", sample)
     overlap, engine.overlap_decode = engine.overlap_decode, False  # the host's phases one after the other
     try:
         torch.cuda.synchronize()
@@ -107,12 +107,12 @@ def step_breakdown(engine: Engine, adapters: list[str | None], prompt_len: int, 
             engine.step()
             phases["step"].append((time.perf_counter() - started) * 1e3)
     finally:
-        del engine._forward
+        del engine.runner.forward
         engine_module.sample = sample
         engine.overlap_decode = overlap
     result = {name: statistics.median(values) for name, values in phases.items()}
     result["rest"] = result["step"] - result["forward"] - result["sample"]
-    graphs = engine.graphs
+    graphs = engine.runner.graphs
     if graphs is not None:
         graph, _ = graphs.graphs[graphs.last_key]
         result["graph"] = list(graphs.last_key)
@@ -217,8 +217,8 @@ def main() -> None:
     load_floor_ms = load["bytes"] / pinned * 1e3
     result = {
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model_config,
-        "ops": engine.ops.name, "cuda_graph_steps": engine.graph_steps, "decode_lora_groups": engine.lora_groups,
-        "decode_lora_pdl": engine.lora_pdl,
+        "ops": engine.runner.ops.name, "cuda_graph_steps": engine.runner.graph_steps, "decode_lora_groups": engine.runner.lora_groups,
+        "decode_lora_pdl": engine.runner.lora_pdl,
         "hbm_copy_GBps": hbm / 1e9, "pinned_h2d_GBps": pinned / 1e9,
         "decode": {"batch": args.batch, "rank": args.rank, "targets": "all seven", "steps": args.steps,
                    "lora_bytes_per_step": lora_bytes, "by_prompt": decode},
@@ -236,7 +236,7 @@ def main() -> None:
 
 def _model_tensors(engine: Engine):
     """The weights a decode step reads (the embedding table is gathered, not streamed)."""
-    model = engine.model
+    model = engine.runner.model
     yield "lm_head", model.lm_head
     yield "norm", model.norm
     for index, layer in enumerate(model.layers):

@@ -165,7 +165,7 @@ def main() -> None:
         mine = [r for r in runs if r["setting"] == setting]
         print(f"{setting}: throughput at n={mine[-1]['adapters']} is {mine[-1]['throughput_req_s'] / mine[0]['throughput_req_s']:.3f}x n={mine[0]['adapters']}")
     machine = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    report = {"machine": machine, "model": args.model_config, "ops": engine.ops.name,
+    report = {"machine": machine, "model": args.model_config, "ops": engine.runner.ops.name,
               "requests_per_run": args.requests, "rate": args.rate, "warmup": warm, "runs": runs,
               "lengths": "each run's own trace" if args.trace_lengths else f"one sequence for every run (seed {LENGTHS_SEED})"}
     if args.out:

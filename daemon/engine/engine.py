@@ -16,27 +16,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from lorad.config import EngineConfig
 from lorad.daemon.model.adapters import AdapterRegistry, LoraAdapter
 from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
 from lorad.daemon.engine.cold_start import ColdStarts, streaming_availability
-from lorad.daemon.engine.decode_graphs import DecodeGraphs
+from lorad.daemon.engine.runner import ModelRunner
 from lorad.daemon.engine.kernel_choice import LoraKernelChoice
 from lorad.daemon.engine.adapter_residency import LoraResidency
 from lorad.daemon.engine import status
 from lorad.daemon.engine.stats import Metrics
-from lorad.daemon.model.llama import LlamaModel, Step
-from lorad.daemon.model.ops import select_ops
-from lorad.daemon.engine.prefill_graphs import PrefillGraphs, StepSeq
 from lorad.daemon.engine.request import GenerationRequest, GenerationResult, RequestOutput, check_prompt, deliver
 from lorad.daemon.engine.sampler import make_generator, sample
 from lorad.daemon.engine.tokenizer import Detokenizer, load_tokenizer
 from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded
-from lorad.gpu_ops.attention import AttentionBatch
-from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool
 from lorad.scheduler.admission import AdmissionPolicy, Objectives, OnlinePrefill, make_admission
 from lorad.scheduler.batching import Scheduler, Sequence
@@ -108,10 +102,7 @@ class Engine:
             config.profile_path, self.model_name, self.device, config.state_dir, str(self.dtype).removeprefix("torch."),
             config.lora_kernel)
         log.info("decode lora kernel choice=%s", self.kernel_choice.describe())
-        self.lora_pdl = self._lora_pdl()
-        self.ops = select_ops(self.device, config.max_batch_tokens, config.max_lora_rank, self.kernel_choice,
-                                  fuse_groups=config.fuse_lora_groups, pdl=self.lora_pdl["on"])
-        self.model = LlamaModel(self.spec, weights, self.max_model_len, self.ops)
+        self.runner = ModelRunner(config, self.spec, self.device, weights, self.max_model_len, self.kernel_choice)
         del weights
         self.pool = PagePool(self._pool_pages(), self.spec.hidden_size, self.dtype, self.device)
         self.kv = KVCache(self.pool, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
@@ -122,10 +113,9 @@ class Engine:
             )
         shapes = [self.spec.projection_shape(p) for p in PROJECTIONS]
         self.table = AdapterTable(self.pool, ADAPTER_SLOTS, self.spec.num_layers, shapes)
-        self.lora_groups = self._lora_groups()
         # cold_start auto may stream a cold adapter into the pool while its prefill runs (gpu-stream): the LoRA
         # kernels, compiled and captured below, then wait on the device for each streamed layer.
-        streaming = streaming_availability(config, self.device, self.ops.name)
+        streaming = streaming_availability(config, self.device, self.runner.ops.name)
         if streaming["on"]:
             self.table.enable_streaming()
 
@@ -147,9 +137,7 @@ class Engine:
         self._draining: set[str] = set()
         self.stats = Metrics()  # counters for GET /metrics; Engine.metrics() snapshots them
         self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
-        self.graphs = None
-        self.prefill_graphs = None
-        self.graph_steps = self.prefill_graph_steps = self.overlapped_steps = 0
+        self.overlapped_steps = 0
         # Overlapped decode (step(), _launch_next_decode): only where the device runs behind the host. On the cpu a
         # launch is the computation itself, so reading a step's tokens one step late would only delay them.
         self.overlap_decode = config.overlap_decode and self.device.type == "cuda"
@@ -157,16 +145,7 @@ class Engine:
         self._token_buffers = [torch.zeros(config.max_running_requests, dtype=torch.long, pin_memory=self.device.type == "cuda")
                                for _ in range(2)]  # a step in flight and the one launched after it
         self._token_turn = 0
-        if self.device.type == "cuda" and not config.eager and self.ops.name.startswith("triton"):
-            self.graphs = DecodeGraphs(self.model, self.kv, self.table, config.max_running_requests, self.max_model_len,
-                                       config.max_lora_rank, self.kernel_choice)
-            # Steps with prompt rows too: captured first (their largest bucket needs the most memory), the
-            # decode graphs then share their memory pool.
-            self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.table, config.max_batch_tokens,
-                                                config.max_running_requests, self.max_model_len, config.max_lora_rank)
-            self.prefill_graphs.capture()
-            self.graphs.pool = self.prefill_graphs.pool
-            self.graphs.capture()
+        self.runner.bind(self.kv, self.table)
         self.residency = LoraResidency(self._host_adapter, self.table, self.stats, pinned_bytes=config.pinned_host_bytes,
                                        staged_bytes=config.host_adapter_bytes)
         self.online_prefill: OnlinePrefill | None = None  # early abort's estimate when no profile was found
@@ -187,6 +166,8 @@ class Engine:
         self.cold_starts = ColdStarts(config, self.spec, self.device, self.dtype, self.table, self.residency, self.stats,
                                       streaming, held=lambda name: self._held[name].adapter,
                                       fail=lambda seq, reason: self._finish(seq, "error", error=reason))
+        self.runner.residency, self.runner.cold_starts = self.residency, self.cold_starts
+        self.runner.held = lambda name: self._held[name].adapter
         if config.cold_start == "cached":
             self._place_every_adapter()
         elif config.cold_start in ("cpu", "auto"):
@@ -195,41 +176,11 @@ class Engine:
             "engine ready model=%s arch=%s device=%s dtype=%s ops=%s cuda_graphs=%s overlap_decode=%s pool_pages=%d "
             "page_elems=%d kv_tokens=%d adapters=%d load_s=%.2f",
             self.model_name, self.spec.architecture, self.device, str(self.dtype).removeprefix("torch."),
-            self.ops.name, "off" if self.graphs is None else "on", "on" if self.overlap_decode else "off", self.pool.capacity, self.pool.page_elems, self.kv.free_tokens(),
+            self.runner.ops.name, "off" if self.runner.graphs is None else "on", "on" if self.overlap_decode else "off", self.pool.capacity, self.pool.page_elems, self.kv.free_tokens(),
             len(self.registry.names()), time.perf_counter() - started,
         )
 
     # ---- set-up -------------------------------------------------------------------------------
-    def _lora_pdl(self) -> dict:
-        """Whether decode steps launch the MBGMV expand early (config.lora_pdl): {"on": bool, "why": why it is off};
-        logged, in /v1/status. lora_pdl on where the device or triton cannot is refused."""
-        wanted = self.config.lora_pdl
-        if wanted == "off":
-            return {"on": False, "why": "lora_pdl off"}
-        if self.device.type != "cuda":
-            reason = f"{self.device.type}: reference ops"
-        else:
-            from lorad.gpu_ops.mbgmv import pdl_unavailable
-
-            reason = pdl_unavailable(self.device)
-        if reason is not None and wanted == "on":
-            raise BadRequest(f"lora_pdl on cannot run here: {reason}")
-        log.info("decode lora pdl=%s", "on" if reason is None else f"off ({reason})")
-        return {"on": reason is None, "why": reason}
-
-    def _lora_groups(self) -> dict[str, str]:
-        """How decode steps launch the LoRA of q,k,v and of gate,up (config.fuse_lora_groups): "one launch"
-        where the members' tiles agree (mbgmv.group_fits), else "per projection"; logged, in /v1/status."""
-        if not self.ops.fuses_groups:  # fuse_lora_groups off, or the reference ops
-            return {"qkv": "per projection", "gate_up": "per projection"}
-        from lorad.gpu_ops.mbgmv import group_fits
-
-        groups = {name: "one launch" if group_fits(self.table, first, members, self.config.max_lora_rank, pdl=self.lora_pdl["on"])
-                  else "per projection"
-                  for name, first, members in (("qkv", 0, 3), ("gate_up", 4, 2))}
-        log.info("decode lora groups %s", " ".join(f"{name}={how.replace(' ', '-')}" for name, how in groups.items()))
-        return groups
-
     @staticmethod
     def _model_dir(config: EngineConfig) -> tuple[Path, list[tuple[str, str]]]:
         if config.demo:
@@ -518,7 +469,7 @@ class Engine:
             return
         started = time.perf_counter()
         streamed = bool(self.residency.streaming())  # this step ran while adapters streamed in
-        logits, sampled = self._forward(plan, assisted)
+        logits, sampled = self.runner.forward(plan, assisted)
         # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
         self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)
         if not streamed and self._overlappable(plan, sampled, assisted):  # its tokens are read by the next step(), after it launches its successor
@@ -529,7 +480,7 @@ class Engine:
             return
         params = [seq.state.request.sampling for seq in sampled]
         tokens = sample(logits, params, [seq.state.generator for seq in sampled])  # waits for the device
-        redo = self.cold_starts.after_cpu_assist(assisted, self._step_spans) if assisted else set()  # its prefill runs again
+        redo = self.cold_starts.after_cpu_assist(assisted, self.runner.step_spans) if assisted else set()  # its prefill runs again
         if streamed:
             redo |= self.cold_starts.after_streams(plan)  # failed: their step read an adapter that never arrived
             self.cold_starts.count_stream_step(time.perf_counter() - started)
@@ -610,7 +561,7 @@ class Engine:
         for seq in seqs:
             seq.tokens.append(0)  # stands for the token still on the device: the forward reads that one
         try:
-            logits, _ = self._forward([(seq, 1) for seq in seqs], device_tokens=device_tokens)
+            logits, _ = self.runner.forward([(seq, 1) for seq in seqs], device_tokens=device_tokens)
         finally:
             for seq in seqs:
                 seq.tokens.pop()
@@ -659,46 +610,6 @@ class Engine:
             self.online_prefill.observe(tokens, seconds)
         self.cold_starts.observe_prefill(tokens, seconds)
 
-    def _forward(self, plan: list[tuple[Sequence, int]], assisted: dict | None = None,
-                 device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Sequence]]:
-        """Runs the step's forward: replayed from a decode CUDA graph when every sequence decodes one token,
-        from a prefill graph (daemon/engine/prefill_graphs.py) when the step has prompt rows and fits one; eager
-        when CPU assist computes some of its rows. device_tokens: a decode step's input ids, on the device
-        (overlapped decode), in place of each sequence's last token."""
-        if self.graphs is not None and not assisted and not self.residency.loading \
-                and all(count == 1 and seq.num_computed + 1 == seq.num_tokens for seq, count in plan):
-            max_blocks = max(len(seq.blocks) for seq, _ in plan)
-            if self.graphs.fits(len(plan), max_blocks):
-                seqs = [seq for seq, _ in plan]
-                logits = self.graphs.run(
-                    np.array([seq.tokens[-1] for seq in seqs]),
-                    np.array([seq.num_computed for seq in seqs]),
-                    np.array([self.residency.slot(seq.adapter) for seq in seqs]),
-                    [seq.blocks.array() for seq in seqs],
-                    device_tokens,
-                )
-                self.graph_steps += 1
-                return logits, seqs
-        if self.prefill_graphs is not None and not assisted and device_tokens is None:
-            num_tokens = sum(count for _, count in plan)
-            if self.prefill_graphs.fits(num_tokens, len(plan), max(len(seq.blocks) for seq, _ in plan)):
-                seqs = [StepSeq(np.asarray(seq.tokens[seq.num_computed : seq.num_computed + count]), seq.num_computed,
-                                self.residency.slot(seq.adapter), seq.blocks.array(), seq.num_computed + count == seq.num_tokens)
-                        for seq, count in plan]
-                logits = self.prefill_graphs.run(seqs)
-                # Streamed adapters' pages go out now, while the graph runs: its LoRA kernels wait for each
-                # layer on the device (AdapterTable.place_streamed). Nothing above waited for the device.
-                self.residency.issue_streams()
-                self.prefill_graph_steps += 1
-                return logits, [seq for seq, count in plan if seq.num_computed + count == seq.num_tokens]
-        # An eager forward may wait for the device (a first launch of a kernel loads it): everything its
-        # kernels wait for is queued before it.
-        self.residency.issue_streams()
-        step, sampled = self._build_step(plan, assisted or {})
-        if device_tokens is not None:
-            step.input_ids = device_tokens
-        return self.model.forward(step, self.kv.view, self.table), sampled
-
     def _prefetch(self, busy=None) -> None:
         """Places the adapters of the first queued requests while the device runs a step. busy: that step's
         event, where cold adapters may stream in (`cold_starts.streaming`): those the admission would stream are
@@ -724,65 +635,6 @@ class Engine:
             seq = self._sequences.get(request_id)
             if seq is not None:
                 self._finish(seq, "abort")
-
-    def _build_step(self, plan: list[tuple[Sequence, int]], assisted: dict) -> tuple[Step, list[Sequence]]:
-        """The step's metadata, built once on the host and sent to the device. The rows of
-        cpu-assisted sequences get slot -1 and a CpuSpan instead: the CPU workers compute their LoRA."""
-        tokens_per_page = self.kv.tokens_per_page
-        num_layers = self.spec.num_layers
-        input_ids, positions, row_slots = [], [], []
-        query_start, query_len, kv_len, sample_rows, sampled = [], [], [], [], []
-        max_blocks = max(len(seq.blocks) for seq, _ in plan)
-        block_table = np.zeros((len(plan), max_blocks, num_layers, 2), dtype=np.int32)
-        dest, cpu_spans = [], []
-        device = self.device
-        for index, (seq, count) in enumerate(plan):
-            start, first_row = seq.num_computed, len(input_ids)
-            query_start.append(first_row)
-            query_len.append(count)
-            kv_len.append(start + count)
-            input_ids.extend(seq.tokens[start : start + count])
-            positions.extend(range(start, start + count))
-            adapter_id = assisted.get(seq)
-            if adapter_id is None:
-                row_slots.extend([self.residency.slot(seq.adapter)] * count)
-            else:
-                row_slots.extend([-1] * count)
-                held = self._held[seq.adapter].adapter
-                span = self.cold_starts.cpu_assist.span(seq.request_id, adapter_id, self.residency.slot(seq.adapter),
-                                            held.weights.keys(), first_row, first_row + count, rank=held.rank)
-                # Its rows on the pool path (a layer whose copy arrived, or a failed job), built here:
-                # the forward never builds metadata, which would copy to the device from pageable memory.
-                span.gpu_batch = LoraBatch.build([span.slot] * count, device)
-                self.ops.prepare_lora(span.gpu_batch, self.table)
-                span.load = self.residency.loading.get(seq.adapter)
-                cpu_spans.append(span)
-            blocks = seq.blocks.array()
-            block_table[index, : len(blocks)] = blocks
-            dest.append(blocks[np.arange(start, start + count) // tokens_per_page])
-            if start + count == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sampled.append(seq)
-        positions_np = np.asarray(positions, dtype=np.int64)
-        attention = AttentionBatch(
-            block_table=torch.from_numpy(block_table.transpose(2, 3, 0, 1).copy()).to(device),
-            dest_pages=torch.from_numpy(np.concatenate(dest).transpose(1, 2, 0).astype(np.int64)).to(device),
-            dest_offsets=torch.from_numpy(positions_np % tokens_per_page).to(device),
-            query_start=query_start,
-            query_len=query_len,
-            kv_len=kv_len,
-        )
-        step = Step(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-            positions=torch.from_numpy(positions_np).to(device),
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
-            attention=attention,
-            lora=LoraBatch.build(row_slots, device),
-        )
-        step.lora.cpu_spans = self._step_spans = cpu_spans
-        step.lora.cpu_assist = self.cold_starts.cpu_assist
-        self.ops.prepare_lora(step.lora, self.table)
-        return step, sampled
 
     def _advance(self, seq: Sequence, token: int) -> None:
         state: RequestState = seq.state

@@ -62,14 +62,14 @@ def test_streamed_cold_starts_give_the_cached_tokens(demo_assets, cached_tokens,
             return issue(loads, until)
 
         monkeypatch.setattr(lora_residency, "issue_streamed", late)
-        graph_steps = engine.prefill_graph_steps
+        graph_steps = engine.runner.prefill_graph_steps
         assert [result.token_ids for result in run(engine)] == cached_tokens
         status = engine.status()
         assert status["cold_start_decisions"]["gpu-stream"] == 2
         assert status["cold_placements"]["stream"] == 2
         assert engine.table.stream_error.item() == 0 and not engine.residency.loading
         if not eager:  # the graph was launched and still waiting when the pages were issued
-            assert engine.prefill_graph_steps > graph_steps and launched and not any(launched)
+            assert engine.runner.prefill_graph_steps > graph_steps and launched and not any(launched)
     finally:
         engine.close()
 

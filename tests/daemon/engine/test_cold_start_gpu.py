@@ -44,7 +44,7 @@ def test_the_fused_path_gives_the_cached_tokens_without_a_host_sync(demo_assets,
     assert cuda_ext.available(), cuda_ext.invocation_path()
     engine = engine_for(demo_assets, cold_start="cpu", layerwise=False, cpu_lora_split=split)
     try:
-        forward = engine.model.forward
+        forward = engine.runner.model.forward
         synced_forwards = []
 
         def forward_without_sync(step, kv_view, table):
@@ -56,7 +56,7 @@ def test_the_fused_path_gives_the_cached_tokens_without_a_host_sync(demo_assets,
                 torch.cuda.set_sync_debug_mode("default")
                 synced_forwards.append(bool(step.lora.cpu_spans))
 
-        engine.model.forward = forward_without_sync
+        engine.runner.model.forward = forward_without_sync
         assert run(engine) == cached_tokens
         status = engine.status()
         assert status["cpu_assist_invocation"] == "fused-cuda"

@@ -72,13 +72,13 @@ def burst_attainment(engine, objective_s: float) -> tuple[float, int]:
     step_s, per_token_s = 0.02, 0.002
     now = [0.0]
     engine.scheduler.clock = lambda: now[0]
-    forward = engine._forward
+    forward = engine.runner.forward
 
     def timed_forward(plan, assisted=None):
         now[0] += step_s + per_token_s * sum(count for _, count in plan)
         return forward(plan, assisted)
 
-    engine._forward = timed_forward
+    engine.runner.forward = timed_forward
     arrivals = [0.0] * 12 + [0.5 + 0.05 * i for i in range(8)]
     first_token: dict[str, float] = {}
     errors: list[str] = []

@@ -119,7 +119,7 @@ def test_tiny_pool_preempts_and_tokens_do_not_change(demo_assets, plain):
 def test_rows_ending_on_length_are_not_launched(demo_assets, plain):
     prompt = prompts(1, seed=3, low=20, high=20)[0]
     engine = overlapped(make_engine(demo_assets))
-    launched = count_calls(engine, "_forward")
+    launched = count_calls(engine.runner, "forward")
     result = engine.generate(requests([(prompt, "demo-r2")], 8))[0]
     assert result.finish_reason == "length" and len(result.token_ids) == 8
     assert result.token_ids == plain.generate(requests([(prompt, "demo-r2")], 8))[0].token_ids

@@ -133,18 +133,18 @@ def test_the_padded_static_steps_give_the_reference_engines_tokens(demo_assets):
     reference.close()
 
     engine = make_engine(demo_assets)
-    graphs = PrefillGraphs(engine.model, engine.kv, engine.table, 64, engine.config.max_running_requests, engine.max_model_len, 64)
-    kernels = copy.copy(engine.model)
+    graphs = PrefillGraphs(engine.runner.model, engine.kv, engine.table, 64, engine.config.max_running_requests, engine.max_model_len, 64)
+    kernels = copy.copy(engine.runner.model)
     kernels.ops = TritonOps(engine.device, 64, 64)
     replayed = []
     for key in graphs.plan():
         logits = torch.empty(graphs.buckets[key[0]].seqs, engine.vocab_size)
         graphs.graphs[key] = (EagerReplay(kernels, graphs, key, logits, replayed), logits)
-    engine.prefill_graphs = graphs
+    engine.runner.prefill_graphs = graphs
     results = engine.generate(batch(names)) + engine.generate(batch([None], count=2, seed=1))
     engine.close()
 
-    assert engine.prefill_graph_steps > 0 and {kind for _, kind in replayed} == {"none", "lora"}
+    assert engine.runner.prefill_graph_steps > 0 and {kind for _, kind in replayed} == {"none", "lora"}
     for got, want in zip(results, expected):
         assert got.token_ids == want.token_ids
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
@@ -163,7 +163,7 @@ def test_the_engine_on_the_triton_ops_gives_the_reference_tokens(demo_assets):
     reference.close()
 
     engine = make_engine(demo_assets)
-    engine.ops = engine.model.ops = TritonOps(engine.device, 64, 64, fuse_groups=True)
+    engine.runner.ops = engine.runner.model.ops = TritonOps(engine.device, 64, 64, fuse_groups=True)
     groups = []
     original = mbgmv.mbgmv_group
     mbgmv.mbgmv_group = lambda *args, **kwargs: (groups.append(args[3]), original(*args, **kwargs))

@@ -173,13 +173,13 @@ def test_unload_while_a_request_streams(served, roots):
     client, engine, _ = served
     root, _ = roots
     client.load_adapter("customer-7", str(root / "good"))
-    forward = engine.model.forward
+    forward = engine.runner.model.forward
 
     def slow_forward(*args, **kwargs):  # about 20 ms a step: the stream outlives the unload
         time.sleep(0.02)
         return forward(*args, **kwargs)
 
-    engine.model.forward = slow_forward
+    engine.runner.model.forward = slow_forward
     chunks = client.stream_completions(model="customer-7", prompt="abc", max_tokens=30, ignore_eos=True,
                                        temperature=0)
     first = next(chunks)
@@ -194,7 +194,7 @@ def test_unload_while_a_request_streams(served, roots):
     rest = list(chunks)
     assert rest[-1]["choices"][0]["finish_reason"] == "length"
     assert len(rest) + 1 == 30 and first["id"] == rest[0]["id"]
-    engine.model.forward = forward
+    engine.runner.model.forward = forward
     deadline = time.monotonic() + 5
     while "customer-7" in client.status()["adapters_resident"]:
         assert time.monotonic() < deadline, "the unloaded adapter kept its pool pages"

@@ -658,13 +658,13 @@ def _demo_engine(demo_assets, **config):
 
 def test_demo_full_queue_is_503_with_retry_after(demo_assets, short_tmp):
     engine = _demo_engine(demo_assets, max_running_requests=1, max_waiting_requests=2)
-    forward = engine.model.forward
+    forward = engine.runner.model.forward
 
     def slow_forward(*args, **kwargs):  # about 20 ms a step, so the queue stays full while we look
         time.sleep(0.02)
         return forward(*args, **kwargs)
 
-    engine.model.forward = slow_forward
+    engine.runner.model.forward = slow_forward
     engine.start()
     server = ServerThread(engine, f"{short_tmp}/queue.sock")
     client = Client(server.path, timeout=30)

@@ -220,13 +220,13 @@ def test_metrics_move_as_requests_run(demo):
 
 def test_running_and_waiting_adapters(demo):
     client, engine, server = demo
-    forward = engine.model.forward
+    forward = engine.runner.model.forward
 
     def slow_forward(*args, **kwargs):
         time.sleep(0.02)
         return forward(*args, **kwargs)
 
-    engine.model.forward = slow_forward
+    engine.runner.model.forward = slow_forward
     try:
         running = client.stream_completions(model="demo-r1", prompt="abc", max_tokens=40, ignore_eos=True)
         next(running)
@@ -246,7 +246,7 @@ def test_running_and_waiting_adapters(demo):
         assert int(info["max_lora"]) > 0
         assert 0 < value(families, "vllm:gpu_cache_usage_perc", model_name="lorad-demo") < 1
     finally:
-        engine.model.forward = forward
+        engine.runner.model.forward = forward
     list(running)
     thread.join(10)
     assert value(scrape(server), "lorad_requests_total", finish_reason="length") == 2
