@@ -305,10 +305,11 @@ def test_a_stalled_reader_costs_requests_not_memory(demo_assets):
             stalled.set()
             release.wait()
 
-        engine.submit(request([1, 2, 3], None, stall, max_tokens=400, ignore_eos=True))
         for _ in range(8):
             collectors.append(Collector())
             engine.submit(request([4, 5, 6], "demo-r1", collectors[-1], max_tokens=400, ignore_eos=True))
+        # Last: a submit waits for its answer on the reader thread, which the stalled callback holds.
+        engine.submit(request([1, 2, 3], None, stall, max_tokens=400, ignore_eos=True))
         assert stalled.wait(10)
         time.sleep(3)  # the step loop goes on, the pipe fills, the outbox sheds
         release.set()
