@@ -101,10 +101,11 @@ def main() -> int:
             row = {"tokens": n, "rows": label, "wall_ms": wall_ms(run, args.reps), "host_ms": host_ms(run, args.reps),
                    "graph_ms": graph_ms(run, args.reps)}
             if device.type == "cuda":  # the engine's path: its prefill graphs, the host filling their buffers
-                from lorad.daemon.engine.prefill_graphs import StepSeq
+                from lorad.daemon.engine.step_plan import StepPlan
 
                 graphs = bench._prefill_graphs()
-                seqs = [StepSeq(bench.rng.integers(0, spec.vocab_size, size=n), 0, slot, block_pages[0], True)]
+                seqs = StepPlan([bench.rng.integers(0, spec.vocab_size, size=n)], np.array([0]), np.array([slot]),
+                                [block_pages[0]], np.array([True]))
                 row["prefill_graphs_ms"] = wall_ms(lambda seqs=seqs, graphs=graphs: graphs.run(seqs), args.reps)
                 row["prefill_graphs_key"] = list(graphs.last_key)
                 if label == "lora":  # the kernels of both graphs, by device time

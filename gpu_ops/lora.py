@@ -20,10 +20,13 @@ class LoraBatch:
 
     row_slot: int32 [T] on the device, the adapter slot of each row (-1: base model only).
     slot_rows: host list of (slot, row indices as a device int64 tensor), one entry per slot present.
+    decode: a decode step's batch (each row one sequence's next token: daemon/engine/step_plan.py), whose
+    LoRA the decode kernels (BGMV, MBGMV) take; any other batch's goes to MBGMM.
     """
 
     row_slot: torch.Tensor
     slot_rows: list[tuple[int, torch.Tensor]]
+    decode: bool = False
     segments: object = None  # the kernels' per-step metadata (mbgmm.Segments), when they run
     max_rank: int = 0
     decode_kernel: str = "mbgmv"  # the step's decode LoRA kernel, bgmv|mbgmv (daemon/engine/kernel_choice.py)
@@ -33,14 +36,14 @@ class LoraBatch:
     cpu_assist: object = None
 
     @classmethod
-    def build(cls, row_slots: list[int], device: torch.device) -> LoraBatch:
+    def build(cls, row_slots: list[int], device: torch.device, decode: bool = False) -> LoraBatch:
         row_slot = torch.tensor(row_slots, dtype=torch.int32)
         slot_rows = []
         for slot in sorted(set(row_slots)):
             if slot >= 0:
                 rows = (row_slot == slot).nonzero().squeeze(1)
                 slot_rows.append((slot, rows.to(device)))
-        return cls(row_slot.to(device), slot_rows)
+        return cls(row_slot.to(device), slot_rows, decode=decode)
 
 
 def apply_lora_ref(

@@ -38,6 +38,7 @@ from lorad.daemon.model.checkpoint import (
     load_weights,
 )
 from lorad.daemon.server.cli_args import Parser, parse
+from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.engine.kernel_choice import (
     LoraKernelChoice,
     default_profile_path,
@@ -282,8 +283,10 @@ class Bench:
                                            self.max_model_len, self.max_lora_rank, self.choice)
                 self.graphs.capture()
 
+            plan = StepPlan([np.array([token]) for token in tokens], positions, slots, list(block_pages), np.ones(rows, dtype=bool))
+
             def run():
-                self.graphs.run(tokens, positions, slots, block_pages)
+                self.graphs.run(plan)
         else:
             step = self.step([(1, context, slot) for slot in slots], block_pages)
 
@@ -304,13 +307,12 @@ class Bench:
         block_pages = self.rng.integers(first, first + count, size=(len(prompts), -(-longest // tokens_per_page), self.spec.num_layers, 2), dtype=np.int32)
         graphs = self._prefill_graphs() if self.device.type == "cuda" else None
         if graphs is not None and graphs.fits(sum(tokens for tokens, _ in prompts), len(prompts), block_pages.shape[1]):
-            from lorad.daemon.engine.prefill_graphs import StepSeq
-
-            seqs = [StepSeq(self.rng.integers(0, self.spec.vocab_size, size=tokens), 0, slot, block_pages[slot], True)
-                    for slot, (tokens, _) in enumerate(prompts)]
+            plan = StepPlan([self.rng.integers(0, self.spec.vocab_size, size=tokens) for tokens, _ in prompts],
+                            np.zeros(len(prompts), dtype=np.int64), np.arange(len(prompts)), list(block_pages),
+                            np.ones(len(prompts), dtype=bool))
 
             def run():
-                graphs.run(seqs)
+                graphs.run(plan)
         else:
             step = self.step([(tokens, tokens, slot) for slot, (tokens, _) in enumerate(prompts)], block_pages)
 
@@ -354,7 +356,7 @@ class Bench:
             dest_offsets=torch.from_numpy(positions_np % tokens_per_page).to(device),
             query_start=query_start, query_len=query_len, kv_len=kv_len,
         )
-        lora = LoraBatch.build(row_slots, device)
+        lora = LoraBatch.build(row_slots, device, decode=all(new == 1 for new, _, _ in sequences))  # every row sampled
         self.ops.prepare_lora(lora, self.table)
         return Step(torch.tensor(input_ids, dtype=torch.long, device=device), torch.from_numpy(positions_np).to(device),
                     torch.tensor(sample_rows, dtype=torch.long, device=device), attention, lora)

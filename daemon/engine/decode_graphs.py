@@ -23,6 +23,7 @@ import logging
 import numpy as np
 import torch
 from lorad.daemon.engine.kernel_choice import LoraKernelChoice, rank_bucket, rank_buckets
+from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.model.llama import Step
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
@@ -153,32 +154,30 @@ class DecodeGraphs:
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.buckets[-1] and max_blocks <= self.max_blocks
 
-    def run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, blocks: list[np.ndarray],
-            device_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode step of n sequences -> logits [n, vocab] float32 (a view of static memory, valid
-        until the next replay). tokens, positions, slots: [n]; blocks: n arrays [num_blocks_i, L, 2] of
-        page ids (each sequence's BlockList); device_tokens: [n] input ids already on the device, which
-        replace `tokens` (overlapped decode). No host sync: every copy is from pinned memory, which the
-        last run's copies have finished reading (`sent`: long done by the time the host comes back,
-        unless the host runs a step ahead of the device, where it waits microseconds)."""
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """One decode step (plan.decode) of n sequences -> logits [n, vocab] float32 (a view of static memory,
+        valid until the next replay). plan.device_tokens, where given, are the input ids (overlapped decode).
+        No host sync: every copy is from pinned memory, which the last run's copies have finished reading
+        (`sent`: long done by the time the host comes back, unless the host runs a step ahead of the device,
+        where it waits microseconds)."""
         if self.sent is not None:
             self.sent.synchronize()
-        n = len(tokens)
+        n, positions, slots = len(plan.tokens), plan.starts, plan.slots
         size = next(b for b in self.buckets if b >= n)
-        tokens_per_page, layers = self.kv.tokens_per_page, self.kv.num_layers
-        width = max(len(b) for b in blocks)
+        tokens_per_page = self.kv.tokens_per_page
+        width = plan.max_blocks
         staged = self.blocks.stage(n, width)
-        for row, rows in enumerate(blocks):
+        for row, rows in enumerate(plan.blocks):
             staged[row, : len(rows)] = rows
         host64, host32 = self.host64.numpy(), self.host32.numpy()
         host64[:, n:size] = 0
-        host64[0, :n], host64[1, :n], host64[2, :n] = tokens, positions, positions % tokens_per_page
+        host64[0, :n], host64[1, :n], host64[2, :n] = np.concatenate(plan.tokens), positions, positions % tokens_per_page
         host32[1:, n:size] = ((1,), (1,), (-1,))  # padding rows: one position of the scratch page, no adapter
         host32[2, :n], host32[3, :n] = positions + 1, slots
         self.packed64[:, :size].copy_(self.host64[:, :size], non_blocking=True)
         self.packed32[:, :size].copy_(self.host32[:, :size], non_blocking=True)
-        if device_tokens is not None:
-            self.input_ids[:n].copy_(device_tokens)
+        if plan.device_tokens is not None:
+            self.input_ids[:n].copy_(plan.device_tokens)
         dest = self.host_dest.numpy()
         dest[:, :, n:size] = SCRATCH_PAGE  # padding rows write the scratch page
         dest[:, :, :n] = staged[np.arange(n), positions // tokens_per_page].transpose(1, 2, 0)
@@ -223,6 +222,6 @@ class DecodeGraphs:
             seq_info=self.seq_info[:, :size], decode_seqs=self.seq_ids[:size], tile_seq=empty, tile_row=empty,
             num_decode=size, num_tiles=0, max_context=self.max_blocks * self.kv.tokens_per_page,
         )
-        lora = LoraBatch(row_slot=self.row_slot[:size], slot_rows=[], max_rank=max_rank,
+        lora = LoraBatch(row_slot=self.row_slot[:size], slot_rows=[], max_rank=max_rank, decode=True,
                          decode_kernel="bgmv" if kernel == "bgmv" else "mbgmv")
         return Step(self.input_ids[:size], self.positions[:size], self.rows[:size], attention, lora)

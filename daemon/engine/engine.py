@@ -23,6 +23,7 @@ from lorad.daemon.model.adapters import AdapterRegistry, LoraAdapter
 from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
 from lorad.daemon.engine.cold_start import ColdStarts, streaming_availability
 from lorad.daemon.engine.runner import ModelRunner
+from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.engine.kernel_choice import LoraKernelChoice
 from lorad.daemon.engine.adapter_residency import LoraResidency
 from lorad.daemon.engine import status
@@ -145,9 +146,12 @@ class Engine:
         self._token_buffers = [torch.zeros(config.max_running_requests, dtype=torch.long, pin_memory=self.device.type == "cuda")
                                for _ in range(2)]  # a step in flight and the one launched after it
         self._token_turn = 0
-        self.runner.bind(self.kv, self.table)
         self.residency = LoraResidency(self._host_adapter, self.table, self.stats, pinned_bytes=config.pinned_host_bytes,
                                        staged_bytes=config.host_adapter_bytes)
+        self.cold_starts = ColdStarts(config, self.spec, self.device, self.dtype, self.table, self.residency, self.stats,
+                                      streaming, held=lambda name: self._held[name].adapter,
+                                      fail=lambda seq, reason: self._finish(seq, "error", error=reason))
+        self.runner.bind(self.kv, self.table, self.residency, self.cold_starts, held=lambda name: self._held[name].adapter)
         self.online_prefill: OnlinePrefill | None = None  # early abort's estimate when no profile was found
         admission, objectives = self._admission()
         self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency,
@@ -163,11 +167,6 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
-        self.cold_starts = ColdStarts(config, self.spec, self.device, self.dtype, self.table, self.residency, self.stats,
-                                      streaming, held=lambda name: self._held[name].adapter,
-                                      fail=lambda seq, reason: self._finish(seq, "error", error=reason))
-        self.runner.residency, self.runner.cold_starts = self.residency, self.cold_starts
-        self.runner.held = lambda name: self._held[name].adapter
         if config.cold_start == "cached":
             self._place_every_adapter()
         elif config.cold_start in ("cpu", "auto"):
@@ -456,23 +455,25 @@ class Engine:
                 self._prefetch(self._in_flight.done)
             self._finish_step_in_flight()
         try:
-            plan = self.scheduler.schedule()
+            batch = self.scheduler.schedule()
         except LoradError as error:  # an adapter that broke between submit and admission
             self._finish(self.scheduler.blocked, "error", error=error.message)
             return
         self._drop_by_admission()
-        assisted = self.cold_starts.admit(plan)
-        if not plan:
+        assisted = self.cold_starts.admit(batch)
+        if not batch:
             if self.scheduler.waiting and not self.scheduler.running:
                 self._finish(self.scheduler.blocked, "error",
                              error="the request does not fit in the page pool even alone (adapter too large)")
             return
         started = time.perf_counter()
         streamed = bool(self.residency.streaming())  # this step ran while adapters streamed in
-        logits, sampled = self.runner.forward(plan, assisted)
+        plan = self.runner.plan(batch, assisted)
+        logits = self.runner.forward(plan)
+        sampled = plan.sampled
         # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
         self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)
-        if not streamed and self._overlappable(plan, sampled, assisted):  # its tokens are read by the next step(), after it launches its successor
+        if not streamed and self._overlappable(plan):  # its tokens are read by the next step(), after it launches its successor
             for seq in sampled:
                 seq.num_computed += 1
             self._in_flight = self._launch_tokens(logits, sampled)
@@ -482,11 +483,11 @@ class Engine:
         tokens = sample(logits, params, [seq.state.generator for seq in sampled])  # waits for the device
         redo = self.cold_starts.after_cpu_assist(assisted, self.runner.step_spans) if assisted else set()  # its prefill runs again
         if streamed:
-            redo |= self.cold_starts.after_streams(plan)  # failed: their step read an adapter that never arrived
+            redo |= self.cold_starts.after_streams(batch)  # failed: their step read an adapter that never arrived
             self.cold_starts.count_stream_step(time.perf_counter() - started)
         if not assisted and not streamed and (self.online_prefill is not None or self.config.cold_start == "auto"):
-            self._observe_prefill(plan, time.perf_counter() - started)  # before num_computed moves on
-        for seq, count in plan:
+            self._observe_prefill(batch, time.perf_counter() - started)  # before num_computed moves on
+        for seq, count in batch:
             if seq not in redo:
                 seq.num_computed += count
         self.steps += 1
@@ -518,12 +519,11 @@ class Engine:
     # same stream, and adapter pages are only overwritten by a placement, which only the scheduler's
     # admission and prefetch make, on the plain path, after the step in flight has been landed.
 
-    def _overlappable(self, plan: list[tuple[Sequence, int]], sampled: list[Sequence], assisted: dict) -> bool:
+    def _overlappable(self, plan: StepPlan) -> bool:
         """Is this step's reading of its tokens deferred: a greedy decode step of every running request."""
-        if not self.overlap_decode or assisted or len(sampled) != len(plan) or len(plan) != len(self.scheduler.running):
+        if not (self.overlap_decode and plan.decode) or plan.assisted or len(plan.seqs) != len(self.scheduler.running):
             return False
-        return all(count == 1 and seq.state.request.sampling.greedy and not seq.state.request.keep_logits
-                   and seq.num_computed + 1 == seq.num_tokens for seq, count in plan)
+        return all(seq.state.request.sampling.greedy and not seq.state.request.keep_logits for seq in plan.seqs)
 
     def _launch_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepInFlight:
         """The step's greedy tokens on the device, and their copy to the host started."""
@@ -558,13 +558,7 @@ class Engine:
             if flight.tokens.is_cuda:  # from pinned memory: a pageable copy may wait for the step in flight
                 index = index.pin_memory().to(flight.tokens.device, non_blocking=True)
             device_tokens = flight.tokens[index]
-        for seq in seqs:
-            seq.tokens.append(0)  # stands for the token still on the device: the forward reads that one
-        try:
-            logits, _ = self.runner.forward([(seq, 1) for seq in seqs], device_tokens=device_tokens)
-        finally:
-            for seq in seqs:
-                seq.tokens.pop()
+        logits = self.runner.forward(self.runner.plan([(seq, 1) for seq in seqs], device_tokens=device_tokens))
         following = self._launch_tokens(logits, seqs)
         for seq in seqs:
             seq.num_computed += 1

@@ -24,11 +24,11 @@ Graphs are captured per bucket for steps without any adapter row ("none": no LoR
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from lorad.daemon.engine.decode_graphs import BlockStaging, capture_forward
+from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.model.llama import Step
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
@@ -37,18 +37,6 @@ from lorad.gpu_ops.page_pool import SCRATCH_PAGE
 log = logging.getLogger(__name__)
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-
-
-@dataclass(frozen=True)
-class StepSeq:
-    """One sequence's part of a step: its new tokens, the position of the first, its adapter slot
-    (-1: none), its block list [blocks, L, 2] and whether its last row is sampled."""
-
-    tokens: np.ndarray
-    start: int
-    slot: int
-    blocks: np.ndarray
-    sample: bool
 
 
 class _Bucket:
@@ -118,33 +106,31 @@ class PrefillGraphs:
     def fits(self, num_tokens: int, num_seqs: int, max_blocks: int) -> bool:
         return num_tokens <= self.tokens_buckets[-1] and num_seqs <= self.max_seqs and max_blocks <= self.max_blocks
 
-    def run(self, seqs: list[StepSeq]) -> torch.Tensor:
-        """One step -> logits [sampled sequences, vocab] float32, in the order of `seqs` (a view of static
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """One step -> logits [sampled sequences, vocab] float32, in the plan's order (a view of static
         memory, valid until the next replay). No host sync: every copy is from pinned memory, which the
         previous step's sampling (a host sync) has finished reading."""
-        key, num_sampled = self.fill(seqs)
+        key, num_sampled = self.fill(plan)
         self.last_key = key
         graph, logits = self.graphs[key]
         graph.replay()
         return logits[:num_sampled]
 
-    def fill(self, seqs: list[StepSeq]) -> tuple[tuple[int, str], int]:
+    def fill(self, plan: StepPlan) -> tuple[tuple[int, str], int]:
         """Fills the static buffers for this step -> (the graph key, the number of sampled rows)."""
-        lengths = np.fromiter((len(s.tokens) for s in seqs), dtype=np.int64, count=len(seqs))
-        n = int(lengths.sum())
+        lengths, n, num_seqs = plan.counts, plan.num_tokens, len(plan.tokens)
         tokens = next(t for t in self.tokens_buckets if t >= n)
         bucket = self.buckets[tokens]
         tokens_per_page, layers = self.kv.tokens_per_page, self.kv.num_layers
         starts_row = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        first_pos = np.fromiter((s.start for s in seqs), dtype=np.int64, count=len(seqs))
+        first_pos = plan.starts
         positions = np.repeat(first_pos - starts_row, lengths) + np.arange(n)
-        slots = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=len(seqs))
-        row_slot = np.repeat(slots, lengths)
-        sampled = [index for index, s in enumerate(seqs) if s.sample]
+        row_slot = plan.row_slots()
+        sampled = np.flatnonzero(plan.sample)
 
         host64 = self.host64.numpy()
         host64[:, :tokens] = 0
-        host64[0, :n] = np.concatenate([np.asarray(s.tokens, dtype=np.int64) for s in seqs])
+        host64[0, :n] = np.concatenate(plan.tokens)
         host64[1, :n] = positions
         host64[2, :n] = positions % tokens_per_page
         host64[3, : len(sampled)] = starts_row[sampled] + lengths[sampled] - 1
@@ -169,24 +155,24 @@ class PrefillGraphs:
             seg_tile[1, :num] = (np.arange(num) - np.repeat(np.cumsum(per_segment) - per_segment, per_segment)) * bucket.seg_tile_m
         info = seq_info.reshape(3, -1)
         info[:] = 0  # padding sequences (from len(seqs) on, the last one always): no rows, no context
-        info[0, : len(seqs)] = starts_row
-        info[1, : len(seqs)] = lengths
-        info[2, : len(seqs)] = first_pos + lengths
+        info[0, :num_seqs] = starts_row
+        info[1, :num_seqs] = lengths
+        info[2, :num_seqs] = first_pos + lengths
         tile_m = bucket.tile_m
         tiles_per_seq = -(-lengths // tile_m)
         num_tiles = int(tiles_per_seq.sum())
         tile_seq[:] = bucket.seqs  # the padding sequence
         tile_row[:] = 0
-        tile_seq[:num_tiles] = np.repeat(np.arange(len(seqs)), tiles_per_seq)
+        tile_seq[:num_tiles] = np.repeat(np.arange(num_seqs), tiles_per_seq)
         tile_row[:num_tiles] = (np.arange(num_tiles) - np.repeat(np.cumsum(tiles_per_seq) - tiles_per_seq, tiles_per_seq)) * tile_m
 
-        width = max(len(s.blocks) for s in seqs)
-        staged = self.blocks.stage(len(seqs), width)
+        width = plan.max_blocks
+        staged = self.blocks.stage(num_seqs, width)
         dest = np.empty((n, layers, 2), dtype=np.int64)
-        for index, s in enumerate(seqs):
-            staged[index, : len(s.blocks)] = s.blocks
+        for index, blocks in enumerate(plan.blocks):
+            staged[index, : len(blocks)] = blocks
             rows = slice(starts_row[index], starts_row[index] + lengths[index])
-            dest[rows] = s.blocks[positions[rows] // tokens_per_page]
+            dest[rows] = blocks[positions[rows] // tokens_per_page]
         host_dest = self.host_dest.numpy()
         host_dest[:, :, :tokens] = SCRATCH_PAGE
         host_dest[:, :, :n] = dest.transpose(1, 2, 0)
@@ -194,7 +180,7 @@ class PrefillGraphs:
         self.packed64[:, :tokens].copy_(self.host64[:, :tokens], non_blocking=True)
         self.dest_pages[:, :, :tokens].copy_(self.host_dest[:, :, :tokens], non_blocking=True)
         bucket.device.copy_(bucket.host, non_blocking=True)
-        self.blocks.send(len(seqs), width, self.block_table)
+        self.blocks.send(num_seqs, width, self.block_table)
         return (tokens, "lora" if len(used) else "none"), len(sampled)
 
     def static_step(self, tokens: int, kind: str) -> Step:

@@ -1,8 +1,8 @@
 """The model on the device and how one step runs on it: the op set and the decoder (daemon/model/), the step's
-metadata built once on the host (`build_step`), and its forward, replayed from a decode CUDA graph or a prefill
-graph where one fits (decode_graphs.py, prefill_graphs.py), eager otherwise. The engine owns the pool, the
-queue and the step loop; it hands the runner the KV cache and adapter table (`bind`), and the adapter residency
-and cold starts its steps read.
+plan built once from the scheduler's batch (`plan`, daemon/engine/step_plan.py), and its forward, replayed from a
+decode CUDA graph or a prefill graph where one fits (decode_graphs.py, prefill_graphs.py), eager otherwise
+(`build_step`). The engine owns the pool, the queue and the step loop; it hands the runner what its steps read
+(`bind`): the KV cache, the adapter table, the adapters' residency and the cold starts.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ import numpy as np
 import torch
 
 from lorad.config import EngineConfig
+from lorad.daemon.engine.adapter_residency import LoraResidency
+from lorad.daemon.engine.cold_start import ColdStarts
 from lorad.daemon.engine.decode_graphs import DecodeGraphs
-from lorad.daemon.engine.prefill_graphs import PrefillGraphs, StepSeq
+from lorad.daemon.engine.prefill_graphs import PrefillGraphs
+from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.model.checkpoint import ModelSpec
 from lorad.daemon.model.llama import LlamaModel, Step
 from lorad.daemon.model.ops import select_ops
@@ -40,13 +43,12 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         self.graph_steps = self.prefill_graph_steps = 0
         self.step_spans: list = []  # the last eager step's CPU-assisted spans
-        # Set by the engine once they exist: the adapters' place in the pool, the cold starts, and the adapter
-        # each request in the engine holds.
-        self.residency = self.cold_starts = self.held = None
 
-    def bind(self, kv: KVCache, table: AdapterTable) -> None:
-        """The KV cache and adapter table the steps read; on cuda (unless eager) the CUDA graphs captured."""
-        self.kv, self.table = kv, table
+    def bind(self, kv: KVCache, table: AdapterTable, residency: LoraResidency, cold_starts: ColdStarts, held) -> None:
+        """What the steps read, from the engine that owns it: the KV cache, the adapter table, each adapter's
+        residency in the pool, the cold starts (CPU assist) and held(name), the adapter a request in the
+        engine holds. On cuda (unless eager) the CUDA graphs are captured here."""
+        self.kv, self.table, self.residency, self.cold_starts, self.held = kv, table, residency, cold_starts, held
         self.lora_groups = self._lora_groups()
         config = self.config
         if self.device.type == "cuda" and not config.eager and self.ops.name.startswith("triton"):
@@ -90,101 +92,78 @@ class ModelRunner:
         log.info("decode lora groups %s", " ".join(f"{name}={how.replace(' ', '-')}" for name, how in groups.items()))
         return groups
 
-    def forward(self, plan: list[tuple[Sequence, int]], assisted: dict | None = None,
-                 device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Sequence]]:
-        """Runs the step's forward: replayed from a decode CUDA graph when every sequence decodes one token,
-        from a prefill graph (daemon/engine/prefill_graphs.py) when the step has prompt rows and fits one; eager
-        when CPU assist computes some of its rows. device_tokens: a decode step's input ids, on the device
-        (overlapped decode), in place of each sequence's last token."""
-        if self.graphs is not None and not assisted and not self.residency.loading \
-                and all(count == 1 and seq.num_computed + 1 == seq.num_tokens for seq, count in plan):
-            max_blocks = max(len(seq.blocks) for seq, _ in plan)
-            if self.graphs.fits(len(plan), max_blocks):
-                seqs = [seq for seq, _ in plan]
-                logits = self.graphs.run(
-                    np.array([seq.tokens[-1] for seq in seqs]),
-                    np.array([seq.num_computed for seq in seqs]),
-                    np.array([self.residency.slot(seq.adapter) for seq in seqs]),
-                    [seq.blocks.array() for seq in seqs],
-                    device_tokens,
-                )
-                self.graph_steps += 1
-                return logits, seqs
-        if self.prefill_graphs is not None and not assisted and device_tokens is None:
-            num_tokens = sum(count for _, count in plan)
-            if self.prefill_graphs.fits(num_tokens, len(plan), max(len(seq.blocks) for seq, _ in plan)):
-                seqs = [StepSeq(np.asarray(seq.tokens[seq.num_computed : seq.num_computed + count]), seq.num_computed,
-                                self.residency.slot(seq.adapter), seq.blocks.array(), seq.num_computed + count == seq.num_tokens)
-                        for seq, count in plan]
-                logits = self.prefill_graphs.run(seqs)
-                # Streamed adapters' pages go out now, while the graph runs: its LoRA kernels wait for each
-                # layer on the device (AdapterTable.place_streamed). Nothing above waited for the device.
-                self.residency.issue_streams()
-                self.prefill_graph_steps += 1
-                return logits, [seq for seq, count in plan if seq.num_computed + count == seq.num_tokens]
+    def plan(self, batch: list[tuple[Sequence, int]], assisted: dict | None = None,
+             device_tokens: torch.Tensor | None = None) -> StepPlan:
+        """The step's plan from the scheduler's batch (daemon/engine/step_plan.py), each adapter's slot read
+        from its residency. device_tokens: a decode step's input ids, on the device (overlapped decode)."""
+        return StepPlan.build(batch, self.residency.slot, assisted, device_tokens)
+
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Runs the step's forward -> logits [len(plan.sampled), vocab], in plan.sampled's order: replayed from a
+        decode CUDA graph for a decode step, from a prefill graph (daemon/engine/prefill_graphs.py) for a step
+        with prompt rows that fits one; eager when CPU assist computes some of its rows or adapters stream in."""
+        if self.graphs is not None and plan.decode and not plan.assisted and not self.residency.loading \
+                and self.graphs.fits(len(plan.seqs), plan.max_blocks):
+            logits = self.graphs.run(plan)
+            self.graph_steps += 1
+            return logits
+        if self.prefill_graphs is not None and not plan.assisted and plan.device_tokens is None \
+                and self.prefill_graphs.fits(plan.num_tokens, len(plan.seqs), plan.max_blocks):
+            logits = self.prefill_graphs.run(plan)
+            # Streamed adapters' pages go out now, while the graph runs: its LoRA kernels wait for each
+            # layer on the device (AdapterTable.place_streamed). Nothing above waited for the device.
+            self.residency.issue_streams()
+            self.prefill_graph_steps += 1
+            return logits
         # An eager forward may wait for the device (a first launch of a kernel loads it): everything its
         # kernels wait for is queued before it.
         self.residency.issue_streams()
-        step, sampled = self.build_step(plan, assisted or {})
-        if device_tokens is not None:
-            step.input_ids = device_tokens
-        return self.model.forward(step, self.kv.view, self.table), sampled
+        return self.model.forward(self.build_step(plan), self.kv.view, self.table)
 
-    def build_step(self, plan: list[tuple[Sequence, int]], assisted: dict) -> tuple[Step, list[Sequence]]:
-        """The step's metadata, built once on the host and sent to the device. The rows of
-        cpu-assisted sequences get slot -1 and a CpuSpan instead: the CPU workers compute their LoRA."""
-        tokens_per_page = self.kv.tokens_per_page
-        num_layers = self.spec.num_layers
-        input_ids, positions, row_slots = [], [], []
-        query_start, query_len, kv_len, sample_rows, sampled = [], [], [], [], []
-        max_blocks = max(len(seq.blocks) for seq, _ in plan)
-        block_table = np.zeros((len(plan), max_blocks, num_layers, 2), dtype=np.int32)
+    def build_step(self, plan: StepPlan) -> Step:
+        """The eager forward's tensors from the plan, sent to the device. The rows of CPU-assisted sequences
+        get slot -1 and a CpuSpan instead: the CPU workers compute their LoRA."""
+        tokens_per_page, device = self.kv.tokens_per_page, self.device
+        n = len(plan.tokens)
+        first_rows = np.concatenate([[0], np.cumsum(plan.counts)[:-1]])
+        positions = np.concatenate([np.arange(start, start + count) for start, count in zip(plan.starts, plan.counts)])
+        block_table = np.zeros((n, plan.max_blocks, self.spec.num_layers, 2), dtype=np.int32)
         dest, cpu_spans = [], []
-        device = self.device
-        for index, (seq, count) in enumerate(plan):
-            start, first_row = seq.num_computed, len(input_ids)
-            query_start.append(first_row)
-            query_len.append(count)
-            kv_len.append(start + count)
-            input_ids.extend(seq.tokens[start : start + count])
-            positions.extend(range(start, start + count))
-            adapter_id = assisted.get(seq)
-            if adapter_id is None:
-                row_slots.extend([self.residency.slot(seq.adapter)] * count)
-            else:
-                row_slots.extend([-1] * count)
-                held = self.held(seq.adapter)
-                span = self.cold_starts.cpu_assist.span(seq.request_id, adapter_id, self.residency.slot(seq.adapter),
-                                            held.weights.keys(), first_row, first_row + count, rank=held.rank)
-                # Its rows on the pool path (a layer whose copy arrived, or a failed job), built here:
-                # the forward never builds metadata, which would copy to the device from pageable memory.
-                span.gpu_batch = LoraBatch.build([span.slot] * count, device)
-                self.ops.prepare_lora(span.gpu_batch, self.table)
-                span.load = self.residency.loading.get(seq.adapter)
-                cpu_spans.append(span)
-            blocks = seq.blocks.array()
+        for index, blocks in enumerate(plan.blocks):
             block_table[index, : len(blocks)] = blocks
-            dest.append(blocks[np.arange(start, start + count) // tokens_per_page])
-            if start + count == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sampled.append(seq)
-        positions_np = np.asarray(positions, dtype=np.int64)
+            dest.append(blocks[np.arange(plan.starts[index], plan.starts[index] + plan.counts[index]) // tokens_per_page])
+        for index, seq in enumerate(plan.seqs):
+            adapter_id = plan.assisted.get(seq)
+            if adapter_id is None:
+                continue
+            first, count = int(first_rows[index]), int(plan.counts[index])
+            held = self.held(seq.adapter)
+            span = self.cold_starts.cpu_assist.span(seq.request_id, adapter_id, int(plan.slots[index]),
+                                                    held.weights.keys(), first, first + count, rank=held.rank)
+            # Its rows on the pool path (a layer whose copy arrived, or a failed job), built here:
+            # the forward never builds metadata, which would copy to the device from pageable memory.
+            span.gpu_batch = LoraBatch.build([span.slot] * count, device)
+            self.ops.prepare_lora(span.gpu_batch, self.table)
+            span.load = self.residency.loading.get(seq.adapter)
+            cpu_spans.append(span)
         attention = AttentionBatch(
             block_table=torch.from_numpy(block_table.transpose(2, 3, 0, 1).copy()).to(device),
             dest_pages=torch.from_numpy(np.concatenate(dest).transpose(1, 2, 0).astype(np.int64)).to(device),
-            dest_offsets=torch.from_numpy(positions_np % tokens_per_page).to(device),
-            query_start=query_start,
-            query_len=query_len,
-            kv_len=kv_len,
+            dest_offsets=torch.from_numpy(positions % tokens_per_page).to(device),
+            query_start=first_rows.tolist(),
+            query_len=plan.counts.tolist(),
+            kv_len=(plan.starts + plan.counts).tolist(),
         )
+        sample_rows = (first_rows + plan.counts - 1)[plan.sample]
         step = Step(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-            positions=torch.from_numpy(positions_np).to(device),
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+            input_ids=(plan.device_tokens if plan.device_tokens is not None
+                       else torch.from_numpy(np.concatenate(plan.tokens)).to(device)),
+            positions=torch.from_numpy(positions).to(device),
+            sample_rows=torch.from_numpy(sample_rows).to(device),
             attention=attention,
-            lora=LoraBatch.build(row_slots, device),
+            lora=LoraBatch.build(plan.row_slots().tolist(), device, decode=plan.decode),
         )
         step.lora.cpu_spans = self.step_spans = cpu_spans
         step.lora.cpu_assist = self.cold_starts.cpu_assist
         self.ops.prepare_lora(step.lora, self.table)
-        return step, sampled
+        return step

@@ -67,10 +67,9 @@ class TorchOps:
         kernel): built once per step by the runner, never per layer."""
         if self.kernel_choice is None:
             return
-        if batch.slot_rows and all(rows.numel() == 1 for _, rows in batch.slot_rows):  # a decode step
+        if batch.decode and batch.slot_rows:
             batch.max_rank = self._batch_max_rank(batch, table)
-            batch.decode_kernel = self.kernel_choice.choose(
-                [int(table.rank_host[slot].max()) for slot, _ in batch.slot_rows])
+            batch.decode_kernel = self.kernel_choice.choose(row_ranks(batch, table))
 
     def lora(self, x, y, layer: int, proj: int, batch: LoraBatch, table: AdapterTable) -> None:
         """y += (x @ A^T) @ B^T for every row with an adapter: the pool's rows here, the CPU-assisted rows
@@ -145,14 +144,13 @@ class TritonOps(TorchOps):
         if batch.slot_rows:
             batch.segments = self._mbgmm.Segments.build(batch, table)
             batch.max_rank = batch.segments.max_rank
-            if batch.segments.max_len == 1 and self.decode_choice is not None:  # a decode step
-                batch.decode_kernel = self.decode_choice.choose(
-                    [int(table.rank_host[slot].max()) for slot, _ in batch.slot_rows])
+            if batch.decode and self.decode_choice is not None:
+                batch.decode_kernel = self.decode_choice.choose(row_ranks(batch, table))
 
     def pool_lora(self, x, y, layer, proj, batch, table):
         if batch.max_rank == 0:  # no row uses an adapter
             return
-        if batch.segments is None or batch.segments.max_len == 1:  # each adapter has one row: decode
+        if batch.decode:
             if batch.decode_kernel == "bgmv":
                 self._bgmv.bgmv(x, y, layer, proj, batch.row_slot, table, batch.max_rank, self.workspace)
             else:
@@ -164,14 +162,18 @@ class TritonOps(TorchOps):
     def lora_group(self, x, fused, outs, layer, first, batch, table):
         """With fuse_groups, a decode step's group in one MBGMV launch pair where the members' tiles agree;
         otherwise one projection after another."""
-        if (self.fuses_groups and batch.max_rank and batch.decode_kernel == "mbgmv" and not batch.cpu_spans
-                and (batch.segments is None or batch.segments.max_len == 1)):
+        if self.fuses_groups and batch.decode and batch.max_rank and batch.decode_kernel == "mbgmv" and not batch.cpu_spans:
             config = self._mbgmv.group_fits(table, first, len(outs), batch.max_rank, pdl=self.pdl)
             if config is not None:
                 self._mbgmv.mbgmv_group(x, fused, layer, first, len(outs), batch.row_slot, table, batch.max_rank,
                                   self.workspace, config=config, pdl=self.pdl)
                 return
         super().lora_group(x, fused, outs, layer, first, batch, table)
+
+
+def row_ranks(batch: LoraBatch, table: AdapterTable) -> list[int]:
+    """The largest rank of each adapter row's adapter (what the decode kernel choice weighs, row by row)."""
+    return [int(table.rank_host[slot].max()) for slot, rows in batch.slot_rows for _ in range(rows.numel())]
 
 
 def select_ops(device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,

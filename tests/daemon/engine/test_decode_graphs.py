@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from lorad.daemon.engine.decode_graphs import LOW_RANK, DecodeGraphs
+from lorad.daemon.engine.step_plan import StepPlan
 from lorad.gpu_ops.page_pool import SCRATCH_PAGE, AdapterTable, KVCache, PagePool
 
 LAYERS, KV_HEADS, HEAD_DIM = 3, 2, 4
@@ -32,6 +33,12 @@ def make(max_batch=8, max_rank=64):
     return graphs, kv, table
 
 
+def decode_plan(tokens, positions, slots, blocks) -> StepPlan:
+    """A decode step: one new token per sequence, sampled."""
+    return StepPlan([np.array([token]) for token in tokens], np.asarray(positions), np.asarray(slots), list(blocks),
+                    np.ones(len(tokens), dtype=bool))
+
+
 def test_run_fills_every_buffer_a_replay_reads():
     graphs, kv, table = make()
     rng = np.random.default_rng(0)
@@ -39,7 +46,7 @@ def test_run_fills_every_buffer_a_replay_reads():
     blocks = [rng.integers(1, 4096, size=(n, LAYERS, 2), dtype=np.int32) for n in lengths]
     positions = np.array([2 * n - 1 for n in lengths])  # the last position of each sequence's last block
     tokens, slots = np.array([7, 8, 9]), np.array([-1, -1, -1])
-    graphs.run(tokens, positions, slots, blocks)
+    graphs.run(decode_plan(tokens, positions, slots, blocks))
     size = 4  # the bucket holding 3 rows
     replay = graphs.graphs[(size, "none", 0)][0]
     seen = replay.seen
@@ -61,9 +68,9 @@ def test_a_smaller_batch_after_a_larger_one_pads_its_rows_again():
     table.rank_host[1, :, :] = 8
     table.rank_host[2, :, :] = 32
     blocks = [np.full((2, LAYERS, 2), 10 + i, dtype=np.int32) for i in range(4)]
-    graphs.run(np.arange(4), np.full(4, 3), np.array([1, 2, 1, 2]), blocks)
+    graphs.run(decode_plan(np.arange(4), np.full(4, 3), np.array([1, 2, 1, 2]), blocks))
     assert graphs.graphs[(4, "mbgmv", 64)][0].seen is not None, "a rank-32 row needs the full-rank graph"
-    graphs.run(np.arange(3), np.full(3, 3), np.array([1, -1, 1]), blocks[:3])
+    graphs.run(decode_plan(np.arange(3), np.full(3, 3), np.array([1, -1, 1]), blocks[:3]))
     seen = graphs.graphs[(4, "mbgmv", LOW_RANK)][0].seen
     assert seen is not None, "ranks <= 16 replay the low-rank MBGMV graph"
     assert seen["row_slot"][:4].tolist() == [1, -1, 1, -1]

@@ -74,9 +74,9 @@ def burst_attainment(engine, objective_s: float) -> tuple[float, int]:
     engine.scheduler.clock = lambda: now[0]
     forward = engine.runner.forward
 
-    def timed_forward(plan, assisted=None):
-        now[0] += step_s + per_token_s * sum(count for _, count in plan)
-        return forward(plan, assisted)
+    def timed_forward(plan):
+        now[0] += step_s + per_token_s * plan.num_tokens
+        return forward(plan)
 
     engine.runner.forward = timed_forward
     arrivals = [0.0] * 12 + [0.5 + 0.05 * i for i in range(8)]

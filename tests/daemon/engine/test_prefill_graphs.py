@@ -15,7 +15,8 @@ from triton_interpreter import CUDA, HAS_TRITON, interpreted  # before the kerne
 
 from lorad.daemon.engine.engine import Engine
 from lorad.daemon.model.ops import TritonOps
-from lorad.daemon.engine.prefill_graphs import PrefillGraphs, StepSeq
+from lorad.daemon.engine.prefill_graphs import PrefillGraphs
+from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 from lorad.gpu_ops.page_pool import SCRATCH_PAGE, AdapterTable, KVCache, PagePool
 
@@ -33,15 +34,21 @@ def make(max_tokens=64, max_seqs=8, max_rank=64, max_model_len=64):
     return PrefillGraphs(None, kv, table, max_tokens, max_seqs, max_model_len=max_model_len, max_lora_rank=max_rank), kv
 
 
+def plan_of(*seqs) -> StepPlan:
+    """A step of (new token ids, first position, adapter slot, block list, sampled) per sequence."""
+    tokens, starts, slots, blocks, sample = zip(*seqs)
+    return StepPlan(list(tokens), np.array(starts), np.array(slots), list(blocks), np.array(sample))
+
+
 def test_fill_lays_out_a_mixed_step_for_the_fixed_grids():
     graphs, kv = make()
     rng = np.random.default_rng(0)
     blocks = [rng.integers(1, 4096, size=(n, LAYERS, 2), dtype=np.int32) for n in (5, 2, 9)]
     # a prompt chunk of 7 tokens at position 0, a decode at position 3, a chunk of 10 at position 6
-    seqs = [StepSeq(np.arange(100, 107), 0, 2, blocks[0], sample=False),
-            StepSeq(np.array([55]), 3, -1, blocks[1], sample=True),
-            StepSeq(np.arange(200, 210), 6, 2, blocks[2], sample=True)]
-    key, sampled = graphs.fill(seqs)
+    seqs = [(np.arange(100, 107), 0, 2, blocks[0], False),
+            (np.array([55]), 3, -1, blocks[1], True),
+            (np.arange(200, 210), 6, 2, blocks[2], True)]
+    key, sampled = graphs.fill(plan_of(*seqs))
     assert key == (32, "lora") and sampled == 2  # 18 tokens: the 32 bucket
     bucket = graphs.buckets[32]
     ids, positions, offsets, sample_rows = graphs.packed64[:, :32]
@@ -60,11 +67,11 @@ def test_fill_lays_out_a_mixed_step_for_the_fixed_grids():
     assert bucket.seg_rows[:17].tolist() == [*range(7), *range(8, 18)]
     assert bucket.seg_tile[:, 0].tolist() == [0, 0], "17 rows: one tile of 64"
     assert (bucket.seg_tile[0, 1:] == bucket.seqs).all() and not bucket.seg_tile[1, 1:].any()
-    for index, (seq, first) in enumerate(zip(seqs, (0, 7, 8))):
-        table_rows = graphs.block_table[:, :, index, : len(seq.blocks)]
-        assert torch.equal(table_rows, torch.from_numpy(seq.blocks).permute(1, 2, 0))
-        for row in range(len(seq.tokens)):
-            page = seq.blocks[(seq.start + row) // kv.tokens_per_page]
+    for index, ((tokens, start, _, seq_blocks, _), first) in enumerate(zip(seqs, (0, 7, 8))):
+        table_rows = graphs.block_table[:, :, index, : len(seq_blocks)]
+        assert torch.equal(table_rows, torch.from_numpy(seq_blocks).permute(1, 2, 0))
+        for row in range(len(tokens)):
+            page = seq_blocks[(start + row) // kv.tokens_per_page]
             assert torch.equal(graphs.dest_pages[:, :, first + row], torch.from_numpy(page).long())
     assert (graphs.dest_pages[:, :, 18:32] == SCRATCH_PAGE).all(), "padding rows write only the scratch page"
     assert (graphs.block_table[:, :, bucket.seqs] == SCRATCH_PAGE).all(), "the padding sequence reads the scratch page"
@@ -74,14 +81,14 @@ def test_a_base_only_step_takes_the_graph_without_lora_and_long_prompts_take_sev
     graphs, _ = make(max_tokens=200, max_model_len=160)
     assert graphs.tokens_buckets == [16, 32, 64, 128, 200]
     blocks = np.ones((75, LAYERS, 2), dtype=np.int32)
-    key, sampled = graphs.fill([StepSeq(np.arange(150), 0, -1, blocks, sample=True)])
+    key, sampled = graphs.fill(plan_of((np.arange(150), 0, -1, blocks, True)))
     bucket = graphs.buckets[200]
     assert key == (200, "none") and sampled == 1
     assert bucket.tile_row[:3].tolist() == [0, 64, 128] and bucket.tile_seq[:3].tolist() == [0, 0, 0]
     assert bucket.tile_seq[3] == bucket.seqs
     blocks2 = np.ones((40, LAYERS, 2), dtype=np.int32)
-    graphs.fill([StepSeq(np.arange(70), 0, 1, blocks2, sample=True), StepSeq(np.arange(5), 0, 3, blocks2, sample=True),
-                 StepSeq(np.arange(66), 0, 1, blocks2, sample=True)])
+    graphs.fill(plan_of((np.arange(70), 0, 1, blocks2, True), (np.arange(5), 0, 3, blocks2, True),
+                        (np.arange(66), 0, 1, blocks2, True)))
     bucket = graphs.buckets[200]
     assert bucket.seg_meta[:, :3].tolist() == [[1, 3, 0], [0, 136, 0], [136, 5, 0]]
     assert bucket.seg_tile[:, :4].tolist() == [[0, 0, 0, 1], [0, 64, 128, 0]], "136 rows of slot 1 in 3 tiles, then slot 3"

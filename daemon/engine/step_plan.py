@@ -1,0 +1,81 @@
+"""One step's work as the forward reads it, built once per step from the scheduler's batch (`StepPlan.build`).
+
+The eager forward (ModelRunner.build_step), the decode CUDA graphs and the prefill CUDA graphs all read the
+same plan: each sequence's new token ids, the position of the first, its adapter slot, its KV block list and
+whether its last row is sampled; which sequences the CPU workers assist; and `decode`, the one place where a
+step is called a decode step (every sequence adds the one token after its prompt and output so far). What
+kind of step it is decides the graph that replays it, the LoRA kernels it launches (LoraBatch.decode) and
+whether the engine may overlap it with the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from lorad.scheduler.batching import Sequence
+
+
+@dataclass
+class StepPlan:
+    tokens: list[np.ndarray]  # each sequence's new token ids (placeholders where device_tokens holds them)
+    starts: np.ndarray  # int64 [n]: the position of each sequence's first new token
+    slots: np.ndarray  # int64 [n]: each sequence's adapter slot in the page pool (-1: the base model alone)
+    blocks: list[np.ndarray]  # each sequence's KV block list [blocks, L, 2] of page ids
+    sample: np.ndarray  # bool [n]: its last row's logits are taken (its prompt is done)
+    seqs: list[Sequence] = field(default_factory=list)  # the engine's sequences, in the same order
+    assisted: dict[Sequence, int] = field(default_factory=dict)  # CPU-assisted sequences -> their adapter id
+    device_tokens: torch.Tensor | None = None  # [n] a decode step's input ids already on the device
+    counts: np.ndarray = field(init=False)  # int64 [n]: new tokens per sequence
+    decode: bool = field(init=False)  # every sequence adds one token, and it is sampled
+
+    def __post_init__(self):
+        self.counts = np.fromiter((len(tokens) for tokens in self.tokens), dtype=np.int64, count=len(self.tokens))
+        self.decode = bool((self.counts == 1).all() and self.sample.all())
+
+    @classmethod
+    def build(cls, batch: list[tuple[Sequence, int]], slot_of, assisted: dict[Sequence, int] | None = None,
+              device_tokens: torch.Tensor | None = None) -> StepPlan:
+        """From the scheduler's batch (each sequence and its new tokens this step); slot_of(adapter name) -> its
+        slot. With device_tokens (overlapped decode) each sequence adds the one token the device holds for it,
+        which its `tokens` do not have yet."""
+        if device_tokens is not None:
+            tokens = [np.zeros(1, dtype=np.int64) for _ in batch]
+        else:
+            tokens = [np.asarray(seq.tokens[seq.num_computed : seq.num_computed + count], dtype=np.int64)
+                      for seq, count in batch]
+        starts = np.fromiter((seq.num_computed for seq, _ in batch), dtype=np.int64, count=len(batch))
+        ends = starts + np.fromiter((count for _, count in batch), dtype=np.int64, count=len(batch))
+        return cls(
+            tokens=tokens,
+            starts=starts,
+            slots=np.fromiter((slot_of(seq.adapter) for seq, _ in batch), dtype=np.int64, count=len(batch)),
+            blocks=[seq.blocks.array() for seq, _ in batch],
+            sample=ends >= np.fromiter((seq.num_tokens for seq, _ in batch), dtype=np.int64, count=len(batch)),
+            seqs=[seq for seq, _ in batch],
+            assisted=assisted or {},
+            device_tokens=device_tokens,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.counts.sum())
+
+    @property
+    def max_blocks(self) -> int:
+        return max(len(blocks) for blocks in self.blocks)
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences whose logits the step returns, in their order."""
+        return [seq for seq, sample in zip(self.seqs, self.sample) if sample]
+
+    def row_slots(self) -> np.ndarray:
+        """int64 [num_tokens]: each row's adapter slot; -1 for the base model and for CPU-assisted rows."""
+        slots = self.slots.copy()
+        for index, seq in enumerate(self.seqs):
+            if seq in self.assisted:
+                slots[index] = -1
+        return np.repeat(slots, self.counts)
