@@ -384,12 +384,14 @@ async def _run(args: argparse.Namespace, goodput: dict[str, float]) -> dict:
             concurrency = point if key == "max-concurrency" else args.max_concurrency
             at = send_times(prompts, rate, args.time_scale, np.random.default_rng(args.seed))
             progress = _progress_bar(len(prompts), f"{key} {_json_point(point)}", args.no_progress)
+            before = await _step_time(client)
             try:
                 outcomes, duration = await run_load(client, prompts, models, at, concurrency, args.ignore_eos, progress)
             finally:
                 if progress is not None:
                     progress.close()
             summary = summarize(outcomes, duration, goodput)
+            summary["engine"] = step_time_delta(before, await _step_time(client))
             summary.update({"request_rate": _json_point(rate), "max_concurrency": concurrency})
             report["runs"].append(summary)
             lost = sum(count for error, count in summary["errors"].items() if error.startswith(CONNECTION))
@@ -397,6 +399,37 @@ async def _run(args: argparse.Namespace, goodput: dict[str, float]) -> dict:
                 report["stopped"] = f"{lost} of {len(outcomes)} requests lost their connection at {key} {_json_point(point)}"
                 break
     return report
+
+
+async def _step_time(client) -> dict | None:
+    """The daemon's account of its steps (/v1/status `step_time`); None where there is none (a router, or a
+    daemon that stopped answering)."""
+    try:
+        return (await client.status()).get("step_time")
+    except (OSError, asyncio.TimeoutError, LoradError):  # the run's own errors say why; its report goes on without them
+        return None
+    except Exception as error:  # aiohttp's ClientError (a disconnect), as in stream_request
+        if type(error).__module__.split(".")[0] != "aiohttp":
+            raise
+        return None
+
+
+def step_time_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What the engine spent on this run's steps (the daemon's step_time after less before): busy time against
+    the summed floor, in all and by step kind. Another client's requests in the same time would count too."""
+    if before is None or after is None:
+        return None
+    by_kind = {}
+    for kind, totals in after["by_kind"].items():
+        earlier = before["by_kind"].get(kind, {})
+        delta = {key: totals[key] - earlier.get(key, 0) for key in ("steps", "busy_s", "floor_s", "rows", "prompt_tokens")}
+        delta["efficiency"] = delta["floor_s"] / delta["busy_s"] if delta["busy_s"] > 0 else None
+        delta["mean_step_ms"] = delta["busy_s"] / delta["steps"] * 1e3 if delta["steps"] else None
+        by_kind[kind] = delta
+    busy = sum(kind["busy_s"] for kind in by_kind.values())
+    floor = sum(kind["floor_s"] for kind in by_kind.values())
+    return {"busy_s": busy, "floor_s": floor, "efficiency": floor / busy if busy > 0 else None,
+            "device_rates": after["device_rates"], "by_kind": by_kind}
 
 
 def _json_point(point) -> float | str:
@@ -415,7 +448,7 @@ def format_table(runs: list[dict], key: str) -> str:
     header = [key, "done", "failed", "req/s", "out tok/s", "total tok/s"]
     for metric in ("TTFT", "TPOT", "ITL", "E2E"):
         header += [f"{metric} mean", f"{metric} p50", f"{metric} p99"]
-    header += ["goodput req/s"]
+    header += ["goodput req/s", "busy s", "floor s", "floor/busy"]
     rows = [header]
     for run in runs:
         point = run["request_rate"] if key == "request-rate" else run["max_concurrency"]
@@ -424,10 +457,15 @@ def format_table(runs: list[dict], key: str) -> str:
         for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
             row += [_ms(run[metric][stat]) for stat in ("mean", "median", "p99")]
         row.append(f"{run['goodput']['request_goodput']:.2f}" if "goodput" in run else "-")
+        engine = run.get("engine")
+        row += ([f"{engine['busy_s']:.2f}", f"{engine['floor_s']:.2f}",
+                 f"{engine['efficiency']:.2f}" if engine["efficiency"] is not None else "-"]
+                if engine else ["-", "-", "-"])
         rows.append(row)
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
-    return "\n".join(lines + ["(times in ms)"])
+    return "\n".join(lines + ["(times in ms; busy s: the engine's step time in the run, floor s: the same steps' "
+                              "least time on this device from bytes and FLOPs)"])
 
 
 def _ms(value: float) -> str:

@@ -23,6 +23,8 @@ from lorad.daemon.model.adapters import AdapterRegistry, LoraAdapter
 from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
 from lorad.daemon.engine.cold_start import ColdStarts, streaming_availability
 from lorad.daemon.engine.runner import ModelRunner
+from lorad.daemon.engine.step_account import StepAccount
+from lorad.daemon.engine.step_cost import StepCostModel, measure_device_rates
 from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.engine.kernel_choice import LoraKernelChoice
 from lorad.daemon.engine.adapter_residency import LoraResidency
@@ -105,6 +107,13 @@ class Engine:
         log.info("decode lora kernel choice=%s", self.kernel_choice.describe())
         self.runner = ModelRunner(config, self.spec, self.device, weights, self.max_model_len, self.kernel_choice)
         del weights
+        # What this device sustains (HBM bandwidth, GEMM rate), measured before the pool takes the memory
+        # left: each step's floor in the engine's account of its own time (step_account.py).
+        rates = measure_device_rates(self.device, self.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.info("device rates hbm_gb_s=%.1f gemm_tflop_s=%.2f (each step's floor: the slower of bytes and FLOPs)",
+                 rates.bandwidth_bytes_per_s / 1e9, rates.flops_per_s / 1e12)
         self.pool = PagePool(self._pool_pages(), self.spec.hidden_size, self.dtype, self.device)
         self.kv = KVCache(self.pool, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
         if self.kv.blocks_for(self.max_model_len) * self.kv.pages_per_block > self.pool.capacity:
@@ -137,6 +146,8 @@ class Engine:
         self._held: dict[str, HeldAdapter] = {}
         self._draining: set[str] = set()
         self.stats = Metrics()  # counters for GET /metrics; Engine.metrics() snapshots them
+        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        self.account = StepAccount(StepCostModel(self.spec, dtype_bytes, self._adapter_ranks), rates)
         self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
         self.overlapped_steps = 0
         # Overlapped decode (step(), _launch_next_decode): only where the device runs behind the host. On the cpu a
@@ -238,6 +249,10 @@ class Engine:
     def _host_adapter(self, name: str) -> LoraAdapter:
         held = self._held.get(name)
         return held.adapter if held is not None else self.registry.get(name)
+
+    def _adapter_ranks(self, name: str) -> dict[tuple[int, int], int]:
+        """The rank of each (layer, projection) an adapter targets: what a step with it reads (step_cost.py)."""
+        return {key: a.shape[0] for key, (a, _) in self._host_adapter(name).weights.items()}
 
     def _place_every_adapter(self) -> None:
         """cold_start="cached": every registered adapter in the pool before the first request."""
@@ -429,6 +444,7 @@ class Engine:
         while True:
             with self._lock:
                 while not (self._stopping or self._inbox or self._aborts or self._drops or self.scheduler.has_work()):
+                    self.account.idle()
                     self._lock.wait()
                 if self._stopping:
                     break
@@ -437,6 +453,7 @@ class Engine:
             except Exception:  # a bug must not kill the daemon: fail the step's requests, go on
                 log.exception("step failed; failing its requests")
                 self._in_flight = None
+                self.account.drop_pending()
                 for seq in list(self.scheduler.running):
                     self._finish(seq, "error", error="internal error in the engine step")
         with self._lock:
@@ -445,6 +462,7 @@ class Engine:
             self._finish(seq, "abort")
 
     def step(self) -> None:
+        self.account.begin(time.perf_counter())
         self._take_inbox()
         if self._in_flight is not None:
             if self._launch_next_decode():
@@ -470,6 +488,7 @@ class Engine:
         streamed = bool(self.residency.streaming())  # this step ran while adapters streamed in
         plan = self.runner.plan(batch, assisted)
         logits = self.runner.forward(plan)
+        self.account.launched(plan)
         sampled = plan.sampled
         # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
         self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)
@@ -481,6 +500,7 @@ class Engine:
             return
         params = [seq.state.request.sampling for seq in sampled]
         tokens = sample(logits, params, [seq.state.generator for seq in sampled])  # waits for the device
+        self.account.landed(time.perf_counter())
         redo = self.cold_starts.after_cpu_assist(assisted, self.runner.step_spans) if assisted else set()  # its prefill runs again
         if streamed:
             redo |= self.cold_starts.after_streams(batch)  # failed: their step read an adapter that never arrived
@@ -558,7 +578,9 @@ class Engine:
             if flight.tokens.is_cuda:  # from pinned memory: a pageable copy may wait for the step in flight
                 index = index.pin_memory().to(flight.tokens.device, non_blocking=True)
             device_tokens = flight.tokens[index]
-        logits = self.runner.forward(self.runner.plan([(seq, 1) for seq in seqs], device_tokens=device_tokens))
+        plan = self.runner.plan([(seq, 1) for seq in seqs], device_tokens=device_tokens)
+        logits = self.runner.forward(plan)
+        self.account.launched(plan)
         following = self._launch_tokens(logits, seqs)
         for seq in seqs:
             seq.num_computed += 1
@@ -580,6 +602,7 @@ class Engine:
         if flight.done is not None:
             flight.done.synchronize()
         now = time.perf_counter()
+        self.account.landed(now)
         for seq, token in zip(flight.seqs, flight.host.tolist()):
             if not seq.state.finished:
                 self._take_token(seq, token, now)
@@ -666,6 +689,7 @@ class Engine:
                 held.requests -= 1
                 if held.requests == 0:
                     del self._held[seq.adapter]
+                    self.account.cost_model.forget(seq.adapter)
                     if seq.adapter in self._draining:
                         self._draining.discard(seq.adapter)
                         self.residency.drop(seq.adapter)

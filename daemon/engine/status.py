@@ -31,6 +31,8 @@ def engine_status(engine: Engine) -> dict:
             "running": len(engine.scheduler.running),
             "waiting": len(engine.scheduler.waiting) + len(engine._inbox),
             "steps": engine.steps,
+            # each step's wall time against its floor on this device (step_account.py): busy_s, floor_s, efficiency
+            "step_time": engine.account.snapshot(),
             "cuda_graph_steps": engine.runner.graph_steps,
             "cuda_graphs": engine.runner.graphs.buckets if engine.runner.graphs is not None else "off",
             "prefill_cuda_graph_steps": engine.runner.prefill_graph_steps,
@@ -112,7 +114,7 @@ def metrics_snapshot(engine: Engine) -> dict:
         model=engine.model_name, running=len(running), waiting=len(waiting), running_adapters=running,
         waiting_adapters=waiting, max_lora=engine.table.num_slots, pool=engine.pool.occupancy(),
         adapters_resident=len(engine.residency.slots), adapter_evictions=engine.residency.evictions,
-        admission_tpot_held=engine.scheduler.tpot_held,
+        admission_tpot_held=engine.scheduler.tpot_held, steps=engine.account.metrics(),
         cpu_jobs_native=assist.pool.native_jobs if (assist := engine.cold_starts.cpu_assist) is not None else 0,
     )
 

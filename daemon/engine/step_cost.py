@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from lorad.daemon.model.checkpoint import PROJECTIONS, ModelSpec
 
 
@@ -54,27 +56,31 @@ class StepCostModel:
         self._adapter_elements: dict[str, tuple[int, int]] = {}
 
     def cost(self, sequences: list[SequenceInStep]) -> StepCost:
+        adapter_rows: dict[str, int] = {}
+        for seq in sequences:
+            if seq.adapter is not None:
+                adapter_rows[seq.adapter] = adapter_rows.get(seq.adapter, 0) + seq.new_tokens
+        return self.cost_of(np.array([seq.new_tokens for seq in sequences], dtype=np.int64),
+                            np.array([seq.context for seq in sequences], dtype=np.int64),
+                            sum(seq.sampled for seq in sequences), adapter_rows)
+
+    def cost_of(self, new_tokens: np.ndarray, contexts: np.ndarray, sampled: int, adapter_rows: dict[str, int]) -> StepCost:
+        """The same from arrays, as the engine has them once per step: new_tokens and contexts int64 [n] (the
+        fields of SequenceInStep), the number of sampled rows, and each adapter's rows in the step."""
         spec = self.spec
-        rows = sum(seq.new_tokens for seq in sequences)
-        sampled = sum(seq.sampled for seq in sequences)
+        rows = int(new_tokens.sum())
         weights = spec.num_layers * self.layer_weights + self.norm_weights + rows * spec.hidden_size
         weights += self.head_weights if sampled else 0
         flops = 2 * rows * spec.num_layers * self.layer_weights + 2 * sampled * self.head_weights
-        kv = 0
-        adapters: dict[str, int] = {}
-        for seq in sequences:
-            kv += (seq.context + seq.new_tokens) * self.kv_per_token  # the context read, the new tokens written
-            earlier = seq.context - seq.new_tokens
-            # row i (0-based) of the new tokens attends to earlier + i + 1 keys
-            pairs = seq.new_tokens * earlier + seq.new_tokens * (seq.new_tokens + 1) // 2
-            flops += 4 * spec.num_layers * spec.q_size * pairs  # QK^T and PV, 2 FLOPs per multiply-add
-            if seq.adapter is not None:
-                adapters[seq.adapter] = adapters.get(seq.adapter, 0) + seq.new_tokens
+        kv = int((contexts + new_tokens).sum()) * self.kv_per_token  # the context read, the new tokens written
+        # row i (0-based) of a sequence's new tokens attends to its earlier tokens and i + 1 more
+        pairs = int((new_tokens * (contexts - new_tokens) + new_tokens * (new_tokens + 1) // 2).sum())
+        flops += 4 * spec.num_layers * spec.q_size * pairs  # QK^T and PV, 2 FLOPs per multiply-add
         adapter_elements = 0
-        for name, adapter_rows in adapters.items():
+        for name, count in adapter_rows.items():
             elements = self._adapter_size(name)
             adapter_elements += elements
-            flops += 2 * adapter_rows * elements  # shrink x @ A^T and expand @ B^T: rank * (in + out) per row
+            flops += 2 * count * elements  # shrink x @ A^T and expand @ B^T: rank * (in + out) per row
         return StepCost(weights * self.dtype_bytes, kv * self.dtype_bytes, adapter_elements * self.dtype_bytes, flops)
 
     def _adapter_size(self, name: str) -> int:

@@ -96,6 +96,22 @@ def render(snapshot: dict) -> str:
                "Decode steps with LoRA rows by the kernel chosen for them: bgmv or mbgmv (lorad profile's models).")
     for kernel, count in sorted(snapshot.get("lora_kernel_steps", {"bgmv": 0, "mbgmv": 0}).items()):
         out.sample("lorad_decode_lora_kernel_steps_total", {"kernel": kernel}, count)
+    steps = snapshot.get("steps", {})
+    out.family("lorad_step_seconds", "histogram",
+               "Engine steps by kind (decode, prefill, mixed): the wall time each took, from the previous step's landing.")
+    for kind, account in steps.items():
+        out.histogram("lorad_step_seconds", {"kind": kind}, account["seconds"])
+    for name, key, help_text in (
+        ("lorad_step_busy_seconds_total", "busy_s", "Wall time of engine steps by kind (the sum of lorad_step_seconds)."),
+        ("lorad_step_floor_seconds_total", "floor_s",
+         "The least time the same steps could take on this device: bytes / HBM bandwidth or FLOPs / GEMM rate, "
+         "the slower, measured at start-up. Floor over busy is the engine's efficiency."),
+        ("lorad_step_rows_total", "rows", "Token rows computed by engine steps, by kind."),
+        ("lorad_step_prompt_tokens_total", "prompt_tokens", "Prompt tokens computed by engine steps, by kind."),
+    ):
+        out.family(name, "counter", help_text)
+        for kind, account in steps.items():
+            out.sample(name, {"kind": kind}, account[key])
     return out.text()
 
 

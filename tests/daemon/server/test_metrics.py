@@ -207,6 +207,16 @@ def test_metrics_move_as_requests_run(demo):
     assert value(after, "lorad_pool_pages", owner="adapter") > 0
     pages = sum(value(after, "lorad_pool_pages", owner=owner) for owner in ("kv", "adapter", "free"))
     assert pages == engine.pool.capacity
+    # one request at a time: each one prompt step, then a decode step per token after the first
+    assert value(after, "lorad_step_seconds_count", kind="prefill") == 2
+    assert value(after, "lorad_step_seconds_count", kind="decode") == 8
+    assert value(after, "lorad_step_seconds_count", kind="mixed") == 0
+    assert value(after, "lorad_step_rows_total", kind="prefill") == 2 * prompt
+    assert value(after, "lorad_step_prompt_tokens_total", kind="prefill") == 2 * prompt
+    assert value(after, "lorad_step_rows_total", kind="decode") == 8
+    assert 0 < value(after, "lorad_step_floor_seconds_total", kind="decode")
+    assert 0 < value(after, "lorad_step_busy_seconds_total", kind="decode") == pytest.approx(
+        value(after, "lorad_step_seconds_sum", kind="decode"))
 
     chunks = client.stream_completions(model="demo-r4", prompt="abc", max_tokens=2)
     list(chunks)

@@ -1,0 +1,149 @@
+"""The engine's account of its own time: every step's kind, rows and prompt tokens, its bytes and FLOPs
+(step_cost.py) and so its floor on this device, against the wall time the engine spent on it.
+
+A step's time runs from where the engine's previous step landed (its tokens read on the host), or from when
+the engine took up work after idling, to where this one lands. So every second the engine is busy is
+charged to one step: the host's work between steps (scheduling, building the plan, handing tokens back) to
+the step it prepares, and an overlapped decode step, launched before the one ahead of it landed, only for
+the time after that one. Busy time summed over steps against their summed floor is the engine's efficiency:
+1.0 would be a GPU that never waits for the host and runs every step at its HBM bandwidth or its GEMM rate.
+
+Kinds: `decode` (every sequence adds its next token), `prefill` (every sequence is in its prompt), `mixed`
+(prompt rows beside decode rows).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from lorad.daemon.engine.stats import Histogram
+from lorad.daemon.engine.step_cost import DeviceRates, StepCost, StepCostModel
+from lorad.daemon.engine.step_plan import StepPlan
+
+STEP_KINDS = ("decode", "prefill", "mixed")
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass
+class KindTotals:
+    steps: int = 0
+    busy_s: float = 0.0
+    floor_s: float = 0.0
+    memory_s: float = 0.0  # bytes / bandwidth, summed
+    compute_s: float = 0.0  # FLOPs / GEMM rate, summed
+    rows: int = 0
+    prompt_tokens: int = 0
+    bytes: int = 0
+    flops: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "busy_s": round(self.busy_s, 6),
+            "floor_s": round(self.floor_s, 6),
+            "efficiency": round(self.floor_s / self.busy_s, 4) if self.busy_s else None,
+            "memory_floor_s": round(self.memory_s, 6),
+            "compute_floor_s": round(self.compute_s, 6),
+            "mean_step_ms": round(self.busy_s / self.steps * 1e3, 3) if self.steps else None,
+            "rows": self.rows,
+            "prompt_tokens": self.prompt_tokens,
+            "bytes": self.bytes,
+            "flops": self.flops,
+        }
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    kind: str
+    rows: int
+    prompt_tokens: int
+    cost: StepCost
+
+
+class StepAccount:
+    """Called from the step loop (begin, launched, landed, idle, drop_pending); read from any thread
+    (snapshot, metrics)."""
+
+    def __init__(self, cost_model: StepCostModel, rates: DeviceRates):
+        self.cost_model, self.rates = cost_model, rates
+        self._pending: deque[LaunchedStep] = deque()
+        self._mark: float | None = None  # where the next step's time starts; None while idle
+        self._lock = threading.Lock()
+        self.totals = {kind: KindTotals() for kind in STEP_KINDS}
+        self.step_seconds = {kind: Histogram(STEP_BUCKETS) for kind in STEP_KINDS}
+
+    def begin(self, now: float) -> None:
+        """The step loop takes up work: time counts from here unless a step is already being timed."""
+        if self._mark is None:
+            self._mark = now
+
+    def idle(self) -> None:
+        """The step loop waits for work (nothing in flight): the time until it is woken is nobody's."""
+        if not self._pending:
+            self._mark = None
+
+    def launched(self, plan: StepPlan) -> None:
+        """A step's forward was launched; its time is taken when it lands (FIFO: steps land in launch order)."""
+        counts, starts = plan.counts, plan.starts
+        prompt_lens = np.fromiter((seq.prompt_len for seq in plan.seqs), dtype=np.int64, count=len(plan.seqs))
+        prompt_tokens = int(np.clip(np.minimum(starts + counts, prompt_lens) - starts, 0, None).sum())
+        decoding = (counts == 1) & (starts >= prompt_lens)  # rows after the prompt (a 1-token prompt chunk is not)
+        kind = "decode" if decoding.all() else "mixed" if decoding.any() else "prefill"
+        adapter_rows: dict[str, int] = {}
+        for seq, count, slot in zip(plan.seqs, counts, plan.slots):
+            if slot >= 0 and seq not in plan.assisted:  # CPU-assisted rows' LoRA is not read on the device
+                adapter_rows[seq.adapter] = adapter_rows.get(seq.adapter, 0) + int(count)
+        cost = self.cost_model.cost_of(counts, starts + counts, int(plan.sample.sum()), adapter_rows)
+        self._pending.append(LaunchedStep(kind, int(counts.sum()), prompt_tokens, cost))
+
+    def landed(self, now: float) -> None:
+        """The oldest launched step's tokens are on the host: its time and floor are counted."""
+        step = self._pending.popleft()
+        seconds = now - (self._mark if self._mark is not None else now)
+        self._mark = now
+        memory_s = step.cost.bytes / self.rates.bandwidth_bytes_per_s
+        compute_s = step.cost.flops / self.rates.flops_per_s
+        with self._lock:
+            totals = self.totals[step.kind]
+            totals.steps += 1
+            totals.busy_s += seconds
+            totals.floor_s += max(memory_s, compute_s)
+            totals.memory_s += memory_s
+            totals.compute_s += compute_s
+            totals.rows += step.rows
+            totals.prompt_tokens += step.prompt_tokens
+            totals.bytes += step.cost.bytes
+            totals.flops += step.cost.flops
+            self.step_seconds[step.kind].observe(seconds)
+
+    def drop_pending(self) -> None:
+        """A step failed: what it had launched is not timed."""
+        self._pending.clear()
+        self._mark = None
+
+    def snapshot(self) -> dict:
+        """For /v1/status: the device's rates, and busy time against the floor, in all and by kind."""
+        with self._lock:
+            by_kind = {kind: totals.as_dict() for kind, totals in self.totals.items()}
+        busy = sum(kind["busy_s"] for kind in by_kind.values())
+        floor = sum(kind["floor_s"] for kind in by_kind.values())
+        return {
+            "device_rates": {"hbm_gb_s": round(self.rates.bandwidth_bytes_per_s / 1e9, 1),
+                             "gemm_tflop_s": round(self.rates.flops_per_s / 1e12, 2)},
+            "busy_s": round(busy, 6),
+            "floor_s": round(floor, 6),
+            "efficiency": round(floor / busy, 4) if busy else None,
+            "by_kind": by_kind,
+        }
+
+    def metrics(self) -> dict:
+        """For /metrics: per kind, the step-time histogram and the summed busy time, floor, rows and prompt tokens."""
+        with self._lock:
+            return {kind: {"seconds": self.step_seconds[kind].snapshot(), "busy_s": totals.busy_s,
+                           "floor_s": totals.floor_s, "rows": totals.rows, "prompt_tokens": totals.prompt_tokens,
+                           "steps": totals.steps}
+                    for kind, totals in self.totals.items()}

@@ -1,0 +1,109 @@
+"""daemon/engine/step_account.py: which kind each step is, how its wall time is charged (from the previous
+step's landing, overlapped steps after the one ahead of them), and on the demo engine the summed bytes and
+FLOPs of its steps against the step cost model worked out by hand in test_step_cost.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from lorad.daemon.engine.request import GenerationRequest, SamplingParams
+from lorad.daemon.engine.step_account import StepAccount
+from lorad.daemon.engine.step_cost import DeviceRates, SequenceInStep, StepCostModel
+from lorad.daemon.engine.step_plan import StepPlan
+from lorad.daemon.model.checkpoint import load_spec
+
+from test_engine import make_engine
+
+
+@dataclass(eq=False)
+class Seq:
+    prompt_len: int
+    adapter: str | None = None
+
+
+def plan(rows: list[tuple[Seq, int, int, bool]]) -> StepPlan:
+    """rows: (sequence, first position, new tokens, sampled)."""
+    return StepPlan([np.zeros(count, dtype=np.int64) for _, _, count, _ in rows],
+                    np.array([start for _, start, _, _ in rows]), np.full(len(rows), -1),
+                    [np.zeros((1, 1, 2), dtype=np.int32) for _ in rows], np.array([sampled for *_, sampled in rows]),
+                    seqs=[seq for seq, *_ in rows])
+
+
+@pytest.fixture
+def account(demo_assets):
+    spec = load_spec(demo_assets.model_dir)
+    return StepAccount(StepCostModel(spec, 4, adapter_ranks=lambda name: {}), DeviceRates(1e9, 1e9))
+
+
+def test_each_step_has_its_kind_and_prompt_tokens(account):
+    prompt, talker = Seq(prompt_len=10), Seq(prompt_len=4)
+    account.begin(0.0)
+    account.launched(plan([(prompt, 0, 6, False)]))  # a first prompt chunk: no row sampled
+    account.launched(plan([(prompt, 6, 4, True), (talker, 7, 1, True)]))  # the prompt's end beside a decode row
+    account.launched(plan([(prompt, 10, 1, True), (talker, 8, 1, True)]))
+    for now in (1.0, 2.0, 3.0):
+        account.landed(now)
+    kinds = account.snapshot()["by_kind"]
+    assert {kind: totals["steps"] for kind, totals in kinds.items()} == {"prefill": 1, "mixed": 1, "decode": 1}
+    assert {kind: totals["prompt_tokens"] for kind, totals in kinds.items()} == {"prefill": 6, "mixed": 4, "decode": 0}
+    assert {kind: totals["rows"] for kind, totals in kinds.items()} == {"prefill": 6, "mixed": 5, "decode": 2}
+    # a one-token last chunk of a prompt is a prompt row, not a decode row
+    account.launched(plan([(Seq(prompt_len=3), 2, 1, True), (talker, 9, 1, True)]))
+    account.landed(4.0)
+    assert account.snapshot()["by_kind"]["mixed"]["prompt_tokens"] == 5
+
+
+def test_wall_time_is_charged_from_the_previous_landing_and_idle_time_to_no_step(account):
+    seq = Seq(prompt_len=1)
+    decode = plan([(seq, 5, 1, True)])
+    account.begin(10.0)
+    account.launched(decode)
+    account.landed(10.5)  # 0.5 s
+    account.begin(10.6)  # the host's work between steps counts toward the next one
+    account.launched(decode)
+    account.launched(decode)  # overlapped: launched before the one ahead of it landed
+    account.landed(11.0)  # 0.5 s
+    account.begin(11.1)
+    account.landed(11.2)  # 0.2 s: only after the one ahead of it
+    account.idle()
+    account.begin(20.0)  # woken after idling: the 8.8 s between are nobody's
+    account.launched(decode)
+    account.landed(20.25)
+    decode_totals = account.snapshot()["by_kind"]["decode"]
+    assert decode_totals["steps"] == 4
+    assert decode_totals["busy_s"] == pytest.approx(0.5 + 0.5 + 0.2 + 0.25)
+    histogram = account.metrics()["decode"]["seconds"]
+    assert sum(histogram["counts"]) == 4 and histogram["sum"] == pytest.approx(1.45)
+
+
+def test_a_failed_step_leaves_nothing_pending(account):
+    account.begin(0.0)
+    account.launched(plan([(Seq(prompt_len=1), 5, 1, True)]))
+    account.drop_pending()
+    account.idle()
+    with pytest.raises(IndexError):
+        account.landed(1.0)
+    assert account.snapshot()["busy_s"] == 0
+
+
+def test_the_engine_accounts_every_step_it_runs(demo_assets):
+    engine = make_engine(demo_assets)
+    prompt = list(range(3, 8))
+    engine.generate([GenerationRequest(prompt, "demo-r8", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))])
+    status = engine.status()["step_time"]
+    kinds = status["by_kind"]
+    assert kinds["prefill"]["steps"] == 1 and kinds["decode"]["steps"] == 2 and kinds["mixed"]["steps"] == 0
+    assert sum(kind["steps"] for kind in kinds.values()) == engine.steps
+    # the same steps through the hand-checked cost model: a 5-token prompt, then decode rows at contexts 6 and 7
+    model = engine.account.cost_model
+    prefill = model.cost([SequenceInStep(5, 5, True, "demo-r8")])
+    decodes = [model.cost([SequenceInStep(1, context, True, "demo-r8")]) for context in (6, 7)]
+    assert kinds["prefill"]["bytes"] == prefill.bytes and kinds["prefill"]["flops"] == prefill.flops
+    assert kinds["decode"]["bytes"] == sum(cost.bytes for cost in decodes)
+    assert kinds["decode"]["flops"] == sum(cost.flops for cost in decodes)
+    assert prefill.adapter_bytes == 4 * 10240  # demo-r8: its q, k, v A and B rows, float32 (test_step_cost.py)
+    assert status["busy_s"] > 0 and status["floor_s"] > 0 and 0 < status["efficiency"]
+    assert status["device_rates"]["hbm_gb_s"] > 0 and status["device_rates"]["gemm_tflop_s"] > 0
