@@ -22,11 +22,15 @@ class LoraBatch:
     slot_rows: host list of (slot, row indices as a device int64 tensor), one entry per slot present.
     decode: a decode step's batch (each row one sequence's next token: daemon/engine/step_plan.py), whose
     LoRA the decode kernels (BGMV, MBGMV) take; any other batch's goes to MBGMM.
+    one_row_slot: in a batch that is not a decode step, int32 [n] on the device for its first n rows: the
+    slot of each row MBGMV computes (one-token rows, each with its own adapter), -1 for the others, which
+    MBGMM's segments hold (daemon/engine/prefill_graphs.py); None: MBGMM takes every row.
     """
 
     row_slot: torch.Tensor
     slot_rows: list[tuple[int, torch.Tensor]]
     decode: bool = False
+    one_row_slot: torch.Tensor | None = None
     segments: object = None  # the kernels' per-step metadata (mbgmm.Segments), when they run
     max_rank: int = 0
     decode_kernel: str = "mbgmv"  # the step's decode LoRA kernel, bgmv|mbgmv (daemon/engine/kernel_choice.py)

@@ -4,7 +4,7 @@ graph per token bucket.
 An eager forward of the 7B shape launches ~20 kernels a layer; Triton's launcher costs tens of
 microseconds each, so a prefill of 32..512 tokens took 30-40 ms on the host where its kernels take
 6-18 ms on the device (bench/prefill_host.py; BENCHMARKS.md). A graph per bucket of step tokens
-(16, 32, ..., max_batch_tokens) removes that cost. Everything a graph reads lives in static buffers
+(16 to 256 by powers of two, then every 256 tokens up to max_batch_tokens) removes that cost. Everything a graph reads lives in static buffers
 filled before each replay, and every grid is fixed by the bucket:
 
 - rows past the step's tokens are padding: token 0 at position 0, written to the scratch page, in
@@ -14,7 +14,10 @@ filled before each replay, and every grid is fixed by the bucket:
   the step's point at a padding sequence of no rows, which returns at once;
 - LoRA runs MBGMM at the configured maximum rank over a fixed list of row tiles (the bucket's tokens /
   64, plus one per segment, a segment being one adapter's rows); tiles past the step's point at a
-  padding segment of no rows, and each program past its adapter's rank returns at once;
+  padding segment of no rows, and each program past its adapter's rank returns at once. The rows of
+  one-token sequences (a mixed step's decode rows) among the first max_seqs rows are not in a segment:
+  MBGMV takes them, each row with its own adapter, over those max_seqs rows (-1: none), where MBGMM would
+  spend a 16-row tile on each;
 - logits come back for a fixed number of sampled rows; the caller reads the first ones.
 
 Graphs are captured per bucket for steps without any adapter row ("none": no LoRA launches) and with
@@ -36,7 +39,9 @@ from lorad.gpu_ops.page_pool import SCRATCH_PAGE
 
 log = logging.getLogger(__name__)
 
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+# Powers of two up to 256, then every 256 tokens: a step pads to at most 255 rows past 256 tokens (a power
+# of two would pad a step of 1100 rows, a prompt beside 64 decode rows, to 2048).
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
 
 
 class _Bucket:
@@ -49,8 +54,8 @@ class _Bucket:
         self.tiles = -(-tokens // tile_m) + seqs
         self.seg_tiles = -(-tokens // seg_tile_m) + seqs
         # int32, one copy: seg_meta [3, seqs + 1] | seg_rows [tokens] | row_slot [tokens] | seq_info [3, seqs + 1]
-        # | tile_seq [tiles] | tile_row [tiles] | seg_tile [2, seg_tiles]
-        self.sizes = (3 * (seqs + 1), tokens, tokens, 3 * (seqs + 1), self.tiles, self.tiles, 2 * self.seg_tiles)
+        # | tile_seq [tiles] | tile_row [tiles] | seg_tile [2, seg_tiles] | one_row_slot [seqs]
+        self.sizes = (3 * (seqs + 1), tokens, tokens, 3 * (seqs + 1), self.tiles, self.tiles, 2 * self.seg_tiles, seqs)
         total = sum(self.sizes)
         self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
         self.device = torch.zeros(total, dtype=torch.int32, device=device)
@@ -58,6 +63,7 @@ class _Bucket:
         self.seg_meta, self.seg_rows, self.row_slot = parts[0].view(3, seqs + 1), parts[1], parts[2]
         self.seq_info, self.tile_seq, self.tile_row = parts[3].view(3, seqs + 1), parts[4], parts[5]
         self.seg_tile = parts[6].view(2, self.seg_tiles)
+        self.one_row_slot = parts[7]
         self.host_parts = [part.numpy() for part in self.host.split(self.sizes)]
 
 
@@ -135,14 +141,22 @@ class PrefillGraphs:
         host64[2, :n] = positions % tokens_per_page
         host64[3, : len(sampled)] = starts_row[sampled] + lengths[sampled] - 1
 
-        seg_meta, seg_rows, slot_rows, seq_info, tile_seq, tile_row, seg_tile = bucket.host_parts
+        seg_meta, seg_rows, slot_rows, seq_info, tile_seq, tile_row, seg_tile, one_row_slot = bucket.host_parts
         seg_meta[:] = 0  # padding segments (the last one always): no rows
         seg_rows[:] = 0
         slot_rows[:] = -1
         slot_rows[:n] = row_slot
         seg_tile = seg_tile.reshape(2, -1)
         seg_tile[0], seg_tile[1] = bucket.seqs, 0  # unused tiles: the padding segment
-        used = np.flatnonzero(row_slot >= 0)
+        # The rows of one-token sequences (decode rows) among the first bucket.seqs go to MBGMV, each with its
+        # own adapter; MBGMM's 16-row tiles would spend a whole tile on each. The other adapter rows to MBGMM.
+        head = row_slot[: bucket.seqs]
+        one_row = (np.repeat(lengths, lengths)[: bucket.seqs] == 1) & (head >= 0)
+        one_row_slot[:] = -1
+        one_row_slot[: len(head)][one_row] = head[one_row]
+        in_segments = row_slot >= 0
+        in_segments[: bucket.seqs][one_row] = False
+        used = np.flatnonzero(in_segments)
         if len(used):
             order = used[np.argsort(row_slot[used], kind="stable")]
             seg_slots, seg_first, seg_len = np.unique(row_slot[order], return_index=True, return_counts=True)
@@ -181,7 +195,7 @@ class PrefillGraphs:
         self.dest_pages[:, :, :tokens].copy_(self.host_dest[:, :, :tokens], non_blocking=True)
         bucket.device.copy_(bucket.host, non_blocking=True)
         self.blocks.send(num_seqs, width, self.block_table)
-        return (tokens, "lora" if len(used) else "none"), len(sampled)
+        return (tokens, "lora" if (row_slot >= 0).any() else "none"), len(sampled)
 
     def static_step(self, tokens: int, kind: str) -> Step:
         """The bucket's Step over the static buffers (what its graph is captured from; the CPU tests run
@@ -204,6 +218,7 @@ class PrefillGraphs:
         )
         lora = LoraBatch(row_slot=bucket.row_slot, slot_rows=[])
         if kind == "lora":
+            lora.one_row_slot = bucket.one_row_slot
             # One program row per tile of the list; the host lengths only size the split-K choice.
             lora.segments = Segments(rows=bucket.seg_rows, meta=bucket.seg_meta, slots=[0] * (seqs + 1),
                                      lengths=[tokens] + [0] * seqs, max_rank=self.max_rank, tiles=bucket.seg_tile,

@@ -158,6 +158,11 @@ class TritonOps(TorchOps):
                                   pdl=self.pdl)
         else:
             self._mbgmm.lora_prefill(x, y, layer, proj, batch, table, segments=batch.segments, workspace=self.workspace)
+            if batch.one_row_slot is not None:  # a mixed step's decode rows, not in MBGMM's segments
+                rows = batch.one_row_slot.shape[0]
+                # no early launch: this shrink reuses the workspace that MBGMM's expand, just before it, reads
+                self._mbgmv.mbgmv(x[:rows], y[:rows], layer, proj, batch.one_row_slot, table, batch.max_rank,
+                                  self.workspace, pdl=False)
 
     def lora_group(self, x, fused, outs, layer, first, batch, table):
         """With fuse_groups, a decode step's group in one MBGMV launch pair where the members' tiles agree;

@@ -77,6 +77,24 @@ def test_fill_lays_out_a_mixed_step_for_the_fixed_grids():
     assert (graphs.block_table[:, :, bucket.seqs] == SCRATCH_PAGE).all(), "the padding sequence reads the scratch page"
 
 
+def test_a_mixed_steps_decode_rows_go_to_mbgmv_and_its_prompt_rows_to_mbgmm():
+    graphs, _ = make()
+    blocks = np.ones((9, LAYERS, 2), dtype=np.int32)
+    # decodes of slots 1 and 2 around a 6-token prompt of slot 1, a base decode, a 1-token last prompt chunk of slot 3
+    key, _ = graphs.fill(plan_of((np.array([5]), 4, 1, blocks, True), (np.arange(6), 0, 1, blocks, True),
+                                 (np.array([6]), 7, 2, blocks, True), (np.array([7]), 2, -1, blocks, True),
+                                 (np.array([8]), 3, 3, blocks, True)))
+    bucket = graphs.buckets[16]
+    assert key == (16, "lora") and bucket.seqs == 8
+    assert bucket.one_row_slot.tolist() == [1, -1, -1, -1, -1, -1, -1, 2], "rows 0 and 7 of the first 8; row 9 is past them"
+    assert bucket.seg_meta[:, :3].tolist() == [[1, 3, 0], [0, 6, 0], [6, 1, 0]], "slot 1's prompt rows, then row 9"
+    assert bucket.seg_rows[:7].tolist() == [1, 2, 3, 4, 5, 6, 9]
+    assert bucket.row_slot[:10].tolist() == [1, 1, 1, 1, 1, 1, 1, 2, -1, 3], "every row's slot, for the reference ops"
+    key, _ = graphs.fill(plan_of((np.array([5]), 4, 1, blocks, True), (np.arange(6), 0, -1, blocks, True)))
+    assert key == (16, "lora") and not bucket.seg_meta[2].any(), "decode rows alone still take the LoRA graph"
+    assert bucket.one_row_slot.tolist() == [1] + [-1] * 7
+
+
 def test_a_base_only_step_takes_the_graph_without_lora_and_long_prompts_take_several_tiles():
     graphs, _ = make(max_tokens=200, max_model_len=160)
     assert graphs.tokens_buckets == [16, 32, 64, 128, 200]
