@@ -20,8 +20,9 @@ filled before each replay, and every grid is fixed by the bucket:
   spend a 16-row tile on each;
 - logits come back for a fixed number of sampled rows; the caller reads the first ones.
 
-Graphs are captured per bucket for steps without any adapter row ("none": no LoRA launches) and with
-("lora"). Steps with CPU-assisted rows, or larger than the largest bucket, run eagerly.
+Graphs are captured per bucket for steps without any adapter row ("none": no LoRA launches), with adapter
+rows in segments only ("lora": MBGMM) and with one-token adapter rows too ("lora+rows": MBGMM and MBGMV).
+Steps with CPU-assisted rows, or larger than the largest bucket, run eagerly.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ log = logging.getLogger(__name__)
 # Powers of two up to 256, then every 256 tokens: a step pads to at most 255 rows past 256 tokens (a power
 # of two would pad a step of 1100 rows, a prompt beside 64 decode rows, to 2048).
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
+# A graph per bucket and kind: no adapter row; adapter rows in MBGMM's segments only; and with one-token
+# adapter rows (a mixed step's decode rows) in MBGMV as well, whose launches cost ~20 us a projection even
+# with no row to compute, so a step without such rows does not pay them.
+GRAPH_KINDS = ("none", "lora", "lora+rows")
 
 
 class _Bucket:
@@ -96,7 +101,7 @@ class PrefillGraphs:
         self.last_key = None
 
     def plan(self) -> list[tuple[int, str]]:
-        return [(tokens, kind) for tokens in self.tokens_buckets for kind in ("none", "lora")]
+        return [(tokens, kind) for tokens in self.tokens_buckets for kind in GRAPH_KINDS]
 
     def capture(self, pool=None) -> None:
         """Captures every bucket's graphs, largest first so the smaller ones reuse its memory; `pool`: a
@@ -195,7 +200,8 @@ class PrefillGraphs:
         self.dest_pages[:, :, :tokens].copy_(self.host_dest[:, :, :tokens], non_blocking=True)
         bucket.device.copy_(bucket.host, non_blocking=True)
         self.blocks.send(num_seqs, width, self.block_table)
-        return (tokens, "lora" if (row_slot >= 0).any() else "none"), len(sampled)
+        kind = "lora+rows" if one_row.any() else "lora" if len(used) else "none"
+        return (tokens, kind), len(sampled)
 
     def static_step(self, tokens: int, kind: str) -> Step:
         """The bucket's Step over the static buffers (what its graph is captured from; the CPU tests run
@@ -217,8 +223,9 @@ class PrefillGraphs:
             num_decode=0, num_tiles=bucket.tiles, max_context=self.max_blocks * self.kv.tokens_per_page,
         )
         lora = LoraBatch(row_slot=bucket.row_slot, slot_rows=[])
-        if kind == "lora":
+        if kind == "lora+rows":
             lora.one_row_slot = bucket.one_row_slot
+        if kind != "none":
             # One program row per tile of the list; the host lengths only size the split-K choice.
             lora.segments = Segments(rows=bucket.seg_rows, meta=bucket.seg_meta, slots=[0] * (seqs + 1),
                                      lengths=[tokens] + [0] * seqs, max_rank=self.max_rank, tiles=bucket.seg_tile,

@@ -85,13 +85,13 @@ def test_a_mixed_steps_decode_rows_go_to_mbgmv_and_its_prompt_rows_to_mbgmm():
                                  (np.array([6]), 7, 2, blocks, True), (np.array([7]), 2, -1, blocks, True),
                                  (np.array([8]), 3, 3, blocks, True)))
     bucket = graphs.buckets[16]
-    assert key == (16, "lora") and bucket.seqs == 8
+    assert key == (16, "lora+rows") and bucket.seqs == 8
     assert bucket.one_row_slot.tolist() == [1, -1, -1, -1, -1, -1, -1, 2], "rows 0 and 7 of the first 8; row 9 is past them"
     assert bucket.seg_meta[:, :3].tolist() == [[1, 3, 0], [0, 6, 0], [6, 1, 0]], "slot 1's prompt rows, then row 9"
     assert bucket.seg_rows[:7].tolist() == [1, 2, 3, 4, 5, 6, 9]
     assert bucket.row_slot[:10].tolist() == [1, 1, 1, 1, 1, 1, 1, 2, -1, 3], "every row's slot, for the reference ops"
     key, _ = graphs.fill(plan_of((np.array([5]), 4, 1, blocks, True), (np.arange(6), 0, -1, blocks, True)))
-    assert key == (16, "lora") and not bucket.seg_meta[2].any(), "decode rows alone still take the LoRA graph"
+    assert key == (16, "lora+rows") and not bucket.seg_meta[2].any(), "decode rows alone take MBGMV's graph"
     assert bucket.one_row_slot.tolist() == [1] + [-1] * 7
 
 
@@ -169,7 +169,7 @@ def test_the_padded_static_steps_give_the_reference_engines_tokens(demo_assets):
     results = engine.generate(batch(names)) + engine.generate(batch([None], count=2, seed=1))
     engine.close()
 
-    assert engine.runner.prefill_graph_steps > 0 and {kind for _, kind in replayed} == {"none", "lora"}
+    assert engine.runner.prefill_graph_steps > 0 and {kind for _, kind in replayed} == {"none", "lora", "lora+rows"}
     for got, want in zip(results, expected):
         assert got.token_ids == want.token_ids
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
