@@ -123,10 +123,21 @@ class Client:
         """POST /v1/completions with `fields` (model, prompt, max_tokens, temperature...)."""
         return self._json("POST", "/v1/completions", {**fields, "stream": False})
 
+    def chat_completions(self, **fields) -> dict:
+        """POST /v1/chat/completions with `fields` (model, messages, max_completion_tokens, temperature...)."""
+        return self._json("POST", "/v1/chat/completions", {**fields, "stream": False})
+
     def stream_completions(self, **fields) -> Iterator[dict]:
         """Yields the parsed chunks of a streamed completion. Leaving the loop early closes the
         connection, which aborts the request in the daemon."""
-        connection, response = self._send("POST", "/v1/completions", {**fields, "stream": True})
+        return self._stream("/v1/completions", fields)
+
+    def stream_chat_completions(self, **fields) -> Iterator[dict]:
+        """The same for a chat completion (chat.completion.chunk objects)."""
+        return self._stream("/v1/chat/completions", fields)
+
+    def _stream(self, path: str, fields: dict) -> Iterator[dict]:
+        connection, response = self._send("POST", path, {**fields, "stream": True})
         try:
             yield from (chunk for chunk in map(_stream_chunk, response) if chunk is not None)
             raise LoradError("the stream ended without [DONE]")
@@ -215,10 +226,19 @@ class AsyncClient:
     async def completions(self, **fields) -> dict:
         return await self._json("POST", "/v1/completions", {**fields, "stream": False})
 
-    async def stream_completions(self, **fields) -> AsyncIterator[dict]:
+    async def chat_completions(self, **fields) -> dict:
+        return await self._json("POST", "/v1/chat/completions", {**fields, "stream": False})
+
+    def stream_completions(self, **fields) -> AsyncIterator[dict]:
         """Yields the parsed chunks; leaving early (or `aclose()`) drops the connection, which aborts
         the request in the daemon."""
-        async with self._request("POST", "/v1/completions", {**fields, "stream": True}) as response:
+        return self._stream("/v1/completions", fields)
+
+    def stream_chat_completions(self, **fields) -> AsyncIterator[dict]:
+        return self._stream("/v1/chat/completions", fields)
+
+    async def _stream(self, path: str, fields: dict) -> AsyncIterator[dict]:
+        async with self._request("POST", path, {**fields, "stream": True}) as response:
             await self._check(response)
             try:
                 async for line in response.content:

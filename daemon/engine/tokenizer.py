@@ -17,8 +17,9 @@ class Tokenizer:
         except Exception as error:  # the tokenizers package raises plain Exception on bad files
             raise ModelError(f"cannot read {path}: {error}") from error
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """add_special_tokens: the post-processor's (a BOS, for most); a chat template writes its own."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -27,7 +28,7 @@ class Tokenizer:
 class NoTokenizer:
     """For checkpoints without tokenizer.json: token ids in, token ids out."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise BadRequest("this model has no tokenizer.json: send the prompt as a list of token ids")
 
     def decode(self, ids: list[int]) -> str:

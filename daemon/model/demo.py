@@ -25,7 +25,7 @@ from lorad.errors import ModelError
 log = logging.getLogger(__name__)
 
 # Bump when anything written below changes: a cached demo of another version is rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tokenizer_config.json with a chat template
 MARKER = "lorad-demo.json"
 MODEL_NAME = "lorad-demo-llama"
 SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")  # ids 0, 1, 2
@@ -33,6 +33,12 @@ TOKENIZER_VOCAB = 512
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+
+# The demo's chat template (lorad's own, plain text turns): /v1/chat/completions renders messages with it.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 # name -> (rank, targets, use_rslora, seed)
 DEMO_ADAPTERS: dict[str, tuple[int, tuple[str, ...], bool, int]] = {
@@ -176,6 +182,10 @@ def _write_demo(root: Path) -> None:
     model_dir = root / "model"
     model_dir.mkdir()
     tokenizer.save(str(model_dir / "tokenizer.json"))
+    _write_json(model_dir / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": CHAT_TEMPLATE,
+    })
     config = demo_config(tokenizer.get_vocab_size())
     _write_json(model_dir / "config.json", config)
     _write_json(

@@ -1,4 +1,4 @@
-"""The daemon's HTTP face: an OpenAI-compatible subset (/v1/completions, /v1/models, /health), vLLM's
+"""The daemon's HTTP face: an OpenAI-compatible subset (/v1/completions, /v1/chat/completions, /v1/models, /health), vLLM's
 adapter admin routes and Prometheus /metrics, served by aiohttp on a Unix socket. A request is checked
 here, handed to the engine, and the engine's outputs (called from its step thread) hop onto the event
 loop through one asyncio.Queue per request.
@@ -13,6 +13,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp import web
 
@@ -21,6 +22,7 @@ from lorad.errors import (
 )
 from lorad.daemon.server import metrics as metrics_format
 from lorad.daemon.server.unix_socket import PeerCredentials, peer_credentials
+from lorad.daemon.engine.chat_template import ChatTemplate, check_messages, load_chat_template
 from lorad.daemon.engine.request import GenerationRequest, RequestOutput, SamplingParams, check_prompt
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,8 @@ _TOKENIZE_INLINE_CHARS = 4096
 ENGINE = web.AppKey("engine", object)
 STARTED = web.AppKey("started", int)
 IN_FLIGHT = web.AppKey("in_flight", set)  # request ids submitted and not yet finished
+CHAT = web.AppKey("chat", object)  # the checkpoint's ChatTemplate, or why there is none (str)
+MAX_CHAT_MESSAGES = 1024
 
 
 # --- errors: the one place a LoradError becomes an HTTP answer ---------------------------------------
@@ -82,46 +86,79 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 # --- the completion request ---------------------------------------------------------------------------
 
-_FIELDS = {
-    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-    "ignore_eos", "stream", "stream_options", "return_token_ids", "n", "echo", "logprobs", "user",
+_COMMON_FIELDS = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "stream", "stream_options", "return_token_ids", "n", "logprobs", "user",
 }
+_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 
 
 @dataclass
 class Completion:
-    """A checked /v1/completions body; the prompt is still text or token ids."""
+    """A checked /v1/completions or /v1/chat/completions body; the prompt is still text or token ids (chat:
+    None until the messages are rendered)."""
 
     model: str
-    prompt: str | list[int]
+    prompt: str | list[int] | None
     sampling: SamplingParams
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    messages: list[dict] | None = None  # chat: the checked messages
+
+    @property
+    def chat(self) -> bool:
+        return self.messages is not None
 
 
 def parse_completion(body) -> Completion:
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    unknown = sorted(set(body) - _FIELDS)
-    if unknown:
-        raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
-    # OpenAI clients send null for "not set"; treat it as absent.
-    fields = {name: value for name, value in body.items() if value is not None}
-
-    model = fields.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("model is required: the base model's name or an adapter's")
+    fields = _fields(body, _FIELDS)
     if "prompt" not in fields:
         raise BadRequest("prompt is required")
     prompt = _one_prompt(fields["prompt"])
-
-    stream = _flag(fields, "stream")
     if _flag(fields, "echo"):
         raise BadRequest("echo is not supported")
     if "logprobs" in fields:
         raise BadRequest("logprobs are not supported (send null)")
+    return _common(fields, prompt)
+
+
+def parse_chat(body) -> Completion:
+    """A /v1/chat/completions body: messages checked (chat_template.check_messages), max_completion_tokens
+    taken over max_tokens where both are given, as OpenAI's newer name."""
+    fields = _fields(body, _CHAT_FIELDS)
+    if "messages" not in fields:
+        raise BadRequest("messages is required")
+    messages = check_messages(fields["messages"], MAX_CHAT_MESSAGES)
+    if _flag(fields, "logprobs") or "top_logprobs" in fields:
+        raise BadRequest("logprobs are not supported (send false or null)")
+    fields.pop("logprobs", None)
+    if "max_completion_tokens" in fields:
+        fields["max_tokens"] = fields.pop("max_completion_tokens")
+    completion = _common(fields, None)
+    completion.messages = messages
+    return completion
+
+
+def _fields(body, allowed: set[str]) -> dict:
+    """The body's fields, none unknown, model present; OpenAI clients send null for "not set": dropped."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
+    fields = {name: value for name, value in body.items() if value is not None}
+    model = fields.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("model is required: the base model's name or an adapter's")
+    return fields
+
+
+def _common(fields: dict, prompt) -> Completion:
+    """The fields both endpoints share: streaming, n, sampling and stops."""
+    stream = _flag(fields, "stream")
     n = fields.get("n", 1)
     if isinstance(n, bool) or not isinstance(n, int):
         raise BadRequest("n must be an integer")
@@ -148,7 +185,7 @@ def parse_completion(body) -> Completion:
         stop_token_ids=tuple(stop_token_ids),
         ignore_eos=_flag(fields, "ignore_eos"),
     )
-    return Completion(model, prompt, sampling, stream, include_usage, _flag(fields, "return_token_ids"))
+    return Completion(fields["model"], prompt, sampling, stream, include_usage, _flag(fields, "return_token_ids"))
 
 
 def _one_prompt(prompt) -> str | list[int]:
@@ -269,19 +306,44 @@ def _peer_fields(request: web.Request) -> str:
 async def completions(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     engine = request.app[ENGINE]
-    loop = asyncio.get_running_loop()
     peer = peer_credentials(request.transport)  # now: the transport is gone once the client leaves
     completion = parse_completion(await _json_body(request))
-
     prompt_ids = completion.prompt
     if isinstance(prompt_ids, str):
-        if len(prompt_ids) <= _TOKENIZE_INLINE_CHARS:
-            prompt_ids = engine.tokenizer.encode(prompt_ids)
-        else:
-            prompt_ids = await loop.run_in_executor(None, engine.tokenizer.encode, prompt_ids)
+        prompt_ids = await _encode(engine.tokenizer, prompt_ids, special_tokens=True)
+    return await _generate(request, completion, prompt_ids, f"cmpl-{uuid.uuid4().hex}", arrived, peer)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrived = time.monotonic()
+    engine = request.app[ENGINE]
+    peer = peer_credentials(request.transport)
+    completion = parse_chat(await _json_body(request))
+    template = request.app[CHAT]
+    if not isinstance(template, ChatTemplate):
+        raise BadRequest(f"model {engine.model_name} has no chat template: {template}; use /v1/completions")
+    loop = asyncio.get_running_loop()
+    # Rendering and tokenizing grow with the messages: off the event loop. The template writes the special
+    # tokens itself (BOS among them), so the text is tokenized without adding any.
+    text = await loop.run_in_executor(None, template.render, completion.messages)
+    prompt_ids = await _encode(engine.tokenizer, text, special_tokens=False)
+    return await _generate(request, completion, prompt_ids, f"chatcmpl-{uuid.uuid4().hex}", arrived, peer)
+
+
+async def _encode(tokenizer, text: str, special_tokens: bool) -> list[int]:
+    """Text -> token ids; a long text off the event loop, so one huge prompt does not stall the others."""
+    if len(text) <= _TOKENIZE_INLINE_CHARS:
+        return tokenizer.encode(text, add_special_tokens=special_tokens)
+    return await asyncio.get_running_loop().run_in_executor(None, lambda: tokenizer.encode(text, add_special_tokens=special_tokens))
+
+
+async def _generate(request: web.Request, completion: Completion, prompt_ids: list[int], request_id: str,
+                    arrived: float, peer) -> web.StreamResponse:
+    """Checks the prompt, submits it and answers: the whole completion, or a stream of events."""
+    engine = request.app[ENGINE]
+    loop = asyncio.get_running_loop()
     check_prompt(prompt_ids, completion.sampling, engine.vocab_size, engine.max_model_len)
 
-    request_id = f"cmpl-{uuid.uuid4().hex}"
     generation = GenerationRequest(
         prompt_token_ids=list(prompt_ids),
         adapter=None if completion.model == engine.model_name else completion.model,
@@ -384,10 +446,14 @@ async def _full_response(completion, generation, outputs, record) -> web.Respons
         token_ids.extend(output.new_token_ids)
     if output.finish_reason == "error":
         raise _error_of(output)
-    choice = {"index": 0, "text": "".join(text), "finish_reason": output.finish_reason, "logprobs": None}
+    if completion.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                  "finish_reason": output.finish_reason, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": "".join(text), "finish_reason": output.finish_reason, "logprobs": None}
     answer = {
-        "id": generation.request_id, "object": "text_completion", "created": int(time.time()),
-        "model": completion.model, "choices": [choice], "usage": record.usage(),
+        "id": generation.request_id, "object": "chat.completion" if completion.chat else "text_completion",
+        "created": int(time.time()), "model": completion.model, "choices": [choice], "usage": record.usage(),
     }
     if completion.return_token_ids:
         choice["token_ids"] = token_ids
@@ -399,7 +465,8 @@ async def _stream_response(request, completion, generation, outputs, record) -> 
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     created = int(time.time())
-    head = {"id": generation.request_id, "object": "text_completion", "created": created, "model": completion.model}
+    kind = "chat.completion.chunk" if completion.chat else "text_completion"
+    head = {"id": generation.request_id, "object": kind, "created": created, "model": completion.model}
     first = True
     try:
         async for output in outputs:
@@ -407,8 +474,12 @@ async def _stream_response(request, completion, generation, outputs, record) -> 
             if output.finish_reason == "error":
                 await _send_event(response, error_body(_error_of(output)))
                 break
-            choice = {"index": 0, "text": output.text_delta, "finish_reason": output.finish_reason,
-                      "logprobs": None}
+            if completion.chat:  # the role in the first delta, as OpenAI sends it
+                delta = {"role": "assistant", "content": output.text_delta} if first else {"content": output.text_delta}
+                choice = {"index": 0, "delta": delta, "finish_reason": output.finish_reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": output.text_delta, "finish_reason": output.finish_reason,
+                          "logprobs": None}
             chunk = {**head, "choices": [choice]}
             if completion.return_token_ids:
                 choice["token_ids"] = output.new_token_ids
@@ -441,15 +512,31 @@ async def _abort_in_flight(app: web.Application) -> None:
         app[ENGINE].abort(request_id)
 
 
+def _chat_template(engine) -> ChatTemplate | str:
+    """The checkpoint's chat template, or why /v1/chat/completions has none."""
+    model_dir = getattr(engine, "model_dir", None)
+    if model_dir is None:
+        return "it was given by shape (--model-config), without a checkpoint directory"
+    template = load_chat_template(Path(model_dir))
+    if template is None:
+        reason = f"neither {Path(model_dir) / 'chat_template.jinja'} nor chat_template in {Path(model_dir) / 'tokenizer_config.json'}"
+        log.info("chat template none: %s (/v1/chat/completions answers 400)", reason)
+        return reason
+    log.info("chat template source=%s", template.source)
+    return template
+
+
 def create_app(engine) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[STARTED] = int(time.time())
     app[IN_FLIGHT] = set()
+    app[CHAT] = _chat_template(engine)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/status", status)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/metrics", metrics)

@@ -28,7 +28,7 @@ EOS = 0
 class ByteTokenizer:
     """One token per UTF-8 byte."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:

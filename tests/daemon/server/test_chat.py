@@ -1,0 +1,199 @@
+"""POST /v1/chat/completions: the chat template (daemon/engine/chat_template.py) renders the prompt transformers'
+`apply_chat_template` renders, token for token; the official `openai` client drives the demo daemon over its
+Unix socket (chat and completions, streamed and not, the error types); bad messages get a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lorad.daemon.engine.chat_template import ChatTemplate, check_messages, load_chat_template
+from lorad.daemon.engine.tokenizer import Tokenizer
+from lorad.daemon.model.demo import CHAT_TEMPLATE
+from lorad.errors import BadRequest, ModelError
+
+from daemon_harness import serve_engine
+
+# Chat formats written for these tests in the shapes instruct checkpoints use: turns between role headers
+# (as Llama 3), ChatML-style markers (as Qwen2), and a template that refuses a role with raise_exception.
+HEADER_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|role|>' + message['role'] + '<|end|>\\n\\n' + message['content'] | trim + eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|role|>assistant<|end|>\\n\\n' }}{% endif %}"
+)
+MARKER_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|start|>system\\nYou are helpful.<|stop|>\\n' }}{% endif %}"
+    "{{ '<|start|>' + message['role'] + '\\n' + message['content'] + '<|stop|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start|>assistant\\n' }}{% endif %}"
+)
+STRICT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('only user and assistant turns') }}{% endif %}"
+    "[{{ message['role'] | upper }}] {{ message['content'] | tojson }}{% endfor %}"
+)
+MESSAGES = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "Where is the lighthouse?"},
+    {"role": "assistant", "content": "On the rocks, by the sea."},
+    {"role": "user", "content": "How many steps does it have? Ünïcödé ✓"},
+]
+
+
+def write_checkpoint_config(directory, template, **extra) -> None:
+    config = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "unk_token": "<unk>",
+              "chat_template": template, **extra}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("template", [CHAT_TEMPLATE, HEADER_TEMPLATE, MARKER_TEMPLATE])
+def test_the_rendered_prompt_equals_transformers_apply_chat_template(demo_assets, tmp_path, template):
+    from transformers import PreTrainedTokenizerFast
+
+    (tmp_path / "tokenizer.json").write_bytes((demo_assets.model_dir / "tokenizer.json").read_bytes())
+    write_checkpoint_config(tmp_path, template)
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token="<s>",
+                                        eos_token="</s>", unk_token="<unk>")
+    reference.chat_template = template
+    ours = load_chat_template(tmp_path)
+    tokenizer = Tokenizer(tmp_path / "tokenizer.json")
+    for messages in (MESSAGES, MESSAGES[1:2]):
+        for generation_prompt in (True, False):
+            want = reference.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+            if not isinstance(want, list):  # a BatchEncoding where transformers returns a dict
+                want = want["input_ids"]
+            text = ours.render(check_messages(messages, 16), add_generation_prompt=generation_prompt)
+            assert tokenizer.encode(text, add_special_tokens=False) == want
+            assert text == reference.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+
+def test_where_the_template_comes_from(tmp_path):
+    assert load_chat_template(tmp_path) is None and load_chat_template(None) is None
+    write_checkpoint_config(tmp_path, [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}])
+    assert load_chat_template(tmp_path).render([]) == "D"
+    (tmp_path / "chat_template.jinja").write_text("{{ eos_token }}J")
+    template = load_chat_template(tmp_path)
+    assert template.render([]) == "</s>J" and template.source.endswith("chat_template.jinja")
+    (tmp_path / "chat_template.jinja").write_text("{% for %}")
+    with pytest.raises(ModelError, match="does not compile"):
+        load_chat_template(tmp_path)
+
+
+def test_a_template_that_refuses_is_a_400_with_its_message(tmp_path):
+    write_checkpoint_config(tmp_path, STRICT_TEMPLATE)
+    template = load_chat_template(tmp_path)
+    assert template.render([{"role": "user", "content": 'say "hi"'}]) == '[USER] "say \\"hi\\""'
+    with pytest.raises(BadRequest, match="only user and assistant turns"):
+        template.render([{"role": "system", "content": "x"}])
+
+
+def test_the_sandbox_keeps_templates_from_reaching_python(tmp_path):
+    write_checkpoint_config(tmp_path, "{{ messages.__class__.__mro__ }}")
+    with pytest.raises(BadRequest):
+        load_chat_template(tmp_path).render([])
+
+
+@pytest.mark.parametrize("messages, fragment", [
+    ([], "non-empty list"),
+    ("hello", "non-empty list"),
+    ([{"role": "robot", "content": "x"}], "messages[0].role"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": 5}], "messages[0].content"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+     "messages[1].content[0]"),
+    ([{"role": "user", "content": "a", "tool_calls": []}], "messages[0]: unknown field(s): tool_calls"),
+    ([{"role": "user", "content": "a", "name": 3}], "messages[0].name"),
+    ([{"role": "user", "content": "a"}] * 17, "more than the 16 allowed"),
+])
+def test_bad_messages_name_the_field(messages, fragment):
+    with pytest.raises(BadRequest, match=fragment.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")):
+        check_messages(messages, 16)
+
+
+def test_text_parts_are_joined():
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    assert check_messages([{"role": "user", "content": parts, "name": "ann"}], 4) == [
+        {"role": "user", "content": "one\ntwo", "name": "ann"}]
+
+
+# --- the official openai client against the demo daemon ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_daemon(demo_assets):
+    from lorad.config import EngineConfig
+    from lorad.daemon.engine.engine import Engine
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LORAD_DEMO_DIR", str(demo_assets.model_dir.parent))
+        engine = Engine(EngineConfig(demo=True, device="cpu", pool_bytes=8 << 20, max_model_len=128))
+    with serve_engine(engine, "chat.sock") as server:
+        yield server, engine
+
+
+@pytest.fixture(scope="module")
+def openai_client(demo_daemon):
+    openai = pytest.importorskip("openai")
+    import httpx2
+
+    server, _ = demo_daemon
+    http = httpx2.Client(transport=httpx2.HTTPTransport(uds=str(server.path)))
+    client = openai.OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=http, max_retries=0)
+    yield client
+    http.close()
+
+
+def test_chat_with_the_openai_client(openai_client, demo_daemon):
+    _, engine = demo_daemon
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the lighthouse?"}]
+    answer = openai_client.chat.completions.create(model="demo-r8", messages=messages, max_completion_tokens=12,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+    assert answer.object == "chat.completion" and answer.id.startswith("chatcmpl-")
+    choice = answer.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    rendered = load_chat_template(engine.model_dir).render(messages)
+    assert rendered == "<s>system: Be brief.\nuser: Where is the lighthouse?\nassistant:"
+    prompt_ids = engine.tokenizer.encode(rendered, add_special_tokens=False)
+    assert answer.usage.prompt_tokens == len(prompt_ids) and answer.usage.completion_tokens == 12
+    # greedy: the same tokens as a completion of the rendered prompt's ids
+    plain = openai_client.completions.create(model="demo-r8", prompt=prompt_ids, max_tokens=12, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert choice.message.content == plain.choices[0].text
+
+    stream = openai_client.chat.completions.create(model="demo-r8", messages=messages, max_completion_tokens=12,
+                                                   temperature=0, stream=True, stream_options={"include_usage": True},
+                                                   extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == choice.message.content
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_the_openai_clients_errors(openai_client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError):
+        openai_client.chat.completions.create(model="no-such-adapter", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\].role"):
+        openai_client.chat.completions.create(model="demo-r8", messages=[{"role": "robot", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        openai_client.chat.completions.create(model="demo-r8", messages=[{"role": "user", "content": "hi"}], logprobs=True)
+    answer = openai_client.completions.create(model="lorad-demo", prompt="The lighthouse", max_tokens=4)
+    assert answer.object == "text_completion" and answer.usage.completion_tokens <= 4
+
+
+def test_a_model_without_a_template_says_which_files(tmp_path):
+    from lorad.client import Client
+
+    from test_api import FakeEngine
+
+    engine = FakeEngine()
+    engine.model_dir = tmp_path
+    with serve_engine(engine, "fake.sock") as server:
+        with pytest.raises(BadRequest, match="chat_template.jinja"):
+            Client(server.path).chat_completions(model="fake-base", messages=[{"role": "user", "content": "hi"}])
+    write_checkpoint_config(tmp_path, CHAT_TEMPLATE)
+    assert isinstance(load_chat_template(tmp_path), ChatTemplate)
