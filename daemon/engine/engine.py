@@ -31,7 +31,7 @@ from lorad.daemon.engine.adapter_residency import LoraResidency
 from lorad.daemon.engine import status
 from lorad.daemon.engine.stats import Metrics
 from lorad.daemon.engine.request import GenerationRequest, GenerationResult, RequestOutput, check_prompt, deliver
-from lorad.daemon.engine.sampler import make_generator, sample
+from lorad.daemon.engine.sampler import History, make_generator, sample
 from lorad.daemon.engine.tokenizer import Detokenizer, load_tokenizer
 from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded
 from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool
@@ -499,7 +499,9 @@ class Engine:
             self.steps += 1
             return
         params = [seq.state.request.sampling for seq in sampled]
-        tokens = sample(logits, params, [seq.state.generator for seq in sampled])  # waits for the device
+        histories = [self._history(seq) if p.processes_logits else None for seq, p in zip(sampled, params)]
+        tokens = sample(logits, params, [seq.state.generator for seq in sampled],  # waits for the device
+                        histories if any(histories) else None)
         self.account.landed(time.perf_counter())
         redo = self.cold_starts.after_cpu_assist(assisted, self.runner.step_spans) if assisted else set()  # its prefill runs again
         if streamed:
@@ -519,6 +521,12 @@ class Engine:
             if state.request.keep_logits:
                 state.logits.append(logits[row].to("cpu", copy=True))  # graph logits live in static memory
             self._take_token(seq, token, now)
+
+    def _history(self, seq: Sequence) -> History:
+        """What the sampler's logits processing reads of a sequence (penalties, min_tokens' banned ids)."""
+        sampling = seq.state.request.sampling
+        banned = (() if sampling.ignore_eos else tuple(self.spec.eos_token_ids)) + sampling.stop_token_ids
+        return History(seq.tokens[: seq.prompt_len], seq.tokens[seq.prompt_len :], banned)
 
     def _take_token(self, seq: Sequence, token: int, now: float) -> None:
         state: RequestState = seq.state
@@ -543,7 +551,8 @@ class Engine:
         """Is this step's reading of its tokens deferred: a greedy decode step of every running request."""
         if not (self.overlap_decode and plan.decode) or plan.assisted or len(plan.seqs) != len(self.scheduler.running):
             return False
-        return all(seq.state.request.sampling.greedy and not seq.state.request.keep_logits for seq in plan.seqs)
+        return all(seq.state.request.sampling.greedy and not seq.state.request.sampling.processes_logits
+                   and not seq.state.request.keep_logits for seq in plan.seqs)
 
     def _launch_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepInFlight:
         """The step's greedy tokens on the device, and their copy to the host started."""

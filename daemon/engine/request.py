@@ -27,6 +27,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Logits processing, before temperature (daemon/engine/sampler.py process_logits):
+    presence_penalty: float = 0.0  # OpenAI: minus this for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the times a token was generated
+    repetition_penalty: float = 1.0  # HF: logits of prompt and generated tokens divided (> 0) or multiplied by it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits
+    min_tokens: int = 0  # EOS and the stop token ids are banned until this many tokens are generated
 
     def __post_init__(self):
         # A lone stop string is one stop, not its characters; lists become tuples (hashable, frozen).
@@ -52,10 +58,51 @@ class SamplingParams:
             raise BadRequest("at most 16 stop strings")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise BadRequest("stop_token_ids must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _real(value) or not -2 <= value <= 2:
+                raise BadRequest(f"{name} must be a number in [-2, 2]")
+        if not _real(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            raise BadRequest("repetition_penalty must be a number in (0, 10]")
+        if isinstance(self.logit_bias, dict):  # OpenAI's form: {"token id": bias}
+            object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        elif not (isinstance(self.logit_bias, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in self.logit_bias)):
+            raise BadRequest("logit_bias must be an object mapping token ids to biases")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise BadRequest(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens")
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise BadRequest(f"logit_bias: {token!r} is not a token id")
+            if not _real(bias) or not -100 <= bias <= 100:
+                raise BadRequest(f"logit_bias: the bias of token {token} must be a number in [-100, 100]")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise BadRequest("min_tokens must be an integer >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise BadRequest(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Are the logits changed before sampling (penalties, bias, min_tokens)?"""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
+
+
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
+
+
+def _bias_pairs(bias: dict) -> tuple[tuple[int, float], ...]:
+    pairs = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise BadRequest(f"logit_bias: {key!r} is not a token id") from None
+        pairs.append((token, value))
+    return tuple(sorted(pairs))
 
 
 def _real(value) -> bool:
@@ -76,6 +123,9 @@ def check_prompt(prompt_token_ids: list[int], sampling: SamplingParams, vocab_si
     bad = next((t for t in sampling.stop_token_ids if t >= vocab_size), None)
     if bad is not None:
         raise BadRequest(f"stop token id {bad} is out of the vocabulary (0..{vocab_size - 1})")
+    bad = next((t for t, _ in sampling.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"logit_bias: token id {bad} is out of the vocabulary (0..{vocab_size - 1})")
     total = len(prompt_token_ids) + sampling.max_tokens
     if total > max_model_len:
         raise PromptTooLong(

@@ -1,15 +1,33 @@
-"""Turning a step's logits into tokens: greedy rows in one argmax, the rest with temperature, top-k
-and top-p, each request drawing from its own generator when it gave a seed."""
+"""Turning a step's logits into tokens: the rows that ask for it processed first (penalties, logit bias,
+min_tokens: `process_logits`, every such row in a few batched ops), then greedy rows in one argmax, the rest
+with temperature, top-k and top-p, each request drawing from its own generator when it gave a seed."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from lorad.daemon.engine.request import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits: [N, vocab] float32 -> N token ids."""
+@dataclass(frozen=True)
+class History:
+    """What a row's logits processing reads: its prompt and the tokens it generated so far, and the token ids
+    banned while it is under min_tokens (EOS and its stop token ids)."""
+
+    prompt: list[int]
+    output: list[int]
+    banned: tuple[int, ...] = ()
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           histories: list[History | None] | None = None) -> list[int]:
+    """logits: [N, vocab] float32 -> N token ids. histories: per row, for the rows whose params process
+    their logits (the others may be None); the logits of those rows are changed in place."""
+    if histories is not None:
+        with torch.inference_mode():  # the forward's logits are inference tensors: changed in place in this mode
+            process_logits(logits, params, histories)
     tokens = logits.argmax(dim=-1)
     for row, (p, generator) in enumerate(zip(params, generators)):
         if not p.greedy:
@@ -39,3 +57,57 @@ def make_generator(p: SamplingParams) -> torch.Generator | None:
     generator = torch.Generator()
     generator.manual_seed(p.seed)
     return generator
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[History | None]) -> None:
+    """In place, for the rows whose params ask for it (SamplingParams.processes_logits), in this order:
+    min_tokens (banned ids to -inf while the output is shorter), logit_bias (added), repetition_penalty (HF:
+    a prompt or output token's logit divided by it when positive, multiplied when not), frequency and
+    presence penalties (OpenAI: minus frequency x count and presence x [count > 0] over the output). Each
+    step is one batched op over those rows, whatever their number."""
+    rows = [row for row, p in enumerate(params) if p.processes_logits]
+    if not rows:
+        return
+    device, vocab = logits.device, logits.shape[1]
+    index = torch.tensor(rows, device=device)
+    chosen = [params[row] for row in rows]
+    seen = [histories[row] for row in rows]
+    block = logits.index_select(0, index)
+
+    banned = [(i, token) for i, (p, history) in enumerate(zip(chosen, seen))
+              if len(history.output) < p.min_tokens for token in history.banned]
+    if banned:
+        at = torch.tensor(banned, device=device).T
+        block[at[0], at[1]] = float("-inf")
+    bias = [(i, token, value) for i, p in enumerate(chosen) for token, value in p.logit_bias]
+    if bias:
+        at = torch.tensor([(i, token) for i, token, _ in bias], device=device).T
+        block.index_put_((at[0], at[1]), torch.tensor([v for *_, v in bias], dtype=block.dtype, device=device),
+                         accumulate=True)
+    if any(p.repetition_penalty != 1 for p in chosen):
+        ids = _padded([history.prompt + history.output for history in seen], vocab, device)
+        present = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
+        present.scatter_(1, ids, True)
+        present = present[:, :vocab]
+        penalty = torch.tensor([p.repetition_penalty for p in chosen], dtype=block.dtype, device=device)[:, None]
+        block = torch.where(present, torch.where(block > 0, block / penalty, block * penalty), block)
+    if any(p.frequency_penalty or p.presence_penalty for p in chosen):
+        ids = _padded([history.output for history in seen], vocab, device)
+        counts = torch.zeros(len(rows), vocab + 1, dtype=block.dtype, device=device)
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=block.dtype))
+        counts = counts[:, :vocab]
+        frequency = torch.tensor([p.frequency_penalty for p in chosen], dtype=block.dtype, device=device)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in chosen], dtype=block.dtype, device=device)[:, None]
+        block = block - frequency * counts - presence * (counts > 0).to(block.dtype)
+    logits.index_copy_(0, index, block)
+
+
+def _padded(sequences: list[list[int]], pad: int, device) -> torch.Tensor:
+    """int64 [rows, longest] of token ids, padded with `pad` (the vocabulary size: the callers' tables have
+    one column more, dropped after the scatter)."""
+    longest = max(1, max(len(ids) for ids in sequences))
+    table = torch.full((len(sequences), longest), pad, dtype=torch.long)
+    for row, ids in enumerate(sequences):
+        if ids:
+            table[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return table.to(device)

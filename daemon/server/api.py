@@ -89,10 +89,12 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 _COMMON_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
     "stream", "stream_options", "return_token_ids", "n", "logprobs", "user",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
 }
 _FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "logit_bias", "min_tokens")
 
 
 @dataclass

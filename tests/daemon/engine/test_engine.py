@@ -441,3 +441,35 @@ def test_adapter_streaming_is_off_on_the_cpu_and_said(demo_assets):
             assert status["cold_placements"] == {"whole": 0, "layerwise": 0, "stream": 0}
         finally:
             engine.close()
+
+
+# --- logits processing in the engine ---------------------------------------------------------------------
+
+
+def test_penalties_bias_and_min_tokens_in_the_engine(big_engine):
+    eos = big_engine.spec.eos_token_ids[0]
+    prompt = list(range(40, 52))
+
+    def run(**sampling):
+        return big_engine.generate([GenerationRequest(prompt, "demo-r8", SamplingParams(temperature=0, **sampling))])[0]
+
+    forced = run(max_tokens=5, logit_bias={"77": 100}, ignore_eos=True)
+    assert forced.token_ids == [77] * 5
+    # EOS forced by its bias, but banned for the first 3 tokens: exactly 3 other tokens, then EOS stops it
+    held = run(max_tokens=10, logit_bias={str(eos): 100}, min_tokens=3)
+    assert len(held.token_ids) == 4 and held.token_ids[-1] == eos and eos not in held.token_ids[:3]
+    assert held.finish_reason == "stop"
+    # every step's processed logits (kept) equal the reference processing of the raw logits of the same tokens
+    from test_sampler import reference_processed
+    from lorad.daemon.engine.sampler import History
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.5,
+                            repetition_penalty=1.8, logit_bias={"77": 3, "5": -50})
+    processed = big_engine.generate([GenerationRequest(prompt, "demo-r8", params, keep_logits=True)])[0]
+    for step, token in enumerate(processed.token_ids):
+        output = processed.token_ids[:step]
+        raw = big_engine.generate([GenerationRequest(prompt + output, "demo-r8", SamplingParams(max_tokens=1, temperature=0),
+                                                     keep_logits=True)])[0].logits[0]
+        want = reference_processed(raw, params, History(prompt, output))
+        torch.testing.assert_close(processed.logits[step], want, rtol=1e-4, atol=1e-4)
+        assert token == int(want.argmax())

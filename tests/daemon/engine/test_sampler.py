@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lorad.daemon.engine.request import SamplingParams
-from lorad.daemon.engine.sampler import make_generator, sample
+from lorad.daemon.engine.sampler import History, make_generator, sample
 from lorad.errors import BadRequest
 
 VOCAB = 50
@@ -173,3 +173,76 @@ def test_sampling_params_accepts_the_edges():
     SamplingParams(max_tokens=1, temperature=0, top_p=1.0, top_k=-1, seed=0)
     SamplingParams(temperature=0.01, top_p=1e-9, top_k=0, stop=tuple(f"s{i}" for i in range(16)), stop_token_ids=(0, 5))
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.5).greedy
+
+
+# --- logits processing: penalties, logit bias, min_tokens against a row-by-row reference -------------------
+
+
+def reference_processed(row: torch.Tensor, p: SamplingParams, history: History) -> torch.Tensor:
+    """The definitions, one token at a time."""
+    out = row.clone()
+    if len(history.output) < p.min_tokens:
+        for token in history.banned:
+            out[token] = float("-inf")
+    for token, bias in p.logit_bias:
+        out[token] += bias
+    if p.repetition_penalty != 1:
+        for token in set(history.prompt) | set(history.output):
+            out[token] = out[token] / p.repetition_penalty if out[token] > 0 else out[token] * p.repetition_penalty
+    for token in set(history.output):
+        out[token] -= p.frequency_penalty * history.output.count(token) + p.presence_penalty
+    return out
+
+
+def test_processed_logits_equal_the_reference_row_by_row():
+    logits = random_logits(6, seed=3)
+    params = [
+        SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5),
+        SamplingParams(temperature=0),  # untouched beside the others
+        SamplingParams(temperature=0, repetition_penalty=1.3, logit_bias={"7": 100, "3": -4.5}),
+        SamplingParams(temperature=0.8, frequency_penalty=-1.0, repetition_penalty=0.7, min_tokens=4),
+        SamplingParams(temperature=0, min_tokens=2, logit_bias={"1": 50}),
+        SamplingParams(temperature=0, presence_penalty=-2, logit_bias={"0": 1, "49": -100}),
+    ]
+    histories = [
+        History([1, 2, 3], [5, 5, 9, 5, 2]),
+        None,
+        History([7, 7, 8], [3, 10]),
+        History([4], [4, 4, 6], banned=(1, 2)),
+        History([11, 12], [13, 14], banned=(1,)),  # at min_tokens: nothing banned
+        History([0], []),
+    ]
+    processed = logits.clone()
+    sample(processed, params, [None] * 6, histories)  # processes in place, then samples
+    for row, (p, history) in enumerate(zip(params, histories)):
+        want = logits[row] if history is None else reference_processed(logits[row], p, history)
+        torch.testing.assert_close(processed[row], want, rtol=0, atol=1e-5)
+    assert processed[3, 1] == float("-inf") and processed[3, 2] == float("-inf")
+    assert sample(logits[2:3].clone(), params[2:3], [None], histories[2:3]) == [7]  # +100 wins the argmax
+
+
+def test_processing_reaches_the_sampled_rows():
+    logits = torch.zeros(1, VOCAB)
+    params = SamplingParams(temperature=1.0, seed=1, logit_bias={str(t): -100 for t in range(VOCAB) if t != 17})
+    assert set(draw_processed(logits, params, 50)) == {17}
+
+
+def draw_processed(logits: torch.Tensor, params: SamplingParams, count: int) -> list[int]:
+    generator = make_generator(params)
+    return [sample(logits.clone(), [params], [generator], [History([0], [])])[0] for _ in range(count)]
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty="1"), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(logit_bias={"x": 1}), "logit_bias: 'x'"),
+    (dict(logit_bias={"5": 101}), "logit_bias: the bias of token 5"),
+    (dict(logit_bias=[1, 2]), "logit_bias must be an object"),
+    (dict(logit_bias={str(t): 1 for t in range(301)}), "at most 300"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=20, max_tokens=10), "must not exceed max_tokens"),
+])
+def test_processing_refusals(fields, fragment):
+    with pytest.raises(BadRequest, match=fragment):
+        SamplingParams(**fields)

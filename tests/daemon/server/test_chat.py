@@ -197,3 +197,21 @@ def test_a_model_without_a_template_says_which_files(tmp_path):
             Client(server.path).chat_completions(model="fake-base", messages=[{"role": "user", "content": "hi"}])
     write_checkpoint_config(tmp_path, CHAT_TEMPLATE)
     assert isinstance(load_chat_template(tmp_path), ChatTemplate)
+
+
+def test_penalties_and_logit_bias_through_the_openai_client(openai_client, demo_daemon):
+    import openai
+
+    _, engine = demo_daemon
+    token = engine.tokenizer.encode("the", add_special_tokens=False)[0]
+    answer = openai_client.chat.completions.create(
+        model="demo-r4", messages=[{"role": "user", "content": "Hello"}], max_completion_tokens=4, temperature=0,
+        logit_bias={str(token): 100}, presence_penalty=0.5, frequency_penalty=0.5, extra_body={"ignore_eos": True})
+    assert answer.choices[0].message.content == engine.tokenizer.decode([token] * 4)
+    plain = openai_client.completions.create(model="demo-r4", prompt="The lighthouse", max_tokens=6, temperature=0,
+                                             frequency_penalty=2, extra_body={"repetition_penalty": 1.5, "min_tokens": 2})
+    assert plain.usage.completion_tokens >= 2
+    with pytest.raises(openai.BadRequestError, match="logit_bias: token id"):
+        openai_client.completions.create(model="demo-r4", prompt="x", logit_bias={str(engine.vocab_size): 1})
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        openai_client.completions.create(model="demo-r4", prompt="x", presence_penalty=3)
