@@ -138,6 +138,8 @@ class EngineConfig:
 class ServerConfig:
     socket: str = "/tmp/lorad/lorad.sock"
     socket_mode: int = 0o660
+    listen: str = ""  # tcp://HOST:PORT beside the Unix socket ("": none); daemon/server/tcp.py
+    api_key: str = ""  # required over TCP (Authorization: Bearer KEY); else LORAD_API_KEY from the environment
     log_level: str = "info"
     shutdown_grace_s: float = 30.0  # on SIGTERM/SIGINT, running requests get this long to finish, then are aborted
 

@@ -25,6 +25,13 @@ class PromptTooLong(BadRequest):
     type = "context_length_exceeded"
 
 
+class Unauthorized(LoradError):
+    """A request over TCP without the daemon's API key (Authorization: Bearer KEY)."""
+
+    status = 401
+    type = "authentication_error"
+
+
 class NotFound(LoradError):
     status = 404
     type = "not_found_error"

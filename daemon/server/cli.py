@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import sys
@@ -63,6 +64,9 @@ _ENGINE_FLAG_HELP = {
 _SERVER_FLAG_HELP = {
     "socket": "Unix socket to listen on",
     "socket_mode": "permissions of the socket, in octal",
+    "listen": "also listen on TCP: tcp://HOST:PORT (a non-loopback host needs an API key)",
+    "api_key": "the key TCP clients send as 'Authorization: Bearer KEY' (prefer LORAD_API_KEY in the environment or "
+               "the config file: a flag shows in the process list)",
     "log_level": "debug|info|warning|error",
     "shutdown_grace_s": "on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted",
 }
@@ -231,6 +235,10 @@ def serve(args: argparse.Namespace) -> int:
     if used_path is not None:
         log.info("config file=%s", used_path)
 
+    from lorad.daemon.server import tcp
+
+    api_key = config.server.api_key or os.environ.get(tcp.API_KEY_ENV, "")
+    tcp_address = tcp.check_listen(config.server.listen, api_key)  # before the model loads: a refusal is quick
     passed = systemd.listen_fds()
     if len(passed) > 1:
         raise BadRequest(f"systemd passed {len(passed)} sockets; lorad.socket must have exactly one ListenStream")
@@ -264,7 +272,7 @@ def serve(args: argparse.Namespace) -> int:
         def reload_config() -> Config:
             return resolve(cli_engine, cli_server, config_path)[0]
 
-        return run_event_loop(_serve(engine, config, listener, path, reload_config))
+        return run_event_loop(_serve(engine, config, listener, path, reload_config, tcp_address, api_key))
     except KeyboardInterrupt:
         log.info("stopped while loading the model" if engine.model_name is None else "stop signal before serving")
         return 0
@@ -306,8 +314,11 @@ def run_event_loop(main_coroutine):
     return uvloop.run(main_coroutine)
 
 
-async def _serve(engine, config: Config, listener: socket.socket | None, path: str, reload_config) -> int:
-    from lorad.daemon.server import systemd
+async def _serve(engine, config: Config, listener: socket.socket | None, path: str, reload_config,
+                 tcp_address: tuple[str, int] | None = None, api_key: str = "") -> int:
+    from aiohttp import web
+
+    from lorad.daemon.server import systemd, tcp
     from lorad.daemon.server.api import IN_FLIGHT, create_app
 
     server = config.server
@@ -334,6 +345,8 @@ async def _serve(engine, config: Config, listener: socket.socket | None, path: s
 
     app = create_app(engine)
     app.middlewares.insert(0, unix_socket.log_connection_peer)
+    if tcp_address is not None and api_key:
+        app.middlewares.append(tcp.require_api_key(api_key))  # inside the error middleware: a 401 is JSON
     runner = None
     try:
         if listener is None:
@@ -345,6 +358,14 @@ async def _serve(engine, config: Config, listener: socket.socket | None, path: s
         else:
             log.info("listening socket=%s (from systemd) event_loop=%s", path, type(loop).__module__)
         runner = await unix_socket.serve(app, listener)
+        if tcp_address is not None:
+            host, port = tcp_address
+            site = web.TCPSite(runner, host, port, backlog=unix_socket.LISTEN_BACKLOG)
+            try:
+                await site.start()
+            except OSError as error:
+                raise BadRequest(f"cannot listen on tcp://{host}:{port}: {error.strerror or error}") from None
+            log.info("listening tcp=%s:%d api_key=%s", host, port, "required" if api_key else "off (loopback)")
         systemd.notify(f"READY=1\nSTATUS=serving model={engine.model_name} socket={path}")
         watchdog = systemd.watchdog_interval()
         pinger = loop.create_task(_watchdog(engine, watchdog)) if watchdog else None
