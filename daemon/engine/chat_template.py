@@ -75,6 +75,31 @@ def load_chat_template(directory: Path | None) -> ChatTemplate | None:
     return ChatTemplate(source, _compile(text, source), special)
 
 
+class AdapterTemplates:
+    """The chat templates adapter folders ship, read once per folder and again when their files change; an
+    adapter without one uses the base model's."""
+
+    def __init__(self):
+        self._cache: dict[str, tuple[tuple, ChatTemplate | None]] = {}
+
+    def get(self, directory: str) -> ChatTemplate | None:
+        path = Path(directory)
+        stamp = tuple(_mtime(path / name) for name in (TEMPLATE_FILE, TOKENIZER_CONFIG))
+        cached = self._cache.get(directory)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        template = load_chat_template(path) if any(stamp) else None
+        self._cache[directory] = (stamp, template)
+        return template
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
 def _compile(text: str, source: str):
     from jinja2 import TemplateError
     from jinja2.ext import loopcontrols

@@ -31,7 +31,7 @@ from lorad.daemon.engine.adapter_residency import LoraResidency
 from lorad.daemon.engine import status
 from lorad.daemon.engine.stats import Metrics
 from lorad.daemon.engine.request import GenerationRequest, GenerationResult, RequestOutput, check_prompt, deliver
-from lorad.daemon.engine.sampler import History, make_generator, sample
+from lorad.daemon.engine.sampler import History, logprobs_of, make_generator, sample
 from lorad.daemon.engine.tokenizer import Detokenizer, load_tokenizer
 from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded
 from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool
@@ -74,6 +74,7 @@ class RequestState:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     logits: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # TokenLogprob per generated token, when asked for
     finished: bool = False
     finish_reason: str | None = None
 
@@ -281,6 +282,11 @@ class Engine:
             entries.append({"id": name, "parent": self.model_name, "kind": "lora", **info})
         return entries
 
+    def adapter_path(self, name: str) -> str | None:
+        """The directory of a registered adapter (for its own chat template); None for an unknown name."""
+        path = self.registry.path(name)
+        return None if path is None else str(path)
+
     def status(self) -> dict:
         """GET /v1/status: what runs and how (daemon/engine/status.py)."""
         return status.engine_status(self)
@@ -408,6 +414,7 @@ class Engine:
             results[request.request_id] = GenerationResult(
                 request.request_id, seq.tokens[: seq.prompt_len], seq.tokens[seq.prompt_len :],
                 state.detokenizer.text, state.finish_reason, state.logits if request.keep_logits else None,
+                state.logprobs if request.sampling.logprobs is not None else None,
             )
         return [results[r.request_id] for r in requests]
 
@@ -502,6 +509,7 @@ class Engine:
         histories = [self._history(seq) if p.processes_logits else None for seq, p in zip(sampled, params)]
         tokens = sample(logits, params, [seq.state.generator for seq in sampled],  # waits for the device
                         histories if any(histories) else None)
+        logprobs = logprobs_of(logits, params, tokens) if any(p.logprobs is not None for p in params) else None
         self.account.landed(time.perf_counter())
         redo = self.cold_starts.after_cpu_assist(assisted, self.runner.step_spans) if assisted else set()  # its prefill runs again
         if streamed:
@@ -520,7 +528,7 @@ class Engine:
             state: RequestState = seq.state
             if state.request.keep_logits:
                 state.logits.append(logits[row].to("cpu", copy=True))  # graph logits live in static memory
-            self._take_token(seq, token, now)
+            self._take_token(seq, token, now, logprobs[row] if logprobs is not None else None)
 
     def _history(self, seq: Sequence) -> History:
         """What the sampler's logits processing reads of a sequence (penalties, min_tokens' banned ids)."""
@@ -528,13 +536,15 @@ class Engine:
         banned = (() if sampling.ignore_eos else tuple(self.spec.eos_token_ids)) + sampling.stop_token_ids
         return History(seq.tokens[: seq.prompt_len], seq.tokens[seq.prompt_len :], banned)
 
-    def _take_token(self, seq: Sequence, token: int, now: float) -> None:
+    def _take_token(self, seq: Sequence, token: int, now: float, logprob=None) -> None:
         state: RequestState = seq.state
         if state.first_token_time is None:
             state.first_token_time = now
             self.stats.first_token(now - state.arrival)
         seq.tokens.append(token)
-        self._advance(seq, token)
+        if logprob is not None:
+            state.logprobs.append(logprob)
+        self._advance(seq, token, logprob)
 
     # ---- overlapped decode -----------------------------------------------------------------------
     # A greedy decode step's next input ids are its argmax, already on the device. So the step after it
@@ -552,7 +562,8 @@ class Engine:
         if not (self.overlap_decode and plan.decode) or plan.assisted or len(plan.seqs) != len(self.scheduler.running):
             return False
         return all(seq.state.request.sampling.greedy and not seq.state.request.sampling.processes_logits
-                   and not seq.state.request.keep_logits for seq in plan.seqs)
+                   and seq.state.request.sampling.logprobs is None and not seq.state.request.keep_logits
+                   for seq in plan.seqs)
 
     def _launch_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepInFlight:
         """The step's greedy tokens on the device, and their copy to the host started."""
@@ -662,7 +673,7 @@ class Engine:
             if seq is not None:
                 self._finish(seq, "abort")
 
-    def _advance(self, seq: Sequence, token: int) -> None:
+    def _advance(self, seq: Sequence, token: int, logprob=None) -> None:
         state: RequestState = seq.state
         sampling = state.request.sampling
         stopped = state.detokenizer.add(token)
@@ -675,13 +686,14 @@ class Engine:
             reason = "stop"
         elif seq.num_generated >= sampling.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
+        logprobs = None if logprob is None else [logprob]
         if reason is not None:
-            self._finish(seq, reason, new_tokens=[token])
+            self._finish(seq, reason, new_tokens=[token], logprobs=logprobs)
         else:
-            self._emit(seq, RequestOutput(seq.request_id, [token], state.detokenizer.take(final=False)))
+            self._emit(seq, RequestOutput(seq.request_id, [token], state.detokenizer.take(final=False), logprobs=logprobs))
 
     def _finish(self, seq: Sequence, reason: str, new_tokens: list[int] | None = None, error: str | None = None,
-                error_type: str | None = None) -> None:
+                error_type: str | None = None, logprobs: list | None = None) -> None:
         state: RequestState = seq.state
         if state.finished:
             return
@@ -706,7 +718,7 @@ class Engine:
             self._finished[seq.request_id] = seq
         text = state.detokenizer.take(final=True) if reason in ("stop", "length") else ""
         self._emit(seq, RequestOutput(seq.request_id, new_tokens or [], text, True, reason, seq.prompt_len, seq.num_generated, error,
-                                      error_type))
+                                      error_type, logprobs))
         if reason in ("stop", "length", "abort", "error"):
             ttft = (state.first_token_time - state.arrival) * 1e3 if state.first_token_time else -1
             log.debug("request done id=%s adapter=%s reason=%s generated=%d ttft_ms=%.1f", seq.request_id, seq.adapter, reason, seq.num_generated, ttft)

@@ -41,7 +41,8 @@ from lorad.errors import BadRequest, EngineDead, LoradError, NotFound
 log = logging.getLogger(__name__)
 
 # What `call` may run in the engine process; everything else of the engine stays private to it.
-QUERY_METHODS = frozenset({"models", "status", "metrics", "load_adapter", "unload_adapter", "reload_adapters"})
+QUERY_METHODS = frozenset({"models", "adapter_path", "status", "metrics", "load_adapter", "unload_adapter",
+                           "reload_adapters"})
 MAX_PENDING_OUTPUTS = 1 << 16
 SHED_MESSAGE = ("the API process fell behind reading the engine's outputs; the request was aborted to "
                 "bound the engine's memory")
@@ -162,6 +163,9 @@ class EngineProcess:
 
     def models(self) -> list[dict]:
         return self.call("models")
+
+    def adapter_path(self, name: str) -> str | None:
+        return self.call("adapter_path", name)
 
     def status(self) -> dict:
         return {**self.call("status"), "engine_pid": self.pid}
@@ -310,7 +314,8 @@ class _Outbox:
         if output.request_id not in self._shed:
             return output
         self._shed.discard(output.request_id)  # its last output: finished, as an error that says why
-        return dataclasses.replace(output, new_token_ids=[], text_delta="", finish_reason="error", error=SHED_MESSAGE)
+        return dataclasses.replace(output, new_token_ids=[], text_delta="", finish_reason="error", error=SHED_MESSAGE,
+                                   logprobs=None)
 
     def _shed_locked(self) -> list[str]:
         shed = []

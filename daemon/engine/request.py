@@ -33,6 +33,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF: logits of prompt and generated tokens divided (> 0) or multiplied by it
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits
     min_tokens: int = 0  # EOS and the stop token ids are banned until this many tokens are generated
+    logprobs: int | None = None  # each sampled token's logprob and this many most likely (None: off)
 
     def __post_init__(self):
         # A lone stop string is one stop, not its characters; lists become tuples (hashable, frozen).
@@ -77,6 +78,9 @@ class SamplingParams:
                 raise BadRequest(f"logit_bias: the bias of token {token} must be a number in [-100, 100]")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise BadRequest("min_tokens must be an integer >= 0")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise BadRequest(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}")
         if self.min_tokens > self.max_tokens:
             raise BadRequest(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
 
@@ -92,6 +96,7 @@ class SamplingParams:
 
 
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
+MAX_LOGPROBS = 20  # OpenAI's limit of top_logprobs
 
 
 def _bias_pairs(bias: dict) -> tuple[tuple[int, float], ...]:
@@ -147,6 +152,7 @@ class RequestOutput:
     num_generated_tokens: int = 0
     error: str | None = None
     error_type: str | None = None  # the LoradError type of a failure the API answers as that error
+    logprobs: list | None = None  # TokenLogprob per new token (daemon/engine/sampler.py), when asked for
 
 
 def deliver(on_output: Callable[[RequestOutput], None] | None, output: RequestOutput) -> None:
@@ -177,3 +183,4 @@ class GenerationResult:
     text: str
     finish_reason: str
     logits: list | None = None  # [vocab] float32 tensors, one per generated token, when keep_logits
+    logprobs: list | None = None  # TokenLogprob per generated token, when sampling.logprobs is set

@@ -59,6 +59,36 @@ def make_generator(p: SamplingParams) -> torch.Generator | None:
     return generator
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the `logprobs` most likely tokens' (id, log-probability), best
+    first, under the distribution it was drawn from: the processed logits over the temperature (1 for greedy)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprobs_of(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[TokenLogprob | None]:
+    """For the rows whose params ask for logprobs (None for the others), from the logits sample() read (processed
+    in place): one log_softmax, gather and top-k over those rows, one copy to the host for the step."""
+    rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(params)
+    if not rows:
+        return out
+    device = logits.device
+    index = torch.tensor(rows, device=device)
+    temperature = torch.tensor([params[row].temperature or 1.0 for row in rows], device=device)[:, None]
+    log_probs = torch.log_softmax(logits.index_select(0, index).float() / temperature, dim=-1)
+    chosen = log_probs.gather(1, torch.tensor([tokens[row] for row in rows], device=device)[:, None])[:, 0]
+    k = max(params[row].logprobs for row in rows)
+    top_values, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
+    chosen, top_values, top_ids = chosen.tolist(), top_values.tolist(), top_ids.tolist()
+    for i, row in enumerate(rows):
+        want = params[row].logprobs
+        out[row] = TokenLogprob(chosen[i], tuple(zip(top_ids[i][:want], top_values[i][:want])))
+    return out
+
+
 def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[History | None]) -> None:
     """In place, for the rows whose params ask for it (SamplingParams.processes_logits), in this order:
     min_tokens (banned ids to -inf while the output is shorter), logit_bias (added), repetition_penalty (HF:

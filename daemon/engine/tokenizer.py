@@ -24,6 +24,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (logprobs name tokens this way)."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
 
 class NoTokenizer:
     """For checkpoints without tokenizer.json: token ids in, token ids out."""
@@ -33,6 +37,9 @@ class NoTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return ""
+
+    def token_text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
 
 
 def load_tokenizer(model_dir: Path | None) -> Tokenizer | NoTokenizer:

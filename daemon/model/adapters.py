@@ -421,6 +421,12 @@ class AdapterRegistry:
         with self._lock:
             return name in self._entries
 
+    def path(self, name: str) -> Path | None:
+        """The directory a registered adapter is read from; None for an unknown name."""
+        with self._lock:
+            entry = self._entries.get(name)
+        return None if entry is None else entry.path
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)

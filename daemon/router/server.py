@@ -22,6 +22,7 @@ from lorad.daemon.server.api import (
     MAX_BODY_BYTES,
     error_body,
     error_middleware,
+    parse_chat,
     parse_completion,
 )
 from lorad.daemon.router.backends import Backend, InFlightRequest
@@ -183,21 +184,35 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    return await _route(request, "/v1/completions", parse_completion)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _route(request, "/v1/chat/completions", parse_chat)
+
+
+def _prompt_tokens(completion) -> int:
+    """The request's prompt tokens for the policy: exact for token ids, BYTES_PER_TOKEN a token for text (chat:
+    the messages' text), times its choices."""
+    prompts = completion.prompts if completion.prompts is not None else ["".join(m["content"] for m in completion.messages)]
+    tokens = sum(len(p) if isinstance(p, list) else max(1, len(p.encode()) // BYTES_PER_TOKEN) for p in prompts)
+    return tokens * completion.n
+
+
+async def _route(request: web.Request, path: str, parse) -> web.StreamResponse:
     router = request.app[ROUTER]
     raw = await _read_body(request)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise BadRequest(f"the request body is not JSON: {error}") from None
-    completion = parse_completion(body)  # refused here exactly as a backend would refuse it
+    completion = parse(body)  # refused here exactly as a backend would refuse it
     pool = await router.candidates(completion.model)
-    prompt = completion.prompt
-    prompt_tokens = len(prompt) if isinstance(prompt, list) else max(1, len(prompt.encode()) // BYTES_PER_TOKEN)
-    route = RouteRequest(router.rank(completion.model, pool), prompt_tokens)
+    route = RouteRequest(router.rank(completion.model, pool), _prompt_tokens(completion))
     arrived = time.monotonic()
     refusals: list[_Refusal] = []
     while True:  # once per backend at most: one that refuses before any token is left out of the next choice
-        backend, flight, upstream = await _forward(router, route, pool, completion, raw)
+        backend, flight, upstream = await _forward(router, route, pool, completion, raw, path)
         backend.routed += 1
         if refusals:
             backend.retries += 1
@@ -240,11 +255,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         upstream.close()  # if the client left early, this is what aborts the request in the backend
         backend.in_flight.pop(flight.id, None)
         log.info("request routed model=%s rank=%d prompt_tokens=%d backend=%s outcome=%s tokens_seen=%d latency_ms=%.1f "
-                 "refused_by=%d", completion.model, route.rank, prompt_tokens, backend.socket_path, outcome,
+                 "refused_by=%d", completion.model, route.rank, route.prompt_tokens, backend.socket_path, outcome,
                  flight.generated, (time.monotonic() - flight.started) * 1e3, len(refusals))
 
 
-async def _forward(router: Router, route: RouteRequest, pool: list[Backend], completion, raw: bytes):
+async def _forward(router: Router, route: RouteRequest, pool: list[Backend], completion, raw: bytes, path: str):
     """Chooses a backend of `pool` and posts the request to it -> (backend, flight, upstream response). A
     backend that refuses the connection is marked down and another chosen (nothing was sent)."""
     while True:
@@ -253,7 +268,7 @@ async def _forward(router: Router, route: RouteRequest, pool: list[Backend], com
         backend.in_flight[flight.id] = flight
         try:
             upstream = await backend.session.post(
-                "http://localhost/v1/completions", data=raw, headers={"Content-Type": "application/json"})
+                f"http://localhost{path}", data=raw, headers={"Content-Type": "application/json"})
             return backend, flight, upstream
         except aiohttp.ClientConnectorError as error:  # nothing was sent: safe to send elsewhere
             del backend.in_flight[flight.id]
@@ -421,4 +436,5 @@ def create_app(router: Router) -> web.Application:
     app.router.add_get("/v1/status", status)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     return app

@@ -7,22 +7,24 @@ loop through one asyncio.Queue per request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 
 from lorad.errors import (
-    AdmissionDropped, BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, NotFound, Overloaded,
+    AdmissionDropped, BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, ModelError, NotFound, Overloaded,
 )
 from lorad.daemon.server import metrics as metrics_format
 from lorad.daemon.server.unix_socket import PeerCredentials, peer_credentials
-from lorad.daemon.engine.chat_template import ChatTemplate, check_messages, load_chat_template
+from lorad.daemon.engine.chat_template import AdapterTemplates, ChatTemplate, check_messages, load_chat_template
 from lorad.daemon.engine.request import GenerationRequest, RequestOutput, SamplingParams, check_prompt
 
 log = logging.getLogger(__name__)
@@ -35,7 +37,11 @@ ENGINE = web.AppKey("engine", object)
 STARTED = web.AppKey("started", int)
 IN_FLIGHT = web.AppKey("in_flight", set)  # request ids submitted and not yet finished
 CHAT = web.AppKey("chat", object)  # the checkpoint's ChatTemplate, or why there is none (str)
+ADAPTER_CHAT = web.AppKey("adapter_chat", AdapterTemplates)  # adapter folders' own templates
 MAX_CHAT_MESSAGES = 1024
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_N = 16  # choices per prompt
+MAX_CHOICES = 256  # prompts x n
 
 
 # --- errors: the one place a LoradError becomes an HTTP answer ---------------------------------------
@@ -91,10 +97,10 @@ _COMMON_FIELDS = {
     "stream", "stream_options", "return_token_ids", "n", "logprobs", "user",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
 }
-_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
+_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "logit_bias", "min_tokens")
+                    "repetition_penalty", "logit_bias", "min_tokens", "logprobs")
 
 
 @dataclass
@@ -103,11 +109,13 @@ class Completion:
     None until the messages are rendered)."""
 
     model: str
-    prompt: str | list[int] | None
+    prompts: list[str | list[int]] | None
     sampling: SamplingParams
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: each choice's text starts with its prompt's
     messages: list[dict] | None = None  # chat: the checked messages
 
     @property
@@ -119,12 +127,14 @@ def parse_completion(body) -> Completion:
     fields = _fields(body, _FIELDS)
     if "prompt" not in fields:
         raise BadRequest("prompt is required")
-    prompt = _one_prompt(fields["prompt"])
-    if _flag(fields, "echo"):
-        raise BadRequest("echo is not supported")
-    if "logprobs" in fields:
-        raise BadRequest("logprobs are not supported (send null)")
-    return _common(fields, prompt)
+    prompts = _prompts(fields["prompt"])
+    if "logprobs" in fields and _flag(fields, "echo"):
+        raise BadRequest("logprobs with echo is not supported (the prompt's own logprobs are not computed)")
+    if "suffix" in fields:
+        raise BadRequest("suffix is not supported")
+    completion = _common(fields, prompts)
+    completion.echo = _flag(fields, "echo")
+    return completion
 
 
 def parse_chat(body) -> Completion:
@@ -134,9 +144,13 @@ def parse_chat(body) -> Completion:
     if "messages" not in fields:
         raise BadRequest("messages is required")
     messages = check_messages(fields["messages"], MAX_CHAT_MESSAGES)
-    if _flag(fields, "logprobs") or "top_logprobs" in fields:
-        raise BadRequest("logprobs are not supported (send false or null)")
+    # chat's form: logprobs true/false and top_logprobs N; the sampler's: logprobs N or None
+    wanted, top = _flag(fields, "logprobs"), fields.pop("top_logprobs", None)
+    if top is not None and not wanted:
+        raise BadRequest("top_logprobs needs logprobs: true")
     fields.pop("logprobs", None)
+    if wanted:
+        fields["logprobs"] = 0 if top is None else top
     if "max_completion_tokens" in fields:
         fields["max_tokens"] = fields.pop("max_completion_tokens")
     completion = _common(fields, None)
@@ -162,10 +176,10 @@ def _common(fields: dict, prompt) -> Completion:
     """The fields both endpoints share: streaming, n, sampling and stops."""
     stream = _flag(fields, "stream")
     n = fields.get("n", 1)
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise BadRequest("n must be an integer")
-    if n != 1:
-        raise BadRequest("only n=1 is supported")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise BadRequest(f"n must be an integer from 1 to {MAX_N}")
+    if prompt is not None and len(prompt) * n > MAX_CHOICES:
+        raise BadRequest(f"n x prompts is {len(prompt) * n}, more than the {MAX_CHOICES} choices a request may have")
     options = fields.get("stream_options", {})
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise BadRequest('stream_options must be an object with only "include_usage"')
@@ -187,21 +201,26 @@ def _common(fields: dict, prompt) -> Completion:
         stop_token_ids=tuple(stop_token_ids),
         ignore_eos=_flag(fields, "ignore_eos"),
     )
-    return Completion(fields["model"], prompt, sampling, stream, include_usage, _flag(fields, "return_token_ids"))
+    return Completion(fields["model"], prompt, sampling, stream, include_usage, _flag(fields, "return_token_ids"), n)
+
+
+def _prompts(prompt) -> list[str | list[int]]:
+    """OpenAI's prompt forms: a string, a list of token ids, or a list of either (a batch: one choice each)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise BadRequest(f"prompt: {len(prompt)} prompts, more than the {MAX_PROMPTS} a request may have")
+        return [_one_prompt(p) for p in prompt]
+    return [_one_prompt(prompt)]
 
 
 def _one_prompt(prompt) -> str | list[int]:
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) != 1:
-            raise BadRequest(f"one prompt per request (got a list of {len(prompt)})")
-        prompt = prompt[0]
     if isinstance(prompt, str):
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as error:
             raise BadRequest(f"prompt is not valid unicode: {error.reason}") from None
     elif not isinstance(prompt, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-        raise BadRequest("prompt must be a string, a list of token ids, or a list holding one of those")
+        raise BadRequest("prompt must be a string, a list of token ids, or a list of those")
     if not prompt:
         raise BadRequest("prompt is empty")
     return prompt
@@ -310,10 +329,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     peer = peer_credentials(request.transport)  # now: the transport is gone once the client leaves
     completion = parse_completion(await _json_body(request))
-    prompt_ids = completion.prompt
-    if isinstance(prompt_ids, str):
-        prompt_ids = await _encode(engine.tokenizer, prompt_ids, special_tokens=True)
-    return await _generate(request, completion, prompt_ids, f"cmpl-{uuid.uuid4().hex}", arrived, peer)
+    prompts = [await _encode(engine.tokenizer, prompt, special_tokens=True) if isinstance(prompt, str) else prompt
+               for prompt in completion.prompts]
+    return await _generate(request, completion, prompts, f"cmpl-{uuid.uuid4().hex}", arrived, peer)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -321,15 +339,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     peer = peer_credentials(request.transport)
     completion = parse_chat(await _json_body(request))
-    template = request.app[CHAT]
-    if not isinstance(template, ChatTemplate):
-        raise BadRequest(f"model {engine.model_name} has no chat template: {template}; use /v1/completions")
     loop = asyncio.get_running_loop()
+    template = None
+    if completion.model != engine.model_name:  # an adapter folder may ship its own template
+        template = await loop.run_in_executor(None, _adapter_template, request.app, completion.model)
+    if template is None:
+        template = request.app[CHAT]
+        if not isinstance(template, ChatTemplate):
+            raise BadRequest(f"model {engine.model_name} has no chat template: {template}; use /v1/completions")
     # Rendering and tokenizing grow with the messages: off the event loop. The template writes the special
     # tokens itself (BOS among them), so the text is tokenized without adding any.
     text = await loop.run_in_executor(None, template.render, completion.messages)
     prompt_ids = await _encode(engine.tokenizer, text, special_tokens=False)
-    return await _generate(request, completion, prompt_ids, f"chatcmpl-{uuid.uuid4().hex}", arrived, peer)
+    return await _generate(request, completion, [prompt_ids], f"chatcmpl-{uuid.uuid4().hex}", arrived, peer)
 
 
 async def _encode(tokenizer, text: str, special_tokens: bool) -> list[int]:
@@ -339,63 +361,92 @@ async def _encode(tokenizer, text: str, special_tokens: bool) -> list[int]:
     return await asyncio.get_running_loop().run_in_executor(None, lambda: tokenizer.encode(text, add_special_tokens=special_tokens))
 
 
-async def _generate(request: web.Request, completion: Completion, prompt_ids: list[int], request_id: str,
+@dataclass
+class _Choice:
+    """One choice of a request: its prompt, and the engine request that generates it."""
+
+    index: int
+    prompt_index: int
+    generation: GenerationRequest
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # TokenLogprob per token, when asked for
+    text_offset: int = 0  # completions' logprobs: where the next token's text starts
+    finish_reason: str | None = None
+    started: bool = False  # a stream has sent its first chunk
+
+
+async def _generate(request: web.Request, completion: Completion, prompts: list[list[int]], request_id: str,
                     arrived: float, peer) -> web.StreamResponse:
-    """Checks the prompt, submits it and answers: the whole completion, or a stream of events."""
+    """Checks every prompt, submits each choice (n per prompt, indexed prompt x n + i as OpenAI does) and
+    answers: the whole completion, or one stream of events for every choice."""
     engine = request.app[ENGINE]
     loop = asyncio.get_running_loop()
-    check_prompt(prompt_ids, completion.sampling, engine.vocab_size, engine.max_model_len)
-
-    generation = GenerationRequest(
-        prompt_token_ids=list(prompt_ids),
-        adapter=None if completion.model == engine.model_name else completion.model,
-        sampling=completion.sampling,
-        request_id=request_id,
-    )
-    outputs = _OutputQueue(loop)
-    generation.on_output = outputs.push
-    # submit() may read a cold adapter from disk: off the event loop, so other requests keep streaming.
-    submitted = loop.run_in_executor(None, engine.submit, generation)
-    try:
-        await asyncio.shield(submitted)
-    except asyncio.CancelledError:  # the client left while submit() ran: abort once it is queued
-        submitted.add_done_callback(lambda done: done.cancelled() or done.exception() or engine.abort(request_id))
-        raise
-
+    for prompt_ids in prompts:
+        check_prompt(prompt_ids, completion.sampling, engine.vocab_size, engine.max_model_len)
+    adapter = None if completion.model == engine.model_name else completion.model
+    outputs = _OutputQueue(loop, len(prompts) * completion.n)
+    choices = []
+    for prompt_index, prompt_ids in enumerate(prompts):
+        for i in range(completion.n):
+            index = prompt_index * completion.n + i
+            sampling = completion.sampling
+            if sampling.seed is not None and i:  # a seed makes the whole set reproducible, each choice its own draw
+                sampling = dataclasses.replace(sampling, seed=sampling.seed + i)
+            single = len(prompts) * completion.n == 1
+            generation = GenerationRequest(prompt_token_ids=list(prompt_ids), adapter=adapter, sampling=sampling,
+                                           request_id=request_id if single else f"{request_id}-{index}")
+            generation.on_output = functools.partial(outputs.push, index)
+            choices.append(_Choice(index, prompt_index, generation))
+    submitted_ids = []
     in_flight = request.app[IN_FLIGHT]
-    in_flight.add(request_id)
-    record = _RequestRecord(request_id, completion.model, len(prompt_ids), arrived, peer)
+    record = _RequestRecord(request_id, completion.model, sum(len(p) for p in prompts), arrived, peer, len(choices))
     try:
+        for choice in choices:
+            # submit() may read a cold adapter from disk: off the event loop, so other requests keep streaming.
+            submitted = loop.run_in_executor(None, engine.submit, choice.generation)
+            try:
+                await asyncio.shield(submitted)
+            except asyncio.CancelledError:  # the client left while submit() ran: abort once it is queued
+                submitted.add_done_callback(
+                    lambda done, rid=choice.generation.request_id: done.cancelled() or done.exception() or engine.abort(rid))
+                raise
+            submitted_ids.append(choice.generation.request_id)
+            in_flight.add(choice.generation.request_id)
         if completion.stream:
-            return await _stream_response(request, completion, generation, outputs, record)
-        return await _full_response(completion, generation, outputs, record)
+            return await _stream_response(request, completion, choices, outputs, record, prompts, request_id)
+        return await _full_response(completion, choices, outputs, record, prompts, request_id, engine.tokenizer)
     finally:
-        in_flight.discard(request_id)
-        if record.finish_reason is None:  # the client went away, or we failed: the engine must let go
-            engine.abort(request_id)
+        for choice in choices:
+            rid = choice.generation.request_id
+            in_flight.discard(rid)
+            if rid in submitted_ids and choice.finish_reason is None:  # the client went away, or we failed
+                engine.abort(rid)
+        if record.finish_reason is None:
             record.finish_reason = "abort"
         record.log()
 
 
 class _OutputQueue:
-    """Carries RequestOutputs from the engine thread to the handler's task."""
+    """Carries every choice's RequestOutputs from the engine thread to the handler's task, as (index, output)
+    until each of `count` choices has finished."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    def __init__(self, loop: asyncio.AbstractEventLoop, count: int = 1):
+        self.loop, self.count = loop, count
+        self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
-    def push(self, output: RequestOutput) -> None:  # engine thread
+    def push(self, index: int, output: RequestOutput) -> None:  # engine thread
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, output))
         except RuntimeError:  # the loop is closed: the server is gone, nobody is waiting
             pass
 
     async def __aiter__(self):
-        while True:
-            output = await self.queue.get()
-            yield output
-            if output.finished:
-                return
+        finished = 0
+        while finished < self.count:
+            index, output = await self.queue.get()
+            finished += output.finished
+            yield index, output
 
 
 @dataclass
@@ -405,16 +456,20 @@ class _RequestRecord:
     prompt_tokens: int
     arrived: float
     peer: PeerCredentials | None = None  # the client process
+    choices: int = 1
     completion_tokens: int = 0
     first_token_at: float | None = None
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # the last choice's, once every choice has finished
+    finished: int = 0
 
     def add(self, output: RequestOutput) -> None:
         if output.new_token_ids and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.completion_tokens += len(output.new_token_ids)
         if output.finished:
-            self.finish_reason = output.finish_reason
+            self.finished += 1
+            if self.finished == self.choices:
+                self.finish_reason = output.finish_reason
 
     def usage(self) -> dict:
         return {
@@ -427,9 +482,9 @@ class _RequestRecord:
         ttft = "-" if self.first_token_at is None else f"{(self.first_token_at - self.arrived) * 1e3:.1f}"
         uid, pid = ("-", "-") if self.peer is None else (self.peer.uid, self.peer.pid)
         log.info(
-            "request finished request_id=%s adapter=%s prompt_tokens=%d completion_tokens=%d ttft_ms=%s "
+            "request finished request_id=%s adapter=%s prompt_tokens=%d completion_tokens=%d choices=%d ttft_ms=%s "
             "latency_ms=%.1f finish_reason=%s peer_uid=%s peer_pid=%s",
-            self.request_id, self.model, self.prompt_tokens, self.completion_tokens, ttft,
+            self.request_id, self.model, self.prompt_tokens, self.completion_tokens, self.choices, ttft,
             (time.monotonic() - self.arrived) * 1e3, self.finish_reason, uid, pid,
         )
 
@@ -440,64 +495,122 @@ def _error_of(output: RequestOutput) -> LoradError:
     return LoradError(f"generation failed: {output.error or 'the engine gave no reason'}")
 
 
-async def _full_response(completion, generation, outputs, record) -> web.Response:
-    text, token_ids = [], []
-    async for output in outputs:
-        record.add(output)
-        text.append(output.text_delta)
-        token_ids.extend(output.new_token_ids)
-    if output.finish_reason == "error":
-        raise _error_of(output)
+def _echo(completion: Completion, prompt_index: int, prompts: list[list[int]], tokenizer) -> str:
+    """echo: the prompt's text ahead of the choice's (a text prompt as sent, token ids decoded)."""
+    prompt = completion.prompts[prompt_index] if completion.prompts else None
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompts[prompt_index])
+
+
+def _logprobs(completion: Completion, choice: _Choice, token_ids: list[int], entries: list, tokenizer) -> dict | None:
+    """The logprobs of these tokens of a choice in OpenAI's form (None when not asked for): chat's `content`
+    list of {token, logprob, bytes, top_logprobs}, or completions' tokens, token_logprobs, top_logprobs (one
+    {token: logprob} per token) and text_offset (each token's start in the choice's text, by token texts)."""
+    if completion.sampling.logprobs is None:
+        return None
+    texts = [tokenizer.token_text(token) for token in token_ids]
     if completion.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                  "finish_reason": output.finish_reason, "logprobs": None}
-    else:
-        choice = {"index": 0, "text": "".join(text), "finish_reason": output.finish_reason, "logprobs": None}
-    answer = {
-        "id": generation.request_id, "object": "chat.completion" if completion.chat else "text_completion",
-        "created": int(time.time()), "model": completion.model, "choices": [choice], "usage": record.usage(),
+        def item(text, logprob):
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**item(text, entry.logprob),
+                             "top_logprobs": [item(tokenizer.token_text(top), value) for top, value in entry.top]}
+                            for text, entry in zip(texts, entries)]}
+    offsets = []
+    for text in texts:
+        offsets.append(choice.text_offset)
+        choice.text_offset += len(text)
+    return {"tokens": texts, "token_logprobs": [entry.logprob for entry in entries],
+            "top_logprobs": [{tokenizer.token_text(top): value for top, value in entry.top} for entry in entries],
+            "text_offset": offsets}
+
+
+async def _full_response(completion, choices: list[_Choice], outputs, record, prompts, request_id,
+                         tokenizer) -> web.Response:
+    failed = None
+    async for index, output in outputs:
+        record.add(output)
+        choice = choices[index]
+        choice.text.append(output.text_delta)
+        choice.token_ids.extend(output.new_token_ids)
+        choice.logprobs.extend(output.logprobs or ())
+        if output.finished:
+            choice.finish_reason = output.finish_reason
+            if output.finish_reason == "error" and failed is None:
+                failed = output
+    if failed is not None:
+        raise _error_of(failed)
+    answers = []
+    for choice in choices:
+        text = "".join(choice.text)
+        logprobs = _logprobs(completion, choice, choice.token_ids, choice.logprobs, tokenizer)
+        if completion.chat:
+            answer = {"index": choice.index, "message": {"role": "assistant", "content": text},
+                      "finish_reason": choice.finish_reason, "logprobs": logprobs}
+        else:
+            if completion.echo:
+                text = _echo(completion, choice.prompt_index, prompts, tokenizer) + text
+            answer = {"index": choice.index, "text": text, "finish_reason": choice.finish_reason, "logprobs": logprobs}
+        if completion.return_token_ids:
+            answer["token_ids"] = choice.token_ids
+            if len(prompts) > 1:
+                answer["prompt_token_ids"] = prompts[choice.prompt_index]
+        answers.append(answer)
+    body = {
+        "id": request_id, "object": "chat.completion" if completion.chat else "text_completion",
+        "created": int(time.time()), "model": completion.model, "choices": answers, "usage": record.usage(),
     }
-    if completion.return_token_ids:
-        choice["token_ids"] = token_ids
-        answer["prompt_token_ids"] = generation.prompt_token_ids
-    return web.json_response(answer)
+    if completion.return_token_ids and len(prompts) == 1:
+        body["prompt_token_ids"] = prompts[0]
+    return web.json_response(body)
 
 
-async def _stream_response(request, completion, generation, outputs, record) -> web.StreamResponse:
+async def _stream_response(request, completion, choices: list[_Choice], outputs, record, prompts,
+                           request_id: str) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     created = int(time.time())
     kind = "chat.completion.chunk" if completion.chat else "text_completion"
-    head = {"id": generation.request_id, "object": kind, "created": created, "model": completion.model}
-    first = True
+    tokenizer = request.app[ENGINE].tokenizer
+    head = {"id": request_id, "object": kind, "created": created, "model": completion.model}
+    first_chunk = True
     try:
-        async for output in outputs:
+        async for index, output in outputs:
             record.add(output)
+            choice = choices[index]
+            if output.finished:
+                choice.finish_reason = output.finish_reason
             if output.finish_reason == "error":
                 await _send_event(response, error_body(_error_of(output)))
                 break
-            if completion.chat:  # the role in the first delta, as OpenAI sends it
-                delta = {"role": "assistant", "content": output.text_delta} if first else {"content": output.text_delta}
-                choice = {"index": 0, "delta": delta, "finish_reason": output.finish_reason, "logprobs": None}
+            text = output.text_delta
+            logprobs = _logprobs(completion, choice, output.new_token_ids, output.logprobs or [], tokenizer)
+            if completion.chat:  # the role in each choice's first delta, as OpenAI sends it
+                delta = {"role": "assistant", "content": text} if not choice.started else {"content": text}
+                entry = {"index": index, "delta": delta, "finish_reason": output.finish_reason, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": output.text_delta, "finish_reason": output.finish_reason,
-                          "logprobs": None}
-            chunk = {**head, "choices": [choice]}
+                if completion.echo and not choice.started:
+                    text = _echo(completion, choice.prompt_index, prompts, tokenizer) + text
+                entry = {"index": index, "text": text, "finish_reason": output.finish_reason, "logprobs": logprobs}
+            chunk = {**head, "choices": [entry]}
             if completion.return_token_ids:
-                choice["token_ids"] = output.new_token_ids
-                if first:
-                    chunk["prompt_token_ids"] = generation.prompt_token_ids
+                entry["token_ids"] = output.new_token_ids
+                if not choice.started:
+                    if len(prompts) > 1:
+                        entry["prompt_token_ids"] = prompts[choice.prompt_index]
+                    elif first_chunk:
+                        chunk["prompt_token_ids"] = prompts[0]
             if completion.include_usage:
                 chunk["usage"] = None
             await _send_event(response, chunk)
-            first = False
+            choice.started = True
+            first_chunk = False
         else:
             if completion.include_usage:
                 await _send_event(response, {**head, "choices": [], "usage": record.usage()})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-    except ConnectionResetError:  # the client went away; completions() aborts the request if still running
-        log.debug("client disconnected request_id=%s", generation.request_id)
+    except ConnectionResetError:  # the client went away; _generate aborts the choices still running
+        log.debug("client disconnected request_id=%s", request_id)
     return response
 
 
@@ -512,6 +625,18 @@ async def _abort_in_flight(app: web.Application) -> None:
     # On shutdown every running request is told to finish now, so handlers answer before the loop stops.
     for request_id in list(app[IN_FLIGHT]):
         app[ENGINE].abort(request_id)
+
+
+def _adapter_template(app: web.Application, name: str) -> ChatTemplate | None:
+    """The chat template of adapter `name`'s own folder, if it ships one (an unknown name: None, and the
+    engine's 404 follows at submit)."""
+    path = app[ENGINE].adapter_path(name)
+    if path is None:
+        return None
+    try:
+        return app[ADAPTER_CHAT].get(path)
+    except ModelError as error:
+        raise BadRequest(f"adapter {name}: {error.message}") from None
 
 
 def _chat_template(engine) -> ChatTemplate | str:
@@ -534,6 +659,7 @@ def create_app(engine) -> web.Application:
     app[STARTED] = int(time.time())
     app[IN_FLIGHT] = set()
     app[CHAT] = _chat_template(engine)
+    app[ADAPTER_CHAT] = AdapterTemplates()
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/status", status)

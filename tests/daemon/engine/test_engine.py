@@ -473,3 +473,13 @@ def test_penalties_bias_and_min_tokens_in_the_engine(big_engine):
         want = reference_processed(raw, params, History(prompt, output))
         torch.testing.assert_close(processed.logits[step], want, rtol=1e-4, atol=1e-4)
         assert token == int(want.argmax())
+
+
+def test_logprobs_come_with_each_generated_token(big_engine):
+    result = big_engine.generate([GenerationRequest(list(range(40, 52)), "demo-r8",
+                                                    SamplingParams(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True),
+                                                    keep_logits=True)])[0]
+    assert len(result.logprobs) == 4
+    for token, entry, logits in zip(result.token_ids, result.logprobs, result.logits):
+        assert entry.top[0][0] == token and len(entry.top) == 2
+        assert abs(entry.logprob - float(torch.log_softmax(logits, dim=-1)[token])) < 1e-5

@@ -246,3 +246,25 @@ def draw_processed(logits: torch.Tensor, params: SamplingParams, count: int) -> 
 def test_processing_refusals(fields, fragment):
     with pytest.raises(BadRequest, match=fragment):
         SamplingParams(**fields)
+
+
+def test_logprobs_are_those_of_the_distribution_drawn_from():
+    from lorad.daemon.engine.sampler import logprobs_of
+
+    logits = random_logits(4, seed=5)
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.5, logprobs=0, logit_bias={"4": 2.0}), SamplingParams(temperature=2.0, logprobs=5, seed=1)]
+    histories = [None, None, History([1], []), None]
+    raw = logits.clone()
+    tokens = sample(logits, params, [make_generator(p) for p in params], histories)
+    got = logprobs_of(logits, params, tokens)
+    assert got[1] is None
+    for row in (0, 2, 3):
+        p = params[row]
+        processed = raw[row] if histories[row] is None else reference_processed(raw[row], p, histories[row])
+        want = torch.log_softmax(processed / (p.temperature or 1.0), dim=-1)
+        assert math.isclose(got[row].logprob, float(want[tokens[row]]), abs_tol=1e-5)
+        order = want.argsort(descending=True)[: p.logprobs].tolist()
+        assert [token for token, _ in got[row].top] == order
+        assert all(math.isclose(value, float(want[token]), abs_tol=1e-5) for token, value in got[row].top)
+    assert got[0].top[0][0] == tokens[0] and got[2].top == ()  # greedy: its token is the most likely

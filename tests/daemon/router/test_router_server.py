@@ -139,6 +139,8 @@ def test_streaming_and_plain_answers_match_a_backend(router_factory, daemons):
     assert [t for c in streamed for choice in c["choices"] for t in choice["token_ids"]] == \
         direct["choices"][0]["token_ids"]
     assert streamed[-1]["usage"] == direct["usage"]
+    chat = {"model": "demo-r4", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5, "temperature": 0}
+    assert router.client.chat_completions(**chat)["choices"] == Client(daemons[0]).chat_completions(**chat)["choices"]
 
     models = router.client.models()
     assert models[0]["id"] == "lorad-demo" and models[0]["backends"] == daemons

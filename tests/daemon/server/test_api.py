@@ -34,6 +34,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
 
 class FakeEngine:
     """The engine's interface with an echo for a model: the k-th generated token is the prompt's
@@ -54,6 +57,9 @@ class FakeEngine:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread = None
+
+    def adapter_path(self, name: str) -> str | None:
+        return None  # no adapter folder ships a chat template here
 
     def models(self) -> list[dict]:
         base = [{"id": self.model_name, "parent": None, "kind": "base"}]
@@ -327,8 +333,9 @@ def test_completion_that_fails_is_a_500(client):
         ({"model": "fake-base", "prompt": []}, "prompt is empty"),
         ({"model": "fake-base", "prompt": [""]}, "prompt is empty"),
         ({"model": "fake-base", "prompt": [[]]}, "prompt is empty"),
-        ({"model": "fake-base", "prompt": ["a", "b"]}, "one prompt per request"),
-        ({"model": "fake-base", "prompt": [[1], [2]]}, "one prompt per request"),
+        ({"model": "fake-base", "prompt": ["a"] * 65}, "65 prompts, more than the 64"),
+        ({"model": "fake-base", "prompt": ["a", [1, 2], ""]}, "prompt is empty"),
+        ({"model": "fake-base", "prompt": ["a"] * 20, "n": 16}, "n x prompts is 320, more than the 256"),
         ({"model": "fake-base", "prompt": 5}, "prompt must be"),
         ({"model": "fake-base", "prompt": [1, "a"]}, "prompt must be"),
         ({"model": "fake-base", "prompt": [1, True]}, "prompt must be"),
@@ -352,13 +359,17 @@ def test_completion_that_fails_is_a_500(client):
         ({"model": "fake-base", "prompt": "hi", "stop_token_ids": [999]}, "out of the vocabulary"),
         ({"model": "fake-base", "prompt": "hi", "ignore_eos": "yes"}, "ignore_eos must be true or false"),
         ({"model": "fake-base", "prompt": "hi", "return_token_ids": 1}, "return_token_ids must be"),
-        ({"model": "fake-base", "prompt": "hi", "n": 2}, "only n=1"),
+        ({"model": "fake-base", "prompt": "hi", "n": 17}, "n must be an integer from 1 to 16"),
+        ({"model": "fake-base", "prompt": "hi", "n": 0}, "n must be an integer from 1 to 16"),
         ({"model": "fake-base", "prompt": "hi", "n": "1"}, "n must be an integer"),
-        ({"model": "fake-base", "prompt": "hi", "echo": True}, "echo is not supported"),
-        ({"model": "fake-base", "prompt": "hi", "logprobs": 5}, "logprobs are not supported"),
+        ({"model": "fake-base", "prompt": "hi", "echo": 1}, "echo must be true or false"),
+        ({"model": "fake-base", "prompt": "hi", "suffix": "x"}, "suffix is not supported"),
+        ({"model": "fake-base", "prompt": "hi", "logprobs": 21}, "logprobs must be an integer from 0 to 20"),
+        ({"model": "fake-base", "prompt": "hi", "logprobs": True}, "logprobs must be an integer"),
+        ({"model": "fake-base", "prompt": "hi", "logprobs": 2, "echo": True}, "logprobs with echo"),
         ({"model": "fake-base", "prompt": "hi", "stream_options": {"bogus": 1}}, "stream_options"),
         ({"model": "fake-base", "prompt": "hi", "stream_options": {"include_usage": 1}}, "include_usage"),
-        ({"model": "fake-base", "prompt": "hi", "best_of": 2, "suffix": "x"}, "unknown field(s): best_of, suffix"),
+        ({"model": "fake-base", "prompt": "hi", "best_of": 2, "bogus": "x"}, "unknown field(s): best_of, bogus"),
     ],
 )
 def test_bad_request(client, engine, fields, fragment):
@@ -477,6 +488,26 @@ def test_disconnect_aborts_a_stream(server, engine):
     chunks.close()  # closes the connection
     wait_until(lambda: first["id"] in engine.aborted)
     assert client.health() == {"status": "ok"}
+
+
+def test_disconnect_aborts_every_choice(server, engine):
+    client = Client(server.path, timeout=10)
+    chunks = client.stream_completions(model="slow", prompt=["abc", "de"], n=2, max_tokens=100)
+    first = next(chunks)
+    assert first["id"].startswith("cmpl-")
+    wait_until(lambda: len(engine.submitted) == 4)
+    assert sorted(engine.submitted) == [f"{first['id']}-{index}" for index in range(4)]
+    chunks.close()
+    wait_until(lambda: set(engine.aborted) == set(engine.submitted))
+
+
+def test_choices_of_several_prompts_are_indexed_prompt_times_n(client, engine):
+    answer = client.completions(model="chat", prompt=["abc", [100, 101]], n=2, max_tokens=3, echo=True,
+                                return_token_ids=True)
+    assert [choice["index"] for choice in answer["choices"]] == [0, 1, 2, 3]
+    assert [choice["text"] for choice in answer["choices"]] == ["abcabc"] * 2 + ["deded"] * 2  # echo: the prompt first
+    assert [choice["prompt_token_ids"] for choice in answer["choices"]] == [[97, 98, 99]] * 2 + [[100, 101]] * 2
+    assert answer["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
 
 
 def test_finished_requests_are_not_aborted(client, engine):

@@ -179,8 +179,11 @@ def test_the_openai_clients_errors(openai_client):
         openai_client.chat.completions.create(model="no-such-adapter", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\].role"):
         openai_client.chat.completions.create(model="demo-r8", messages=[{"role": "robot", "content": "hi"}])
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        openai_client.chat.completions.create(model="demo-r8", messages=[{"role": "user", "content": "hi"}], logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
+        openai_client.chat.completions.create(model="demo-r8", messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs must be an integer from 0 to 20"):
+        openai_client.chat.completions.create(model="demo-r8", messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                              top_logprobs=21)
     answer = openai_client.completions.create(model="lorad-demo", prompt="The lighthouse", max_tokens=4)
     assert answer.object == "text_completion" and answer.usage.completion_tokens <= 4
 
@@ -215,3 +218,93 @@ def test_penalties_and_logit_bias_through_the_openai_client(openai_client, demo_
         openai_client.completions.create(model="demo-r4", prompt="x", logit_bias={str(engine.vocab_size): 1})
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         openai_client.completions.create(model="demo-r4", prompt="x", presence_penalty=3)
+
+
+def test_batch_prompts_n_and_seeds_through_the_openai_client(openai_client):
+    prompts = ["The lighthouse", "A boat on the grey sea"]
+    batch = openai_client.completions.create(model="demo-r16", prompt=prompts, n=2, max_tokens=5, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert [choice.index for choice in batch.choices] == [0, 1, 2, 3]
+    for prompt_index, prompt in enumerate(prompts):
+        alone = openai_client.completions.create(model="demo-r16", prompt=prompt, max_tokens=5, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+        assert [choice.text for choice in batch.choices[2 * prompt_index : 2 * prompt_index + 2]] == [alone.choices[0].text] * 2
+    assert batch.usage.completion_tokens == 20
+    echoed = openai_client.completions.create(model="demo-r16", prompt=prompts[0], max_tokens=3, echo=True)
+    assert echoed.choices[0].text.startswith(prompts[0])
+
+    def seeded():
+        return [c.text for c in openai_client.completions.create(model="demo-r16", prompt=prompts[0], n=3, max_tokens=6,
+                                                                 temperature=1.0, seed=7, extra_body={"ignore_eos": True}).choices]
+
+    first = seeded()
+    assert seeded() == first and len(set(first)) > 1  # the set repeats; its choices are distinct draws
+
+    stream = openai_client.chat.completions.create(model="demo-r16", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                                   max_completion_tokens=4, temperature=0, stream=True,
+                                                   extra_body={"ignore_eos": True})
+    texts, roles = {0: "", 1: ""}, {0: 0, 1: 0}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            roles[choice.index] += choice.delta.role == "assistant"
+    whole = openai_client.chat.completions.create(model="demo-r16", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                                  max_completion_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert texts == {0: whole.choices[0].message.content, 1: whole.choices[1].message.content}
+    assert roles == {0: 1, 1: 1}  # the role in each choice's first delta only
+
+
+def test_logprobs_through_the_openai_client(openai_client, demo_daemon):
+    _, engine = demo_daemon
+    answer = openai_client.completions.create(model="demo-r8", prompt="The lighthouse", max_tokens=5, temperature=0,
+                                              logprobs=3, extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = answer.choices[0]
+    logprobs = choice.logprobs
+    token_ids = choice.model_extra["token_ids"]
+    assert logprobs.tokens == [engine.tokenizer.token_text(t) for t in token_ids]
+    assert len(logprobs.token_logprobs) == 5 and all(value <= 0 for value in logprobs.token_logprobs)
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) <= 3 and max(top.values()) == value and top[token] == value  # greedy: the best one
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(5)]
+
+    # the same tokens and values, streamed
+    streamed = openai_client.completions.create(model="demo-r8", prompt="The lighthouse", max_tokens=5, temperature=0,
+                                                logprobs=3, stream=True, extra_body={"ignore_eos": True})
+    values = [v for chunk in streamed for v in (chunk.choices[0].logprobs.token_logprobs if chunk.choices[0].logprobs else [])]
+    assert values == pytest.approx(logprobs.token_logprobs, abs=1e-6)
+
+    chat = openai_client.chat.completions.create(model="demo-r8", messages=[{"role": "user", "content": "Hi"}],
+                                                 max_completion_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                                                 extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and "".join(item.token for item in content) == chat.choices[0].message.content
+    assert all(len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob == item.logprob for item in content)
+    assert all(bytes(item.bytes).decode() == item.token for item in content)
+    plain = openai_client.chat.completions.create(model="demo-r8", messages=[{"role": "user", "content": "Hi"}],
+                                                  max_completion_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_an_adapter_folder_with_its_own_template_uses_it(openai_client, demo_daemon, demo_assets):
+    import shutil
+
+    from lorad.client import Client
+
+    server, engine = demo_daemon
+    folder = demo_assets.adapters["demo-r8"].parent / "talker"  # under the adapter root loads are allowed from
+    shutil.copytree(demo_assets.adapters["demo-r8"], folder)
+    try:
+        (folder / "chat_template.jinja").write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+        Client(server.path).load_adapter("talker", str(folder))
+        messages = [{"role": "user", "content": "Where is the lighthouse?"}]
+        answer = openai_client.chat.completions.create(model="talker", messages=messages, max_completion_tokens=2)
+        own = engine.tokenizer.encode("<<Where is the lighthouse?>>", add_special_tokens=False)
+        assert answer.usage.prompt_tokens == len(own)
+        base = openai_client.chat.completions.create(model="demo-r8", messages=messages, max_completion_tokens=2)
+        assert base.usage.prompt_tokens != len(own)  # the base model's template for an adapter without one
+        (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}!")
+        changed = openai_client.chat.completions.create(model="talker", messages=messages, max_completion_tokens=2)
+        assert changed.usage.prompt_tokens == len(engine.tokenizer.encode("Where is the lighthouse?!", add_special_tokens=False))
+    finally:
+        Client(server.path).unload_adapter("talker")
+        shutil.rmtree(folder)
