@@ -6,6 +6,12 @@ and exit code 2. Anything else escaping is a bug in lorad.
 """
 
 
+def clip(value, limit: int = 80) -> str:
+    """repr(value) cut to `limit` characters: what a client sent, echoed into a message or a log line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 20]}...({len(text)} chars)"
+
+
 class LoradError(Exception):
     status = 500
     type = "internal_error"

@@ -33,7 +33,7 @@ from lorad.daemon.engine.stats import Metrics
 from lorad.daemon.engine.request import GenerationRequest, GenerationResult, RequestOutput, check_prompt, deliver
 from lorad.daemon.engine.sampler import History, logprobs_of, make_generator, sample
 from lorad.daemon.engine.tokenizer import Detokenizer, load_tokenizer
-from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded
+from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded, clip
 from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool
 from lorad.scheduler.admission import AdmissionPolicy, Objectives, OnlinePrefill, make_admission
 from lorad.scheduler.batching import Scheduler, Sequence
@@ -302,7 +302,7 @@ class Engine:
         if request.adapter is not None:
             if request.adapter not in self.registry:
                 raise ModelNotFound(
-                    f"the model {request.adapter!r} does not exist (GET /v1/models lists the base model and adapters)"
+                    f"the model {clip(request.adapter)} does not exist (GET /v1/models lists the base model and adapters)"
                 )
             adapter = self._read_adapter(request.adapter)  # read now, in the caller's thread: errors go to the caller
         state = RequestState(request, Detokenizer(self.tokenizer, request.sampling.stop), make_generator(request.sampling))
@@ -524,6 +524,9 @@ class Engine:
         now = time.perf_counter()
         for row, (seq, token) in enumerate(zip(sampled, tokens)):
             if seq in redo:
+                continue
+            if token is None:  # its sampling failed: this request ends, the step's others go on
+                self._finish(seq, "error", error="sampling failed for this request (its distribution was not valid)")
                 continue
             state: RequestState = seq.state
             if state.request.keep_logits:

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from lorad.errors import BadRequest, PromptTooLong
+from lorad.errors import BadRequest, PromptTooLong, clip
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +45,23 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise BadRequest("max_tokens must be a positive integer")
-        if not _real(self.temperature) or self.temperature < 0:
-            raise BadRequest("temperature must be a number >= 0")
-        if not _real(self.top_p) or not 0 < self.top_p <= 1:
-            raise BadRequest("top_p must be in (0, 1]")
+        # Bounds the sampler's float32 arithmetic stays finite in: logits of at most ~1e3 over 1e-2 are 1e5, far
+        # from overflow in softmax after its max is subtracted; a top_p under 1e-6 would round to 0 in float32.
+        if not _real(self.temperature) or not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= 100):
+            raise BadRequest(f"temperature must be 0 (greedy) or a number from {MIN_TEMPERATURE} to 100")
+        if not _real(self.top_p) or not MIN_TOP_P <= self.top_p <= 1:
+            raise BadRequest(f"top_p must be a number from {MIN_TOP_P} to 1")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise BadRequest("top_k must be an integer >= -1 (-1 or 0: off)")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise BadRequest("seed must be an integer")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**64):
+            raise BadRequest("seed must be an integer from -2**63 to 2**64 - 1")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise BadRequest("stop must be a non-empty string or a list of them")
         if len(self.stop) > 16:
             raise BadRequest("at most 16 stop strings")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise BadRequest(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise BadRequest("stop_token_ids must be non-negative integers")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -95,6 +100,9 @@ class SamplingParams:
                     or self.logit_bias or self.min_tokens)
 
 
+MIN_TEMPERATURE = 1e-2
+MIN_TOP_P = 1e-6
+MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_LOGPROBS = 20  # OpenAI's limit of top_logprobs
 
@@ -119,10 +127,16 @@ def check_prompt(prompt_token_ids: list[int], sampling: SamplingParams, vocab_si
     token id is in it too, and PromptTooLong unless the prompt plus max_tokens fits the model's context."""
     if not prompt_token_ids:
         raise BadRequest("the prompt is empty")
+    total = len(prompt_token_ids) + sampling.max_tokens
+    if total > max_model_len:  # first: a cheap bound before a look at every token
+        raise PromptTooLong(
+            f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({sampling.max_tokens}) is "
+            f"{total} tokens, over this model's context of {max_model_len}"
+        )
     for token in prompt_token_ids:
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
             raise BadRequest(
-                f"prompt token id {token!r} is out of the vocabulary: prompt token ids must be integers in "
+                f"prompt token id {clip(token)} is out of the vocabulary: prompt token ids must be integers in "
                 f"[0, {vocab_size})"
             )
     bad = next((t for t in sampling.stop_token_ids if t >= vocab_size), None)
@@ -131,12 +145,6 @@ def check_prompt(prompt_token_ids: list[int], sampling: SamplingParams, vocab_si
     bad = next((t for t, _ in sampling.logit_bias if t >= vocab_size), None)
     if bad is not None:
         raise BadRequest(f"logit_bias: token id {bad} is out of the vocabulary (0..{vocab_size - 1})")
-    total = len(prompt_token_ids) + sampling.max_tokens
-    if total > max_model_len:
-        raise PromptTooLong(
-            f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({sampling.max_tokens}) is "
-            f"{total} tokens, over this model's context of {max_model_len}"
-        )
 
 
 @dataclass

@@ -4,11 +4,14 @@ with temperature, top-k and top-p, each request drawing from its own generator w
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from lorad.daemon.engine.request import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -22,17 +25,26 @@ class History:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           histories: list[History | None] | None = None) -> list[int]:
-    """logits: [N, vocab] float32 -> N token ids. histories: per row, for the rows whose params process
+           histories: list[History | None] | None = None) -> list[int | None]:
+    """logits: [N, vocab] float32 -> N token ids; None for a row whose sampling failed (its request alone
+    ends with an error: the step's other rows go on). histories: per row, for the rows whose params process
     their logits (the others may be None); the logits of those rows are changed in place."""
     if histories is not None:
         with torch.inference_mode():  # the forward's logits are inference tensors: changed in place in this mode
             process_logits(logits, params, histories)
     tokens = logits.argmax(dim=-1)
+    failed = []
     for row, (p, generator) in enumerate(zip(params, generators)):
         if not p.greedy:
-            tokens[row] = _sample_row(logits[row], p, generator)
-    return tokens.tolist()
+            try:
+                tokens[row] = _sample_row(logits[row], p, generator)
+            except (RuntimeError, ValueError) as error:  # e.g. a distribution torch.multinomial refuses
+                log.warning("sampling failed for one row: %s", error)
+                failed.append(row)
+    out = tokens.tolist()
+    for row in failed:
+        out[row] = None
+    return out
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
@@ -79,7 +91,8 @@ def logprobs_of(logits: torch.Tensor, params: list[SamplingParams], tokens: list
     index = torch.tensor(rows, device=device)
     temperature = torch.tensor([params[row].temperature or 1.0 for row in rows], device=device)[:, None]
     log_probs = torch.log_softmax(logits.index_select(0, index).float() / temperature, dim=-1)
-    chosen = log_probs.gather(1, torch.tensor([tokens[row] for row in rows], device=device)[:, None])[:, 0]
+    picked = [tokens[row] if tokens[row] is not None else 0 for row in rows]  # a failed row's value is not used
+    chosen = log_probs.gather(1, torch.tensor(picked, device=device)[:, None])[:, 0]
     k = max(params[row].logprobs for row in rows)
     top_values, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
     chosen, top_values, top_ids = chosen.tolist(), top_values.tolist(), top_ids.tolist()

@@ -29,6 +29,7 @@ from lorad.daemon.router.backends import Backend, InFlightRequest
 from lorad.scheduler.router import RouteRequest
 
 from lorad.errors import (
+    clip,
     AdmissionDropped,
     BackendError,
     BadRequest,
@@ -103,7 +104,7 @@ class Router:
         if down:
             reasons = "; ".join(f"{b.socket_path}: {b.down_reason}" for b in down)
             raise Overloaded(f"every backend serving {model!r} is down ({reasons})")
-        raise ModelNotFound(f"the model {model!r} does not exist on any backend (GET /v1/models lists them)")
+        raise ModelNotFound(f"the model {clip(model)} does not exist on any backend (GET /v1/models lists them)")
 
     def rank(self, model: str, pool: list[Backend]) -> int:
         """The adapter's rank as the backends list it (or its adapter_config.json declares it). Unknown:

@@ -7,6 +7,7 @@ loop through one asyncio.Queue per request.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -21,6 +22,7 @@ from aiohttp import web
 
 from lorad.errors import (
     AdmissionDropped, BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, ModelError, NotFound, Overloaded,
+    PromptTooLong,
 )
 from lorad.daemon.server import metrics as metrics_format
 from lorad.daemon.server.unix_socket import PeerCredentials, peer_credentials
@@ -32,6 +34,8 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20
 # Prompts longer than this are tokenized off the event loop, so one huge prompt does not stall the others.
 _TOKENIZE_INLINE_CHARS = 4096
+_PARSE_INLINE_BYTES = 256 << 10  # bodies larger than this are parsed off the event loop, one at a time:
+_large_bodies = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorad-json")  # so the loop waits for one at most
 
 ENGINE = web.AppKey("engine", object)
 STARTED = web.AppKey("started", int)
@@ -164,7 +168,7 @@ def _fields(body, allowed: set[str]) -> dict:
         raise BadRequest("the request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
+        raise BadRequest(f"unknown field(s): {', '.join(name[:64] for name in unknown[:20])}")
     fields = {name: value for name, value in body.items() if value is not None}
     model = fields.get("model")
     if not isinstance(model, str) or not model:
@@ -273,9 +277,15 @@ async def _json_body(request: web.Request):
         raise BodyTooLarge(f"request body is larger than {MAX_BODY_BYTES} bytes")
     raw = await request.read()  # aiohttp raises 413 past client_max_size
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise BadRequest(f"the request body is not JSON: {error}") from None
+        if len(raw) <= _PARSE_INLINE_BYTES:
+            return json.loads(raw)
+        # Off the event loop. The parse still holds the interpreter lock while it runs (a 15 MB text prompt
+        # ~25 ms, a million token ids ~60 ms on the CPU box), so other requests wait at most that long.
+        return await asyncio.get_running_loop().run_in_executor(_large_bodies, json.loads, raw)
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+    except ValueError as error:  # not JSON, not UTF-8, or an integer of more digits than Python converts
+        raise BadRequest(f"the request body is not JSON lorad accepts: {str(error)[:200]}") from None
 
 
 # --- adapter admin (vLLM's routes) --------------------------------------------------------------------
@@ -329,6 +339,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     peer = peer_credentials(request.transport)  # now: the transport is gone once the client leaves
     completion = parse_completion(await _json_body(request))
+    for prompt in completion.prompts:  # a cheap bound before any tokenizing
+        _check_text_length(prompt, engine.max_model_len)
     prompts = [await _encode(engine.tokenizer, prompt, special_tokens=True) if isinstance(prompt, str) else prompt
                for prompt in completion.prompts]
     return await _generate(request, completion, prompts, f"cmpl-{uuid.uuid4().hex}", arrived, peer)
@@ -349,9 +361,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             raise BadRequest(f"model {engine.model_name} has no chat template: {template}; use /v1/completions")
     # Rendering and tokenizing grow with the messages: off the event loop. The template writes the special
     # tokens itself (BOS among them), so the text is tokenized without adding any.
+    _check_text_length("".join(message["content"] for message in completion.messages), engine.max_model_len)
     text = await loop.run_in_executor(None, template.render, completion.messages)
     prompt_ids = await _encode(engine.tokenizer, text, special_tokens=False)
     return await _generate(request, completion, [prompt_ids], f"chatcmpl-{uuid.uuid4().hex}", arrived, peer)
+
+
+MAX_CHARS_PER_TOKEN = 64  # more than any token of the tokenizers lorad serves covers (runs of spaces included)
+
+
+def _check_text_length(prompt, max_model_len: int) -> None:
+    """PromptTooLong for a text no tokenizing could fit in the context, before spending time tokenizing it."""
+    if isinstance(prompt, str) and len(prompt) > max_model_len * MAX_CHARS_PER_TOKEN:
+        raise PromptTooLong(f"the prompt is {len(prompt)} characters: more than a context of {max_model_len} tokens "
+                            f"holds at up to {MAX_CHARS_PER_TOKEN} characters a token")
 
 
 async def _encode(tokenizer, text: str, special_tokens: bool) -> list[int]:
@@ -392,7 +415,7 @@ async def _generate(request: web.Request, completion: Completion, prompts: list[
             index = prompt_index * completion.n + i
             sampling = completion.sampling
             if sampling.seed is not None and i:  # a seed makes the whole set reproducible, each choice its own draw
-                sampling = dataclasses.replace(sampling, seed=sampling.seed + i)
+                sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**64)
             single = len(prompts) * completion.n == 1
             generation = GenerationRequest(prompt_token_ids=list(prompt_ids), adapter=adapter, sampling=sampling,
                                            request_id=request_id if single else f"{request_id}-{index}")
@@ -484,7 +507,7 @@ class _RequestRecord:
         log.info(
             "request finished request_id=%s adapter=%s prompt_tokens=%d completion_tokens=%d choices=%d ttft_ms=%s "
             "latency_ms=%.1f finish_reason=%s peer_uid=%s peer_pid=%s",
-            self.request_id, self.model, self.prompt_tokens, self.completion_tokens, self.choices, ttft,
+            self.request_id, self.model[:80], self.prompt_tokens, self.completion_tokens, self.choices, ttft,
             (time.monotonic() - self.arrived) * 1e3, self.finish_reason, uid, pid,
         )
 

@@ -171,7 +171,7 @@ def test_sampling_params_refusals(fields):
 
 def test_sampling_params_accepts_the_edges():
     SamplingParams(max_tokens=1, temperature=0, top_p=1.0, top_k=-1, seed=0)
-    SamplingParams(temperature=0.01, top_p=1e-9, top_k=0, stop=tuple(f"s{i}" for i in range(16)), stop_token_ids=(0, 5))
+    SamplingParams(temperature=0.01, top_p=1e-6, top_k=0, stop=tuple(f"s{i}" for i in range(16)), stop_token_ids=(0, 5))
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.5).greedy
 
 

@@ -1,0 +1,131 @@
+"""One request never harms the others: numerically unsafe sampling parameters, oversized or malformed bodies,
+huge prompts and echoed names get a 4xx, a sampling failure ends only its own request, and a concurrent
+well-formed request completes with the right output meanwhile."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from lorad.daemon.engine.request import GenerationRequest, SamplingParams
+from lorad.errors import BadRequest
+
+from daemon_harness import raw_request, serve_engine, start_daemon, stop_daemon, wait_healthy
+
+
+def make_engine(demo_assets):
+    from lorad.config import EngineConfig
+    from lorad.daemon.engine.engine import Engine
+
+    adapters = tuple((name, str(path)) for name, path in demo_assets.adapters.items())
+    return Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cpu", pool_bytes=4096 * 256,
+                               max_model_len=64))
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    (dict(temperature=1e-40), "temperature must be 0 .greedy. or a number from 0.01"),
+    (dict(temperature=1e6), "temperature"),
+    (dict(top_p=5e-324), "top_p must be a number from 1e-06"),
+    (dict(seed=2**64), "seed must be an integer from"),
+    (dict(seed=-(2**63) - 1), "seed must be an integer from"),
+    (dict(stop_token_ids=list(range(257))), "at most 256 token ids"),
+])
+def test_numerically_unsafe_or_oversized_parameters_are_refused(fields, fragment):
+    with pytest.raises(BadRequest, match=fragment):
+        SamplingParams(**fields)
+    SamplingParams(temperature=0.01, top_p=1e-6, seed=2**64 - 1)  # the edges themselves pass
+
+
+def test_a_row_whose_sampling_fails_ends_alone(demo_assets, monkeypatch):
+    from lorad.daemon.engine import sampler
+
+    engine = make_engine(demo_assets)
+    prompts = [[40, 41, 42, 43], [50, 51, 52], [60, 61, 62, 63, 64]]
+    alone = [engine.generate([GenerationRequest(p, "demo-r8", SamplingParams(max_tokens=5, temperature=0))])[0].token_ids
+             for p in prompts[:2]]
+    original = sampler._sample_row
+
+    def failing(logits, p, generator):
+        if p.seed == 13:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return original(logits, p, generator)
+
+    monkeypatch.setattr(sampler, "_sample_row", failing)
+    results = engine.generate([GenerationRequest(prompts[0], "demo-r8", SamplingParams(max_tokens=5, temperature=0)),
+                               GenerationRequest(prompts[1], "demo-r8", SamplingParams(max_tokens=5, temperature=0)),
+                               GenerationRequest(prompts[2], "demo-r8", SamplingParams(max_tokens=5, temperature=1.0, seed=13))])
+    assert [r.finish_reason for r in results] == ["length", "length", "error"]
+    assert [r.token_ids for r in results[:2]] == alone
+    assert results[2].token_ids == []
+
+
+@pytest.fixture(scope="module")
+def demo(demo_assets):
+    from lorad.config import EngineConfig
+    from lorad.daemon.engine.engine import Engine
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LORAD_DEMO_DIR", str(demo_assets.model_dir.parent))
+        engine = Engine(EngineConfig(demo=True, device="cpu", pool_bytes=8 << 20, max_model_len=128))
+    with serve_engine(engine, "harden.sock") as server:
+        yield server, engine
+
+
+def post(server, body: bytes) -> tuple[int, dict]:
+    status, _, payload = raw_request(server.path, "POST", "/v1/completions", body)
+    return status, json.loads(payload)
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (b'{"model": "lorad-demo", "prompt": "hi", "seed": ' + b"9" * 5000 + b"}", "not JSON lorad accepts"),
+    (b'{"model": "lorad-demo", "prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", "nested too deeply"),
+    (b'{"model": "lorad-demo", "prompt": "hi", "seed": 18446744073709551616}', "seed must be"),
+    (b'{"model": "lorad-demo", "prompt": "hi", "temperature": 1e-40}', "temperature"),
+])
+def test_bodies_that_were_500s_are_400s(demo, body, fragment):
+    server, _ = demo
+    status, payload = post(server, body)
+    assert status == 400 and fragment in payload["error"]["message"]
+
+
+def test_a_huge_model_name_is_not_echoed(demo):
+    server, _ = demo
+    status, payload = post(server, json.dumps({"model": "m" * 10_000_000, "prompt": "hi"}).encode())
+    assert status == 404 and len(json.dumps(payload)) < 400
+
+
+def test_health_answers_while_huge_prompts_are_refused(demo_assets, short_tmp):
+    # A daemon of its own (lorad serve): the probes time its event loop, not this process's threads.
+    path = short_tmp / "lorad.sock"
+    daemon = start_daemon(demo_assets, path)
+    try:
+        client = wait_healthy(daemon, path)
+        text = "lighthouse " * 1_400_000  # 15.4 MB, under the body cap
+        token_ids = [5] * 1_000_000
+        outcomes, latencies, answers = [], [], []
+
+        def send(body: bytes):
+            status, _, payload = raw_request(str(path), "POST", "/v1/completions", body)
+            outcomes.append((status, json.loads(payload)["error"]["type"]))
+
+        bodies = [json.dumps({"model": "lorad-demo", "prompt": text}).encode()] * 3 + \
+                 [json.dumps({"model": "lorad-demo", "prompt": token_ids}).encode()]
+        workers = [threading.Thread(target=send, args=(body,)) for body in bodies]
+        workers.append(threading.Thread(target=lambda: answers.append(
+            client.completions(model="demo-r8", prompt="The lighthouse", max_tokens=4, temperature=0))))
+        for worker in workers:
+            worker.start()
+        while any(worker.is_alive() for worker in workers) or len(latencies) < 5:
+            started = time.perf_counter()
+            assert client.health() == {"status": "ok"}
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.005)
+        assert sorted(outcomes) == [(400, "context_length_exceeded")] * 4
+        assert max(latencies) < 0.1, latencies
+        again = client.completions(model="demo-r8", prompt="The lighthouse", max_tokens=4, temperature=0)
+        assert answers[0]["choices"][0]["text"] == again["choices"][0]["text"]
+    finally:
+        stop_daemon(daemon)
