@@ -24,14 +24,24 @@ PREFIX = "/lorad-"
 SHM_DIR = "/dev/shm"
 ALIGNMENT = 64  # one cache line: regions never share a line, and every dtype is aligned
 
-# `/lorad-{pid}x{token}-{purpose}`: the pid is the leading digits of the instance.
-_NAME = re.compile(r"^/lorad-(\d+)x[0-9a-f]+-[A-Za-z0-9_.-]+$")
+# `/lorad-{pid}x{token}n{pid namespace}-{purpose}`: the pid is the leading digits of the instance, and its
+# pid namespace (the inode of /proc/self/ns/pid) tells whether this process can see the creator at all.
+_NAME = re.compile(r"^/lorad-(\d+)x[0-9a-f]+(?:n(\d+))?-[A-Za-z0-9_.-]+$")
 _PURPOSE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
 def new_instance() -> str:
-    """A daemon instance id: the creating pid and a random token (pids are reused, tokens are not)."""
-    return f"{os.getpid()}x{secrets.token_hex(4)}"
+    """A daemon instance id: the creating pid, a random token (pids are reused, tokens are not) and the pid
+    namespace the pid belongs to."""
+    return f"{os.getpid()}x{secrets.token_hex(4)}n{pid_namespace()}"
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def segment_name(instance: str, purpose: str) -> str:
@@ -47,6 +57,12 @@ def creator_pid(name: str) -> int | None:
     """The pid encoded in a lorad segment name, None for names that are not lorad's."""
     match = _NAME.match(name if name.startswith("/") else "/" + name)
     return int(match.group(1)) if match else None
+
+
+def creator_namespace(name: str) -> int | None:
+    """The pid namespace encoded in a lorad segment name (None: not said, as in names before it was)."""
+    match = _NAME.match(name if name.startswith("/") else "/" + name)
+    return int(match.group(2)) if match and match.group(2) else None
 
 
 def align(offset: int, alignment: int = ALIGNMENT) -> int:
@@ -161,18 +177,33 @@ def lorad_segments(prefix: str = PREFIX) -> list[str]:
 def sweep_stale(prefix: str = PREFIX) -> list[str]:
     """Unlink the segments whose creating process is gone; returns their names.
 
-    A segment of a live process, or a name that is not lorad's, is left alone. Pid reuse can only
-    make a stale segment survive a sweep, never remove a live one.
+    A segment of a live process, or a name that is not lorad's, is left alone; so is one another user owns
+    (not ours to judge or remove: logged) and one created in another pid namespace (its creator's pid means
+    nothing here). Pid reuse can only make a stale segment survive a sweep, never remove a live one.
     """
     removed = []
+    here, uid = pid_namespace(), os.geteuid()
     for name in lorad_segments(prefix):
         pid = creator_pid(name)
-        if pid is None or pid_alive(pid):
+        if pid is None:
+            continue
+        try:
+            owner = os.stat(SHM_DIR + name).st_uid
+        except OSError:
+            continue  # gone meanwhile
+        if owner != uid:
+            log.info("left a lorad segment of another user alone segment=%s owner_uid=%d", name, owner)
+            continue
+        namespace = creator_namespace(name)
+        if namespace is not None and namespace != here or pid_alive(pid):
             continue
         try:
             posix_ipc.unlink_shared_memory(name)
         except posix_ipc.ExistentialError:
             continue  # another sweeper got there first
+        except posix_ipc.PermissionsError as error:
+            log.info("could not remove a stale segment=%s: %s", name, error)
+            continue
         log.info("swept stale segment=%s creator_pid=%d", name, pid)
         removed.append(name)
     return removed

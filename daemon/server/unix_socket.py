@@ -26,10 +26,19 @@ LISTEN_BACKLOG = 1024  # connections the kernel holds before accept(): bursts of
 
 
 def claim_path(path: str) -> None:
-    """Make `path` free to bind: create its parent, remove a stale socket; refuse if a daemon listens."""
+    """Make `path` free to bind: create its parent, remove a stale socket; refuse if a daemon listens, or if
+    the parent directory is not safe to put the socket in (`check_directory`)."""
     if len(os.fsencode(path)) > SOCKET_PATH_MAX:
         raise BadRequest(f"socket path is longer than {SOCKET_PATH_MAX} bytes: {path}")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    parent = Path(path).parent
+    try:
+        parent.mkdir(mode=SOCKET_DIR_MODE)
+        os.chmod(parent, SOCKET_DIR_MODE)  # not the umask's
+    except FileNotFoundError:
+        parent.mkdir(mode=SOCKET_DIR_MODE, parents=True)
+        os.chmod(parent, SOCKET_DIR_MODE)
+    except FileExistsError:
+        check_directory(parent)
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -49,6 +58,31 @@ def claim_path(path: str) -> None:
     finally:
         probe.close()
     raise BadRequest(f"another lorad is already listening on {path}")
+
+
+# The socket's directory when lorad creates it: the owner's, and the group may reach the socket (whose own mode,
+# 0660 by default, is the user gate) but not list or change the directory.
+SOCKET_DIR_MODE = 0o710
+
+
+def check_directory(directory: Path) -> None:
+    """Refuse a socket directory another local user could have prepared: a symlink, one owned by someone other
+    than this user or root, or one others may write to (unless sticky, as /tmp, where they cannot remove or
+    replace what is ours)."""
+    try:
+        info = os.lstat(directory)
+    except OSError as error:
+        raise BadRequest(f"cannot use the socket directory {directory}: {error.strerror or error}") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise BadRequest(f"the socket directory {directory} is a symlink; give a real directory")
+    if not stat.S_ISDIR(info.st_mode):
+        raise BadRequest(f"{directory} is not a directory")
+    if info.st_uid not in (os.geteuid(), 0):
+        raise BadRequest(f"the socket directory {directory} belongs to uid {info.st_uid}, not this user "
+                         f"({os.geteuid()}): another user could replace the socket; use a directory of your own")
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        raise BadRequest(f"the socket directory {directory} is writable by others (mode {info.st_mode & 0o777:o}); "
+                         f"chmod go-w it or use another")
 
 
 def remove(path: str) -> None:

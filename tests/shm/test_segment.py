@@ -135,3 +135,36 @@ def test_sweep_treats_an_unreaped_zombie_as_dead():
     assert sweep_stale(prefix=f"/lorad-{child.pid}x") == [name]
     child.join(20)
     assert name not in lorad_segments()
+
+
+def test_sweep_leaves_another_users_and_another_namespaces_segments(monkeypatch):
+    from lorad.shm import segment as segment_module
+
+    queue = fork.Queue()
+    child = fork.Process(target=_child_creates_and_waits, args=(queue,))
+    child.start()
+    name = queue.get(timeout=20)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(20)
+    prefix = f"/lorad-{child.pid}x"
+    try:
+        # owned by someone else (as another user's daemon would leave it): logged, kept, no error
+        monkeypatch.setattr(segment_module.os, "geteuid", lambda: os.getuid() + 1)
+        assert sweep_stale(prefix=prefix) == [] and name in lorad_segments()
+        monkeypatch.undo()
+        # created in another pid namespace: its pid means nothing here
+        monkeypatch.setattr(segment_module, "pid_namespace", lambda: segment_module.creator_namespace(name) + 1)
+        assert sweep_stale(prefix=prefix) == [] and name in lorad_segments()
+        monkeypatch.undo()
+        assert sweep_stale(prefix=prefix) == [name]  # ours, and our namespace's: swept
+    finally:
+        monkeypatch.undo()
+        sweep_stale(prefix=prefix)
+
+
+def test_an_old_name_without_a_namespace_is_still_judged_by_its_pid():
+    assert creator_pid("/lorad-123xab12-flags") == 123
+    from lorad.shm.segment import creator_namespace
+
+    assert creator_namespace("/lorad-123xab12-flags") is None
+    assert creator_namespace("/lorad-123xab12n4026531836-flags") == 4026531836

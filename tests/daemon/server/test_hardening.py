@@ -103,7 +103,7 @@ def test_health_answers_while_huge_prompts_are_refused(demo_assets, short_tmp):
     daemon = start_daemon(demo_assets, path)
     try:
         client = wait_healthy(daemon, path)
-        text = "lighthouse " * 1_400_000  # 15.4 MB, under the body cap
+        text = "lighthouse " * 1_500_000  # 16.5 MB of JSON, just under the 16 MiB body cap
         token_ids = [5] * 1_000_000
         outcomes, latencies, answers = [], [], []
 
@@ -111,8 +111,7 @@ def test_health_answers_while_huge_prompts_are_refused(demo_assets, short_tmp):
             status, _, payload = raw_request(str(path), "POST", "/v1/completions", body)
             outcomes.append((status, json.loads(payload)["error"]["type"]))
 
-        bodies = [json.dumps({"model": "lorad-demo", "prompt": text}).encode()] * 3 + \
-                 [json.dumps({"model": "lorad-demo", "prompt": token_ids}).encode()]
+        bodies = [json.dumps({"model": "lorad-demo", "prompt": text}).encode()] * 4
         workers = [threading.Thread(target=send, args=(body,)) for body in bodies]
         workers.append(threading.Thread(target=lambda: answers.append(
             client.completions(model="demo-r8", prompt="The lighthouse", max_tokens=4, temperature=0))))
@@ -127,5 +126,59 @@ def test_health_answers_while_huge_prompts_are_refused(demo_assets, short_tmp):
         assert max(latencies) < 0.1, latencies
         again = client.completions(model="demo-r8", prompt="The lighthouse", max_tokens=4, temperature=0)
         assert answers[0]["choices"][0]["text"] == again["choices"][0]["text"]
+        # a million token ids: refused by their count, before any is looked at (its JSON parse holds the
+        # interpreter ~60 ms, the one wait other requests may see)
+        status, _, payload = raw_request(str(path), "POST", "/v1/completions",
+                                         json.dumps({"model": "lorad-demo", "prompt": token_ids}).encode())
+        assert status == 400 and json.loads(payload)["error"]["type"] == "context_length_exceeded"
+    finally:
+        stop_daemon(daemon)
+
+
+# --- the socket's directory ---------------------------------------------------------------------------------
+
+
+def test_the_socket_directory_is_ours_and_closed(short_tmp, monkeypatch):
+    import os
+
+    from lorad.daemon.server import unix_socket
+
+    fresh = short_tmp / "fresh" / "lorad.sock"
+    unix_socket.claim_path(str(fresh))
+    assert os.stat(fresh.parent).st_mode & 0o777 == unix_socket.SOCKET_DIR_MODE
+    unix_socket.claim_path(str(fresh))  # ours: fine the second time
+
+    open_dir = short_tmp / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(BadRequest, match="writable by others"):
+        unix_socket.claim_path(str(open_dir / "lorad.sock"))
+    os.chmod(open_dir, 0o1777)  # sticky, as /tmp: others cannot remove or replace our socket
+    unix_socket.claim_path(str(open_dir / "lorad.sock"))
+
+    (short_tmp / "link").symlink_to(short_tmp / "fresh")
+    with pytest.raises(BadRequest, match="is a symlink"):
+        unix_socket.claim_path(str(short_tmp / "link" / "lorad.sock"))
+
+    foreign = short_tmp / "foreign"
+    foreign.mkdir(mode=0o700)
+    if os.getuid() == 0:
+        os.chown(foreign, 4243, 4243)  # as another user would have made it first
+    else:
+        monkeypatch.setattr(unix_socket.os, "geteuid", lambda: os.getuid() + 4242)
+    with pytest.raises(BadRequest, match="belongs to uid"):
+        unix_socket.claim_path(str(foreign / "lorad.sock"))
+
+
+def test_serve_refuses_a_directory_others_can_write(demo_assets, short_tmp):
+    import os
+
+    hostile = short_tmp / "hostile"
+    hostile.mkdir()
+    os.chmod(hostile, 0o777)
+    daemon = start_daemon(demo_assets, hostile / "lorad.sock")
+    try:
+        _, stderr = daemon.communicate(timeout=60)
+        assert daemon.returncode == 2 and "writable by others" in stderr and "Traceback" not in stderr
     finally:
         stop_daemon(daemon)
