@@ -329,18 +329,13 @@ class Engine:
     def load_adapter(self, name: str, path: str) -> dict:
         """Registers an adapter through the API: the path must lie under an adapter root; the adapter is
         read and checked now, and nothing already registered changes if it is refused."""
-        resolved = Path(path).resolve()  # follows symlinks: a link out of the roots is outside
-        if not any(resolved.is_relative_to(root) for root in self._adapter_roots):
-            if not self._adapter_roots:
-                raise BadRequest("no adapter roots are configured (adapter_roots): loading through the API is off")
-            roots = ", ".join(str(root) for root in self._adapter_roots)
-            raise BadRequest(f"{path} is not under an adapter root ({roots})")
+        resolved, root = self._under_root(path)
         with self._lock:
             if name in self._draining:
                 raise BadRequest(f"adapter {name!r} is still finishing its requests after an unload; try again")
             if name == self.model_name:
                 raise BadRequest(f"{name!r} is the base model's name")
-        self.registry.register(name, str(resolved))
+        self.registry.register(name, str(resolved), root=root)
         try:
             adapter = self._read_adapter(name)
         except LoradError:
@@ -349,6 +344,18 @@ class Engine:
         self._api_registrations[name] = str(resolved)
         self._save_registrations()
         return adapter.describe()
+
+    def _under_root(self, path: str) -> tuple[Path, Path]:
+        """The adapter folder resolved (symlinks followed: a link out of the roots is outside) and the adapter
+        root it lies under; BadRequest when it lies under none."""
+        resolved = Path(path).resolve()
+        root = next((root for root in self._adapter_roots if resolved.is_relative_to(root)), None)
+        if root is None:
+            if not self._adapter_roots:
+                raise BadRequest("no adapter roots are configured (adapter_roots): loading through the API is off")
+            roots = ", ".join(str(root) for root in self._adapter_roots)
+            raise BadRequest(f"{path} is not under an adapter root ({roots})")
+        return resolved, root
 
     def unload_adapter(self, name: str) -> None:
         """New requests for it are refused at once; requests already submitted finish first, then its
@@ -385,7 +392,8 @@ class Engine:
         restored = {}
         for name, path in saved.items():
             try:
-                self.registry.register(name, path)
+                resolved, root = self._under_root(path)  # the roots may have changed since it was saved
+                self.registry.register(name, str(resolved), root=root)
                 restored[name] = path
             except LoradError as error:
                 log.warning("registration not restored name=%s reason=%s", name, error.message)

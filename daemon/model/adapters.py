@@ -7,6 +7,8 @@ Only safetensors are read: pickled files (.bin, .pt) are refused, never opened.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import math
@@ -101,17 +103,26 @@ class LoraAdapter:
         }
 
 
-def load_peft_adapter(path: str | Path, spec: ModelSpec, max_rank: int, name: str | None = None) -> LoraAdapter:
+MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
+MAX_WEIGHTS_BYTES = 16 << 30
+
+
+def load_peft_adapter(path: str | Path, spec: ModelSpec, max_rank: int, name: str | None = None,
+                      root: Path | None = None, max_bytes: int = MAX_WEIGHTS_BYTES) -> LoraAdapter:
     """Read and validate a PEFT LoRA adapter directory for a base model of shape `spec`.
 
+    root: for an adapter loaded through the API, the adapter root it must stay inside: its files must be
+    plain files (no symlinks, opened with O_NOFOLLOW) under it. max_bytes: the weight file's size cap.
     Raises AdapterError, naming the adapter and the reason, for anything lorad cannot serve exactly.
     """
     directory = Path(path)
     name = name or directory.name
     try:
         weights_path = _adapter_files(directory)
-        settings = _LoraSettings.from_config(_read_config(directory / CONFIG_FILE))
-        weights, scaling = _read_weights(weights_path, spec, max_rank, settings)
+        with _open_confined(directory / CONFIG_FILE, root, MAX_CONFIG_BYTES) as config_file:
+            settings = _LoraSettings.from_config(_read_config(Path(config_file)))
+        with _open_confined(weights_path, root, max_bytes) as weights_file:
+            weights, scaling = _read_weights(Path(weights_file), spec, max_rank, settings)
     except _Refusal as refusal:
         raise AdapterError(f"adapter {name!r} ({directory}): {refusal}") from None
     except OSError as error:  # unreadable directory or file (permissions, I/O)
@@ -127,6 +138,29 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, max_rank: int, name: st
         scaling=scaling,
     )
     return adapter
+
+
+@contextlib.contextmanager
+def _open_confined(path: Path, root: Path | None, limit: int):
+    """The path to read `path` through, checked: at most `limit` bytes; with a root, a plain file (not a
+    symlink) that resolves inside it, opened once with O_NOFOLLOW and read through /proc/self/fd, so a file
+    swapped after the check is not the one read."""
+    flags = os.O_RDONLY | (os.O_NOFOLLOW if root is not None else 0)
+    if root is not None and not path.resolve().is_relative_to(root):
+        raise _Refusal(f"{path.name} leads outside the adapter root {root}")
+    try:
+        fd = os.open(path, flags)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise _Refusal(f"{path.name} is a symlink: adapters loaded through the API are read from plain files") from None
+        raise
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise _Refusal(f"{path.name} is {size} bytes, more than the {limit} allowed")
+        yield f"/proc/self/fd/{fd}" if os.path.exists(f"/proc/self/fd/{fd}") else str(path)
+    finally:
+        os.close(fd)
 
 
 def _adapter_files(directory: Path) -> Path:
@@ -359,6 +393,7 @@ class _Entry:
     name: str
     path: Path
     adapter: LoraAdapter | None = None
+    root: Path | None = None  # the adapter root its files must stay inside (loaded through the API)
     # Serialises loads of this adapter so two threads asking at once read the disk once.
     load_lock: threading.Lock = field(default_factory=threading.Lock)
     # (directory signature, message) of the last failed load: retried only once the files change.
@@ -380,9 +415,11 @@ class AdapterRegistry:
         self._loaded: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._host_bytes = 0
 
-    def register(self, name: str, path: str | Path) -> None:
-        """Add an adapter by name; reads only its directory listing (weights load on first use)."""
+    def register(self, name: str, path: str | Path, root: Path | None = None) -> None:
+        """Add an adapter by name; reads only its directory listing (weights load on first use). root: the
+        adapter root its files must stay inside (those loaded through the API)."""
         entry = self._new_entry(name, path)
+        entry.root = root
         with self._lock:
             self._add_locked(entry)
         log.info("adapter registered name=%s path=%s", name, entry.path)
@@ -457,7 +494,7 @@ class AdapterRegistry:
                 raise AdapterError(entry.failure[1])
             started = time.perf_counter()
             try:
-                adapter = load_peft_adapter(entry.path, self.spec, self.max_rank, name)
+                adapter = load_peft_adapter(entry.path, self.spec, self.max_rank, name, root=entry.root)
             except AdapterError as error:
                 entry.failure = (signature, error.message)
                 log.warning("adapter load failed name=%s reason=%s", name, error.message)

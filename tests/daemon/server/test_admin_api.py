@@ -257,3 +257,39 @@ def test_concurrent_loads_and_requests(served, roots):
         thread.join(60)
     assert not errors, errors
     assert not [name for name in adapter_ids(client) if name.startswith("churn-")]
+
+
+def test_files_inside_a_loaded_adapter_stay_inside_its_root(served, roots, demo_assets):
+    client, engine, _ = served
+    root, outside = roots
+    for folder, fragment in ((root / "weights-link", "leads outside the adapter root"),
+                             (root / "inner-link", "is a symlink"),
+                             (root / "config-link", "leads outside the adapter root"),
+                             (root / "huge-config", "more than the 1048576 allowed")):
+        if not folder.exists():
+            shutil.copytree(demo_assets.adapters["demo-r8"], folder)
+            if folder.name == "weights-link":  # the weights themselves outside the root
+                (folder / "adapter_model.safetensors").unlink()
+                (folder / "adapter_model.safetensors").symlink_to(outside / "good" / "adapter_model.safetensors")
+            elif folder.name == "inner-link":  # a link that stays inside the root: still not a plain file
+                (folder / "adapter_model.safetensors").unlink()
+                (folder / "adapter_model.safetensors").symlink_to(root / "good" / "adapter_model.safetensors")
+            elif folder.name == "config-link":
+                (folder / "adapter_config.json").unlink()
+                (folder / "adapter_config.json").symlink_to(outside / "good" / "adapter_config.json")
+            else:
+                config = json.loads((folder / "adapter_config.json").read_text())
+                (folder / "adapter_config.json").write_text(json.dumps({**config, "padding": "x" * (1 << 20)}))
+        with pytest.raises(LoradError, match=fragment):
+            client.load_adapter(folder.name, str(folder))
+        assert folder.name not in adapter_ids(client)
+    assert client.completions(model="demo-r8", prompt="hi", max_tokens=2)["usage"]["completion_tokens"] <= 2
+
+
+def test_a_restored_registration_outside_the_roots_is_dropped(demo_assets, roots, tmp_path):
+    _, outside = roots
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "adapters.json").write_text(json.dumps({"sneaky": str(outside / "good")}))
+    engine = make_engine(demo_assets, roots, state_dir=state)
+    assert "sneaky" not in {entry["id"] for entry in engine.models()}
