@@ -14,15 +14,16 @@ from typing import AsyncIterator, Iterator
 from lorad.config import ServerConfig
 from lorad.errors import (
     AdapterError, BackendError, BadRequest, BodyTooLarge, EngineDead, LoradError, MethodNotAllowed, ModelError,
-    ModelNotFound, NotFound, Overloaded, PromptTooLong,
+    ModelNotFound, NotFound, Overloaded, PromptTooLong, Unauthorized, Forbidden,
 )
 
 _BY_TYPE = {
     cls.type: cls
     for cls in (BadRequest, PromptTooLong, NotFound, ModelNotFound, MethodNotAllowed, BodyTooLarge, AdapterError,
-                ModelError, EngineDead, BackendError)
+                ModelError, EngineDead, BackendError, Unauthorized, Forbidden)
 }
-_BY_STATUS = {400: BadRequest, 404: NotFound, 405: MethodNotAllowed, 413: BodyTooLarge, 502: BackendError, 503: Overloaded}
+_BY_STATUS = {400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 405: MethodNotAllowed, 413: BodyTooLarge,
+              502: BackendError, 503: Overloaded}
 
 
 def error_from_response(status: int, body: bytes, retry_after: str | None = None) -> LoradError:

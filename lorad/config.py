@@ -140,6 +140,8 @@ class ServerConfig:
     socket_mode: int = 0o660
     listen: str = ""  # tcp://HOST:PORT beside the Unix socket ("": none); daemon/server/tcp.py
     api_key: str = ""  # required over TCP (Authorization: Bearer KEY); else LORAD_API_KEY from the environment
+    admin_group: str = ""  # its members may load and unload adapters over the socket (and the daemon's user, root)
+    admin_api_key: str = ""  # adapter admin over TCP; else LORAD_ADMIN_API_KEY; none: admin is closed to TCP
     log_level: str = "info"
     shutdown_grace_s: float = 30.0  # on SIGTERM/SIGINT, running requests get this long to finish, then are aborted
 

@@ -38,6 +38,13 @@ class Unauthorized(LoradError):
     type = "authentication_error"
 
 
+class Forbidden(LoradError):
+    """A caller who may not do this (adapter admin outside the admin gate)."""
+
+    status = 403
+    type = "permission_error"
+
+
 class NotFound(LoradError):
     status = 404
     type = "not_found_error"

@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import math
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from lorad.errors import (
     PromptTooLong,
 )
 from lorad.daemon.server import metrics as metrics_format
+from lorad.daemon.server.admin_gate import AdminGate
 from lorad.daemon.server.unix_socket import PeerCredentials, peer_credentials
 from lorad.daemon.engine.chat_template import AdapterTemplates, ChatTemplate, check_messages, load_chat_template
 from lorad.daemon.engine.request import GenerationRequest, RequestOutput, SamplingParams, check_prompt
@@ -42,6 +44,7 @@ STARTED = web.AppKey("started", int)
 IN_FLIGHT = web.AppKey("in_flight", set)  # request ids submitted and not yet finished
 CHAT = web.AppKey("chat", object)  # the checkpoint's ChatTemplate, or why there is none (str)
 ADAPTER_CHAT = web.AppKey("adapter_chat", AdapterTemplates)  # adapter folders' own templates
+ADMIN = web.AppKey("admin", AdminGate)  # who may load and unload adapters
 MAX_CHAT_MESSAGES = 1024
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_N = 16  # choices per prompt
@@ -307,6 +310,7 @@ def parse_admin(body, required: tuple[str, ...]) -> dict[str, str]:
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
+    request.app[ADMIN].check(request)
     engine = request.app[ENGINE]
     fields = parse_admin(await _json_body(request), ("lora_name", "lora_path"))
     name, path = fields["lora_name"], fields["lora_path"]
@@ -319,6 +323,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:
+    request.app[ADMIN].check(request)
     engine = request.app[ENGINE]
     name = parse_admin(await _json_body(request), ("lora_name",))["lora_name"]
     await asyncio.get_running_loop().run_in_executor(None, engine.unload_adapter, name)
@@ -676,13 +681,14 @@ def _chat_template(engine) -> ChatTemplate | str:
     return template
 
 
-def create_app(engine) -> web.Application:
+def create_app(engine, admin: AdminGate | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[STARTED] = int(time.time())
     app[IN_FLIGHT] = set()
     app[CHAT] = _chat_template(engine)
     app[ADAPTER_CHAT] = AdapterTemplates()
+    app[ADMIN] = admin or AdminGate(os.geteuid())  # the daemon's user and root
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/status", status)

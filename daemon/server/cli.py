@@ -65,6 +65,9 @@ _SERVER_FLAG_HELP = {
     "socket": "Unix socket to listen on",
     "socket_mode": "permissions of the socket, in octal",
     "listen": "also listen on TCP: tcp://HOST:PORT (a non-loopback host needs an API key)",
+    "admin_group": "a group whose members may load and unload adapters over the socket (beside the daemon's user "
+                   "and root)",
+    "admin_api_key": "the key adapter admin over TCP needs (prefer LORAD_ADMIN_API_KEY); none: admin closed to TCP",
     "api_key": "the key TCP clients send as 'Authorization: Bearer KEY' (prefer LORAD_API_KEY in the environment or "
                "the config file: a flag shows in the process list)",
     "log_level": "debug|info|warning|error",
@@ -239,6 +242,10 @@ def serve(args: argparse.Namespace) -> int:
 
     api_key = config.server.api_key or os.environ.get(tcp.API_KEY_ENV, "")
     tcp_address = tcp.check_listen(config.server.listen, api_key)  # before the model loads: a refusal is quick
+    from lorad.daemon.server.admin_gate import ADMIN_API_KEY_ENV, AdminGate
+
+    admin = AdminGate.from_config(config.server.admin_group,
+                                  config.server.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV, ""))
     passed = systemd.listen_fds()
     if len(passed) > 1:
         raise BadRequest(f"systemd passed {len(passed)} sockets; lorad.socket must have exactly one ListenStream")
@@ -272,7 +279,7 @@ def serve(args: argparse.Namespace) -> int:
         def reload_config() -> Config:
             return resolve(cli_engine, cli_server, config_path)[0]
 
-        return run_event_loop(_serve(engine, config, listener, path, reload_config, tcp_address, api_key))
+        return run_event_loop(_serve(engine, config, listener, path, reload_config, tcp_address, api_key, admin))
     except KeyboardInterrupt:
         log.info("stopped while loading the model" if engine.model_name is None else "stop signal before serving")
         return 0
@@ -315,7 +322,7 @@ def run_event_loop(main_coroutine):
 
 
 async def _serve(engine, config: Config, listener: socket.socket | None, path: str, reload_config,
-                 tcp_address: tuple[str, int] | None = None, api_key: str = "") -> int:
+                 tcp_address: tuple[str, int] | None = None, api_key: str = "", admin=None) -> int:
     from aiohttp import web
 
     from lorad.daemon.server import systemd, tcp
@@ -343,7 +350,7 @@ async def _serve(engine, config: Config, listener: socket.socket | None, path: s
 
     loop.add_signal_handler(signal.SIGHUP, on_sighup)
 
-    app = create_app(engine)
+    app = create_app(engine, admin)
     app.middlewares.insert(0, unix_socket.log_connection_peer)
     if tcp_address is not None and api_key:
         app.middlewares.append(tcp.require_api_key(api_key))  # inside the error middleware: a 401 is JSON

@@ -18,6 +18,7 @@ from lorad.errors import BadRequest, Unauthorized
 
 API_KEY_ENV = "LORAD_API_KEY"
 OPEN_PATHS = ("/health",)  # for load balancers' probes
+ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # the admin key's (admin_gate.py), not this one's
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -60,7 +61,7 @@ def require_api_key(api_key: str):
     async def check(request: web.Request, handler) -> web.StreamResponse:
         sock = request.transport.get_extra_info("socket") if request.transport is not None else None
         over_tcp = sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
-        if over_tcp and request.path not in OPEN_PATHS:
+        if over_tcp and request.path not in OPEN_PATHS + ADMIN_PATHS:
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 raise Unauthorized("a valid API key is required: Authorization: Bearer KEY")
