@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import re
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -145,7 +146,7 @@ def _open_confined(path: Path, root: Path | None, limit: int):
     """The path to read `path` through, checked: at most `limit` bytes; with a root, a plain file (not a
     symlink) that resolves inside it, opened once with O_NOFOLLOW and read through /proc/self/fd, so a file
     swapped after the check is not the one read."""
-    flags = os.O_RDONLY | (os.O_NOFOLLOW if root is not None else 0)
+    flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_NOFOLLOW if root is not None else 0)  # a FIFO never blocks it
     if root is not None and not path.resolve().is_relative_to(root):
         raise _Refusal(f"{path.name} leads outside the adapter root {root}")
     try:
@@ -155,7 +156,10 @@ def _open_confined(path: Path, root: Path | None, limit: int):
             raise _Refusal(f"{path.name} is a symlink: adapters loaded through the API are read from plain files") from None
         raise
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _Refusal(f"{path.name} is not a regular file")
+        size = info.st_size
         if size > limit:
             raise _Refusal(f"{path.name} is {size} bytes, more than the {limit} allowed")
         yield f"/proc/self/fd/{fd}" if os.path.exists(f"/proc/self/fd/{fd}") else str(path)
@@ -411,9 +415,11 @@ class AdapterRegistry:
         self.host_bytes_budget = host_bytes_budget
         self.reserved_names = frozenset(reserved_names)
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # a load waits here for another's reservation to end
         self._entries: dict[str, _Entry] = {}
         self._loaded: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._host_bytes = 0
+        self._reserved = 0  # bytes the loads in progress will add
 
     def register(self, name: str, path: str | Path, root: Path | None = None) -> None:
         """Add an adapter by name; reads only its directory listing (weights load on first use). root: the
@@ -493,12 +499,17 @@ class AdapterRegistry:
             if entry.failure is not None and entry.failure[0] == signature:
                 raise AdapterError(entry.failure[1])
             started = time.perf_counter()
+            reserved = self._reserve(host_bytes_of(entry.path / WEIGHTS_FILE))
             try:
                 adapter = load_peft_adapter(entry.path, self.spec, self.max_rank, name, root=entry.root)
             except AdapterError as error:
                 entry.failure = (signature, error.message)
                 log.warning("adapter load failed name=%s reason=%s", name, error.message)
                 raise
+            finally:
+                with self._lock:
+                    self._reserved -= reserved
+                    self._room.notify_all()
             entry.failure = None
             with self._lock:
                 if self._entries.get(name) is entry:  # else unregistered meanwhile: serve it, keep nothing
@@ -569,6 +580,27 @@ class AdapterRegistry:
             raise NotFound(f"adapter {name!r} is not registered")
         return entry
 
+    def _reserve(self, nbytes: int) -> int:
+        """Room for a load of `nbytes` before it reads anything: the least recently used adapters leave host
+        memory, and while loads in progress hold what is left, this one waits for them. A load alone may still
+        exceed the budget (one adapter larger than it is served, and kept alone)."""
+        with self._room:
+            while True:
+                while self._host_bytes + self._reserved + nbytes > self.host_bytes_budget and self._loaded:
+                    self._evict_one_locked()
+                if self._host_bytes + self._reserved + nbytes <= self.host_bytes_budget or not self._reserved:
+                    break
+                self._room.wait()
+            self._reserved += nbytes
+        return nbytes
+
+    def _evict_one_locked(self) -> None:
+        name, entry = self._loaded.popitem(last=False)
+        nbytes = entry.adapter.nbytes
+        self._host_bytes -= nbytes
+        entry.adapter = None
+        log.info("adapter evicted from host name=%s nbytes=%d host_bytes=%d", name, nbytes, self._host_bytes)
+
     def _evict_locked(self, keep: str) -> None:
         while self._host_bytes > self.host_bytes_budget and len(self._loaded) > 1:
             name = next(iter(self._loaded))
@@ -582,13 +614,33 @@ class AdapterRegistry:
             log.info("adapter evicted from host name=%s nbytes=%d host_bytes=%d", name, nbytes, self._host_bytes)
 
 
+def host_bytes_of(weights_path: Path) -> int:
+    """The host bytes an adapter's weights take once loaded (float32), from its safetensors header alone; 0
+    when the header cannot be read (the load then says why)."""
+    try:
+        fd = os.open(weights_path, os.O_RDONLY | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return 0
+        with os.fdopen(fd, "rb") as file:
+            length = int.from_bytes(file.read(8), "little")
+            if not 0 < length <= MAX_CONFIG_BYTES * 16:
+                return 0
+            header = json.loads(file.read(length))
+    except (OSError, ValueError):
+        return 0
+    elements = sum(math.prod(info.get("shape", ())) for key, info in header.items()
+                   if key != "__metadata__" and isinstance(info, dict))
+    return 4 * elements
+
+
 def _directory_signature(directory: Path) -> tuple | None:
     """What changes when any file of the adapter is rewritten or replaced."""
     files = []
     try:
         for item in os.scandir(directory):
-            stat = item.stat()
-            files.append((item.name, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
+            info = item.stat()
+            files.append((item.name, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns))
     except OSError:
         return None
     return tuple(sorted(files))

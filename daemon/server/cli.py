@@ -246,6 +246,7 @@ def serve(args: argparse.Namespace) -> int:
 
     admin = AdminGate.from_config(config.server.admin_group,
                                   config.server.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV, ""))
+    _raise_descriptor_limit()
     passed = systemd.listen_fds()
     if len(passed) > 1:
         raise BadRequest(f"systemd passed {len(passed)} sockets; lorad.socket must have exactly one ListenStream")
@@ -291,6 +292,21 @@ def serve(args: argparse.Namespace) -> int:
             unix_socket.remove(path)
         if engine.model_name is not None:
             log.info("stopped")
+
+
+def _raise_descriptor_limit() -> None:
+    """The soft limit on open descriptors up to the hard one: each client connection holds one."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            log.info("open file limit raised from %d to %d", soft, hard)
+        except (ValueError, OSError) as error:
+            log.warning("open file limit stays %d (raising it to %d failed: %s)", soft, hard, error)
 
 
 def _raise_keyboard_interrupt(signum, frame):

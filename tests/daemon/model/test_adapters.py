@@ -588,3 +588,31 @@ def test_register_dir_is_all_or_nothing(tmp_path):
     assert adapters.names() == ["zeta"]
     with pytest.raises(AdapterError, match="does not exist"):
         adapters.register_dir(tmp_path / "absent")
+
+
+def test_concurrent_loads_reserve_host_memory_before_they_read(tmp_path, monkeypatch):
+    one = adapter_bytes(4)
+    adapters = registry(tmp_path, names=("a", "b", "c", "d"), budget=2 * one)
+    assert adapters_module.host_bytes_of(tmp_path / "a" / adapters_module.WEIGHTS_FILE) == one  # from the header
+    seen, reading, lock = [], [0], threading.Lock()
+    original = adapters_module.load_peft_adapter
+
+    def slow_load(*args, **kwargs):
+        with lock:
+            reading[0] += 1
+            seen.append(adapters.host_bytes + reading[0] * one)  # held, plus every load reading now
+        try:
+            threading.Event().wait(0.05)
+            return original(*args, **kwargs)
+        finally:
+            with lock:
+                reading[0] -= 1
+
+    monkeypatch.setattr(adapters_module, "load_peft_adapter", slow_load)
+    threads = [threading.Thread(target=adapters.get, args=(name,)) for name in "abcd"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(seen) == 4 and max(seen) <= 2 * one  # four loads at once never hold more than the budget
+    assert adapters.host_bytes <= 2 * one and adapters._reserved == 0

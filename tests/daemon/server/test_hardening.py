@@ -5,6 +5,7 @@ well-formed request completes with the right output meanwhile."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import threading
 import time
 
@@ -180,5 +181,22 @@ def test_serve_refuses_a_directory_others_can_write(demo_assets, short_tmp):
     try:
         _, stderr = daemon.communicate(timeout=60)
         assert daemon.returncode == 2 and "writable by others" in stderr and "Traceback" not in stderr
+    finally:
+        stop_daemon(daemon)
+
+
+def test_serve_raises_its_open_file_limit(demo_assets, short_tmp):
+    import resource
+
+    path = short_tmp / "lorad.sock"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(soft, 256) if hard == resource.RLIM_INFINITY or hard > 256 else soft
+    daemon = start_daemon(demo_assets, path, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard)))
+    try:
+        wait_healthy(daemon, path)
+        limits = (Path("/proc") / str(daemon.pid) / "limits").read_text()
+        line = next(line for line in limits.splitlines() if line.startswith("Max open files"))
+        soft_now, hard_now = line.split()[3:5]
+        assert soft_now == hard_now and int(soft_now) > low
     finally:
         stop_daemon(daemon)
