@@ -93,6 +93,21 @@ def raw_request(path: str, method: str, target: str, body: bytes = b"", headers:
         return response.status, dict(response.getheaders()), response.read()
 
 
+@contextmanager
+def serve_demo(demo_assets, socket_name: str, **config):
+    """The built-in demo on the CPU (8 MiB pool, context 128 unless `config` says otherwise) served on a socket
+    by serve_engine -> (server, engine)."""
+    from lorad.config import EngineConfig
+    from lorad.daemon.engine.engine import Engine
+
+    options = {"pool_bytes": 8 << 20, "max_model_len": 128, **config}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LORAD_DEMO_DIR", str(demo_assets.model_dir.parent))
+        engine = Engine(EngineConfig(demo=True, device="cpu", **options))
+    with serve_engine(engine, socket_name) as server:
+        yield server, engine
+
+
 def start_daemon(demo_assets, path: Path, *extra: str, env: dict | None = None, **popen) -> subprocess.Popen:
     env = {**os.environ, "LORAD_DEMO_DIR": str(demo_assets.model_dir.parent), **(env or {})}
     return subprocess.Popen(

@@ -12,7 +12,7 @@ from lorad.client import Client
 from lorad.daemon.server.admin_gate import AdminGate
 from lorad.errors import BadRequest, Forbidden
 
-from daemon_harness import raw_request, serve_engine, start_daemon, stop_daemon, wait_healthy
+from daemon_harness import raw_request, serve_demo, start_daemon, stop_daemon, wait_healthy
 
 
 def test_who_the_gate_allows(monkeypatch):
@@ -31,17 +31,12 @@ def test_who_the_gate_allows(monkeypatch):
 
 
 def test_a_peer_outside_the_gate_gets_403_and_still_generates(demo_assets, monkeypatch):
-    from lorad.config import EngineConfig
-    from lorad.daemon.engine.engine import Engine
     from lorad.daemon.server import admin_gate
     from lorad.daemon.server.unix_socket import PeerCredentials
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LORAD_DEMO_DIR", str(demo_assets.model_dir.parent))
-        engine = Engine(EngineConfig(demo=True, device="cpu", pool_bytes=8 << 20, max_model_len=64))
     # the kernel names this test's process as the peer; the gate is told it is another local user
     monkeypatch.setattr(admin_gate, "peer_credentials", lambda transport: PeerCredentials(1, 54321, 54321))
-    with serve_engine(engine, "gate.sock") as server:
+    with serve_demo(demo_assets, "gate.sock") as (server, _):
         client = Client(server.path, timeout=30)
         with pytest.raises(Forbidden, match="uid 54321 may not change adapters"):
             client.unload_adapter("demo-r1")

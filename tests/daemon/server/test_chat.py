@@ -13,7 +13,7 @@ from lorad.daemon.engine.tokenizer import Tokenizer
 from lorad.daemon.model.demo import CHAT_TEMPLATE
 from lorad.errors import BadRequest, ModelError
 
-from daemon_harness import serve_engine
+from daemon_harness import serve_demo, serve_engine
 
 # Chat formats written for these tests in the shapes instruct checkpoints use: turns between role headers
 # (as Llama 3), ChatML-style markers (as Qwen2), and a template that refuses a role with raise_exception.
@@ -122,14 +122,8 @@ def test_text_parts_are_joined():
 
 @pytest.fixture(scope="module")
 def demo_daemon(demo_assets):
-    from lorad.config import EngineConfig
-    from lorad.daemon.engine.engine import Engine
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LORAD_DEMO_DIR", str(demo_assets.model_dir.parent))
-        engine = Engine(EngineConfig(demo=True, device="cpu", pool_bytes=8 << 20, max_model_len=128))
-    with serve_engine(engine, "chat.sock") as server:
-        yield server, engine
+    with serve_demo(demo_assets, "chat.sock") as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

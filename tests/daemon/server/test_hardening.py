@@ -14,7 +14,7 @@ import pytest
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 from lorad.errors import BadRequest
 
-from daemon_harness import raw_request, serve_engine, start_daemon, stop_daemon, wait_healthy
+from daemon_harness import raw_request, serve_demo, start_daemon, stop_daemon, wait_healthy
 
 
 def make_engine(demo_assets):
@@ -65,14 +65,8 @@ def test_a_row_whose_sampling_fails_ends_alone(demo_assets, monkeypatch):
 
 @pytest.fixture(scope="module")
 def demo(demo_assets):
-    from lorad.config import EngineConfig
-    from lorad.daemon.engine.engine import Engine
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LORAD_DEMO_DIR", str(demo_assets.model_dir.parent))
-        engine = Engine(EngineConfig(demo=True, device="cpu", pool_bytes=8 << 20, max_model_len=128))
-    with serve_engine(engine, "harden.sock") as server:
-        yield server, engine
+    with serve_demo(demo_assets, "harden.sock") as served:
+        yield served
 
 
 def post(server, body: bytes) -> tuple[int, dict]:
