@@ -514,7 +514,7 @@ class _EngineServer:
         with self._reload_lock:
             wanted = _config_adapters(adapters, adapter_dirs)
             previous = self._config_adapters
-            changes = {"added": [], "removed": [], "changed": [], "failed": {}}
+            changes = {"added": [], "removed": [], "changed": [], "restored": [], "failed": {}}
             for name, path in previous.items():
                 if wanted.get(name) == path:
                     continue
@@ -524,8 +524,9 @@ class _EngineServer:
                     pass  # already unloaded through the API
                 changes["changed" if name in wanted else "removed"].append(name)
             for name, path in wanted.items():
-                if previous.get(name) == path:
-                    continue
+                unchanged = previous.get(name) == path
+                if unchanged and name in self.engine.registry:
+                    continue  # a configured adapter unloaded through the API since is registered again below
                 if name in self.engine._draining:  # its old requests still run under this name
                     changes["failed"][name] = "still finishing requests from before the change; send SIGHUP again"
                     continue
@@ -541,6 +542,8 @@ class _EngineServer:
                     continue
                 if name not in previous:
                     changes["added"].append(name)
+                elif unchanged:
+                    changes["restored"].append(name)
             failed = changes["failed"]
             self._config_adapters = {name: path for name, path in wanted.items() if name not in failed}
             # a changed adapter whose new path failed is gone: it was unloaded above

@@ -460,9 +460,9 @@ async def _reload_adapters(engine, current: EngineConfig, reload_config) -> None
         log.error("reload failed: %s", error.message)
         return
     log.info(
-        "adapters reloaded added=%s removed=%s changed=%s failed=%d",
+        "adapters reloaded added=%s removed=%s changed=%s restored=%s failed=%d",
         ",".join(changes["added"]) or "-", ",".join(changes["removed"]) or "-", ",".join(changes["changed"]) or "-",
-        len(changes["failed"]),
+        ",".join(changes["restored"]) or "-", len(changes["failed"]),
     )
     for name, reason in changes["failed"].items():
         log.error("adapter not registered name=%s reason=%s", name, reason)

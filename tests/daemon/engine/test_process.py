@@ -179,7 +179,12 @@ def test_reload_adapters_touches_only_the_config_ones(engine, demo_assets, tmp_p
     assert {"fresh", "from-dir", "api-kept", "demo-r1"} <= names and not {"extra", "broken"} & names
     # unchanged: nothing happens
     again = engine.reload_adapters((("fresh", str(demo_assets.adapters["demo-r8"])),), (str(scanned),))
-    assert again == {"added": [], "removed": [], "changed": [], "failed": {}}
+    assert again == {"added": [], "removed": [], "changed": [], "restored": [], "failed": {}}
+    # a configured adapter unloaded through the API comes back with the config on the next reload
+    engine.unload_adapter("fresh")
+    assert "fresh" not in {entry["id"] for entry in engine.models()}
+    back = engine.reload_adapters((("fresh", str(demo_assets.adapters["demo-r8"])),), (str(scanned),))
+    assert back["restored"] == ["fresh"] and "fresh" in {entry["id"] for entry in engine.models()}
     engine.unload_adapter("api-kept")
 
 
