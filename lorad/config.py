@@ -142,8 +142,21 @@ class ServerConfig:
     api_key: str = ""  # required over TCP (Authorization: Bearer KEY); else LORAD_API_KEY from the environment
     admin_group: str = ""  # its members may load and unload adapters over the socket (and the daemon's user, root)
     admin_api_key: str = ""  # adapter admin over TCP; else LORAD_ADMIN_API_KEY; none: admin is closed to TCP
+    max_connections: int = 4096  # client connections at once (socket and TCP); past it: 503 and closed
+    header_timeout_s: float = 30.0  # a new connection's first request headers must arrive within this
+    keepalive_timeout_s: float = 60.0  # an idle connection between requests is closed after this
     log_level: str = "info"
     shutdown_grace_s: float = 30.0  # on SIGTERM/SIGINT, running requests get this long to finish, then are aborted
+
+    def __post_init__(self):
+        from lorad.errors import BadRequest
+
+        if isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int) or self.max_connections < 1:
+            raise BadRequest(f"max_connections must be an integer >= 1, not {self.max_connections!r}")
+        for name in ("header_timeout_s", "keepalive_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise BadRequest(f"{name} must be a number of seconds > 0, not {value!r}")
 
 
 @dataclass(frozen=True)

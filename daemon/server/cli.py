@@ -70,6 +70,9 @@ _SERVER_FLAG_HELP = {
     "admin_api_key": "the key adapter admin over TCP needs (prefer LORAD_ADMIN_API_KEY); none: admin closed to TCP",
     "api_key": "the key TCP clients send as 'Authorization: Bearer KEY' (prefer LORAD_API_KEY in the environment or "
                "the config file: a flag shows in the process list)",
+    "max_connections": "client connections at once, the socket's and TCP's together; past it a 503 and closed",
+    "header_timeout_s": "seconds a new connection has to send its first request's headers",
+    "keepalive_timeout_s": "seconds an idle connection is kept between requests",
     "log_level": "debug|info|warning|error",
     "shutdown_grace_s": "on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted",
 }
@@ -380,7 +383,8 @@ async def _serve(engine, config: Config, listener: socket.socket | None, path: s
             log.info("listening socket=%s mode=%o event_loop=%s", path, server.socket_mode, type(loop).__module__)
         else:
             log.info("listening socket=%s (from systemd) event_loop=%s", path, type(loop).__module__)
-        runner = await unix_socket.serve(app, listener)
+        runner = await unix_socket.serve(app, listener, server.max_connections, server.header_timeout_s,
+                                         server.keepalive_timeout_s)
         if tcp_address is not None:
             host, port = tcp_address
             site = web.TCPSite(runner, host, port, backlog=unix_socket.LISTEN_BACKLOG)

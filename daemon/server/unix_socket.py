@@ -107,10 +107,16 @@ def bind(path: str, mode: int) -> socket.socket:
     return listener
 
 
-async def serve(app: web.Application, listener: socket.socket) -> web.AppRunner:
-    """Serve `app` on `listener`; `await runner.cleanup()` stops serving."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+async def serve(app: web.Application, listener: socket.socket, max_connections: int = 4096,
+                header_timeout_s: float = 30.0, keepalive_timeout_s: float = 60.0) -> web.AppRunner:
+    """Serve `app` on `listener`; `await runner.cleanup()` stops serving. Connections are capped and timed
+    (daemon/server/connections.py) for this site and any the caller adds to the runner."""
+    from lorad.daemon.server.connections import guard
+
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                           keepalive_timeout=keepalive_timeout_s)
     await runner.setup()
+    guard(runner, max_connections, header_timeout_s)
     try:
         site = web.SockSite(runner, listener, backlog=LISTEN_BACKLOG)  # aiohttp re-listens: keep the depth
         await site.start()

@@ -102,12 +102,13 @@ def test_health_answers_while_huge_prompts_are_refused(demo_assets, short_tmp):
         token_ids = [5] * 1_000_000
         outcomes, latencies, answers = [], [], []
 
-        def send(body: bytes):
-            status, _, payload = raw_request(str(path), "POST", "/v1/completions", body)
-            outcomes.append((status, json.loads(payload)["error"]["type"]))
+        def send(body: bytes, times: int):
+            for _ in range(times):
+                status, _, payload = raw_request(str(path), "POST", "/v1/completions", body)
+                outcomes.append((status, json.loads(payload)["error"]["type"]))
 
-        bodies = [json.dumps({"model": "lorad-demo", "prompt": text}).encode()] * 4
-        workers = [threading.Thread(target=send, args=(body,)) for body in bodies]
+        body = json.dumps({"model": "lorad-demo", "prompt": text}).encode()
+        workers = [threading.Thread(target=send, args=(body, 2)) for _ in range(2)]  # two at once, twice each
         workers.append(threading.Thread(target=lambda: answers.append(
             client.completions(model="demo-r8", prompt="The lighthouse", max_tokens=4, temperature=0))))
         for worker in workers:
@@ -193,4 +194,36 @@ def test_serve_raises_its_open_file_limit(demo_assets, short_tmp):
         soft_now, hard_now = line.split()[3:5]
         assert soft_now == hard_now and int(soft_now) > low
     finally:
+        stop_daemon(daemon)
+
+
+# --- connections ------------------------------------------------------------------------------------------
+
+
+def test_connections_are_capped_and_idle_ones_timed_out(demo_assets, short_tmp):
+    import socket as socket_module
+
+    path = short_tmp / "lorad.sock"
+    daemon = start_daemon(demo_assets, path, "--max-connections", "4", "--header-timeout-s", "1")
+    idle = []
+    try:
+        client = wait_healthy(daemon, path)
+        for _ in range(4):  # connected, silent: they hold the cap
+            sock = socket_module.socket(socket_module.AF_UNIX)
+            sock.connect(str(path))
+            idle.append(sock)
+        time.sleep(0.2)
+        status, _, payload = raw_request(str(path), "GET", "/health")
+        assert status == 503 and json.loads(payload)["error"]["type"] == "overloaded_error"
+        slow = idle[0]
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # headers begun, never finished
+        for sock in idle:  # the header timeout closes every one of them, unanswered
+            sock.settimeout(5)
+            assert sock.recv(1024) == b""
+        assert client.health() == {"status": "ok"}  # room again
+        answer = client.completions(model="demo-r8", prompt="The lighthouse", max_tokens=3)
+        assert answer["usage"]["completion_tokens"] <= 3
+    finally:
+        for sock in idle:
+            sock.close()
         stop_daemon(daemon)
