@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from lorad.client import Client
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 from lorad.errors import BadRequest
 
@@ -79,11 +80,23 @@ def post(server, body: bytes) -> tuple[int, dict]:
     (b'{"model": "lorad-demo", "prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", "nested too deeply"),
     (b'{"model": "lorad-demo", "prompt": "hi", "seed": 18446744073709551616}', "seed must be"),
     (b'{"model": "lorad-demo", "prompt": "hi", "temperature": 1e-40}', "temperature"),
+    (b'{"model": "lorad-demo", "prompt": "hi", "top_p": 5e-324}', "top_p"),
+    (json.dumps({"model": "lorad-demo", "prompt": "hi", "stop_token_ids": [5] * 5_000_000}).encode(), "at most 256"),
+    (json.dumps({"model": "lorad-demo", "prompt": "hi", "stop": ["x"] * 100_000}).encode(), "at most 16 stop"),
 ])
 def test_bodies_that_were_500s_are_400s(demo, body, fragment):
-    server, _ = demo
+    server, engine = demo
+    client = Client(server.path, timeout=30)
+    fields = dict(model="demo-r8", prompt="The lighthouse", max_tokens=8, temperature=0, ignore_eos=True)
+    reference = client.completions(**fields)["choices"][0]["text"]
+    streamed = []
+    beside = threading.Thread(target=lambda: streamed.extend(
+        chunk["choices"][0]["text"] for chunk in client.stream_completions(**fields) if chunk["choices"]))
+    beside.start()  # a well-formed request at the same time
     status, payload = post(server, body)
+    beside.join(30)
     assert status == 400 and fragment in payload["error"]["message"]
+    assert "".join(streamed) == reference
 
 
 def test_a_huge_model_name_is_not_echoed(demo):
