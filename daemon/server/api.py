@@ -42,6 +42,7 @@ _large_bodies = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lor
 ENGINE = web.AppKey("engine", object)
 STARTED = web.AppKey("started", int)
 IN_FLIGHT = web.AppKey("in_flight", set)  # request ids submitted and not yet finished
+SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)
 CHAT = web.AppKey("chat", object)  # the checkpoint's ChatTemplate, or why there is none (str)
 ADAPTER_CHAT = web.AppKey("adapter_chat", AdapterTemplates)  # adapter folders' own templates
 ADMIN = web.AppKey("admin", AdminGate)  # who may load and unload adapters
@@ -441,6 +442,8 @@ async def _generate(request: web.Request, completion: Completion, prompts: list[
                 raise
             submitted_ids.append(choice.generation.request_id)
             in_flight.add(choice.generation.request_id)
+            if request.app[SHUTTING_DOWN].is_set():  # shutdown began while submit() ran: its abort missed this one
+                engine.abort(choice.generation.request_id)
         if completion.stream:
             return await _stream_response(request, completion, choices, outputs, record, prompts, request_id)
         return await _full_response(completion, choices, outputs, record, prompts, request_id, engine.tokenizer)
@@ -650,7 +653,9 @@ async def _send_event(response: web.StreamResponse, chunk: dict) -> None:
 
 
 async def _abort_in_flight(app: web.Application) -> None:
-    # On shutdown every running request is told to finish now, so handlers answer before the loop stops.
+    # On shutdown every running request is told to finish now, so handlers answer before the loop stops; one
+    # whose submit() is still running is aborted by its handler once it returns (SHUTTING_DOWN).
+    app[SHUTTING_DOWN].set()
     for request_id in list(app[IN_FLIGHT]):
         app[ENGINE].abort(request_id)
 
@@ -686,6 +691,7 @@ def create_app(engine, admin: AdminGate | None = None) -> web.Application:
     app[ENGINE] = engine
     app[STARTED] = int(time.time())
     app[IN_FLIGHT] = set()
+    app[SHUTTING_DOWN] = asyncio.Event()
     app[CHAT] = _chat_template(engine)
     app[ADAPTER_CHAT] = AdapterTemplates()
     app[ADMIN] = admin or AdminGate(os.geteuid())  # the daemon's user and root
