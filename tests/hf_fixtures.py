@@ -39,6 +39,9 @@ ARCHITECTURES: dict[str, dict] = {
     # q/k/v biases (nonzero after re-initialisation).
     "qwen2": dict(family="qwen2", intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, use_sliding_window=False, tie_word_embeddings=False),
+    # per-head q and k norms before RoPE; head_dim * heads (64) != hidden (48) as in Qwen3's larger sizes.
+    "qwen3": dict(family="qwen3", hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, use_sliding_window=False, tie_word_embeddings=False),
     # Saved in several shards: model.safetensors.index.json maps names to files.
     "llama_sharded": dict(family="llama", intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, max_shard_size="400KB"),
@@ -72,12 +75,12 @@ class Checkpoint:
 
 
 def _config(arch: str, vocab_size: int):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     options = dict(COMMON, **ARCHITECTURES[arch])
     family = options.pop("family")
     options.pop("max_shard_size", None)
-    config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[family]
+    config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
     return config_class(vocab_size=vocab_size, **options)
 
 

@@ -19,7 +19,7 @@ from lorad.errors import ModelError
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # The seven projections a LoRA adapter may target, in the order lorad keeps them everywhere
 # (adapter tables, page-pool layout, kernels index projections by this position).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -39,10 +39,18 @@ MODEL_CONFIGS = {
                    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
                    "max_position_embeddings": 8192, "rope_theta": 500000.0, "bos_token_id": 128000,
                    "eos_token_id": 128001},
+    "qwen3-8b": {"architectures": ["Qwen3ForCausalLM"], "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
+                 "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+                 "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151645},
     # The demo's shape: lets the dummy-weights path run in CI.
     "tiny-llama": {**_LLAMA, "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
                    "max_position_embeddings": 2048, "rope_theta": 10000.0, "torch_dtype": "float32"},
+    "tiny-qwen3": {"architectures": ["Qwen3ForCausalLM"], "rms_norm_eps": 1e-6, "torch_dtype": "float32",
+                   "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512, "max_position_embeddings": 2048,
+                   "rope_theta": 1000000.0, "bos_token_id": 0, "eos_token_id": 1},
 }
 
 
@@ -64,6 +72,7 @@ class ModelSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2
+    qk_norm: bool  # Qwen3: an RMSNorm of each head of q and k (weights [head_dim]) before RoPE
     torch_dtype: str  # as stored; used when --dtype auto on cuda
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
@@ -107,8 +116,8 @@ class ModelSpec:
                     f"sliding_window={window} is smaller than the context ({max_positions}): "
                     "lorad does not implement sliding-window attention"
                 )
-        if architecture == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
-            raise ModelError("Qwen2 with use_sliding_window=true is not supported")
+        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and config.get("use_sliding_window"):
+            raise ModelError(f"{architecture.removesuffix('ForCausalLM')} with use_sliding_window=true is not supported")
         rope_scaling = _rope_scaling(config)
         rope_theta = (rope_scaling or {}).pop("rope_theta", None) or _field(config, "rope_theta", float, 10000.0)
         eos = (generation_config or {}).get("eos_token_id", config.get("eos_token_id"))
@@ -128,6 +137,7 @@ class ModelSpec:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
             bos_token_id=(generation_config or {}).get("bos_token_id", config.get("bos_token_id")),
             eos_token_ids=tuple(int(e) for e in eos_ids),
@@ -215,6 +225,9 @@ def dummy_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, see
         if spec.qkv_bias:
             for projection in ("q_proj", "k_proj", "v_proj"):
                 weights[prefix + f"self_attn.{projection}.bias"] = normal(spec.projection_shape(projection)[1], std=0.02)
+        if spec.qk_norm:
+            weights[prefix + "self_attn.q_norm.weight"] = ones(spec.head_dim)
+            weights[prefix + "self_attn.k_norm.weight"] = ones(spec.head_dim)
     if not spec.tie_word_embeddings:
         weights["lm_head.weight"] = normal(spec.vocab_size, h, std=h**-0.5)
     return weights

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over plain tensors.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over plain tensors.
 
 One forward serves a whole step: every sequence's new tokens side by side in the rows, prefill and
 decode mixed. LoRA enters through one call per projection; attention reads and writes the paged KV
@@ -39,6 +39,8 @@ class Layer:
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor
+    q_norm: torch.Tensor | None = None  # Qwen3: [head_dim], each head of q (and k) normed before RoPE
+    k_norm: torch.Tensor | None = None
 
 
 class LlamaModel:
@@ -63,6 +65,8 @@ class LlamaModel:
                     post_norm=take(p + "post_attention_layernorm.weight"),
                     gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
                     down=take(p + "mlp.down_proj.weight"),
+                    q_norm=take(attn + "q_norm.weight") if spec.qk_norm else None,
+                    k_norm=take(attn + "k_norm.weight") if spec.qk_norm else None,
                 )
             )
         self.norm = take("model.norm.weight")
@@ -94,6 +98,9 @@ class LlamaModel:
         qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split(self.splits, dim=-1)
         ops.lora_group(x, qkv, (q, k, v), index, Q, lora, table)
+        if layer.q_norm is not None:  # Qwen3: each head normed after its projection (LoRA included), before RoPE
+            q = ops.rms_norm(q.reshape(-1, spec.head_dim), layer.q_norm, spec.rms_norm_eps)
+            k = ops.rms_norm(k.reshape(-1, spec.head_dim), layer.k_norm, spec.rms_norm_eps)
         q, k = ops.rope_qk(q.view(-1, spec.num_heads, spec.head_dim), k.view(-1, spec.num_kv_heads, spec.head_dim), cos, sin)
         ops.write_kv(kv_view, index, k, v.view(-1, spec.num_kv_heads, spec.head_dim), step.attention)
         attended = ops.attention(q, kv_view, index, step.attention, self.scale)
@@ -137,6 +144,8 @@ class _Taker:
                 fan_in, fan_out = spec.projection_shape(proj)
                 expected[f"{p}mlp.{proj}.weight"] = (fan_out, fan_in)
             expected[f"{p}input_layernorm.weight"] = (h,)
+            expected[f"{p}self_attn.q_norm.weight"] = (spec.head_dim,)
+            expected[f"{p}self_attn.k_norm.weight"] = (spec.head_dim,)
             expected[f"{p}post_attention_layernorm.weight"] = (h,)
         for name, shape in expected.items():
             if name in self.taken and tuple(self.taken[name].shape) != shape:

@@ -31,7 +31,7 @@ def tiny_spec(**overrides) -> ModelSpec:
         architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
         num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HIDDEN // HEADS, rms_norm_eps=1e-6,
         rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128, tie_word_embeddings=False,
-        qkv_bias=False, torch_dtype="float32", bos_token_id=1, eos_token_ids=(2,),
+        qkv_bias=False, qk_norm=False, torch_dtype="float32", bos_token_id=1, eos_token_ids=(2,),
     )
     fields.update(overrides)
     return ModelSpec(**fields)

@@ -13,6 +13,17 @@ def test_known_shapes_parse():
     shapes = {name: ModelSpec.from_hf_config(config) for name, config in MODEL_CONFIGS.items()}
     assert shapes["llama-2-7b"].projection_shape("down_proj") == (11008, 4096)
     assert shapes["llama-3-8b"].kv_size == 1024
+    assert shapes["qwen3-8b"].qk_norm and shapes["qwen3-8b"].q_size == 4096 and shapes["qwen3-8b"].kv_size == 1024
+
+
+def test_a_dummy_qwen3_serves_its_adapters():
+    engine = Engine(EngineConfig(model_config="tiny-qwen3", dummy_weights=True, dummy_adapters=2, dummy_adapter_rank=4,
+                                 device="cpu"))
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    results = engine.generate([GenerationRequest([1, 2, 3], adapter="dummy-0", sampling=greedy),
+                               GenerationRequest([1, 2, 3], sampling=greedy)])
+    assert all(len(r.token_ids) == 4 for r in results)
+    assert engine.spec.qk_norm and engine.spec.q_size == 128  # head_dim 32 x 4 heads, over a hidden size of 64
 
 
 def test_dummy_model_serves_dummy_adapters_in_one_batch():
