@@ -201,3 +201,31 @@ def test_the_engine_on_the_triton_ops_gives_the_reference_tokens(demo_assets):
     for got, want in zip(results, expected):
         assert got.token_ids == want.token_ids
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not HAS_TRITON or CUDA, reason="Triton's interpreter on the CPU (a GPU runs the compiled kernels: -m gpu)")
+def test_qwen3_on_the_triton_ops_gives_the_reference_tokens():
+    """Qwen3's per-head q and k norms through the fused RMSNorm kernel (on the heads of a slice of the fused
+    q|k|v output), with LoRA rows, against the reference ops."""
+    from lorad.gpu_ops import bgmv, fused, gemv, mbgmm, mbgmv, paged_attention
+
+    interpreted(mbgmv._mbgmv_shrink_kernel, bgmv, mbgmv, mbgmm, paged_attention, fused, gemv)
+
+    def qwen3() -> Engine:
+        return Engine(EngineConfig(model_config="tiny-qwen3", dummy_weights=True, dummy_adapters=2, dummy_adapter_rank=4,
+                                   dummy_adapter_targets="q_proj,k_proj,v_proj,o_proj", device="cpu", max_model_len=64))
+
+    def requests():
+        return [GenerationRequest([3, 4, 5, 6, 7], adapter, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                                  keep_logits=True) for adapter in ("dummy-0", "dummy-1", None)]
+
+    reference = qwen3()
+    expected = reference.generate(requests())
+    reference.close()
+    engine = qwen3()
+    engine.runner.ops = engine.runner.model.ops = TritonOps(engine.device, 64, 64)
+    results = engine.generate(requests())
+    engine.close()
+    for got, want in zip(results, expected):
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
