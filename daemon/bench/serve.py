@@ -94,7 +94,7 @@ async def stream_request(client, model: str, prompt: list[int], max_tokens: int,
     except (OSError, asyncio.TimeoutError) as error:  # refused, or dropped mid-stream
         outcome.error = f"{CONNECTION}: {error or type(error).__name__}"
     except Exception as error:  # aiohttp's ClientError (payload, disconnect): this request is lost, the run goes on
-        if type(error).__module__.split(".")[0] != "aiohttp":
+        if not _from_aiohttp(error):
             raise
         outcome.error = f"{CONNECTION}: {type(error).__name__}: {error}"
     return outcome
@@ -409,9 +409,14 @@ async def _step_time(client) -> dict | None:
     except (OSError, asyncio.TimeoutError, LoradError):  # the run's own errors say why; its report goes on without them
         return None
     except Exception as error:  # aiohttp's ClientError (a disconnect), as in stream_request
-        if type(error).__module__.split(".")[0] != "aiohttp":
+        if not _from_aiohttp(error):
             raise
         return None
+
+
+def _from_aiohttp(error: Exception) -> bool:
+    """One of aiohttp's client errors (imported only with the async client, so told apart by module)."""
+    return type(error).__module__.split(".")[0] == "aiohttp"
 
 
 def step_time_delta(before: dict | None, after: dict | None) -> dict | None:

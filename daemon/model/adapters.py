@@ -106,6 +106,7 @@ class LoraAdapter:
 
 MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
 MAX_WEIGHTS_BYTES = 16 << 30
+MAX_HEADER_BYTES = 100 << 20  # a safetensors header larger than this is refused by safetensors itself
 
 
 def load_peft_adapter(path: str | Path, spec: ModelSpec, max_rank: int, name: str | None = None,
@@ -607,11 +608,7 @@ class AdapterRegistry:
             if name == keep:
                 self._loaded.move_to_end(name)
                 continue
-            entry = self._loaded.pop(name)
-            nbytes = entry.adapter.nbytes
-            self._host_bytes -= nbytes
-            entry.adapter = None
-            log.info("adapter evicted from host name=%s nbytes=%d host_bytes=%d", name, nbytes, self._host_bytes)
+            self._evict_one_locked()
 
 
 def host_bytes_of(weights_path: Path) -> int:
@@ -624,7 +621,7 @@ def host_bytes_of(weights_path: Path) -> int:
             return 0
         with os.fdopen(fd, "rb") as file:
             length = int.from_bytes(file.read(8), "little")
-            if not 0 < length <= MAX_CONFIG_BYTES * 16:
+            if not 0 < length <= MAX_HEADER_BYTES:
                 return 0
             header = json.loads(file.read(length))
     except (OSError, ValueError):

@@ -9,14 +9,13 @@ without one the admin routes are closed to TCP.
 from __future__ import annotations
 
 import grp
-import hmac
 import os
 import pwd
-import socket
 from dataclasses import dataclass
 
 from aiohttp import web
 
+from lorad.daemon.server.tcp import carries_key, over_tcp
 from lorad.daemon.server.unix_socket import peer_credentials
 from lorad.errors import BadRequest, Forbidden
 
@@ -41,10 +40,8 @@ class AdminGate:
 
     def check(self, request: web.Request) -> None:
         """Forbidden unless the request may change adapters."""
-        sock = request.transport.get_extra_info("socket") if request.transport is not None else None
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            given = request.headers.get("Authorization", "").encode()
-            if not self.admin_key or not hmac.compare_digest(given, f"Bearer {self.admin_key}".encode()):
+        if over_tcp(request):
+            if not carries_key(request, self.admin_key):
                 raise Forbidden("adapter admin over TCP needs the admin key (Authorization: Bearer ADMIN_KEY)"
                                 if self.admin_key else "adapter admin is closed to TCP: no admin key is set")
             return

@@ -346,7 +346,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     peer = peer_credentials(request.transport)  # now: the transport is gone once the client leaves
     completion = parse_completion(await _json_body(request))
     for prompt in completion.prompts:  # a cheap bound before any tokenizing
-        _check_text_length(prompt, engine.max_model_len)
+        if isinstance(prompt, str):
+            _check_text_length(len(prompt), engine.max_model_len)
     prompts = [await _encode(engine.tokenizer, prompt, special_tokens=True) if isinstance(prompt, str) else prompt
                for prompt in completion.prompts]
     return await _generate(request, completion, prompts, f"cmpl-{uuid.uuid4().hex}", arrived, peer)
@@ -367,7 +368,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             raise BadRequest(f"model {engine.model_name} has no chat template: {template}; use /v1/completions")
     # Rendering and tokenizing grow with the messages: off the event loop. The template writes the special
     # tokens itself (BOS among them), so the text is tokenized without adding any.
-    _check_text_length("".join(message["content"] for message in completion.messages), engine.max_model_len)
+    _check_text_length(sum(len(message["content"]) for message in completion.messages), engine.max_model_len)
     text = await loop.run_in_executor(None, template.render, completion.messages)
     prompt_ids = await _encode(engine.tokenizer, text, special_tokens=False)
     return await _generate(request, completion, [prompt_ids], f"chatcmpl-{uuid.uuid4().hex}", arrived, peer)
@@ -376,10 +377,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 MAX_CHARS_PER_TOKEN = 64  # more than any token of the tokenizers lorad serves covers (runs of spaces included)
 
 
-def _check_text_length(prompt, max_model_len: int) -> None:
+def _check_text_length(characters: int, max_model_len: int) -> None:
     """PromptTooLong for a text no tokenizing could fit in the context, before spending time tokenizing it."""
-    if isinstance(prompt, str) and len(prompt) > max_model_len * MAX_CHARS_PER_TOKEN:
-        raise PromptTooLong(f"the prompt is {len(prompt)} characters: more than a context of {max_model_len} tokens "
+    if characters > max_model_len * MAX_CHARS_PER_TOKEN:
+        raise PromptTooLong(f"the prompt is {characters} characters: more than a context of {max_model_len} tokens "
                             f"holds at up to {MAX_CHARS_PER_TOKEN} characters a token")
 
 
@@ -416,13 +417,13 @@ async def _generate(request: web.Request, completion: Completion, prompts: list[
     adapter = None if completion.model == engine.model_name else completion.model
     outputs = _OutputQueue(loop, len(prompts) * completion.n)
     choices = []
+    single = len(prompts) * completion.n == 1  # one choice keeps the request's own id
     for prompt_index, prompt_ids in enumerate(prompts):
         for i in range(completion.n):
             index = prompt_index * completion.n + i
             sampling = completion.sampling
             if sampling.seed is not None and i:  # a seed makes the whole set reproducible, each choice its own draw
                 sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**64)
-            single = len(prompts) * completion.n == 1
             generation = GenerationRequest(prompt_token_ids=list(prompt_ids), adapter=adapter, sampling=sampling,
                                            request_id=request_id if single else f"{request_id}-{index}")
             generation.on_output = functools.partial(outputs.push, index)

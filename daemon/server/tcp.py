@@ -53,18 +53,24 @@ def check_listen(listen: str, api_key: str) -> tuple[str, int] | None:
     return host, port
 
 
+def over_tcp(request: web.Request) -> bool:
+    """Did the request come over TCP (not the Unix socket)?"""
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    return sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
+
+
+def carries_key(request: web.Request, key: str) -> bool:
+    """`Authorization: Bearer <key>`, compared in constant time; never for an empty key."""
+    return bool(key) and hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode())
+
+
 def require_api_key(api_key: str):
     """A middleware: requests over TCP (not the Unix socket) carry `Authorization: Bearer <api_key>`."""
-    expected = f"Bearer {api_key}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
-        sock = request.transport.get_extra_info("socket") if request.transport is not None else None
-        over_tcp = sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
-        if over_tcp and request.path not in OPEN_PATHS + ADMIN_PATHS:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                raise Unauthorized("a valid API key is required: Authorization: Bearer KEY")
+        if over_tcp(request) and request.path not in OPEN_PATHS + ADMIN_PATHS and not carries_key(request, api_key):
+            raise Unauthorized("a valid API key is required: Authorization: Bearer KEY")
         return await handler(request)
 
     return check

@@ -32,13 +32,11 @@ def claim_path(path: str) -> None:
         raise BadRequest(f"socket path is longer than {SOCKET_PATH_MAX} bytes: {path}")
     parent = Path(path).parent
     try:
-        parent.mkdir(mode=SOCKET_DIR_MODE)
-        os.chmod(parent, SOCKET_DIR_MODE)  # not the umask's
-    except FileNotFoundError:
         parent.mkdir(mode=SOCKET_DIR_MODE, parents=True)
-        os.chmod(parent, SOCKET_DIR_MODE)
     except FileExistsError:
         check_directory(parent)
+    else:
+        os.chmod(parent, SOCKET_DIR_MODE)  # not the umask's
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
