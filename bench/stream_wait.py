@@ -37,7 +37,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     spec = ModelSpec.from_hf_config(MODEL_CONFIGS["llama-2-7b"])
     shapes = [spec.projection_shape(p) for p in PROJECTIONS]
-    page = spec.hidden_size
+    page = spec.page_elems
     chunks = sum(-(-i // page) + -(-o // page) for i, o in shapes)
     pool = PagePool(args.segments * args.rank * chunks + 64, page, torch.bfloat16, device)
     table = AdapterTable(pool, args.segments, 1, shapes)

@@ -1,7 +1,7 @@
 """The unified page pool (S-LoRA's Unified Paging): one preallocated tensor whose pages hold both
 the paged KV cache and the resident adapters' weights, handed out from one free list.
 
-Layouts are fixed by DESIGN.md: a page is `page_elems` (= hidden_size) elements; a KV page holds
+Layouts are fixed by DESIGN.md: a page is `page_elems` (= hidden_size, rounded up to whole K rows: `ModelSpec.page_elems`) elements; a KV page holds
 `tokens_per_page` tokens of K or V of one layer; an adapter's A rows and B^T rows are cut into pages
 and found through `AdapterTable`.
 """

@@ -67,7 +67,7 @@ def run(args) -> dict:
         bandwidth = measure_bandwidth(device, tiers, disk_dir)
         print("bandwidth (GB/s, measured now): " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in bandwidth.items()))
         shapes = [spec.projection_shape(p) for p in PROJECTIONS]
-        page = spec.hidden_size
+        page = spec.page_elems
         largest = max(_pages(shapes, page, max(ranks), TARGET_SETS[t], spec.num_layers) for t in target_sets)
         pool = PagePool(largest + 2, page, dtype, device)
         table = AdapterTable(pool, 1, spec.num_layers, shapes)

@@ -204,7 +204,7 @@ class Bench:
         self.ops = select_ops(device, self.max_tokens, max_lora_rank, self.choice)
         self.max_model_len = max(max(plan.contexts), max(plan.prefill_tokens)) + 1
         self.model = LlamaModel(spec, weights, self.max_model_len, self.ops)
-        page = spec.hidden_size
+        page = spec.page_elems
         page_bytes = page * torch.tensor([], dtype=dtype).element_size()
         bank_pages = max(plan.bank_bytes // page_bytes, max(plan.ranks) * 8)
         kv_size = spec.num_kv_heads * spec.head_dim

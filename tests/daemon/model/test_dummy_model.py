@@ -16,6 +16,20 @@ def test_known_shapes_parse():
     assert shapes["qwen3-8b"].qk_norm and shapes["qwen3-8b"].q_size == 4096 and shapes["qwen3-8b"].kv_size == 1024
 
 
+@pytest.mark.parametrize("hidden,kv_heads,head_dim,page", [
+    (4096, 8, 128, 4096),  # Llama 3 8B: 4 tokens a page
+    (4096, 32, 128, 4096),  # Llama 2 7B: 1 token a page
+    (2560, 8, 128, 3072),  # Qwen3 4B: K rows of 1024 do not divide 2560
+    (3584, 8, 256, 4096),  # Gemma 2 9B
+    (48, 2, 16, 64),  # the Qwen3 test checkpoint
+])
+def test_a_page_holds_whole_k_rows_and_an_a_row(hidden, kv_heads, head_dim, page):
+    config = dict(MODEL_CONFIGS["llama-2-7b"], hidden_size=hidden, num_key_value_heads=kv_heads, head_dim=head_dim)
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.page_elems == page
+    assert page % spec.kv_size == 0 and page >= hidden
+
+
 def test_a_dummy_qwen3_serves_its_adapters():
     engine = Engine(EngineConfig(model_config="tiny-qwen3", dummy_weights=True, dummy_adapters=2, dummy_adapter_rank=4,
                                  device="cpu"))
