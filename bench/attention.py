@@ -79,6 +79,18 @@ class PagedCache:
 
         return [lambda layer=layer: call(layer) for layer in range(self.layers)]
 
+    def prefill_kernel_calls(self):
+        """The prefill kernel over the same rows: every decode sequence a one-row query tile."""
+        meta = self.meta
+        seqs = meta.decode_seqs
+        meta = paged_attention.AttentionMeta(meta.seq_info, seqs[:0], seqs, torch.zeros_like(seqs), 0, meta.num_decode, meta.max_context)
+        table = self.batch.block_table
+        return [
+            lambda layer=layer: paged_attention.prefill_attention(
+                self.q[layer], self.kv_view, table[layer, 0], table[layer, 1], meta, self.out, self.scale)
+            for layer in range(self.layers)
+        ]
+
     def reference_call(self):
         return lambda: paged_attention_ref(self.q[0], self.kv_view, 0, self.batch, self.scale)
 
@@ -118,14 +130,19 @@ def decode_bench(args, device, timer: Timer, bandwidth: float, shape_name: str, 
                 row["speedup_vs_reference"] = round(row["reference_eager_us"] / kernel, 1)
             if sweep_at and (batch, context) in sweep_at:
                 sweep = {}
-                configs = [(32, 4, splits), (64, 4, splits), (128, 4, splits), (64, 8, splits), (128, 8, splits),
-                           (64, 4, max(1, splits // 2)), (64, 4, min(16, splits * 2))]
-                for block_n, warps, split_choice in dict.fromkeys(configs):
-                    key = f"block_n={block_n},warps={warps},splits={split_choice}"
+                configs = [dict(block_n=32), dict(block_n=64), dict(block_n=128), dict(block_n=64, num_warps=8),
+                           dict(block_n=128, num_warps=8), dict(block_n=64, splits=max(1, splits // 2)),
+                           dict(block_n=64, splits=min(16, splits * 2)), dict(block_n=32, num_stages=4)]
+                configs += [dict(mma=True, block_n=n, num_warps=w, num_stages=st) for n, w, st in
+                            [(32, 4, None), (64, 4, None), (64, 4, 2), (64, 4, 4), (128, 4, None), (128, 8, None), (64, 8, 3)]]
+                for config in configs:
+                    config = {"splits": splits, "num_warps": 4, **config}
+                    key = ",".join(f"{name}={value}" for name, value in config.items() if value is not None)
                     try:
-                        sweep[key] = round(timer.graph(cache.kernel_calls(splits=split_choice, block_n=block_n, num_warps=warps), reps=20), 2)
+                        sweep[key] = round(timer.graph(cache.kernel_calls(**config), reps=20), 2)
                     except Exception as error:  # noqa: BLE001 - a config that does not compile is data
                         sweep[key] = repr(error)[:200]
+                sweep["prefill kernel on the decode rows"] = round(timer.graph(cache.prefill_kernel_calls(), reps=20), 2)
                 print(f"  sweep: {sweep}", flush=True)
                 row["sweep_us"] = sweep
             print(f"decode {shape_name} b={batch:3d} ctx={context:5d} splits={splits:2d}: {kernel:9.2f} us, floor {floor_us:8.2f} us "
@@ -256,13 +273,14 @@ def main() -> None:
     if SMOKE:
         sections = [
             ("decode_7b", lambda: decode_bench(args, device, timer, bandwidth, "tiny", 4, 4, 16, 1, [1, 3], [40], sweep_at={(3, 40)})),
+            ("decode_gqa", lambda: decode_bench(args, device, timer, bandwidth, "tiny gqa", 4, 2, 16, 2, [3], [40], sweep_at={(3, 40)})),
             ("prefill", lambda: prefill_bench(args, device, timer, [("fresh 20", [(20, 20)]), ("chunk 5 on 30", [(35, 5)])])),
             ("fused", lambda: fused_bench(args, device, timer, bandwidth, [3])),
             ("write_kv", lambda: write_kv_bench(args, device, timer, 3)),
         ]
     else:
         sections = [
-            ("decode_7b", lambda: decode_bench(args, device, timer, bandwidth, "llama7b", 32, 32, 128, 1, [1, 16, 64, 256], [512, 2048], sweep_at={(64, 2048), (1, 2048)})),
+            ("decode_7b", lambda: decode_bench(args, device, timer, bandwidth, "llama7b", 32, 32, 128, 1, [1, 16, 64, 256], [512, 2048], sweep_at={(64, 2048), (1, 2048), (64, 512)})),
             ("prefill", lambda: prefill_bench(args, device, timer, [
                 ("fresh 1x2048", [(2048, 2048)]), ("fresh 4x512", [(512, 512)] * 4),
                 ("chunk 512 on 1536 cached", [(2048, 512)]), ("mixed 63 decodes ctx1024 + 512", [(1024, 1)] * 63 + [(512, 512)]),

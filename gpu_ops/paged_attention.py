@@ -389,6 +389,8 @@ def decode_attention(
     splits: int = 1,
     block_n: int | None = None,
     num_warps: int = 4,
+    num_stages: int | None = None,
+    mma: bool | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """out[query_start[s]] = attention of that row's query over positions 0..kv_len[s)-1 of sequence s,
@@ -399,6 +401,7 @@ def decode_attention(
     Grid (num_seqs, kv_heads, splits): each program reads its kv head's K and V rows once for the
     `heads / kv_heads` queries sharing them. splits > 1: flash-decoding partials (float32) and a
     combine launch; workspace: optional (out [>= num_seqs*heads*splits*head_pad], lse [>= num_seqs*heads*splits]).
+    mma: scores and P @ V on tensor cores (tl.dot on the group padded to 16 rows); None: for GQA only.
     Roofline: bytes = sum_s 2 * kv_len[s] * kv_heads * head_dim * element size; flops = 4 * that / size * group.
     """
     require_triton("paged attention kernels")
@@ -409,7 +412,7 @@ def decode_attention(
         raise ValueError(f"splits must be a power of two, got {splits}")
     group = heads // kv_heads
     head_pad = max(16, next_power_of_2(head_dim))
-    use_dot = group > 1
+    use_dot = group > 1 if mma is None else mma
     if block_n is None:
         block_n = DECODE_BLOCK_N["gqa" if use_dot else "mha"]
     group_pad = max(16, next_power_of_2(group)) if use_dot else next_power_of_2(group)
@@ -427,6 +430,7 @@ def decode_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_PAD=head_pad, KV_HEADS=kv_heads,
         TOKENS_PER_PAGE=tokens_per_page, BLOCK_N=block_n, SPLITS=splits, USE_DOT=use_dot,
         PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if splits > 1:
         _combine_kernel[(num_seqs, heads)](

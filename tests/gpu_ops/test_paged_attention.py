@@ -193,9 +193,10 @@ def test_attention_interpreted_mixed(layout, dtype, kernels):
 
 @needs_interpreter
 @pytest.mark.parametrize("splits", [1, 2, 4, 8])
-@pytest.mark.parametrize("layout", ["mha_tpp1", "gqa4_tpp4"])
-def test_decode_interpreted_splits(splits, layout, kernels):
-    """Flash-decoding partials and their combine, incl. splits left empty by short contexts."""
+@pytest.mark.parametrize("layout,mma", [("mha_tpp1", None), ("mha_tpp1", True), ("gqa4_tpp4", None), ("gqa4_tpp4", False)])
+def test_decode_interpreted_splits(splits, layout, mma, kernels):
+    """Flash-decoding partials and their combine, incl. splits left empty by short contexts; with and
+    without tensor cores (mma) for either layout."""
     heads, kv_heads, head_dim, tokens_per_page = LAYOUTS[layout]
     shapes = [(200, 1), (3, 1), (64, 1), (129, 1)]
     case = build_case(heads, kv_heads, head_dim, tokens_per_page, shapes, torch.float32, torch.device("cpu"), seed=splits)
@@ -205,7 +206,7 @@ def test_decode_interpreted_splits(splits, layout, kernels):
     table = case.batch.block_table
     kernels.decode_attention(
         q, case.kv_view, table[0, 0], table[0, 1], meta.decode_seqs, meta.query_start, meta.kv_len, out, 0.3,
-        num_seqs=meta.num_decode, splits=splits, block_n=32,
+        num_seqs=meta.num_decode, splits=splits, block_n=32, mma=mma,
     )
     assert relative_error(out, truth(case, q, 0, 0.3)) < 1e-5
 
@@ -273,6 +274,25 @@ def test_attention_gpu_mixed(layout, kernels):
     heads, kv_heads, head_dim, tokens_per_page = GPU_LAYOUTS[layout]
     case = build_case(heads, kv_heads, head_dim, tokens_per_page, gpu_shapes(12, 5, 2048, prefill=4), torch.bfloat16, torch.device("cuda"), layers=1)
     check_attention(kernels, case, torch.bfloat16, seed=7, layer=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mma", [True, False])
+@pytest.mark.parametrize("layout", list(GPU_LAYOUTS))
+def test_decode_gpu_mma_either_way(layout, mma, kernels):
+    """Both decode variants (tensor cores on the padded group, or CUDA-core dot products) on cuda."""
+    heads, kv_heads, head_dim, tokens_per_page = GPU_LAYOUTS[layout]
+    case = build_case(heads, kv_heads, head_dim, tokens_per_page, gpu_shapes(16, 3, 2048), torch.bfloat16, torch.device("cuda"), layers=1)
+    meta = kernels.AttentionMeta.build(case.batch, tokens_per_page, "cuda")
+    q = torch.randn(16, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(16, heads * head_dim, device="cuda", dtype=torch.bfloat16)
+    table = case.batch.block_table
+    for block_n in (32, 64):
+        kernels.decode_attention(
+            q, case.kv_view, table[0, 0], table[0, 1], meta.decode_seqs, meta.query_start, meta.kv_len, out, 0.1,
+            num_seqs=meta.num_decode, block_n=block_n, mma=mma,
+        )
+        assert relative_error(out, truth(case, q, 0, 0.1)) < 2e-2
 
 
 @pytest.mark.gpu
