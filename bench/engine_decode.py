@@ -46,10 +46,11 @@ def median_ms(fn, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def start_decoding(engine: Engine, adapters: list[str | None], prompt_len: int, max_tokens: int) -> list[GenerationRequest]:
-    """len(adapters) requests of random prompts, prefilled and 3 decode steps in: from here every step decodes."""
+def start_decoding(engine: Engine, adapters: list[str | None], prompt_len: int, max_tokens: int, sampling: dict | None = None) -> list[GenerationRequest]:
+    """len(adapters) requests of random prompts, prefilled and 3 decode steps in: from here every step decodes.
+    sampling: SamplingParams fields beside greedy's (None: plain greedy)."""
     generator = torch.Generator().manual_seed(len(adapters))
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    sampling = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=max_tokens, ignore_eos=True)
     requests = [
         GenerationRequest(torch.randint(0, engine.vocab_size, (prompt_len,), generator=generator).tolist(), adapter=a, sampling=sampling)
         for a in adapters
@@ -63,9 +64,9 @@ def start_decoding(engine: Engine, adapters: list[str | None], prompt_len: int, 
     return requests
 
 
-def decode_rate(engine: Engine, adapters: list[str | None], prompt_len: int, steps: int) -> tuple[float, float]:
+def decode_rate(engine: Engine, adapters: list[str | None], prompt_len: int, steps: int, sampling: dict | None = None) -> tuple[float, float]:
     """(tokens/s, ms per step) over `steps` decode steps of len(adapters) running requests."""
-    requests = start_decoding(engine, adapters, prompt_len, steps + 8)
+    requests = start_decoding(engine, adapters, prompt_len, steps + 8, sampling)
     torch.cuda.synchronize()
     started = time.perf_counter()
     for _ in range(steps):
@@ -177,17 +178,22 @@ def main() -> None:
     parser.add_argument("--no-fuse-lora-groups", action="store_true",
                         help="the engine's fuse_lora_groups off: one decode LoRA launch pair per projection")
     parser.add_argument("--lora-pdl", default="auto", help="the engine's lora_pdl: auto|on|off")
+    parser.add_argument("--sampler-overhead", action="store_true",
+                        help="only the sampler figure: decode steps of --batch rows with penalties, logit_bias and "
+                             "logprobs against plain greedy, alternated over rounds")
     parser.add_argument("--out")
     args = parser.parse_args()
 
-    hbm = device_copy_bandwidth()
-    pinned = pinned_h2d_bandwidth()
     engine = Engine(EngineConfig(
         model_config=args.model_config, dummy_weights=True, dummy_adapters=args.batch, dummy_adapter_rank=args.rank,
         dummy_adapter_targets=",".join(PROJECTIONS), device="cuda", dtype="bfloat16",
         max_running_requests=args.batch, max_batch_tokens=max(2048, args.batch * max(args.prompts)), max_lora_rank=max(64, args.rank),
         max_model_len=2048, fuse_lora_groups=not args.no_fuse_lora_groups, lora_pdl=args.lora_pdl,
     ))
+    if args.sampler_overhead:
+        return sampler_overhead(engine, args)
+    hbm = device_copy_bandwidth()
+    pinned = pinned_h2d_bandwidth()
     load = adapter_load(engine, 64, ("q_proj", "k_proj", "v_proj"))  # into a fresh pool: one run of pages
     weight_bytes = sum(t.nbytes for name, t in _model_tensors(engine))
     spec = engine.spec
@@ -227,6 +233,33 @@ def main() -> None:
                    "plain_step_ms": single_plain_ms, "plain_over_floor": single_plain_ms / floor_ms},
         "breakdown": breakdown,
         "adapter_load": {"rank": 64, "targets": "q,k,v", **load, "floor_ms": load_floor_ms, "over_floor": load["ms"] / load_floor_ms},
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(result, handle, indent=1)
+
+
+# Every logits-processing option at once, as a client could send them (OpenAI's penalties and bias, HF's
+# repetition penalty, 5 top logprobs per token): the sampler's most expensive row.
+PROCESSED = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1,
+             "logit_bias": tuple((token, 5.0) for token in range(0, 8000, 1000)), "logprobs": 5}
+
+
+def sampler_overhead(engine: Engine, args) -> None:
+    """Decode step time with every row processed (PROCESSED) against plain greedy, same rows and prompts,
+    in alternating rounds (A B B A ...) so drift hits both alike."""
+    prompt = args.prompts[-1]
+    times = {"greedy": [], "processed": []}
+    for name in ("greedy", "processed", "processed", "greedy", "greedy", "processed"):
+        _, ms = decode_rate(engine, [None] * args.batch, prompt, args.steps, PROCESSED if name == "processed" else None)
+        times[name].append(ms)
+    greedy, processed = statistics.median(times["greedy"]), statistics.median(times["processed"])
+    result = {
+        "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model_config,
+        "batch": args.batch, "prompt": prompt, "steps": args.steps, "processed": {k: str(v) for k, v in PROCESSED.items()},
+        "step_ms": times, "greedy_ms": greedy, "processed_ms": processed, "processed_over_greedy": processed / greedy,
+        "overlap_decode": engine.overlap_decode,
     }
     print(json.dumps(result, indent=1))
     if args.out:
