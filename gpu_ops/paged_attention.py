@@ -41,10 +41,12 @@ __all__ = [
 
 LOG2E = 1.4426950408889634
 PREFILL_BLOCK_M = 64  # query rows per prefill program; AttentionMeta cuts prompts into tiles of this
-# Context positions per step of the decode loop. MHA (one query per K row, no tensor cores): 32 was the
-# H100 sweep's best (b=64 ctx=2048: 978 us vs 1277 us at 64; b=1: 24 vs 34 us); GQA (tl.dot on the
-# padded group): 64, at 94-99% of the copy bandwidth (BENCHMARKS.md).
-DECODE_BLOCK_N = {"mha": 32, "gqa": 64}
+# Context positions per step of the decode loop, and whether its dot products run on tensor cores (tl.dot on
+# the query group padded to 16 rows; for MHA 15 of them are padding). The H100 sweep (bench/attention.py,
+# BENCHMARKS.md) on the 7B MHA shape, 1 token a page: tensor cores at block_n 128 take b=64 ctx=2048 to
+# 717 us against 980 us on CUDA cores at their best block_n (32), i.e. to the copy floor; b=64 ctx=512 192 vs
+# 275 us; b=1 ctx=2048 19.3 vs 23.7 us. GQA (8 kv heads, 4 tokens a page): 64, at 94-99% of the floor.
+DECODE_BLOCK_N = {"mha": 128, "gqa": 64}
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in the combine than it saves
 PROGRAMS_PER_SM = 2
@@ -401,7 +403,8 @@ def decode_attention(
     Grid (num_seqs, kv_heads, splits): each program reads its kv head's K and V rows once for the
     `heads / kv_heads` queries sharing them. splits > 1: flash-decoding partials (float32) and a
     combine launch; workspace: optional (out [>= num_seqs*heads*splits*head_pad], lse [>= num_seqs*heads*splits]).
-    mma: scores and P @ V on tensor cores (tl.dot on the group padded to 16 rows); None: for GQA only.
+    mma: scores and P @ V on tensor cores (tl.dot on the group padded to 16 rows, the default); False: dot
+    products on CUDA cores.
     Roofline: bytes = sum_s 2 * kv_len[s] * kv_heads * head_dim * element size; flops = 4 * that / size * group.
     """
     require_triton("paged attention kernels")
@@ -412,9 +415,9 @@ def decode_attention(
         raise ValueError(f"splits must be a power of two, got {splits}")
     group = heads // kv_heads
     head_pad = max(16, next_power_of_2(head_dim))
-    use_dot = group > 1 if mma is None else mma
+    use_dot = True if mma is None else mma
     if block_n is None:
-        block_n = DECODE_BLOCK_N["gqa" if use_dot else "mha"]
+        block_n = DECODE_BLOCK_N["gqa" if group > 1 else "mha"]
     group_pad = max(16, next_power_of_2(group)) if use_dot else next_power_of_2(group)
     if splits > 1:
         if workspace is None:
