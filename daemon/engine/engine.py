@@ -592,9 +592,10 @@ class Engine:
     def _launch_next_decode(self) -> bool:
         """Launches the decode step after the one in flight from its tokens on the device, then lands the
         one in flight. False (nothing done) when the next step is not that same decode batch: requests
-        wait to join it, or one of its KV caches cannot grow without the scheduler preempting."""
+        wait to join it and a running slot is free, or one of its KV caches cannot grow without the
+        scheduler preempting."""
         flight = self._in_flight
-        if self.scheduler.waiting or not self.overlap_decode:
+        if not self.overlap_decode or (self.scheduler.waiting and not self._running_is_full()):
             return False
         in_flight = set(flight.seqs)
         if any(seq not in in_flight for seq in self.scheduler.running):
@@ -623,6 +624,12 @@ class Engine:
         if all(seq.state.finished for seq in seqs):  # every row ended on the tokens just landed
             self._finish_step_in_flight()
         return True
+
+    def _running_is_full(self) -> bool:
+        """No waiting request can join the next step: every running slot is taken. A saturated server keeps
+        overlapping its decode steps; once a request ends (on the tokens landed by this step), the step after
+        is planned by the scheduler and the queue's head joins it."""
+        return len(self.scheduler.running) >= self.scheduler.max_running
 
     def _ends_on_length(self, seq: Sequence) -> bool:
         """Will the token in flight be this sequence's last by length (_advance's rule, one token ahead)?"""
