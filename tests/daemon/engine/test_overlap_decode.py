@@ -74,6 +74,28 @@ def test_same_tokens_text_and_stream_as_plain_stepping(demo_assets, plain):
     assert engine.pool.occupancy()["kv"] == 0 and not engine.scheduler.has_work() and engine._in_flight is None
 
 
+def test_a_full_running_batch_overlaps_while_others_wait(demo_assets, plain):
+    """Two running slots for seven requests: the steps overlap while the others wait for a slot, and each joins
+    once one ends (the step after it is planned by the scheduler): the plain engine's tokens and texts."""
+    expected = plain.generate(mixed_requests(plain))
+    engine = overlapped(make_engine(demo_assets, max_running_requests=2))
+    overlaps = []
+    step = engine._launch_next_decode
+
+    def watched():
+        launched = step()
+        if launched:
+            overlaps.append(len(engine.scheduler.waiting))
+        return launched
+
+    engine._launch_next_decode = watched
+    results = engine.generate(mixed_requests(plain))
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert [r.text for r in results] == [r.text for r in expected]
+    assert any(waiting > 0 for waiting in overlaps)  # overlapped with requests queued
+    assert engine.pool.occupancy()["kv"] == 0 and not engine.scheduler.has_work() and engine._in_flight is None
+
+
 def test_arrivals_and_aborts_while_a_step_is_in_flight(demo_assets, plain):
     cases = [(prompt, ADAPTERS[i]) for i, prompt in enumerate(prompts(4, seed=5, low=4, high=12))]
     expected = [plain.generate(requests([case], 12))[0].token_ids for case in cases]
