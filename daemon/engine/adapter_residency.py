@@ -13,6 +13,11 @@ request admitted (its adapter, tier and first step's tokens):
   each layer (`AdapterTable.place_streamed`): the engine issues the copies right after launching the
   forward, and the `StreamedLoad` stays in `loading` until that step has been sampled.
 
+On cuda, the host's part of a cold load (reading the adapter from disk, laying it out in pages, pinning it) runs
+on a background thread (`Stager`) for the adapters of the first queued requests (`prepare`), so the engine
+thread finds them staged; an adapter admitted before its staging is done is staged on the engine thread, as
+without it.
+
 A queued request's cold adapter may be placed before its admission (`prefetch`, while a step runs): whole,
 or, where its placement would be "stream", streamed ahead. A streamed-ahead copy waits in `ahead` and the
 engine queues its layers while the host would otherwise only wait for the device (`issue_ahead`); at
@@ -22,6 +27,8 @@ admission it moves to `loading` as a streamed cold start whose first layers are 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -55,6 +62,12 @@ class LoraResidency:
         # streamed ahead for a queued request (prefetch): name -> (its copy, the tier it comes from); no
         # kernel reads these slots until acquire() moves them to `loading`
         self.ahead: dict[str, tuple[StreamedLoad, str]] = {}
+        # cuda: the background stager, and name -> its LoraAdapter for the adapters staged (in `pinned` or
+        # `pageable`), so that a prefetch or an admission need not look the adapter up (maybe on disk) again
+        self.stager = Stager(lookup, self._stage_pages) if table.pool.pages.is_cuda else None
+        self.prepared: dict[str, object] = {}
+        self.generation: dict[str, int] = {}  # bumped when a name is dropped: a staging begun before is stale
+        self.staged_off_thread = 0  # adapters the stager staged that the engine thread took
         self.placed = dict.fromkeys(PLACEMENTS, 0)  # cold placements by kind
         self.issue_seconds = 0.0  # host time spent issuing streamed copies after their forward's launch
         self.ahead_seconds = 0.0  # host time spent issuing streamed-ahead copies (while a step ran)
@@ -79,7 +92,7 @@ class LoraResidency:
                 if self.metrics is not None:
                     self.metrics.cold_start()
             return True
-        adapter = self.lookup(name)
+        adapter = self._ready(name) or self.lookup(name)
         slot = self.table.free_slot()
         while slot is None:
             if not self.idle:
@@ -87,7 +100,7 @@ class LoraResidency:
             self._evict_oldest()
             slot = self.table.free_slot()
         started = time.perf_counter()
-        staged, tier = self._staged(adapter)
+        staged, tier = self._staged(name, adapter)
         kind = "whole" if self.placement_for is None else self.placement_for(adapter, tier, tokens)
         while not self._place(name, slot, staged, kind):
             if not self.idle:
@@ -166,7 +179,7 @@ class LoraResidency:
         self.permanent.add(name)
         return True
 
-    def _staged(self, adapter) -> tuple[StagedAdapter, str]:
+    def _staged(self, name: str, adapter) -> tuple[StagedAdapter, str]:
         """The adapter in page layout and the tier its copy comes from. On cuda every adapter staged once
         stays staged in pageable host memory (`pageable`, within `staged_bytes`), and the most recently
         used ones also in pinned memory (`pinned`, within `pinned_bytes`): a cold load is one DMA from
@@ -174,19 +187,68 @@ class LoraResidency:
         buffers, ~5x slower), never a new staging. Keyed by the weights, which benchmark adapters share."""
         if not self.table.pool.pages.is_cuda:
             return self.table.stage(adapter.weights), "host"
+        self._absorb()
         key = id(adapter.weights)
         pinned = self.pinned.get(key)
         if pinned is not None:
             return pinned, "pinned"
         staged = self.pageable.get(key)
         if staged is None:
-            staged = self.table.stage(adapter.weights, pin=False)
-            self.pageable.put(key, adapter.weights, staged)
+            staged, pinned = self._stage_pages(adapter)
+            self._keep(name, adapter, staged, pinned)
+        elif staged.pages.nbytes <= self.pinned.budget:
+            pinned = StagedAdapter(staged.pages.pin_memory(), staged.layout)
+            self.pinned.put(key, adapter.weights, pinned)
+        return (staged, "pageable") if pinned is None else (pinned, "pinned")
+
+    def _stage_pages(self, adapter) -> tuple[StagedAdapter, StagedAdapter | None]:
+        """(pageable pages, their pinned copy or None when larger than the pinned budget). Reads only the
+        adapter and the table's fixed layout: safe on the stager's thread."""
+        staged = self.table.stage(adapter.weights, pin=False)
         if staged.pages.nbytes > self.pinned.budget:
-            return staged, "pageable"
-        pinned = StagedAdapter(staged.pages.pin_memory(), staged.layout)
-        self.pinned.put(key, adapter.weights, pinned)
-        return pinned, "pinned"
+            return staged, None
+        return staged, StagedAdapter(staged.pages.pin_memory(), staged.layout)
+
+    def _keep(self, name: str, adapter, staged: StagedAdapter, pinned: StagedAdapter | None) -> None:
+        key = id(adapter.weights)
+        if key not in self.pageable:
+            self.pageable.put(key, adapter.weights, staged)
+        if pinned is not None and key not in self.pinned:
+            self.pinned.put(key, adapter.weights, pinned)
+        self.prepared[name] = adapter
+
+    def _absorb(self) -> None:
+        """Takes the stager's finished work into the caches (engine thread only): stale ones (their name
+        dropped since) and failed ones are left out; a failure is met again, and reported, at admission."""
+        if self.stager is None:
+            return
+        for name, generation, adapter, result in self.stager.take():
+            if isinstance(result, BaseException):
+                log.debug("background staging of adapter %s failed: %s", name, result)
+            elif generation == self.generation.get(name, 0):
+                self._keep(name, adapter, *result)
+                self.staged_off_thread += 1
+
+    def _ready(self, name: str):
+        """The adapter if it is staged (on cuda), else None."""
+        adapter = self.prepared.get(name)
+        if adapter is None:
+            return None
+        key = id(adapter.weights)
+        if key in self.pinned or key in self.pageable:
+            return adapter
+        del self.prepared[name]  # its staged copy left the caches
+        return None
+
+    def prepare(self, names) -> None:
+        """Has the stager read and stage the adapters among `names` that are not staged yet (cuda; a
+        no-op elsewhere): those of the first queued requests, while the engine thread runs steps."""
+        if self.stager is None:
+            return
+        self._absorb()
+        for name in names:
+            if name is not None and name not in self.slots and self._ready(name) is None:
+                self.stager.ask(name, self.generation.get(name, 0))
 
     def prefetch(self, name: str, reserve_pages: int, tokens: int | None = None) -> bool:
         """Places a queued request's adapter into free pages while a step runs, evicting nothing and leaving
@@ -201,8 +263,15 @@ class LoraResidency:
         slot = self.table.free_slot()
         if slot is None:
             return False
-        adapter = self.lookup(name)
-        staged, tier = self._staged(adapter)
+        if self.stager is not None:
+            self._absorb()
+            adapter = self._ready(name)
+            if adapter is None:  # not staged yet: the stager does it; the engine thread does not wait
+                self.stager.ask(name, self.generation.get(name, 0))
+                return False
+        else:
+            adapter = self.lookup(name)
+        staged, tier = self._staged(name, adapter)
         if self.table.pool.num_free - staged.pages.shape[0] < reserve_pages:
             return False
         kind = "whole"
@@ -255,7 +324,9 @@ class LoraResidency:
         return -1 if name is None else self.slots[name]
 
     def drop(self, name: str) -> None:
-        """Forget an idle adapter's pool copy (it was unregistered or replaced)."""
+        """Forget an idle adapter's pool copy (it was unregistered or replaced), and its staged copy's name."""
+        self.prepared.pop(name, None)
+        self.generation[name] = self.generation.get(name, 0) + 1
         if name in self.permanent:
             self.permanent.discard(name)
             self.release(name)
@@ -275,6 +346,54 @@ class LoraResidency:
         del self.pins[name]
         self.evictions += 1
         log.debug("adapter evicted name=%s", name)
+
+
+class Stager:
+    """A background thread that reads adapters (`lookup`, maybe from disk) and stages them (`stage`: page
+    layout, pinning), for the engine thread to take (`take`). `ask` and `take` are the engine thread's; a
+    name asked again while it is being staged is not staged twice."""
+
+    def __init__(self, lookup, stage):
+        self.lookup = lookup
+        self.stage = stage
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: set[str] = set()
+        self._thread: threading.Thread | None = None
+
+    def ask(self, name: str, generation: int = 0) -> None:
+        if name in self._pending:
+            return
+        self._pending.add(name)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lorad-stager", daemon=True)
+            self._thread.start()
+        self._todo.put((name, generation))
+
+    def take(self) -> list[tuple[str, int, object, object]]:
+        """(name, generation, adapter or None, (pageable, pinned) or the exception) for each one done."""
+        done = []
+        while True:
+            try:
+                item = self._done.get_nowait()
+            except queue.Empty:
+                return done
+            self._pending.discard(item[0])
+            done.append(item)
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _run(self) -> None:
+        while True:
+            name, generation = self._todo.get()
+            adapter = None
+            try:
+                adapter = self.lookup(name)
+                result = self.stage(adapter)
+            except Exception as error:  # noqa: BLE001 - reported by take(); admission meets it again
+                result = error
+            self._done.put((name, generation, adapter, result))
 
 
 class StagedCache:

@@ -9,6 +9,7 @@ decode" below): a step launches the next one from its tokens on the device befor
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ MAX_DEFAULT_MODEL_LEN = 8192
 CPU_POOL_BYTES = 256 << 20
 ADAPTER_SLOTS = 1024
 PREFETCH_DEPTH = 8  # queued requests whose adapters are loaded ahead, while a step runs
+PREPARE_DEPTH = 16  # queued requests whose adapters are read and staged ahead on the stager's thread (cuda)
 CLUSTER_MAX_WAIT_MS = 1000.0  # admission cluster without a TTFT objective: how long another adapter's request waits at most
 
 
@@ -690,7 +692,9 @@ class Engine:
         event, where cold adapters may stream in (`cold_starts.streaming`): those the admission would stream are
         streamed ahead, their layers queued until the event has passed (LoraResidency.prefetch)."""
         reserve = len(self.scheduler.running) * self.kv.pages_per_block  # one more block for each runner
-        for seq in list(self.scheduler.waiting)[:PREFETCH_DEPTH]:
+        queued = list(itertools.islice(self.scheduler.waiting, PREPARE_DEPTH))
+        self.residency.prepare(seq.adapter for seq in queued)
+        for seq in queued[:PREFETCH_DEPTH]:
             tokens = None if busy is None else seq.num_tokens - seq.num_computed
             if seq.adapter is not None and not self.residency.prefetch(seq.adapter, reserve, tokens):
                 break

@@ -1,0 +1,122 @@
+"""daemon/engine/adapter_residency.py's Stager (the background thread that reads and stages cold adapters for
+the engine thread) and LoraResidency's use of it: staged once, stale or failed work left out, and an adapter
+the stager has prepared placed by a prefetch without looking it up again."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from lorad.daemon.engine.adapter_residency import LoraResidency, Stager
+from lorad.gpu_ops.page_pool import StagedAdapter
+
+
+def wait_for(stager: Stager, count: int, timeout: float = 10.0) -> list:
+    done, deadline = [], time.monotonic() + timeout
+    while len(done) < count and time.monotonic() < deadline:
+        done += stager.take()
+        time.sleep(0.005)
+    return done
+
+
+def test_each_name_staged_once_while_pending_and_off_the_callers_thread():
+    calls, threads = [], set()
+    release = threading.Event()
+
+    def lookup(name):
+        release.wait(5)
+        calls.append(name)
+        threads.add(threading.current_thread().name)
+        return f"adapter {name}"
+
+    stager = Stager(lookup, lambda adapter: (adapter.upper(), None))
+    for name in ("a", "b", "a", "a"):
+        stager.ask(name, 0)
+    assert stager.pending() == 2
+    release.set()
+    done = wait_for(stager, 2)
+    assert [(name, result) for name, _, _, result in done] == [("a", ("ADAPTER A", None)), ("b", ("ADAPTER B", None))]
+    assert calls == ["a", "b"] and threads == {"lorad-stager"} and stager.pending() == 0
+    stager.ask("a", 1)  # asked again once done: staged again (e.g. after it left the caches)
+    assert [item[:2] for item in wait_for(stager, 1)] == [("a", 1)]
+
+
+def test_a_failure_is_reported_not_raised():
+    def lookup(name):
+        raise ValueError(f"{name} is broken")
+
+    stager = Stager(lookup, lambda adapter: (adapter, None))
+    stager.ask("bad", 0)
+    (name, _, adapter, result), = wait_for(stager, 1)
+    assert name == "bad" and adapter is None and isinstance(result, ValueError)
+
+
+class FakeAdapter:
+    def __init__(self, name):
+        self.name = name
+        self.weights = {"of": name}
+
+
+class FakeTable:
+    """What LoraResidency reads of an AdapterTable for staging; pages "on cuda" so that the stager is used."""
+
+    class pool:
+        class pages:
+            is_cuda = True
+
+        num_free = 1000
+
+    def __init__(self):
+        self.placed = {}
+
+    def free_slot(self):
+        return len(self.placed)
+
+    def place(self, slot, staged):
+        self.placed[slot] = staged
+        return True
+
+
+@pytest.fixture
+def residency(monkeypatch):
+    looked_up = []
+
+    def lookup(name):
+        looked_up.append(name)
+        return FakeAdapter(name)
+
+    residency = LoraResidency(lookup, FakeTable(), pinned_bytes=1 << 20, staged_bytes=1 << 20)
+    def stage(adapter):  # (pageable, "pinned": the same pages here, no CUDA to pin them with)
+        staged = StagedAdapter(torch.zeros(2, 4), [adapter.name])
+        return staged, staged
+
+    monkeypatch.setattr(residency, "_stage_pages", stage)
+    residency.stager.stage = residency._stage_pages
+    residency.looked_up = looked_up
+    return residency
+
+
+def settle(residency):
+    deadline = time.monotonic() + 10
+    while residency.stager.pending() and time.monotonic() < deadline:
+        residency._absorb()
+        time.sleep(0.005)
+
+
+def test_a_prefetch_waits_for_nothing_and_places_what_the_stager_prepared(residency):
+    assert not residency.prefetch("x", reserve_pages=0)  # not staged yet: asked for, not done here
+    settle(residency)
+    assert residency.staged_off_thread == 1 and residency.looked_up == ["x"]
+    assert residency.prefetch("x", reserve_pages=0)
+    assert residency.looked_up == ["x"]  # placed from the prepared copy: no second lookup
+    assert residency.table.placed[0].layout == ["x"]
+
+
+def test_work_for_a_dropped_name_is_left_out(residency):
+    residency.prepare(["y"])
+    residency.drop("y")  # unregistered (or replaced) while its staging ran
+    settle(residency)
+    assert residency._ready("y") is None and residency.staged_off_thread == 0
