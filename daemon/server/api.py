@@ -1,7 +1,7 @@
 """The daemon's HTTP face: an OpenAI-compatible subset (/v1/completions, /v1/chat/completions, /v1/models, /health), vLLM's
 adapter admin routes and Prometheus /metrics, served by aiohttp on a Unix socket. A request is checked
-here, handed to the engine, and the engine's outputs (called from its step thread) hop onto the event
-loop through one asyncio.Queue per request.
+(its body by schemas.py, its prompt against the model here), handed to the engine, and the engine's outputs
+(called from its step thread) hop onto the event loop through one asyncio.Queue per request.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from lorad.errors import (
 from lorad.daemon.server import metrics as metrics_format
 from lorad.daemon.server.admin_gate import AdminGate
 from lorad.daemon.server.unix_socket import PeerCredentials, peer_credentials
-from lorad.daemon.engine.chat_template import AdapterTemplates, ChatTemplate, check_messages, load_chat_template
-from lorad.daemon.engine.request import GenerationRequest, RequestOutput, SamplingParams, check_prompt
+from lorad.daemon.engine.chat_template import AdapterTemplates, ChatTemplate, load_chat_template
+from lorad.daemon.engine.request import GenerationRequest, RequestOutput, check_prompt
+from lorad.daemon.server.schemas import Completion, parse_chat, parse_completion
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +47,6 @@ SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)
 CHAT = web.AppKey("chat", object)  # the checkpoint's ChatTemplate, or why there is none (str)
 ADAPTER_CHAT = web.AppKey("adapter_chat", AdapterTemplates)  # adapter folders' own templates
 ADMIN = web.AppKey("admin", AdminGate)  # who may load and unload adapters
-MAX_CHAT_MESSAGES = 1024
-MAX_PROMPTS = 64  # prompts in one /v1/completions request
-MAX_N = 16  # choices per prompt
-MAX_CHOICES = 256  # prompts x n
 
 
 # --- errors: the one place a LoradError becomes an HTTP answer ---------------------------------------
@@ -96,151 +93,6 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         request.method, request.path, error.status, error.type, error.message,
     )
     return web.json_response(error_body(error), status=error.status, headers=headers)
-
-
-# --- the completion request ---------------------------------------------------------------------------
-
-_COMMON_FIELDS = {
-    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "stream", "stream_options", "return_token_ids", "n", "logprobs", "user",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-}
-_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "logit_bias", "min_tokens", "logprobs")
-
-
-@dataclass
-class Completion:
-    """A checked /v1/completions or /v1/chat/completions body; the prompt is still text or token ids (chat:
-    None until the messages are rendered)."""
-
-    model: str
-    prompts: list[str | list[int]] | None
-    sampling: SamplingParams
-    stream: bool
-    include_usage: bool
-    return_token_ids: bool
-    n: int = 1  # choices per prompt
-    echo: bool = False  # completions: each choice's text starts with its prompt's
-    messages: list[dict] | None = None  # chat: the checked messages
-
-    @property
-    def chat(self) -> bool:
-        return self.messages is not None
-
-
-def parse_completion(body) -> Completion:
-    fields = _fields(body, _FIELDS)
-    if "prompt" not in fields:
-        raise BadRequest("prompt is required")
-    prompts = _prompts(fields["prompt"])
-    if "logprobs" in fields and _flag(fields, "echo"):
-        raise BadRequest("logprobs with echo is not supported (the prompt's own logprobs are not computed)")
-    if "suffix" in fields:
-        raise BadRequest("suffix is not supported")
-    completion = _common(fields, prompts)
-    completion.echo = _flag(fields, "echo")
-    return completion
-
-
-def parse_chat(body) -> Completion:
-    """A /v1/chat/completions body: messages checked (chat_template.check_messages), max_completion_tokens
-    taken over max_tokens where both are given, as OpenAI's newer name."""
-    fields = _fields(body, _CHAT_FIELDS)
-    if "messages" not in fields:
-        raise BadRequest("messages is required")
-    messages = check_messages(fields["messages"], MAX_CHAT_MESSAGES)
-    # chat's form: logprobs true/false and top_logprobs N; the sampler's: logprobs N or None
-    wanted, top = _flag(fields, "logprobs"), fields.pop("top_logprobs", None)
-    if top is not None and not wanted:
-        raise BadRequest("top_logprobs needs logprobs: true")
-    fields.pop("logprobs", None)
-    if wanted:
-        fields["logprobs"] = 0 if top is None else top
-    if "max_completion_tokens" in fields:
-        fields["max_tokens"] = fields.pop("max_completion_tokens")
-    completion = _common(fields, None)
-    completion.messages = messages
-    return completion
-
-
-def _fields(body, allowed: set[str]) -> dict:
-    """The body's fields, none unknown, model present; OpenAI clients send null for "not set": dropped."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BadRequest(f"unknown field(s): {', '.join(name[:64] for name in unknown[:20])}")
-    fields = {name: value for name, value in body.items() if value is not None}
-    model = fields.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("model is required: the base model's name or an adapter's")
-    return fields
-
-
-def _common(fields: dict, prompt) -> Completion:
-    """The fields both endpoints share: streaming, n, sampling and stops."""
-    stream = _flag(fields, "stream")
-    n = fields.get("n", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-        raise BadRequest(f"n must be an integer from 1 to {MAX_N}")
-    if prompt is not None and len(prompt) * n > MAX_CHOICES:
-        raise BadRequest(f"n x prompts is {len(prompt) * n}, more than the {MAX_CHOICES} choices a request may have")
-    options = fields.get("stream_options", {})
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise BadRequest('stream_options must be an object with only "include_usage"')
-    include_usage = _flag(options, "include_usage")
-
-    stop = fields.get("stop", [])
-    if isinstance(stop, str):
-        stop = (stop,)
-    elif isinstance(stop, list):
-        stop = tuple(stop)
-    else:
-        raise BadRequest("stop must be a string or a list of strings")
-    stop_token_ids = fields.get("stop_token_ids", [])
-    if not isinstance(stop_token_ids, list):
-        raise BadRequest("stop_token_ids must be a list of token ids")
-    sampling = SamplingParams(  # checks types and ranges
-        **{name: fields[name] for name in _SAMPLING_FIELDS if name in fields},
-        stop=stop,
-        stop_token_ids=tuple(stop_token_ids),
-        ignore_eos=_flag(fields, "ignore_eos"),
-    )
-    return Completion(fields["model"], prompt, sampling, stream, include_usage, _flag(fields, "return_token_ids"), n)
-
-
-def _prompts(prompt) -> list[str | list[int]]:
-    """OpenAI's prompt forms: a string, a list of token ids, or a list of either (a batch: one choice each)."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > MAX_PROMPTS:
-            raise BadRequest(f"prompt: {len(prompt)} prompts, more than the {MAX_PROMPTS} a request may have")
-        return [_one_prompt(p) for p in prompt]
-    return [_one_prompt(prompt)]
-
-
-def _one_prompt(prompt) -> str | list[int]:
-    if isinstance(prompt, str):
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise BadRequest(f"prompt is not valid unicode: {error.reason}") from None
-    elif not isinstance(prompt, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-        raise BadRequest("prompt must be a string, a list of token ids, or a list of those")
-    if not prompt:
-        raise BadRequest("prompt is empty")
-    return prompt
-
-
-def _flag(fields: dict, name: str) -> bool:
-    value = fields.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be true or false")
-    return value
 
 
 # --- handlers -------------------------------------------------------------------------------------------
