@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
+from pydantic_core import to_json
 
 from lorad.errors import (
     AdmissionDropped, BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, ModelError, NotFound, Overloaded,
@@ -30,7 +31,10 @@ from lorad.daemon.server.admin_gate import AdminGate
 from lorad.daemon.server.unix_socket import PeerCredentials, peer_credentials
 from lorad.daemon.engine.chat_template import AdapterTemplates, ChatTemplate, load_chat_template
 from lorad.daemon.engine.request import GenerationRequest, RequestOutput, check_prompt
-from lorad.daemon.server.schemas import Completion, parse_chat, parse_completion
+from lorad.daemon.server.schemas import (
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatLogprobs, Chunk, Completion, CompletionChoice,
+    CompletionLogprobs, CompletionResponse, Delta, TokenLogprob, TopLogprob, Usage, parse_chat, parse_completion,
+)
 
 log = logging.getLogger(__name__)
 
@@ -355,12 +359,9 @@ class _RequestRecord:
             if self.finished == self.choices:
                 self.finish_reason = output.finish_reason
 
-    def usage(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                     total_tokens=self.prompt_tokens + self.completion_tokens)
 
     def log(self) -> None:
         ttft = "-" if self.first_token_at is None else f"{(self.first_token_at - self.arrived) * 1e3:.1f}"
@@ -385,7 +386,8 @@ def _echo(completion: Completion, prompt_index: int, prompts: list[list[int]], t
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompts[prompt_index])
 
 
-def _logprobs(completion: Completion, choice: _Choice, token_ids: list[int], entries: list, tokenizer) -> dict | None:
+def _logprobs(completion: Completion, choice: _Choice, token_ids: list[int], entries: list,
+              tokenizer) -> ChatLogprobs | CompletionLogprobs | None:
     """The logprobs of these tokens of a choice in OpenAI's form (None when not asked for): chat's `content`
     list of {token, logprob, bytes, top_logprobs}, or completions' tokens, token_logprobs, top_logprobs (one
     {token: logprob} per token) and text_offset (each token's start in the choice's text, by token texts)."""
@@ -393,19 +395,21 @@ def _logprobs(completion: Completion, choice: _Choice, token_ids: list[int], ent
         return None
     texts = [tokenizer.token_text(token) for token in token_ids]
     if completion.chat:
-        def item(text, logprob):
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        def item(text, logprob) -> TopLogprob:
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
 
-        return {"content": [{**item(text, entry.logprob),
-                             "top_logprobs": [item(tokenizer.token_text(top), value) for top, value in entry.top]}
-                            for text, entry in zip(texts, entries)]}
+        return ChatLogprobs(content=[
+            TokenLogprob(**item(text, entry.logprob),
+                         top_logprobs=[item(tokenizer.token_text(top), value) for top, value in entry.top])
+            for text, entry in zip(texts, entries)])
     offsets = []
     for text in texts:
         offsets.append(choice.text_offset)
         choice.text_offset += len(text)
-    return {"tokens": texts, "token_logprobs": [entry.logprob for entry in entries],
-            "top_logprobs": [{tokenizer.token_text(top): value for top, value in entry.top} for entry in entries],
-            "text_offset": offsets}
+    return CompletionLogprobs(
+        tokens=texts, token_logprobs=[entry.logprob for entry in entries],
+        top_logprobs=[{tokenizer.token_text(top): value for top, value in entry.top} for entry in entries],
+        text_offset=offsets)
 
 
 async def _full_response(completion, choices: list[_Choice], outputs, record, prompts, request_id,
@@ -428,24 +432,23 @@ async def _full_response(completion, choices: list[_Choice], outputs, record, pr
         text = "".join(choice.text)
         logprobs = _logprobs(completion, choice, choice.token_ids, choice.logprobs, tokenizer)
         if completion.chat:
-            answer = {"index": choice.index, "message": {"role": "assistant", "content": text},
-                      "finish_reason": choice.finish_reason, "logprobs": logprobs}
+            answer = ChatChoice(index=choice.index, message=AssistantMessage(role="assistant", content=text),
+                                finish_reason=choice.finish_reason, logprobs=logprobs)
         else:
             if completion.echo:
                 text = _echo(completion, choice.prompt_index, prompts, tokenizer) + text
-            answer = {"index": choice.index, "text": text, "finish_reason": choice.finish_reason, "logprobs": logprobs}
+            answer = CompletionChoice(index=choice.index, text=text, finish_reason=choice.finish_reason,
+                                      logprobs=logprobs)
         if completion.return_token_ids:
             answer["token_ids"] = choice.token_ids
             if len(prompts) > 1:
                 answer["prompt_token_ids"] = prompts[choice.prompt_index]
         answers.append(answer)
-    body = {
-        "id": request_id, "object": "chat.completion" if completion.chat else "text_completion",
-        "created": int(time.time()), "model": completion.model, "choices": answers, "usage": record.usage(),
-    }
+    body = CompletionResponse(id=request_id, object="chat.completion" if completion.chat else "text_completion",
+                              created=int(time.time()), model=completion.model, choices=answers, usage=record.usage())
     if completion.return_token_ids and len(prompts) == 1:
         body["prompt_token_ids"] = prompts[0]
-    return web.json_response(body)
+    return web.Response(body=to_json(body), content_type="application/json")
 
 
 async def _stream_response(request, completion, choices: list[_Choice], outputs, record, prompts,
@@ -455,7 +458,7 @@ async def _stream_response(request, completion, choices: list[_Choice], outputs,
     created = int(time.time())
     kind = "chat.completion.chunk" if completion.chat else "text_completion"
     tokenizer = request.app[ENGINE].tokenizer
-    head = {"id": request_id, "object": kind, "created": created, "model": completion.model}
+    head = Chunk(id=request_id, object=kind, created=created, model=completion.model, choices=[])
     first_chunk = True
     try:
         async for index, output in outputs:
@@ -469,13 +472,13 @@ async def _stream_response(request, completion, choices: list[_Choice], outputs,
             text = output.text_delta
             logprobs = _logprobs(completion, choice, output.new_token_ids, output.logprobs or [], tokenizer)
             if completion.chat:  # the role in each choice's first delta, as OpenAI sends it
-                delta = {"role": "assistant", "content": text} if not choice.started else {"content": text}
-                entry = {"index": index, "delta": delta, "finish_reason": output.finish_reason, "logprobs": logprobs}
+                delta = Delta(role="assistant", content=text) if not choice.started else Delta(content=text)
+                entry = ChatChunkChoice(index=index, delta=delta, finish_reason=output.finish_reason, logprobs=logprobs)
             else:
                 if completion.echo and not choice.started:
                     text = _echo(completion, choice.prompt_index, prompts, tokenizer) + text
-                entry = {"index": index, "text": text, "finish_reason": output.finish_reason, "logprobs": logprobs}
-            chunk = {**head, "choices": [entry]}
+                entry = CompletionChoice(index=index, text=text, finish_reason=output.finish_reason, logprobs=logprobs)
+            chunk = Chunk(head, choices=[entry])
             if completion.return_token_ids:
                 entry["token_ids"] = output.new_token_ids
                 if not choice.started:
@@ -490,7 +493,7 @@ async def _stream_response(request, completion, choices: list[_Choice], outputs,
             first_chunk = False
         else:
             if completion.include_usage:
-                await _send_event(response, {**head, "choices": [], "usage": record.usage()})
+                await _send_event(response, Chunk(head, usage=record.usage()))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except ConnectionResetError:  # the client went away; _generate aborts the choices still running
@@ -498,8 +501,8 @@ async def _stream_response(request, completion, choices: list[_Choice], outputs,
     return response
 
 
-async def _send_event(response: web.StreamResponse, chunk: dict) -> None:
-    await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+async def _send_event(response: web.StreamResponse, chunk: Chunk | dict) -> None:
+    await response.write(b"data: " + to_json(chunk) + b"\n\n")
 
 
 # --- the application --------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The bodies of /v1/completions and /v1/chat/completions: requests as pydantic models (each field's type, bounds
 and meaning said once; anything else refused as a 400 naming the field), checked into a `Completion` for the
-engine.
+engine, and the answers' shapes as TypedDicts that api.py fills and serializes as they are.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from typing_extensions import NotRequired, TypedDict  # typing's TypedDict is not pydantic's before Python 3.12
 
 from lorad.daemon.engine.chat_template import ROLES
 from lorad.daemon.engine.request import (
@@ -314,3 +315,98 @@ def _model_in(annotation) -> type[BaseModel] | None:
             return found
     return None
 
+
+# --- responses: OpenAI's shapes, as api.py builds them ------------------------------------------------------
+# Plain dicts at run time (built and serialized at the cost of a dict); pydantic checks answers against them in
+# the tests (TypeAdapter(Chunk).validate_python), where a key not declared here is refused.
+
+
+class _Shape(TypedDict):
+    __pydantic_config__ = ConfigDict(extra="forbid", strict=True)
+
+
+class Usage(_Shape):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Shape):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]  # per token: {token text: logprob} of the most likely
+    text_offset: list[int]  # each token's start in the choice's text
+
+
+class TopLogprob(_Shape):
+    token: str
+    logprob: float
+    bytes: list[int]  # the token text's UTF-8
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Shape):
+    content: list[TokenLogprob]
+
+
+class CompletionChoice(_Shape):
+    index: int  # prompt x n + i
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "abort"; None until the choice's last chunk
+    logprobs: CompletionLogprobs | None
+    token_ids: NotRequired[list[int]]  # return_token_ids
+    prompt_token_ids: NotRequired[list[int]]  # return_token_ids with several prompts: this choice's
+
+
+class AssistantMessage(_Shape):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Shape):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None
+    token_ids: NotRequired[list[int]]
+    prompt_token_ids: NotRequired[list[int]]
+
+
+class Delta(_Shape):
+    role: NotRequired[Literal["assistant"]]  # in each choice's first chunk
+    content: str
+
+
+class ChatChunkChoice(_Shape):
+    index: int
+    delta: Delta
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None
+    token_ids: NotRequired[list[int]]
+    prompt_token_ids: NotRequired[list[int]]
+
+
+class CompletionResponse(_Shape):
+    id: str
+    object: Literal["text_completion", "chat.completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice] | list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: NotRequired[list[int]]  # return_token_ids with one prompt
+
+
+class Chunk(_Shape):
+    """One server-sent event of a stream; with include_usage, every chunk carries "usage": null and a last one
+    with no choices carries the usage."""
+
+    id: str
+    object: Literal["text_completion", "chat.completion.chunk"]  # completions' chunks are text_completion too
+    created: int
+    model: str
+    choices: list[CompletionChoice] | list[ChatChunkChoice]
+    usage: NotRequired[Usage | None]
+    prompt_token_ids: NotRequired[list[int]]  # return_token_ids with one prompt: in the first chunk

@@ -1,17 +1,22 @@
 """daemon/server/schemas.py: every field of /v1/completions and /v1/chat/completions refused with a 400 that names
 it, unknown fields refused at every level, vLLM's extra fields accepted, the schema's defaults and bounds those of
-the engine's SamplingParams, n bounded by max_n."""
+the engine's SamplingParams, n bounded by max_n, and the daemon's answers in the declared response shapes."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from lorad.daemon.engine.request import SamplingParams
-from lorad.daemon.server.schemas import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
+from lorad.daemon.server.schemas import (
+    ChatCompletionRequest, Chunk, CompletionRequest, CompletionResponse, parse_chat, parse_completion,
+)
+from lorad.client import Client
 from lorad.errors import BadRequest
+
+from daemon_harness import serve_demo
 
 COMPLETION = {"model": "m", "prompt": "hi"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -199,3 +204,39 @@ def test_n_is_bounded_by_max_n():
     with pytest.raises(BadRequest, match="n x prompts is 264, more than the 256"):
         parse_completion({**COMPLETION, "prompt": ["a"] * 11, "n": 24}, max_n=32)
 
+
+
+# --- the answers, in the shapes declared ----------------------------------------------------------------------
+
+RESPONSE = TypeAdapter(CompletionResponse)
+CHUNK = TypeAdapter(Chunk)
+
+
+@pytest.fixture(scope="module")
+def demo(demo_assets):
+    with serve_demo(demo_assets, "schemas.sock") as (server, engine):
+        yield Client(server.path, timeout=60), engine
+
+
+@pytest.mark.parametrize("fields", [
+    dict(prompt="The lighthouse", max_tokens=4),
+    dict(prompt=["The lighthouse", [5, 6, 7]], n=2, max_tokens=3, logprobs=2, return_token_ids=True, seed=3),
+    dict(prompt="The lighthouse", max_tokens=3, echo=True, return_token_ids=True),
+    dict(messages=[{"role": "user", "content": "Hello"}], max_completion_tokens=4),
+    dict(messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"}]}], max_completion_tokens=3, n=2,
+         logprobs=True, top_logprobs=2, return_token_ids=True, temperature=0.5, seed=1),
+])
+def test_answers_and_chunks_have_the_declared_shapes(demo, fields):
+    client, _ = demo
+    chat = "messages" in fields
+    fields = dict(model="demo-r8", ignore_eos=True, **fields)
+    answer = (client.chat_completions if chat else client.completions)(**fields)
+    RESPONSE.validate_python(answer)
+    assert answer["object"] == ("chat.completion" if chat else "text_completion")
+    chunks = list((client.stream_chat_completions if chat else client.stream_completions)(
+        stream_options={"include_usage": True}, **fields))
+    for chunk in chunks:
+        CHUNK.validate_python(chunk)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == answer["usage"]
+    with pytest.raises(ValidationError):  # a key the shapes do not declare is caught
+        CHUNK.validate_python({**chunks[0], "choices": [{**chunks[0]["choices"][0], "undeclared": 1}]})
