@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 from lorad.daemon.server import metrics as metrics_format
 from lorad.daemon.server.api import MAX_BODY_BYTES, error_body, error_middleware
-from lorad.daemon.server.schemas import parse_chat, parse_completion
+from lorad.daemon.server.schemas import MAX_CHOICES, parse_chat, parse_completion
 from lorad.daemon.router.backends import Backend, InFlightRequest
 from lorad.scheduler.router import RouteRequest
 
@@ -202,7 +202,8 @@ async def _route(request: web.Request, path: str, parse) -> web.StreamResponse:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise BadRequest(f"the request body is not JSON: {error}") from None
-    completion = parse(body)  # refused here exactly as a backend would refuse it
+    # refused here as a backend would refuse it, but for n: each backend holds its own --max-n
+    completion = parse(body, max_n=MAX_CHOICES)
     pool = await router.candidates(completion.model)
     route = RouteRequest(router.rank(completion.model, pool), _prompt_tokens(completion))
     arrived = time.monotonic()

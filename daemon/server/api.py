@@ -32,7 +32,7 @@ from lorad.daemon.server.unix_socket import PeerCredentials, peer_credentials
 from lorad.daemon.engine.chat_template import AdapterTemplates, ChatTemplate, load_chat_template
 from lorad.daemon.engine.request import GenerationRequest, RequestOutput, check_prompt
 from lorad.daemon.server.schemas import (
-    AssistantMessage, ChatChoice, ChatChunkChoice, ChatLogprobs, Chunk, Completion, CompletionChoice,
+    MAX_N, AssistantMessage, ChatChoice, ChatChunkChoice, ChatLogprobs, Chunk, Completion, CompletionChoice,
     CompletionLogprobs, CompletionResponse, Delta, TokenLogprob, TopLogprob, Usage, parse_chat, parse_completion,
 )
 
@@ -51,6 +51,7 @@ SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)
 CHAT = web.AppKey("chat", object)  # the checkpoint's ChatTemplate, or why there is none (str)
 ADAPTER_CHAT = web.AppKey("adapter_chat", AdapterTemplates)  # adapter folders' own templates
 ADMIN = web.AppKey("admin", AdminGate)  # who may load and unload adapters
+MAX_CHOICES_PER_PROMPT = web.AppKey("max_n", int)  # n's bound (--max-n)
 
 
 # --- errors: the one place a LoradError becomes an HTTP answer ---------------------------------------
@@ -200,7 +201,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     engine = request.app[ENGINE]
     peer = peer_credentials(request.transport)  # now: the transport is gone once the client leaves
-    completion = parse_completion(await _json_body(request))
+    completion = parse_completion(await _json_body(request), request.app[MAX_CHOICES_PER_PROMPT])
     for prompt in completion.prompts:  # a cheap bound before any tokenizing
         if isinstance(prompt, str):
             _check_text_length(len(prompt), engine.max_model_len)
@@ -213,7 +214,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     engine = request.app[ENGINE]
     peer = peer_credentials(request.transport)
-    completion = parse_chat(await _json_body(request))
+    completion = parse_chat(await _json_body(request), request.app[MAX_CHOICES_PER_PROMPT])
     loop = asyncio.get_running_loop()
     template = None
     if completion.model != engine.model_name:  # an adapter folder may ship its own template
@@ -542,9 +543,10 @@ def _chat_template(engine) -> ChatTemplate | str:
     return template
 
 
-def create_app(engine, admin: AdminGate | None = None) -> web.Application:
+def create_app(engine, admin: AdminGate | None = None, max_n: int = MAX_N) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
+    app[MAX_CHOICES_PER_PROMPT] = max_n
     app[STARTED] = int(time.time())
     app[IN_FLIGHT] = set()
     app[SHUTTING_DOWN] = asyncio.Event()

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from typing_extensions import NotRequired, TypedDict  # typing's TypedDict is not pydantic's before Python 3.12
 
+from lorad.config import ServerConfig
 from lorad.daemon.engine.chat_template import ROLES
 from lorad.daemon.engine.request import (
     MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams,
@@ -19,7 +20,7 @@ from lorad.errors import BadRequest, clip
 
 MAX_CHAT_MESSAGES = 1024
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
-MAX_N = 16  # choices per prompt
+MAX_N = ServerConfig.max_n  # choices per prompt, unless the daemon is given another (--max-n)
 MAX_CHOICES = 256  # prompts x n
 MAX_STOPS = 16  # as SamplingParams holds them
 MAX_TEMPERATURE = 100
@@ -87,7 +88,7 @@ class _Generation(_Body):
     stream_options: StreamOptions = Field(default_factory=StreamOptions,
                                           description='an object with only "include_usage"')
     return_token_ids: bool = Field(False, description="true or false")
-    n: int = Field(1, description=f"an integer from 1 to {MAX_N}")
+    n: int = Field(1, description=f"an integer from 1 to {MAX_N} (--max-n)")
     user: str | None = Field(None, description="a string")
 
     @field_validator("model", mode="before")

@@ -1,6 +1,6 @@
 """daemon/server/schemas.py: every field of /v1/completions and /v1/chat/completions refused with a 400 that names
 it, unknown fields refused at every level, vLLM's extra fields accepted, the schema's defaults and bounds those of
-the engine's SamplingParams, n bounded by max_n, and the daemon's answers in the declared response shapes."""
+the engine's SamplingParams, n bounded by --max-n, and the daemon's answers in the declared response shapes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
+from lorad.config import ServerConfig
 from lorad.daemon.engine.request import SamplingParams
 from lorad.daemon.server.schemas import (
     ChatCompletionRequest, Chunk, CompletionRequest, CompletionResponse, parse_chat, parse_completion,
@@ -16,7 +17,7 @@ from lorad.daemon.server.schemas import (
 from lorad.client import Client
 from lorad.errors import BadRequest
 
-from daemon_harness import serve_demo
+from daemon_harness import serve_demo, start_daemon, stop_daemon, wait_healthy
 
 COMPLETION = {"model": "m", "prompt": "hi"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -203,7 +204,22 @@ def test_n_is_bounded_by_max_n():
         parse_completion({**COMPLETION, "n": 33}, max_n=32)
     with pytest.raises(BadRequest, match="n x prompts is 264, more than the 256"):
         parse_completion({**COMPLETION, "prompt": ["a"] * 11, "n": 24}, max_n=32)
+    for bad in (0, 257, True):
+        with pytest.raises(BadRequest, match="max_n must be an integer from 1 to 256"):
+            ServerConfig(max_n=bad)
 
+
+def test_lorad_serve_holds_n_to_its_max_n(demo_assets, short_tmp):
+    path = short_tmp / "lorad.sock"
+    daemon = start_daemon(demo_assets, path, "--max-n", "3")
+    try:
+        client = wait_healthy(daemon, path)
+        with pytest.raises(BadRequest, match="n must be an integer from 1 to 3"):
+            client.completions(model="demo-r8", prompt="hi", n=4)
+        answer = client.completions(model="demo-r8", prompt="hi", n=3, max_tokens=2)
+        assert [choice["index"] for choice in answer["choices"]] == [0, 1, 2]
+    finally:
+        stop_daemon(daemon)
 
 
 # --- the answers, in the shapes declared ----------------------------------------------------------------------
