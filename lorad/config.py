@@ -143,6 +143,7 @@ class ServerConfig:
     admin_group: str = ""  # its members may load and unload adapters over the socket (and the daemon's user, root)
     admin_api_key: str = ""  # adapter admin over TCP; else LORAD_ADMIN_API_KEY; none: admin is closed to TCP
     max_connections: int = 4096  # client connections at once (socket and TCP); past it: 503 and closed
+    max_n: int = 16  # choices per prompt a completion may ask for (n); prompts x n stays at most 256
     header_timeout_s: float = 30.0  # a new connection's first request headers must arrive within this
     keepalive_timeout_s: float = 60.0  # an idle connection between requests is closed after this
     log_level: str = "info"
@@ -153,6 +154,8 @@ class ServerConfig:
 
         if isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int) or self.max_connections < 1:
             raise BadRequest(f"max_connections must be an integer >= 1, not {self.max_connections!r}")
+        if isinstance(self.max_n, bool) or not isinstance(self.max_n, int) or not 1 <= self.max_n <= 256:
+            raise BadRequest(f"max_n must be an integer from 1 to 256, not {self.max_n!r}")
         for name in ("header_timeout_s", "keepalive_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):

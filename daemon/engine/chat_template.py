@@ -19,7 +19,7 @@ from lorad.errors import BadRequest, ModelError
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")  # the roles requests may send
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,8 @@ class ChatTemplate:
     special_tokens: dict[str, str]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` (checked: check_messages); a template that fails is a 400 with its
-        own message."""
+        """The prompt text for `messages` ([{role, content: str[, name]}], checked by daemon/server/schemas.py); a
+        template that fails is a 400 with its own message."""
         from jinja2 import TemplateError
 
         try:
@@ -120,41 +120,3 @@ def _compile(text: str, source: str):
     except TemplateError as error:
         raise ModelError(f"the chat template in {source} does not compile: {error}") from None
 
-
-def check_messages(messages, max_messages: int) -> list[dict]:
-    """OpenAI chat messages -> [{"role", "content": str}, ...] for the template: roles system, developer, user,
-    assistant; content a string or a list of text parts (joined by newlines). A 400 names the field."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list of {role, content} objects")
-    if len(messages) > max_messages:
-        raise BadRequest(f"messages: {len(messages)} messages, more than the {max_messages} allowed")
-    checked = []
-    for index, message in enumerate(messages):
-        where = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise BadRequest(f"{where} must be an object with role and content")
-        unknown = sorted(set(message) - {"role", "content", "name"})
-        if unknown:
-            raise BadRequest(f"{where}: unknown field(s): {', '.join(unknown)}")
-        role = message.get("role")
-        if role not in ROLES:
-            raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)} (got {role!r})")
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part_index, part in enumerate(content):
-                part_where = f"{where}.content[{part_index}]"
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise BadRequest(f"{part_where} must be a text part {{type: text, text: string}} (got {kind!r})")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        if not isinstance(content, str):
-            raise BadRequest(f"{where}.content must be a string or a list of text parts")
-        entry = {"role": role, "content": content}
-        if "name" in message:
-            if not isinstance(message["name"], str):
-                raise BadRequest(f"{where}.name must be a string")
-            entry["name"] = message["name"]
-        checked.append(entry)
-    return checked

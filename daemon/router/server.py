@@ -1,5 +1,5 @@
 """`lorad router`'s HTTP face: one Unix socket in front of several lorad engines. A completion is checked
-as a daemon checks it (api.parse_completion), given to a routing policy of scheduler/router.py over the
+as a daemon checks it (schemas.parse_completion), given to a routing policy of scheduler/router.py over the
 live views of the backends that serve its model (daemon/router/backends.py), and forwarded to the one
 chosen: a streamed answer passes through piece by piece as it arrives, a plain one whole. A client that
 leaves closes the upstream connection, and the backend aborts the request. A backend that refuses a
@@ -18,13 +18,8 @@ import time
 import aiohttp
 from aiohttp import web
 from lorad.daemon.server import metrics as metrics_format
-from lorad.daemon.server.api import (
-    MAX_BODY_BYTES,
-    error_body,
-    error_middleware,
-    parse_chat,
-    parse_completion,
-)
+from lorad.daemon.server.api import MAX_BODY_BYTES, error_body, error_middleware
+from lorad.daemon.server.schemas import MAX_CHOICES, parse_chat, parse_completion
 from lorad.daemon.router.backends import Backend, InFlightRequest
 from lorad.scheduler.router import RouteRequest
 
@@ -207,7 +202,8 @@ async def _route(request: web.Request, path: str, parse) -> web.StreamResponse:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise BadRequest(f"the request body is not JSON: {error}") from None
-    completion = parse(body)  # refused here exactly as a backend would refuse it
+    # refused here as a backend would refuse it, but for n: each backend holds its own --max-n
+    completion = parse(body, max_n=MAX_CHOICES)
     pool = await router.candidates(completion.model)
     route = RouteRequest(router.rank(completion.model, pool), _prompt_tokens(completion))
     arrived = time.monotonic()

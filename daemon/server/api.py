@@ -1,7 +1,7 @@
 """The daemon's HTTP face: an OpenAI-compatible subset (/v1/completions, /v1/chat/completions, /v1/models, /health), vLLM's
 adapter admin routes and Prometheus /metrics, served by aiohttp on a Unix socket. A request is checked
-here, handed to the engine, and the engine's outputs (called from its step thread) hop onto the event
-loop through one asyncio.Queue per request.
+(its body by schemas.py, its prompt against the model here), handed to the engine, and the engine's outputs
+(called from its step thread) hop onto the event loop through one asyncio.Queue per request.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
+from pydantic_core import to_json
 
 from lorad.errors import (
     AdmissionDropped, BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, ModelError, NotFound, Overloaded,
@@ -28,8 +29,12 @@ from lorad.errors import (
 from lorad.daemon.server import metrics as metrics_format
 from lorad.daemon.server.admin_gate import AdminGate
 from lorad.daemon.server.unix_socket import PeerCredentials, peer_credentials
-from lorad.daemon.engine.chat_template import AdapterTemplates, ChatTemplate, check_messages, load_chat_template
-from lorad.daemon.engine.request import GenerationRequest, RequestOutput, SamplingParams, check_prompt
+from lorad.daemon.engine.chat_template import AdapterTemplates, ChatTemplate, load_chat_template
+from lorad.daemon.engine.request import GenerationRequest, RequestOutput, check_prompt
+from lorad.daemon.server.schemas import (
+    MAX_N, AssistantMessage, ChatChoice, ChatChunkChoice, ChatLogprobs, Chunk, Completion, CompletionChoice,
+    CompletionLogprobs, CompletionResponse, Delta, TokenLogprob, TopLogprob, Usage, parse_chat, parse_completion,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +51,7 @@ SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)
 CHAT = web.AppKey("chat", object)  # the checkpoint's ChatTemplate, or why there is none (str)
 ADAPTER_CHAT = web.AppKey("adapter_chat", AdapterTemplates)  # adapter folders' own templates
 ADMIN = web.AppKey("admin", AdminGate)  # who may load and unload adapters
-MAX_CHAT_MESSAGES = 1024
-MAX_PROMPTS = 64  # prompts in one /v1/completions request
-MAX_N = 16  # choices per prompt
-MAX_CHOICES = 256  # prompts x n
+MAX_CHOICES_PER_PROMPT = web.AppKey("max_n", int)  # n's bound (--max-n)
 
 
 # --- errors: the one place a LoradError becomes an HTTP answer ---------------------------------------
@@ -96,151 +98,6 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         request.method, request.path, error.status, error.type, error.message,
     )
     return web.json_response(error_body(error), status=error.status, headers=headers)
-
-
-# --- the completion request ---------------------------------------------------------------------------
-
-_COMMON_FIELDS = {
-    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "stream", "stream_options", "return_token_ids", "n", "logprobs", "user",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-}
-_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "logit_bias", "min_tokens", "logprobs")
-
-
-@dataclass
-class Completion:
-    """A checked /v1/completions or /v1/chat/completions body; the prompt is still text or token ids (chat:
-    None until the messages are rendered)."""
-
-    model: str
-    prompts: list[str | list[int]] | None
-    sampling: SamplingParams
-    stream: bool
-    include_usage: bool
-    return_token_ids: bool
-    n: int = 1  # choices per prompt
-    echo: bool = False  # completions: each choice's text starts with its prompt's
-    messages: list[dict] | None = None  # chat: the checked messages
-
-    @property
-    def chat(self) -> bool:
-        return self.messages is not None
-
-
-def parse_completion(body) -> Completion:
-    fields = _fields(body, _FIELDS)
-    if "prompt" not in fields:
-        raise BadRequest("prompt is required")
-    prompts = _prompts(fields["prompt"])
-    if "logprobs" in fields and _flag(fields, "echo"):
-        raise BadRequest("logprobs with echo is not supported (the prompt's own logprobs are not computed)")
-    if "suffix" in fields:
-        raise BadRequest("suffix is not supported")
-    completion = _common(fields, prompts)
-    completion.echo = _flag(fields, "echo")
-    return completion
-
-
-def parse_chat(body) -> Completion:
-    """A /v1/chat/completions body: messages checked (chat_template.check_messages), max_completion_tokens
-    taken over max_tokens where both are given, as OpenAI's newer name."""
-    fields = _fields(body, _CHAT_FIELDS)
-    if "messages" not in fields:
-        raise BadRequest("messages is required")
-    messages = check_messages(fields["messages"], MAX_CHAT_MESSAGES)
-    # chat's form: logprobs true/false and top_logprobs N; the sampler's: logprobs N or None
-    wanted, top = _flag(fields, "logprobs"), fields.pop("top_logprobs", None)
-    if top is not None and not wanted:
-        raise BadRequest("top_logprobs needs logprobs: true")
-    fields.pop("logprobs", None)
-    if wanted:
-        fields["logprobs"] = 0 if top is None else top
-    if "max_completion_tokens" in fields:
-        fields["max_tokens"] = fields.pop("max_completion_tokens")
-    completion = _common(fields, None)
-    completion.messages = messages
-    return completion
-
-
-def _fields(body, allowed: set[str]) -> dict:
-    """The body's fields, none unknown, model present; OpenAI clients send null for "not set": dropped."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BadRequest(f"unknown field(s): {', '.join(name[:64] for name in unknown[:20])}")
-    fields = {name: value for name, value in body.items() if value is not None}
-    model = fields.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("model is required: the base model's name or an adapter's")
-    return fields
-
-
-def _common(fields: dict, prompt) -> Completion:
-    """The fields both endpoints share: streaming, n, sampling and stops."""
-    stream = _flag(fields, "stream")
-    n = fields.get("n", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-        raise BadRequest(f"n must be an integer from 1 to {MAX_N}")
-    if prompt is not None and len(prompt) * n > MAX_CHOICES:
-        raise BadRequest(f"n x prompts is {len(prompt) * n}, more than the {MAX_CHOICES} choices a request may have")
-    options = fields.get("stream_options", {})
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise BadRequest('stream_options must be an object with only "include_usage"')
-    include_usage = _flag(options, "include_usage")
-
-    stop = fields.get("stop", [])
-    if isinstance(stop, str):
-        stop = (stop,)
-    elif isinstance(stop, list):
-        stop = tuple(stop)
-    else:
-        raise BadRequest("stop must be a string or a list of strings")
-    stop_token_ids = fields.get("stop_token_ids", [])
-    if not isinstance(stop_token_ids, list):
-        raise BadRequest("stop_token_ids must be a list of token ids")
-    sampling = SamplingParams(  # checks types and ranges
-        **{name: fields[name] for name in _SAMPLING_FIELDS if name in fields},
-        stop=stop,
-        stop_token_ids=tuple(stop_token_ids),
-        ignore_eos=_flag(fields, "ignore_eos"),
-    )
-    return Completion(fields["model"], prompt, sampling, stream, include_usage, _flag(fields, "return_token_ids"), n)
-
-
-def _prompts(prompt) -> list[str | list[int]]:
-    """OpenAI's prompt forms: a string, a list of token ids, or a list of either (a batch: one choice each)."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > MAX_PROMPTS:
-            raise BadRequest(f"prompt: {len(prompt)} prompts, more than the {MAX_PROMPTS} a request may have")
-        return [_one_prompt(p) for p in prompt]
-    return [_one_prompt(prompt)]
-
-
-def _one_prompt(prompt) -> str | list[int]:
-    if isinstance(prompt, str):
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise BadRequest(f"prompt is not valid unicode: {error.reason}") from None
-    elif not isinstance(prompt, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-        raise BadRequest("prompt must be a string, a list of token ids, or a list of those")
-    if not prompt:
-        raise BadRequest("prompt is empty")
-    return prompt
-
-
-def _flag(fields: dict, name: str) -> bool:
-    value = fields.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be true or false")
-    return value
 
 
 # --- handlers -------------------------------------------------------------------------------------------
@@ -344,7 +201,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     engine = request.app[ENGINE]
     peer = peer_credentials(request.transport)  # now: the transport is gone once the client leaves
-    completion = parse_completion(await _json_body(request))
+    completion = parse_completion(await _json_body(request), request.app[MAX_CHOICES_PER_PROMPT])
     for prompt in completion.prompts:  # a cheap bound before any tokenizing
         if isinstance(prompt, str):
             _check_text_length(len(prompt), engine.max_model_len)
@@ -357,7 +214,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     engine = request.app[ENGINE]
     peer = peer_credentials(request.transport)
-    completion = parse_chat(await _json_body(request))
+    completion = parse_chat(await _json_body(request), request.app[MAX_CHOICES_PER_PROMPT])
     loop = asyncio.get_running_loop()
     template = None
     if completion.model != engine.model_name:  # an adapter folder may ship its own template
@@ -503,12 +360,9 @@ class _RequestRecord:
             if self.finished == self.choices:
                 self.finish_reason = output.finish_reason
 
-    def usage(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                     total_tokens=self.prompt_tokens + self.completion_tokens)
 
     def log(self) -> None:
         ttft = "-" if self.first_token_at is None else f"{(self.first_token_at - self.arrived) * 1e3:.1f}"
@@ -533,7 +387,8 @@ def _echo(completion: Completion, prompt_index: int, prompts: list[list[int]], t
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompts[prompt_index])
 
 
-def _logprobs(completion: Completion, choice: _Choice, token_ids: list[int], entries: list, tokenizer) -> dict | None:
+def _logprobs(completion: Completion, choice: _Choice, token_ids: list[int], entries: list,
+              tokenizer) -> ChatLogprobs | CompletionLogprobs | None:
     """The logprobs of these tokens of a choice in OpenAI's form (None when not asked for): chat's `content`
     list of {token, logprob, bytes, top_logprobs}, or completions' tokens, token_logprobs, top_logprobs (one
     {token: logprob} per token) and text_offset (each token's start in the choice's text, by token texts)."""
@@ -541,19 +396,21 @@ def _logprobs(completion: Completion, choice: _Choice, token_ids: list[int], ent
         return None
     texts = [tokenizer.token_text(token) for token in token_ids]
     if completion.chat:
-        def item(text, logprob):
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        def item(text, logprob) -> TopLogprob:
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
 
-        return {"content": [{**item(text, entry.logprob),
-                             "top_logprobs": [item(tokenizer.token_text(top), value) for top, value in entry.top]}
-                            for text, entry in zip(texts, entries)]}
+        return ChatLogprobs(content=[
+            TokenLogprob(**item(text, entry.logprob),
+                         top_logprobs=[item(tokenizer.token_text(top), value) for top, value in entry.top])
+            for text, entry in zip(texts, entries)])
     offsets = []
     for text in texts:
         offsets.append(choice.text_offset)
         choice.text_offset += len(text)
-    return {"tokens": texts, "token_logprobs": [entry.logprob for entry in entries],
-            "top_logprobs": [{tokenizer.token_text(top): value for top, value in entry.top} for entry in entries],
-            "text_offset": offsets}
+    return CompletionLogprobs(
+        tokens=texts, token_logprobs=[entry.logprob for entry in entries],
+        top_logprobs=[{tokenizer.token_text(top): value for top, value in entry.top} for entry in entries],
+        text_offset=offsets)
 
 
 async def _full_response(completion, choices: list[_Choice], outputs, record, prompts, request_id,
@@ -576,24 +433,23 @@ async def _full_response(completion, choices: list[_Choice], outputs, record, pr
         text = "".join(choice.text)
         logprobs = _logprobs(completion, choice, choice.token_ids, choice.logprobs, tokenizer)
         if completion.chat:
-            answer = {"index": choice.index, "message": {"role": "assistant", "content": text},
-                      "finish_reason": choice.finish_reason, "logprobs": logprobs}
+            answer = ChatChoice(index=choice.index, message=AssistantMessage(role="assistant", content=text),
+                                finish_reason=choice.finish_reason, logprobs=logprobs)
         else:
             if completion.echo:
                 text = _echo(completion, choice.prompt_index, prompts, tokenizer) + text
-            answer = {"index": choice.index, "text": text, "finish_reason": choice.finish_reason, "logprobs": logprobs}
+            answer = CompletionChoice(index=choice.index, text=text, finish_reason=choice.finish_reason,
+                                      logprobs=logprobs)
         if completion.return_token_ids:
             answer["token_ids"] = choice.token_ids
             if len(prompts) > 1:
                 answer["prompt_token_ids"] = prompts[choice.prompt_index]
         answers.append(answer)
-    body = {
-        "id": request_id, "object": "chat.completion" if completion.chat else "text_completion",
-        "created": int(time.time()), "model": completion.model, "choices": answers, "usage": record.usage(),
-    }
+    body = CompletionResponse(id=request_id, object="chat.completion" if completion.chat else "text_completion",
+                              created=int(time.time()), model=completion.model, choices=answers, usage=record.usage())
     if completion.return_token_ids and len(prompts) == 1:
         body["prompt_token_ids"] = prompts[0]
-    return web.json_response(body)
+    return web.Response(body=to_json(body), content_type="application/json")
 
 
 async def _stream_response(request, completion, choices: list[_Choice], outputs, record, prompts,
@@ -603,7 +459,7 @@ async def _stream_response(request, completion, choices: list[_Choice], outputs,
     created = int(time.time())
     kind = "chat.completion.chunk" if completion.chat else "text_completion"
     tokenizer = request.app[ENGINE].tokenizer
-    head = {"id": request_id, "object": kind, "created": created, "model": completion.model}
+    head = Chunk(id=request_id, object=kind, created=created, model=completion.model, choices=[])
     first_chunk = True
     try:
         async for index, output in outputs:
@@ -617,13 +473,13 @@ async def _stream_response(request, completion, choices: list[_Choice], outputs,
             text = output.text_delta
             logprobs = _logprobs(completion, choice, output.new_token_ids, output.logprobs or [], tokenizer)
             if completion.chat:  # the role in each choice's first delta, as OpenAI sends it
-                delta = {"role": "assistant", "content": text} if not choice.started else {"content": text}
-                entry = {"index": index, "delta": delta, "finish_reason": output.finish_reason, "logprobs": logprobs}
+                delta = Delta(role="assistant", content=text) if not choice.started else Delta(content=text)
+                entry = ChatChunkChoice(index=index, delta=delta, finish_reason=output.finish_reason, logprobs=logprobs)
             else:
                 if completion.echo and not choice.started:
                     text = _echo(completion, choice.prompt_index, prompts, tokenizer) + text
-                entry = {"index": index, "text": text, "finish_reason": output.finish_reason, "logprobs": logprobs}
-            chunk = {**head, "choices": [entry]}
+                entry = CompletionChoice(index=index, text=text, finish_reason=output.finish_reason, logprobs=logprobs)
+            chunk = Chunk(head, choices=[entry])
             if completion.return_token_ids:
                 entry["token_ids"] = output.new_token_ids
                 if not choice.started:
@@ -638,7 +494,7 @@ async def _stream_response(request, completion, choices: list[_Choice], outputs,
             first_chunk = False
         else:
             if completion.include_usage:
-                await _send_event(response, {**head, "choices": [], "usage": record.usage()})
+                await _send_event(response, Chunk(head, usage=record.usage()))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except ConnectionResetError:  # the client went away; _generate aborts the choices still running
@@ -646,8 +502,8 @@ async def _stream_response(request, completion, choices: list[_Choice], outputs,
     return response
 
 
-async def _send_event(response: web.StreamResponse, chunk: dict) -> None:
-    await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+async def _send_event(response: web.StreamResponse, chunk: Chunk | dict) -> None:
+    await response.write(b"data: " + to_json(chunk) + b"\n\n")
 
 
 # --- the application --------------------------------------------------------------------------------------
@@ -687,9 +543,10 @@ def _chat_template(engine) -> ChatTemplate | str:
     return template
 
 
-def create_app(engine, admin: AdminGate | None = None) -> web.Application:
+def create_app(engine, admin: AdminGate | None = None, max_n: int = MAX_N) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
+    app[MAX_CHOICES_PER_PROMPT] = max_n
     app[STARTED] = int(time.time())
     app[IN_FLIGHT] = set()
     app[SHUTTING_DOWN] = asyncio.Event()

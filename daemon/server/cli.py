@@ -71,6 +71,7 @@ _SERVER_FLAG_HELP = {
     "api_key": "the key TCP clients send as 'Authorization: Bearer KEY' (prefer LORAD_API_KEY in the environment or "
                "the config file: a flag shows in the process list)",
     "max_connections": "client connections at once, the socket's and TCP's together; past it a 503 and closed",
+    "max_n": "choices per prompt a completion may ask for (n); a request's prompts x n stays at most 256",
     "header_timeout_s": "seconds a new connection has to send its first request's headers",
     "keepalive_timeout_s": "seconds an idle connection is kept between requests",
     "log_level": "debug|info|warning|error",
@@ -369,7 +370,7 @@ async def _serve(engine, config: Config, listener: socket.socket | None, path: s
 
     loop.add_signal_handler(signal.SIGHUP, on_sighup)
 
-    app = create_app(engine, admin)
+    app = create_app(engine, admin, server.max_n)
     app.middlewares.insert(0, unix_socket.log_connection_peer)
     if tcp_address is not None and api_key:
         app.middlewares.append(tcp.require_api_key(api_key))  # inside the error middleware: a 401 is JSON

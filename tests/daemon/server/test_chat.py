@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from lorad.daemon.engine.chat_template import ChatTemplate, check_messages, load_chat_template
+from lorad.daemon.engine.chat_template import ChatTemplate, load_chat_template
 from lorad.daemon.engine.tokenizer import Tokenizer
 from lorad.daemon.model.demo import CHAT_TEMPLATE
+from lorad.daemon.server.schemas import parse_chat
 from lorad.errors import BadRequest, ModelError
 
 from daemon_harness import serve_demo, serve_engine
@@ -63,7 +64,7 @@ def test_the_rendered_prompt_equals_transformers_apply_chat_template(demo_assets
             want = reference.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
             if not isinstance(want, list):  # a BatchEncoding where transformers returns a dict
                 want = want["input_ids"]
-            text = ours.render(check_messages(messages, 16), add_generation_prompt=generation_prompt)
+            text = ours.render(checked(messages), add_generation_prompt=generation_prompt)
             assert tokenizer.encode(text, add_special_tokens=False) == want
             assert text == reference.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
 
@@ -104,16 +105,21 @@ def test_the_sandbox_keeps_templates_from_reaching_python(tmp_path):
      "messages[1].content[0]"),
     ([{"role": "user", "content": "a", "tool_calls": []}], "messages[0]: unknown field(s): tool_calls"),
     ([{"role": "user", "content": "a", "name": 3}], "messages[0].name"),
-    ([{"role": "user", "content": "a"}] * 17, "more than the 16 allowed"),
+    ([{"role": "user", "content": "a"}] * 1025, "at most 1024"),
 ])
 def test_bad_messages_name_the_field(messages, fragment):
     with pytest.raises(BadRequest, match=fragment.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")):
-        check_messages(messages, 16)
+        checked(messages)
+
+
+def checked(messages) -> list[dict]:
+    """The messages as a chat request's body brings them to the template (daemon/server/schemas.py)."""
+    return parse_chat({"model": "m", "messages": messages}).messages
 
 
 def test_text_parts_are_joined():
     parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
-    assert check_messages([{"role": "user", "content": parts, "name": "ann"}], 4) == [
+    assert checked([{"role": "user", "content": parts, "name": "ann"}]) == [
         {"role": "user", "content": "one\ntwo", "name": "ann"}]
 
 
