@@ -75,8 +75,9 @@ class PagePool:
 
 
 class KVCache:
-    """Paged KV cache in the pool. A block is `tokens_per_page` positions of one sequence and costs
-    2 * num_layers pages (K and V of every layer); its page ids are a row [num_layers, 2]."""
+    """Paged KV cache in the pool. A block is `tokens_per_page` positions of one sequence (or of several
+    that read the same prompt: `share`) and costs 2 * num_layers pages (K and V of every layer); its page
+    ids are a row [num_layers, 2]."""
 
     def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, head_dim: int):
         kv_size = num_kv_heads * head_dim
@@ -88,6 +89,10 @@ class KVCache:
         self.pages_per_block = 2 * num_layers
         # K or V pages seen as [num_pages, tokens_per_page, num_kv_heads, head_dim].
         self.view = pool.pages.view(pool.num_pages, self.tokens_per_page, num_kv_heads, head_dim)
+        # Blocks held by more than one sequence (`share`: the n choices of one request read their prompt's
+        # blocks): the block's first page id (K of layer 0) -> how many sequences hold it. A block not
+        # here has one holder; its pages go back to the pool when that one releases it.
+        self.holders: dict[int, int] = {}
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_page)
@@ -105,9 +110,50 @@ class KVCache:
         return True
 
     def release(self, blocks) -> None:
+        """Gives back a sequence's blocks: the pages of each block it was the last holder of go back to the pool."""
         if len(blocks):
-            self.pool.free(np.asarray(blocks.array() if isinstance(blocks, BlockList) else blocks).ravel().tolist(), "kv")
+            rows = np.asarray(blocks.array() if isinstance(blocks, BlockList) else blocks)
+            if self.holders:
+                rows = rows[self._last_holder(rows[:, 0, 0])]
+            self.pool.free(rows.ravel().tolist(), "kv")
         blocks.clear()
+
+    def _last_holder(self, keys: np.ndarray) -> np.ndarray:
+        """bool [blocks]: which of these blocks (by first page id) lose their last holder; one holder fewer
+        for each shared one."""
+        shared = np.isin(keys, np.fromiter(self.holders, dtype=keys.dtype, count=len(self.holders)))
+        for key in keys[shared].tolist():
+            count = self.holders[key] - 1
+            if count == 1:
+                del self.holders[key]
+            else:
+                self.holders[key] = count
+        return ~shared
+
+    def share(self, blocks: BlockList, count: int) -> BlockList:
+        """A new block list holding the first `count` blocks of `blocks` too (no page copied): for a sequence
+        that reads the same positions and never writes them. Each block goes back to the pool once its last
+        holder releases it."""
+        rows = blocks.array()[:count]
+        for key in rows[:, 0, 0].tolist():
+            self.holders[key] = self.holders.get(key, 1) + 1
+        shared = BlockList()
+        shared.extend(rows)
+        return shared
+
+    def copy_block(self, source: np.ndarray, target: np.ndarray) -> None:
+        """The pages of block `source` ([num_layers, 2] page ids) copied into block `target`'s, on the device
+        (ordered after the steps that wrote `source` on the same stream): a sequence forked inside a block
+        writes its next positions into a copy of its own."""
+        device = self.pool.pages.device
+        source_ids = torch.as_tensor(np.ascontiguousarray(source).ravel(), dtype=torch.long).to(device)
+        target_ids = torch.as_tensor(np.ascontiguousarray(target).ravel(), dtype=torch.long).to(device)
+        self.pool.pages.index_copy_(0, target_ids, self.pool.pages.index_select(0, source_ids))
+
+    def sharing(self) -> dict:
+        """For /v1/status: the blocks held by more than one sequence, and the pool pages that saves."""
+        extra = sum(self.holders.values()) - len(self.holders)
+        return {"shared_blocks": len(self.holders), "pages_saved": extra * self.pages_per_block}
 
     def free_tokens(self) -> int:
         return self.pool.num_free // self.pages_per_block * self.tokens_per_page

@@ -7,8 +7,8 @@ residency allow, in the order the admission policy (admission.py) gives: arrival
 early abort's drops taken out (`take_dropped`), or clustered by adapter. With a decode-step model and a time-per-token objective, a waiting sequence does
 not join a non-empty running batch whose next decode step, with it, would break the objective
 (admission.decode_step_allows); it waits at the head of the queue. When KV runs out, the newest
-running sequence is preempted: its pages go back and it is recomputed later (prompt plus what it
-generated so far). The scheduler owns no memory: `memory` and `adapters` do, behind the two small
+running sequence is preempted: its pages go back (those it shares with the other choices of its request
+stay theirs) and it is recomputed later (prompt plus what it generated so far). The scheduler owns no memory: `memory` and `adapters` do, behind the two small
 protocols below.
 """
 
@@ -153,7 +153,7 @@ class Scheduler:
         count = min(seq.num_tokens - seq.num_computed, budget)
         if not self.adapters.acquire(seq.adapter, count):
             return False
-        if not self.memory.grow(seq.blocks, count):
+        if not self.memory.grow(seq.blocks, seq.num_computed + count):  # a forked sequence waits with blocks
             self.adapters.release(seq.adapter)
             return False
         self.blocked = None
@@ -208,6 +208,19 @@ class Scheduler:
             seq.queued = Queued(key, seq.arrival_s, seq.adapter, seq.rank, seq.num_tokens - seq.num_computed, 0,
                                 started=seq.num_generated > 0)
         return seq.queued
+
+    def adopt(self, seqs: list[Sequence]) -> None:
+        """Sequences forked from a running one (the other choices of its request, their prompt's blocks shared
+        with it): they run from the next step while the batch has room, the rest wait at the head of the queue,
+        in order, keeping their blocks. They are part of a request already admitted: no admission policy or
+        time-per-token rule is asked."""
+        waiting = []
+        for seq in seqs:
+            if len(self.running) < self.max_running and self.adapters.acquire(seq.adapter):
+                self.running.append(seq)
+            else:
+                waiting.append(seq)
+        self.waiting.extendleft(reversed(waiting))
 
     def preempt(self, seq: Sequence) -> None:
         log.info("preempt request=%s tokens=%d", seq.request_id, seq.num_tokens)

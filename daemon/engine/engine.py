@@ -72,10 +72,26 @@ class HeldAdapter:
 
 
 @dataclass(eq=False)
+class ChoiceGroup:
+    """The n choices of one request (GenerationRequest.n > 1): the first prefills the prompt; when its prompt is
+    done the others are forked from it (`Engine._fork`), sharing the prompt's KV blocks, each with its own
+    sampler state, and each finishing on its own."""
+
+    sequences: list[Sequence]  # choice i at index i
+    unforked: list[Sequence]  # the choices waiting for the first one's prefill (not in the scheduler), unfinished
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.state.finished for seq in self.sequences)
+
+
+@dataclass(eq=False)
 class RequestState:
     request: GenerationRequest
     detokenizer: Detokenizer
     generator: torch.Generator | None
+    choice: int = 0  # which of the request's choices this sequence is
+    group: ChoiceGroup | None = None  # the request's choices, when it has more than one
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     logits: list = field(default_factory=list)
@@ -156,6 +172,7 @@ class Engine:
         self.account = StepAccount(StepCostModel(self.spec, dtype_bytes, self._adapter_ranks), rates)
         self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
         self.overlapped_steps = 0
+        self.forked_choices = 0  # choices that began from another's prefill (n > 1), its prompt's blocks shared
         # Overlapped decode (step(), _launch_next_decode): only where the device runs behind the host. On the cpu a
         # launch is the computation itself, so reading a step's tokens one step late would only delay them.
         self.overlap_decode = config.overlap_decode and self.device.type == "cuda"
@@ -302,7 +319,8 @@ class Engine:
         return status.metrics_snapshot(self)
 
     def submit(self, request: GenerationRequest) -> None:
-        """Checks the request and queues it; raises BadRequest, NotFound, AdapterError, Overloaded."""
+        """Checks the request and queues it (with its n choices: ChoiceGroup); raises BadRequest, NotFound,
+        AdapterError, Overloaded."""
         prompt = request.prompt_token_ids
         check_prompt(prompt, request.sampling, self.vocab_size, self.max_model_len)
         if request.adapter is not None:
@@ -311,9 +329,16 @@ class Engine:
                     f"the model {clip(request.adapter)} does not exist (GET /v1/models lists the base model and adapters)"
                 )
             adapter = self._read_adapter(request.adapter)  # read now, in the caller's thread: errors go to the caller
-        state = RequestState(request, Detokenizer(self.tokenizer, request.sampling.stop), make_generator(request.sampling))
-        seq = Sequence(request.request_id, list(prompt), len(prompt), request.adapter, blocks=BlockList(), state=state,
-                       rank=adapter.rank if request.adapter is not None else 0, arrival_s=self.scheduler.clock())
+        n = request.n
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise BadRequest("n must be a positive integer")
+        rank = adapter.rank if request.adapter is not None else 0
+        choices = [self._choice_sequence(request, choice, rank) for choice in range(n)]
+        seq = choices[0]  # the one that prefills the prompt and stands for the request
+        if n > 1:
+            group = ChoiceGroup(choices, choices[1:])
+            for choice in choices:
+                choice.state.group = group
         with self._lock:
             if self._stopping:
                 raise Overloaded("the engine is shutting down")
@@ -323,11 +348,19 @@ class Engine:
                 raise BadRequest(f"request id {request.request_id} is already in use")
             self._sequences[request.request_id] = seq
             if request.adapter is not None:
-                self._held.setdefault(request.adapter, HeldAdapter(adapter)).requests += 1
+                self._held.setdefault(request.adapter, HeldAdapter(adapter)).requests += n  # one per choice
             self._inbox.append(seq)
             self._lock.notify()
 
+    def _choice_sequence(self, request: GenerationRequest, choice: int, rank: int) -> Sequence:
+        state = RequestState(request, Detokenizer(self.tokenizer, request.sampling.stop),
+                             make_generator(request.sampling, choice), choice=choice)
+        prompt = request.prompt_token_ids
+        return Sequence(request.request_id, list(prompt), len(prompt), request.adapter, blocks=BlockList(), state=state,
+                        rank=rank, arrival_s=self.scheduler.clock())
+
     def abort(self, request_id: str) -> None:
+        """Ends every choice of the request that is still going (finish_reason "abort")."""
         with self._lock:
             self._aborts.append(request_id)
             self._lock.notify()
@@ -424,13 +457,21 @@ class Engine:
             self.step()
         for request in requests:
             seq = self._finished.pop(request.request_id)
-            state: RequestState = seq.state
-            results[request.request_id] = GenerationResult(
-                request.request_id, seq.tokens[: seq.prompt_len], seq.tokens[seq.prompt_len :],
-                state.detokenizer.text, state.finish_reason, state.logits if request.keep_logits else None,
-                state.logprobs if request.sampling.logprobs is not None else None,
-            )
+            result = self._result(seq)
+            if seq.state.group is not None:
+                result.choices = [self._result(choice) for choice in seq.state.group.sequences]
+            results[request.request_id] = result
         return [results[r.request_id] for r in requests]
+
+    @staticmethod
+    def _result(seq: Sequence) -> GenerationResult:
+        state: RequestState = seq.state
+        request = state.request
+        return GenerationResult(
+            request.request_id, seq.tokens[: seq.prompt_len], seq.tokens[seq.prompt_len :],
+            state.detokenizer.text, state.finish_reason, state.logits if request.keep_logits else None,
+            state.logprobs if request.sampling.logprobs is not None else None,
+        )
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._profiled_loop if os.environ.get(PROFILE_ENV) else self._loop,
@@ -535,6 +576,9 @@ class Engine:
             self._in_flight = self._launch_tokens(logits, sampled)
             self.steps += 1
             return
+        forking = [seq for seq in sampled if seq.state.group is not None and seq.state.group.unforked]
+        if forking:  # their other choices draw their first tokens from the same logits rows
+            logits, sampled = self._choice_rows(logits, sampled, forking)
         params = [seq.state.request.sampling for seq in sampled]
         histories = [self._history(seq) if p.processes_logits else None for seq, p in zip(sampled, params)]
         tokens = sample(logits, params, [seq.state.generator for seq in sampled],  # waits for the device
@@ -550,10 +594,16 @@ class Engine:
         for seq, count in batch:
             if seq not in redo:
                 seq.num_computed += count
+        skipped = set(redo)
+        for seq in forking:  # before any token is taken: a first choice that ends now gives its blocks back
+            if seq in redo:
+                skipped.update(seq.state.group.unforked)  # forked when its prompt is computed again
+            else:
+                self._fork(seq)
         self.steps += 1
         now = time.perf_counter()
         for row, (seq, token) in enumerate(zip(sampled, tokens)):
-            if seq in redo:
+            if seq in skipped:
                 continue
             if token is None:  # its sampling failed: this request ends, the step's others go on
                 self._finish(seq, "error", error="sampling failed for this request (its distribution was not valid)")
@@ -562,6 +612,42 @@ class Engine:
             if state.request.keep_logits:
                 state.logits.append(logits[row].to("cpu", copy=True))  # graph logits live in static memory
             self._take_token(seq, token, now, logprobs[row] if logprobs is not None else None)
+
+    # ---- the choices of a request (n > 1) -----------------------------------------------------------------
+    # The first choice prefills the prompt alone. In the step that finishes it, every other choice samples its
+    # first token from the same logits row (with its own generator, penalties and logprobs), then is forked:
+    # it holds the prompt's full KV blocks with the first (KVCache.share: no copy, one more holder each) and
+    # a copy of the last, partial block, into which its own next positions go. Nobody writes a shared block:
+    # each choice writes only positions past the prompt. A choice that ends, is aborted or is preempted gives
+    # back its own holds; a block's pages return to the pool with its last holder.
+
+    def _choice_rows(self, logits: torch.Tensor, sampled: list[Sequence], forking: list[Sequence]):
+        """The step's logits with one more row for each unforked choice of `forking` (copies of its first
+        choice's row), and the sampled sequences with those choices appended in the same order."""
+        rows, choices = [], []
+        for row, seq in enumerate(sampled):
+            if seq in forking:
+                rows += [row] * len(seq.state.group.unforked)
+                choices += seq.state.group.unforked
+        index = torch.tensor(rows, device=logits.device)
+        return torch.cat([logits, logits.index_select(0, index)]), sampled + choices
+
+    def _fork(self, first: Sequence) -> None:
+        """The unforked choices of `first`'s request, its prompt now in the KV cache: each shares the prompt's
+        full blocks and gets a copy of the partial last one, then joins the running batch (or waits at the
+        head of the queue while the batch is full). A choice for whose copy no pages are free holds only the
+        full blocks and computes the rest of the prompt again when it runs."""
+        group = first.state.group
+        choices, group.unforked = group.unforked, []
+        full = first.num_computed // self.kv.tokens_per_page
+        for seq in choices:
+            seq.blocks = self.kv.share(first.blocks, full)
+            seq.num_computed = full * self.kv.tokens_per_page
+            if seq.num_computed < first.num_computed and self.grow(seq.blocks, first.num_computed):
+                self.kv.copy_block(first.blocks.array()[full], seq.blocks.array()[full])
+                seq.num_computed = first.num_computed
+        self.forked_choices += len(choices)
+        self.scheduler.adopt(choices)
 
     def _history(self, seq: Sequence) -> History:
         """What the sampler's logits processing reads of a sequence (penalties, min_tokens' banned ids)."""
@@ -596,6 +682,7 @@ class Engine:
             return False
         return all(seq.state.request.sampling.greedy and not seq.state.request.sampling.processes_logits
                    and seq.state.request.sampling.logprobs is None and not seq.state.request.keep_logits
+                   and (seq.state.group is None or not seq.state.group.unforked)  # a fork reads the step's logits
                    for seq in plan.seqs)
 
     def _launch_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepInFlight:
@@ -713,7 +800,8 @@ class Engine:
         for request_id in aborts:
             seq = self._sequences.get(request_id)
             if seq is not None:
-                self._finish(seq, "abort")
+                for choice in seq.state.group.sequences if seq.state.group is not None else (seq,):
+                    self._finish(choice, "abort")
 
     def _advance(self, seq: Sequence, token: int, logprob=None) -> None:
         state: RequestState = seq.state
@@ -732,7 +820,8 @@ class Engine:
         if reason is not None:
             self._finish(seq, reason, new_tokens=[token], logprobs=logprobs)
         else:
-            self._emit(seq, RequestOutput(seq.request_id, [token], state.detokenizer.take(final=False), logprobs=logprobs))
+            self._emit(seq, RequestOutput(seq.request_id, [token], state.detokenizer.take(final=False), logprobs=logprobs,
+                                          choice=state.choice))
 
     def _finish(self, seq: Sequence, reason: str, new_tokens: list[int] | None = None, error: str | None = None,
                 error_type: str | None = None, logprobs: list | None = None) -> None:
@@ -745,8 +834,13 @@ class Engine:
         decode_s = None if state.first_token_time is None else now - state.first_token_time
         self.stats.request_finished(reason, seq.prompt_len, seq.num_generated, now - state.arrival, decode_s)
         self.scheduler.finish(seq)
+        group = state.group
+        if group is not None and seq in group.unforked:
+            group.unforked.remove(seq)
+        done = group is None or group.finished  # every choice of the request
         with self._lock:
-            self._sequences.pop(seq.request_id, None)
+            if done:
+                self._sequences.pop(seq.request_id, None)
             if seq.adapter is not None:
                 held = self._held[seq.adapter]
                 held.requests -= 1
@@ -756,14 +850,18 @@ class Engine:
                     if seq.adapter in self._draining:
                         self._draining.discard(seq.adapter)
                         self.residency.drop(seq.adapter)
-        if self._thread is None:
-            self._finished[seq.request_id] = seq
+        if self._thread is None and done:
+            self._finished[seq.request_id] = seq if group is None else group.sequences[0]
         text = state.detokenizer.take(final=True) if reason in ("stop", "length") else ""
         self._emit(seq, RequestOutput(seq.request_id, new_tokens or [], text, True, reason, seq.prompt_len, seq.num_generated, error,
-                                      error_type, logprobs))
+                                      error_type, logprobs, state.choice))
         if reason in ("stop", "length", "abort", "error"):
             ttft = (state.first_token_time - state.arrival) * 1e3 if state.first_token_time else -1
-            log.debug("request done id=%s adapter=%s reason=%s generated=%d ttft_ms=%.1f", seq.request_id, seq.adapter, reason, seq.num_generated, ttft)
+            log.debug("request done id=%s choice=%d adapter=%s reason=%s generated=%d ttft_ms=%.1f", seq.request_id,
+                      state.choice, seq.adapter, reason, seq.num_generated, ttft)
+        if group is not None and group.unforked and state.choice == 0:  # the prompt will not be computed: nor the choices
+            for choice in list(group.unforked):                         # that were to be forked from it
+                self._finish(choice, reason, error=error, error_type=error_type)
 
     @staticmethod
     def _emit(seq: Sequence, output: RequestOutput) -> None:

@@ -70,7 +70,8 @@ class EngineProcess:
         self._lock = threading.Lock()
         self._call_ids = itertools.count()
         self._calls: dict[int, concurrent.futures.Future] = {}
-        self._requests: dict[str, object] = {}  # request id -> on_output, until its finished output
+        # request id -> (on_output, its choices not finished yet), until every choice's finished output
+        self._requests: dict[str, tuple[object, set[int]]] = {}
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
         self._dead: str | None = None  # why the engine is gone, once it is
         self._stopping = False
@@ -149,7 +150,7 @@ class EngineProcess:
         with self._lock:
             if request.request_id in self._requests:
                 raise BadRequest(f"request id {request.request_id} is already in use")
-            self._requests[request.request_id] = request.on_output
+            self._requests[request.request_id] = (request.on_output, set(range(request.n)))
         try:
             self._request("submit", dataclasses.replace(request, on_output=None))
         except BaseException:
@@ -239,7 +240,11 @@ class EngineProcess:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             with self._lock:
-                callback = self._requests.pop(output.request_id, None) if output.finished else self._requests.get(output.request_id)
+                callback, going = self._requests.get(output.request_id, (None, None))
+                if output.finished and going is not None:
+                    going.discard(output.choice)
+                    if not going:
+                        del self._requests[output.request_id]
             if callback is not None:
                 deliver(callback, output)
 
@@ -257,8 +262,9 @@ class EngineProcess:
             self._ready.set_exception(EngineDead(f"{reason} while loading the model; its log above says why"))
         for future in calls.values():
             future.set_exception(EngineDead(reason))
-        for request_id, callback in requests.items():
-            deliver(callback, RequestOutput(request_id, [], "", True, "error", error=reason))
+        for request_id, (callback, going) in requests.items():
+            for choice in sorted(going):
+                deliver(callback, RequestOutput(request_id, [], "", True, "error", error=reason, choice=choice))
         if unexpected and self.on_death is not None:
             self.on_death(reason)
 

@@ -161,6 +161,7 @@ class RequestOutput:
     error: str | None = None
     error_type: str | None = None  # the LoradError type of a failure the API answers as that error
     logprobs: list | None = None  # TokenLogprob per new token (daemon/engine/sampler.py), when asked for
+    choice: int = 0  # which of the request's n choices this is news of (each finishes on its own)
 
 
 def deliver(on_output: Callable[[RequestOutput], None] | None, output: RequestOutput) -> None:
@@ -181,6 +182,9 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     on_output: Callable[[RequestOutput], None] | None = None
     keep_logits: bool = False  # record the logits each token was sampled from (tests)
+    # Choices: n sequences from one prefill of the prompt, sharing its KV blocks; choice i draws with seed + i.
+    # Outputs carry their `choice`; the request is over when every choice has finished.
+    n: int = 1
 
 
 @dataclass
@@ -192,3 +196,4 @@ class GenerationResult:
     finish_reason: str
     logits: list | None = None  # [vocab] float32 tensors, one per generated token, when keep_logits
     logprobs: list | None = None  # TokenLogprob per generated token, when sampling.logprobs is set
+    choices: list[GenerationResult] | None = None  # every choice's result (this one first), when n > 1

@@ -63,11 +63,13 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
 
 
-def make_generator(p: SamplingParams) -> torch.Generator | None:
+def make_generator(p: SamplingParams, choice: int = 0) -> torch.Generator | None:
+    """The generator of a request's choice `choice` (GenerationRequest.n): seeded with seed + choice, so the set
+    of choices repeats with the seed and its choices are distinct draws; None (the global one) without a seed."""
     if p.greedy or p.seed is None:
         return None
     generator = torch.Generator()
-    generator.manual_seed(p.seed)
+    generator.manual_seed(p.seed if choice == 0 else (p.seed + choice) % 2**64)
     return generator
 
 

@@ -24,6 +24,8 @@ def engine_status(engine: Engine) -> dict:
             "dtype": str(engine.dtype).removeprefix("torch."),
             "ops": engine.runner.ops.name,
             "pool": engine.pool.occupancy(),
+            # the choices of n > 1 requests: KV blocks held by several of them (counted once in pool.kv)
+            "kv_sharing": {**engine.kv.sharing(), "forked_choices": engine.forked_choices},
             "adapters_resident": sorted(engine.residency.slots),
             "adapter_loads": engine.residency.loads,
             "adapter_prefetches": engine.residency.prefetches,
@@ -104,7 +106,8 @@ def _batch_locked(engine: Engine) -> dict:
             [rank(seq), seq.num_tokens, seq.state.request.sampling.max_tokens - seq.num_generated]
             for seq in list(engine.scheduler.running)
         ],
-        "waiting_batch": [[rank(seq), seq.num_tokens] for seq in (*engine.scheduler.waiting, *engine._inbox)],
+        # (a choice forked from another's prefill may wait with its prompt's blocks: only the rest is to compute)
+        "waiting_batch": [[rank(seq), seq.num_tokens - seq.num_computed] for seq in (*engine.scheduler.waiting, *engine._inbox)],
     }
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 import json
 import logging
@@ -250,7 +249,8 @@ async def _encode(tokenizer, text: str, special_tokens: bool) -> list[int]:
 
 @dataclass
 class _Choice:
-    """One choice of a request: its prompt, and the engine request that generates it."""
+    """One choice of a request: its prompt, and the engine request that generates it (with its prompt's other
+    choices)."""
 
     index: int
     prompt_index: int
@@ -265,51 +265,50 @@ class _Choice:
 
 async def _generate(request: web.Request, completion: Completion, prompts: list[list[int]], request_id: str,
                     arrived: float, peer) -> web.StreamResponse:
-    """Checks every prompt, submits each choice (n per prompt, indexed prompt x n + i as OpenAI does) and
-    answers: the whole completion, or one stream of events for every choice."""
+    """Checks every prompt, submits one engine request per prompt with its n choices (indexed prompt x n + i as
+    OpenAI does) and answers: the whole completion, or one stream of events for every choice."""
     engine = request.app[ENGINE]
     loop = asyncio.get_running_loop()
     for prompt_ids in prompts:
         check_prompt(prompt_ids, completion.sampling, engine.vocab_size, engine.max_model_len)
     adapter = None if completion.model == engine.model_name else completion.model
-    outputs = _OutputQueue(loop, len(prompts) * completion.n)
-    choices = []
-    single = len(prompts) * completion.n == 1  # one choice keeps the request's own id
+    n = completion.n
+    outputs = _OutputQueue(loop, len(prompts) * n)
+    generations, choices = [], []
     for prompt_index, prompt_ids in enumerate(prompts):
-        for i in range(completion.n):
-            index = prompt_index * completion.n + i
-            sampling = completion.sampling
-            if sampling.seed is not None and i:  # a seed makes the whole set reproducible, each choice its own draw
-                sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**64)
-            generation = GenerationRequest(prompt_token_ids=list(prompt_ids), adapter=adapter, sampling=sampling,
-                                           request_id=request_id if single else f"{request_id}-{index}")
-            generation.on_output = functools.partial(outputs.push, index)
-            choices.append(_Choice(index, prompt_index, generation))
+        # One engine request per prompt: its n choices share the prompt's prefill and KV blocks; choice i draws
+        # with seed + i, so a seed makes the whole set reproducible, each choice its own draw.
+        generation = GenerationRequest(prompt_token_ids=list(prompt_ids), adapter=adapter, sampling=completion.sampling,
+                                       request_id=request_id if len(prompts) == 1 else f"{request_id}-{prompt_index}", n=n)
+        generation.on_output = functools.partial(outputs.push, prompt_index * n)
+        generations.append(generation)
+        choices += [_Choice(prompt_index * n + i, prompt_index, generation) for i in range(n)]
     submitted_ids = []
     in_flight = request.app[IN_FLIGHT]
     record = _RequestRecord(request_id, completion.model, sum(len(p) for p in prompts), arrived, peer, len(choices))
     try:
-        for choice in choices:
+        for generation in generations:
             # submit() may read a cold adapter from disk: off the event loop, so other requests keep streaming.
-            submitted = loop.run_in_executor(None, engine.submit, choice.generation)
+            submitted = loop.run_in_executor(None, engine.submit, generation)
             try:
                 await asyncio.shield(submitted)
             except asyncio.CancelledError:  # the client left while submit() ran: abort once it is queued
                 submitted.add_done_callback(
-                    lambda done, rid=choice.generation.request_id: done.cancelled() or done.exception() or engine.abort(rid))
+                    lambda done, rid=generation.request_id: done.cancelled() or done.exception() or engine.abort(rid))
                 raise
-            submitted_ids.append(choice.generation.request_id)
-            in_flight.add(choice.generation.request_id)
+            submitted_ids.append(generation.request_id)
+            in_flight.add(generation.request_id)
             if request.app[SHUTTING_DOWN].is_set():  # shutdown began while submit() ran: its abort missed this one
-                engine.abort(choice.generation.request_id)
+                engine.abort(generation.request_id)
         if completion.stream:
             return await _stream_response(request, completion, choices, outputs, record, prompts, request_id)
         return await _full_response(completion, choices, outputs, record, prompts, request_id, engine.tokenizer)
     finally:
-        for choice in choices:
-            rid = choice.generation.request_id
+        for generation in generations:
+            rid = generation.request_id
             in_flight.discard(rid)
-            if rid in submitted_ids and choice.finish_reason is None:  # the client went away, or we failed
+            going = any(choice.finish_reason is None for choice in choices if choice.generation is generation)
+            if rid in submitted_ids and going:  # the client went away, or we failed
                 engine.abort(rid)
         if record.finish_reason is None:
             record.finish_reason = "abort"
@@ -324,9 +323,9 @@ class _OutputQueue:
         self.loop, self.count = loop, count
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
-    def push(self, index: int, output: RequestOutput) -> None:  # engine thread
+    def push(self, first: int, output: RequestOutput) -> None:  # engine thread; first: the request's choice 0's index
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, output))
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (first + output.choice, output))
         except RuntimeError:  # the loop is closed: the server is gone, nobody is waiting
             pass
 

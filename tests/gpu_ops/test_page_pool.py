@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lorad.gpu_ops.page_pool import SCRATCH_PAGE, AdapterTable, KVCache, PagePool, gather_rows
+from lorad.gpu_ops.page_pool import SCRATCH_PAGE, AdapterTable, BlockList, KVCache, PagePool, gather_rows
 
 HIDDEN, INTERMEDIATE, LAYERS = 64, 172, 3
 Q, KV = 64, 32  # 4 heads of 16; 2 KV heads of 16 (GQA)
@@ -115,6 +115,60 @@ def test_kv_grow_and_release():
     kv.release(a)
     kv.release(b)
     assert pool.used["kv"] == 0 and pool.num_free == 30
+
+
+def test_shared_blocks_go_back_with_their_last_holder():
+    pool = make_pool(1 + 6 * 8)  # 8 blocks of 3 layers
+    kv = KVCache(pool, num_layers=LAYERS, num_kv_heads=2, head_dim=16)  # 2 tokens a page
+    first = BlockList()
+    assert kv.grow(first, 7)  # 4 blocks, the last half used
+    children = [kv.share(first, 3) for _ in range(3)]  # the 3 full blocks, no page taken
+    assert pool.used["kv"] == 24 and all(len(child) == 3 for child in children)
+    assert all((child.array() == first.array()[:3]).all() for child in children)
+    assert kv.sharing() == {"shared_blocks": 3, "pages_saved": 3 * 3 * 6}
+    kv.release(first)  # its own last block goes back; the shared ones stay with the children
+    assert pool.used["kv"] == 18 and len(first) == 0
+    kv.release(children[0])
+    kv.release(children[1])
+    assert pool.used["kv"] == 18 and kv.sharing() == {"shared_blocks": 0, "pages_saved": 0}
+    assert kv.grow(children[2], 8)  # one holder left: it grows past them like any sequence
+    assert pool.used["kv"] == 24
+    kv.release(children[2])
+    assert pool.used["kv"] == 0 and pool.num_free == 48 and kv.holders == {}
+
+
+def test_released_shared_pages_are_never_handed_out_while_held():
+    rng = random.Random(5)
+    pool = make_pool(1 + 6 * 40)
+    kv = KVCache(pool, num_layers=LAYERS, num_kv_heads=2, head_dim=16)
+    live: list[BlockList] = []
+    for _ in range(300):
+        if live and rng.random() < 0.4:
+            kv.release(live.pop(rng.randrange(len(live))))
+        elif live and rng.random() < 0.5:
+            parent = rng.choice(live)
+            live.append(kv.share(parent, rng.randint(0, len(parent))))
+        else:
+            blocks = BlockList()
+            if kv.grow(blocks, rng.randint(1, 12)):
+                live.append(blocks)
+        held = [page for blocks in live for page in np.unique(blocks.array()).tolist()]
+        assert pool.used["kv"] == len(set(held))  # a page held by several sequences is counted once
+        assert not set(held) & set(pool._free)  # and none of them is free
+    for blocks in live:
+        kv.release(blocks)
+    assert pool.used["kv"] == 0 and kv.holders == {}
+
+
+def test_copy_block_copies_every_page_of_the_block():
+    pool = make_pool(1 + 6 * 2)
+    kv = KVCache(pool, num_layers=LAYERS, num_kv_heads=2, head_dim=16)
+    source, target = BlockList(), BlockList()
+    assert kv.grow(source, 2) and kv.grow(target, 2)
+    pool.pages[torch.as_tensor(source.array().ravel(), dtype=torch.long)] = torch.randn(6, HIDDEN)
+    kv.copy_block(source.array()[0], target.array()[0])
+    source_pages = pool.pages[torch.as_tensor(source.array()[0].ravel(), dtype=torch.long)]
+    assert torch.equal(pool.pages[torch.as_tensor(target.array()[0].ravel(), dtype=torch.long)], source_pages)
 
 
 # --- AdapterTable -----------------------------------------------------------------------------------

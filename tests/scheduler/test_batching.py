@@ -292,3 +292,26 @@ def test_tiny_budget_still_progresses(budget):
         assert 0 < sum(count for _, count in plan) <= budget
         run_step(scheduler, plan)
     assert a.num_generated > 0 and b.num_generated > 0
+
+
+def test_adopted_sequences_run_while_there_is_room_and_wait_first_with_their_blocks():
+    memory, adapters = FakeMemory(100), FakeAdapters()
+    scheduler = Scheduler(max_running=3, max_batch_tokens=100, memory=memory, adapters=adapters)
+    first, later = seq("first", 5, "a"), seq("later", 3)
+    scheduler.add(first)
+    scheduler.add(later)
+    run_step(scheduler, scheduler.schedule())
+    forks = []
+    for index in range(3):  # forked after first's prefill: 4 of 5 positions computed in blocks of their own
+        fork = Sequence(f"fork{index}", first.tokens[:5] + [9], 5, "a", num_computed=4)
+        assert memory.grow(fork.blocks, 4)
+        forks.append(fork)
+    scheduler.adopt(forks)
+    assert scheduler.running == [first, later, forks[0]] and list(scheduler.waiting) == forks[1:]
+    assert adapters.pins["a"] == 2  # only the adopted one that runs holds the adapter
+    assert names(scheduler.schedule()) == [("first", 1), ("later", 1), ("fork0", 2)]
+    scheduler.finish(later)
+    plan = scheduler.schedule()  # the first waiting fork takes the slot, computing only what it lacks
+    assert names(plan)[-1] == ("fork1", 2) and len(forks[1].blocks) == 2
+    scheduler.finish(forks[2])  # a waiting fork that ends gives its blocks back
+    assert forks[2].blocks == [] and forks[2] not in scheduler.waiting

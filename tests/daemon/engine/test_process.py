@@ -5,6 +5,7 @@ reader that stops reading costs requests, not memory."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import shutil
@@ -38,17 +39,19 @@ def start_engine(demo_assets, config: EngineConfig, **kwargs) -> EngineProcess:
 
 
 class Collector:
-    """An on_output callback that keeps the outputs and says when the last one came."""
+    """An on_output callback that keeps the outputs and says when the last one came (of every one of `choices`)."""
 
-    def __init__(self):
+    def __init__(self, choices: int = 1):
         self.outputs: list[RequestOutput] = []
         self.done = threading.Event()
         self.first = threading.Event()
+        self.going = choices
 
     def __call__(self, output: RequestOutput) -> None:
         self.outputs.append(output)
         self.first.set()
-        if output.finished:
+        self.going -= output.finished
+        if not self.going:
             self.done.set()
 
     def wait(self, timeout: float = 30) -> RequestOutput:
@@ -145,6 +148,28 @@ def test_abort_frees_the_pages(engine):
     assert engine.status()["pool"]["kv"] == idle
 
 
+def test_every_choice_crosses_the_pipe_and_an_abort_ends_them_all(engine):
+    idle = engine.status()["pool"]["kv"]
+    alone = Collector()
+    engine.submit(request([5, 6, 7, 8, 9], "demo-r4", alone, max_tokens=6, ignore_eos=True, temperature=0))
+    alone.wait()
+    collector = Collector(choices=3)
+    engine.submit(dataclasses.replace(request([5, 6, 7, 8, 9], "demo-r4", collector, max_tokens=6, ignore_eos=True, temperature=0), n=3))
+    collector.wait()
+    for choice in range(3):
+        outputs = [output for output in collector.outputs if output.choice == choice]
+        assert [token for output in outputs for token in output.new_token_ids] == alone.tokens
+        assert [output.finished for output in outputs].count(True) == 1 and outputs[-1].finish_reason == "length"
+    collector = Collector(choices=3)
+    generation = dataclasses.replace(request([5, 6, 7], "demo-r4", collector, max_tokens=120, ignore_eos=True), n=3)
+    engine.submit(generation)
+    assert collector.first.wait(10)
+    engine.abort(generation.request_id)
+    collector.wait()
+    assert sorted(output.choice for output in collector.outputs if output.finish_reason == "abort") == [0, 1, 2]
+    assert engine.status()["pool"]["kv"] == idle and engine.status()["kv_sharing"]["shared_blocks"] == 0
+
+
 def test_queries_through_the_generic_call(engine, demo_assets):
     status = engine.status()
     assert status["model"] == "lorad-demo" and status["engine_pid"] == engine.pid
@@ -230,14 +255,14 @@ def test_engine_killed_fails_in_flight_and_refuses_new(demo_assets):
     deaths = []
     engine = start_engine(demo_assets, demo_config(max_model_len=1024), on_death=deaths.append)
     try:
-        collectors = [Collector() for _ in range(3)]
-        for collector in collectors:
-            engine.submit(request([1, 2, 3], "demo-r8", collector, max_tokens=1000, ignore_eos=True))
+        collectors = [Collector(choices=n) for n in (1, 1, 2)]
+        for collector, n in zip(collectors, (1, 1, 2)):
+            engine.submit(dataclasses.replace(request([1, 2, 3], "demo-r8", collector, max_tokens=1000, ignore_eos=True), n=n))
         assert all(collector.first.wait(10) for collector in collectors)
         killed = time.monotonic()
         os.kill(engine.pid, signal.SIGKILL)
         for collector in collectors:
-            last = collector.wait(5)
+            last = collector.wait(5)  # every choice of each request
             assert last.finish_reason == "error" and "killed by SIGKILL" in last.error
         assert time.monotonic() - killed < 5
         assert not engine.alive and len(deaths) == 1 and "died" in deaths[0]

@@ -40,7 +40,7 @@ class ByteTokenizer:
 
 class FakeEngine:
     """The engine's interface with an echo for a model: the k-th generated token is the prompt's
-    (k mod len)-th. Token 0 is EOS. Adapters: `sql`, `chat` (echo), `slow` (a token every 20 ms),
+    (k mod len)-th, for each of the request's n choices. Token 0 is EOS. Adapters: `sql`, `chat` (echo), `slow` (a token every 20 ms),
     `broken` (AdapterError on submit), `explode` (a bug: RuntimeError), `failing` (finishes with an error).
     """
 
@@ -82,16 +82,17 @@ class FakeEngine:
             if len(self._active) >= self.max_waiting:
                 raise Overloaded("the queue is full", retry_after_s=2.5)
             self.submitted[request.request_id] = request
-            self._active[request.request_id] = {
-                "request": request, "generated": [], "emitted": 0, "next_at": 0.0,
-                "interval": 0.02 if adapter == "slow" else 0.0,
-            }
+            for choice in range(request.n):
+                self._active[request.request_id, choice] = {
+                    "request": request, "choice": choice, "generated": [], "emitted": 0, "next_at": 0.0,
+                    "interval": 0.02 if adapter == "slow" else 0.0,
+                }
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             self.aborted.append(request_id)
-            state = self._active.pop(request_id, None)
-        if state is not None:
+            states = [self._active.pop(key) for key in list(self._active) if key[0] == request_id]
+        for state in states:
             self._emit(state, [], "", "abort")
 
     def start(self) -> None:
@@ -137,7 +138,7 @@ class FakeEngine:
 
     def _finish(self, state, tokens, delta, reason, error=None) -> None:
         with self._lock:
-            if self._active.pop(state["request"].request_id, None) is None:
+            if self._active.pop((state["request"].request_id, state["choice"]), None) is None:
                 return  # aborted meanwhile
         self._emit(state, tokens, delta, reason, error)
 
@@ -146,7 +147,7 @@ class FakeEngine:
         request = state["request"]
         request.on_output(
             RequestOutput(request.request_id, tokens, delta, reason is not None, reason,
-                          len(request.prompt_token_ids), len(state["generated"]), error)
+                          len(request.prompt_token_ids), len(state["generated"]), error, choice=state["choice"])
         )
 
 
@@ -495,8 +496,9 @@ def test_disconnect_aborts_every_choice(server, engine):
     chunks = client.stream_completions(model="slow", prompt=["abc", "de"], n=2, max_tokens=100)
     first = next(chunks)
     assert first["id"].startswith("cmpl-")
-    wait_until(lambda: len(engine.submitted) == 4)
-    assert sorted(engine.submitted) == [f"{first['id']}-{index}" for index in range(4)]
+    wait_until(lambda: len(engine.submitted) == 2)  # one engine request per prompt, with its n choices
+    assert sorted(engine.submitted) == [f"{first['id']}-{index}" for index in range(2)]
+    assert [request.n for request in engine.submitted.values()] == [2, 2]
     chunks.close()
     wait_until(lambda: set(engine.aborted) == set(engine.submitted))
 

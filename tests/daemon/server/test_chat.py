@@ -5,6 +5,7 @@ Unix socket (chat and completions, streamed and not, the error types); bad messa
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -252,6 +253,39 @@ def test_batch_prompts_n_and_seeds_through_the_openai_client(openai_client):
                                                   max_completion_tokens=4, temperature=0, extra_body={"ignore_eos": True})
     assert texts == {0: whole.choices[0].message.content, 1: whole.choices[1].message.content}
     assert roles == {0: 1, 1: 1}  # the role in each choice's first delta only
+
+
+def test_n_choices_prefill_the_prompt_once_through_the_openai_client(openai_client, demo_daemon):
+    _, engine = demo_daemon
+
+    def prompt_tokens_computed() -> int:
+        return sum(kind["prompt_tokens"] for kind in engine.status()["step_time"]["by_kind"].values())
+
+    messages = [{"role": "user", "content": "Tell me about the lighthouse on the rocks, by the grey sea."}]
+    alone = openai_client.chat.completions.create(model="demo-r8", messages=messages, max_completion_tokens=6,
+                                                  temperature=0, extra_body={"ignore_eos": True})
+    before, forked = prompt_tokens_computed(), engine.status()["kv_sharing"]["forked_choices"]
+    answer = openai_client.chat.completions.create(model="demo-r8", messages=messages, max_completion_tokens=6, n=4,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+    assert [choice.message.content for choice in answer.choices] == [alone.choices[0].message.content] * 4
+    assert prompt_tokens_computed() - before == alone.usage.prompt_tokens  # one prefill for the 4 choices
+    assert engine.status()["kv_sharing"]["forked_choices"] - forked == 3
+    assert answer.usage.prompt_tokens == alone.usage.prompt_tokens and answer.usage.completion_tokens == 24
+
+
+def test_a_client_leaving_an_n_stream_gives_back_every_page(openai_client, demo_daemon):
+    _, engine = demo_daemon
+    idle, forked = engine.status()["pool"]["kv"], engine.status()["kv_sharing"]["forked_choices"]
+    stream = openai_client.completions.create(model="demo-r8", prompt="The lighthouse keeper", n=3, max_tokens=100,
+                                              stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert engine.status()["kv_sharing"]["forked_choices"] == forked + 2  # the first chunk came from the fork's step
+    stream.close()
+    deadline = time.monotonic() + 10
+    while engine.status()["running"] or engine.status()["pool"]["kv"] != idle:
+        assert time.monotonic() < deadline, engine.status()["pool"]
+        time.sleep(0.01)
+    assert engine.status()["kv_sharing"] == {**engine.status()["kv_sharing"], "shared_blocks": 0, "pages_saved": 0}
 
 
 def test_logprobs_through_the_openai_client(openai_client, demo_daemon):
