@@ -66,6 +66,8 @@ run_step() {
     # run beside engine_decode_plain (the default engine, no breakdown)
     engine_decode_pdl_off) step bench_engine_decode_pdl_off 150 python3 bench/engine_decode.py --lora-pdl off \
         --out "$OUTDIR/engine_decode_pdl_off.json" ;;
+    # Phi-3's fused-module adapters: A shared by q, k, v (gate, up) in the pool against a separate A each, and the base
+    fused_lora_decode) step bench_fused_lora_decode 200 python3 bench/fused_lora_decode.py --out "$OUTDIR/fused_lora_decode.json" ;;
     engine_decode_plain) step bench_engine_decode_plain 150 python3 bench/engine_decode.py --out "$OUTDIR/engine_decode_plain.json" ;;
     pytest_pdl) step pytest_pdl 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu_ops/test_lora_kernels.py \
         -k "pdl or mbgmv_group_gpu or no_host_sync" tests/daemon/engine/test_engine_gpu.py::test_cuda_lora_pdl_gives_the_same_tokens ;;

@@ -158,8 +158,9 @@ def rope_qk(
     """Rotary embedding (HF Llama's half-split layout) of q [T, heads, head_dim] and k [T, kv_heads,
     head_dim] in one launch, computed in float32 and rounded once.
 
-    cos, sin: the cache [max_positions, head_dim] (`rope_cache`) with positions: int [T] on the device,
-    or, with positions None, the rows already gathered per token ([T, head_dim], as apply_rope_ref takes).
+    cos, sin: the cache [max_positions, rotary_dim] (`rope_cache`) with positions: int [T] on the device,
+    or, with positions None, the rows already gathered per token ([T, rotary_dim], as apply_rope_ref takes).
+    rotary_dim is head_dim, or less (partial_rotary_factor): the dimensions past it are kept as they are.
     q and k may be strided views (e.g. of a fused qkv output) with unit stride along head_dim;
     inplace=True rotates them where they are and returns them, else new contiguous tensors.
     Bytes: 2 * T * (heads + kv_heads) * head_dim * element size + the cos/sin rows.
@@ -169,14 +170,22 @@ def rope_qk(
     kv_heads = k.shape[1]
     if k.shape != (tokens, kv_heads, head_dim) or q.stride(2) != 1 or k.stride(2) != 1 or head_dim % 2:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, head_dim] with unit stride on an even head_dim")
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim or cos.stride(1) != 1:
-        raise ValueError(f"cos and sin must be [rows, {head_dim}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if (cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] > head_dim or cos.shape[1] % 2
+            or cos.stride(1) != 1 or sin.stride(1) != 1):
+        raise ValueError(f"cos and sin must be [rows, an even rotary_dim <= {head_dim}] with unit stride, "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if positions is None and cos.shape[0] != tokens:
         raise ValueError(f"without positions, cos and sin must hold one row per token ({tokens}), got {cos.shape[0]}")
-    q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    rotary = cos.shape[1]
+    if inplace:
+        q_out, k_out = q, k
+    elif rotary == head_dim:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    else:  # the kernel writes only the rotated dimensions
+        q_out, k_out = q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
     if tokens:
-        half = head_dim // 2
+        half = rotary // 2
         _rope_qk_kernel[(tokens,)](
             q, k, q_out, k_out, cos, sin, positions if positions is not None else cos,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),

@@ -248,10 +248,11 @@ class AdapterTable:
         self._streamer: _Streamer | None = None
 
     def pages_needed(self, weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]) -> int:
-        total = 0
+        total, seen = 0, set()
         for (_, proj), (a, _) in weights.items():
             chunks_in, chunks_out = self.chunks[proj]
-            total += a.shape[0] * (chunks_in + chunks_out)
+            total += a.shape[0] * ((chunks_in if id(a) not in seen else 0) + chunks_out)
+            seen.add(id(a))
         return total
 
     def free_slot(self) -> int | None:
@@ -263,15 +264,20 @@ class AdapterTable:
     def stage(self, weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]], pin: bool = True) -> StagedAdapter:
         """An adapter laid out as whole pool pages in host memory, in the pool's dtype: every A row and
         B^T row padded to whole pages. On cuda the pages are pinned unless `pin` is False, so a load is
-        one DMA copy (from pageable memory, one the driver stages through its own pinned buffers)."""
+        one DMA copy (from pageable memory, one the driver stages through its own pinned buffers).
+
+        An A shared by several projections of a layer (the same tensor: a fused module's members,
+        daemon/model/adapters.py) is staged once, and each member's table entry points at it."""
         page = self.pool.page_elems
         needed = self.pages_needed(weights)
         pages = torch.zeros(needed, page, dtype=self.pool.pages.dtype)
-        layout, cursor = [], 0
+        layout, cursor, staged_a = [], 0, {}
         for (layer, proj), (a, b) in sorted(weights.items()):
             chunks_in, chunks_out = self.chunks[proj]
-            a_offset = cursor
-            cursor = _stage_rows(pages, cursor, a, chunks_in, page)
+            a_offset = staged_a.get(id(a))
+            if a_offset is None:
+                a_offset = staged_a[id(a)] = cursor
+                cursor = _stage_rows(pages, cursor, a, chunks_in, page)
             layout.append((layer, proj, a.shape[0], a_offset, cursor))
             cursor = _stage_rows(pages, cursor, b.t(), chunks_out, page)
         if pin and self.pool.pages.is_cuda:

@@ -12,7 +12,11 @@ def rope_cache(inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype, d
 
 
 def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, head_dim] (the rows of each token's position)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """x: [T, heads, head_dim]; cos, sin: [T, rotary_dim] (the rows of each token's position). rotary_dim <
+    head_dim (partial_rotary_factor): the half-split rotation of the first rotary_dim dimensions, the rest kept."""
+    rotary = cos.shape[-1]
+    x_rot = x[..., :rotary]
+    half = rotary // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return out if rotary == x.shape[-1] else torch.cat((out, x[..., rotary:]), dim=-1)

@@ -93,14 +93,17 @@ class AdapterStore:
         """Copy `adapter.weights` {(layer, proj): (A [r, in], B [out, r])} in (B stored transposed);
         returns its id. An adapter of the same name is replaced (and gets a new id)."""
         self._require_owner()
-        modules, cursor = [], 0
+        modules, cursor, stored_a = [], 0, {}  # an A shared by projections (a fused module's members) is stored once
         for (layer, proj), (a, b) in sorted(adapter.weights.items()):
             rank, in_features = a.shape
             out_features = b.shape[0]
             if b.shape[1] != rank:
                 raise ValueError(f"{adapter.name} ({layer}, {proj}): A {tuple(a.shape)} and B {tuple(b.shape)} disagree")
-            a_offset = cursor
-            b_offset = align(a_offset + rank * in_features * FLOAT_BYTES)
+            a_offset = stored_a.get(id(a))
+            if a_offset is None:
+                a_offset = stored_a[id(a)] = cursor
+                cursor = align(a_offset + rank * in_features * FLOAT_BYTES)
+            b_offset = cursor
             cursor = align(b_offset + rank * out_features * FLOAT_BYTES)
             modules.append([layer, proj, rank, in_features, out_features, a_offset, b_offset])
         size = max(cursor, ALIGNMENT)

@@ -22,6 +22,11 @@ from lorad.daemon.model.demo import build_tokenizer
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64)
 
+# Phi-3's longrope with an original context of 16 tokens, so that prompts longer than it run on the long
+# factors; with Phi-4-mini's partial rotary factor (12 of 16 dimensions of a head rotated: 6 factors each).
+PHI3_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                     short_factor=[1.0, 1.1, 1.3, 1.7, 2.2, 3.0], long_factor=[1.0, 1.5, 2.5, 4.0, 9.0, 20.0])
+
 # Every architecture lorad serves, in the shapes that exercise its code paths.
 COMMON = dict(hidden_size=64, rms_norm_eps=1e-5, max_position_embeddings=512, bos_token_id=0, eos_token_id=1)
 ARCHITECTURES: dict[str, dict] = {
@@ -42,6 +47,14 @@ ARCHITECTURES: dict[str, dict] = {
     # per-head q and k norms before RoPE; head_dim * heads (64) != hidden (48) as in Qwen3's larger sizes.
     "qwen3": dict(family="qwen3", hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, use_sliding_window=False, tie_word_embeddings=False),
+    # fused qkv_proj and gate_up_proj in the checkpoint and its adapters; GQA, so q, k and v differ in size.
+    # (pad_token_id: Phi3Config's default, 32000, lies outside the tiny vocabulary.)
+    "phi3": dict(family="phi3", intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 tie_word_embeddings=False, pad_token_id=None),
+    # longrope and partial rotary (PHI3_LONGROPE); attention factor sqrt(1 + ln(512 / 16) / ln 16) = 1.5.
+    "phi3_longrope": dict(family="phi3", intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=None,
+                          rope_parameters=dict(PHI3_LONGROPE), original_max_position_embeddings=16),
     # Saved in several shards: model.safetensors.index.json maps names to files.
     "llama_sharded": dict(family="llama", intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, max_shard_size="400KB"),
@@ -65,6 +78,23 @@ ADAPTERS: dict[str, dict] = {
     ),
 }
 
+# Adapters of Phi-3, on the modules it has: the fused ones split into q, k, v (gate, up) by lorad.
+PHI3_ALL = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+PHI3_ADAPTERS: dict[str, dict] = {
+    "qkv-r1": dict(r=1, lora_alpha=2, target_modules=["qkv_proj"]),
+    "all-r8": dict(r=8, lora_alpha=16, target_modules=list(PHI3_ALL)),
+    "mlp-r16": dict(r=16, lora_alpha=8, target_modules=["gate_up_proj", "down_proj"]),
+    "o-down-r4": dict(r=4, lora_alpha=4, target_modules=["o_proj", "down_proj"]),
+    "rslora-r32": dict(r=32, lora_alpha=16, target_modules=["qkv_proj", "o_proj"], use_rslora=True),
+    "pattern-r16": dict(
+        r=16,
+        lora_alpha=32,
+        target_modules=list(PHI3_ALL),
+        rank_pattern={"qkv_proj": 2, "layers.1.mlp.down_proj": 5},
+        alpha_pattern={"gate_up_proj": 7, "layers.0.self_attn.o_proj": 64},
+    ),
+}
+
 
 @dataclass
 class Checkpoint:
@@ -75,12 +105,13 @@ class Checkpoint:
 
 
 def _config(arch: str, vocab_size: int):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     options = dict(COMMON, **ARCHITECTURES[arch])
     family = options.pop("family")
     options.pop("max_shard_size", None)
-    config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+                    "phi3": Phi3Config}[family]
     return config_class(vocab_size=vocab_size, **options)
 
 
@@ -153,7 +184,8 @@ def build_adapter(model_dir: Path, directory: Path, options: dict, seed: int) ->
 
 def build_checkpoint_with_adapters(directory: Path, arch: str, seed: int = 0) -> Checkpoint:
     checkpoint = build_checkpoint(directory, arch, seed)
-    for index, (name, options) in enumerate(ADAPTERS.items()):
+    adapters = PHI3_ADAPTERS if ARCHITECTURES[arch]["family"] == "phi3" else ADAPTERS
+    for index, (name, options) in enumerate(adapters.items()):
         checkpoint.adapters[name] = build_adapter(
             checkpoint.model_dir, Path(directory) / "adapters" / name, options, seed=1000 * (seed + 1) + index
         )

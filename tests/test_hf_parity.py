@@ -7,6 +7,8 @@ adapters (and two rows of one adapter) share batches; the reference decodes each
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -20,14 +22,16 @@ ATOL = RTOL = 1e-4
 # Prompt lengths 1..40, one per request.
 PROMPT_LENGTHS = (1, 7, 40, 16, 3, 29, 11, 2, 33, 24, 5, 40, 9, 19, 13)
 
-# Every fixture checkpoint (tests/hf_fixtures.py): a family added there is checked here.
-ARCHITECTURES = tuple(FIXTURE_ARCHITECTURES)
+# Every fixture checkpoint (tests/hf_fixtures.py): a family added there is checked here. phi3_longrope has
+# tests of its own below (its prompts are chosen around its 16-token original context).
+ARCHITECTURES = tuple(arch for arch in FIXTURE_ARCHITECTURES if arch != "phi3_longrope")
 
 # transformers warns about its own deprecated internals while PEFT wraps the models.
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
-def make_cases(adapters: list[str], vocab_size: int, seed: int = 0) -> list[tuple[list[int], str | None]]:
+def make_cases(adapters: list[str], vocab_size: int, seed: int = 0,
+               lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[tuple[list[int], str | None]]:
     """(prompt token ids, adapter) for every adapter and the base model, some of them twice, with
     prompt lengths 1..40; the last case repeats the third exactly (same prompt, same adapter)."""
     names = [None, *adapters]
@@ -35,7 +39,7 @@ def make_cases(adapters: list[str], vocab_size: int, seed: int = 0) -> list[tupl
     order += [adapters[0], adapters[3 % len(adapters)]]
     generator = torch.Generator().manual_seed(seed)
     cases = []
-    for length, adapter in zip(PROMPT_LENGTHS, order):
+    for length, adapter in zip(lengths, order):
         prompt = torch.randint(3, vocab_size, (length,), generator=generator).tolist()  # no special tokens
         cases.append((prompt, adapter))
     cases.append(cases[2])
@@ -179,7 +183,7 @@ def test_demo_matches_hf_peft(demo_assets, hf_reference):
     check_parity("demo", demo_assets.model_dir, demo_assets.adapters, cases, reference)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_fixture_adapters_change_the_output(arch, hf_checkpoint, hf_reference):
     # Parity means little if an adapter's update were too small to move a token: each one must.
     checkpoint = hf_checkpoint(arch)
@@ -189,3 +193,56 @@ def test_fixture_adapters_change_the_output(arch, hf_checkpoint, hf_reference):
     for adapter in checkpoint.adapters:
         outputs = [reference.greedy(prompt, adapter, MAX_TOKENS)[0] for prompt in prompts]
         assert outputs != base, f"adapter {adapter} leaves every greedy output unchanged"
+
+
+# phi3_longrope's original context is 16 tokens: these prompts either stay within it to their last generated
+# token (prompt + MAX_TOKENS - 1 <= 16: short factors throughout) or exceed it from the start (long factors
+# throughout), so that the reference, which recomputes the whole sequence every step, rotates each token as a
+# KV cache keeps it. Sequences that cross it while generating: test_phi3_longrope_crossing_matches_hf_generate.
+LONGROPE_LENGTHS = (1, 17, 40, 5, 3, 29, 20, 2, 33, 24, 5, 40, 4, 19, 1)
+
+
+def test_phi3_longrope_matches_hf_peft(hf_checkpoint, hf_reference):
+    """Short and long prompts in one batch, each rotated with its own factors (and partial rotary, and the
+    attention factor): the fused-module adapters and the base model, as transformers + PEFT compute them."""
+    checkpoint = hf_checkpoint("phi3_longrope")
+    cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size, lengths=LONGROPE_LENGTHS)
+    assert all(len(p) + MAX_TOKENS - 1 <= 16 or len(p) > 16 for p, _ in cases)
+    reference = hf_reference(checkpoint.model_dir, checkpoint.adapters)
+    check_parity("phi3_longrope", checkpoint.model_dir, checkpoint.adapters, cases, reference)
+
+
+@pytest.mark.parametrize("max_batch_tokens", [None, 8], ids=["whole-prompts", "prompt-chunks-of-8"])
+def test_phi3_longrope_crossing_matches_hf_generate(hf_checkpoint, hf_reference, max_batch_tokens):
+    """Prompts that cross the original context while generating, or are longer than it, against transformers'
+    generate with its KV cache: the short factors until a token's position reaches 16, the long ones from there
+    on (the earlier keys stay as cached), and a prompt longer than 16 on the long factors throughout, also when
+    it is prefilled in chunks of 8 that start below 16."""
+    checkpoint = hf_checkpoint("phi3_longrope")
+    names = list(checkpoint.adapters)
+    cases = make_cases(names, checkpoint.vocab_size, seed=2, lengths=(7, 11, 16, 13, 9, 20, 15))[:7]
+    reference = hf_reference(checkpoint.model_dir, checkpoint.adapters)
+    results = run_lorad(checkpoint.model_dir, checkpoint.adapters, cases,
+                        **({"max_batch_tokens": max_batch_tokens} if max_batch_tokens else {}))
+    model = reference.model
+    problems = []
+    for index, ((prompt, adapter), result) in enumerate(zip(cases, results)):
+        if adapter is None:
+            context = model.disable_adapter()
+        else:
+            model.set_adapter(adapter)
+            context = nullcontext()
+        with context, torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        where = f"request {index} (adapter={adapter}, prompt_len={len(prompt)})"
+        if result.token_ids != tokens:
+            problems.append(f"{where}: lorad {result.token_ids} vs HF generate {tokens}")
+            continue
+        for step, expected in enumerate(out.logits):
+            if not torch.allclose(result.logits[step].float(), expected[0].float(), atol=ATOL, rtol=RTOL):
+                problems.append(f"{where} step {step}: logits differ by {(result.logits[step] - expected[0]).abs().max():.3e}")
+                break
+    assert not problems, "\n".join(problems)

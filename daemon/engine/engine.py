@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from lorad.config import EngineConfig
-from lorad.daemon.model.adapters import AdapterRegistry, LoraAdapter
-from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
+from lorad.daemon.model.adapters import AdapterRegistry, LoraAdapter, module_members, weights_nbytes
+from lorad.daemon.model.checkpoint import (FUSED_MODULES, MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights,
+                                          load_spec, load_weights, longrope_switch, within_sliding_window)
 from lorad.daemon.engine.cold_start import ColdStarts, streaming_availability
 from lorad.daemon.engine.runner import ModelRunner
 from lorad.daemon.engine.step_account import StepAccount
@@ -116,6 +117,11 @@ class Engine:
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = self.spec.vocab_size
         self.max_model_len = min(config.max_model_len or min(self.spec.max_position_embeddings, MAX_DEFAULT_MODEL_LEN), self.spec.max_position_embeddings)
+        self.max_model_len = within_sliding_window(self.spec, self.max_model_len, config.max_model_len)
+        self.rope_switch = longrope_switch(self.spec, self.max_model_len)  # None, or where a cache is recomputed
+        if self.rope_switch is not None:
+            log.info("longrope switch=%d: a sequence past it runs on the long factors, its cache computed again once",
+                     self.rope_switch)
 
         started = time.perf_counter()
         if model_dir is None:
@@ -664,6 +670,11 @@ class Engine:
         if logprob is not None:
             state.logprobs.append(logprob)
         self._advance(seq, token, logprob)
+        if seq.num_tokens - 1 == self.rope_switch and not state.finished:
+            # longrope: from S + 1 tokens on, every position of the sequence takes the long factors, as transformers
+            # computes it (checkpoint.rope_rows): its cache, rotated with the short ones, is computed again.
+            seq.num_computed = 0
+            log.debug("longrope cache recomputed request=%s tokens=%d", seq.request_id, seq.num_tokens)
 
     # ---- overlapped decode -----------------------------------------------------------------------
     # A greedy decode step's next input ids are its argmax, already on the device. So the step after it
@@ -708,7 +719,8 @@ class Engine:
         in_flight = set(flight.seqs)
         if any(seq not in in_flight for seq in self.scheduler.running):
             return False
-        rows = [row for row, seq in enumerate(flight.seqs) if not seq.state.finished and not self._ends_on_length(seq)]
+        rows = [row for row, seq in enumerate(flight.seqs) if not seq.state.finished and not self._ends_on_length(seq)
+                and seq.num_tokens != self.rope_switch]  # its token in flight makes its cache be recomputed
         seqs = [flight.seqs[row] for row in rows]
         if not seqs or not all(self.grow(seq.blocks, seq.num_computed + 1) for seq in seqs):
             return False
@@ -877,9 +889,11 @@ def _dummy_adapters(spec: ModelSpec, config: EngineConfig) -> list[LoraAdapter]:
     if config.dummy_adapters <= 0:
         return []
     targets = tuple(t.strip() for t in config.dummy_adapter_targets.split(",") if t.strip())
-    unknown = [t for t in targets if t not in PROJECTIONS]
+    # Phi-3's fused modules too: one A shared by their members, as its real adapters are loaded
+    allowed = PROJECTIONS + (tuple(FUSED_MODULES) if spec.fused_projections else ())
+    unknown = [t for t in targets if t not in allowed]
     if unknown or not targets:
-        raise BadRequest(f"dummy_adapter_targets: unknown projections {unknown}; use {', '.join(PROJECTIONS)}")
+        raise BadRequest(f"dummy_adapter_targets: unknown projections {unknown}; use {', '.join(allowed)}")
     rank = config.dummy_adapter_rank
     if not 1 <= rank <= config.max_lora_rank:
         raise BadRequest(f"dummy_adapter_rank must be in 1..{config.max_lora_rank}")
@@ -888,16 +902,18 @@ def _dummy_adapters(spec: ModelSpec, config: EngineConfig) -> list[LoraAdapter]:
     for _ in range(min(4, config.dummy_adapters)):
         weights = {}
         for layer in range(spec.num_layers):
-            for projection in targets:
-                fan_in, fan_out = spec.projection_shape(projection)
+            for module in targets:
+                fan_in, fan_out = spec.module_shape(module)
                 a = torch.randn(rank, fan_in, generator=generator) * fan_in**-0.5
                 b = torch.randn(fan_out, rank, generator=generator) * (0.5 / rank)
-                weights[(layer, PROJECTIONS.index(projection))] = (a, b)
+                for projection, rows in module_members(spec, module, b):
+                    weights[(layer, projection)] = (a, rows)
         weight_sets.append(weights)
-    nbytes = sum(a.nbytes + b.nbytes for a, b in weight_sets[0].values())
+    nbytes = weights_nbytes(weight_sets[0])
+    projections = sorted({projection for _, projection in weight_sets[0]})
     return [
         LoraAdapter(
-            name=f"dummy-{index}", path="<memory>", rank=rank, targets=tuple(p for p in PROJECTIONS if p in targets),
+            name=f"dummy-{index}", path="<memory>", rank=rank, targets=tuple(PROJECTIONS[p] for p in projections),
             weights=weight_sets[index % len(weight_sets)], nbytes=nbytes,
             scaling={key: 1.0 for key in weight_sets[0]},
         )

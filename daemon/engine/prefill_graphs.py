@@ -142,7 +142,7 @@ class PrefillGraphs:
         host64 = self.host64.numpy()
         host64[:, :tokens] = 0
         host64[0, :n] = np.concatenate(plan.tokens)
-        host64[1, :n] = positions
+        host64[1, :n] = self.model.rope_rows(positions, lengths, (seq.num_tokens for seq in plan.seqs))
         host64[2, :n] = positions % tokens_per_page
         host64[3, : len(sampled)] = starts_row[sampled] + lengths[sampled] - 1
 

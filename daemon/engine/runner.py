@@ -158,7 +158,7 @@ class ModelRunner:
         step = Step(
             input_ids=(plan.device_tokens if plan.device_tokens is not None
                        else torch.from_numpy(np.concatenate(plan.tokens)).to(device)),
-            positions=torch.from_numpy(positions).to(device),
+            positions=torch.from_numpy(self.model.rope_rows(positions, plan.counts, (s.num_tokens for s in plan.seqs))).to(device),
             sample_rows=torch.from_numpy(sample_rows).to(device),
             attention=attention,
             lora=LoraBatch.build(plan.row_slots().tolist(), device, decode=plan.decode),

@@ -9,20 +9,26 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
 from lorad.errors import ModelError
+from lorad.gpu_ops.rope import rope_cache
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 # The seven projections a LoRA adapter may target, in the order lorad keeps them everywhere
 # (adapter tables, page-pool layout, kernels index projections by this position).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's checkpoint holds these fused modules (and adapters trained on it target them): each is its
+# members' weights stacked by rows, in this order.
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 # Shapes of well-known models (from their public config.json), for benchmarks with random weights
@@ -51,6 +57,21 @@ MODEL_CONFIGS = {
                    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                    "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512, "max_position_embeddings": 2048,
                    "rope_theta": 1000000.0, "bos_token_id": 0, "eos_token_id": 1},
+    # microsoft/Phi-3-mini-4k-instruct (its 2047-token sliding window caps the served context) and microsoft/phi-4.
+    "phi-3-mini": {"architectures": ["Phi3ForCausalLM"], "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+                   "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
+                   "num_key_value_heads": 32, "vocab_size": 32064, "max_position_embeddings": 4096,
+                   "original_max_position_embeddings": 4096, "sliding_window": 2047, "rope_theta": 10000.0,
+                   "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 32000},
+    "phi-4": {"architectures": ["Phi3ForCausalLM"], "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+              "hidden_size": 5120, "intermediate_size": 17920, "num_hidden_layers": 40, "num_attention_heads": 40,
+              "num_key_value_heads": 10, "vocab_size": 100352, "max_position_embeddings": 16384,
+              "original_max_position_embeddings": 16384, "rope_theta": 250000.0, "hidden_act": "silu",
+              "bos_token_id": 100257, "eos_token_id": 100265},
+    "tiny-phi3": {"architectures": ["Phi3ForCausalLM"], "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+                  "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 2048, "rope_theta": 10000.0,
+                  "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1},
 }
 
 
@@ -76,6 +97,29 @@ class ModelSpec:
     torch_dtype: str  # as stored; used when --dtype auto on cuda
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint and in its adapters
+    sliding_window: int | None = None  # Phi-3: the context served must not exceed it (no sliding-window attention)
+    rotary_dim: int | None = None  # Phi-4-mini's partial_rotary_factor: RoPE on the first rotary_dim of each head
+
+    @property
+    def rope_dim(self) -> int:
+        """How many leading dimensions of each head RoPE rotates."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def lora_modules(self) -> tuple[str, ...]:
+        """The module names an adapter for this model may target (as PEFT names them)."""
+        if self.fused_projections:
+            return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        return PROJECTIONS
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of a module an adapter targets: a projection, or a fused module
+        whose outputs are its members' side by side."""
+        members = FUSED_MODULES.get(module)
+        if members is None:
+            return self.projection_shape(module)
+        return self.projection_shape(members[0])[0], sum(self.projection_shape(m)[1] for m in members)
 
     @property
     def q_size(self) -> int:
@@ -126,8 +170,15 @@ class ModelSpec:
                 )
         if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and config.get("use_sliding_window"):
             raise ModelError(f"{architecture.removesuffix('ForCausalLM')} with use_sliding_window=true is not supported")
+        phi3 = architecture == "Phi3ForCausalLM"
+        if phi3 and config.get("hidden_act", "silu") != "silu":
+            raise ModelError(f"config.json: hidden_act={config['hidden_act']!r}: lorad's Phi3ForCausalLM runs silu only")
+        head_dim = _field(config, "head_dim", int, hidden // heads)
         rope_scaling = _rope_scaling(config)
         rope_theta = (rope_scaling or {}).pop("rope_theta", None) or _field(config, "rope_theta", float, 10000.0)
+        rotary_dim = _rotary_dim(config, head_dim)
+        if (rope_scaling or {}).get("rope_type") == "longrope":
+            _check_longrope(rope_scaling, rotary_dim)
         eos = (generation_config or {}).get("eos_token_id", config.get("eos_token_id"))
         eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
         return cls(
@@ -138,7 +189,7 @@ class ModelSpec:
             num_layers=_field(config, "num_hidden_layers", int),
             num_heads=heads,
             num_kv_heads=_field(config, "num_key_value_heads", int, heads),
-            head_dim=_field(config, "head_dim", int, hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=_field(config, "rms_norm_eps", float, 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling or None,
@@ -149,7 +200,25 @@ class ModelSpec:
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
             bos_token_id=(generation_config or {}).get("bos_token_id", config.get("bos_token_id")),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            fused_projections=phi3,
+            sliding_window=_field(config, "sliding_window", int) if phi3 and config.get("sliding_window") else None,
+            rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         )
+
+
+def within_sliding_window(spec: ModelSpec, max_model_len: int, asked: int | None) -> int:
+    """The context served under a sliding window (Phi-3), which lorad's attention does not implement: a context no
+    longer than the window attends to every earlier token, as the window would let it. Without --max-model-len the
+    context is capped at the window (logged); a max_model_len above it is refused, naming both."""
+    window = spec.sliding_window
+    if window is None or max_model_len <= window:
+        return max_model_len
+    if asked:
+        raise ModelError(f"max_model_len={asked} exceeds the model's sliding_window={window}: lorad does not implement "
+                         f"sliding-window attention for {spec.architecture}; serve at most {window} tokens")
+    log.info("context capped at the sliding window max_model_len=%d sliding_window=%d architecture=%s "
+             "reason=sliding-window attention not implemented", window, window, spec.architecture)
+    return window
 
 
 def _field(config: dict, name: str, kind, default=None):
@@ -169,7 +238,8 @@ def _field(config: dict, name: str, kind, default=None):
 
 
 def _rope_scaling(config: dict) -> dict | None:
-    """The rope scaling lorad implements: none (default) or llama3. Anything else is refused.
+    """The rope scaling lorad implements: none (default), llama3, or Phi-3's longrope (also written "su").
+    Anything else is refused.
 
     transformers 5 writes `rope_parameters` (with rope_theta inside); 4.x writes `rope_scaling`.
     """
@@ -181,17 +251,65 @@ def _rope_scaling(config: dict) -> dict | None:
     if rope_type == "default":
         theta = scaling.get("rope_theta")
         return {"rope_theta": theta} if theta is not None else None
+    if rope_type in ("longrope", "su") and "Phi3ForCausalLM" in (config.get("architectures") or []):
+        scaling["rope_type"] = "longrope"
+        # Phi-3 keeps its pretraining context beside rope_scaling, and transformers' Phi3Config prefers that
+        # copy (4096 when absent) to one inside the scaling.
+        scaling["original_max_position_embeddings"] = config.get("original_max_position_embeddings", 4096)
+        return scaling
     if rope_type != "llama3":
-        raise ModelError(f"rope scaling {rope_type!r} is not supported (lorad implements default and llama3)")
+        raise ModelError(f"rope scaling {rope_type!r} is not supported (lorad implements default, llama3, and longrope "
+                         "for Phi3ForCausalLM)")
     scaling["rope_type"] = "llama3"
     return scaling
 
 
-def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32, with llama3 scaling when configured."""
-    dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+def _rotary_dim(config: dict, head_dim: int) -> int:
+    """How many dimensions of each head RoPE rotates: head_dim, or Phi-3's partial_rotary_factor of it (Phi-4-mini:
+    0.75), read from the rope parameters first, then config.json's top level, as transformers reads it."""
+    if "Phi3ForCausalLM" not in (config.get("architectures") or []):
+        return head_dim
+    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    factor = parameters.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if not _is_number(factor) or not 0 < factor <= 1:
+        raise ModelError(f"config.json: partial_rotary_factor must be in (0, 1], not {factor!r}")
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ModelError(f"config.json: partial_rotary_factor={factor} rotates {rotary_dim} of {head_dim} dimensions "
+                         "of a head; RoPE needs an even number")
+    return rotary_dim
+
+
+def _check_longrope(scaling: dict, rotary_dim: int) -> None:
+    original = scaling["original_max_position_embeddings"]
+    if not _is_number(original) or int(original) != original or original < 1:
+        raise ModelError(f"config.json: original_max_position_embeddings must be a positive integer, not {original!r}")
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != rotary_dim // 2 or not all(
+                _is_number(f) and f > 0 for f in factors):
+            raise ModelError(f"config.json: longrope {key} must be a list of {rotary_dim // 2} positive numbers "
+                             f"(half the rotary dimensions), not {factors!r}")
+    for key in ("factor", "attention_factor"):
+        value = scaling.get(key)
+        if value is not None and (not _is_number(value) or value <= 0):
+            raise ModelError(f"config.json: longrope {key} must be a positive number, not {value!r}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def rope_inv_freq(spec: ModelSpec, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies [rope_dim // 2] in float32, with llama3 scaling when configured; with longrope, divided
+    by the short factors (by the long ones with long=True)."""
+    dim = spec.rope_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     scaling = spec.rope_scaling
+    if scaling is not None and scaling.get("rope_type") == "longrope":
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * spec.rope_theta**exponents)
+    inv_freq = 1.0 / (spec.rope_theta**exponents)
     if scaling is None or scaling.get("rope_type") != "llama3":
         return inv_freq
     factor = float(scaling["factor"])
@@ -207,6 +325,72 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def longrope_split(spec: ModelSpec) -> int | None:
+    """With longrope, the pretraining context (original_max_position_embeddings) beyond which the long factors
+    apply; None for any other RoPE."""
+    scaling = spec.rope_scaling
+    if scaling is None or scaling.get("rope_type") != "longrope":
+        return None
+    return int(scaling["original_max_position_embeddings"])
+
+
+def rope_attention_factor(spec: ModelSpec) -> float:
+    """What longrope multiplies cos and sin by (for short and long factors alike): attention_factor, else
+    sqrt(1 + ln(factor) / ln(original context)) where factor (max_position_embeddings over the original context
+    unless given) exceeds 1; 1 for any other RoPE."""
+    split = longrope_split(spec)
+    if split is None:
+        return 1.0
+    if spec.rope_scaling.get("attention_factor") is not None:
+        return float(spec.rope_scaling["attention_factor"])
+    factor = spec.rope_scaling.get("factor") or spec.max_position_embeddings / split
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(split))
+
+
+def rope_tables(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [rows, rope_dim]: row p rotates position p. With longrope (original context S below max_positions):
+    rows p < S hold the short factors, rows S <= p < max_positions the long ones, and rows max_positions + p
+    (p < S) position p with the long factors, for the sequences longer than S (`rope_rows`). Scaled by the
+    attention factor in float32, then cast once."""
+    split = longrope_split(spec)
+    if split is None or max_positions <= split:
+        cos, sin = rope_cache(rope_inv_freq(spec), max_positions, torch.float32, "cpu")
+    else:
+        short_cos, short_sin = rope_cache(rope_inv_freq(spec), split, torch.float32, "cpu")
+        long_cos, long_sin = rope_cache(rope_inv_freq(spec, long=True), max_positions, torch.float32, "cpu")
+        cos = torch.cat((short_cos, long_cos[split:], long_cos[:split]))
+        sin = torch.cat((short_sin, long_sin[split:], long_sin[:split]))
+    scale = rope_attention_factor(spec)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+
+def longrope_switch(spec: ModelSpec, max_positions: int) -> int | None:
+    """The sequence length S past which longrope's long factors apply, where a served sequence can exceed it."""
+    split = longrope_split(spec)
+    return split if split is not None and max_positions > split else None
+
+
+def rope_rows(spec: ModelSpec, max_positions: int, positions: np.ndarray, counts: np.ndarray,
+              lengths: Iterable[int]) -> np.ndarray:
+    """The row of `rope_tables` each token reads: its position, except in a sequence longer than S (longrope),
+    whose tokens at positions below S read position p with the long factors.
+
+    transformers' Phi-3 rotates a sequence of at most S tokens with the short factors and a longer one with the
+    long factors throughout: its generate drops the KV cache at the step that reaches S + 1 tokens and computes
+    the whole sequence again. lorad does the same (the engine recomputes a sequence's cache once it reaches
+    S + 1 tokens: Engine._take_token), decided per sequence, so a batch mixing short and long sequences gives
+    each what it would get alone. A decode row at position p of a sequence of p + 1 tokens reads row p either
+    way: decode graphs pass positions as they are. positions: int64 [rows]; counts: rows per sequence; lengths:
+    each sequence's tokens so far (prompt and generated; read only with longrope)."""
+    split = longrope_switch(spec, max_positions)
+    if split is None:
+        return positions
+    long_sequence = np.repeat(np.fromiter(lengths, dtype=np.int64, count=len(counts)) > split, counts)
+    return np.where(long_sequence & (positions < split), positions + max_positions, positions)
 
 
 def dummy_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -226,10 +410,11 @@ def dummy_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, see
         prefix = f"model.layers.{layer}."
         weights[prefix + "input_layernorm.weight"] = ones(h)
         weights[prefix + "post_attention_layernorm.weight"] = ones(h)
-        for projection in PROJECTIONS:
-            fan_in, fan_out = spec.projection_shape(projection)
-            module = "mlp." if projection in ("gate_proj", "up_proj", "down_proj") else "self_attn."
-            weights[prefix + module + projection + ".weight"] = normal(fan_out, fan_in, std=fan_in**-0.5)
+        modules = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if spec.fused_projections else PROJECTIONS
+        for module in modules:
+            fan_in, fan_out = spec.module_shape(module)
+            parent = "mlp." if module in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") else "self_attn."
+            weights[prefix + parent + module + ".weight"] = normal(fan_out, fan_in, std=fan_in**-0.5)
         if spec.qkv_bias:
             for projection in ("q_proj", "k_proj", "v_proj"):
                 weights[prefix + f"self_attn.{projection}.bias"] = normal(spec.projection_shape(projection)[1], std=0.02)

@@ -307,14 +307,15 @@ def write_random_adapter(
     use_rslora: bool = False,
     base_model_name_or_path: str = MODEL_NAME,
 ) -> Path:
-    """A PEFT LoRA adapter with random A and B for every layer and each projection in `targets`.
+    """A PEFT LoRA adapter with random A and B for every layer and each projection in `targets` (among the
+    modules the model has: `spec.lora_modules`, Phi-3's fused ones included).
 
     alpha defaults to 2 * rank. A ~ N(0, 1/in) and B is sized so that the folded update
     scaling * B @ A moves each output by ~0.3 per unit of input: visibly, whatever the rank.
     """
-    unknown = set(targets) - set(PROJECTIONS)
+    unknown = set(targets) - set(spec.lora_modules)
     if unknown or not targets:
-        raise ValueError(f"targets must be a non-empty subset of {PROJECTIONS}, not {targets}")
+        raise ValueError(f"targets must be a non-empty subset of {spec.lora_modules}, not {targets}")
     if rank < 1:
         raise ValueError("rank must be positive")
     alpha = float(2 * rank if alpha is None else alpha)
@@ -322,11 +323,11 @@ def write_random_adapter(
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(spec.num_layers):
-        for projection in PROJECTIONS:
+        for projection in spec.lora_modules:
             if projection not in targets:
                 continue
-            in_features, out_features = spec.projection_shape(projection)
-            module = "self_attn" if projection in ATTENTION else "mlp"
+            in_features, out_features = spec.module_shape(projection)
+            module = "self_attn" if projection in ATTENTION or projection == "qkv_proj" else "mlp"
             name = f"base_model.model.model.layers.{layer}.{module}.{projection}"
             a = torch.randn(rank, in_features, generator=generator) / in_features**0.5
             b = torch.randn(out_features, rank, generator=generator) * (0.3 / (scaling * rank**0.5))
@@ -343,11 +344,11 @@ def write_random_adapter(
 def write_adapter_set(out: str | Path, spec: ModelSpec, count: int, ranks: list[int], targets: list[str], seed: int = 0) -> list[Path]:
     """`count` random PEFT adapters under `out` (adapter-0000, ...), ranks taken round robin (S-LoRA's
     S2 workload), for `lorad serve --adapter-dir out` and the benchmarks. Targets may be short names
-    (q, k, v, o, gate, up, down)."""
+    (q, k, v, o, gate, up, down; Phi-3's qkv, o, gate_up, down)."""
     full = [t if t.endswith("_proj") else f"{t}_proj" for t in targets]
-    unknown = [t for t in full if t not in PROJECTIONS]
+    unknown = [t for t in full if t not in spec.lora_modules]
     if unknown or not full:
-        raise ValueError(f"targets must name projections among {', '.join(PROJECTIONS)}; not {unknown or targets}")
+        raise ValueError(f"targets must name projections among {', '.join(spec.lora_modules)}; not {unknown or targets}")
     if count < 1 or not ranks or min(ranks) < 1:
         raise ValueError("count and every rank must be positive")
     width = max(4, len(str(count - 1)))

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over plain tensors.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3) over plain tensors.
 
 One forward serves a whole step: every sequence's new tokens side by side in the rows, prefill and
 decode mixed. LoRA enters through one call per projection; attention reads and writes the paged KV
@@ -11,12 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from lorad.daemon.model.checkpoint import ModelSpec, rope_inv_freq
+from lorad.daemon.model.checkpoint import ModelSpec, rope_rows, rope_tables
 from lorad.daemon.model.ops import TorchOps
 from lorad.errors import ModelError
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
-from lorad.gpu_ops.rope import rope_cache
 
 Q, K, V, O, GATE, UP, DOWN = range(7)
 
@@ -24,7 +23,7 @@ Q, K, V, O, GATE, UP, DOWN = range(7)
 @dataclass
 class Step:
     input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]: each token's row of the RoPE tables (its position; LlamaModel.rope_rows)
     sample_rows: torch.Tensor  # int64 [S'] rows whose logits are wanted (last token of a sequence)
     attention: AttentionBatch
     lora: LoraBatch
@@ -56,14 +55,19 @@ class LlamaModel:
             bias = None
             if spec.qkv_bias:
                 bias = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
+            if spec.fused_projections:  # Phi-3 stores them fused already, in lorad's order
+                qkv, gate_up = take(attn + "qkv_proj.weight"), take(p + "mlp.gate_up_proj.weight")
+            else:
+                qkv = torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"])
+                gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             self.layers.append(
                 Layer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]),
+                    qkv=qkv,
                     qkv_bias=bias,
                     o=take(attn + "o_proj.weight"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                    gate_up=gate_up,
                     down=take(p + "mlp.down_proj.weight"),
                     q_norm=take(attn + "q_norm.weight") if spec.qk_norm else None,
                     k_norm=take(attn + "k_norm.weight") if spec.qk_norm else None,
@@ -72,9 +76,15 @@ class LlamaModel:
         self.norm = take("model.norm.weight")
         self.lm_head = self.embed if spec.tie_word_embeddings else take("lm_head.weight")
         take.check_shapes(spec)
-        self.cos, self.sin = rope_cache(rope_inv_freq(spec), max_positions, self.embed.dtype, self.embed.device)
+        # [positions (+ longrope's long rows), rope_dim]: rows picked per token by checkpoint.rope_rows
+        self.cos, self.sin = rope_tables(spec, max_positions, self.embed.dtype, self.embed.device)
+        self.max_positions = max_positions
         self.scale = spec.head_dim**-0.5
         self.splits = (spec.q_size, spec.kv_size, spec.kv_size)
+
+    def rope_rows(self, positions, counts, lengths):
+        """The cos/sin row of each token (Step.positions) from its position: checkpoint.rope_rows."""
+        return rope_rows(self.spec, self.max_positions, positions, counts, lengths)
 
     @torch.inference_mode()
     def forward(self, step: Step, kv_view: torch.Tensor, table) -> torch.Tensor:
@@ -143,6 +153,9 @@ class _Taker:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 fan_in, fan_out = spec.projection_shape(proj)
                 expected[f"{p}mlp.{proj}.weight"] = (fan_out, fan_in)
+            for parent, proj in (("self_attn", "qkv_proj"), ("mlp", "gate_up_proj")):
+                fan_in, fan_out = spec.module_shape(proj)
+                expected[f"{p}{parent}.{proj}.weight"] = (fan_out, fan_in)
             expected[f"{p}input_layernorm.weight"] = (h,)
             expected[f"{p}self_attn.q_norm.weight"] = (spec.head_dim,)
             expected[f"{p}self_attn.k_norm.weight"] = (spec.head_dim,)

@@ -54,9 +54,11 @@ def check_rms_norm(kernels, tokens, hidden, dtype, device, seed):
     assert relative_error(got, reference.double()) <= LIMIT[dtype] * (1 if exact_rounding(dtype) else 2)
 
 
-def check_rope(kernels, tokens, heads, kv_heads, head_dim, dtype, device, seed, inplace, gathered=False):
+def check_rope(kernels, tokens, heads, kv_heads, head_dim, dtype, device, seed, inplace, gathered=False, rotary=None):
+    """rotary: RoPE on the first `rotary` dimensions of each head only (partial_rotary_factor), the rest kept."""
     generator = torch.Generator().manual_seed(seed)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    rotary = rotary or head_dim
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary, 2).float() / rotary))
     cos, sin = rope_cache(inv_freq, 4096, dtype, device)
     positions = torch.randint(0, 4096, (tokens,), generator=generator).to(device)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype).to(device)
@@ -83,8 +85,10 @@ def check_rope(kernels, tokens, heads, kv_heads, head_dim, dtype, device, seed, 
 def _rope64(x, cos, sin, positions):
     c, s = cos[positions].double()[:, None, :], sin[positions].double()[:, None, :]
     x = x.double()
-    half = x.shape[-1] // 2
-    return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+    rotary = c.shape[-1]
+    kept, x = x[..., rotary:], x[..., :rotary]
+    half = rotary // 2
+    return torch.cat((x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s, kept), dim=-1)
 
 
 def check_silu_mul(kernels, tokens, width, dtype, device, seed):
@@ -147,6 +151,14 @@ def test_rope_qk_interpreted(heads, kv_heads, head_dim, dtype, inplace, kernels)
 
 
 @needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
+def test_rope_qk_interpreted_partial_rotary(dtype, inplace, kernels):
+    # Phi-4-mini's partial_rotary_factor 0.75: 12 of 16 dimensions rotated, the last 4 of each head kept.
+    check_rope(kernels, 7, 4, 2, 16, dtype, "cpu", seed=3, inplace=inplace, rotary=12)
+
+
+@needs_interpreter
 def test_rope_qk_interpreted_gathered_rows(kernels):
     check_rope(kernels, 5, 4, 2, 16, torch.bfloat16, "cpu", seed=1, inplace=False, gathered=True)
 
@@ -178,5 +190,6 @@ def test_fused_gpu(tokens, dtype, kernels):
     check_add_rms_norm(kernels, tokens, 4096, dtype, "cuda", seed=tokens)
     check_rope(kernels, tokens, 32, 32, 128, dtype, "cuda", seed=tokens, inplace=False)
     check_rope(kernels, tokens, 32, 8, 128, dtype, "cuda", seed=tokens, inplace=True)
+    check_rope(kernels, tokens, 24, 8, 128, dtype, "cuda", seed=tokens, inplace=True, rotary=96)  # Phi-4-mini
     check_silu_mul(kernels, tokens, 11008, dtype, "cuda", seed=tokens)
     check_silu_mul(kernels, tokens, 14336, dtype, "cuda", seed=tokens + 1)

@@ -246,6 +246,29 @@ def test_place_reads_back_with_partial_pages():
         assert table.rank_host[slot].sum() == 0 and int(table.rank[slot].sum()) == 0
 
 
+def test_a_shared_a_is_placed_once_and_read_by_each_member():
+    """A fused module's members (Phi-3's qkv_proj as q, k, v) share one A tensor: its pages are staged and placed
+    once, every member's a_start points at them, each member's B^T has its own pages."""
+    generator = torch.Generator().manual_seed(7)
+    shared_a = torch.randn(3, HIDDEN, generator=generator)
+    weights = {(1, proj): (shared_a, torch.randn(SHAPES[proj][1], 3, generator=generator)) for proj in (0, 1, 2)}
+    weights[(1, 4)] = (torch.randn(2, HIDDEN, generator=generator), torch.randn(INTERMEDIATE, 2, generator=generator))
+    weights[(1, 5)] = (weights[(1, 4)][0], torch.randn(INTERMEDIATE, 2, generator=generator))  # gate, up
+    copies = {key: (a.clone(), b) for key, (a, b) in weights.items()}  # the same values, A not shared
+    pool = make_pool(500)
+    table = AdapterTable(pool, num_slots=2, num_layers=LAYERS, shapes=SHAPES)
+    saved = 2 * 3 * 1 + 1 * 2 * 1  # q, k, v: two A copies of 3 rows of 1 page; gate, up: one of 2 rows
+    assert table.pages_needed(weights) == pages_of(copies) - saved
+    assert table.place(0, weights) and table.place(1, copies)
+    assert pool.used["adapter"] == 2 * pages_of(copies) - saved
+    check_reads_back(table, 0, weights)
+    check_reads_back(table, 1, copies)
+    assert table.a_start_host[0, 1, 0] == table.a_start_host[0, 1, 1] == table.a_start_host[0, 1, 2]
+    assert table.a_start_host[0, 1, 4] == table.a_start_host[0, 1, 5]
+    assert len({table.a_start_host[1, 1, proj] for proj in (0, 1, 2)}) == 3
+    assert len(set(table.b_start_host[0, 1, :3])) == 3
+
+
 def test_evict_frees_pages_and_zeroes_rank():
     generator = torch.Generator().manual_seed(2)
     pool = make_pool(2000)

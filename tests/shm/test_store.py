@@ -50,6 +50,23 @@ def test_put_and_views_hold_a_and_b_transposed():
         del views, stored_a, stored_bt
 
 
+def test_a_shared_a_is_stored_once():
+    # Phi-3's qkv_proj as q, k, v: one A tensor for the three, each B its own
+    generator = torch.Generator().manual_seed(3)
+    shared = torch.randn(4, 24, generator=generator)
+    weights = {(0, proj): (shared, torch.randn(8, 4, generator=generator)) for proj in (0, 1, 2)}
+    copies = {key: (a.clone(), b) for key, (a, b) in weights.items()}
+    with AdapterStore.create(new_instance(), 1 << 20) as store:
+        store.put(FakeAdapter("shared", weights))
+        store.put(FakeAdapter("copies", copies))
+        views = store.get_views("shared")
+        assert len({views[(0, proj)][0].data_ptr() for proj in (0, 1, 2)}) == 1
+        for key, (a, b) in weights.items():
+            assert torch.equal(views[key][0], a) and torch.equal(views[key][1], b.T)
+        assert store._index["adapters"]["shared"]["size"] < store._index["adapters"]["copies"]["size"]
+        del views
+
+
 def test_first_fit_reuses_freed_blocks_and_reports_full():
     with AdapterStore.create(new_instance(), 64 << 10) as store:
         first = store.put(random_adapter("a", 1))

@@ -165,3 +165,36 @@ def test_steps_with_a_request_it_must_not_touch_stay_plain(demo_assets, plain, k
         assert results[1].token_ids == expected_sampled.token_ids
     else:
         assert len(results[1].logits) == 6
+
+
+def test_a_sequence_crossing_longrope_s_switch_is_left_out_and_recomputed(hf_checkpoint):
+    """Phi-3 longrope (switch at 16 tokens): a row whose token in flight takes its sequence past the switch is not
+    launched (its cache is computed again on the long factors first), the others go on overlapped; the tokens are
+    plain stepping's, which tests/test_hf_parity.py holds to transformers' generate."""
+    from lorad.config import EngineConfig
+
+    checkpoint = hf_checkpoint("phi3_longrope")
+
+    def engine() -> Engine:
+        adapters = tuple((name, str(path)) for name, path in checkpoint.adapters.items())
+        return Engine(EngineConfig(model=str(checkpoint.model_dir), adapters=adapters, device="cpu", dtype="float32"))
+
+    cases = [(list(range(3, 3 + length)), adapter) for length, adapter in ((10, "all-r8"), (12, None), (30, "qkv-r1"))]
+    plain_engine = engine()
+    expected = [r.token_ids for r in plain_engine.generate(requests(cases, 12, temperature=0, ignore_eos=True))]
+    plain_engine.close()
+    overlapping = overlapped(engine())
+    assert overlapping.rope_switch == 16
+    recomputed = []
+    original = overlapping._take_token
+
+    def take_token(seq, *args, **kwargs):
+        original(seq, *args, **kwargs)
+        if seq.num_computed == 0:
+            recomputed.append(seq.request_id)
+
+    overlapping._take_token = take_token
+    results = overlapping.generate(requests(cases, 12, temperature=0, ignore_eos=True))
+    assert [r.token_ids for r in results] == expected
+    assert len(recomputed) == 2 and overlapping.overlapped_steps > 0  # the two short prompts crossed 16 tokens
+    overlapping.close()

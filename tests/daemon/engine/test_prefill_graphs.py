@@ -6,6 +6,7 @@ same logits. The capture and the replay themselves need a GPU: tests/daemon/engi
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,7 +32,8 @@ def make(max_tokens=64, max_seqs=8, max_rank=64, max_model_len=64):
     pool = PagePool(4096, KV_HEADS * HEAD_DIM * 2, torch.float32, torch.device("cpu"))  # 2 tokens a page
     kv = KVCache(pool, LAYERS, KV_HEADS, HEAD_DIM)
     table = AdapterTable(pool, 4, LAYERS, [(8, 8)] * 7)
-    return PrefillGraphs(None, kv, table, max_tokens, max_seqs, max_model_len=max_model_len, max_lora_rank=max_rank), kv
+    model = SimpleNamespace(rope_rows=lambda positions, counts, lengths: positions)  # RoPE rows are positions
+    return PrefillGraphs(model, kv, table, max_tokens, max_seqs, max_model_len=max_model_len, max_lora_rank=max_rank), kv
 
 
 def plan_of(*seqs) -> StepPlan:
@@ -223,6 +225,40 @@ def test_qwen3_on_the_triton_ops_gives_the_reference_tokens():
     expected = reference.generate(requests())
     reference.close()
     engine = qwen3()
+    engine.runner.ops = engine.runner.model.ops = TritonOps(engine.device, 64, 64)
+    results = engine.generate(requests())
+    engine.close()
+    for got, want in zip(results, expected):
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not HAS_TRITON or CUDA, reason="Triton's interpreter on the CPU (a GPU runs the compiled kernels: -m gpu)")
+def test_phi3_on_the_triton_ops_gives_the_reference_tokens(hf_checkpoint):
+    """Phi-3 with longrope and partial rotary (the RoPE kernel on 12 of 16 dimensions, the long factors' rows for a
+    prompt past the original 16 tokens and for a sequence whose cache is computed again once it crosses them), and
+    adapters on the fused qkv_proj and gate_up_proj (one A in the pool for q, k and v; MBGMV and MBGMM read it for
+    each), against the reference ops."""
+    from lorad.gpu_ops import bgmv, fused, gemv, mbgmm, mbgmv, paged_attention
+
+    interpreted(mbgmv._mbgmv_shrink_kernel, bgmv, mbgmv, mbgmm, paged_attention, fused, gemv)
+    checkpoint = hf_checkpoint("phi3_longrope")
+
+    def phi3() -> Engine:
+        adapters = tuple((name, str(checkpoint.adapters[name])) for name in ("all-r8", "qkv-r1", "pattern-r16"))
+        return Engine(EngineConfig(model=str(checkpoint.model_dir), adapters=adapters, device="cpu", dtype="float32",
+                                   max_model_len=64, max_batch_tokens=64, max_lora_rank=64))
+
+    def requests():
+        greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        prompts = [list(range(3, 23)), [5, 6, 7, 8], list(range(30, 45)), [9, 10, 11]]  # 20 > 16; 15 + 3 crosses
+        return [GenerationRequest(prompt, adapter, greedy, keep_logits=True)
+                for prompt, adapter in zip(prompts, ("all-r8", "qkv-r1", "pattern-r16", None))]
+
+    reference = phi3()
+    expected = reference.generate(requests())
+    reference.close()
+    engine = phi3()
     engine.runner.ops = engine.runner.model.ops = TritonOps(engine.device, 64, 64)
     results = engine.generate(requests())
     engine.close()

@@ -164,6 +164,67 @@ def test_adapter_of_a_bare_llama_model_matches_patterns_as_peft_does(base_model,
     assert adapter.weights[(1, PROJECTIONS.index("o_proj"))][0].shape[0] == 3
 
 
+@pytest.fixture(scope="module")
+def phi3_model():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                     num_key_value_heads=KV_HEADS, intermediate_size=INTERMEDIATE, vocab_size=VOCAB,
+                                     pad_token_id=None)
+    spec = ModelSpec.from_hf_config(dict(config.to_dict(), architectures=["Phi3ForCausalLM"]))
+    return transformers.Phi3ForCausalLM(config).eval(), spec
+
+
+@pytest.mark.filterwarnings("ignore:The following alpha_pattern keys")
+def test_phi3_fused_modules_split_into_their_projections_as_peft_computes(phi3_model, tmp_path):
+    """An adapter on Phi-3's qkv_proj and gate_up_proj is held as q, k, v and gate, up: the fused module's A
+    shared (one tensor), its B cut by rows; each member's x A^T B^T is PEFT's delta on the fused module's
+    columns of that member."""
+    base, spec = phi3_model
+    model = make_peft_adapter(base, tmp_path / "phi3", r=4, lora_alpha=8, use_rslora=True,
+                              target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+                              rank_pattern={"layers.1.self_attn.qkv_proj": 2})
+    adapter = load_peft_adapter(tmp_path / "phi3", spec, max_rank=8, name="phi3")
+    assert adapter.targets == PROJECTIONS and len(adapter.weights) == LAYERS * len(PROJECTIONS)
+    from peft.tuners.lora import LoraLayer
+
+    q, kv, inter = spec.q_size, spec.kv_size, INTERMEDIATE
+    members = {"qkv_proj": ((0, 0, q), (1, q, q + kv), (2, q + kv, q + 2 * kv)),
+               "gate_up_proj": ((4, 0, inter), (5, inter, 2 * inter)), "o_proj": ((3, 0, HIDDEN),),
+               "down_proj": ((6, 0, HIDDEN),)}
+    torch.manual_seed(5)
+    checked = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        layer, fused = int(re.search(r"layers\.(\d+)\.", name)[1]), name.rsplit(".", 1)[1]
+        x = torch.randn(3, module.in_features)
+        with torch.no_grad():
+            peft_delta = module(x) - module.get_base_layer()(x)
+        shared = {id(adapter.weights[(layer, proj)][0]) for proj, _, _ in members[fused]}
+        assert len(shared) == 1, f"{name}: one A for every member"
+        for proj, first, last in members[fused]:
+            a, b = adapter.weights[(layer, proj)]
+            assert a.shape[0] == (2 if (layer, fused) == (1, "qkv_proj") else 4) and b.shape == (last - first, a.shape[0])
+            torch.testing.assert_close(x @ a.T @ b.T, peft_delta[:, first:last], rtol=1e-4, atol=1e-5)
+            checked += 1
+    assert checked == LAYERS * len(PROJECTIONS)
+    # host bytes count the shared A once
+    unique = {id(t): t.nbytes for pair in adapter.weights.values() for t in pair}
+    assert adapter.nbytes == sum(unique.values()) < sum(a.nbytes + b.nbytes for a, b in adapter.weights.values())
+
+
+def test_adapters_on_modules_the_model_lacks_are_refused_naming_them(base_model, phi3_model, tmp_path):
+    phi3, spec = phi3_model
+    make_peft_adapter(base_model, tmp_path / "llama", r=2, lora_alpha=4, target_modules=["q_proj"])
+    with pytest.raises(AdapterError, match=r"self_attn.q_proj, which is not one of Phi3ForCausalLM's projections "
+                                           r"\(qkv_proj, o_proj, gate_up_proj, down_proj\)"):
+        load_peft_adapter(tmp_path / "llama", spec, max_rank=8)
+    make_peft_adapter(phi3, tmp_path / "phi3", r=2, lora_alpha=4, target_modules=["gate_up_proj"])
+    with pytest.raises(AdapterError, match=r"mlp.gate_up_proj, which is not one of the seven projections"):
+        load_peft_adapter(tmp_path / "phi3", SPEC, max_rank=8)
+
+
 def test_layers_to_transform_gives_weights_for_present_layers_only(base_model, tmp_path):
     model = make_peft_adapter(
         base_model,

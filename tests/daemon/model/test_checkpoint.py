@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -217,3 +218,117 @@ def test_load_weights_corrupt_file_is_a_model_error(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
     with pytest.raises(ModelError, match="cannot read"):
         load_weights(tmp_path, torch.float32, CPU)
+
+
+# --- Phi-3: longrope, partial rotary, sliding window -------------------------------------------------
+
+
+def phi3_config(**overrides):
+    from transformers import Phi3Config
+
+    options = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=512, pad_token_id=None, bos_token_id=0, eos_token_id=1)
+    return Phi3Config(**{**options, **overrides})
+
+
+def phi3_dict(config) -> dict:
+    config_dict = config.to_dict()
+    config_dict["architectures"] = ["Phi3ForCausalLM"]
+    return config_dict
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.75], ids=["full", "partial-rotary"])
+@pytest.mark.parametrize("attention_factor", [None, 1.25], ids=["derived-attention-factor", "given-attention-factor"])
+def test_longrope_tables_match_transformers_rotary_embedding(partial, attention_factor):
+    """lorad's cos/sin rows against Phi3RotaryEmbedding's own output: a forward whose positions stay below the
+    original context (short factors), one reaching past it (long factors for every position), and the rows
+    rope_rows picks for a prompt longer than it."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from lorad.daemon.model.checkpoint import rope_attention_factor, rope_rows, rope_tables
+
+    half = int(16 * partial) // 2
+    parameters = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=partial,
+                      short_factor=[1.0 + 0.3 * i for i in range(half)], long_factor=[1.0 + 2.5 * i for i in range(half)])
+    if attention_factor is not None:
+        parameters["attention_factor"] = attention_factor
+    config = phi3_config(rope_parameters=parameters, original_max_position_embeddings=32)
+    spec = ModelSpec.from_hf_config(phi3_dict(config))
+    assert spec.rope_dim == 2 * half and (spec.rotary_dim is None) == (partial == 1.0)
+    expected_factor = attention_factor or (1 + torch.tensor(512 / 32).log() / torch.tensor(32.0).log()).sqrt().item()
+    assert rope_attention_factor(spec) == pytest.approx(expected_factor)
+
+    max_positions = 100
+    cos, sin = rope_tables(spec, max_positions, torch.float32, CPU)
+    probe = torch.zeros(1, dtype=torch.float32)
+    for length in (20, 32, 33, 90):  # the forward of a sequence of `length` tokens, as transformers runs it
+        rotary = Phi3RotaryEmbedding(config)
+        positions = torch.arange(length)
+        want_cos, want_sin = rotary(probe, positions[None])
+        # the sequence computed at once (a prompt, or a cache computed again): rope_rows picks each row
+        rows = rope_rows(spec, max_positions, positions.numpy(), [length], [length])
+        torch.testing.assert_close(cos[rows], want_cos[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(sin[rows], want_sin[0], rtol=1e-6, atol=1e-6)
+        # its last token alone (a decode step), beside a short sequence's decode row: each as it would be alone
+        rows = rope_rows(spec, max_positions, np.array([length - 1, 3]), np.array([1, 1]), [length, 4])
+        torch.testing.assert_close(cos[rows[:1]], want_cos[0, -1:], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(cos[rows[1:]], cos[3:4], rtol=0, atol=0)
+    # the short and long factors differ, so the rows above told them apart
+    assert not torch.allclose(cos[:32], cos[max_positions:])
+
+
+def test_longrope_spec_parsing_and_refusals():
+    from lorad.daemon.model.checkpoint import longrope_split, rope_inv_freq
+
+    factors = dict(short_factor=[1.0] * 8, long_factor=[2.0] * 8)
+    # transformers 4.x: rope_scaling {"type": "su"} and the original context beside it, at the top level
+    old = phi3_dict(phi3_config())
+    old.pop("rope_parameters")
+    old.update(rope_theta=10000.0, rope_scaling=dict(type="su", **factors), original_max_position_embeddings=64)
+    spec = ModelSpec.from_hf_config(old)
+    assert spec.rope_scaling["rope_type"] == "longrope" and longrope_split(spec) == 64
+    torch.testing.assert_close(rope_inv_freq(spec, long=True), rope_inv_freq(spec) / 2)
+    # the top-level original context wins over one inside the scaling, as in Phi3Config
+    inside = dict(old, rope_scaling=dict(type="longrope", original_max_position_embeddings=128, **factors))
+    assert longrope_split(ModelSpec.from_hf_config(inside)) == 64
+
+    refused(dict(old, rope_scaling=dict(type="longrope", short_factor=[1.0] * 7, long_factor=[2.0] * 8)),
+            "short_factor", "8")
+    refused(dict(old, rope_scaling=dict(type="longrope", short_factor=[1.0] * 8, long_factor="long")), "long_factor")
+    refused(dict(old, hidden_act="gelu"), "hidden_act", "gelu")
+    refused(dict(old, partial_rotary_factor=0.1, rope_scaling=None), "partial_rotary_factor", "even")
+    refused(dict(old, partial_rotary_factor=1.5, rope_scaling=None), "partial_rotary_factor")
+    # longrope stays refused where lorad does not implement it (checked above for Llama too)
+    refused(dict(llama_dict(), rope_parameters=dict(rope_type="longrope", rope_theta=1e4, **factors)), "longrope")
+
+
+def test_phi3_spec_fused_modules_and_sliding_window():
+    from lorad.daemon.model.checkpoint import MODEL_CONFIGS, within_sliding_window
+
+    spec = ModelSpec.from_hf_config(phi3_dict(phi3_config(sliding_window=48)))
+    assert spec.fused_projections and spec.sliding_window == 48
+    assert spec.lora_modules == ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    assert spec.module_shape("qkv_proj") == (64, 64 + 2 * 32) and spec.module_shape("gate_up_proj") == (64, 192)
+    assert spec.module_shape("o_proj") == spec.projection_shape("o_proj")
+    # the served context: capped at the window by default, refused above it when asked for, kept below it
+    assert within_sliding_window(spec, 512, None) == 48
+    assert within_sliding_window(spec, 40, 40) == 40
+    with pytest.raises(ModelError, match="sliding_window=48.*Phi3ForCausalLM"):
+        within_sliding_window(spec, 100, 100)
+    # the public shapes parse; Phi-4's GQA splits qkv_proj into 5120 + 1280 + 1280
+    phi4 = ModelSpec.from_hf_config(MODEL_CONFIGS["phi-4"])
+    assert phi4.module_shape("qkv_proj") == (5120, 7680) and phi4.sliding_window is None
+    assert ModelSpec.from_hf_config(MODEL_CONFIGS["phi-3-mini"]).sliding_window == 2047
+
+
+def test_an_unserved_architecture_is_refused_at_start_naming_the_served_ones(tmp_path):
+    # what `lorad serve --model DIR` prints (lorad: MESSAGE, exit 2) for a checkpoint of another family
+    from lorad.config import EngineConfig
+    from lorad.daemon.engine.engine import Engine
+    from lorad.daemon.model.checkpoint import ARCHITECTURES
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(llama_dict(), architectures=["GPTNeoXForCausalLM"])))
+    with pytest.raises(ModelError) as error:
+        Engine(EngineConfig(model=str(tmp_path), device="cpu"))
+    assert "unsupported architecture 'GPTNeoXForCausalLM'" in error.value.message
+    assert all(name in error.value.message for name in ARCHITECTURES) and "Phi3ForCausalLM" in ARCHITECTURES

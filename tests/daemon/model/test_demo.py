@@ -277,3 +277,19 @@ def test_write_random_adapter(demo_assets, tmp_path):
         write_random_adapter(tmp_path / "d", spec, 4, ["qkv_proj"], seed=0)
     with pytest.raises(ValueError):
         write_random_adapter(tmp_path / "e", spec, 0, ["q_proj"], seed=0)
+
+
+def test_write_random_adapter_on_phi3_fused_modules(tmp_path):
+    # `lorad demo adapters --model-config phi-3-mini`: adapters on the modules Phi-3 has, which lorad loads back
+    from lorad.daemon.model.adapters import load_peft_adapter
+    from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec
+    from lorad.daemon.model.demo import write_adapter_set
+
+    spec = ModelSpec.from_hf_config(MODEL_CONFIGS["tiny-phi3"])
+    (directory,) = write_adapter_set(tmp_path, spec, 1, [4], ["qkv", "gate_up", "down"])
+    tensors = read_tensors(directory / "adapter_model.safetensors")
+    assert tensors["base_model.model.model.layers.1.self_attn.qkv_proj.lora_B.weight"].shape == (64 + 2 * 32, 4)
+    adapter = load_peft_adapter(directory, spec, max_rank=8)
+    assert adapter.targets == ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
+    with pytest.raises(ValueError, match="qkv_proj"):
+        write_adapter_set(tmp_path / "x", spec, 1, [4], ["q"])

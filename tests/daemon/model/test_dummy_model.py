@@ -3,7 +3,7 @@
 import pytest
 
 from lorad.config import EngineConfig
-from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec
+from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec
 from lorad.daemon.engine.engine import Engine
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 from lorad.errors import BadRequest
@@ -38,6 +38,24 @@ def test_a_dummy_qwen3_serves_its_adapters():
                                GenerationRequest([1, 2, 3], sampling=greedy)])
     assert all(len(r.token_ids) == 4 for r in results)
     assert engine.spec.qk_norm and engine.spec.q_size == 128  # head_dim 32 x 4 heads, over a hidden size of 64
+
+
+def test_a_dummy_phi3_serves_fused_module_adapters():
+    # --dummy-adapter-targets may name Phi-3's fused modules: one A for q, k and v (gate and up), as its real
+    # adapters are held, so a --model-config phi-3-mini benchmark moves what they would
+    engine = Engine(EngineConfig(model_config="tiny-phi3", dummy_weights=True, dummy_adapters=2, dummy_adapter_rank=4,
+                                 dummy_adapter_targets="qkv_proj,o_proj,gate_up_proj,down_proj", device="cpu"))
+    adapter = engine.registry.get("dummy-0")
+    assert adapter.targets == PROJECTIONS
+    assert adapter.weights[(0, 0)][0] is adapter.weights[(0, 1)][0] is adapter.weights[(0, 2)][0]
+    assert adapter.weights[(1, 4)][0] is adapter.weights[(1, 5)][0]
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    results = engine.generate([GenerationRequest([1, 2, 3], adapter="dummy-0", sampling=greedy),
+                               GenerationRequest([1, 2, 3], sampling=greedy)])
+    assert all(len(r.token_ids) == 4 for r in results) and results[0].token_ids != results[1].token_ids
+    engine.close()
+    phi3 = ModelSpec.from_hf_config(MODEL_CONFIGS["phi-3-mini"])
+    assert phi3.fused_projections and phi3.module_shape("qkv_proj") == (3072, 9216) and phi3.sliding_window == 2047
 
 
 def test_dummy_model_serves_dummy_adapters_in_one_batch():
