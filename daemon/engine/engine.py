@@ -33,8 +33,10 @@ from lorad.daemon.engine.kernel_choice import LoraKernelChoice
 from lorad.daemon.engine.adapter_residency import LoraResidency
 from lorad.daemon.engine import status
 from lorad.daemon.engine.stats import Metrics
-from lorad.daemon.engine.request import GenerationRequest, GenerationResult, RequestOutput, check_prompt, deliver
-from lorad.daemon.engine.sampler import History, logprobs_of, make_generator, sample
+from lorad.daemon.engine.request import (MAX_STOP_TOKEN_IDS, GenerationRequest, GenerationResult, RequestOutput,
+                                         check_prompt, deliver)
+from lorad.daemon.engine.sampler import History, LogprobCopies, PendingLogprobs, logprobs_of, make_generator, sample, to_device
+from lorad.daemon.engine.sampler_state import ProcessedRows, SamplerState
 from lorad.daemon.engine.tokenizer import Detokenizer, load_tokenizer
 from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded, clip
 from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool
@@ -62,6 +64,7 @@ class StepInFlight:
     tokens: torch.Tensor  # [n] int64 on the device: each row's argmax, the next step's input ids
     host: torch.Tensor  # [n] int64, pinned on cuda: where the tokens are copied to
     done: torch.cuda.Event | None  # recorded after that copy; None on the cpu (the copy is done)
+    logprobs: PendingLogprobs | None = None  # the rows' logprobs, copied to the host before `done`
 
 
 @dataclass(eq=False)
@@ -186,6 +189,10 @@ class Engine:
         self._token_buffers = [torch.zeros(config.max_running_requests, dtype=torch.long, pin_memory=self.device.type == "cuda")
                                for _ in range(2)]  # a step in flight and the one launched after it
         self._token_turn = 0
+        # Penalties, logit bias and min_tokens from each sequence's state on the device (sampler_state.py), and an
+        # overlapped step's logprobs copied to the host beside its tokens.
+        self.sampler_state = SamplerState(self.vocab_size, self.device, len(self.spec.eos_token_ids) + MAX_STOP_TOKEN_IDS)
+        self._logprob_copies = LogprobCopies(config.max_running_requests, pin=self.device.type == "cuda")
         self.residency = LoraResidency(self._host_adapter, self.table, self.stats, pinned_bytes=config.pinned_host_bytes,
                                        staged_bytes=config.host_adapter_bytes)
         self.cold_starts = ColdStarts(config, self.spec, self.device, self.dtype, self.table, self.residency, self.stats,
@@ -562,6 +569,7 @@ class Engine:
             self._finish(self.scheduler.blocked, "error", error=error.message)
             return
         self._drop_by_admission()
+        self._release_preempted()
         assisted = self.cold_starts.admit(batch)
         if not batch:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -576,6 +584,7 @@ class Engine:
         sampled = plan.sampled
         # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
         self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)
+        self._admit_to_sampler(sampled)
         if not streamed and self._overlappable(plan):  # its tokens are read by the next step(), after it launches its successor
             for seq in sampled:
                 seq.num_computed += 1
@@ -585,10 +594,10 @@ class Engine:
         forking = [seq for seq in sampled if seq.state.group is not None and seq.state.group.unforked]
         if forking:  # their other choices draw their first tokens from the same logits rows
             logits, sampled = self._choice_rows(logits, sampled, forking)
+            self._admit_to_sampler(sampled)  # the choices' own penalties and bias, from their (shared) prompt
         params = [seq.state.request.sampling for seq in sampled]
-        histories = [self._history(seq) if p.processes_logits else None for seq, p in zip(sampled, params)]
-        tokens = sample(logits, params, [seq.state.generator for seq in sampled],  # waits for the device
-                        histories if any(histories) else None)
+        processed = self._process_logits(logits, sampled)
+        tokens = sample(logits, params, [seq.state.generator for seq in sampled])  # waits for the device
         logprobs = logprobs_of(logits, params, tokens) if any(p.logprobs is not None for p in params) else None
         self.account.landed(time.perf_counter())
         redo = self.cold_starts.after_cpu_assist(assisted, self.runner.step_spans) if assisted else set()  # its prefill runs again
@@ -597,6 +606,8 @@ class Engine:
             self.cold_starts.count_stream_step(time.perf_counter() - started)
         if not assisted and not streamed and (self.online_prefill is not None or self.config.cold_start == "auto"):
             self._observe_prefill(batch, time.perf_counter() - started)  # before num_computed moves on
+        if processed is not None:
+            self._advance_sampler(processed, sampled, tokens, redo)
         for seq, count in batch:
             if seq not in redo:
                 seq.num_computed += count
@@ -661,6 +672,40 @@ class Engine:
         banned = (() if sampling.ignore_eos else tuple(self.spec.eos_token_ids)) + sampling.stop_token_ids
         return History(seq.tokens[: seq.prompt_len], seq.tokens[seq.prompt_len :], banned)
 
+    # ---- logits processing: each sequence's state on the device (sampler_state.py) -----------------
+    # A sequence that processes its logits is given a slot, from its history, the first time it samples (and
+    # again after a preemption gave it back); each step then processes its rows from their slots and adds
+    # its tokens on the device. Slots are taken on the plain path only, where every token is landed: an
+    # overlapped step's sequences took theirs in the step that launched the overlap.
+
+    def _admit_to_sampler(self, seqs: list[Sequence]) -> None:
+        new = [(seq, seq.state.request.sampling, self._history(seq)) for seq in seqs
+               if seq.state.request.sampling.processes_logits and seq not in self.sampler_state]
+        if new:
+            self.sampler_state.admit(new)
+
+    def _process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> ProcessedRows | None:
+        """Penalties, bias and min_tokens, in place, on the rows of the step's logits that ask for them."""
+        rows = [row for row, seq in enumerate(seqs) if seq.state.request.sampling.processes_logits]
+        return self.sampler_state.process(logits, rows, [seqs[row] for row in rows]) if rows else None
+
+    def _advance_sampler(self, processed: ProcessedRows, seqs: list[Sequence], tokens: list[int | None], redo) -> None:
+        """A plain step's drawn tokens into its rows' state. A row whose token is dropped (its prefill runs again)
+        gives its slot back, to be admitted again from its history; a failed row's request ends (_finish)."""
+        drawn = torch.tensor([token if token is not None else 0 for token in tokens])
+        self.sampler_state.advance(processed, to_device(drawn, self.device))
+        for seq in seqs:
+            if seq in redo:
+                self.sampler_state.release(seq)
+
+    def _release_preempted(self) -> None:
+        """Slots of sequences the scheduler preempted: their tokens are recomputed before they sample again."""
+        if len(self.sampler_state):
+            running = set(self.scheduler.running)
+            for seq in self.sampler_state.keys():
+                if seq not in running:
+                    self.sampler_state.release(seq)
+
     def _take_token(self, seq: Sequence, token: int, now: float, logprob=None) -> None:
         state: RequestState = seq.state
         if state.first_token_time is None:
@@ -688,17 +733,23 @@ class Engine:
     # admission and prefetch make, on the plain path, after the step in flight has been landed.
 
     def _overlappable(self, plan: StepPlan) -> bool:
-        """Is this step's reading of its tokens deferred: a greedy decode step of every running request."""
+        """Is this step's reading of its tokens deferred: a greedy decode step of every running request (with
+        penalties, bias, logprobs or not). Rows drawn with a temperature stay on the plain path: they are drawn on
+        the cpu, for seeds that give the same tokens on every device."""
         if not (self.overlap_decode and plan.decode) or plan.assisted or len(plan.seqs) != len(self.scheduler.running):
             return False
-        return all(seq.state.request.sampling.greedy and not seq.state.request.sampling.processes_logits
-                   and seq.state.request.sampling.logprobs is None and not seq.state.request.keep_logits
+        return all(seq.state.request.sampling.greedy and not seq.state.request.keep_logits
                    and (seq.state.group is None or not seq.state.group.unforked)  # a fork reads the step's logits
                    for seq in plan.seqs)
 
     def _launch_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepInFlight:
-        """The step's greedy tokens on the device, and their copy to the host started."""
+        """The step's greedy tokens on the device (from the processed logits where rows ask for it; their sampler
+        state advanced there), their logprobs computed there, and their copies to the host started."""
+        processed = self._process_logits(logits, seqs)
         tokens = logits.argmax(dim=-1)  # as sample() does for greedy rows
+        if processed is not None:
+            self.sampler_state.advance(processed, tokens)
+        logprobs = self._logprob_copies.launch(logits, [seq.state.request.sampling for seq in seqs], tokens)
         host = self._token_buffers[self._token_turn][: len(seqs)]
         self._token_turn ^= 1
         host.copy_(tokens, non_blocking=True)
@@ -706,7 +757,7 @@ class Engine:
         if tokens.is_cuda:
             done = torch.cuda.Event()
             done.record()
-        return StepInFlight(seqs, tokens, host, done)
+        return StepInFlight(seqs, tokens, host, done, logprobs)
 
     def _launch_next_decode(self) -> bool:
         """Launches the decode step after the one in flight from its tokens on the device, then lands the
@@ -762,9 +813,10 @@ class Engine:
             flight.done.synchronize()
         now = time.perf_counter()
         self.account.landed(now)
-        for seq, token in zip(flight.seqs, flight.host.tolist()):
+        logprobs = flight.logprobs.read() if flight.logprobs is not None else [None] * len(flight.seqs)
+        for seq, token, logprob in zip(flight.seqs, flight.host.tolist(), logprobs):
             if not seq.state.finished:
-                self._take_token(seq, token, now)
+                self._take_token(seq, token, now, logprob)
 
     def _drop_by_admission(self) -> None:
         """Fails the requests the admission policy dropped this step, each with its reason (503)."""
@@ -846,6 +898,7 @@ class Engine:
         decode_s = None if state.first_token_time is None else now - state.first_token_time
         self.stats.request_finished(reason, seq.prompt_len, seq.num_generated, now - state.arrival, decode_s)
         self.scheduler.finish(seq)
+        self.sampler_state.release(seq)
         group = state.group
         if group is not None and seq in group.unforked:
             group.unforked.remove(seq)

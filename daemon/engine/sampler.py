@@ -1,6 +1,10 @@
 """Turning a step's logits into tokens: the rows that ask for it processed first (penalties, logit bias,
-min_tokens: `process_logits`, every such row in a few batched ops), then greedy rows in one argmax, the rest
-with temperature, top-k and top-p, each request drawing from its own generator when it gave a seed."""
+min_tokens), then greedy rows in one argmax, the rest with temperature, top-k and top-p, each request drawing
+from its own generator when it gave a seed; and the log-probabilities of the tokens drawn.
+
+The engine processes logits from each sequence's state on the device (sampler_state.py); `process_logits` here,
+which rebuilds every row from its whole history, is the definition it matches (and what `sample` runs when
+given histories)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lorad.daemon.engine.request import SamplingParams
+from lorad.daemon.engine.request import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -86,22 +90,90 @@ def logprobs_of(logits: torch.Tensor, params: list[SamplingParams], tokens: list
     """For the rows whose params ask for logprobs (None for the others), from the logits sample() read (processed
     in place): one log_softmax, gather and top-k over those rows, one copy to the host for the step."""
     rows = [row for row, p in enumerate(params) if p.logprobs is not None]
-    out: list[TokenLogprob | None] = [None] * len(params)
     if not rows:
-        return out
-    device = logits.device
-    index = torch.tensor(rows, device=device)
-    temperature = torch.tensor([params[row].temperature or 1.0 for row in rows], device=device)[:, None]
-    log_probs = torch.log_softmax(logits.index_select(0, index).float() / temperature, dim=-1)
+        return [None] * len(params)
     picked = [tokens[row] if tokens[row] is not None else 0 for row in rows]  # a failed row's value is not used
-    chosen = log_probs.gather(1, torch.tensor(picked, device=device)[:, None])[:, 0]
+    chosen, top_values, top_ids = logprob_tensors(logits, params, rows, to_device(torch.tensor(picked), logits.device))
+    return token_logprobs(params, rows, chosen.tolist(), top_values.tolist(), top_ids.tolist())
+
+
+def logprob_tensors(logits: torch.Tensor, params: list[SamplingParams], rows: list[int],
+                    picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On the logits' device, without waiting for it, for the rows `rows` of logits [N, vocab] and their drawn
+    tokens picked [len(rows)] int64: the tokens' log-probabilities [R], and the k most likely ones' [R, k] and
+    their ids [R, k], k the most any of the rows asks for."""
+    device = logits.device
+    whole = rows == list(range(logits.shape[0]))
+    selected = logits if whole else logits.index_select(0, to_device(torch.tensor(rows), device))
+    temperatures = [params[row].temperature or 1.0 for row in rows]
+    if any(t != 1.0 for t in temperatures):
+        selected = selected.float() / to_device(torch.tensor(temperatures, dtype=torch.float32), device)[:, None]
+    log_probs = torch.log_softmax(selected.float(), dim=-1)
+    chosen = log_probs.gather(1, picked[:, None])[:, 0]
     k = max(params[row].logprobs for row in rows)
     top_values, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
-    chosen, top_values, top_ids = chosen.tolist(), top_values.tolist(), top_ids.tolist()
+    return chosen, top_values, top_ids
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device; on cuda from pinned memory, without waiting: a copy from pageable memory
+    waits for the work queued before it (in overlapped decode, the step in flight)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def token_logprobs(params: list[SamplingParams], rows: list[int], chosen: list[float], top_values: list[list[float]],
+                   top_ids: list[list[int]]) -> list[TokenLogprob | None]:
+    """logprob_tensors' values, read on the host -> a TokenLogprob for each of the rows, None for the others."""
+    out: list[TokenLogprob | None] = [None] * len(params)
     for i, row in enumerate(rows):
         want = params[row].logprobs
         out[row] = TokenLogprob(chosen[i], tuple(zip(top_ids[i][:want], top_values[i][:want])))
     return out
+
+
+class LogprobCopies:
+    """Overlapped decode's logprobs: computed on the device after the step's tokens, copied without waiting into
+    pinned host buffers (two: the step in flight's and the one launched after it, as the engine's token buffers),
+    read once the step's tokens are."""
+
+    def __init__(self, max_rows: int, pin: bool):
+        size = max_rows * (MAX_LOGPROBS + 1)  # each row's chosen log-probability and its top ones
+        self._values = [torch.zeros(size, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self._ids = [torch.zeros(max_rows * MAX_LOGPROBS, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
+
+    def launch(self, logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor) -> PendingLogprobs | None:
+        """For the rows of logits [N, vocab] that ask for logprobs, of their drawn tokens [N] on the device; None
+        when no row asks."""
+        rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return None
+        picked = tokens if len(rows) == len(params) else tokens.index_select(0, to_device(torch.tensor(rows), tokens.device))
+        chosen, top_values, top_ids = logprob_tensors(logits, params, rows, picked)
+        count, k = len(rows), top_ids.shape[1]
+        values = self._values[self._turn][: count * (k + 1)].view(count, k + 1)  # contiguous: copied without waiting
+        ids = self._ids[self._turn][: count * k].view(count, k)
+        self._turn ^= 1
+        values.copy_(torch.cat([chosen[:, None], top_values], dim=1), non_blocking=True)
+        ids.copy_(top_ids, non_blocking=True)
+        return PendingLogprobs(params, rows, values, ids)
+
+
+@dataclass(frozen=True)
+class PendingLogprobs:
+    """A step's logprobs on their way to the host (LogprobCopies.launch): `read` once the copy is done."""
+
+    params: list[SamplingParams]
+    rows: list[int]
+    values: torch.Tensor  # [R, k + 1] float32 on the host: the drawn token's, then the top k
+    ids: torch.Tensor  # [R, k] int64 on the host
+
+    def read(self) -> list[TokenLogprob | None]:
+        values = self.values.tolist()
+        return token_logprobs(self.params, self.rows, [row[0] for row in values], [row[1:] for row in values],
+                              self.ids.tolist())
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[History | None]) -> None:
@@ -130,14 +202,14 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories
         block.index_put_((at[0], at[1]), torch.tensor([v for *_, v in bias], dtype=block.dtype, device=device),
                          accumulate=True)
     if any(p.repetition_penalty != 1 for p in chosen):
-        ids = _padded([history.prompt + history.output for history in seen], vocab, device)
+        ids = padded_ids([history.prompt + history.output for history in seen], vocab, device)
         present = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
         present.scatter_(1, ids, True)
         present = present[:, :vocab]
         penalty = torch.tensor([p.repetition_penalty for p in chosen], dtype=block.dtype, device=device)[:, None]
         block = torch.where(present, torch.where(block > 0, block / penalty, block * penalty), block)
     if any(p.frequency_penalty or p.presence_penalty for p in chosen):
-        ids = _padded([history.output for history in seen], vocab, device)
+        ids = padded_ids([history.output for history in seen], vocab, device)
         counts = torch.zeros(len(rows), vocab + 1, dtype=block.dtype, device=device)
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=block.dtype))
         counts = counts[:, :vocab]
@@ -147,7 +219,7 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories
     logits.index_copy_(0, index, block)
 
 
-def _padded(sequences: list[list[int]], pad: int, device) -> torch.Tensor:
+def padded_ids(sequences: list[list[int]], pad: int, device) -> torch.Tensor:
     """int64 [rows, longest] of token ids, padded with `pad` (the vocabulary size: the callers' tables have
     one column more, dropped after the scatter)."""
     longest = max(1, max(len(ids) for ids in sequences))

@@ -198,3 +198,67 @@ def test_a_sequence_crossing_longrope_s_switch_is_left_out_and_recomputed(hf_che
     assert [r.token_ids for r in results] == expected
     assert len(recomputed) == 2 and overlapping.overlapped_steps > 0  # the two short prompts crossed 16 tokens
     overlapping.close()
+
+
+# --- greedy rows with penalties, bias, min_tokens and logprobs: processed from their state on the device --------
+
+PROCESSED = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={"7": 2.0, "9": -3.0},
+                 logprobs=3)
+
+
+def processed_requests(engine: Engine, cases, max_tokens: int) -> list[GenerationRequest]:
+    """Every kind of greedy row side by side: all the controls, logprobs alone, penalties alone, none, and one whose
+    EOS is forced by its bias but banned by min_tokens for its first 3 tokens."""
+    eos = engine.spec.eos_token_ids[0]
+    kinds = [PROCESSED, dict(logprobs=2), dict(frequency_penalty=1.5, repetition_penalty=0.8), {},
+             dict(logit_bias={str(eos): 100}, min_tokens=3, logprobs=1)]
+    return [GenerationRequest(list(prompt), adapter, SamplingParams(max_tokens=max_tokens, **GREEDY, **kinds[i % len(kinds)]))
+            for i, (prompt, adapter) in enumerate(cases)]
+
+
+def assert_same_logprobs(got, want, tolerance: float = 1e-5):
+    assert (got is None) == (want is None)
+    assert len(got or []) == len(want or [])
+    for entry, expected in zip(got or [], want or []):
+        assert abs(entry.logprob - expected.logprob) < tolerance
+        assert [token for token, _ in entry.top] == [token for token, _ in expected.top]
+        assert all(abs(a - b) < tolerance for (_, a), (_, b) in zip(entry.top, expected.top))
+
+
+def test_processed_greedy_rows_overlap_with_the_same_tokens_and_logprobs(demo_assets, plain):
+    cases = [(prompt, ADAPTERS[i % len(ADAPTERS)]) for i, prompt in enumerate(prompts(10, seed=8, low=3, high=16))]
+    expected = plain.generate(processed_requests(plain, cases, 12))
+    engine = overlapped(make_engine(demo_assets))
+    reqs = processed_requests(engine, cases, 12)
+    outputs = streamed(reqs)
+    results = engine.generate(reqs)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert [r.finish_reason for r in results] == [r.finish_reason for r in expected]
+    for result, want in zip(results, expected):
+        assert_same_logprobs(result.logprobs, want.logprobs)
+    for request, result in zip(reqs, results):  # streamed: each token with its logprob
+        chunks = outputs[request.request_id]
+        assert [t for o in chunks for t in o.new_token_ids] == result.token_ids
+        if request.sampling.logprobs is not None:
+            assert [entry for o in chunks for entry in o.logprobs or []] == result.logprobs
+    eos = engine.spec.eos_token_ids[0]
+    held = [r for r, q in zip(results, reqs) if q.sampling.min_tokens]
+    assert held and all(r.token_ids[-1] == eos and len(r.token_ids) == 4 and r.finish_reason == "stop" for r in held)
+    assert engine.overlapped_steps > 5
+    assert len(engine.sampler_state) == 0 and engine._in_flight is None  # every slot given back
+
+
+def test_processed_rows_through_preemption_keep_their_tokens(demo_assets, plain):
+    cases = [(prompt, [None, "demo-r1", "demo-r2"][i % 3]) for i, prompt in enumerate(prompts(6, seed=1, low=8, high=16))]
+    params = SamplingParams(max_tokens=14, **GREEDY, **PROCESSED)
+    expected = [plain.generate([GenerationRequest(list(p), a, params)])[0] for p, a in cases]
+    engine = overlapped(make_engine(demo_assets, pages=200, max_model_len=32))
+    preemptions = count_calls(engine.scheduler, "preempt")
+    admitted = count_calls(engine.sampler_state, "admit")
+    results = engine.generate([GenerationRequest(list(p), a, params) for p, a in cases])
+    assert preemptions, "the pool was large enough to run without preemption"
+    assert sum(len(entries) for entries, in admitted) > len(cases)  # admitted again from the history after a preemption
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    for result, want in zip(results, expected):
+        assert_same_logprobs(result.logprobs, want.logprobs)
+    assert engine.overlapped_steps > 0 and len(engine.sampler_state) == 0
