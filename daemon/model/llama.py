@@ -75,6 +75,9 @@ class LlamaModel:
         self.cos, self.sin = rope_cache(rope_inv_freq(spec), max_positions, self.embed.dtype, self.embed.device)
         self.scale = spec.head_dim**-0.5
         self.splits = (spec.q_size, spec.kv_size, spec.kv_size)
+        # Tensor parallelism (daemon/model/tensor_parallel.py): o's and down's outputs are partial sums over the
+        # ranks, LoRA included; this sums them. The identity on one GPU.
+        self.reduce = _whole
 
     @torch.inference_mode()
     def forward(self, step: Step, kv_view: torch.Tensor, table) -> torch.Tensor:
@@ -106,6 +109,7 @@ class LlamaModel:
         attended = ops.attention(q, kv_view, index, step.attention, self.scale)
         o = ops.linear(attended, layer.o)
         ops.lora(attended, o, index, O, lora, table)
+        o = self.reduce(o)
 
         h, x = ops.add_rms_norm(h, o, layer.post_norm, spec.rms_norm_eps)
         gate_up = ops.linear(x, layer.gate_up)
@@ -114,7 +118,11 @@ class LlamaModel:
         act = ops.silu_mul(gate, up)
         down = ops.linear(act, layer.down)
         ops.lora(act, down, index, DOWN, lora, table)
-        return h, down
+        return h, self.reduce(down)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 class _Taker:
