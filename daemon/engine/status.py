@@ -24,6 +24,9 @@ def engine_status(engine: Engine) -> dict:
             "dtype": str(engine.dtype).removeprefix("torch."),
             "ops": engine.runner.ops.name,
             "pool": engine.pool.occupancy(),
+            # the GPUs the engine spans and each rank's pool (daemon/engine/tp_worker.py); size 1: this device alone
+            "tensor_parallel": (engine.tp.status(engine.pool) if engine.tp is not None
+                                else {"size": 1, "gpus": [str(engine.device)]}),
             "adapters_resident": sorted(engine.residency.slots),
             "adapter_loads": engine.residency.loads,
             "adapter_prefetches": engine.residency.prefetches,
