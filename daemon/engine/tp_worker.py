@@ -128,10 +128,16 @@ class TensorParallel:
         forward = runner.forward
 
         def forward_on_every_rank(plan: StepPlan) -> torch.Tensor:
-            self.send_step(plan, runner.table, runner.residency)
-            if plan.device_tokens is not None:
-                plan.device_tokens = tensor_parallel.broadcast(plan.device_tokens.contiguous())
-            return forward(plan)
+            try:
+                self.send_step(plan, runner.table, runner.residency)
+                if plan.device_tokens is not None:
+                    plan.device_tokens = tensor_parallel.broadcast(plan.device_tokens.contiguous())
+                return forward(plan)
+            except BaseException:
+                # The ranks may now be at different collectives (a timeout, a rank gone, a bug here): no later
+                # step can be trusted, and the engine's step loop would go on to the next one.
+                log.exception("tensor parallel step failed on rank 0: the ranks are out of step; exiting")
+                _exit(RANK_DIED_EXIT)
 
         runner.forward = forward_on_every_rank
 
@@ -245,9 +251,15 @@ class TensorParallel:
         process.join(1)
         log.error("tensor parallel rank %d died (pid %d, exit code %s): the engine cannot go on without it; exiting",
                   rank, process.pid, process.exitcode)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os._exit(RANK_DIED_EXIT)
+        _exit(RANK_DIED_EXIT)
+
+
+def _exit(code: int) -> None:
+    """Ends the engine process now (a collective may hold its other threads): the API process sees it die, fails
+    every request and exits non-zero."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(code)
 
 
 def _devices(device: torch.device, size: int) -> list[torch.device]:
