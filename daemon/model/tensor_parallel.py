@@ -10,12 +10,19 @@ Rank r of N holds, of every layer:
 
 The LoRA of o and down is fused into that all-reduce: each rank adds (x_r A_r^T) B^T to its partial y_r, and the
 sum over r of (x_r A_r^T) B^T is (x A^T) B^T by linearity, exactly. Reducing the shrink's [T, rank] partials
-first and expanding once (S-LoRA's order) costs a second all-reduce per projection, 2 x layers small collectives a
-step, each a latency of ~10 us on NVLink against a [T, rank] payload; the fused order costs none, and every
-rank's expand is the same [T, rank] x [rank, hidden] product a single GPU runs (the N-fold is in aggregate FLOPs
-across GPUs, not on any one, so the step is no longer). The shrink of a column-parallel projection is computed
-whole on every rank for the same reason: a [T, hidden] x [hidden, rank] product, less than what an all-gather
-of a rank-sharded A would cost to wait for.
+first and expanding once costs a second all-reduce per projection; the fused order costs none, and each rank's
+expand is the same [T, rank] x [rank, hidden] product one GPU runs (the N-fold is in FLOPs summed over the GPUs,
+not on any one, so no step is longer).
+
+S-LoRA's own partition (its section 6) holds no weight twice: for a column-parallel projection A is split along
+the rank (an all-gather of the shrink's [T, rank / N] parts before the expand), for a row-parallel one B along its
+outputs (the shrink's [T, rank] partials all-reduced first). That is four small collectives per layer on top of the
+base model's two (q, k, v's all-gathers merged into one, gate and up's into one; seven unmerged), 160 a step on a
+40-layer model, each a latency of ~10 us or more however few its bytes, which a decode step of a few milliseconds
+cannot hide. Here the adapters add none. The price is memory: a rank holds
+(in + out / N) of a column-parallel projection's LoRA and (in / N + out) of a row-parallel one's, about 0.75 of a
+whole adapter at N = 2 against S-LoRA's 0.5, and it reads the whole A of q, k, v, gate, up in each shrink (rank x
+hidden elements: small beside the base weights a decode step reads).
 
 The embeddings, the LM head and the norms are whole on every rank, so every rank holds the same residual
 stream and the same logits (rank 0 samples). The KV heads are split with the query heads that read them; a
