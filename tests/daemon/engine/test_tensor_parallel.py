@@ -228,3 +228,15 @@ def test_step_message_rebuilds_the_plan():
     assert rebuilt.decode == plan.decode and len(rebuilt.seqs) == 2
     assert rebuilt.row_slots().tolist() == [-1, -1, -1, 3]
     assert dataclasses.is_dataclass(StepMessage)
+
+
+@pytest.mark.parametrize("name,parameters", [("llama-2-70b", 68.98e9), ("llama-3-70b", 70.55e9)])
+def test_70b_shapes_split_over_two_to_eight_gpus(name, parameters):
+    spec = ModelSpec.from_hf_config(MODEL_CONFIGS[name])
+    for size in (2, 4, 8):
+        check_size(spec, size)
+    counted = 2 * spec.vocab_size * spec.hidden_size + spec.num_layers * sum(
+        fan_in * fan_out for fan_in, fan_out in map(spec.projection_shape, PROJECTIONS))
+    assert abs(counted - parameters) / parameters < 0.002
+    local = Shard(spec, 1, 2).local
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (32, 4, 14336)
