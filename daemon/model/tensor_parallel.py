@@ -50,8 +50,9 @@ ROW_PARALLEL = (O, DOWN)  # input features split: A's columns split, B whole
 # The architectures whose checkpoint names the shard reads (a fused qkv or gate_up tensor would need its own split).
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # A collective that has not completed in this long fails (gloo raises; NCCL's watchdog aborts the process): a rank
-# that died or hangs takes the engine down instead of leaving the others waiting forever.
-COLLECTIVE_TIMEOUT_S = 120.0
+# that hangs takes the engine down instead of leaving the others waiting forever (one that dies is seen at once:
+# daemon/engine/tp_worker.py). Long enough for a rank compiling its kernels while another waits at a collective.
+COLLECTIVE_TIMEOUT_S = 300.0
 
 
 def check_size(spec: ModelSpec, size: int) -> None:
