@@ -120,6 +120,7 @@ class BlockList:
     def __init__(self):
         self._buffer: np.ndarray | None = None
         self._length = 0
+        self.clears = 0  # how many times it was emptied (a preemption): a tensor-parallel rank's copy starts over
 
     def __len__(self) -> int:
         return self._length
@@ -146,6 +147,7 @@ class BlockList:
 
     def clear(self) -> None:
         self._length = 0
+        self.clears += 1
 
 
 @dataclass

@@ -5,9 +5,10 @@ pool of the same pages, and runs every step the engine runs.
 Every decision is made once, in the engine: the scheduler's batch, KV blocks, adapter slots and their pool pages.
 Before each forward the engine sends the workers one `StepMessage` on a pipe: the adapter placements and
 evictions since the last step (slot, name, directory, page ids: each rank stages its own shard of the adapter
-into the same pages) and the step's plan (tokens, positions, slots, KV blocks, sampled rows). A worker applies
-the placements and runs the same forward; the ranks meet in the forward's all-reduces. A decode step whose input
-ids are on rank 0's device (overlapped decode) has them broadcast on the device.
+into the same pages) and the step's plan (tokens, positions, slots, the KV blocks added since the last step,
+sampled rows). A worker applies the placements and runs the same forward; the ranks meet in the forward's
+all-reduces. A decode step whose input ids are on rank 0's device (overlapped decode) has them broadcast on the
+device.
 
 The worker reads its pipe with no timeout (an idle engine sends nothing) and exits when rank 0's end closes; the
 collectives have COLLECTIVE_TIMEOUT_S. A worker that dies takes the engine process down (`_watch`): the API
@@ -36,7 +37,7 @@ from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.model import tensor_parallel
 from lorad.daemon.model.checkpoint import ModelSpec
 from lorad.errors import BadRequest, ModelError
-from lorad.gpu_ops.page_pool import PagePool
+from lorad.gpu_ops.page_pool import BlockList, PagePool
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ class Placement:
 
 @dataclasses.dataclass
 class StepMessage:
-    """One step as every worker runs it: the pool changes first, then the plan (StepPlan's arrays)."""
+    """One step as every worker runs it: the pool changes first, then the plan (StepPlan's arrays; of each sequence's
+    KV blocks only the rows the worker has not seen: `BlockSync`)."""
 
     evicted: list[int]
     placed: list[Placement]
@@ -63,21 +65,65 @@ class StepMessage:
     counts: np.ndarray
     starts: np.ndarray
     slots: np.ndarray
-    blocks: list[np.ndarray]
+    blocks: tuple[list[int], list[int], list[np.ndarray]]  # BlockSync.updates: keys, first new row, new rows
     sample: np.ndarray
     device_tokens: bool  # the input ids come from rank 0's device (a broadcast), not `tokens`
 
     @classmethod
-    def of(cls, plan: StepPlan, evicted: list[int], placed: list[Placement]) -> StepMessage:
+    def of(cls, plan: StepPlan, evicted: list[int], placed: list[Placement], blocks: tuple) -> StepMessage:
         if plan.assisted:
             raise RuntimeError("a CPU-assisted step cannot run tensor-parallel")  # refused by EngineConfig
         return cls(evicted, placed, np.concatenate(plan.tokens), plan.counts, plan.starts, plan.slots,
-                   plan.blocks, plan.sample, plan.device_tokens is not None)
+                   blocks, plan.sample, plan.device_tokens is not None)
 
-    def plan(self) -> StepPlan:
+    def plan(self, blocks: list[np.ndarray]) -> StepPlan:
         tokens = np.split(self.tokens, np.cumsum(self.counts)[:-1])
-        return StepPlan(tokens=tokens, starts=self.starts, slots=self.slots, blocks=self.blocks, sample=self.sample,
+        return StepPlan(tokens=tokens, starts=self.starts, slots=self.slots, blocks=blocks, sample=self.sample,
                         seqs=[None] * len(tokens))
+
+
+class BlockSync:
+    """The sequences' KV block lists on a worker, kept equal to rank 0's by sending each step only the rows added
+    since the last step (a decode step adds at most one block a sequence; the whole lists of a 64-request batch
+    are megabytes a step on a model with few tokens a page).
+
+    Both sides keep the sequences of the last step only: one not in a step is forgotten and sent whole when it
+    comes back. Rank 0 sends a list whole again when it is another list, or was emptied (preempted) since."""
+
+    def __init__(self):
+        self.sent: dict[int, tuple] = {}  # rank 0: id(seq) -> (seq, its BlockList, its clears, rows sent)
+        self.held: dict[int, BlockList] = {}  # a worker: key -> its copy
+
+    def updates(self, plan: StepPlan) -> tuple[list[int], list[int], list[np.ndarray]]:
+        """Rank 0: (a key per sequence, the first row sent, the rows from there)."""
+        sent, self.sent = self.sent, {}
+        keys, firsts, rows = [], [], []
+        for seq, blocks in zip(plan.seqs, plan.blocks):
+            key, first = id(seq), 0
+            entry = sent.get(key)
+            if entry is not None and entry[0] is seq and entry[1] is seq.blocks and entry[2] == seq.blocks.clears \
+                    and entry[3] <= len(blocks):
+                first = entry[3]
+            keys.append(key)
+            firsts.append(first)
+            rows.append(blocks[first:])
+            self.sent[key] = (seq, seq.blocks, seq.blocks.clears, len(blocks))
+        return keys, firsts, rows
+
+    def apply(self, update: tuple[list[int], list[int], list[np.ndarray]]) -> list[np.ndarray]:
+        """A worker: each sequence's whole block list, from rank 0's update."""
+        held, self.held = self.held, {}
+        lists = []
+        for key, first, rows in zip(*update):
+            blocks = held.get(key) if first else BlockList()
+            if blocks is None or len(blocks) != first:
+                raise RuntimeError(f"tensor parallel: blocks of sequence {key} from row {first}, but this rank holds "
+                                   f"{'none' if blocks is None else len(blocks)}")
+            if len(rows):
+                blocks.extend(rows)
+            self.held[key] = blocks
+            lists.append(blocks.array())
+        return lists
 
 
 class TensorParallel:
@@ -93,6 +139,7 @@ class TensorParallel:
         self.backend = ""
         self._closing = False
         self._sent: dict[int, object] = {}  # slot -> the AdapterPlacement the workers hold there
+        self._blocks = BlockSync()
         self._paths: dict[str, str] = {}  # adapter name -> the directory its shard was read from
         self._shards: collections.OrderedDict = collections.OrderedDict()  # id(weights) -> (weights, shard)
         self._shard_bytes = 0
@@ -188,7 +235,7 @@ class TensorParallel:
                     name = names[slot]
                     placed.append(Placement(slot, name, self._paths[name], np.asarray(placement.page_ids, dtype=np.int32)))
             self._sent = dict(placements)
-        message = StepMessage.of(plan, evicted, placed)
+        message = StepMessage.of(plan, evicted, placed, self._blocks.updates(plan))
         for connection in self.connections:
             connection.send(("step", message))
         self.steps_sent += 1
@@ -317,6 +364,7 @@ class RankWorker:
         self.runner.model.reduce = tensor_parallel.all_reduce
         del weights
         self._adapters = collections.OrderedDict()  # (name, path) -> staged shard, LRU within host_adapter_bytes
+        self.blocks = BlockSync()
         self._adapter_bytes = 0
         self._dummies = None
 
@@ -344,7 +392,7 @@ class RankWorker:
             self.table.evict(slot)
         for placement in message.placed:
             self.table.place_at(placement.slot, self._staged(placement.name, placement.path), placement.page_ids)
-        plan = message.plan()
+        plan = message.plan(self.blocks.apply(message.blocks))
         if message.device_tokens:
             plan.device_tokens = tensor_parallel.broadcast(torch.empty(len(plan.tokens), dtype=torch.long, device=self.device))
         self.runner.forward(plan)

@@ -165,6 +165,24 @@ def test_tp2_greedy_tokens_equal_tp1_and_hf_peft(arch, hf_checkpoint, hf_referen
 
 
 @pytest.mark.slow
+def test_tp2_preempted_sequences_stay_in_step(hf_checkpoint, caplog):
+    # A pool so small that growing KV preempts running sequences (their blocks freed, recomputed later): the workers'
+    # block lists follow rank 0's, and the tokens stay those of TP=1.
+    checkpoint = hf_checkpoint("llama")
+    adapters = {name: checkpoint.adapters[name] for name in ("qv-r1", "o-down-r4")}
+    cases = [(prompt, [None, "qv-r1", "o-down-r4"][index % 3])
+             for index, (prompt, _) in enumerate(make_cases(list(checkpoint.adapters), checkpoint.vocab_size)[:9])]
+    config = dict(max_running_requests=8, pool_bytes=300 * 256, max_model_len=64)
+    single, _ = generate(checkpoint.model_dir, adapters, cases, **config)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="lorad.scheduler.batching"):
+        split, _ = generate(checkpoint.model_dir, adapters, cases, tensor_parallel_size=2, **config)
+    assert any("preempt" in record.getMessage() for record in caplog.records), "no sequence was preempted"
+    for index, (one, two) in enumerate(zip(single, split)):
+        assert two.token_ids == one.token_ids, f"request {index} (adapter {cases[index][1]})"
+
+
+@pytest.mark.slow
 def test_tp2_dummy_weights_and_adapters_run(tmp_path):
     # The benchmarks' path: random weights drawn per rank in its local shape, in-memory adapters every rank makes.
     config = EngineConfig(model_config="tiny-llama", dummy_weights=True, dummy_adapters=3, dummy_adapter_rank=4,
@@ -212,21 +230,51 @@ def test_a_rank_that_dies_takes_the_engine_down(demo_assets):
         os.kill(worker, 0)
 
 
-def test_step_message_rebuilds_the_plan():
+def test_step_message_rebuilds_the_plan_and_the_block_lists():
+    """Over several steps: blocks added a row at a time, a sequence preempted (its list emptied and grown again), one
+    leaving a step and coming back, one finished and a new one in its place. Each step's message carries only new
+    rows where it can, and the worker's lists equal rank 0's every time."""
+    import pickle
+
     import numpy as np
 
     from lorad.daemon.engine.step_plan import StepPlan
-    from lorad.daemon.engine.tp_worker import StepMessage
+    from lorad.daemon.engine.tp_worker import BlockSync, StepMessage
+    from lorad.gpu_ops.page_pool import BlockList
+    from lorad.scheduler.batching import Sequence
 
-    blocks = [np.arange(6, dtype=np.int32).reshape(1, 3, 2), np.arange(12, dtype=np.int32).reshape(2, 3, 2)]
-    plan = StepPlan(tokens=[np.array([4, 5, 6]), np.array([9])], starts=np.array([0, 7]), slots=np.array([-1, 3]),
-                    blocks=blocks, sample=np.array([True, True]))
-    rebuilt = StepMessage.of(plan, [], []).plan()
-    assert [t.tolist() for t in rebuilt.tokens] == [[4, 5, 6], [9]]
-    for field in ("starts", "slots", "sample", "counts"):
-        assert np.array_equal(getattr(rebuilt, field), getattr(plan, field)), field
-    assert rebuilt.decode == plan.decode and len(rebuilt.seqs) == 2
-    assert rebuilt.row_slots().tolist() == [-1, -1, -1, 3]
+    def rows(first, count):
+        return np.arange(first * 6, (first + count) * 6, dtype=np.int32).reshape(count, 3, 2)
+
+    a, b, c = (Sequence(name, [1, 2, 3], 3, None, blocks=BlockList()) for name in "abc")
+    a.blocks.extend(rows(0, 2))
+    b.blocks.extend(rows(10, 1))
+    rank0, worker = BlockSync(), BlockSync()
+
+    def step(seqs):
+        plan = StepPlan(tokens=[np.array([4, 5, 6])] + [np.array([9])] * (len(seqs) - 1), starts=np.arange(len(seqs)),
+                        slots=np.array([-1, 3, 0][: len(seqs)]), blocks=[seq.blocks.array() for seq in seqs],
+                        sample=np.ones(len(seqs), dtype=bool), seqs=seqs)
+        message = pickle.loads(pickle.dumps(StepMessage.of(plan, [], [], rank0.updates(plan))))
+        rebuilt = message.plan(worker.apply(message.blocks))
+        assert [t.tolist() for t in rebuilt.tokens] == [t.tolist() for t in plan.tokens]
+        for field in ("starts", "slots", "sample", "counts"):
+            assert np.array_equal(getattr(rebuilt, field), getattr(plan, field)), field
+        assert rebuilt.decode == plan.decode and rebuilt.row_slots().tolist() == plan.row_slots().tolist()
+        for mine, theirs in zip(rebuilt.blocks, plan.blocks):
+            assert np.array_equal(mine, theirs)
+        return [len(new) for new in message.blocks[2]]
+
+    assert step([a, b]) == [2, 1]
+    a.blocks.extend(rows(2, 1))
+    assert step([a, b]) == [1, 0]  # only the new row
+    b.blocks.clear()  # preempted, then grown again to as many rows
+    b.blocks.extend(rows(20, 1))
+    assert step([a, b]) == [0, 1]
+    assert step([a]) == [0]
+    assert step([a, b]) == [0, 1]  # b left a step: sent whole
+    c.blocks.extend(rows(30, 3))
+    assert step([c, a]) == [3, 0]
     assert dataclasses.is_dataclass(StepMessage)
 
 
