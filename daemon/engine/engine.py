@@ -104,7 +104,7 @@ class Engine:
         self.tp = None
         if config.tensor_parallel_size > 1:
             check_size(self.spec, config.tensor_parallel_size)
-            self.tp = TensorParallel.start(config, self.spec, self.device, self.model_name, model_dir)
+            self.tp = TensorParallel.start(config, self.spec, self.device, self.model_name, model_dir, self.max_model_len)
         local = self.spec if self.tp is None else self.tp.shard.local
         if model_dir is None:
             weights = dummy_weights(local, self.dtype, self.device, seed=config.seed)

@@ -147,8 +147,10 @@ class TensorParallel:
         self.send_seconds = 0.0
 
     @classmethod
-    def start(cls, config: EngineConfig, spec: ModelSpec, device: torch.device, model_name: str, model_dir) -> TensorParallel:
-        """Starts the workers (ranks 1..size-1, each loading its shard) and joins their process group."""
+    def start(cls, config: EngineConfig, spec: ModelSpec, device: torch.device, model_name: str, model_dir,
+              max_model_len: int) -> TensorParallel:
+        """Starts the workers (ranks 1..size-1, each loading its shard) and joins their process group. model_name and
+        max_model_len are rank 0's: the workers pick the same profile and capture the same graphs."""
         tp = cls(config, spec, device)
         address = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
@@ -156,8 +158,8 @@ class TensorParallel:
             ours, theirs = context.Pipe()
             process = context.Process(
                 target=worker_main, name=f"lorad-rank{rank}", daemon=True,
-                args=(rank, config, spec, model_name, None if model_dir is None else str(model_dir), str(tp.devices[rank]),
-                      address, theirs, logging.getLogger().getEffectiveLevel()))
+                args=(rank, config, spec, model_name, None if model_dir is None else str(model_dir), max_model_len,
+                      str(tp.devices[rank]), address, theirs, logging.getLogger().getEffectiveLevel()))
             process.start()
             theirs.close()
             tp.processes.append(process)
@@ -342,7 +344,7 @@ class RankWorker:
     """Rank r's model, pool and adapter shards, driven by rank 0's StepMessages."""
 
     def __init__(self, rank: int, config: EngineConfig, spec: ModelSpec, model_name: str, model_dir: str | None,
-                 device: torch.device):
+                 max_model_len: int, device: torch.device):
         from lorad.daemon.engine.engine import resolve_dtype
         from lorad.daemon.engine.kernel_choice import LoraKernelChoice
         from lorad.daemon.engine.runner import ModelRunner
@@ -359,7 +361,6 @@ class RankWorker:
         self.weight_bytes = sum(tensor.nbytes for tensor in weights.values())
         kernel_choice = LoraKernelChoice.for_engine(config.profile_path, model_name, device, config.state_dir,
                                                     str(self.dtype).removeprefix("torch."), config.lora_kernel)
-        max_model_len = min(config.max_model_len or min(spec.max_position_embeddings, 8192), spec.max_position_embeddings)
         self.runner = ModelRunner(config, local, device, weights, max_model_len, kernel_choice)
         self.runner.model.reduce = tensor_parallel.all_reduce
         del weights
@@ -430,8 +431,8 @@ class RankWorker:
                 "ops": self.runner.ops.name}
 
 
-def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: str, model_dir: str | None, device: str,
-                address: str, connection, log_level: int) -> None:
+def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: str, model_dir: str | None,
+                max_model_len: int, device: str, address: str, connection, log_level: int) -> None:
     # Stopping is rank 0's decision; a Ctrl-C to the process group must not take one rank out from under the others.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -442,7 +443,7 @@ def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: st
     threading.Thread(target=_exit_with_parent, name="lorad-parent-watch", daemon=True).start()
     try:
         tensor_parallel.init_group(rank, config.tensor_parallel_size, device, address)
-        worker = RankWorker(rank, config, spec, model_name, model_dir, device)
+        worker = RankWorker(rank, config, spec, model_name, model_dir, max_model_len, device)
         connection.send(("loaded", {"pages": worker.pages()}))
         kind, pages = connection.recv()
         worker.bind(pages)
