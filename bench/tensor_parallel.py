@@ -37,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--size", type=int, default=2, help="the tensor-parallel size compared with 1")
     parser.add_argument("--dry-run", action="store_true",
                         help="on the CPU with gloo: tiny-llama, 4 requests, 4 steps (checks the script, times nothing real)")
+    parser.add_argument("--only", help="run only these cases (comma-separated names: base_tp1, base_tpN, lora_tpN, "
+                                       "big_batch1_tpN), e.g. to fit a time limit")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # one case, in a child process: JSON on stdout's last line
     args = parser.parse_args(argv)
@@ -61,6 +63,12 @@ def cases(args) -> list[dict]:
     if args.big_config != "none":
         listed.append({"name": f"big_batch1_tp{args.size}", "model": args.big_config, "size": args.size, "batch": 1,
                        "lora": False, "profile": True, "floor": True})
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - {case["name"] for case in listed}
+        if unknown:
+            raise SystemExit(f"--only: no case {', '.join(sorted(unknown))} (the cases: {', '.join(c['name'] for c in listed)})")
+        listed = [case for case in listed if case["name"] in wanted]
     return listed
 
 

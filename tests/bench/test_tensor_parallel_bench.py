@@ -30,6 +30,10 @@ def test_arguments_and_cases():
     assert (dry.model_config, dry.batch, dry.steps) == ("tiny-llama", 4, 4)
     with pytest.raises(SystemExit):
         bench.parse_args(["--batch", "0"])
+    only = bench.cases(bench.parse_args(["--only", "base_tp1,big_batch1_tp2"]))
+    assert [case["name"] for case in only] == ["base_tp1", "big_batch1_tp2"]
+    with pytest.raises(SystemExit, match="no case lora_tp4"):
+        bench.cases(bench.parse_args(["--only", "lora_tp4"]))
 
 
 @pytest.mark.slow
