@@ -83,6 +83,14 @@ class RequestState:
 
 class Engine:
     def __init__(self, config: EngineConfig):
+        try:
+            self._build(config)
+        except BaseException:
+            if getattr(self, "tp", None) is not None:  # the workers started, and this process joined their group
+                self.tp.close()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         self.config = config
         model_dir, demo_adapters = self._model_dir(config)
         self.device = resolve_device(config.device)

@@ -288,3 +288,13 @@ def test_70b_shapes_split_over_two_to_eight_gpus(name, parameters):
     assert abs(counted - parameters) / parameters < 0.002
     local = Shard(spec, 1, 2).local
     assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (32, 4, 14336)
+
+
+@pytest.mark.slow
+def test_an_engine_that_fails_after_its_workers_started_stops_them(hf_checkpoint):
+    checkpoint = hf_checkpoint("llama")
+    config = dict(model=str(checkpoint.model_dir), device="cpu", tensor_parallel_size=2, max_model_len=512)
+    with pytest.raises(Exception, match="cannot hold one sequence"):
+        Engine(EngineConfig(pool_bytes=64 * 256, **config))  # refused once the ranks have agreed on the pool
+    engine = Engine(EngineConfig(**config))  # the group was left: a new one forms
+    engine.close()
