@@ -119,6 +119,7 @@ def metrics_snapshot(engine: Engine) -> dict:
         adapters_resident=len(engine.residency.slots), adapter_evictions=engine.residency.evictions,
         admission_tpot_held=engine.scheduler.tpot_held, steps=engine.account.metrics(),
         cpu_jobs_native=assist.pool.native_jobs if (assist := engine.cold_starts.cpu_assist) is not None else 0,
+        tensor_parallel_ranks=engine.tp.ranks() if engine.tp is not None else [],
     )
 
 

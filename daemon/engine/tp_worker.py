@@ -256,6 +256,11 @@ class TensorParallel:
                 "ranks": ranks, "kv_pages_each_rank": occupancy["kv"], "adapter_pages_each_rank": occupancy["adapter"],
                 "steps_sent": self.steps_sent, "send_ms": round(self.send_seconds * 1e3, 3)}
 
+    def ranks(self) -> list[tuple[int, str, bool]]:
+        """(rank, device, alive) of every rank, for /metrics."""
+        return [(0, str(self.devices[0]), True)] + [(rank, str(self.devices[rank]), process.is_alive())
+                                                   for rank, process in enumerate(self.processes, start=1)]
+
     def close(self) -> None:
         """Stops the workers (they finish the step they run) and leaves the group."""
         self._closing = True

@@ -20,6 +20,7 @@ from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 from lorad.daemon.model.adapters import LoraAdapter
 from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
 from lorad.daemon.model.tensor_parallel import COLUMN_PARALLEL, Shard, check_size
+from lorad.daemon.server.metrics import render
 from lorad.errors import BadRequest, EngineDead
 
 from test_hf_parity import MAX_TOKENS, make_cases, mismatches
@@ -194,10 +195,13 @@ def test_tp2_dummy_weights_and_adapters_run(tmp_path):
                                                      sampling=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
                                    for index in range(4)])
         status = engine.status()
+        metrics = render(engine.metrics())
     finally:
         engine.close()
     assert [len(result.token_ids) for result in results] == [4] * 4
     assert status["tensor_parallel"]["adapter_pages_each_rank"] > 0
+    assert 'lorad_tensor_parallel_rank_up{rank="0",device="cpu"} 1' in metrics
+    assert 'lorad_tensor_parallel_rank_up{rank="1",device="cpu"} 1' in metrics
 
 
 @pytest.mark.slow
