@@ -136,7 +136,7 @@ class Engine:
             torch.cuda.empty_cache()
         log.info("device rates hbm_gb_s=%.1f gemm_tflop_s=%.2f (each step's floor: the slower of bytes and FLOPs)",
                  rates.bandwidth_bytes_per_s / 1e9, rates.flops_per_s / 1e12)
-        pages = self._pool_pages() if self.tp is None else self.tp.agree_pages(self._pool_pages())
+        pages = self._pool_pages() if self.tp is None else self.tp.agree_pages(self._pool_pages(), self.spec.hidden_size)
         self.pool = PagePool(pages, self.spec.hidden_size, self.dtype, self.device)
         self.kv = KVCache(self.pool, self.spec.num_layers, local.num_kv_heads, local.head_dim)
         if self.kv.blocks_for(self.max_model_len) * self.kv.pages_per_block > self.pool.capacity:

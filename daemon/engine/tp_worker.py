@@ -190,13 +190,13 @@ class TensorParallel:
 
         runner.forward = forward_on_every_rank
 
-    def agree_pages(self, pages: int) -> int:
+    def agree_pages(self, pages: int, page_elems: int) -> int:
         """The pool's pages: the fewest any rank can hold (each worker reported its own after loading), sent to the
-        workers, which then build their pools and capture their graphs beside rank 0's."""
+        workers with rank 0's page size; they then build their pools and capture their graphs beside rank 0's."""
         reports = [self._receive(rank, "loaded") for rank in range(1, self.size)]
         pages = min([pages, *(report["pages"] for report in reports)])
         for connection in self.connections:
-            connection.send(("pool", pages))
+            connection.send(("pool", (pages, page_elems)))
         return pages
 
     def wait_ready(self) -> None:
@@ -379,12 +379,12 @@ class RankWorker:
 
         return pool_pages(self.config, self.spec, self.dtype, self.device)
 
-    def bind(self, pages: int) -> None:
+    def bind(self, pages: int, page_elems: int) -> None:
         from lorad.daemon.model.checkpoint import PROJECTIONS
         from lorad.gpu_ops.page_pool import AdapterTable, KVCache
 
         local = self.shard.local
-        self.pool = _MirrorPool(pages, local.hidden_size, self.dtype, self.device)
+        self.pool = _MirrorPool(pages, page_elems, self.dtype, self.device)
         self.kv = KVCache(self.pool, local.num_layers, local.num_kv_heads, local.head_dim)
         from lorad.daemon.engine.engine import ADAPTER_SLOTS
 
@@ -450,8 +450,8 @@ def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: st
         tensor_parallel.init_group(rank, config.tensor_parallel_size, device, address)
         worker = RankWorker(rank, config, spec, model_name, model_dir, max_model_len, device)
         connection.send(("loaded", {"pages": worker.pages()}))
-        kind, pages = connection.recv()
-        worker.bind(pages)
+        kind, (pages, page_elems) = connection.recv()
+        worker.bind(pages, page_elems)
         connection.send(("ready", worker.describe()))
     except BaseException as error:  # noqa: BLE001 -- rank 0 reports it
         log.exception("tensor parallel rank %d failed to start", rank)
