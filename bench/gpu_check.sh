@@ -123,6 +123,12 @@ run_step() {
         fi ;;
     pytest_gpu_daemon) step pytest_gpu_daemon 540 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 \
         --ignore=tests/gpu_ops tests ;;
+    # tensor parallelism, on a host with 2 GPUs (not in all_steps): the TP=2 tests, then figures 26.1-26.2 (llama-2-13b
+    # shape: TP=2 vs TP=1, LoRA vs base at TP=2, the all-reduces' share) and 26.3 (llama-2-70b, batch 1 vs its floor)
+    pytest_tp) step pytest_tp 400 python3 -m pytest -m gpu -q -p no:cacheprovider tests/daemon/engine/test_tensor_parallel_gpu.py ;;
+    tp_throughput) step bench_tp_throughput 560 python3 bench/tensor_parallel.py --big-config none \
+        --out "$OUTDIR/tensor_parallel_throughput.json" ;;
+    tp_70b) step bench_tp_70b 560 python3 bench/tensor_parallel.py --only big_batch1_tp2 --out "$OUTDIR/tensor_parallel_70b.json" ;;
     *) echo "unknown step $1"; failed+=("$1") ;;
     esac
 }

@@ -166,6 +166,7 @@ class BlockList:
     def __init__(self):
         self._buffer: np.ndarray | None = None
         self._length = 0
+        self.clears = 0  # how many times it was emptied (a preemption): a tensor-parallel rank's copy starts over
 
     def __len__(self) -> int:
         return self._length
@@ -192,6 +193,7 @@ class BlockList:
 
     def clear(self) -> None:
         self._length = 0
+        self.clears += 1
 
 
 @dataclass
@@ -396,6 +398,19 @@ class AdapterTable:
                 _copy_pages(pages, staged.pages[first:last], ids[first:last])
                 events[layer] = _recorded()
             return LayerwiseLoad(slot, events, _recorded())
+
+    def place_at(self, slot: int, staged: StagedAdapter, page_ids: np.ndarray) -> None:
+        """Places a staged adapter into pages another pool chose: a tensor-parallel rank mirrors rank 0's placements
+        into the same page ids (daemon/engine/tp_worker.py), whose pool keeps the free list. The copy and the table
+        rows go on the current stream, after any step that read those pages before."""
+        ids = np.asarray(page_ids, dtype=np.int32)
+        if len(ids) != staged.pages.shape[0]:
+            raise ValueError(f"{len(ids)} page ids for an adapter of {staged.pages.shape[0]} pages")
+        self.pool.used["adapter"] += len(ids)
+        start = self._record_placement(slot, staged, ids.tolist(), ids)
+        pages = self.pool.pages
+        pages.index_copy_(0, torch.from_numpy(ids).long().to(pages.device), staged.pages.to(pages.device))
+        self._publish(slot, start, len(ids))
 
     def evict(self, slot: int) -> None:
         placement = self.placements.pop(slot)

@@ -25,6 +25,7 @@ LORA_PDL = ("auto", "on", "off")
 # once the running batch holds cluster_max_adapters distinct adapters, other adapters' requests wait
 # (S-LoRA App. A), at most slo_ttft_ms (or CLUSTER_MAX_WAIT_MS without one) before they go in anyway.
 ADMISSIONS = ("fcfs", "early-abort", "cluster")
+MAX_TENSOR_PARALLEL_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,10 @@ class EngineConfig:
     slo_ttft_ms: float = 0.0  # time-to-first-token objective (0: none); early-abort needs one
     slo_tpot_ms: float = 0.0  # time-per-output-token objective (0: none); with a profile, no request joins a batch whose step would break it
     cluster_max_adapters: int = 0  # distinct adapters in the running batch: cluster needs >= 1, early-abort may add it
+    # One engine process per GPU, the model's heads and MLP columns split among them (daemon/model/tensor_parallel.py,
+    # daemon/engine/tp_worker.py): NCCL on cuda (GPUs cuda:0..N-1), gloo on the cpu (tests). The size must divide the
+    # attention heads and the intermediate size, and divide or be a multiple of the KV heads (replicated then).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         # Values that come from the user (CLI, TOML) are checked here, once.
@@ -130,6 +135,13 @@ class EngineConfig:
                              "give it one with slo_ttft_ms > 0 (--slo-ttft-ms)")
         if self.admission == "cluster" and self.cluster_max_adapters < 1:
             raise BadRequest("admission cluster needs cluster_max_adapters >= 1 (--cluster-max-adapters)")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL_SIZE:
+            raise BadRequest(f"tensor_parallel_size must be an integer in 1..{MAX_TENSOR_PARALLEL_SIZE}, "
+                             f"not {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.cold_start in ("cpu", "auto"):
+            raise BadRequest(f"cold_start {self.cold_start} does not run with tensor_parallel_size > 1 (the CPU workers "
+                             "compute whole-model LoRA, the ranks hold shards): use cold_start ondemand or cached")
         if self.admission == "fcfs" and self.cluster_max_adapters:
             raise BadRequest("cluster_max_adapters goes with admission cluster or early-abort, not fcfs")
 

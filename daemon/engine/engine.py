@@ -29,6 +29,8 @@ from lorad.daemon.engine.runner import ModelRunner
 from lorad.daemon.engine.step_account import StepAccount
 from lorad.daemon.engine.step_cost import StepCostModel, measure_device_rates
 from lorad.daemon.engine.step_plan import StepPlan
+from lorad.daemon.engine.tp_worker import TensorParallel
+from lorad.daemon.model.tensor_parallel import check_size
 from lorad.daemon.engine.kernel_choice import LoraKernelChoice
 from lorad.daemon.engine.adapter_residency import LoraResidency
 from lorad.daemon.engine import status
@@ -106,6 +108,14 @@ class RequestState:
 
 class Engine:
     def __init__(self, config: EngineConfig):
+        try:
+            self._build(config)
+        except BaseException:
+            if getattr(self, "tp", None) is not None:  # the workers started, and this process joined their group
+                self.tp.close()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         self.config = config
         model_dir, demo_adapters = self._model_dir(config)
         self.device = resolve_device(config.device)
@@ -127,8 +137,17 @@ class Engine:
                      self.rope_switch)
 
         started = time.perf_counter()
+        # Tensor parallelism: this process is rank 0 of tensor_parallel_size, with its shard of the model (its heads
+        # and MLP columns: `local`); the workers it starts hold theirs (daemon/engine/tp_worker.py).
+        self.tp = None
+        if config.tensor_parallel_size > 1:
+            check_size(self.spec, config.tensor_parallel_size)
+            self.tp = TensorParallel.start(config, self.spec, self.device, self.model_name, model_dir, self.max_model_len)
+        local = self.spec if self.tp is None else self.tp.shard.local
         if model_dir is None:
-            weights = dummy_weights(self.spec, self.dtype, self.device, seed=config.seed)
+            weights = dummy_weights(local, self.dtype, self.device, seed=config.seed)
+        elif self.tp is not None:
+            weights = self.tp.shard.read_weights(model_dir, self.dtype, self.device)
         else:
             weights = load_weights(model_dir, self.dtype, self.device)
         # The decode LoRA kernel per step, from `lorad profile`'s models when a profile is found.
@@ -136,8 +155,10 @@ class Engine:
             config.profile_path, self.model_name, self.device, config.state_dir, str(self.dtype).removeprefix("torch."),
             config.lora_kernel)
         log.info("decode lora kernel choice=%s", self.kernel_choice.describe())
-        self.runner = ModelRunner(config, self.spec, self.device, weights, self.max_model_len, self.kernel_choice)
+        self.runner = ModelRunner(config, local, self.device, weights, self.max_model_len, self.kernel_choice)
         del weights
+        if self.tp is not None:
+            self.tp.attach(self.runner)
         # What this device sustains (HBM bandwidth, GEMM rate), measured before the pool takes the memory
         # left: each step's floor in the engine's account of its own time (step_account.py).
         rates = measure_device_rates(self.device, self.dtype)
@@ -145,14 +166,15 @@ class Engine:
             torch.cuda.empty_cache()
         log.info("device rates hbm_gb_s=%.1f gemm_tflop_s=%.2f (each step's floor: the slower of bytes and FLOPs)",
                  rates.bandwidth_bytes_per_s / 1e9, rates.flops_per_s / 1e12)
-        self.pool = PagePool(self._pool_pages(), self.spec.page_elems, self.dtype, self.device)
-        self.kv = KVCache(self.pool, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
+        pages = self._pool_pages() if self.tp is None else self.tp.agree_pages(self._pool_pages(), self.spec.page_elems)
+        self.pool = PagePool(pages, self.spec.page_elems, self.dtype, self.device)
+        self.kv = KVCache(self.pool, self.spec.num_layers, local.num_kv_heads, local.head_dim)
         if self.kv.blocks_for(self.max_model_len) * self.kv.pages_per_block > self.pool.capacity:
             raise ModelError(
                 f"the page pool ({self.pool.capacity} pages) cannot hold one sequence of max_model_len="
                 f"{self.max_model_len}: give more pool memory or a smaller max_model_len"
             )
-        shapes = [self.spec.projection_shape(p) for p in PROJECTIONS]
+        shapes = [local.projection_shape(p) for p in PROJECTIONS]
         self.table = AdapterTable(self.pool, ADAPTER_SLOTS, self.spec.num_layers, shapes)
         # cold_start auto may stream a cold adapter into the pool while its prefill runs (gpu-stream): the LoRA
         # kernels, compiled and captured below, then wait on the device for each streamed layer.
@@ -178,7 +200,7 @@ class Engine:
         self._draining: set[str] = set()
         self.stats = Metrics()  # counters for GET /metrics; Engine.metrics() snapshots them
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
-        self.account = StepAccount(StepCostModel(self.spec, dtype_bytes, self._adapter_ranks), rates)
+        self.account = StepAccount(StepCostModel(local, dtype_bytes, self._adapter_ranks), rates)
         self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
         self.overlapped_steps = 0
         self.forked_choices = 0  # choices that began from another's prefill (n > 1), its prompt's blocks shared
@@ -193,12 +215,15 @@ class Engine:
         # overlapped step's logprobs copied to the host beside its tokens.
         self.sampler_state = SamplerState(self.vocab_size, self.device, len(self.spec.eos_token_ids) + MAX_STOP_TOKEN_IDS)
         self._logprob_copies = LogprobCopies(config.max_running_requests, pin=self.device.type == "cuda")
-        self.residency = LoraResidency(self._host_adapter, self.table, self.stats, pinned_bytes=config.pinned_host_bytes,
+        lookup = self._host_adapter if self.tp is None else self.tp.shard_lookup(self._host_adapter)
+        self.residency = LoraResidency(lookup, self.table, self.stats, pinned_bytes=config.pinned_host_bytes,
                                        staged_bytes=config.host_adapter_bytes)
         self.cold_starts = ColdStarts(config, self.spec, self.device, self.dtype, self.table, self.residency, self.stats,
                                       streaming, held=lambda name: self._held[name].adapter,
                                       fail=lambda seq, reason: self._finish(seq, "error", error=reason))
         self.runner.bind(self.kv, self.table, self.residency, self.cold_starts, held=lambda name: self._held[name].adapter)
+        if self.tp is not None:
+            self.tp.wait_ready()
         self.online_prefill: OnlinePrefill | None = None  # early abort's estimate when no profile was found
         admission, objectives = self._admission()
         self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency,
@@ -245,20 +270,7 @@ class Engine:
         return Path(config.model), []
 
     def _pool_pages(self) -> int:
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        page_bytes = self.spec.page_elems * element
-        if self.config.pool_bytes is not None:
-            budget = self.config.pool_bytes
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            # Leave room for the activations of the largest step (a generous multiple of its hidden states).
-            activations = self.config.max_batch_tokens * (self.spec.hidden_size * 8 + self.spec.intermediate_size * 4) * element
-            if not self.config.eager:  # the CUDA graphs' memory pool holds one such step's activations for good
-                activations *= 2
-            budget = int(free * self.config.gpu_memory_utilization) - activations
-        else:
-            budget = CPU_POOL_BYTES
-        return max(2, budget // page_bytes)
+        return pool_pages(self.config, self.spec, self.dtype, self.device)
 
     def _admission(self) -> tuple[AdmissionPolicy, Objectives]:
         """The admission policy and objectives of EngineConfig. Early abort predicts prefills with the
@@ -519,6 +531,9 @@ class Engine:
         if self._thread is not None:
             self.stop()
         self.cold_starts.close()
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
 
     # ---- Memory protocol for the scheduler: KV growth may evict idle adapters ---------------------
     def grow(self, blocks: list, num_tokens: int) -> bool:
@@ -931,6 +946,24 @@ class Engine:
     @staticmethod
     def _emit(seq: Sequence, output: RequestOutput) -> None:
         deliver(seq.state.request.on_output, output)
+
+
+def pool_pages(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> int:
+    """The page pool's pages on this device (a tensor-parallel worker asks for its own GPU too)."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    page_bytes = spec.page_elems * element
+    if config.pool_bytes is not None:
+        budget = config.pool_bytes
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        # Leave room for the activations of the largest step (a generous multiple of its hidden states).
+        activations = config.max_batch_tokens * (spec.hidden_size * 8 + spec.intermediate_size * 4) * element
+        if not config.eager:  # the CUDA graphs' memory pool holds one such step's activations for good
+            activations *= 2
+        budget = int(free * config.gpu_memory_utilization) - activations
+    else:
+        budget = CPU_POOL_BYTES
+    return max(2, budget // page_bytes)
 
 
 def _dummy_adapters(spec: ModelSpec, config: EngineConfig) -> list[LoraAdapter]:

@@ -26,6 +26,9 @@ def engine_status(engine: Engine) -> dict:
             "pool": engine.pool.occupancy(),
             # the choices of n > 1 requests: KV blocks held by several of them (counted once in pool.kv)
             "kv_sharing": {**engine.kv.sharing(), "forked_choices": engine.forked_choices},
+            # the GPUs the engine spans and each rank's pool (daemon/engine/tp_worker.py); size 1: this device alone
+            "tensor_parallel": (engine.tp.status(engine.pool) if engine.tp is not None
+                                else {"size": 1, "gpus": [str(engine.device)]}),
             "adapters_resident": sorted(engine.residency.slots),
             "adapter_loads": engine.residency.loads,
             "adapter_prefetches": engine.residency.prefetches,
@@ -123,6 +126,7 @@ def metrics_snapshot(engine: Engine) -> dict:
         adapters_resident=len(engine.residency.slots), adapter_evictions=engine.residency.evictions,
         admission_tpot_held=engine.scheduler.tpot_held, steps=engine.account.metrics(),
         cpu_jobs_native=assist.pool.native_jobs if (assist := engine.cold_starts.cpu_assist) is not None else 0,
+        tensor_parallel_ranks=engine.tp.ranks() if engine.tp is not None else [],
     )
 
 

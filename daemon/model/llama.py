@@ -81,6 +81,9 @@ class LlamaModel:
         self.max_positions = max_positions
         self.scale = spec.head_dim**-0.5
         self.splits = (spec.q_size, spec.kv_size, spec.kv_size)
+        # Tensor parallelism (daemon/model/tensor_parallel.py): o's and down's outputs are partial sums over the
+        # ranks, LoRA included; this sums them. The identity on one GPU.
+        self.reduce = _whole
 
     def rope_rows(self, positions, counts, lengths):
         """The cos/sin row of each token (Step.positions) from its position: checkpoint.rope_rows."""
@@ -116,6 +119,7 @@ class LlamaModel:
         attended = ops.attention(q, kv_view, index, step.attention, self.scale)
         o = ops.linear(attended, layer.o)
         ops.lora(attended, o, index, O, lora, table)
+        o = self.reduce(o)
 
         h, x = ops.add_rms_norm(h, o, layer.post_norm, spec.rms_norm_eps)
         gate_up = ops.linear(x, layer.gate_up)
@@ -124,7 +128,11 @@ class LlamaModel:
         act = ops.silu_mul(gate, up)
         down = ops.linear(act, layer.down)
         ops.lora(act, down, index, DOWN, lora, table)
-        return h, down
+        return h, self.reduce(down)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 class _Taker:

@@ -58,6 +58,8 @@ _ENGINE_FLAG_HELP = {
                       "(--no-overlap-decode: each step waits for its tokens first)",
     "slo_tpot_ms": "time-per-output-token objective in ms (0: none); with a profile loaded, no request joins a running "
                    "batch whose predicted decode step would break it",
+    "tensor_parallel_size": "split the model over N GPUs of this host (one engine process per GPU, NCCL); N divides "
+                            "the attention heads and the intermediate size; not with --cold-start cpu|auto",
     "cluster_max_adapters": "--admission cluster (or early-abort): distinct adapters in the running batch before "
                             "other adapters' requests wait (at most the TTFT objective, else 1 s)",
 }

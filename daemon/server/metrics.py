@@ -74,6 +74,12 @@ def render(snapshot: dict) -> str:
     out.family("lorad_pool_pages", "gauge", "Page-pool pages by owner (kv, adapter, free).")
     for owner in ("kv", "adapter", "free"):
         out.sample("lorad_pool_pages", {"owner": owner}, pool[owner])
+    if snapshot.get("tensor_parallel_ranks"):
+        out.family("lorad_tensor_parallel_rank_up", "gauge",
+                   "Each rank of a tensor-parallel engine (one process and GPU each; every rank's pool mirrors rank 0's "
+                   "pages): 1 while its process lives.")
+        for rank, device, alive in snapshot["tensor_parallel_ranks"]:
+            out.sample("lorad_tensor_parallel_rank_up", {"rank": str(rank), "device": device}, int(alive))
     out.family("lorad_cpu_worker_restarts_total", "counter", "CPU LoRA workers replaced after dying or stalling.")
     out.sample("lorad_cpu_worker_restarts_total", {}, snapshot["worker_restarts"])
     out.family("lorad_cpu_jobs_native_total", "counter",

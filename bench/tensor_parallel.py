@@ -1,0 +1,237 @@
+"""Tensor parallelism on a 2-GPU host, side by side in one run (each case in a fresh process, so each has the GPUs'
+memory to itself and its own process group):
+
+- decode throughput at --batch running requests, --model-config (llama-2-13b) with random weights, TP=1 against
+  TP=2 (the base model);
+- at TP=2, LoRA (--batch distinct rank --rank adapters, all seven projections) against the base model alone;
+- the all-reduces' share of a TP=2 decode step (their kernels' device time on rank 0 per step, from the profiler,
+  which sees inside CUDA graph replays; it includes any wait for the other rank);
+- a 70B shape (--big-config, llama-2-70b) at TP=2 in bf16: the batch-1 decode step against its floor, the weight
+  bytes a rank reads per step / the HBM bandwidth measured on its GPU (a 1 GiB device copy; on the CPU, the
+  engine's own measure), plus the step's all-reduces as measured.
+
+    python3 bench/tensor_parallel.py --out bench/results/tensor_parallel_h200x2.json
+    python3 bench/tensor_parallel.py --dry-run     # the CPU (gloo, tiny-llama): that the script and the engines run
+
+Prints one JSON document (and writes it to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-config", default="llama-2-13b", help="the throughput cases' shape")
+    parser.add_argument("--big-config", default="llama-2-70b", help="the batch-1 floor case's shape ('none': skip it)")
+    parser.add_argument("--batch", type=int, default=64, help="running requests of the throughput cases")
+    parser.add_argument("--rank", type=int, default=16, help="the adapters' rank")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens of every request")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps timed per case")
+    parser.add_argument("--size", type=int, default=2, help="the tensor-parallel size compared with 1")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="on the CPU with gloo: tiny-llama, 4 requests, 4 steps (checks the script, times nothing real)")
+    parser.add_argument("--only", help="run only these cases (comma-separated names: base_tp1, base_tpN, lora_tpN, "
+                                       "big_batch1_tpN), e.g. to fit a time limit")
+    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # one case, in a child process: JSON on stdout's last line
+    args = parser.parse_args(argv)
+    for name in ("batch", "rank", "prompt", "steps", "size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be positive")
+    if args.dry_run:
+        args.model_config = "tiny-llama"
+        args.big_config = "tiny-llama" if args.big_config != "none" else "none"
+        args.batch, args.steps, args.prompt, args.rank = min(args.batch, 4), min(args.steps, 4), min(args.prompt, 8), min(args.rank, 4)
+    return args
+
+
+def cases(args) -> list[dict]:
+    """The cases run, each in its own process."""
+    listed = [
+        {"name": "base_tp1", "model": args.model_config, "size": 1, "batch": args.batch, "lora": False},
+        {"name": f"base_tp{args.size}", "model": args.model_config, "size": args.size, "batch": args.batch, "lora": False,
+         "profile": True},
+        {"name": f"lora_tp{args.size}", "model": args.model_config, "size": args.size, "batch": args.batch, "lora": True},
+    ]
+    if args.big_config != "none":
+        listed.append({"name": f"big_batch1_tp{args.size}", "model": args.big_config, "size": args.size, "batch": 1,
+                       "lora": False, "profile": True, "floor": True})
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - {case["name"] for case in listed}
+        if unknown:
+            raise SystemExit(f"--only: no case {', '.join(sorted(unknown))} (the cases: {', '.join(c['name'] for c in listed)})")
+        listed = [case for case in listed if case["name"] in wanted]
+    return listed
+
+
+def run_case(case: dict, args) -> dict:
+    """One engine, `case["batch"]` requests decoding: tokens/s, ms per step, and where asked the all-reduces' time
+    per step and the step's floor. Runs in a child process."""
+    import torch
+
+    from lorad.config import EngineConfig
+    from lorad.daemon.engine.engine import Engine
+    from lorad.daemon.engine.step_cost import measure_device_rates
+    from lorad.daemon.model.checkpoint import PROJECTIONS
+
+    cuda = not args.dry_run
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    batch = case["batch"]
+    engine = Engine(EngineConfig(
+        model_config=case["model"], dummy_weights=True, dummy_adapters=batch if case["lora"] else 0,
+        dummy_adapter_rank=args.rank, dummy_adapter_targets=",".join(PROJECTIONS), device="cuda" if cuda else "cpu",
+        dtype="bfloat16" if cuda else "float32", max_running_requests=max(batch, 1),
+        max_batch_tokens=max(2048, batch * args.prompt), max_lora_rank=max(64, args.rank), max_model_len=2048,
+        tensor_parallel_size=case["size"], pool_bytes=None if cuda else 64 << 20,
+    ))
+    try:
+        adapters = [f"dummy-{index}" for index in range(batch)] if case["lora"] else [None] * batch
+        requests = start_decoding(engine, adapters, args.prompt, args.steps * 2 + 16)
+        sync()
+        started = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        sync()
+        elapsed = time.perf_counter() - started
+        result = {**case, "tok_s": batch * args.steps / elapsed, "step_ms": elapsed / args.steps * 1e3,
+                  "ops": engine.runner.ops.name, "cuda_graph_steps": engine.runner.graph_steps,
+                  "tensor_parallel": engine.status()["tensor_parallel"]}
+        if case.get("profile"):
+            result["all_reduce_ms_per_step"] = all_reduce_ms(engine, cuda)
+            result["all_reduce_share"] = result["all_reduce_ms_per_step"] / result["step_ms"]
+        if case.get("floor"):
+            weight_bytes = step_weight_bytes(engine)
+            hbm = device_copy_bandwidth() if cuda else measure_device_rates(engine.device, engine.dtype).bandwidth_bytes_per_s
+            floor_ms = weight_bytes / hbm * 1e3 + result["all_reduce_ms_per_step"]
+            result.update({"weight_bytes_per_gpu": weight_bytes, "hbm_copy_GBps": hbm / 1e9, "floor_ms": floor_ms,
+                           "over_floor": result["step_ms"] / floor_ms})
+        for request in requests:
+            engine.abort(request.request_id)
+        engine.step()
+        if cuda:
+            result["machine"] = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}"
+        return result
+    finally:
+        engine.close()
+
+
+def start_decoding(engine, adapters: list, prompt_len: int, max_tokens: int) -> list:
+    """len(adapters) requests of random prompts, prefilled and 3 decode steps in: from here every step decodes."""
+    import torch
+
+    from lorad.daemon.engine.request import GenerationRequest, SamplingParams
+
+    generator = torch.Generator().manual_seed(len(adapters))
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    requests = [GenerationRequest(torch.randint(0, engine.vocab_size, (prompt_len,), generator=generator).tolist(),
+                                  adapter=adapter, sampling=sampling) for adapter in adapters]
+    for request in requests:
+        engine.submit(request)
+    while len(engine.scheduler.running) < len(requests) or any(seq.num_generated == 0 for seq in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    return requests
+
+
+def all_reduce_ms(engine, cuda: bool, steps: int = 8) -> float:
+    """The all-reduces' time per decode step on rank 0: NCCL's kernels' device time on cuda, gloo's op time on the cpu."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    total_us = 0.0
+    for event in prof.key_averages():
+        key = event.key.lower()
+        if cuda and key.startswith("nccl") and "allreduce" in key.replace("_", ""):
+            total_us += getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        elif not cuda and "allreduce" in key.replace("_", "") and key.startswith("c10d::"):
+            total_us += event.cpu_time_total
+    return total_us / steps / 1e3
+
+
+def step_weight_bytes(engine) -> int:
+    """The weights rank 0 reads in a decode step: its layers' shards, the norms and the LM head (the embedding
+    table is gathered, not streamed)."""
+    import torch
+
+    model = engine.runner.model
+    total = model.lm_head.nbytes + model.norm.nbytes
+    for layer in model.layers:
+        total += sum(value.nbytes for value in vars(layer).values() if isinstance(value, torch.Tensor))
+    return total
+
+
+def device_copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes read plus bytes written per second of a large device-to-device copy (the median of 20)."""
+    import torch
+
+    source = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    target = torch.empty_like(source)
+    target.copy_(source)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 2 * nbytes / statistics.median(times) * 1e3
+
+
+def summary(results: dict, args) -> dict:
+    base1, base_n, lora_n = (results.get(name) for name in ("base_tp1", f"base_tp{args.size}", f"lora_tp{args.size}"))
+    out = {}
+    if base1 and base_n:
+        out[f"tp{args.size}_over_tp1_decode"] = base_n["tok_s"] / base1["tok_s"]
+    if base_n and lora_n:
+        out[f"lora_over_base_tp{args.size}"] = lora_n["tok_s"] / base_n["tok_s"]
+    if base_n and "all_reduce_share" in base_n:
+        out["all_reduce_share_of_decode_step"] = base_n["all_reduce_share"]
+    big = results.get(f"big_batch1_tp{args.size}")
+    if big and "over_floor" in big:
+        out["big_batch1_over_floor"] = big["over_floor"]
+    return out
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.case:
+        print(json.dumps(run_case(json.loads(args.case), args)))
+        return
+    forwarded = [f"--{name}={getattr(args, name)}" for name in ("batch", "rank", "prompt", "steps", "size")]
+    forwarded += ["--dry-run"] if args.dry_run else []
+    results = {}
+    for case in cases(args):
+        started = time.perf_counter()
+        child = subprocess.run([sys.executable, __file__, *forwarded, "--case", json.dumps(case)],
+                               stdout=subprocess.PIPE, text=True)
+        if child.returncode != 0:
+            results[case["name"]] = {**case, "error": f"exit code {child.returncode} (its log is above)"}
+        else:
+            results[case["name"]] = json.loads(child.stdout.strip().splitlines()[-1])
+        print(f"case {case['name']} done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    document = {"args": {key: value for key, value in vars(args).items() if key != "case"}, "summary": summary(results, args),
+                "cases": results}
+    print(json.dumps(document, indent=1))
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(document, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,478 @@
+"""Tensor parallelism across processes: the engine process is rank 0 and starts one worker process per other
+GPU (`TensorParallel.start`); each worker holds its shard of the model (daemon/model/tensor_parallel.py) and a page
+pool of the same pages, and runs every step the engine runs.
+
+Every decision is made once, in the engine: the scheduler's batch, KV blocks, adapter slots and their pool pages.
+Before each forward the engine sends the workers one `StepMessage` on a pipe: the adapter placements and
+evictions since the last step (slot, name, directory, page ids: each rank stages its own shard of the adapter
+into the same pages) and the step's plan (tokens, positions, slots, the KV blocks added since the last step,
+sampled rows). A worker applies the placements and runs the same forward; the ranks meet in the forward's
+all-reduces. A decode step whose input ids are on rank 0's device (overlapped decode) has them broadcast on the
+device.
+
+The worker reads its pipe with no timeout (an idle engine sends nothing) and exits when rank 0's end closes; the
+collectives have COLLECTIVE_TIMEOUT_S. A worker that dies takes the engine process down (`_watch`): the API
+process then fails every request and the daemon exits non-zero, for systemd to restart it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import threading
+import time
+import types
+
+import numpy as np
+import torch
+
+from lorad.config import EngineConfig
+from lorad.daemon.engine.step_plan import StepPlan
+from lorad.daemon.model import tensor_parallel
+from lorad.daemon.model.checkpoint import ModelSpec
+from lorad.errors import BadRequest, ModelError
+from lorad.gpu_ops.page_pool import BlockList, PagePool
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 1800.0  # a worker loading a 70B shard and capturing its graphs
+MEMORY_ADAPTER = "<memory>"  # LoraAdapter.path of the --dummy-adapters, which every rank makes alike
+RANK_DIED_EXIT = 1  # the engine process's exit when a worker died: the daemon's "engine died", restarted
+
+
+@dataclasses.dataclass
+class Placement:
+    slot: int
+    name: str
+    path: str  # the adapter's directory (MEMORY_ADAPTER: a dummy adapter)
+    page_ids: np.ndarray  # int32, rank 0's pages, which every rank uses
+
+
+@dataclasses.dataclass
+class StepMessage:
+    """One step as every worker runs it: the pool changes first, then the plan (StepPlan's arrays; of each sequence's
+    KV blocks only the rows the worker has not seen: `BlockSync`)."""
+
+    evicted: list[int]
+    placed: list[Placement]
+    tokens: np.ndarray  # int64, the sequences' new tokens one after another
+    counts: np.ndarray
+    starts: np.ndarray
+    slots: np.ndarray
+    blocks: tuple[list[int], list[int], list[np.ndarray]]  # BlockSync.updates: keys, first new row, new rows
+    sample: np.ndarray
+    device_tokens: bool  # the input ids come from rank 0's device (a broadcast), not `tokens`
+
+    @classmethod
+    def of(cls, plan: StepPlan, evicted: list[int], placed: list[Placement], blocks: tuple) -> StepMessage:
+        if plan.assisted:
+            raise RuntimeError("a CPU-assisted step cannot run tensor-parallel")  # refused by EngineConfig
+        return cls(evicted, placed, np.concatenate(plan.tokens), plan.counts, plan.starts, plan.slots,
+                   blocks, plan.sample, plan.device_tokens is not None)
+
+    def plan(self, blocks: list[np.ndarray]) -> StepPlan:
+        tokens = np.split(self.tokens, np.cumsum(self.counts)[:-1])
+        return StepPlan(tokens=tokens, starts=self.starts, slots=self.slots, blocks=blocks, sample=self.sample,
+                        seqs=[None] * len(tokens))
+
+
+class BlockSync:
+    """The sequences' KV block lists on a worker, kept equal to rank 0's by sending each step only the rows added
+    since the last step (a decode step adds at most one block a sequence; the whole lists of a 64-request batch
+    are megabytes a step on a model with few tokens a page).
+
+    Both sides keep the sequences of the last step only: one not in a step is forgotten and sent whole when it
+    comes back. Rank 0 sends a list whole again when it is another list, or was emptied (preempted) since."""
+
+    def __init__(self):
+        self.sent: dict[int, tuple] = {}  # rank 0: id(seq) -> (seq, its BlockList, its clears, rows sent)
+        self.held: dict[int, BlockList] = {}  # a worker: key -> its copy
+
+    def updates(self, plan: StepPlan) -> tuple[list[int], list[int], list[np.ndarray]]:
+        """Rank 0: (a key per sequence, the first row sent, the rows from there)."""
+        sent, self.sent = self.sent, {}
+        keys, firsts, rows = [], [], []
+        for seq, blocks in zip(plan.seqs, plan.blocks):
+            key, first = id(seq), 0
+            entry = sent.get(key)
+            if entry is not None and entry[0] is seq and entry[1] is seq.blocks and entry[2] == seq.blocks.clears \
+                    and entry[3] <= len(blocks):
+                first = entry[3]
+            keys.append(key)
+            firsts.append(first)
+            rows.append(blocks[first:])
+            self.sent[key] = (seq, seq.blocks, seq.blocks.clears, len(blocks))
+        return keys, firsts, rows
+
+    def apply(self, update: tuple[list[int], list[int], list[np.ndarray]]) -> list[np.ndarray]:
+        """A worker: each sequence's whole block list, from rank 0's update."""
+        held, self.held = self.held, {}
+        lists = []
+        for key, first, rows in zip(*update):
+            blocks = held.get(key) if first else BlockList()
+            if blocks is None or len(blocks) != first:
+                raise RuntimeError(f"tensor parallel: blocks of sequence {key} from row {first}, but this rank holds "
+                                   f"{'none' if blocks is None else len(blocks)}")
+            if len(rows):
+                blocks.extend(rows)
+            self.held[key] = blocks
+            lists.append(blocks.array())
+        return lists
+
+
+class TensorParallel:
+    """Rank 0's side: the workers, the pipes to them, and what was last sent of the pool's placements."""
+
+    def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device):
+        self.config, self.size = config, config.tensor_parallel_size
+        self.shard = tensor_parallel.Shard(spec, 0, self.size)
+        self.devices = _devices(device, self.size)
+        self.processes: list = []
+        self.connections: list = []
+        self.workers: list[dict] = []  # what each worker reported when ready
+        self.backend = ""
+        self._closing = False
+        self._sent: dict[int, object] = {}  # slot -> the AdapterPlacement the workers hold there
+        self._blocks = BlockSync()
+        self._paths: dict[str, str] = {}  # adapter name -> the directory its shard was read from
+        self._shards: collections.OrderedDict = collections.OrderedDict()  # id(weights) -> (weights, shard)
+        self._shard_bytes = 0
+        self.steps_sent = 0
+        self.send_seconds = 0.0
+
+    @classmethod
+    def start(cls, config: EngineConfig, spec: ModelSpec, device: torch.device, model_name: str, model_dir,
+              max_model_len: int) -> TensorParallel:
+        """Starts the workers (ranks 1..size-1, each loading its shard) and joins their process group. model_name and
+        max_model_len are rank 0's: the workers pick the same profile and capture the same graphs."""
+        tp = cls(config, spec, device)
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        context = multiprocessing.get_context("spawn")
+        for rank in range(1, tp.size):
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=worker_main, name=f"lorad-rank{rank}", daemon=True,
+                args=(rank, config, spec, model_name, None if model_dir is None else str(model_dir), max_model_len,
+                      str(tp.devices[rank]), address, theirs, logging.getLogger().getEffectiveLevel()))
+            process.start()
+            theirs.close()
+            tp.processes.append(process)
+            tp.connections.append(ours)
+        threading.Thread(target=tp._watch, name="lorad-rank-watch", daemon=True).start()
+        tp.backend = tensor_parallel.init_group(0, tp.size, device, address)
+        log.info("tensor parallel size=%d backend=%s devices=%s worker_pids=%s", tp.size, tp.backend,
+                 ",".join(map(str, tp.devices)), ",".join(str(p.pid) for p in tp.processes))
+        return tp
+
+    def attach(self, runner) -> None:
+        """Rank 0's model sums o's and down's partial outputs over the ranks, and each step is sent to the
+        workers before it runs here."""
+        runner.model.reduce = tensor_parallel.all_reduce
+        forward = runner.forward
+
+        def forward_on_every_rank(plan: StepPlan) -> torch.Tensor:
+            try:
+                self.send_step(plan, runner.table, runner.residency)
+                if plan.device_tokens is not None:
+                    plan.device_tokens = tensor_parallel.broadcast(plan.device_tokens.contiguous())
+                return forward(plan)
+            except BaseException:
+                # The ranks may now be at different collectives (a timeout, a rank gone, a bug here): no later
+                # step can be trusted, and the engine's step loop would go on to the next one.
+                log.exception("tensor parallel step failed on rank 0: the ranks are out of step; exiting")
+                _exit(RANK_DIED_EXIT)
+
+        runner.forward = forward_on_every_rank
+
+    def agree_pages(self, pages: int, page_elems: int) -> int:
+        """The pool's pages: the fewest any rank can hold (each worker reported its own after loading), sent to the
+        workers with rank 0's page size; they then build their pools and capture their graphs beside rank 0's."""
+        reports = [self._receive(rank, "loaded") for rank in range(1, self.size)]
+        pages = min([pages, *(report["pages"] for report in reports)])
+        for connection in self.connections:
+            connection.send(("pool", (pages, page_elems)))
+        return pages
+
+    def wait_ready(self) -> None:
+        self.workers = [self._receive(rank, "ready") for rank in range(1, self.size)]
+
+    def shard_lookup(self, lookup):
+        """The engine's name -> LoraAdapter, as rank 0's shard (what its pool stages). Shards are kept while their
+        whole adapter is (by the weights' identity), within host_adapter_bytes / size."""
+        budget = self.config.host_adapter_bytes // self.size
+
+        def sharded(name: str):
+            adapter = lookup(name)
+            self._paths[name] = adapter.path
+            key = id(adapter.weights)
+            entry = self._shards.get(key)
+            if entry is None or entry[0] is not adapter.weights:
+                entry = (adapter.weights, self.shard.adapter(adapter))
+                self._shards[key] = entry
+                self._shard_bytes += entry[1].nbytes
+                while self._shard_bytes > budget and len(self._shards) > 1:
+                    _, (_, dropped) = self._shards.popitem(last=False)
+                    self._shard_bytes -= dropped.nbytes
+            self._shards.move_to_end(key)
+            return entry[1]
+
+        return sharded
+
+    def send_step(self, plan: StepPlan, table, residency) -> None:
+        """The pool's changes since the last step and the step's plan, to every worker."""
+        started = time.perf_counter()
+        placements = table.placements
+        evicted = [slot for slot, sent in self._sent.items() if placements.get(slot) is not sent]
+        placed = []
+        if len(placements) != len(self._sent) or evicted or any(self._sent.get(slot) is not p for slot, p in placements.items()):
+            names = {slot: name for name, slot in residency.slots.items()}
+            for slot, placement in placements.items():
+                if self._sent.get(slot) is not placement:
+                    name = names[slot]
+                    placed.append(Placement(slot, name, self._paths[name], np.asarray(placement.page_ids, dtype=np.int32)))
+            self._sent = dict(placements)
+        message = StepMessage.of(plan, evicted, placed, self._blocks.updates(plan))
+        for connection in self.connections:
+            connection.send(("step", message))
+        self.steps_sent += 1
+        self.send_seconds += time.perf_counter() - started
+
+    def status(self, pool) -> dict:
+        """/v1/status's tensor_parallel: the size, each rank's GPU and pool. Every rank's pool has the same pages
+        and the same adapter and KV pages in them (rank 0's placements, mirrored), so one occupancy serves all."""
+        occupancy = pool.occupancy()
+        ranks = [{"rank": 0, "pid": os.getpid(), "device": str(self.devices[0]), "alive": True,
+                  "pool_pages": occupancy["pages"], "page_bytes": occupancy["page_bytes"]}]
+        for rank, (process, report) in enumerate(zip(self.processes, self.workers), start=1):
+            ranks.append({"rank": rank, "pid": process.pid, "device": report.get("device"), "alive": process.is_alive(),
+                          "pool_pages": report.get("pages"), "page_bytes": occupancy["page_bytes"]})
+        return {"size": self.size, "backend": self.backend, "gpus": [str(device) for device in self.devices],
+                "ranks": ranks, "kv_pages_each_rank": occupancy["kv"], "adapter_pages_each_rank": occupancy["adapter"],
+                "steps_sent": self.steps_sent, "send_ms": round(self.send_seconds * 1e3, 3)}
+
+    def ranks(self) -> list[tuple[int, str, bool]]:
+        """(rank, device, alive) of every rank, for /metrics."""
+        return [(0, str(self.devices[0]), True)] + [(rank, str(self.devices[rank]), process.is_alive())
+                                                   for rank, process in enumerate(self.processes, start=1)]
+
+    def close(self) -> None:
+        """Stops the workers (they finish the step they run) and leaves the group."""
+        self._closing = True
+        for connection in self.connections:
+            try:
+                connection.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        for process in self.processes:
+            process.join(30)
+            if process.is_alive():
+                log.warning("tensor parallel worker did not stop; killing it pid=%d", process.pid)
+                process.kill()
+                process.join(5)
+        for connection in self.connections:
+            connection.close()
+        tensor_parallel.leave_group()
+
+    def _receive(self, rank: int, kind: str) -> dict:
+        connection, process = self.connections[rank - 1], self.processes[rank - 1]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not connection.poll(1.0):
+            if not process.is_alive() or time.monotonic() > deadline:
+                raise ModelError(f"tensor parallel rank {rank} ({process.pid}) "
+                                 f"{'died' if not process.is_alive() else 'did not answer'} while starting; its log says why")
+        message = connection.recv()
+        if message[0] == "failed":
+            raise ModelError(f"tensor parallel rank {rank} failed to start: {message[1]}")
+        if message[0] != kind:
+            raise ModelError(f"tensor parallel rank {rank} sent {message[0]!r} where {kind!r} was expected")
+        return message[1]
+
+    def _watch(self) -> None:
+        """A worker that exits unasked takes the engine process down: the ranks cannot go on without it, and a
+        collective waiting for it must not hang the daemon."""
+        sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes, start=1)}
+        ended = multiprocessing.connection.wait(list(sentinels))
+        if self._closing:
+            return
+        rank = sentinels[ended[0]]
+        process = self.processes[rank - 1]
+        process.join(1)
+        log.error("tensor parallel rank %d died (pid %d, exit code %s): the engine cannot go on without it; exiting",
+                  rank, process.pid, process.exitcode)
+        _exit(RANK_DIED_EXIT)
+
+
+def _exit(code: int) -> None:
+    """Ends the engine process now (a collective may hold its other threads): the API process sees it die, fails
+    every request and exits non-zero."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(code)
+
+
+def _devices(device: torch.device, size: int) -> list[torch.device]:
+    if device.type != "cuda":
+        return [device] * size
+    first = device.index or 0
+    if first + size > torch.cuda.device_count():
+        raise BadRequest(f"tensor_parallel_size {size} from {device} needs GPUs cuda:{first}..cuda:{first + size - 1}; "
+                         f"torch sees {torch.cuda.device_count()}")
+    return [torch.device("cuda", first + rank) for rank in range(size)]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# ---- a worker process ----------------------------------------------------------------------------------------
+
+
+class _MirrorPool(PagePool):
+    """A worker's pool: rank 0 hands out the pages; this one counts what its placements hold."""
+
+    def alloc(self, count: int, owner: str):
+        raise RuntimeError("a tensor-parallel worker's pool takes rank 0's page ids; it allocates none")
+
+    def free(self, page_ids: list[int], owner: str) -> None:
+        self.used[owner] -= len(page_ids)
+
+
+class RankWorker:
+    """Rank r's model, pool and adapter shards, driven by rank 0's StepMessages."""
+
+    def __init__(self, rank: int, config: EngineConfig, spec: ModelSpec, model_name: str, model_dir: str | None,
+                 max_model_len: int, device: torch.device):
+        from lorad.daemon.engine.engine import resolve_dtype
+        from lorad.daemon.engine.kernel_choice import LoraKernelChoice
+        from lorad.daemon.engine.runner import ModelRunner
+        from lorad.daemon.model.checkpoint import dummy_weights
+
+        self.config, self.spec, self.rank, self.device = config, spec, rank, device
+        self.shard = tensor_parallel.Shard(spec, rank, config.tensor_parallel_size)
+        self.dtype = resolve_dtype(config.dtype, spec.torch_dtype, device)
+        local = self.shard.local
+        if model_dir is None:  # every rank draws the same local shapes from the same seed, as rank 0 does
+            weights = dummy_weights(local, self.dtype, device, seed=config.seed)
+        else:
+            weights = self.shard.read_weights(model_dir, self.dtype, device)
+        self.weight_bytes = sum(tensor.nbytes for tensor in weights.values())
+        kernel_choice = LoraKernelChoice.for_engine(config.profile_path, model_name, device, config.state_dir,
+                                                    str(self.dtype).removeprefix("torch."), config.lora_kernel)
+        self.runner = ModelRunner(config, local, device, weights, max_model_len, kernel_choice)
+        self.runner.model.reduce = tensor_parallel.all_reduce
+        del weights
+        self._adapters = collections.OrderedDict()  # (name, path) -> staged shard, LRU within host_adapter_bytes
+        self.blocks = BlockSync()
+        self._adapter_bytes = 0
+        self._dummies = None
+
+    def pages(self) -> int:
+        from lorad.daemon.engine.engine import pool_pages
+
+        return pool_pages(self.config, self.spec, self.dtype, self.device)
+
+    def bind(self, pages: int, page_elems: int) -> None:
+        from lorad.daemon.model.checkpoint import PROJECTIONS
+        from lorad.gpu_ops.page_pool import AdapterTable, KVCache
+
+        local = self.shard.local
+        self.pool = _MirrorPool(pages, page_elems, self.dtype, self.device)
+        self.kv = KVCache(self.pool, local.num_layers, local.num_kv_heads, local.head_dim)
+        from lorad.daemon.engine.engine import ADAPTER_SLOTS
+
+        self.table = AdapterTable(self.pool, ADAPTER_SLOTS, local.num_layers, [local.projection_shape(p) for p in PROJECTIONS])
+        # The runner asks the residency for streamed copies (none here) and the cold starts for CPU assist (refused).
+        residency = types.SimpleNamespace(loading={}, issue_streams=lambda: None)
+        self.runner.bind(self.kv, self.table, residency, types.SimpleNamespace(cpu_assist=None), held=None)
+
+    def run(self, message: StepMessage) -> None:
+        for slot in message.evicted:
+            self.table.evict(slot)
+        for placement in message.placed:
+            self.table.place_at(placement.slot, self._staged(placement.name, placement.path), placement.page_ids)
+        plan = message.plan(self.blocks.apply(message.blocks))
+        if message.device_tokens:
+            plan.device_tokens = tensor_parallel.broadcast(torch.empty(len(plan.tokens), dtype=torch.long, device=self.device))
+        self.runner.forward(plan)
+
+    def _staged(self, name: str, path: str):
+        """This rank's shard of an adapter in page layout: read from its directory (or made, for a dummy adapter)."""
+        from lorad.daemon.model.adapters import load_peft_adapter
+
+        key = (name, path)
+        staged = self._adapters.get(key)
+        if staged is not None:
+            self._adapters.move_to_end(key)
+            return staged
+        if path == MEMORY_ADAPTER:
+            adapter = self._dummy(name)
+        else:
+            adapter = load_peft_adapter(path, self.spec, self.config.max_lora_rank, name=name)
+        staged = self.table.stage(self.shard.adapter(adapter).weights, pin=False)
+        self._adapters[key] = staged
+        self._adapter_bytes += staged.pages.nbytes
+        while self._adapter_bytes > self.config.host_adapter_bytes and len(self._adapters) > 1:
+            _, dropped = self._adapters.popitem(last=False)
+            self._adapter_bytes -= dropped.pages.nbytes
+        return staged
+
+    def _dummy(self, name: str):
+        if self._dummies is None:
+            from lorad.daemon.engine.engine import _dummy_adapters
+
+            self._dummies = {adapter.name: adapter for adapter in _dummy_adapters(self.spec, self.config)}
+        return self._dummies[name]
+
+    def describe(self) -> dict:
+        return {"device": str(self.device), "pages": self.pool.num_pages - 1, "weight_bytes": self.weight_bytes,
+                "ops": self.runner.ops.name}
+
+
+def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: str, model_dir: str | None,
+                max_model_len: int, device: str, address: str, connection, log_level: int) -> None:
+    # Stopping is rank 0's decision; a Ctrl-C to the process group must not take one rank out from under the others.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s rank={rank} pid={os.getpid()} %(message)s")
+    device = torch.device(device)
+    if device.type == "cpu":  # the ranks share the host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    threading.Thread(target=_exit_with_parent, name="lorad-parent-watch", daemon=True).start()
+    try:
+        tensor_parallel.init_group(rank, config.tensor_parallel_size, device, address)
+        worker = RankWorker(rank, config, spec, model_name, model_dir, max_model_len, device)
+        connection.send(("loaded", {"pages": worker.pages()}))
+        kind, (pages, page_elems) = connection.recv()
+        worker.bind(pages, page_elems)
+        connection.send(("ready", worker.describe()))
+    except BaseException as error:  # noqa: BLE001 -- rank 0 reports it
+        log.exception("tensor parallel rank %d failed to start", rank)
+        try:
+            connection.send(("failed", f"{type(error).__name__}: {error}"))
+        except (OSError, ValueError):
+            pass
+        os._exit(2)
+    while True:
+        try:
+            message = connection.recv()
+        except (EOFError, OSError):
+            log.warning("rank 0 is gone; rank %d exits", rank)
+            os._exit(RANK_DIED_EXIT)
+        if message[0] == "stop":
+            break
+        worker.run(message[1])  # an error here ends this process, and rank 0's watch ends the engine
+    tensor_parallel.leave_group()
+
+
+def _exit_with_parent() -> None:
+    """Rank 0 (the engine process) gone, killed in a collective perhaps: this rank goes too."""
+    multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
+    os._exit(RANK_DIED_EXIT)

@@ -1,0 +1,205 @@
+"""Tensor parallelism (Megatron's column-then-row split, S-LoRA's sharding of LoRA): what each rank holds of the
+model and of every adapter, and the one collective the forward needs.
+
+Rank r of N holds, of every layer:
+- q, k, v, gate, up (column-parallel): its rows of the weight (its attention heads, its MLP columns). LoRA: A
+  whole, its rows of B. Its output is its own slice: no collective.
+- o, down (row-parallel): its columns of the weight (the inputs its heads and MLP columns produced). LoRA: its
+  columns of A, B whole. Its output is a partial sum over the ranks: one all-reduce of [T, hidden] after the
+  projection (`all_reduce`, LlamaModel.reduce), with the LoRA already added in.
+
+The LoRA of o and down is fused into that all-reduce: each rank adds (x_r A_r^T) B^T to its partial y_r, and the
+sum over r of (x_r A_r^T) B^T is (x A^T) B^T by linearity, exactly. Reducing the shrink's [T, rank] partials
+first and expanding once costs a second all-reduce per projection; the fused order costs none, and each rank's
+expand is the same [T, rank] x [rank, hidden] product one GPU runs (the N-fold is in FLOPs summed over the GPUs,
+not on any one, so no step is longer).
+
+S-LoRA's own partition (its section 6) holds no weight twice: for a column-parallel projection A is split along
+the rank (an all-gather of the shrink's [T, rank / N] parts before the expand), for a row-parallel one B along its
+outputs (the shrink's [T, rank] partials all-reduced first). That is four small collectives per layer on top of the
+base model's two (q, k, v's all-gathers merged into one, gate and up's into one; seven unmerged), 160 a step on a
+40-layer model, each a latency of ~10 us or more however few its bytes, which a decode step of a few milliseconds
+cannot hide. Here the adapters add none. The price is memory: a rank holds
+(in + out / N) of a column-parallel projection's LoRA and (in / N + out) of a row-parallel one's, about 0.75 of a
+whole adapter at N = 2 against S-LoRA's 0.5, and it reads the whole A of q, k, v, gate, up in each shrink (rank x
+hidden elements: small beside the base weights a decode step reads).
+
+The embeddings, the LM head and the norms are whole on every rank, so every rank holds the same residual
+stream and the same logits (rank 0 samples). The KV heads are split with the query heads that read them; a
+size above the KV heads' count replicates each KV head over size / kv_heads ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from lorad.daemon.model.checkpoint import PROJECTIONS, ModelSpec, safetensors_files
+from lorad.errors import BadRequest, ModelError
+
+log = logging.getLogger(__name__)
+
+Q, K, V, O, GATE, UP, DOWN = range(7)
+COLUMN_PARALLEL = (Q, K, V, GATE, UP)  # output features split: A whole, B's rows split
+ROW_PARALLEL = (O, DOWN)  # input features split: A's columns split, B whole
+# The architectures whose checkpoint names the shard reads (a fused qkv or gate_up tensor would need its own split).
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# A collective that has not completed in this long fails (gloo raises; NCCL's watchdog aborts the process): a rank
+# that hangs takes the engine down instead of leaving the others waiting forever (one that dies is seen at once:
+# daemon/engine/tp_worker.py). Long enough for a rank compiling its kernels while another waits at a collective.
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+def check_size(spec: ModelSpec, size: int) -> None:
+    """BadRequest naming tensor_parallel_size and the shape that refuses it; None when `size` can split `spec`."""
+    if size == 1:
+        return
+    if spec.architecture not in ARCHITECTURES:
+        raise BadRequest(f"tensor_parallel_size {size}: {spec.architecture} is not split across GPUs "
+                         f"(one of {', '.join(ARCHITECTURES)} is)")
+    problems = []
+    if spec.num_heads % size:
+        problems.append(f"the {spec.num_heads} attention heads")
+    if spec.num_kv_heads % size and size % spec.num_kv_heads:
+        problems.append(f"the {spec.num_kv_heads} KV heads (a size above them must be a multiple of them: "
+                        "each KV head is then replicated)")
+    if spec.intermediate_size % size:
+        problems.append(f"the intermediate size {spec.intermediate_size}")
+    if problems:
+        raise BadRequest(f"tensor_parallel_size {size} does not divide {' and '.join(problems)}")
+    # A page (ModelSpec.page_elems) holds whole K rows of every KV head: of the rank's share of them (a divisor of
+    # them, or one head replicated) too.
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """What rank `rank` of `size` holds of a model of shape `spec` (the whole model's)."""
+
+    spec: ModelSpec
+    rank: int
+    size: int
+
+    def __post_init__(self):
+        check_size(self.spec, self.size)
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} is not in 0..{self.size - 1}")
+
+    @property
+    def local(self) -> ModelSpec:
+        """The shape this rank computes: its heads, KV heads and MLP columns; hidden size, vocabulary and layers
+        whole. LlamaModel, the KV cache and the adapter table are built on it unchanged."""
+        spec, size = self.spec, self.size
+        return dataclasses.replace(spec, num_heads=spec.num_heads // size, num_kv_heads=max(spec.num_kv_heads // size, 1),
+                                   intermediate_size=spec.intermediate_size // size)
+
+    def features(self, projection: int) -> tuple[int, int]:
+        """[start, stop) of the features this rank holds of a projection: outputs of a column-parallel one, inputs
+        of a row-parallel one."""
+        spec, rank, size = self.spec, self.rank, self.size
+        if projection in (Q, O):
+            width = spec.q_size // size
+            return rank * width, (rank + 1) * width
+        if projection in (K, V):
+            if spec.num_kv_heads >= size:
+                width = spec.kv_size // size
+                return rank * width, (rank + 1) * width
+            head = rank // (size // spec.num_kv_heads)  # the KV head this rank's query heads read
+            return head * spec.head_dim, (head + 1) * spec.head_dim
+        width = spec.intermediate_size // size
+        return rank * width, (rank + 1) * width
+
+    def weight_split(self, name: str) -> tuple[int, int, int] | None:
+        """(dimension, start, stop) of this rank's part of checkpoint tensor `name`; None: held whole."""
+        for projection, proj_name in enumerate(PROJECTIONS):
+            if f".{proj_name}." not in name:
+                continue
+            start, stop = self.features(projection)
+            if name.endswith(".bias"):
+                return (0, start, stop) if projection in COLUMN_PARALLEL else None
+            return (0 if projection in COLUMN_PARALLEL else 1), start, stop
+        return None
+
+    def take(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of a whole model's tensors (random weights; tests), each contiguous."""
+        taken = {}
+        for name, tensor in weights.items():
+            split = self.weight_split(name)
+            taken[name] = tensor if split is None else tensor.narrow(split[0], split[1], split[2] - split[1]).contiguous()
+        return taken
+
+    def read_weights(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """This rank's part of every checkpoint tensor, reading only its slices of the safetensors files."""
+        weights = {}
+        for path in safetensors_files(Path(model_dir)):
+            try:
+                with safe_open(str(path), framework="pt") as shard:
+                    for name in shard.keys():
+                        split = self.weight_split(name)
+                        if split is None:
+                            tensor = shard.get_tensor(name)
+                        else:
+                            dimension, start, stop = split
+                            part = shard.get_slice(name)
+                            tensor = part[start:stop] if dimension == 0 else part[:, start:stop]
+                        weights[name] = tensor.to(device=device, dtype=dtype).contiguous()
+            except (OSError, RuntimeError, SafetensorError) as error:
+                raise ModelError(f"cannot read {path}: {error}") from error
+        return weights
+
+    def adapter(self, adapter):
+        """This rank's part of a LoraAdapter (daemon/model/adapters.py): A whole and B's rows of a column-parallel
+        projection, A's columns and B whole of a row-parallel one. Ranks and scaling unchanged."""
+        weights = {}
+        for (layer, projection), (a, b) in adapter.weights.items():
+            start, stop = self.features(projection)
+            if projection in COLUMN_PARALLEL:
+                weights[(layer, projection)] = (a, b[start:stop].contiguous())
+            else:
+                weights[(layer, projection)] = (a[:, start:stop].contiguous(), b)
+        nbytes = sum(a.nbytes + b.nbytes for a, b in weights.values())
+        return dataclasses.replace(adapter, weights=weights, nbytes=nbytes)
+
+
+def init_group(rank: int, size: int, device: torch.device, address: str, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> str:
+    """Joins the ranks' process group (torch.distributed's default group: NCCL on cuda, gloo on the cpu) through
+    `address` (tcp://127.0.0.1:PORT, rank 0 listens) -> the backend. Every collective, the rendezvous included,
+    fails after timeout_s."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    options = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        options["device_id"] = device  # NCCL's communicator made now, bound to this GPU
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout_s), **options)
+    log.info("tensor parallel group joined rank=%d size=%d backend=%s device=%s", rank, size, backend, device)
+    return backend
+
+
+def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum over the ranks of each rank's partial `tensor`, in place (capturable in a CUDA graph with NCCL)."""
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `tensor` on every rank, in place."""
+    import torch.distributed as dist
+
+    dist.broadcast(tensor, src=0)
+    return tensor
+
+
+def leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,50 @@
+"""bench/tensor_parallel.py: its arguments, its cases, and a dry run on the CPU (gloo, tiny-llama, each case in its
+own process) that produces every figure's field."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "tensor_parallel.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("bench_tensor_parallel", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_arguments_and_cases():
+    bench = load()
+    args = bench.parse_args([])
+    assert (args.model_config, args.big_config, args.batch, args.rank, args.size) == ("llama-2-13b", "llama-2-70b", 64, 16, 2)
+    names = [case["name"] for case in bench.cases(args)]
+    assert names == ["base_tp1", "base_tp2", "lora_tp2", "big_batch1_tp2"]
+    assert [case["name"] for case in bench.cases(bench.parse_args(["--big-config", "none"]))] == names[:3]
+    dry = bench.parse_args(["--dry-run"])
+    assert (dry.model_config, dry.batch, dry.steps) == ("tiny-llama", 4, 4)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--batch", "0"])
+    only = bench.cases(bench.parse_args(["--only", "base_tp1,big_batch1_tp2"]))
+    assert [case["name"] for case in only] == ["base_tp1", "big_batch1_tp2"]
+    with pytest.raises(SystemExit, match="no case lora_tp4"):
+        bench.cases(bench.parse_args(["--only", "lora_tp4"]))
+
+
+@pytest.mark.slow
+def test_dry_run_on_the_cpu(tmp_path, capsys):
+    bench = load()
+    out = tmp_path / "tp.json"
+    bench.main(["--dry-run", "--out", str(out)])
+    document = json.loads(out.read_text())
+    cases = document["cases"]
+    assert not [name for name, case in cases.items() if "error" in case], cases
+    assert cases["base_tp2"]["tensor_parallel"]["size"] == 2 and cases["base_tp1"]["tensor_parallel"]["size"] == 1
+    assert cases["base_tp2"]["all_reduce_ms_per_step"] > 0
+    assert set(document["summary"]) == {"tp2_over_tp1_decode", "lora_over_base_tp2", "all_reduce_share_of_decode_step",
+                                        "big_batch1_over_floor"}

@@ -1,0 +1,304 @@
+"""Tensor parallelism on the CPU (gloo, 2 processes, float32): the shards' algebra against the whole model's
+projections, a rank reading only its slices of the checkpoint, and whole engines at tensor_parallel_size 2 giving
+the greedy tokens of the single-process engine and of transformers + PEFT, with every fixture adapter (ranks 1 to
+32, different targets) in one batch and a pool small enough that adapters are evicted and placed again while the
+ranks run. A rank killed mid-request takes the engine down: every request errors, nothing hangs."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from lorad.config import EngineConfig
+from lorad.daemon.engine.engine import Engine
+from lorad.daemon.engine.request import GenerationRequest, SamplingParams
+from lorad.daemon.model.adapters import LoraAdapter
+from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
+from lorad.daemon.model.tensor_parallel import COLUMN_PARALLEL, Shard, check_size
+from lorad.daemon.server.metrics import render
+from lorad.errors import BadRequest, EngineDead
+
+from test_hf_parity import MAX_TOKENS, make_cases, mismatches
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+def spec_of(**shape) -> ModelSpec:
+    return ModelSpec.from_hf_config({**MODEL_CONFIGS["tiny-llama"], **shape})
+
+
+# --- which sizes split which shapes ---------------------------------------------------------------------------
+
+
+def test_sizes_that_do_not_split_the_model_are_refused_naming_the_shape():
+    spec = spec_of(num_attention_heads=4, num_key_value_heads=2, intermediate_size=172)
+    check_size(spec, 2)
+    check_size(spec, 4)  # 2 KV heads, each replicated on 2 ranks
+    with pytest.raises(BadRequest, match=r"tensor_parallel_size 3 does not divide the 4 attention heads and the 2 KV "
+                                         r"heads .* and the intermediate size 172"):
+        check_size(spec, 3)
+    with pytest.raises(BadRequest, match="intermediate size 170"):
+        check_size(spec_of(intermediate_size=170), 4)
+    with pytest.raises(BadRequest, match="6 KV heads"):
+        check_size(spec_of(num_attention_heads=12, num_key_value_heads=6, hidden_size=96), 4)
+
+
+def test_config_refuses_a_bad_size_and_cpu_assisted_cold_starts():
+    for size in (0, -1, True, 2.0, 65):
+        with pytest.raises(BadRequest, match="tensor_parallel_size must be an integer in 1..64"):
+            EngineConfig(tensor_parallel_size=size)
+    for cold_start in ("cpu", "auto"):
+        with pytest.raises(BadRequest, match=f"cold_start {cold_start} does not run with tensor_parallel_size > 1"):
+            EngineConfig(tensor_parallel_size=2, cold_start=cold_start)
+    EngineConfig(tensor_parallel_size=2, cold_start="cached")
+
+
+def test_engine_refuses_a_size_before_starting_any_rank(hf_checkpoint):
+    checkpoint = hf_checkpoint("llama")  # 4 heads
+    with pytest.raises(BadRequest, match="tensor_parallel_size 8 does not divide the 4 attention heads"):
+        Engine(EngineConfig(model=str(checkpoint.model_dir), device="cpu", tensor_parallel_size=8))
+
+
+# --- the shards' algebra ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_heads,size", [(2, 2), (4, 2), (1, 2), (2, 4)])
+def test_shards_compute_the_whole_projections_with_lora(kv_heads, size):
+    """Column-parallel outputs side by side, and row-parallel partial sums (their LoRA included: the fused
+    all-reduce), give the whole model's projection plus its LoRA, for every projection, with GQA and with KV heads
+    replicated (1 KV head at 2 ranks, 2 at 4)."""
+    spec = spec_of(num_attention_heads=4, num_key_value_heads=kv_heads, intermediate_size=176)
+    generator = torch.Generator().manual_seed(kv_heads * 10 + size)
+    weights = dummy_weights(spec, torch.float64, torch.device("cpu"), seed=3)
+    rank = 5
+    lora = {}
+    for projection, name in enumerate(PROJECTIONS):
+        fan_in, fan_out = spec.projection_shape(name)
+        lora[(0, projection)] = (torch.randn(rank, fan_in, generator=generator, dtype=torch.float64),
+                                 torch.randn(fan_out, rank, generator=generator, dtype=torch.float64))
+    adapter = LoraAdapter("a", "<memory>", rank, PROJECTIONS, lora, 0, {key: 1.0 for key in lora})
+    shards = [Shard(spec, r, size) for r in range(size)]
+    group = spec.num_heads // spec.num_kv_heads
+    for projection, name in enumerate(PROJECTIONS):
+        module = "mlp." if name in ("gate_proj", "up_proj", "down_proj") else "self_attn."
+        key = f"model.layers.0.{module}{name}.weight"
+        fan_in, _ = spec.projection_shape(name)
+        x = torch.randn(3, fan_in, generator=generator, dtype=torch.float64)
+        a, b = lora[(0, projection)]
+        whole = x @ weights[key].t() + (x @ a.t()) @ b.t()
+        parts = []
+        for shard in shards:
+            w = shard.take({key: weights[key]})[key]
+            a_r, b_r = shard.adapter(adapter).weights[(0, projection)]
+            x_r = x if projection in COLUMN_PARALLEL else x[:, slice(*shard.features(projection))]
+            parts.append(x_r @ w.t() + (x_r @ a_r.t()) @ b_r.t())
+        if projection in COLUMN_PARALLEL:
+            if name in ("k_proj", "v_proj") and size > spec.num_kv_heads:
+                # each KV head on size / kv_heads ranks: the first rank of each group, side by side
+                parts = parts[:: size // spec.num_kv_heads]
+            torch.testing.assert_close(torch.cat(parts, dim=1), whole)
+        else:
+            torch.testing.assert_close(sum(parts), whole)
+    # each rank's query heads read the KV heads it holds
+    for shard in shards:
+        q_heads = range(*[edge // spec.head_dim for edge in shard.features(0)])
+        kv_heads_held = range(*[edge // spec.head_dim for edge in shard.features(1)])
+        assert {head // group for head in q_heads} <= set(kv_heads_held)
+    assert shards[0].local.num_heads * size == spec.num_heads
+
+
+def test_a_rank_reads_only_its_slices_of_a_sharded_checkpoint(hf_checkpoint):
+    checkpoint = hf_checkpoint("llama_sharded")  # several safetensors files and an index
+    spec = load_spec(checkpoint.model_dir)
+    whole = load_weights(checkpoint.model_dir, torch.float32, torch.device("cpu"))
+    for rank in range(2):
+        shard = Shard(spec, rank, 2)
+        read = shard.read_weights(checkpoint.model_dir, torch.float32, torch.device("cpu"))
+        expected = shard.take(whole)
+        assert read.keys() == expected.keys()
+        for name in read:
+            assert torch.equal(read[name], expected[name]), name
+        assert read["model.layers.0.self_attn.q_proj.weight"].shape == (spec.q_size // 2, spec.hidden_size)
+        assert read["model.layers.0.mlp.down_proj.weight"].shape == (spec.hidden_size, spec.intermediate_size // 2)
+
+
+# --- whole engines ---------------------------------------------------------------------------------------------
+
+
+def generate(model_dir, adapters: dict, cases, **config):
+    """-> (results, the engine's status at the end)."""
+    engine = Engine(EngineConfig(model=str(model_dir), adapters=tuple((name, str(path)) for name, path in adapters.items()),
+                                 device="cpu", dtype="float32", **config))
+    requests = [GenerationRequest(prompt_token_ids=list(prompt), adapter=adapter, keep_logits=True,
+                                  sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+                for prompt, adapter in cases]
+    try:
+        results = engine.generate(requests)
+        return results, engine.status()
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "llama_tied"])
+def test_tp2_greedy_tokens_equal_tp1_and_hf_peft(arch, hf_checkpoint, hf_reference):
+    # llama: 4 heads over 2 KV heads (GQA, one KV head a rank); llama_tied: one KV head, replicated on both ranks.
+    # 16 requests of 1..40 tokens over the base model and six adapters, 3 running at once, 64 tokens a step
+    # (prefills split over steps, beside decodes), in a pool that holds about two adapters beside the KV cache.
+    checkpoint = hf_checkpoint(arch)
+    cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size)
+    config = dict(max_running_requests=3, max_batch_tokens=64, pool_bytes=1600 * 256)
+    single, _ = generate(checkpoint.model_dir, checkpoint.adapters, cases, **config)
+    split, status = generate(checkpoint.model_dir, checkpoint.adapters, cases, tensor_parallel_size=2, **config)
+    tp = status["tensor_parallel"]
+    assert tp["size"] == 2 and tp["backend"] == "gloo" and [rank["rank"] for rank in tp["ranks"]] == [0, 1]
+    assert all(rank["alive"] and rank["pool_pages"] == status["pool"]["pages"] for rank in tp["ranks"])
+    assert status["adapter_evictions"] > 0, "the pool was large enough that no adapter was evicted"
+    for index, (one, two) in enumerate(zip(single, split)):
+        assert two.token_ids == one.token_ids, f"request {index} (adapter {cases[index][1]})"
+    problems = mismatches(f"{arch} tp=2", cases, split, hf_reference(checkpoint.model_dir, checkpoint.adapters))
+    assert not problems, f"{len(problems)} of {len(cases)} requests differ from HF + PEFT:\n" + "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_tp2_preempted_sequences_stay_in_step(hf_checkpoint, caplog):
+    # A pool so small that growing KV preempts running sequences (their blocks freed, recomputed later): the workers'
+    # block lists follow rank 0's, and the tokens stay those of TP=1.
+    checkpoint = hf_checkpoint("llama")
+    adapters = {name: checkpoint.adapters[name] for name in ("qv-r1", "o-down-r4")}
+    cases = [(prompt, [None, "qv-r1", "o-down-r4"][index % 3])
+             for index, (prompt, _) in enumerate(make_cases(list(checkpoint.adapters), checkpoint.vocab_size)[:9])]
+    config = dict(max_running_requests=8, pool_bytes=300 * 256, max_model_len=64)
+    single, _ = generate(checkpoint.model_dir, adapters, cases, **config)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="lorad.scheduler.batching"):
+        split, _ = generate(checkpoint.model_dir, adapters, cases, tensor_parallel_size=2, **config)
+    assert any("preempt" in record.getMessage() for record in caplog.records), "no sequence was preempted"
+    for index, (one, two) in enumerate(zip(single, split)):
+        assert two.token_ids == one.token_ids, f"request {index} (adapter {cases[index][1]})"
+
+
+@pytest.mark.slow
+def test_tp2_dummy_weights_and_adapters_run(tmp_path):
+    # The benchmarks' path: random weights drawn per rank in its local shape, in-memory adapters every rank makes.
+    config = EngineConfig(model_config="tiny-llama", dummy_weights=True, dummy_adapters=3, dummy_adapter_rank=4,
+                          dummy_adapter_targets=",".join(PROJECTIONS), device="cpu", tensor_parallel_size=2,
+                          cold_start="cached")
+    engine = Engine(config)
+    try:
+        results = engine.generate([GenerationRequest(prompt_token_ids=[5, 6, 7], adapter=f"dummy-{index % 3}",
+                                                     sampling=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+                                   for index in range(4)])
+        status = engine.status()
+        metrics = render(engine.metrics())
+    finally:
+        engine.close()
+    assert [len(result.token_ids) for result in results] == [4] * 4
+    assert status["tensor_parallel"]["adapter_pages_each_rank"] > 0
+    assert 'lorad_tensor_parallel_rank_up{rank="0",device="cpu"} 1' in metrics
+    assert 'lorad_tensor_parallel_rank_up{rank="1",device="cpu"} 1' in metrics
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_takes_the_engine_down(demo_assets):
+    from test_process import Collector, request, start_engine
+
+    deaths = []
+    config = EngineConfig(demo=True, device="cpu", pool_bytes=8 << 20, max_model_len=1024, tensor_parallel_size=2)
+    engine = start_engine(demo_assets, config, on_death=deaths.append)
+    try:
+        status = engine.status()["tensor_parallel"]
+        assert status["size"] == 2 and len(status["ranks"]) == 2
+        worker = status["ranks"][1]["pid"]
+        collectors = [Collector() for _ in range(2)]
+        for collector in collectors:
+            engine.submit(request([1, 2, 3], "demo-r8", collector, max_tokens=1000, ignore_eos=True))
+        assert all(collector.first.wait(20) for collector in collectors)
+        killed = time.monotonic()
+        os.kill(worker, signal.SIGKILL)
+        for collector in collectors:
+            last = collector.wait(15)
+            assert last.finish_reason == "error" and "died" in last.error
+        assert time.monotonic() - killed < 15
+        assert not engine.alive and len(deaths) == 1 and "exit code 1" in deaths[0]
+        with pytest.raises(EngineDead):
+            engine.submit(request([1, 2]))
+    finally:
+        engine.stop()
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker, 0)
+
+
+def test_step_message_rebuilds_the_plan_and_the_block_lists():
+    """Over several steps: blocks added a row at a time, a sequence preempted (its list emptied and grown again), one
+    leaving a step and coming back, one finished and a new one in its place. Each step's message carries only new
+    rows where it can, and the worker's lists equal rank 0's every time."""
+    import pickle
+
+    import numpy as np
+
+    from lorad.daemon.engine.step_plan import StepPlan
+    from lorad.daemon.engine.tp_worker import BlockSync, StepMessage
+    from lorad.gpu_ops.page_pool import BlockList
+    from lorad.scheduler.batching import Sequence
+
+    def rows(first, count):
+        return np.arange(first * 6, (first + count) * 6, dtype=np.int32).reshape(count, 3, 2)
+
+    a, b, c = (Sequence(name, [1, 2, 3], 3, None, blocks=BlockList()) for name in "abc")
+    a.blocks.extend(rows(0, 2))
+    b.blocks.extend(rows(10, 1))
+    rank0, worker = BlockSync(), BlockSync()
+
+    def step(seqs):
+        plan = StepPlan(tokens=[np.array([4, 5, 6])] + [np.array([9])] * (len(seqs) - 1), starts=np.arange(len(seqs)),
+                        slots=np.array([-1, 3, 0][: len(seqs)]), blocks=[seq.blocks.array() for seq in seqs],
+                        sample=np.ones(len(seqs), dtype=bool), seqs=seqs)
+        message = pickle.loads(pickle.dumps(StepMessage.of(plan, [], [], rank0.updates(plan))))
+        rebuilt = message.plan(worker.apply(message.blocks))
+        assert [t.tolist() for t in rebuilt.tokens] == [t.tolist() for t in plan.tokens]
+        for field in ("starts", "slots", "sample", "counts"):
+            assert np.array_equal(getattr(rebuilt, field), getattr(plan, field)), field
+        assert rebuilt.decode == plan.decode and rebuilt.row_slots().tolist() == plan.row_slots().tolist()
+        for mine, theirs in zip(rebuilt.blocks, plan.blocks):
+            assert np.array_equal(mine, theirs)
+        return [len(new) for new in message.blocks[2]]
+
+    assert step([a, b]) == [2, 1]
+    a.blocks.extend(rows(2, 1))
+    assert step([a, b]) == [1, 0]  # only the new row
+    b.blocks.clear()  # preempted, then grown again to as many rows
+    b.blocks.extend(rows(20, 1))
+    assert step([a, b]) == [0, 1]
+    assert step([a]) == [0]
+    assert step([a, b]) == [0, 1]  # b left a step: sent whole
+    c.blocks.extend(rows(30, 3))
+    assert step([c, a]) == [3, 0]
+    assert dataclasses.is_dataclass(StepMessage)
+
+
+@pytest.mark.parametrize("name,parameters", [("llama-2-70b", 68.98e9), ("llama-3-70b", 70.55e9)])
+def test_70b_shapes_split_over_two_to_eight_gpus(name, parameters):
+    spec = ModelSpec.from_hf_config(MODEL_CONFIGS[name])
+    for size in (2, 4, 8):
+        check_size(spec, size)
+    counted = 2 * spec.vocab_size * spec.hidden_size + spec.num_layers * sum(
+        fan_in * fan_out for fan_in, fan_out in map(spec.projection_shape, PROJECTIONS))
+    assert abs(counted - parameters) / parameters < 0.002
+    local = Shard(spec, 1, 2).local
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (32, 4, 14336)
+
+
+@pytest.mark.slow
+def test_an_engine_that_fails_after_its_workers_started_stops_them(hf_checkpoint):
+    checkpoint = hf_checkpoint("llama")
+    config = dict(model=str(checkpoint.model_dir), device="cpu", tensor_parallel_size=2, max_model_len=512)
+    with pytest.raises(Exception, match="cannot hold one sequence"):
+        Engine(EngineConfig(pool_bytes=64 * 256, **config))  # refused once the ranks have agreed on the pool
+    engine = Engine(EngineConfig(**config))  # the group was left: a new one forms
+    engine.close()
