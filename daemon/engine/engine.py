@@ -675,7 +675,9 @@ class Engine:
         for seq in choices:
             seq.blocks = self.kv.share(first.blocks, full)
             seq.num_computed = full * self.kv.tokens_per_page
-            if seq.num_computed < first.num_computed and self.grow(seq.blocks, first.num_computed):
+            # Under tensor parallelism the workers' pools see no device copy (step messages carry block rows, not
+            # copies): there each choice computes the rest of the prompt again instead.
+            if seq.num_computed < first.num_computed and self.tp is None and self.grow(seq.blocks, first.num_computed):
                 self.kv.copy_block(first.blocks.array()[full], seq.blocks.array()[full])
                 seq.num_computed = first.num_computed
         self.forked_choices += len(choices)
