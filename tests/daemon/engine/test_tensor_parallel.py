@@ -184,6 +184,31 @@ def test_tp2_preempted_sequences_stay_in_step(hf_checkpoint, caplog):
 
 
 @pytest.mark.slow
+def test_tp2_choices_of_one_prompt_equal_tp1(hf_checkpoint):
+    # n = 3 seeded choices per request share the prompt's full blocks; under TP each recomputes the partial last one
+    # (rank 0's device copy would not reach the workers): the tokens are TP=1's, which copies it.
+    checkpoint = hf_checkpoint("llama")
+    adapters = {name: checkpoint.adapters[name] for name in ("qv-r1", "all-r8")}
+    cases = [(prompt, [None, "qv-r1", "all-r8"][index]) for index, (prompt, _) in
+             enumerate(make_cases(list(checkpoint.adapters), checkpoint.vocab_size)[2:5])]
+
+    def run(**config):
+        engine = Engine(EngineConfig(model=str(checkpoint.model_dir), device="cpu", dtype="float32",
+                                     adapters=tuple((name, str(path)) for name, path in adapters.items()), **config))
+        try:
+            return [[choice.token_ids for choice in result.choices] for result in engine.generate([
+                        GenerationRequest(prompt_token_ids=list(prompt), adapter=adapter, n=3,
+                                          sampling=SamplingParams(max_tokens=6, temperature=0.9, seed=11 + index))
+                        for index, (prompt, adapter) in enumerate(cases)])]
+        finally:
+            engine.close()
+
+    single = run()
+    assert all(len({tuple(tokens) for tokens in choices}) > 1 for choices in single)  # the choices differ
+    assert run(tensor_parallel_size=2) == single
+
+
+@pytest.mark.slow
 def test_tp2_dummy_weights_and_adapters_run(tmp_path):
     # The benchmarks' path: random weights drawn per rank in its local shape, in-memory adapters every rank makes.
     config = EngineConfig(model_config="tiny-llama", dummy_weights=True, dummy_adapters=3, dummy_adapter_rank=4,
