@@ -20,7 +20,8 @@ import torch
 
 from lorad.config import EngineConfig
 from lorad.daemon.model.adapters import AdapterRegistry, LoraAdapter
-from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
+from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, load_spec
+from lorad.daemon.model import quantization
 from lorad.daemon.engine.cold_start import ColdStarts, streaming_availability
 from lorad.daemon.engine.runner import ModelRunner
 from lorad.daemon.engine.step_account import StepAccount
@@ -97,17 +98,24 @@ class Engine:
         self.max_model_len = min(config.max_model_len or min(self.spec.max_position_embeddings, MAX_DEFAULT_MODEL_LEN), self.spec.max_position_embeddings)
 
         started = time.perf_counter()
-        if model_dir is None:
-            weights = dummy_weights(self.spec, self.dtype, self.device, seed=config.seed)
-        else:
-            weights = load_weights(model_dir, self.dtype, self.device)
+        # The projections in FP8 where asked or where the checkpoint is (daemon/model/quantization.py).
+        base = quantization.load_base_weights(model_dir, self.spec, config.quantization, self.dtype, self.device, config.seed)
+        weights, self.quantization, kv_scales = base.weights, base.quantization, base.kv_scales
+        self.kv_dtype = quantization.kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         # The decode LoRA kernel per step, from `lorad profile`'s models when a profile is found.
         self.kernel_choice = LoraKernelChoice.for_engine(
             config.profile_path, self.model_name, self.device, config.state_dir, str(self.dtype).removeprefix("torch."),
             config.lora_kernel)
         log.info("decode lora kernel choice=%s", self.kernel_choice.describe())
         self.runner = ModelRunner(config, self.spec, self.device, weights, self.max_model_len, self.kernel_choice)
-        del weights
+        del weights, base
+        self.kv_cache = quantization.kv_cache_status(self.kv_dtype, kv_scales)
+        if self.kv_dtype != self.dtype:
+            self.runner.ops.kv_scales = (kv_scales if kv_scales is not None
+                                         else torch.ones(self.spec.num_layers, 2, dtype=torch.float32, device=self.device))
+        log.info("quantization=%s gemm=%r kv_cache_dtype=%s kv_scales=%r", self.quantization.describe(),
+                 self.runner.ops.fp8_gemm if self.quantization.method == "fp8" else "-", self.kv_cache["dtype"],
+                 self.kv_cache["scales"])
         # What this device sustains (HBM bandwidth, GEMM rate), measured before the pool takes the memory
         # left: each step's floor in the engine's account of its own time (step_account.py).
         rates = measure_device_rates(self.device, self.dtype)
@@ -116,7 +124,7 @@ class Engine:
         log.info("device rates hbm_gb_s=%.1f gemm_tflop_s=%.2f (each step's floor: the slower of bytes and FLOPs)",
                  rates.bandwidth_bytes_per_s / 1e9, rates.flops_per_s / 1e12)
         self.pool = PagePool(self._pool_pages(), self.spec.hidden_size, self.dtype, self.device)
-        self.kv = KVCache(self.pool, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv = KVCache(self.pool, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.kv_dtype)
         if self.kv.blocks_for(self.max_model_len) * self.kv.pages_per_block > self.pool.capacity:
             raise ModelError(
                 f"the page pool ({self.pool.capacity} pages) cannot hold one sequence of max_model_len="
@@ -148,7 +156,9 @@ class Engine:
         self._draining: set[str] = set()
         self.stats = Metrics()  # counters for GET /metrics; Engine.metrics() snapshots them
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
-        self.account = StepAccount(StepCostModel(self.spec, dtype_bytes, self._adapter_ranks), rates)
+        self.account = StepAccount(StepCostModel(
+            self.spec, dtype_bytes, self._adapter_ranks, weight_bytes=1 if self.quantization.method == "fp8" else dtype_bytes,
+            kv_bytes=self.kv.view.element_size()), rates)
         self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
         self.overlapped_steps = 0
         # Overlapped decode (step(), _launch_next_decode): only where the device runs behind the host. On the cpu a
@@ -184,9 +194,10 @@ class Engine:
         elif config.cold_start in ("cpu", "auto"):
             self.cold_starts.start_cpu_assist()
         log.info(
-            "engine ready model=%s arch=%s device=%s dtype=%s ops=%s cuda_graphs=%s overlap_decode=%s pool_pages=%d "
-            "page_elems=%d kv_tokens=%d adapters=%d load_s=%.2f",
+            "engine ready model=%s arch=%s device=%s dtype=%s quantization=%s kv_cache_dtype=%s ops=%s cuda_graphs=%s "
+            "overlap_decode=%s pool_pages=%d page_elems=%d kv_tokens=%d adapters=%d load_s=%.2f",
             self.model_name, self.spec.architecture, self.device, str(self.dtype).removeprefix("torch."),
+            self.quantization.method, self.kv_cache["dtype"],
             self.runner.ops.name, "off" if self.runner.graphs is None else "on", "on" if self.overlap_decode else "off", self.pool.capacity, self.pool.page_elems, self.kv.free_tokens(),
             len(self.registry.names()), time.perf_counter() - started,
         )

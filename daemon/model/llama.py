@@ -15,6 +15,7 @@ from lorad.daemon.model.checkpoint import ModelSpec, rope_inv_freq
 from lorad.daemon.model.ops import TorchOps
 from lorad.errors import ModelError
 from lorad.gpu_ops.attention import AttentionBatch
+from lorad.gpu_ops.fp8 import Fp8Weight
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.rope import rope_cache
 
@@ -33,7 +34,7 @@ class Step:
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [q + 2 kv, hidden]: one GEMM for the three projections
+    qkv: torch.Tensor  # [q + 2 kv, hidden]: one GEMM for the three projections (projections: Fp8Weight in FP8)
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     post_norm: torch.Tensor
@@ -59,11 +60,11 @@ class LlamaModel:
             self.layers.append(
                 Layer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]),
+                    qkv=_stack([take(attn + f"{n}_proj.weight") for n in "qkv"]),
                     qkv_bias=bias,
                     o=take(attn + "o_proj.weight"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                    gate_up=_stack([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
                     down=take(p + "mlp.down_proj.weight"),
                     q_norm=take(attn + "q_norm.weight") if spec.qk_norm else None,
                     k_norm=take(attn + "k_norm.weight") if spec.qk_norm else None,
@@ -115,6 +116,11 @@ class LlamaModel:
         down = ops.linear(act, layer.down)
         ops.lora(act, down, index, DOWN, lora, table)
         return h, down
+
+
+def _stack(weights: list) -> torch.Tensor | Fp8Weight:
+    """Projections that share an input as one weight (FP8 ones with their scales, gpu_ops/fp8.py)."""
+    return Fp8Weight.cat(weights) if isinstance(weights[0], Fp8Weight) else torch.cat(weights)
 
 
 class _Taker:

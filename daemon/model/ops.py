@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lorad.gpu_ops.fp8 import Fp8Weight
 from lorad.gpu_ops.lora import LoraBatch, apply_lora_ref
 from lorad.gpu_ops.page_pool import AdapterTable
 
@@ -25,10 +26,14 @@ class TorchOps:
     of both decode kernels the profile timed; otherwise every step runs apply_lora_ref."""
 
     fuses_groups = False  # lora_group launches a group at once (TritonOps with fuse_groups only)
+    fp8_gemm = "fp8 weights dequantized per GEMM (reference path)"  # how linear multiplies an Fp8Weight
+    # FP8 KV pages' scales, float32 [L, 2] (K, V per layer; gpu_ops/attention.py): set by the runner with the cache
+    kv_scales: torch.Tensor | None = None
 
     def __init__(self, name: str = "torch-reference", kernel_choice=None):
-        from lorad.gpu_ops import attention, fused, norm
+        from lorad.gpu_ops import attention, fp8, fused, norm
 
+        self._fp8 = fp8
         self.kernel_choice = kernel_choice if kernel_choice is not None and kernel_choice.active else None
         self.name = name + ("[decode lora: bgmv_ref]" if self.kernel_choice is not None else "")
         self._attention, self._fused, self._norm = attention, fused, norm
@@ -38,8 +43,10 @@ class TorchOps:
             self._bgmv_ref, self._batch_max_rank = bgmv.bgmv_ref, bgmv.batch_max_rank
 
     # The base model's ops.
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight^T + bias; weight: [out, in]."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight^T + bias; weight: [out, in], or an FP8 weight (gpu_ops/fp8.py), dequantized here."""
+        if isinstance(weight, Fp8Weight):
+            return self._fp8.fp8_linear_ref(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def rms_norm(self, x, weight, eps):
@@ -56,10 +63,10 @@ class TorchOps:
         return self._fused.silu_mul_ref(gate, up)
 
     def write_kv(self, kv_view, layer, k, v, attention):
-        self._attention.write_kv_ref(kv_view, layer, k, v, attention)
+        self._attention.write_kv_ref(kv_view, layer, k, v, attention, self.kv_scales)
 
     def attention(self, q, kv_view, layer, attention, scale):
-        return self._attention.paged_attention_ref(q, kv_view, layer, attention, scale)
+        return self._attention.paged_attention_ref(q, kv_view, layer, attention, scale, self.kv_scales)
 
     # LoRA.
     def prepare_lora(self, batch: LoraBatch, table: AdapterTable) -> None:
@@ -117,7 +124,11 @@ class TritonOps(TorchOps):
         self.workspace = torch.empty(bgmv.workspace_numel(max_batch_tokens, max_lora_rank), dtype=torch.float32,
                                      device=device)
 
+    fp8_gemm = "torch._scaled_mm, activations quantized per token (triton); one row: gemv over the fp8 weights"
+
     def linear(self, x, weight, bias=None):
+        if isinstance(weight, Fp8Weight):
+            return self._fp8.fp8_linear(x, weight, bias)
         if x.shape[0] <= self._gemv.GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous():
             return self._gemv.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
@@ -135,10 +146,10 @@ class TritonOps(TorchOps):
         return self._fused.silu_mul(gate, up)
 
     def write_kv(self, kv_view, layer, k, v, attention):
-        self._paged_attention.write_kv(kv_view, layer, k, v, attention)
+        self._paged_attention.write_kv(kv_view, layer, k, v, attention, self.kv_scales)
 
     def attention(self, q, kv_view, layer, attention, scale):
-        return self._paged_attention.attention(q, kv_view, layer, attention, scale)
+        return self._paged_attention.attention(q, kv_view, layer, attention, scale, kv_scales=self.kv_scales)
 
     def prepare_lora(self, batch, table):
         if batch.slot_rows:
