@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lorad.daemon.model.quantization import GPU_GEMM, REFERENCE_GEMM
 from lorad.gpu_ops.fp8 import Fp8Weight
 from lorad.gpu_ops.lora import LoraBatch, apply_lora_ref
 from lorad.gpu_ops.page_pool import AdapterTable
@@ -26,7 +27,7 @@ class TorchOps:
     of both decode kernels the profile timed; otherwise every step runs apply_lora_ref."""
 
     fuses_groups = False  # lora_group launches a group at once (TritonOps with fuse_groups only)
-    fp8_gemm = "fp8 weights dequantized per GEMM (reference path)"  # how linear multiplies an Fp8Weight
+    fp8_gemm = REFERENCE_GEMM  # how linear multiplies an Fp8Weight
     # FP8 KV pages' scales, float32 [L, 2] (K, V per layer; gpu_ops/attention.py): set by the runner with the cache
     kv_scales: torch.Tensor | None = None
 
@@ -124,7 +125,7 @@ class TritonOps(TorchOps):
         self.workspace = torch.empty(bgmv.workspace_numel(max_batch_tokens, max_lora_rank), dtype=torch.float32,
                                      device=device)
 
-    fp8_gemm = "torch._scaled_mm, activations quantized per token (triton); one row: gemv over the fp8 weights"
+    fp8_gemm = GPU_GEMM
 
     def linear(self, x, weight, bias=None):
         if isinstance(weight, Fp8Weight):
