@@ -118,7 +118,7 @@ def gemm_table(spec: ModelSpec, device: torch.device, smoke: bool) -> list[dict]
     product, and (on cuda) the batch-1 kernels timed from CUDA-graph replays: bf16 gemv (the bf16 engine's path),
     gemv over FP8 weights (the FP8 engine's), torch._scaled_mm with the row quantized (the GEMM path), and 64 rows
     bf16 F.linear against fp8_linear."""
-    from lorad.gpu_ops import fp8, gemv
+    from lorad.gpu_ops import fp8, fp8_gemm, gemv
 
     h, i = spec.hidden_size, spec.intermediate_size
     shapes = {"qkv": (h, spec.q_size + 2 * spec.kv_size), "o": (spec.q_size, h), "gate_up": (h, 2 * i), "down": (i, h)}
@@ -131,7 +131,7 @@ def gemm_table(spec: ModelSpec, device: torch.device, smoke: bool) -> list[dict]
         x64 = torch.randn(64, fan_in, device=device, generator=generator).bfloat16()
         row = {"projection": name, "in": fan_in, "out": fan_out}
         if device.type == "cuda":
-            got = fp8.fp8_linear(x64, quantized).double()
+            got = fp8_gemm.fp8_linear(x64, quantized).double()
             exact = (x64.double() @ weight.double().t())
             dequantized = fp8.fp8_linear_ref(x64.float(), quantized).double()
             row["rel_error_vs_dequantized"] = float((got - dequantized).norm() / dequantized.norm())
@@ -141,13 +141,13 @@ def gemm_table(spec: ModelSpec, device: torch.device, smoke: bool) -> list[dict]
             row["us_fp8_gemv_1row"] = timer.graph([lambda: gemv.gemv(x1, quantized.weight, scale=quantized.scale)])
 
             def scaled_mm_one_row():
-                rows_fp8, scale = fp8.quantize_rows(x1)
+                rows_fp8, scale = fp8_gemm.quantize_rows(x1)
                 torch._scaled_mm(rows_fp8, quantized.weight.t(), scale_a=scale, scale_b=quantized.scale.view(1, -1),
                                  out_dtype=torch.bfloat16)
 
             row["us_fp8_scaled_mm_1row"] = timer.graph([scaled_mm_one_row])
             row["us_bf16_linear_64rows"] = timer.graph([lambda: F.linear(x64, weight)])
-            row["us_fp8_linear_64rows"] = timer.graph([lambda: fp8.fp8_linear(x64, quantized)])
+            row["us_fp8_linear_64rows"] = timer.graph([lambda: fp8_gemm.fp8_linear(x64, quantized)])
             row["fp8_gemv_GBps"] = quantized.nbytes / row["us_fp8_gemv_1row"] / 1e3
         else:  # the smoke run: the reference's error only
             dequantized = fp8.fp8_linear_ref(x64.float(), quantized).double()

@@ -112,7 +112,7 @@ class TritonOps(TorchOps):
 
     def __init__(self, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
                  fuse_groups: bool = False, pdl: bool = False):
-        from lorad.gpu_ops import bgmv, fused, gemv, mbgmm, mbgmv, paged_attention
+        from lorad.gpu_ops import bgmv, fp8_gemm, fused, gemv, mbgmm, mbgmv, paged_attention
 
         groups = ",mbgmv-groups:qkv|gate-up" if fuse_groups else ""
         groups += ",mbgmv-pdl" if pdl else ""
@@ -120,7 +120,7 @@ class TritonOps(TorchOps):
                          f"gemv(rows<={gemv.GEMV_MAX_ROWS})]")
         self.decode_choice = kernel_choice
         self._fused, self._paged_attention, self._gemv = fused, paged_attention, gemv
-        self._bgmv, self._mbgmv, self._mbgmm = bgmv, mbgmv, mbgmm
+        self._bgmv, self._mbgmv, self._mbgmm, self._fp8_gemm = bgmv, mbgmv, mbgmm, fp8_gemm
         self.fuses_groups, self.pdl = fuse_groups, pdl
         self.workspace = torch.empty(bgmv.workspace_numel(max_batch_tokens, max_lora_rank), dtype=torch.float32,
                                      device=device)
@@ -129,7 +129,7 @@ class TritonOps(TorchOps):
 
     def linear(self, x, weight, bias=None):
         if isinstance(weight, Fp8Weight):
-            return self._fp8.fp8_linear(x, weight, bias)
+            return self._fp8_gemm.fp8_linear(x, weight, bias)
         if x.shape[0] <= self._gemv.GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous():
             return self._gemv.gemv(x, weight, bias)
         return F.linear(x, weight, bias)

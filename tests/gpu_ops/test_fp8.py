@@ -3,7 +3,7 @@ the FP8 KV pages written and read by the paged attention kernels, against refere
 
 - the quantizers' error bounds, Fp8Weight's fusion and the KV conversions (CPU, CI);
 - the FP8 KV reference write/read against float64 attention over the stored values (CPU, CI);
-- the Triton kernels (row quantization, the gemv over FP8 weights, KV write, decode and prefill attention over
+- the Triton kernels (gpu_ops/fp8_gemm.py's row quantization, the gemv over FP8 weights, KV write, decode and prefill attention over
   FP8 pages) in Triton's interpreter, which converts float8e4nv as torch does (CPU, CI, when triton imports);
 - the compiled kernels and torch._scaled_mm on the GPU (`pytest -m gpu`, compute capability >= 8.9).
 """
@@ -15,7 +15,7 @@ import torch
 
 from triton_interpreter import interpreted, needs_interpreter  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
-from lorad.gpu_ops import fp8, gemv, paged_attention  # noqa: E402
+from lorad.gpu_ops import fp8, fp8_gemm, gemv, paged_attention  # noqa: E402
 from lorad.gpu_ops.attention import paged_attention_ref, write_kv_ref  # noqa: E402
 from test_paged_attention import MIXED, build_case, relative_error, truth  # noqa: E402
 
@@ -25,8 +25,8 @@ E4M3_SUBNORMAL_STEP = 2.0**-9  # the spacing below the smallest normal (2^-6), i
 
 @pytest.fixture(scope="module")
 def kernels():
-    interpreted(paged_attention._decode_kernel, fp8, gemv, paged_attention)
-    return fp8, gemv, paged_attention
+    interpreted(fp8_gemm._quantize_rows_kernel, gemv, fp8_gemm, paged_attention)
+    return fp8_gemm, gemv, paged_attention
 
 
 def rounding_bound(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -176,15 +176,15 @@ def representable(shape, exponents, generator) -> torch.Tensor:
 @needs_interpreter
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_quantize_rows_interpreted(static, kernels):
-    fp8_module, _, _ = kernels
+    gemm, _, _ = kernels
     generator = torch.Generator().manual_seed(2)
     x = representable((5, 200), torch.tensor([-9, 0, 4, -2, 3]), generator)
     x[:, 17] = 448 * torch.exp2(torch.tensor([-9.0, 0, 4, -2, 3]))  # each row's amax: its scale is its power of two
     x[3] = 0  # a row of zeros
     x = x.bfloat16()
     static_scale = torch.tensor([2.0**-9]) if static else None  # the other rows scaled up: many saturate
-    rows, scale = fp8_module.quantize_rows(x, static_scale)
-    expected_rows, expected_scale = fp8_module.quantize_rows_ref(x, static_scale)
+    rows, scale = gemm.quantize_rows(x, static_scale)
+    expected_rows, expected_scale = fp8.quantize_rows_ref(x, static_scale)
     assert torch.equal(scale, expected_scale)
     assert torch.equal(rows.view(torch.uint8), expected_rows.view(torch.uint8))
 
@@ -260,6 +260,30 @@ def test_decode_fp8_pages_split_interpreted(kernels):
         assert relative_error(out, truth(case, q, 1, 0.3)) < 1e-5
 
 
+@needs_interpreter
+def test_triton_ops_linear_takes_fp8_weights_interpreted(kernels):
+    """TritonOps.linear on an Fp8Weight: one row through the interpreted gemv (x kept in bf16), more rows quantized
+    per token by the interpreted kernel and multiplied by torch._scaled_mm (which torch also runs on the CPU, with the
+    GPU's layouts: row-major rows, a column-major weight, rowwise scales), against the references."""
+    from lorad.daemon.model import ops as ops_module
+
+    gemm, _, _ = kernels
+    generator = torch.Generator().manual_seed(6)
+    quantized = fp8.quantize_weight(torch.randn(48, 64, generator=generator) * 0.1)
+    # the class ops.py dispatches on (gpu_ops/fp8.py may have been reloaded for the interpreter since ops imported it)
+    weight = ops_module.Fp8Weight(quantized.weight, quantized.scale)
+    rows = representable((5, 64), torch.tensor([-4, 0, 2, -1, 3]), generator)
+    rows[:, 3] = 448 * torch.exp2(torch.tensor([-4.0, 0, 2, -1, 3]))  # per-token scales exact: no rounding in the interpreter
+    rows = rows.bfloat16()
+    bias = torch.randn(48, generator=generator).bfloat16()
+    ops = ops_module.TritonOps(torch.device("cpu"), 64, 16)
+    one = ops.linear(rows[:1], weight, bias)
+    assert relative_error(one, fp8.fp8_linear_ref(rows[:1].float(), weight, bias.float()).double()) < 1e-2
+    many = ops.linear(rows, weight, bias)
+    assert many.dtype == torch.bfloat16 and many.shape == (5, 48)
+    assert relative_error(many, fp8.scaled_mm_ref(rows.float(), weight, bias.float()).double()) < 1e-2
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU: torch._scaled_mm and the compiled kernels
 
@@ -278,17 +302,17 @@ def test_fp8_linear_gpu_against_references(rows, projection, kernels):
     """fp8_linear (gemv for one row, torch._scaled_mm with per-token scales for more) within float32
     accumulation of the same arithmetic (scaled_mm_ref), and within FP8's tolerance of the dequantized
     reference (the CPU engine's path) and of the bf16 product."""
-    fp8_module, _, _ = kernels
+    gemm, _, _ = kernels
     in_features, out_features = LLAMA_7B_PROJECTIONS[projection]
     generator = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, in_features, device="cuda", generator=generator).bfloat16()
     weight_bf16 = (torch.randn(out_features, in_features, device="cuda", generator=generator) * in_features**-0.5).bfloat16()
-    weight = fp8_module.quantize_weight(weight_bf16)
-    got = fp8_module.fp8_linear(x, weight)
+    weight = fp8.quantize_weight(weight_bf16)
+    got = gemm.fp8_linear(x, weight)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-    dequantized = fp8_module.fp8_linear_ref(x.float(), weight).double()
+    dequantized = fp8.fp8_linear_ref(x.float(), weight).double()
     if rows > 1:
-        assert relative_error(got, fp8_module.scaled_mm_ref(x.float(), weight).double()) < 1e-2
+        assert relative_error(got, fp8.scaled_mm_ref(x.float(), weight).double()) < 1e-2
         assert relative_error(got, dequantized) < 0.05
     else:  # the gemv keeps x in bf16: only the weight is rounded
         assert relative_error(got, dequantized) < 1e-2
@@ -298,20 +322,20 @@ def test_fp8_linear_gpu_against_references(rows, projection, kernels):
 @pytest.mark.gpu
 @needs_fp8_gpu
 def test_fp8_linear_gpu_static_scale_bias_and_graph_capture(kernels):
-    fp8_module, _, _ = kernels
+    gemm, _, _ = kernels
     x = torch.randn(16, 512, device="cuda").bfloat16()
-    weight = fp8_module.quantize_weight(torch.randn(256, 512, device="cuda") * 0.04)
+    weight = fp8.quantize_weight(torch.randn(256, 512, device="cuda") * 0.04)
     weight.input_scale = x.float().abs().amax().reshape(1) / 448
     bias = torch.randn(256, device="cuda").bfloat16()
-    eager = fp8_module.fp8_linear(x, weight, bias)
-    assert relative_error(eager, fp8_module.scaled_mm_ref(x.float(), weight, bias.float()).double()) < 1e-2
+    eager = gemm.fp8_linear(x, weight, bias)
+    assert relative_error(eager, fp8.scaled_mm_ref(x.float(), weight, bias.float()).double()) < 1e-2
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fp8_module.fp8_linear(x, weight, bias)  # warm outside the capture
+        gemm.fp8_linear(x, weight, bias)  # warm outside the capture
         with torch.cuda.graph(graph, stream=stream):
-            captured = fp8_module.fp8_linear(x, weight, bias)
+            captured = gemm.fp8_linear(x, weight, bias)
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     torch.cuda.synchronize()
