@@ -31,7 +31,6 @@ __all__ = [
     "quantize_rows_ref",
     "quantize_weight",
     "scaled_mm_ref",
-    "scaled_mm_shape_error",
     "to_kv",
 ]
 
@@ -145,13 +144,4 @@ def fp8_unavailable(device: torch.device) -> str | None:
                 f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later (Ada, Hopper)")
     if not hasattr(torch, "_scaled_mm"):
         return f"this torch ({torch.__version__}) has no torch._scaled_mm"
-    return None
-
-
-def scaled_mm_shape_error(name: str, weight: Fp8Weight) -> str | None:
-    """Why torch._scaled_mm cannot take `weight` (its in and out features must be multiples of 16), or None."""
-    out_features, in_features = weight.shape
-    if in_features % 16 or out_features % 16:
-        return (f"{name}'s FP8 weight is [{out_features}, {in_features}]: the FP8 GEMM (torch._scaled_mm) needs in and "
-                "out features that are multiples of 16")
     return None
