@@ -86,6 +86,10 @@ def measure_engine(args, quantization: str, kv_cache_dtype: str, hbm: float) -> 
     result = {"quantization": status["quantization"], "kv_cache_dtype": status["kv_cache_dtype"], "ops": status["ops"],
               "build_s": built_s, "kv_capacity_tokens": status["kv_capacity_tokens"],
               "kv_tokens_per_page": engine.kv.tokens_per_page, "pool_pages": engine.pool.capacity}
+    needed = ADAPTERS * (args.long_prompt + args.steps + 16)
+    if status["kv_capacity_tokens"] < needed:  # the decode runs would wait for pages forever
+        raise SystemExit(f"{quantization}/{kv_cache_dtype}: the pool holds {status['kv_capacity_tokens']} KV tokens, "
+                         f"the 64x{args.long_prompt} run needs {needed} (device memory held by an earlier engine?)")
     tokens, logits = first_tokens(engine, args.prompts, spec.vocab_size)
     weights = weight_bytes(engine)
     _, single_ms = decode_rate(engine, [None], 128, args.steps)
@@ -105,6 +109,7 @@ def measure_engine(args, quantization: str, kv_cache_dtype: str, hbm: float) -> 
         "lora_bytes": lora_bytes, "ratio_at_floor": (weights + kv_bytes) / (weights + kv_bytes + lora_bytes),
     }
     result["graph_steps"] = engine.runner.graph_steps
+    engine.close()
     del engine
     gc.collect()
     if torch.cuda.is_available():
