@@ -127,3 +127,13 @@ def test_a_compressed_tensors_checkpoint_serves_as_it_is(demo_assets, baseline, 
     got_tokens, got_logits = first_tokens(engine, adapters)
     # K/V stored over scales of 0.5 to 3.5 (values of ~1 near E4M3's subnormals): coarser than scale 1.0
     assert sum(a == b for a, b in zip(tokens, got_tokens)) / len(tokens) >= 0.8
+
+
+def test_the_flags_map_onto_the_config(monkeypatch):
+    import lorad.daemon.server.cli as cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "serve", lambda args: seen.update(cli._config_values(args, "engine.")) or 0)
+    assert cli.main(["serve", "--demo", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]) == 0
+    assert seen == {"demo": True, "quantization": "fp8", "kv_cache_dtype": "fp8"}
+    assert EngineConfig(**seen).quantization == "fp8"
