@@ -19,6 +19,7 @@ calibrated kv_cache_scheme), else 1.0, what serving engines use without calibrat
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 REFERENCE_GEMM = "fp8 weights dequantized per GEMM (reference path)"
 GPU_GEMM = "torch._scaled_mm, activations quantized per token (triton); one row: gemv over the fp8 weights"
+_PROJECTION_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "k_scale", "v_scale", "output_scale")
 
 
@@ -201,35 +203,35 @@ def _load_fp8_checkpoint(model_dir: Path, dtype: torch.dtype, device: torch.devi
 
 
 def fp8_projections(weights: dict, spec: ModelSpec, static_activations: bool = False) -> dict:
-    """`weights` with each projection's weight an Fp8Weight and its scale tensors taken out: a checkpoint's FP8
-    weight with its weight_scale (or weight_scale_inv) and input_scale, any other weight quantized here
-    (per output channel; a layer a checkpoint left unquantized, or every layer of a bf16 checkpoint)."""
+    """`weights` with each projection's weight (every `model.layers.N.self_attn|mlp.*_proj.weight`, fused ones
+    such as a qkv_proj included) an Fp8Weight and its scale tensors taken out: a checkpoint's FP8 weight with its
+    weight_scale (or weight_scale_inv) and input_scale, any other weight quantized here (per output channel; a
+    layer a checkpoint left unquantized, or every layer of a bf16 checkpoint)."""
     out = dict(weights)
+    names = [name for name in weights if _PROJECTION_WEIGHT.fullmatch(name)]
     quantized_here = 0
-    for layer in range(spec.num_layers):
-        for projection in PROJECTIONS:
-            module = "mlp." if projection in ("gate_proj", "up_proj", "down_proj") else "self_attn."
-            prefix = f"model.layers.{layer}.{module}{projection}."
-            name = prefix + "weight"
-            if name not in out:
-                raise ModelError(f"the checkpoint has no tensor {name}")
-            weight = out.pop(name)
-            scale = out.pop(prefix + "weight_scale", None)
-            scale_inv = out.pop(prefix + "weight_scale_inv", None)
-            input_scale = out.pop(prefix + "input_scale", None)
-            if weight.dtype != FP8:
-                out[name] = quantize_weight(weight)
-                quantized_here += 1
-                continue
-            if scale is None:
-                scale = scale_inv
-            if scale is None:
-                raise ModelError(f"{name} is FP8 but the checkpoint has no {prefix}weight_scale (or weight_scale_inv)")
-            if static_activations and input_scale is None:
-                raise ModelError(f"the checkpoint's activations are static but it has no {prefix}input_scale")
-            out[name] = Fp8Weight(weight, _channel_scales(scale, weight.shape[0], prefix + "weight_scale"),
-                                  _scalar(input_scale, prefix + "input_scale") if static_activations else None)
-    if quantized_here and quantized_here < spec.num_layers * len(PROJECTIONS):
+    for name in names:
+        prefix = name.removesuffix("weight")
+        weight = out.pop(name)
+        scale = out.pop(prefix + "weight_scale", None)
+        scale_inv = out.pop(prefix + "weight_scale_inv", None)
+        input_scale = out.pop(prefix + "input_scale", None)
+        if weight.dtype != FP8:
+            out[name] = quantize_weight(weight)
+            quantized_here += 1
+            continue
+        if scale is None:
+            scale = scale_inv
+        if scale is None:
+            raise ModelError(f"{name} is FP8 but the checkpoint has no {prefix}weight_scale (or weight_scale_inv)")
+        if static_activations and input_scale is None:
+            raise ModelError(f"the checkpoint's activations are static but it has no {prefix}input_scale")
+        out[name] = Fp8Weight(weight, _channel_scales(scale, weight.shape[0], prefix + "weight_scale"),
+                              _scalar(input_scale, prefix + "input_scale") if static_activations else None)
+    if not names:
+        raise ModelError(f"the checkpoint has no projection weights (model.layers.N.self_attn|mlp.*_proj.weight) "
+                         f"for {spec.architecture}")
+    if quantized_here and quantized_here < len(names):
         log.info("fp8 checkpoint: %d projection weights stored unquantized were quantized at load (per channel)", quantized_here)
     return out
 

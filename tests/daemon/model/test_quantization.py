@@ -228,3 +228,18 @@ def test_the_cpu_runs_the_reference_path():
     assert fp8.fp8_unavailable(CPU) is None
     assert quantization.kv_cache_dtype("fp8", torch.float32, CPU) == torch.float8_e4m3fn
     assert quantization.REFERENCE_GEMM == "fp8 weights dequantized per GEMM (reference path)"
+
+
+def test_fused_projection_weights_are_quantized_too():
+    """A checkpoint that stores q|k|v and gate|up fused (qkv_proj, gate_up_proj) has them quantized by name."""
+    from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec
+
+    spec = ModelSpec.from_hf_config(MODEL_CONFIGS["tiny-llama"])
+    weights = {"model.layers.0.self_attn.qkv_proj.weight": torch.randn(128, 64),
+               "model.layers.0.mlp.gate_up_proj.weight": torch.randn(344, 64), "model.norm.weight": torch.ones(64)}
+    out = quantization.fp8_projections(weights, spec)
+    assert isinstance(out["model.layers.0.self_attn.qkv_proj.weight"], Fp8Weight)
+    assert isinstance(out["model.layers.0.mlp.gate_up_proj.weight"], Fp8Weight)
+    assert torch.equal(out["model.norm.weight"], torch.ones(64))
+    with pytest.raises(ModelError, match="no projection weights"):
+        quantization.fp8_projections({"model.norm.weight": torch.ones(64)}, spec)
