@@ -68,6 +68,11 @@ run_step() {
         --out "$OUTDIR/engine_decode_pdl_off.json" ;;
     # Phi-3's fused-module adapters: A shared by q, k, v (gate, up) in the pool against a separate A each, and the base
     fused_lora_decode) step bench_fused_lora_decode 200 python3 bench/fused_lora_decode.py --out "$OUTDIR/fused_lora_decode.json" ;;
+    # the FP8 figures: FP8 weights + FP8 KV against bf16 on the 7B shape (accuracy, batch-1 floor, 64x1024 decode,
+    # KV capacity, LoRA/base), then the FP8 GPU tests
+    fp8) step bench_fp8 420 python3 bench/fp8.py --out "$OUTDIR/fp8.json" ;;
+    pytest_fp8) step pytest_fp8 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 tests/gpu_ops/test_fp8.py \
+        tests/daemon/engine/test_fp8_gpu.py tests/gpu_ops/test_paged_attention.py tests/gpu_ops/test_gemv.py ;;
     engine_decode_plain) step bench_engine_decode_plain 150 python3 bench/engine_decode.py --out "$OUTDIR/engine_decode_plain.json" ;;
     pytest_pdl) step pytest_pdl 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu_ops/test_lora_kernels.py \
         -k "pdl or mbgmv_group_gpu or no_host_sync" tests/daemon/engine/test_engine_gpu.py::test_cuda_lora_pdl_gives_the_same_tokens ;;

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lorad.gpu_ops import fp8
+
 
 @dataclass
 class AttentionBatch:
@@ -64,17 +66,22 @@ def scattered_block_table(blocks: list[int], layers: int, num_pages: int, rng: n
     return table
 
 
-def write_kv_ref(kv_view: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> None:
-    """kv_view: [num_pages, tokens_per_page, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]."""
+def write_kv_ref(kv_view: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
+                 kv_scales: torch.Tensor | None = None) -> None:
+    """kv_view: [num_pages, tokens_per_page, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]. FP8 pages
+    (gpu_ops/fp8.py) hold k / kv_scales[layer, 0] and v / kv_scales[layer, 1] (kv_scales: float32 [L, 2])."""
+    if kv_view.dtype == fp8.FP8:
+        k, v = fp8.to_kv(k, kv_scales[layer, 0]), fp8.to_kv(v, kv_scales[layer, 1])
     kv_view[batch.dest_pages[layer, 0], batch.dest_offsets] = k
     kv_view[batch.dest_pages[layer, 1], batch.dest_offsets] = v
 
 
 def paged_attention_ref(
-    q: torch.Tensor, kv_view: torch.Tensor, layer: int, batch: AttentionBatch, scale: float
+    q: torch.Tensor, kv_view: torch.Tensor, layer: int, batch: AttentionBatch, scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads * head_dim]. Causal: the i-th new token of a sequence sees
-    the positions up to kv_len - query_len + i."""
+    the positions up to kv_len - query_len + i. FP8 pages are read times kv_scales[layer] (see write_kv_ref)."""
     tokens, heads, head_dim = q.shape
     kv_heads = kv_view.shape[2]
     tokens_per_page = kv_view.shape[1]
@@ -85,6 +92,8 @@ def paged_attention_ref(
         v_pages = batch.block_table[layer, 1, seq, :blocks].long()
         k = kv_view[k_pages].reshape(-1, kv_heads, head_dim)[:kv_len]
         v = kv_view[v_pages].reshape(-1, kv_heads, head_dim)[:kv_len]
+        if kv_view.dtype == fp8.FP8:
+            k, v = fp8.from_kv(k, kv_scales[layer, 0], q.dtype), fp8.from_kv(v, kv_scales[layer, 1], q.dtype)
         if kv_heads != heads:
             k = k.repeat_interleave(heads // kv_heads, dim=1)
             v = v.repeat_interleave(heads // kv_heads, dim=1)

@@ -45,18 +45,19 @@ class GemvConfig:
     num_warps: int
 
 
-def gemv_config(n: int, k: int) -> GemvConfig:
+def gemv_config(n: int, k: int, element_size: int = 2) -> GemvConfig:
     """Bands of 4 output columns, K read 1024 elements (2 KiB of bf16 a row) per iteration, 4 warps: the
-    sweep's best for one row on every 7B and 8B projection but the 8B's qkv (within 3% of its best)."""
-    return GemvConfig(4, min(1024, next_power_of_2(k)), 4)
+    sweep's best for one row on every 7B and 8B projection but the 8B's qkv (within 3% of its best). An FP8
+    weight (element_size 1) is read 2048 elements deep: the same 2 KiB a row."""
+    return GemvConfig(4, min(2048 if element_size == 1 else 1024, next_power_of_2(k)), 4)
 
 
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
+    def _gemv_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
                      M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
@@ -77,6 +78,8 @@ if triton is not None:
                 x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             product = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]  # [BLOCK_M, BLOCK_N, BLOCK_K]
             acc += tl.sum(product, axis=2)
+        if HAS_SCALE:  # an FP8 weight's per-output-channel scales (gpu_ops/fp8.py)
+            acc *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -84,9 +87,11 @@ if triton is not None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= KERNEL_MAX_ROWS, unit stride along K), weight [N, K] contiguous, bias [N] or None
-    -> y [M, N] in x's dtype (into `out` when given). No host sync; capturable in a CUDA graph."""
+    -> y [M, N] in x's dtype (into `out` when given). scale: float32 [N], output column n multiplied by
+    scale[n] (an FP8 weight's channel scales; the weight may then be float8_e4m3fn). No host sync; capturable
+    in a CUDA graph."""
     require_triton("gemv kernel")
     m, k = x.shape
     n = weight.shape[0]
@@ -95,13 +100,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"got x {tuple(x.shape)} strides {x.stride()}, weight {tuple(weight.shape)}")
     if not 1 <= m <= KERNEL_MAX_ROWS:
         raise ValueError(f"gemv takes 1..{KERNEL_MAX_ROWS} rows, not {m}")
-    config = config or gemv_config(n, k)
+    config = config or gemv_config(n, k, weight.element_size())
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (cdiv(n, config.block_n),)
     _gemv_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        M=m, BLOCK_M=next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, num_warps=config.num_warps,
+        x, weight, bias if bias is not None else weight, scale if scale is not None else weight, out, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), M=m, BLOCK_M=next_power_of_2(m), BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, EVEN_K=k % config.block_k == 0, num_warps=config.num_warps,
     )
     return out

@@ -77,18 +77,26 @@ class PagePool:
 class KVCache:
     """Paged KV cache in the pool. A block is `tokens_per_page` positions of one sequence (or of several
     that read the same prompt: `share`) and costs 2 * num_layers pages (K and V of every layer); its page
-    ids are a row [num_layers, 2]."""
+    ids are a row [num_layers, 2].
 
-    def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, head_dim: int):
+    dtype: what the pages hold of K and V, the pool's dtype by default. A page is the same bytes whatever
+    it holds (the pool stays one tensor of the model dtype, adapters' pages in it unchanged), so a KV dtype of
+    fewer bytes fits more tokens in a page: FP8 (float8_e4m3fn) in a bf16 pool, twice as many."""
+
+    def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | None = None):
+        dtype = dtype or pool.pages.dtype
         kv_size = num_kv_heads * head_dim
-        if pool.page_elems % kv_size:
-            raise ValueError(f"page of {pool.page_elems} elements cannot hold whole K rows of {kv_size}")
+        page_bytes = pool.page_elems * pool.pages.element_size()
+        row_bytes = kv_size * torch.empty((), dtype=dtype).element_size()
+        if page_bytes % row_bytes:
+            raise ValueError(f"page of {page_bytes} bytes cannot hold whole K rows of {kv_size} {dtype}")
         self.pool = pool
         self.num_layers = num_layers
-        self.tokens_per_page = pool.page_elems // kv_size
+        self.dtype = dtype
+        self.tokens_per_page = page_bytes // row_bytes
         self.pages_per_block = 2 * num_layers
-        # K or V pages seen as [num_pages, tokens_per_page, num_kv_heads, head_dim].
-        self.view = pool.pages.view(pool.num_pages, self.tokens_per_page, num_kv_heads, head_dim)
+        # K or V pages seen as [num_pages, tokens_per_page, num_kv_heads, head_dim] of dtype.
+        self.view = pool.pages.view(dtype).view(pool.num_pages, self.tokens_per_page, num_kv_heads, head_dim)
         # Blocks held by more than one sequence (`share`: the n choices of one request read their prompt's
         # blocks): the block's first page id (K of layer 0) -> how many sequences hold it. A block not
         # here has one holder; its pages go back to the pool when that one releases it.

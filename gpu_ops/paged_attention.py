@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from lorad.gpu_ops.attention import AttentionBatch
+from lorad.gpu_ops.fp8 import FP8
 from lorad.gpu_ops.launch import next_power_of_2, require_triton, sm_count, widen_bf16_dots
 
 try:
@@ -138,9 +139,9 @@ def decode_splits(num_seqs: int, kv_heads: int, max_context: int, device: torch.
 if triton is not None:
 
     @triton.jit
-    def _as_operand(p, kv_ptr, UPCAST: tl.constexpr):
-        """Probabilities as the P @ V operand: rounded to the cache dtype (float32 when upcast)."""
-        p = p.to(kv_ptr.dtype.element_ty)
+    def _as_operand(p, q_ptr, UPCAST: tl.constexpr):
+        """Probabilities as the P @ V operand: rounded to the model dtype (float32 when upcast)."""
+        p = p.to(q_ptr.dtype.element_ty)
         if UPCAST:
             p = p.to(tl.float32)
         return p
@@ -164,8 +165,8 @@ if triton is not None:
 
     @triton.jit
     def _write_kv_kernel(
-        k_ptr, v_ptr, kv_ptr, dest_k_ptr, dest_v_ptr, dest_offset_ptr, stride_kt, stride_vt,
-        ROW: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+        k_ptr, v_ptr, kv_ptr, dest_k_ptr, dest_v_ptr, dest_offset_ptr, kv_scale_ptr, stride_kt, stride_vt,
+        ROW: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, KV_FP8: tl.constexpr,
     ):
         token = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -175,17 +176,21 @@ if triton is not None:
         v_page = tl.load(dest_v_ptr + token)
         k = tl.load(k_ptr + token.to(tl.int64) * stride_kt + cols, mask=ok)
         v = tl.load(v_ptr + token.to(tl.int64) * stride_vt + cols, mask=ok)
+        if KV_FP8:  # over the layer's per-tensor scales, saturated (gpu_ops/fp8.py: to_kv)
+            k = tl.minimum(tl.maximum(k.to(tl.float32) / tl.load(kv_scale_ptr), -448.0), 448.0).to(kv_ptr.dtype.element_ty)
+            v = tl.minimum(tl.maximum(v.to(tl.float32) / tl.load(kv_scale_ptr + 1), -448.0), 448.0).to(kv_ptr.dtype.element_ty)
         tl.store(kv_ptr + k_page.to(tl.int64) * PAGE + offset * ROW + cols, k, mask=ok)
         tl.store(kv_ptr + v_page.to(tl.int64) * PAGE + offset * ROW + cols, v, mask=ok)
 
     @triton.jit
     def _decode_kernel(
         q_ptr, kv_ptr, k_table_ptr, v_table_ptr, seqs_ptr, query_start_ptr, kv_len_ptr,
-        out_ptr, part_out_ptr, part_lse_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr, kv_scale_ptr,
         stride_qt, stride_qh, stride_ot, stride_table, qk_scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         KV_HEADS: tl.constexpr, TOKENS_PER_PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         index = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -208,6 +213,10 @@ if triton is not None:
         if UPCAST:
             q = q.to(tl.float32)
         table_row = seq.to(tl.int64) * stride_table
+        v_scale = 1.0
+        if KV_FP8:  # FP8 pages: K's scale folded into the scores, V's into the result
+            qk_scale = qk_scale * tl.load(kv_scale_ptr)
+            v_scale = tl.load(kv_scale_ptr + 1)
 
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
@@ -217,6 +226,8 @@ if triton is not None:
             n_ok = positions < hi
             k, v = _load_kv_block(kv_ptr, k_table_ptr, v_table_ptr, table_row, positions, n_ok, kv_head, offs_d, d_ok,
                                   HEAD_DIM, KV_HEADS, TOKENS_PER_PAGE)
+            if KV_FP8:
+                k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)
             if UPCAST:
                 k = k.to(tl.float32)
             if USE_DOT:
@@ -229,13 +240,13 @@ if triton is not None:
             p = tl.exp2(scores - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
             if USE_DOT:
-                acc = acc * alpha[:, None] + tl.dot(_as_operand(p, kv_ptr, UPCAST), v.to(k.dtype), input_precision=PRECISION)
+                acc = acc * alpha[:, None] + tl.dot(_as_operand(p, q_ptr, UPCAST), v.to(k.dtype), input_precision=PRECISION)
             else:
                 acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
             m = m_new
 
         has = l > 0
-        result = acc / tl.where(has, l, 1.0)[:, None]
+        result = acc * v_scale / tl.where(has, l, 1.0)[:, None]
         store_mask = g_ok[:, None] & d_ok[None, :]
         if SPLITS == 1:
             out_ptrs = out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * HEAD_DIM + offs_d[None, :]
@@ -269,11 +280,11 @@ if triton is not None:
     @triton.jit
     def _prefill_kernel(
         q_ptr, kv_ptr, k_table_ptr, v_table_ptr, tile_seq_ptr, tile_row_ptr,
-        query_start_ptr, query_len_ptr, kv_len_ptr, out_ptr,
+        query_start_ptr, query_len_ptr, kv_len_ptr, out_ptr, kv_scale_ptr,
         stride_qt, stride_qh, stride_ot, stride_table, qk_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
         TOKENS_PER_PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr,
+        UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
     ):
         tile = tl.program_id(0)
         head = tl.program_id(1)
@@ -295,6 +306,10 @@ if triton is not None:
         if UPCAST:
             q = q.to(tl.float32)
         table_row = seq.to(tl.int64) * stride_table
+        v_scale = 1.0
+        if KV_FP8:  # as in the decode kernel
+            qk_scale = qk_scale * tl.load(kv_scale_ptr)
+            v_scale = tl.load(kv_scale_ptr + 1)
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
@@ -307,6 +322,8 @@ if triton is not None:
             n_ok = positions < hi
             k, v = _load_kv_block(kv_ptr, k_table_ptr, v_table_ptr, table_row, positions, n_ok, kv_head, offs_d, d_ok,
                                   HEAD_DIM, KV_HEADS, TOKENS_PER_PAGE)
+            if KV_FP8:
+                k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -317,10 +334,10 @@ if triton is not None:
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(scores - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(_as_operand(p, kv_ptr, UPCAST), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(_as_operand(p, q_ptr, UPCAST), v, input_precision=PRECISION)
             m = m_new
 
-        result = acc / l[:, None]
+        result = acc * v_scale / l[:, None]
         out_ptrs = out_ptr + rows[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :]
         tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
@@ -339,7 +356,7 @@ def _check_q(q: torch.Tensor, kv_view: torch.Tensor) -> tuple[int, int, int, int
     heads = q.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} kv heads")
-    if q.dtype != kv_view.dtype:
+    if kv_view.dtype not in (q.dtype, FP8):
         raise ValueError(f"q is {q.dtype} but the KV pages hold {kv_view.dtype}")
     if q.device != kv_view.device:
         raise ValueError("q and the KV pages must be on one device")
@@ -354,26 +371,40 @@ def _upcast(dtype: torch.dtype) -> bool:
     return widen_bf16_dots(dtype, _decode_kernel)
 
 
-def write_kv(kv_view: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> None:
+def write_kv(kv_view: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
+             kv_scales: torch.Tensor | None = None) -> None:
     """Drop-in for `write_kv_ref`: k, v [T, kv_heads, head_dim] (strided rows allowed, e.g. views of a
-    fused qkv output) into kv_view[dest_pages[layer, 0|1, t], dest_offsets[t]]. One launch, one program
-    per token. Bytes: 4 * T * kv_heads * head_dim * element size."""
+    fused qkv output) into kv_view[dest_pages[layer, 0|1, t], dest_offsets[t]]; FP8 pages over
+    kv_scales[layer] (float32 [L, 2]). One launch, one program per token. Bytes: 2 * T * kv_heads *
+    head_dim * (element size + page element size)."""
     require_triton("paged attention kernels")
     _, tokens_per_page, kv_heads, head_dim = kv_view.shape
     row = kv_heads * head_dim
     tokens = k.shape[0]
     if tokens == 0:
         return
+    kv_fp8 = _kv_fp8(kv_view, kv_scales)
     for name, x in (("k", k), ("v", v)):
-        if x.shape != (tokens, kv_heads, head_dim) or x.dtype != kv_view.dtype:
+        if x.shape != (tokens, kv_heads, head_dim) or (x.dtype != kv_view.dtype and not kv_fp8):
             raise ValueError(f"{name} must be [{tokens}, {kv_heads}, {head_dim}] {kv_view.dtype}, got {tuple(x.shape)} {x.dtype}")
     k = k if k.stride(2) == 1 and k.stride(1) == head_dim else k.contiguous()
     v = v if v.stride(2) == 1 and v.stride(1) == head_dim else v.contiguous()
     dest = batch.dest_pages[layer]
     _write_kv_kernel[(tokens,)](
-        k, v, kv_view, dest[0].contiguous(), dest[1].contiguous(), batch.dest_offsets, k.stride(0), v.stride(0),
+        k, v, kv_view, dest[0].contiguous(), dest[1].contiguous(), batch.dest_offsets,
+        kv_scales[layer] if kv_fp8 else k, k.stride(0), v.stride(0),
         ROW=row, PAGE=tokens_per_page * row, BLOCK=next_power_of_2(row), num_warps=4 if row <= 2048 else 8,
+        KV_FP8=kv_fp8,
     )
+
+
+def _kv_fp8(kv_view: torch.Tensor, kv_scales: torch.Tensor | None) -> bool:
+    """Whether the pages are FP8 (gpu_ops/fp8.py), which then need their scales."""
+    if kv_view.dtype != FP8:
+        return False
+    if kv_scales is None or kv_scales.dtype != torch.float32:
+        raise ValueError("FP8 KV pages need their float32 scales (kv_scales [layers, 2] or kv_scale [2])")
+    return True
 
 
 def decode_attention(
@@ -394,6 +425,7 @@ def decode_attention(
     num_stages: int | None = None,
     mma: bool | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """out[query_start[s]] = attention of that row's query over positions 0..kv_len[s)-1 of sequence s,
     for s in seqs[:num_seqs] (all on the device, int32).
@@ -405,6 +437,7 @@ def decode_attention(
     combine launch; workspace: optional (out [>= num_seqs*heads*splits*head_pad], lse [>= num_seqs*heads*splits]).
     mma: scores and P @ V on tensor cores (tl.dot on the group padded to 16 rows, the default); False: dot
     products on CUDA cores.
+    kv_scale: float32 [2], the layer's K and V scales when kv_view holds FP8.
     Roofline: bytes = sum_s 2 * kv_len[s] * kv_heads * head_dim * element size; flops = 4 * that / size * group.
     """
     require_triton("paged attention kernels")
@@ -427,12 +460,13 @@ def decode_attention(
             part_out, part_lse = workspace
     else:
         part_out = part_lse = out  # unused
+    kv_fp8 = _kv_fp8(kv_view, kv_scale)
     _decode_kernel[(num_seqs, kv_heads, splits)](
-        q, kv_view, k_table, v_table, seqs, query_start, kv_len, out, part_out, part_lse,
+        q, kv_view, k_table, v_table, seqs, query_start, kv_len, out, part_out, part_lse, kv_scale if kv_fp8 else q,
         q.stride(0), q.stride(1), out.stride(0), k_table.stride(0), scale * LOG2E,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_PAD=head_pad, KV_HEADS=kv_heads,
         TOKENS_PER_PAGE=tokens_per_page, BLOCK_N=block_n, SPLITS=splits, USE_DOT=use_dot,
-        PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=num_warps,
+        PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype), KV_FP8=kv_fp8, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if splits > 1:
@@ -454,6 +488,7 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Causal attention for the prefill tiles of `meta` (query rows of sequences with query_len > 1
     over all their cached positions, the rows' own K/V already written). Grid (num_tiles, heads);
@@ -466,12 +501,14 @@ def prefill_attention(
     if block_n is None:
         block_n = 32 if q.dtype == torch.float32 or head_pad > 128 else 64
     extra = {} if num_stages is None else {"num_stages": num_stages}
+    kv_fp8 = _kv_fp8(kv_view, kv_scale)
     _prefill_kernel[(meta.num_tiles, heads)](
         q, kv_view, k_table, v_table, meta.tile_seq, meta.tile_row, meta.query_start, meta.query_len, meta.kv_len, out,
+        kv_scale if kv_fp8 else q,
         q.stride(0), q.stride(1), out.stride(0), k_table.stride(0), scale * LOG2E,
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, KV_HEADS=kv_heads,
         TOKENS_PER_PAGE=tokens_per_page, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=block_n,
-        PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=num_warps, **extra,
+        PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype), KV_FP8=kv_fp8, num_warps=num_warps, **extra,
     )
 
 
@@ -483,24 +520,26 @@ def attention(
     scale: float,
     meta: AttentionMeta | None = None,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drop-in for `paged_attention_ref` on any batch (decode and prefill rows mixed): q [T, heads,
     head_dim] -> [T, heads * head_dim]. Decode sequences (query_len 1) go to `decode_attention`
     (split-K chosen from the batch's sizes), the others to `prefill_attention`; two launches at most
     (three with the split combine), no host sync. meta: the step's AttentionMeta (built on the first
-    call and kept on the batch when not given)."""
+    call and kept on the batch when not given). kv_scales: float32 [L, 2] when kv_view holds FP8."""
     heads, kv_heads, head_dim, tokens_per_page = _check_q(q, kv_view)
     if meta is None:
         meta = attention_meta(batch, tokens_per_page, q.device)
     if out is None:
         out = torch.empty(q.shape[0], heads * head_dim, dtype=q.dtype, device=q.device)
     k_table, v_table = batch.block_table[layer, 0], batch.block_table[layer, 1]
+    kv_scale = kv_scales[layer] if kv_scales is not None else None
     if meta.num_decode:
         splits = decode_splits(meta.num_decode, kv_heads, meta.max_context, q.device)
         decode_attention(
             q, kv_view, k_table, v_table, meta.decode_seqs, meta.query_start, meta.kv_len, out, scale,
-            num_seqs=meta.num_decode, splits=splits,
+            num_seqs=meta.num_decode, splits=splits, kv_scale=kv_scale,
         )
-    prefill_attention(q, kv_view, k_table, v_table, meta, out, scale)
+    prefill_attention(q, kv_view, k_table, v_table, meta, out, scale, kv_scale=kv_scale)
     return out
 

@@ -26,6 +26,13 @@ LORA_PDL = ("auto", "on", "off")
 # (S-LoRA App. A), at most slo_ttft_ms (or CLUSTER_MAX_WAIT_MS without one) before they go in anyway.
 ADMISSIONS = ("fcfs", "early-abort", "cluster")
 MAX_TENSOR_PARALLEL_SIZE = 64
+# The base model's projection weights (daemon/model/quantization.py): auto, as the checkpoint holds them (an FP8
+# checkpoint's scales read as they are, else the model dtype); fp8, FP8 E4M3 (a bf16/fp16 checkpoint quantized at
+# load, per output channel); none, the model dtype (an FP8 checkpoint is refused). GPUs need compute capability 8.9.
+QUANTIZATIONS = ("auto", "fp8", "none")
+# What the KV pages hold: auto, the model dtype; fp8, E4M3 with a scale per layer for K and V (twice the tokens
+# of a bf16 page).
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,8 @@ class EngineConfig:
     # launched from the device's sampled tokens before the host reads them, so the host's bookkeeping
     # hides behind the device's work. Off: every step waits for its tokens before the next is launched.
     overlap_decode: bool = True
+    quantization: str = "auto"  # auto|fp8|none (see QUANTIZATIONS)
+    kv_cache_dtype: str = "auto"  # auto|fp8 (see KV_CACHE_DTYPES)
     eager: bool = False  # on cuda: no CUDA graphs for decode steps (slower; for comparison and debugging)
     cold_start: str = "ondemand"  # cached|ondemand|cpu|auto (see COLD_STARTS)
     cpu_workers: int = 0  # CPU LoRA worker processes for cold_start cpu|auto; 0: min(4, cores - 1)
@@ -109,6 +118,10 @@ class EngineConfig:
         for name in ("max_running_requests", "max_batch_tokens", "max_waiting_requests"):
             if getattr(self, name) < 1:
                 raise BadRequest(f"{name} must be positive")
+        if self.quantization not in QUANTIZATIONS:
+            raise BadRequest(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise BadRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.cold_start not in COLD_STARTS:
             raise BadRequest(f"cold_start must be one of {', '.join(COLD_STARTS)}, not {self.cold_start!r}")
         if self.lora_kernel not in LORA_KERNELS:

@@ -23,7 +23,8 @@ import torch
 from lorad.config import EngineConfig
 from lorad.daemon.model.adapters import AdapterRegistry, LoraAdapter, module_members, weights_nbytes
 from lorad.daemon.model.checkpoint import (FUSED_MODULES, MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights,
-                                          load_spec, load_weights, longrope_switch, within_sliding_window)
+                                          load_spec, longrope_switch, within_sliding_window)
+from lorad.daemon.model import quantization
 from lorad.daemon.engine.cold_start import ColdStarts, streaming_availability
 from lorad.daemon.engine.runner import ModelRunner
 from lorad.daemon.engine.step_account import StepAccount
@@ -140,16 +141,21 @@ class Engine:
         # Tensor parallelism: this process is rank 0 of tensor_parallel_size, with its shard of the model (its heads
         # and MLP columns: `local`); the workers it starts hold theirs (daemon/engine/tp_worker.py).
         self.tp = None
+        self.kv_dtype = quantization.kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         if config.tensor_parallel_size > 1:
             check_size(self.spec, config.tensor_parallel_size)
+            quantization.refuse_under_tensor_parallel(model_dir, config)
             self.tp = TensorParallel.start(config, self.spec, self.device, self.model_name, model_dir, self.max_model_len)
         local = self.spec if self.tp is None else self.tp.shard.local
-        if model_dir is None:
-            weights = dummy_weights(local, self.dtype, self.device, seed=config.seed)
-        elif self.tp is not None:
-            weights = self.tp.shard.read_weights(model_dir, self.dtype, self.device)
+        if self.tp is not None:
+            weights = (dummy_weights(local, self.dtype, self.device, seed=config.seed) if model_dir is None
+                       else self.tp.shard.read_weights(model_dir, self.dtype, self.device))
+            self.quantization, kv_scales = quantization.Quantization(), None
         else:
-            weights = load_weights(model_dir, self.dtype, self.device)
+            # The projections in FP8 where asked or where the checkpoint is (daemon/model/quantization.py).
+            base = quantization.load_base_weights(model_dir, self.spec, config.quantization, self.dtype, self.device, config.seed)
+            weights, self.quantization, kv_scales = base.weights, base.quantization, base.kv_scales
+            del base
         # The decode LoRA kernel per step, from `lorad profile`'s models when a profile is found.
         self.kernel_choice = LoraKernelChoice.for_engine(
             config.profile_path, self.model_name, self.device, config.state_dir, str(self.dtype).removeprefix("torch."),
@@ -159,6 +165,13 @@ class Engine:
         del weights
         if self.tp is not None:
             self.tp.attach(self.runner)
+        self.kv_cache = quantization.kv_cache_status(self.kv_dtype, kv_scales)
+        if self.kv_dtype != self.dtype:
+            self.runner.ops.kv_scales = (kv_scales if kv_scales is not None
+                                         else torch.ones(self.spec.num_layers, 2, dtype=torch.float32, device=self.device))
+        log.info("quantization=%s gemm=%r kv_cache_dtype=%s kv_scales=%r", self.quantization.describe(),
+                 self.runner.ops.fp8_gemm if self.quantization.method == "fp8" else "-", self.kv_cache["dtype"],
+                 self.kv_cache["scales"])
         # What this device sustains (HBM bandwidth, GEMM rate), measured before the pool takes the memory
         # left: each step's floor in the engine's account of its own time (step_account.py).
         rates = measure_device_rates(self.device, self.dtype)
@@ -168,7 +181,7 @@ class Engine:
                  rates.bandwidth_bytes_per_s / 1e9, rates.flops_per_s / 1e12)
         pages = self._pool_pages() if self.tp is None else self.tp.agree_pages(self._pool_pages(), self.spec.page_elems)
         self.pool = PagePool(pages, self.spec.page_elems, self.dtype, self.device)
-        self.kv = KVCache(self.pool, self.spec.num_layers, local.num_kv_heads, local.head_dim)
+        self.kv = KVCache(self.pool, self.spec.num_layers, local.num_kv_heads, local.head_dim, self.kv_dtype)
         if self.kv.blocks_for(self.max_model_len) * self.kv.pages_per_block > self.pool.capacity:
             raise ModelError(
                 f"the page pool ({self.pool.capacity} pages) cannot hold one sequence of max_model_len="
@@ -200,7 +213,9 @@ class Engine:
         self._draining: set[str] = set()
         self.stats = Metrics()  # counters for GET /metrics; Engine.metrics() snapshots them
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
-        self.account = StepAccount(StepCostModel(local, dtype_bytes, self._adapter_ranks), rates)
+        self.account = StepAccount(StepCostModel(
+            local, dtype_bytes, self._adapter_ranks, weight_bytes=1 if self.quantization.method == "fp8" else dtype_bytes,
+            kv_bytes=self.kv.view.element_size()), rates)
         self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
         self.overlapped_steps = 0
         self.forked_choices = 0  # choices that began from another's prefill (n > 1), its prompt's blocks shared
@@ -244,9 +259,10 @@ class Engine:
         elif config.cold_start in ("cpu", "auto"):
             self.cold_starts.start_cpu_assist()
         log.info(
-            "engine ready model=%s arch=%s device=%s dtype=%s ops=%s cuda_graphs=%s overlap_decode=%s pool_pages=%d "
-            "page_elems=%d kv_tokens=%d adapters=%d load_s=%.2f",
+            "engine ready model=%s arch=%s device=%s dtype=%s quantization=%s kv_cache_dtype=%s ops=%s cuda_graphs=%s "
+            "overlap_decode=%s pool_pages=%d page_elems=%d kv_tokens=%d adapters=%d load_s=%.2f",
             self.model_name, self.spec.architecture, self.device, str(self.dtype).removeprefix("torch."),
+            self.quantization.method, self.kv_cache["dtype"],
             self.runner.ops.name, "off" if self.runner.graphs is None else "on", "on" if self.overlap_decode else "off", self.pool.capacity, self.pool.page_elems, self.kv.free_tokens(),
             len(self.registry.names()), time.perf_counter() - started,
         )

@@ -23,6 +23,11 @@ def engine_status(engine: Engine) -> dict:
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),
             "ops": engine.runner.ops.name,
+            # the projections' weights (FP8: where from, and which GEMM path runs) and what the KV pages hold
+            "quantization": engine.quantization.status(engine.runner.ops.fp8_gemm),
+            "kv_cache_dtype": engine.kv_cache["dtype"],
+            "kv_cache_scales": engine.kv_cache["scales"],
+            "kv_capacity_tokens": engine.kv.pool.capacity // engine.kv.pages_per_block * engine.kv.tokens_per_page,
             "pool": engine.pool.occupancy(),
             # the choices of n > 1 requests: KV blocks held by several of them (counted once in pool.kv)
             "kv_sharing": {**engine.kv.sharing(), "forked_choices": engine.forked_choices},
@@ -121,7 +126,9 @@ def metrics_snapshot(engine: Engine) -> dict:
         running = [seq.adapter for seq in list(engine.scheduler.running)]
         waiting = [seq.adapter for seq in list(engine.scheduler.waiting) + engine._inbox]
     return engine.stats.snapshot(
-        model=engine.model_name, running=len(running), waiting=len(waiting), running_adapters=running,
+        model=engine.model_name, quantization=engine.quantization.method, kv_cache_dtype=engine.kv_cache["dtype"],
+        kv_capacity_tokens=engine.kv.pool.capacity // engine.kv.pages_per_block * engine.kv.tokens_per_page,
+        running=len(running), waiting=len(waiting), running_adapters=running,
         waiting_adapters=waiting, max_lora=engine.table.num_slots, pool=engine.pool.occupancy(),
         adapters_resident=len(engine.residency.slots), adapter_evictions=engine.residency.evictions,
         admission_tpot_held=engine.scheduler.tpot_held, steps=engine.account.metrics(),

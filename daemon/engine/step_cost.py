@@ -45,8 +45,12 @@ class StepCostModel:
     """StepCost of a step from its sequences, for one model shape and dtype. `adapter_ranks(name)` gives
     an adapter's rank per (layer, projection index) it targets."""
 
-    def __init__(self, spec: ModelSpec, dtype_bytes: int, adapter_ranks):
+    def __init__(self, spec: ModelSpec, dtype_bytes: int, adapter_ranks, weight_bytes: int | None = None,
+                 kv_bytes: int | None = None):
+        """weight_bytes, kv_bytes: bytes of a projection weight's and a KV element where they differ from the
+        model dtype's (FP8: 1; daemon/model/quantization.py)."""
         self.spec, self.dtype_bytes, self.adapter_ranks = spec, dtype_bytes, adapter_ranks
+        self.weight_bytes, self.kv_bytes = weight_bytes or dtype_bytes, kv_bytes or dtype_bytes
         self.shapes = [spec.projection_shape(name) for name in PROJECTIONS]
         # q, k, v, o, gate, up, down: in * out weights each, in every layer
         self.layer_weights = sum(inputs * outputs for inputs, outputs in self.shapes)
@@ -69,8 +73,8 @@ class StepCostModel:
         fields of SequenceInStep), the number of sampled rows, and each adapter's rows in the step."""
         spec = self.spec
         rows = int(new_tokens.sum())
-        weights = spec.num_layers * self.layer_weights + self.norm_weights + rows * spec.hidden_size
-        weights += self.head_weights if sampled else 0
+        projections = spec.num_layers * self.layer_weights
+        weights = self.norm_weights + rows * spec.hidden_size + (self.head_weights if sampled else 0)
         flops = 2 * rows * spec.num_layers * self.layer_weights + 2 * sampled * self.head_weights
         kv = int((contexts + new_tokens).sum()) * self.kv_per_token  # the context read, the new tokens written
         # row i (0-based) of a sequence's new tokens attends to its earlier tokens and i + 1 more
@@ -81,7 +85,8 @@ class StepCostModel:
             elements = self._adapter_size(name)
             adapter_elements += elements
             flops += 2 * count * elements  # shrink x @ A^T and expand @ B^T: rank * (in + out) per row
-        return StepCost(weights * self.dtype_bytes, kv * self.dtype_bytes, adapter_elements * self.dtype_bytes, flops)
+        return StepCost(projections * self.weight_bytes + weights * self.dtype_bytes, kv * self.kv_bytes,
+                        adapter_elements * self.dtype_bytes, flops)
 
     def _adapter_size(self, name: str) -> int:
         """Elements of an adapter's A and B over every (layer, projection) it targets: sum of rank * (in + out)."""

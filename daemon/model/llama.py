@@ -15,6 +15,7 @@ from lorad.daemon.model.checkpoint import ModelSpec, rope_rows, rope_tables
 from lorad.daemon.model.ops import TorchOps
 from lorad.errors import ModelError
 from lorad.gpu_ops.attention import AttentionBatch
+from lorad.gpu_ops.fp8 import Fp8Weight
 from lorad.gpu_ops.lora import LoraBatch
 
 Q, K, V, O, GATE, UP, DOWN = range(7)
@@ -32,7 +33,7 @@ class Step:
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [q + 2 kv, hidden]: one GEMM for the three projections
+    qkv: torch.Tensor  # [q + 2 kv, hidden]: one GEMM for the three projections (projections: Fp8Weight in FP8)
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     post_norm: torch.Tensor
@@ -58,8 +59,8 @@ class LlamaModel:
             if spec.fused_projections:  # Phi-3 stores them fused already, in lorad's order
                 qkv, gate_up = take(attn + "qkv_proj.weight"), take(p + "mlp.gate_up_proj.weight")
             else:
-                qkv = torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"])
-                gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+                qkv = _stack([take(attn + f"{n}_proj.weight") for n in "qkv"])
+                gate_up = _stack([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             self.layers.append(
                 Layer(
                     input_norm=take(p + "input_layernorm.weight"),
@@ -133,6 +134,11 @@ class LlamaModel:
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _stack(weights: list) -> torch.Tensor | Fp8Weight:
+    """Projections that share an input as one weight (FP8 ones with their scales, gpu_ops/fp8.py)."""
+    return Fp8Weight.cat(weights) if isinstance(weights[0], Fp8Weight) else torch.cat(weights)
 
 
 class _Taker:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lorad.daemon.model.quantization import GPU_GEMM, REFERENCE_GEMM
+from lorad.gpu_ops.fp8 import Fp8Weight
 from lorad.gpu_ops.lora import LoraBatch, apply_lora_ref
 from lorad.gpu_ops.page_pool import AdapterTable
 
@@ -25,10 +27,14 @@ class TorchOps:
     of both decode kernels the profile timed; otherwise every step runs apply_lora_ref."""
 
     fuses_groups = False  # lora_group launches a group at once (TritonOps with fuse_groups only)
+    fp8_gemm = REFERENCE_GEMM  # how linear multiplies an Fp8Weight
+    # FP8 KV pages' scales, float32 [L, 2] (K, V per layer; gpu_ops/attention.py): set by the runner with the cache
+    kv_scales: torch.Tensor | None = None
 
     def __init__(self, name: str = "torch-reference", kernel_choice=None):
-        from lorad.gpu_ops import attention, fused, norm
+        from lorad.gpu_ops import attention, fp8, fused, norm
 
+        self._fp8 = fp8
         self.kernel_choice = kernel_choice if kernel_choice is not None and kernel_choice.active else None
         self.name = name + ("[decode lora: bgmv_ref]" if self.kernel_choice is not None else "")
         self._attention, self._fused, self._norm = attention, fused, norm
@@ -38,8 +44,10 @@ class TorchOps:
             self._bgmv_ref, self._batch_max_rank = bgmv.bgmv_ref, bgmv.batch_max_rank
 
     # The base model's ops.
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight^T + bias; weight: [out, in]."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight^T + bias; weight: [out, in], or an FP8 weight (gpu_ops/fp8.py), dequantized here."""
+        if isinstance(weight, Fp8Weight):
+            return self._fp8.fp8_linear_ref(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def rms_norm(self, x, weight, eps):
@@ -56,10 +64,10 @@ class TorchOps:
         return self._fused.silu_mul_ref(gate, up)
 
     def write_kv(self, kv_view, layer, k, v, attention):
-        self._attention.write_kv_ref(kv_view, layer, k, v, attention)
+        self._attention.write_kv_ref(kv_view, layer, k, v, attention, self.kv_scales)
 
     def attention(self, q, kv_view, layer, attention, scale):
-        return self._attention.paged_attention_ref(q, kv_view, layer, attention, scale)
+        return self._attention.paged_attention_ref(q, kv_view, layer, attention, scale, self.kv_scales)
 
     # LoRA.
     def prepare_lora(self, batch: LoraBatch, table: AdapterTable) -> None:
@@ -104,7 +112,7 @@ class TritonOps(TorchOps):
 
     def __init__(self, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
                  fuse_groups: bool = False, pdl: bool = False):
-        from lorad.gpu_ops import bgmv, fused, gemv, mbgmm, mbgmv, paged_attention
+        from lorad.gpu_ops import bgmv, fp8_gemm, fused, gemv, mbgmm, mbgmv, paged_attention
 
         groups = ",mbgmv-groups:qkv|gate-up" if fuse_groups else ""
         groups += ",mbgmv-pdl" if pdl else ""
@@ -112,12 +120,16 @@ class TritonOps(TorchOps):
                          f"gemv(rows<={gemv.GEMV_MAX_ROWS})]")
         self.decode_choice = kernel_choice
         self._fused, self._paged_attention, self._gemv = fused, paged_attention, gemv
-        self._bgmv, self._mbgmv, self._mbgmm = bgmv, mbgmv, mbgmm
+        self._bgmv, self._mbgmv, self._mbgmm, self._fp8_gemm = bgmv, mbgmv, mbgmm, fp8_gemm
         self.fuses_groups, self.pdl = fuse_groups, pdl
         self.workspace = torch.empty(bgmv.workspace_numel(max_batch_tokens, max_lora_rank), dtype=torch.float32,
                                      device=device)
 
+    fp8_gemm = GPU_GEMM
+
     def linear(self, x, weight, bias=None):
+        if isinstance(weight, Fp8Weight):
+            return self._fp8_gemm.fp8_linear(x, weight, bias)
         if x.shape[0] <= self._gemv.GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous():
             return self._gemv.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
@@ -135,10 +147,10 @@ class TritonOps(TorchOps):
         return self._fused.silu_mul(gate, up)
 
     def write_kv(self, kv_view, layer, k, v, attention):
-        self._paged_attention.write_kv(kv_view, layer, k, v, attention)
+        self._paged_attention.write_kv(kv_view, layer, k, v, attention, self.kv_scales)
 
     def attention(self, q, kv_view, layer, attention, scale):
-        return self._paged_attention.attention(q, kv_view, layer, attention, scale)
+        return self._paged_attention.attention(q, kv_view, layer, attention, scale, kv_scales=self.kv_scales)
 
     def prepare_lora(self, batch, table):
         if batch.slot_rows:

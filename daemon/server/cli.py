@@ -33,6 +33,10 @@ _ENGINE_FLAG_HELP = {
     "state_dir": "where adapters registered through the API are remembered across restarts",
     "device": "auto|cpu|cuda|cuda:N",
     "dtype": "|".join(DTYPE_CHOICES),
+    "quantization": "auto|fp8|none: the base model's projection weights in FP8 E4M3 (fp8: a bf16/fp16 checkpoint "
+                    "quantized at load, per output channel; auto: as the checkpoint holds them; needs compute capability 8.9)",
+    "kv_cache_dtype": "auto|fp8: KV pages in the model dtype (auto) or FP8 E4M3 with a scale per layer for K and V "
+                      "(twice the tokens in the pool)",
     "max_model_len": "default: the checkpoint's max_position_embeddings, capped at 8192",
     "pool_bytes": "unified page pool bytes (K/M/G suffixes accepted)",
     "host_adapter_bytes": "host-memory budget of loaded adapters (K/M/G suffixes accepted)",

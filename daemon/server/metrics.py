@@ -35,6 +35,12 @@ def render(snapshot: dict) -> str:
         "max_lora": str(snapshot["max_lora"]),
     }, snapshot["time"])
 
+    out.family("lorad_engine_info", "gauge",
+               "What the engine serves: its base model's weights (quantization none or fp8) and its KV pages' dtype; value 1.")
+    out.sample("lorad_engine_info", {**model, "quantization": snapshot.get("quantization", "none"),
+                                     "kv_cache_dtype": snapshot.get("kv_cache_dtype", "")}, 1)
+    out.family("lorad_kv_capacity_tokens", "gauge", "KV-cache positions the whole page pool holds (no adapter resident).")
+    out.sample("lorad_kv_capacity_tokens", {}, snapshot.get("kv_capacity_tokens", 0))
     out.family("lorad_requests_total", "counter", "Finished requests by finish reason.")
     for reason, count in sorted(snapshot["requests"].items()):
         out.sample("lorad_requests_total", {"finish_reason": reason}, count)
