@@ -64,6 +64,12 @@ def test_engine_refuses_a_size_before_starting_any_rank(hf_checkpoint):
         Engine(EngineConfig(model=str(checkpoint.model_dir), device="cpu", tensor_parallel_size=8))
 
 
+@pytest.mark.parametrize("flags", [dict(quantization="fp8"), dict(kv_cache_dtype="fp8")])
+def test_fp8_is_refused_across_ranks_before_any_starts(flags):
+    with pytest.raises(BadRequest, match="not served with tensor_parallel_size > 1"):
+        Engine(EngineConfig(model_config="tiny-llama", dummy_weights=True, device="cpu", tensor_parallel_size=2, **flags))
+
+
 # --- the shards' algebra ----------------------------------------------------------------------------------------
 
 
