@@ -30,6 +30,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -351,7 +352,8 @@ class LoraResidency:
 class Stager:
     """A background thread that reads adapters (`lookup`, maybe from disk) and stages them (`stage`: page
     layout, pinning), for the engine thread to take (`take`). `ask` and `take` are the engine thread's; a
-    name asked again while it is being staged is not staged twice."""
+    name asked again while it is being staged is not staged twice. The thread holds the stager only weakly
+    while it waits, so an engine that is dropped is freed (its GPU memory with it), and the thread ends."""
 
     def __init__(self, lookup, stage):
         self.lookup = lookup
@@ -366,8 +368,10 @@ class Stager:
             return
         self._pending.add(name)
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="lorad-stager", daemon=True)
+            self._thread = threading.Thread(target=_stage_loop, args=(weakref.ref(self), self._todo, self._done),
+                                            name="lorad-stager", daemon=True)
             self._thread.start()
+            weakref.finalize(self, self._todo.put, None)  # ends the thread once the stager is gone
         self._todo.put((name, generation))
 
     def take(self) -> list[tuple[str, int, object, object]]:
@@ -384,16 +388,23 @@ class Stager:
     def pending(self) -> int:
         return len(self._pending)
 
-    def _run(self) -> None:
-        while True:
-            name, generation = self._todo.get()
-            adapter = None
-            try:
-                adapter = self.lookup(name)
-                result = self.stage(adapter)
-            except Exception as error:  # noqa: BLE001 - reported by take(); admission meets it again
-                result = error
-            self._done.put((name, generation, adapter, result))
+
+def _stage_loop(stager_ref, todo: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
+    """The stager's thread: until it is told to stop (None) or its stager is gone."""
+    while True:
+        item = todo.get()
+        stager = stager_ref()
+        if item is None or stager is None:
+            return
+        name, generation = item
+        adapter = None
+        try:
+            adapter = stager.lookup(name)
+            result = stager.stage(adapter)
+        except Exception as error:  # noqa: BLE001 - reported by take(); admission meets it again
+            result = error
+        del stager
+        done.put((name, generation, adapter, result))
 
 
 class StagedCache:

@@ -120,3 +120,19 @@ def test_work_for_a_dropped_name_is_left_out(residency):
     residency.drop("y")  # unregistered (or replaced) while its staging ran
     settle(residency)
     assert residency._ready("y") is None and residency.staged_off_thread == 0
+
+
+def test_a_dropped_stager_is_freed_and_its_thread_ends():
+    """The thread must not keep its stager (and through `lookup` the engine, with its GPU memory) alive."""
+    import gc
+    import weakref
+
+    stager = Stager(lambda name: name, lambda adapter: (adapter, None))
+    stager.ask("a", 0)
+    wait_for(stager, 1)
+    thread, alive = stager._thread, weakref.ref(stager)
+    del stager
+    gc.collect()
+    assert alive() is None
+    thread.join(5)
+    assert not thread.is_alive()
