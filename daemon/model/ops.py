@@ -58,8 +58,9 @@ class TorchOps:
     def write_kv(self, kv_view, layer, k, v, attention):
         self._attention.write_kv_ref(kv_view, layer, k, v, attention)
 
-    def attention(self, q, kv_view, layer, attention, scale):
-        return self._attention.paged_attention_ref(q, kv_view, layer, attention, scale)
+    def attention(self, q, kv_view, layer, attention, scale, window=None, softcap=None):
+        """window: a sliding-window layer's (None: global); softcap: Gemma 2's cap on the scores."""
+        return self._attention.paged_attention_ref(q, kv_view, layer, attention, scale, window, softcap)
 
     # LoRA.
     def prepare_lora(self, batch: LoraBatch, table: AdapterTable) -> None:
@@ -137,8 +138,8 @@ class TritonOps(TorchOps):
     def write_kv(self, kv_view, layer, k, v, attention):
         self._paged_attention.write_kv(kv_view, layer, k, v, attention)
 
-    def attention(self, q, kv_view, layer, attention, scale):
-        return self._paged_attention.attention(q, kv_view, layer, attention, scale)
+    def attention(self, q, kv_view, layer, attention, scale, window=None, softcap=None):
+        return self._paged_attention.attention(q, kv_view, layer, attention, scale, window=window, softcap=softcap)
 
     def prepare_lora(self, batch, table):
         if batch.slot_rows:
