@@ -42,6 +42,20 @@ ARCHITECTURES: dict[str, dict] = {
     # per-head q and k norms before RoPE; head_dim * heads (64) != hidden (48) as in Qwen3's larger sizes.
     "qwen3": dict(family="qwen3", hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, use_sliding_window=False, tie_word_embeddings=False),
+    # A sliding window of 8 positions on every layer, below the prompts (up to 40) and the context.
+    "mistral_window": dict(family="mistral", intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, sliding_window=8),
+    # Local (window 8) and global layers alternating, capped attention scores and logits (caps low enough to
+    # bite at these scales), an attention scale apart from head_dim, tanh GeGLU, four norms of (1 + w).
+    "gemma2": dict(family="gemma2", intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=20,
+                   attn_logit_softcapping=3.0, final_logit_softcapping=6.0),
+    # Local layers (window 8, RoPE base 10^4) around a global one (base 10^6 scaled linearly by 4), per-head
+    # q and k norms; head_dim 24: K rows of 48 do not divide the hidden size (64), as in Gemma 3 12B.
+    "gemma3": dict(family="gemma3", intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=24, sliding_window=8, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_scaling=dict(rope_type="linear", factor=4.0)),
     # Saved in several shards: model.safetensors.index.json maps names to files.
     "llama_sharded": dict(family="llama", intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, max_shard_size="400KB"),
@@ -75,12 +89,13 @@ class Checkpoint:
 
 
 def _config(arch: str, vocab_size: int):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     options = dict(COMMON, **ARCHITECTURES[arch])
     family = options.pop("family")
     options.pop("max_shard_size", None)
-    config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+                    "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}[family]
     return config_class(vocab_size=vocab_size, **options)
 
 

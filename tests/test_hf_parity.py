@@ -19,7 +19,9 @@ ATOL = RTOL = 1e-4
 # Prompt lengths 1..40, one per request.
 PROMPT_LENGTHS = (1, 7, 40, 16, 3, 29, 11, 2, 33, 24, 5, 40, 9, 19, 13)
 
-ARCHITECTURES = ("llama", "llama3_rope", "llama_tied", "mistral", "qwen2", "llama_sharded")
+# mistral_window, gemma2 and gemma3 slide a window of 8 positions over prompts of up to 40.
+ARCHITECTURES = ("llama", "llama3_rope", "llama_tied", "mistral", "qwen2", "qwen3", "llama_sharded", "mistral_window",
+                 "gemma2", "gemma3")
 
 # transformers warns about its own deprecated internals while PEFT wraps the models.
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -151,7 +153,7 @@ def test_demo_matches_hf_peft(demo_assets, hf_reference):
     check_parity("demo", demo_assets.model_dir, demo_assets.adapters, cases, reference)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_fixture_adapters_change_the_output(arch, hf_checkpoint, hf_reference):
     # Parity means little if an adapter's update were too small to move a token: each one must.
     checkpoint = hf_checkpoint(arch)

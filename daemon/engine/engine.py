@@ -115,7 +115,7 @@ class Engine:
             torch.cuda.empty_cache()
         log.info("device rates hbm_gb_s=%.1f gemm_tflop_s=%.2f (each step's floor: the slower of bytes and FLOPs)",
                  rates.bandwidth_bytes_per_s / 1e9, rates.flops_per_s / 1e12)
-        self.pool = PagePool(self._pool_pages(), self.spec.hidden_size, self.dtype, self.device)
+        self.pool = PagePool(self._pool_pages(), self.spec.page_elems, self.dtype, self.device)
         self.kv = KVCache(self.pool, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
         if self.kv.blocks_for(self.max_model_len) * self.kv.pages_per_block > self.pool.capacity:
             raise ModelError(
@@ -210,13 +210,14 @@ class Engine:
         return Path(config.model), []
 
     def _pool_pages(self) -> int:
-        page_bytes = self.spec.hidden_size * torch.tensor([], dtype=self.dtype).element_size()
+        element_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        page_bytes = self.spec.page_elems * element_bytes
         if self.config.pool_bytes is not None:
             budget = self.config.pool_bytes
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             # Leave room for the activations of the largest step (a generous multiple of its hidden states).
-            activations = self.config.max_batch_tokens * (self.spec.hidden_size * 8 + self.spec.intermediate_size * 4) * page_bytes // self.spec.hidden_size
+            activations = self.config.max_batch_tokens * (self.spec.hidden_size * 8 + self.spec.intermediate_size * 4) * element_bytes
             if not self.config.eager:  # the CUDA graphs' memory pool holds one such step's activations for good
                 activations *= 2
             budget = int(free * self.config.gpu_memory_utilization) - activations

@@ -55,6 +55,9 @@ class TorchOps:
     def silu_mul(self, gate, up):
         return self._fused.silu_mul_ref(gate, up)
 
+    def gelu_tanh_mul(self, gate, up):
+        return self._fused.gelu_tanh_mul_ref(gate, up)
+
     def write_kv(self, kv_view, layer, k, v, attention):
         self._attention.write_kv_ref(kv_view, layer, k, v, attention)
 
@@ -109,7 +112,7 @@ class TritonOps(TorchOps):
 
         groups = ",mbgmv-groups:qkv|gate-up" if fuse_groups else ""
         groups += ",mbgmv-pdl" if pdl else ""
-        super().__init__(f"triton[lora:mbgmv|bgmv+mbgmm{groups},paged-attention,fused-norm-rope-silu,"
+        super().__init__(f"triton[lora:mbgmv|bgmv+mbgmm{groups},paged-attention,fused-norm-rope-silu-gelu,"
                          f"gemv(rows<={gemv.GEMV_MAX_ROWS})]")
         self.decode_choice = kernel_choice
         self._fused, self._paged_attention, self._gemv = fused, paged_attention, gemv
@@ -134,6 +137,9 @@ class TritonOps(TorchOps):
 
     def silu_mul(self, gate, up):
         return self._fused.silu_mul(gate, up)
+
+    def gelu_tanh_mul(self, gate, up):
+        return self._fused.gelu_tanh_mul(gate, up)
 
     def write_kv(self, kv_view, layer, k, v, attention):
         self._paged_attention.write_kv(kv_view, layer, k, v, attention)
