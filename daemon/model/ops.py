@@ -122,7 +122,7 @@ class TritonOps(TorchOps):
                                      device=device)
 
     def linear(self, x, weight, bias=None):
-        if x.shape[0] <= self._gemv.GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous():
+        if 0 < x.shape[0] <= self._gemv.GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous():  # 0: a step that samples no row
             return self._gemv.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
 

@@ -179,7 +179,7 @@ def test_text_decoder_names():
 
 
 def test_from_hf_config_refusals():
-    from transformers import MistralConfig, Qwen2Config
+    from transformers import Qwen2Config
 
     refused(dict(llama_dict(), architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel", "LlamaForCausalLM")
     refused(dict(llama_dict(), architectures=["GemmaForCausalLM"]), "unsupported architecture")
