@@ -42,13 +42,13 @@ def make_cases(adapters: list[str], vocab_size: int, seed: int = 0) -> list[tupl
     return cases
 
 
-def run_lorad(model_dir, adapters: dict, cases, **config):
+def run_lorad(model_dir, adapters: dict, cases, device="cpu", dtype="float32", **config):
     engine = Engine(
         EngineConfig(
             model=str(model_dir),
             adapters=tuple((name, str(path)) for name, path in adapters.items()),
-            device="cpu",
-            dtype="float32",
+            device=device,
+            dtype=dtype,
             **{"max_running_requests": 64, **config},
         )
     )
@@ -163,3 +163,31 @@ def test_fixture_adapters_change_the_output(arch, hf_checkpoint, hf_reference):
     for adapter in checkpoint.adapters:
         outputs = [reference.greedy(prompt, adapter, MAX_TOKENS)[0] for prompt in prompts]
         assert outputs != base, f"adapter {adapter} leaves every greedy output unchanged"
+
+
+# On the GPU (pytest -m gpu): the sliding-window and Gemma fixtures through the Triton kernels (CUDA graphs on).
+GPU_ARCHITECTURES = ("mistral_window", "gemma2", "gemma3", "qwen3")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", GPU_ARCHITECTURES)
+def test_matches_hf_peft_on_cuda_float32(arch, hf_checkpoint, hf_reference):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    checkpoint = hf_checkpoint(arch)
+    cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size)
+    reference = hf_reference(checkpoint.model_dir, checkpoint.adapters)
+    check_parity(f"{arch} cuda", checkpoint.model_dir, checkpoint.adapters, cases, reference, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", GPU_ARCHITECTURES)
+def test_cuda_bfloat16_close_to_float32(arch, hf_checkpoint):
+    """bfloat16 against float32 on the prompt's logits (the same context), as tests/daemon/engine/test_engine_gpu.py."""
+    checkpoint = hf_checkpoint(arch)
+    cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size)
+    full = run_lorad(checkpoint.model_dir, checkpoint.adapters, cases, device="cuda", dtype="float32")
+    half = run_lorad(checkpoint.model_dir, checkpoint.adapters, cases, device="cuda", dtype="bfloat16")
+    for (prompt, adapter), a, b in zip(cases, full, half):
+        first_a, first_b = a.logits[0].float().cpu(), b.logits[0].float().cpu()
+        rel = float((first_a - first_b).norm() / first_a.norm())
+        assert rel < 3e-2, f"{arch} adapter={adapter} prompt_len={len(prompt)}: relative error {rel:.2e}"
