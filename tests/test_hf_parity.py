@@ -19,9 +19,9 @@ ATOL = RTOL = 1e-4
 # Prompt lengths 1..40, one per request.
 PROMPT_LENGTHS = (1, 7, 40, 16, 3, 29, 11, 2, 33, 24, 5, 40, 9, 19, 13)
 
-# mistral_window, gemma2 and gemma3 slide a window of 8 positions over prompts of up to 40.
+# mistral_window and the Gemma fixtures slide a window of 8 positions over prompts of up to 40.
 ARCHITECTURES = ("llama", "llama3_rope", "llama_tied", "mistral", "qwen2", "qwen3", "llama_sharded", "mistral_window",
-                 "gemma2", "gemma3")
+                 "gemma2", "gemma3", "gemma3_multimodal")
 
 # transformers warns about its own deprecated internals while PEFT wraps the models.
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -166,7 +166,7 @@ def test_fixture_adapters_change_the_output(arch, hf_checkpoint, hf_reference):
 
 
 # On the GPU (pytest -m gpu): the sliding-window and Gemma fixtures through the Triton kernels (CUDA graphs on).
-GPU_ARCHITECTURES = ("mistral_window", "gemma2", "gemma3", "qwen3")
+GPU_ARCHITECTURES = ("mistral_window", "gemma2", "gemma3", "gemma3_multimodal", "qwen3")
 
 
 @pytest.mark.gpu
