@@ -210,14 +210,14 @@ class Engine:
         return Path(config.model), []
 
     def _pool_pages(self) -> int:
-        element_bytes = torch.tensor([], dtype=self.dtype).element_size()
-        page_bytes = self.spec.page_elems * element_bytes
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        page_bytes = self.spec.page_elems * element
         if self.config.pool_bytes is not None:
             budget = self.config.pool_bytes
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             # Leave room for the activations of the largest step (a generous multiple of its hidden states).
-            activations = self.config.max_batch_tokens * (self.spec.hidden_size * 8 + self.spec.intermediate_size * 4) * element_bytes
+            activations = self.config.max_batch_tokens * (self.spec.hidden_size * 8 + self.spec.intermediate_size * 4) * element
             if not self.config.eager:  # the CUDA graphs' memory pool holds one such step's activations for good
                 activations *= 2
             budget = int(free * self.config.gpu_memory_utilization) - activations

@@ -125,20 +125,20 @@ class ModelSpec:
         return self.layer_windows[layer] if self.layer_windows else None
 
     @property
-    def page_elems(self) -> int:
-        """Elements of a page of the unified pool: the hidden size where whole K rows fill it (Llama, Mistral,
-        Qwen), else the most whole K rows that fit in it (Gemma: kv_size 2048 in a hidden size of 3584)."""
-        if self.hidden_size % self.kv_size == 0:
-            return self.hidden_size
-        return self.kv_size * max(1, self.hidden_size // self.kv_size)
-
-    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def page_elems(self) -> int:
+        """Elements of a page of the unified pool: hidden_size, S-LoRA's choice (an A row of a projection
+        from the hidden state fills one page), where whole K rows fit it; otherwise the smallest multiple
+        of kv_size above it (Qwen3-4B: hidden 2560, K rows of 1024 -> 3072; Gemma 2 9B: 3584, 2048 -> 4096),
+        so that a KV page holds whole tokens and an A row still fits one page."""
+        return -(-self.hidden_size // self.kv_size) * self.kv_size
 
     def projection_shape(self, projection: str) -> tuple[int, int]:
         """(in_features, out_features) of one projection's weight."""

@@ -163,7 +163,7 @@ def test_gemma3_text_of_a_conditional_generation_config():
     assert (spec.head_dim, spec.vocab_size, spec.query_pre_attn_scalar) == (256, 262208, 256.0)
     assert spec.layer_windows[:6] == (1024,) * 5 + (None,) and spec.layer_windows.count(None) == 8
     assert (spec.rope_theta, spec.local_rope_theta, spec.rope_scaling) == (1e6, 1e4, {"rope_type": "linear", "factor": 8.0})
-    assert spec.page_elems == 2048  # K rows of 8 x 256 do not divide 3840: one row a page
+    assert spec.page_elems == 4096  # K rows of 8 x 256 do not divide 3840: two rows a page
     torch.testing.assert_close(rope_inv_freq(spec), 1e6 ** -(torch.arange(0, 256, 2) / 256) / 8.0)
     torch.testing.assert_close(rope_inv_freq(spec, local=True), 1e4 ** -(torch.arange(0, 256, 2) / 256))
     refused({"architectures": ["Gemma3ForConditionalGeneration"]}, "text_config")

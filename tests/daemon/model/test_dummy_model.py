@@ -15,7 +15,7 @@ def test_known_shapes_parse():
     assert shapes["llama-3-8b"].kv_size == 1024
     assert shapes["qwen3-8b"].qk_norm and shapes["qwen3-8b"].q_size == 4096 and shapes["qwen3-8b"].kv_size == 1024
     gemma2, gemma3 = shapes["gemma-2-9b"], shapes["gemma-3-12b"]
-    assert gemma2.layer_windows == (4096, None) * 21 and gemma2.attn_logit_softcapping == 50.0 and gemma2.page_elems == 2048
+    assert gemma2.layer_windows == (4096, None) * 21 and gemma2.attn_logit_softcapping == 50.0 and gemma2.page_elems == 4096
     assert gemma3.layer_windows == ((1024,) * 5 + (None,)) * 8 and gemma3.qk_norm and gemma3.vocab_size == 262208
 
 
