@@ -268,11 +268,11 @@ def main() -> None:
     if SMOKE:
         sections = [
             ("decode_7b", lambda: decode_bench(args, device, timer, bandwidth, "tiny", 4, 4, 16, 1, [1, 3], [40], sweep_at={(3, 40)})),
-            ("decode_window", lambda: decode_bench(args, device, timer, bandwidth, "tiny", 4, 2, 16, 1, [1, 3], [40], window=16,
-                                                   softcap=5.0)),
             ("prefill", lambda: prefill_bench(args, device, timer, [("fresh 20", [(20, 20)]), ("chunk 5 on 30", [(35, 5)])])),
             ("fused", lambda: fused_bench(args, device, timer, bandwidth, [3])),
             ("write_kv", lambda: write_kv_bench(args, device, timer, 3)),
+            ("decode_window", lambda: decode_bench(args, device, timer, bandwidth, "tiny", 4, 2, 16, 1, [1, 3], [40], window=16,
+                                                   softcap=5.0)),
         ]
     else:
         sections = [

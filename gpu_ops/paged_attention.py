@@ -443,8 +443,9 @@ def decode_attention(
     Grid (num_seqs, kv_heads, splits): each program reads its kv head's K and V rows once for the
     `heads / kv_heads` queries sharing them. splits > 1: flash-decoding partials (float32) and a
     combine launch; workspace: optional (out [>= num_seqs*heads*splits*head_pad], lse [>= num_seqs*heads*splits]).
-    Roofline: bytes = sum_s 2 * min(kv_len[s], window) * kv_heads * head_dim * element size; flops = 4 * that
-    / size * group. softcap: scores capped as Gemma 2's (softcap * tanh(s / softcap)).
+    Roofline: bytes = sum_s 2 * kv_len[s] * kv_heads * head_dim * element size; flops = 4 * that / size * group.
+    With a window: min(kv_len[s], window) positions in place of kv_len[s]. softcap: scores capped as Gemma 2's
+    (softcap * tanh(s / softcap)).
     """
     require_triton("paged attention kernels")
     heads, kv_heads, head_dim, tokens_per_page = _check_q(q, kv_view)
