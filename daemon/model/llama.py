@@ -39,7 +39,7 @@ class Layer:
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor
-    q_norm: torch.Tensor | None = None  # Qwen3: [head_dim], each head of q (and k) normed before RoPE
+    q_norm: torch.Tensor | None = None  # Qwen3, Gemma 3: [head_dim], each head of q (and k) normed before RoPE
     k_norm: torch.Tensor | None = None
     window: int | None = None  # a sliding-window layer's window (Mistral, Gemma's local layers); None: global
     rope: int = 0  # which of the model's RoPE tables: 1 for Gemma 3's local layers
@@ -55,10 +55,11 @@ class LlamaModel:
         self.norm = take("model.norm.weight")
         self.lm_head = self.embed if spec.tie_word_embeddings else take("lm_head.weight")
         take.check_shapes(spec)
-        # RoPE tables [max_positions, head_dim] (cos, sin): the model's, and Gemma 3's local one (Layer.rope).
-        local = (True,) if spec.local_rope_theta is not None else ()
-        self.rotations = [rope_cache(rope_inv_freq(spec, is_local), max_positions, self.embed.dtype, self.embed.device)
-                          for is_local in (False, *local)]
+        # RoPE tables (cos, sin) [max_positions, head_dim], picked by Layer.rope: the model's, and Gemma 3's local one.
+        dtype, device = self.embed.dtype, self.embed.device
+        self.rotations = [rope_cache(rope_inv_freq(spec), max_positions, dtype, device)]
+        if spec.local_rope_theta is not None:
+            self.rotations.append(rope_cache(rope_inv_freq(spec, local=True), max_positions, dtype, device))
         self.scale = (spec.query_pre_attn_scalar or spec.head_dim) ** -0.5
         self.softcap = spec.attn_logit_softcapping
         self.splits = (spec.q_size, spec.kv_size, spec.kv_size)
