@@ -2,7 +2,8 @@
 kernels (gpu_ops/fused.py) against the pure-torch references.
 
 Decode: the Llama-7B shape (32 heads x 128, MHA, 1 token per page), bf16, batch 1/16/64/256 at
-context 512/2048, plus the Llama-3-8B shape (8 kv heads, 4 tokens per page). Each time is set against
+context 512/2048, plus the Llama-3-8B shape (8 kv heads, 4 tokens per page) and Gemma 2 9B's (16 heads, 8 kv
+heads of 256, 1 token per page, capped scores) on a local layer (window 4096) and a global one. Each time is set against
 the bytes floor: the K and V bytes the call must read over the device-to-device copy bandwidth measured
 in the same run. Prefill: the Triton kernel vs the reference (gather + SDPA per sequence) and vs SDPA
 on K/V already contiguous (what a flash kernel does without paging).
@@ -46,8 +47,10 @@ class PagedCache:
     """A pool of random K/V pages for `layers` layers of `shapes` [(kv_len, query_len)], each block's
     pages drawn at random from the whole pool."""
 
-    def __init__(self, heads, kv_heads, head_dim, tokens_per_page, shapes, layers, dtype, device, seed=0):
+    def __init__(self, heads, kv_heads, head_dim, tokens_per_page, shapes, layers, dtype, device, seed=0, window=None,
+                 softcap=None):
         rng = np.random.default_rng(seed)
+        self.window, self.softcap = window, softcap
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.shapes, self.layers = shapes, layers
         blocks = [-(-kv // tokens_per_page) for kv, _ in shapes]
@@ -62,9 +65,11 @@ class PagedCache:
         self.scale = head_dim**-0.5
 
     def kv_bytes(self) -> int:
-        """K and V bytes one layer's attention must read (every cached position once)."""
+        """K and V bytes one layer's attention must read (every cached position once; with a window, the positions
+        some new row sees)."""
         element = self.kv_view.element_size()
-        return sum(2 * kv * self.kv_heads * self.head_dim * element for kv, _ in self.shapes)
+        seen = [kv if self.window is None else min(kv, query + self.window - 1) for kv, query in self.shapes]
+        return sum(2 * positions * self.kv_heads * self.head_dim * element for positions in seen)
 
     def kernel_calls(self, **decode_options):
         def call(layer):
@@ -72,10 +77,12 @@ class PagedCache:
                 table = self.batch.block_table
                 paged_attention.decode_attention(
                     self.q[layer], self.kv_view, table[layer, 0], table[layer, 1], self.meta.decode_seqs,
-                    self.meta.query_start, self.meta.kv_len, self.out, self.scale, num_seqs=self.meta.num_decode, **decode_options,
+                    self.meta.query_start, self.meta.kv_len, self.out, self.scale, num_seqs=self.meta.num_decode,
+                    window=self.window, softcap=self.softcap, **decode_options,
                 )
             else:
-                paged_attention.attention(self.q[layer], self.kv_view, layer, self.batch, self.scale, meta=self.meta, out=self.out)
+                paged_attention.attention(self.q[layer], self.kv_view, layer, self.batch, self.scale, meta=self.meta, out=self.out,
+                                          window=self.window, softcap=self.softcap)
 
         return [lambda layer=layer: call(layer) for layer in range(self.layers)]
 
@@ -92,14 +99,16 @@ class PagedCache:
         ]
 
     def reference_call(self):
-        return lambda: paged_attention_ref(self.q[0], self.kv_view, 0, self.batch, self.scale)
+        return lambda: paged_attention_ref(self.q[0], self.kv_view, 0, self.batch, self.scale, self.window, self.softcap)
 
     def error(self) -> float | None:
         """Relative error of layer 0 against the reference run in float64 (None for pools over 1 GB)."""
         if self.kv_view.numel() * self.kv_view.element_size() > (1 << 30):
             return None
-        got = paged_attention.attention(self.q[0], self.kv_view, 0, self.batch, self.scale, meta=self.meta).double()
-        expected = paged_attention_ref(self.q[0].double(), self.kv_view.double(), 0, self.batch, self.scale)
+        got = paged_attention.attention(self.q[0], self.kv_view, 0, self.batch, self.scale, meta=self.meta, window=self.window,
+                                        softcap=self.softcap).double()
+        expected = paged_attention_ref(self.q[0].double(), self.kv_view.double(), 0, self.batch, self.scale, self.window,
+                                       self.softcap)
         return float((got - expected).norm() / expected.norm())
 
 
@@ -107,19 +116,22 @@ def layers_for(bytes_per_layer: int, cap: int = 64) -> int:
     return max(1, min(cap, -(-ROTATE_BYTES // bytes_per_layer)))
 
 
-def decode_bench(args, device, timer: Timer, bandwidth: float, shape_name: str, heads, kv_heads, head_dim, tpp, batches, contexts, sweep_at=None) -> list:
+def decode_bench(args, device, timer: Timer, bandwidth: float, shape_name: str, heads, kv_heads, head_dim, tpp, batches, contexts,
+                 sweep_at=None, window=None, softcap=None) -> list:
     results = []
     for context in contexts:
         for batch in batches:
             shapes = [(context, 1)] * batch
             per_layer = 2 * batch * context * kv_heads * head_dim * 2
             layers = layers_for(per_layer) if not SMOKE else 1
-            cache = PagedCache(heads, kv_heads, head_dim, tpp, shapes, layers, args.dtype, device, seed=batch)
+            cache = PagedCache(heads, kv_heads, head_dim, tpp, shapes, layers, args.dtype, device, seed=batch, window=window,
+                               softcap=softcap)
             floor_us = cache.kv_bytes() / (bandwidth * 1e9) * 1e6
-            splits = paged_attention.decode_splits(batch, kv_heads, context, device)
+            splits = paged_attention.decode_splits(batch, kv_heads, context if window is None else min(context, window), device)
             kernel = timer.graph(cache.kernel_calls())
             row = {
-                "shape": shape_name, "batch": batch, "context": context, "splits": splits, "layers_rotated": layers,
+                "shape": shape_name, "batch": batch, "context": context, "window": window, "softcap": softcap,
+                "splits": splits, "layers_rotated": layers,
                 "kv_bytes": cache.kv_bytes(), "floor_us": round(floor_us, 2), "kernel_us": round(kernel, 2),
                 "achieved_GBps": round(cache.kv_bytes() / (kernel * 1e-6) / 1e9, 1),
                 "floor_percent": round(100 * floor_us / kernel, 1),
@@ -277,6 +289,8 @@ def main() -> None:
             ("prefill", lambda: prefill_bench(args, device, timer, [("fresh 20", [(20, 20)]), ("chunk 5 on 30", [(35, 5)])])),
             ("fused", lambda: fused_bench(args, device, timer, bandwidth, [3])),
             ("write_kv", lambda: write_kv_bench(args, device, timer, 3)),
+            ("decode_window", lambda: decode_bench(args, device, timer, bandwidth, "tiny", 4, 2, 16, 1, [1, 3], [40], window=16,
+                                                   softcap=5.0)),
         ]
     else:
         sections = [
@@ -288,6 +302,11 @@ def main() -> None:
             ("fused", lambda: fused_bench(args, device, timer, bandwidth, [64, 2048])),
             ("write_kv", lambda: write_kv_bench(args, device, timer, 256)),
             ("decode_llama3_8b", lambda: decode_bench(args, device, timer, bandwidth, "llama3_8b", 32, 8, 128, 4, [1, 64, 256], [2048])),
+            # Gemma 2 9B: a local layer at twice its window reads half the context, at the same share of the floor
+            ("decode_gemma2_9b_local", lambda: decode_bench(args, device, timer, bandwidth, "gemma2_9b", 16, 8, 256, 1, [1, 64],
+                                                            [8192], window=4096, softcap=50.0)),
+            ("decode_gemma2_9b_global", lambda: decode_bench(args, device, timer, bandwidth, "gemma2_9b", 16, 8, 256, 1, [1, 64],
+                                                             [8192], softcap=50.0)),
         ]
     for name, section in sections:
         if time.perf_counter() - started > args.budget_s:

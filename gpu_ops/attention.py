@@ -1,5 +1,6 @@
 """Attention over the paged KV cache: writing a step's K and V into their pages, and causal
-attention of each sequence's new queries over all its cached positions (prefill and decode alike).
+attention of each sequence's new queries over its cached positions (prefill and decode alike), all of them
+or, on a sliding-window layer, the last `window`, with Gemma 2's soft-capped scores where asked.
 
 The reference gathers each sequence's pages and calls SDPA; the GPU kernels read pages in place.
 """
@@ -78,33 +79,42 @@ def write_kv_ref(kv_view: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Te
 
 def paged_attention_ref(
     q: torch.Tensor, kv_view: torch.Tensor, layer: int, batch: AttentionBatch, scale: float,
-    kv_scales: torch.Tensor | None = None,
+    window: int | None = None, softcap: float | None = None, *, kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, heads, head_dim] -> [T, heads * head_dim]. Causal: the i-th new token of a sequence sees
-    the positions up to kv_len - query_len + i. FP8 pages are read times kv_scales[layer] (see write_kv_ref)."""
+    """q: [T, heads, head_dim] -> [T, heads * head_dim]. Causal: the i-th new token of a sequence, at
+    position p = kv_len - query_len + i, sees the positions up to p; with a sliding `window` only those in
+    (p - window, p] (HF's convention for Mistral and Gemma), and the pages wholly before the first query's
+    window are not read. softcap (Gemma 2): each score s = q.k * scale becomes softcap * tanh(s / softcap).
+    FP8 pages are read times kv_scales[layer] (see write_kv_ref)."""
     tokens, heads, head_dim = q.shape
     kv_heads = kv_view.shape[2]
     tokens_per_page = kv_view.shape[1]
     out = torch.empty(tokens, heads * head_dim, dtype=q.dtype, device=q.device)
     for seq, (start, length, kv_len) in enumerate(zip(batch.query_start, batch.query_len, batch.kv_len)):
+        first_block = 0 if window is None else max(0, kv_len - length - window + 1) // tokens_per_page
         blocks = -(-kv_len // tokens_per_page)
-        k_pages = batch.block_table[layer, 0, seq, :blocks].long()
-        v_pages = batch.block_table[layer, 1, seq, :blocks].long()
-        k = kv_view[k_pages].reshape(-1, kv_heads, head_dim)[:kv_len]
-        v = kv_view[v_pages].reshape(-1, kv_heads, head_dim)[:kv_len]
+        k_pages = batch.block_table[layer, 0, seq, first_block:blocks].long()
+        v_pages = batch.block_table[layer, 1, seq, first_block:blocks].long()
+        first = first_block * tokens_per_page  # the position of the first key read
+        k = kv_view[k_pages].reshape(-1, kv_heads, head_dim)[: kv_len - first]
+        v = kv_view[v_pages].reshape(-1, kv_heads, head_dim)[: kv_len - first]
         if kv_view.dtype == fp8.FP8:
             k, v = fp8.from_kv(k, kv_scales[layer, 0], q.dtype), fp8.from_kv(v, kv_scales[layer, 1], q.dtype)
         if kv_heads != heads:
             k = k.repeat_interleave(heads // kv_heads, dim=1)
             v = v.repeat_interleave(heads // kv_heads, dim=1)
-        query_pos = torch.arange(kv_len - length, kv_len, device=q.device)
-        mask = torch.arange(kv_len, device=q.device)[None, :] <= query_pos[:, None]
-        attended = F.scaled_dot_product_attention(
-            q[start : start + length].transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            attn_mask=mask,
-            scale=scale,
-        )
+        query_pos = torch.arange(kv_len - length, kv_len, device=q.device)[:, None]
+        key_pos = torch.arange(first, kv_len, device=q.device)[None, :]
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
+        queries, k, v = q[start : start + length].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        if softcap is None:
+            attended = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=scale)
+        else:  # SDPA cannot cap its scores: the softmax written out, in float32 as HF's eager Gemma 2
+            scores = (queries @ k.transpose(1, 2)).float() * scale
+            scores = softcap * torch.tanh(scores / softcap)
+            probabilities = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            attended = probabilities.to(v.dtype) @ v
         out[start : start + length] = attended.transpose(0, 1).reshape(length, heads * head_dim)
     return out

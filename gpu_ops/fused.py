@@ -1,8 +1,8 @@
 """Fused element-wise kernels of the decoder layer: RMSNorm, the residual add with the RMSNorm after it,
-RoPE on q and k together, SiLU(gate) * up. Each replaces several PyTorch launches (and their
+RoPE on q and k together, SiLU(gate) * up and Gemma's GELU(gate) * up (tanh GELU). Each replaces several PyTorch launches (and their
 intermediate tensors) by one pass over the rows; the references are `rms_norm_ref` and
 `add_rms_norm_ref` (gpu_ops/norm.py), `rope_qk_ref` (from apply_rope_ref in gpu_ops/rope.py) and
-`silu_mul_ref`. All are memory-bound: one read and one write of each row.
+`silu_mul_ref`, `gelu_tanh_mul_ref`. All are memory-bound: one read and one write of each row.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ try:
 except ImportError:  # the CPU engine runs the references only
     triton = None
 
-__all__ = ["add_rms_norm", "rms_norm", "rope_qk", "rope_qk_ref", "silu_mul", "silu_mul_ref"]
+__all__ = ["add_rms_norm", "gelu_tanh_mul", "gelu_tanh_mul_ref", "rms_norm", "rope_qk", "rope_qk_ref", "silu_mul",
+           "silu_mul_ref"]
 
 SILU_BLOCK = 1024
 
@@ -102,6 +103,19 @@ if triton is not None:
         gate = tl.load(gate_ptr + row * stride_gt + cols, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(up_ptr + row * stride_ut + cols, mask=ok, other=0.0).to(tl.float32)
         act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + row * stride_ot + cols, act.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _gelu_tanh_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gt, stride_ut, stride_ot, width, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < width
+        gate = tl.load(gate_ptr + row * stride_gt + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(up_ptr + row * stride_ut + cols, mask=ok, other=0.0).to(tl.float32)
+        # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(z) = 1 - 2 / (1 + e^(2z)): exact at both ends
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        tanh = 1.0 - 2.0 / (1.0 + tl.exp2(2.8853900817779268 * inner))  # e^(2z) = 2^(2 log2(e) z)
+        act = 0.5 * gate * (1.0 + tanh) * up
         tl.store(out_ptr + row * stride_ot + cols, act.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -212,6 +226,16 @@ def rope_qk_ref(q, k, cos, sin, positions=None, *, inplace: bool = False):
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU(gate) * up -> [T, n] of gate's dtype; gate, up [T, n] may be column slices of a fused gate_up
     output. Computed in float32, rounded once. Bytes: 3 * T * n * element size."""
+    return _gated(_silu_mul_kernel, gate, up, out)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Gemma's GeGLU: GELU(gate) with the tanh approximation (HF's gelu_pytorch_tanh) * up; shapes, precision
+    and bytes as `silu_mul`."""
+    return _gated(_gelu_tanh_mul_kernel, gate, up, out)
+
+
+def _gated(kernel, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     require_triton("fused kernels")
     _rows(gate, "gate")
     _rows(up, "up")
@@ -222,7 +246,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
         out = torch.empty(tokens, width, dtype=gate.dtype, device=gate.device)
     if tokens:
         grid = (tokens, cdiv(width, SILU_BLOCK))
-        _silu_mul_kernel[grid](gate, up, out, gate.stride(0), up.stride(0), out.stride(0), width, BLOCK=SILU_BLOCK, num_warps=4)
+        kernel[grid](gate, up, out, gate.stride(0), up.stride(0), out.stride(0), width, BLOCK=SILU_BLOCK, num_warps=4)
     return out
 
 
@@ -233,3 +257,11 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None 
         return out
     return result
 
+
+
+def gelu_tanh_mul_ref(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    result = F.gelu(gate, approximate="tanh") * up
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result

@@ -7,6 +7,9 @@ the unified pool (layout: DESIGN.md), with `gpu_ops/attention.py`'s references a
   (flash-decoding) when there are too few sequences to fill the GPU, then a small combine launch.
 - `prefill_attention`: sequences with several new tokens (a prompt, or a chunk of one whose earlier
   chunks are cached): causal flash attention over query tiles of 64 rows, K/V gathered from pages.
+- Both take a per-layer sliding `window` (a query at position p sees (p - window, p]: the loops start at
+  the first position some row of the program sees, so no K/V before the window is read) and Gemma 2's
+  `softcap` of the scores (softcap * tanh(s / softcap)).
 - `attention`: drop-in for `paged_attention_ref` on a mixed batch: decode rows to the first, prefill
   rows to the second. Its device metadata (`AttentionMeta`) is built once per step.
 
@@ -147,6 +150,21 @@ if triton is not None:
         return p
 
     @triton.jit
+    def _tanh(x):
+        """tanh from one exp2, exact at both ends (no overflow for large |x|)."""
+        t = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+        y = (1.0 - t) / (1.0 + t)
+        return tl.where(x < 0, -y, y)
+
+    @triton.jit
+    def _log2_scores(dots, qk_scale, cap_log2, SOFTCAP: tl.constexpr):
+        """Scores in base 2 for exp2. Plain: dots * scale * log2(e) (qk_scale). Soft-capped: qk_scale is
+        scale / softcap and cap_log2 softcap * log2(e): softcap * tanh(dots * scale / softcap) * log2(e)."""
+        if SOFTCAP:
+            return _tanh(dots * qk_scale) * cap_log2
+        return dots * qk_scale
+
+    @triton.jit
     def _load_kv_block(
         kv_ptr, k_table_ptr, v_table_ptr, table_row, positions, n_ok, kv_head, offs_d, d_ok,
         HEAD_DIM: tl.constexpr, KV_HEADS: tl.constexpr, TOKENS_PER_PAGE: tl.constexpr,
@@ -186,11 +204,11 @@ if triton is not None:
     def _decode_kernel(
         q_ptr, kv_ptr, k_table_ptr, v_table_ptr, seqs_ptr, query_start_ptr, kv_len_ptr,
         out_ptr, part_out_ptr, part_lse_ptr, kv_scale_ptr,
-        stride_qt, stride_qh, stride_ot, stride_table, qk_scale,
+        stride_qt, stride_qh, stride_ot, stride_table, qk_scale, cap_log2, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         KV_HEADS: tl.constexpr, TOKENS_PER_PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        KV_FP8: tl.constexpr,
+        SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
     ):
         index = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -198,8 +216,11 @@ if triton is not None:
         seq = tl.load(seqs_ptr + index)
         row = tl.load(query_start_ptr + seq)
         kv_len = tl.load(kv_len_ptr + seq)
-        per_split = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * per_split
+        # The positions the query sees, [first, kv_len), cut into SPLITS parts; a sliding window's first
+        # position is the window's, so the splits and the loop never touch what lies before it.
+        first = tl.maximum(kv_len - window, 0) if SLIDING else kv_len * 0
+        per_split = tl.cdiv(tl.cdiv(kv_len - first, SPLITS), BLOCK_N) * BLOCK_N
+        lo = first + split * per_split
         hi = tl.minimum(lo + per_split, kv_len)
 
         offs_g = tl.arange(0, GROUP_PAD)
@@ -234,7 +255,7 @@ if triton is not None:
                 scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             else:
                 scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-            scores = tl.where(n_ok[None, :], scores * qk_scale, float("-inf"))
+            scores = tl.where(n_ok[None, :], _log2_scores(scores, qk_scale, cap_log2, SOFTCAP), float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(scores - m_new[:, None])
@@ -270,7 +291,7 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_PAD)
         base = (index.to(tl.int64) * HEADS + head) * SPLITS
         lse = tl.load(part_lse_ptr + base + offs_s)
-        weights = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always has positions: the max is finite
+        weights = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always has positions (window or not): the max is finite
         parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
         parts = tl.where(weights[:, None] > 0, parts, 0.0)  # empty splits hold undefined values
         result = tl.sum(parts * weights[:, None], axis=0) / tl.sum(weights, axis=0)
@@ -281,10 +302,10 @@ if triton is not None:
     def _prefill_kernel(
         q_ptr, kv_ptr, k_table_ptr, v_table_ptr, tile_seq_ptr, tile_row_ptr,
         query_start_ptr, query_len_ptr, kv_len_ptr, out_ptr, kv_scale_ptr,
-        stride_qt, stride_qh, stride_ot, stride_table, qk_scale,
+        stride_qt, stride_qh, stride_ot, stride_table, qk_scale, cap_log2, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
         TOKENS_PER_PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+        UPCAST: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
     ):
         tile = tl.program_id(0)
         head = tl.program_id(1)
@@ -314,10 +335,13 @@ if triton is not None:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-        # Causal: the tile's last row sees up to its own position; the first block (position 0) is
-        # visible to every row, so m is finite after the first step and fully masked blocks add zeros.
+        # Causal: the tile's last row sees up to its own position. Without a window the first block
+        # (position 0) is visible to every row, so m is finite after the first step and fully masked
+        # blocks add zeros. With one, the loop starts at the first row's window (no block wholly before
+        # it is read), and a later row may see nothing in the first blocks: its m stays -inf until it does.
         hi = tl.minimum(kv_len, kv_len - query_len + first + BLOCK_M)
-        for start in range(0, hi, BLOCK_N):
+        lo = tl.maximum(kv_len - query_len + first - window + 1, 0) if SLIDING else 0
+        for start in range(lo, hi, BLOCK_N):
             positions = start + offs_n
             n_ok = positions < hi
             k, v = _load_kv_block(kv_ptr, k_table_ptr, v_table_ptr, table_row, positions, n_ok, kv_head, offs_d, d_ok,
@@ -327,17 +351,22 @@ if triton is not None:
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            scores = _log2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, cap_log2, SOFTCAP)
             visible = (positions[None, :] <= query_pos[:, None]) & n_ok[None, :]
+            if SLIDING:
+                visible = visible & (positions[None, :] > query_pos[:, None] - window)
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(scores - m_new[:, None])
+            shift = m_new
+            if SLIDING:  # a row that has seen nothing yet: exp2(-inf - 0) = 0 rather than exp2(-inf + inf)
+                shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - shift)
+            p = tl.exp2(scores - shift[:, None])
             l = l * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(_as_operand(p, q_ptr, UPCAST), v, input_precision=PRECISION)
             m = m_new
 
-        result = acc * v_scale / l[:, None]
+        result = acc * v_scale / tl.where(l > 0, l, 1.0)[:, None]  # l is 0 only in rows past query_len (not stored)
         out_ptrs = out_ptr + rows[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :]
         tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
@@ -369,6 +398,18 @@ def _precision(dtype: torch.dtype) -> str:
 
 def _upcast(dtype: torch.dtype) -> bool:
     return widen_bf16_dots(dtype, _decode_kernel)
+
+
+def _score_args(scale: float, window: int | None, softcap: float | None) -> dict:
+    """The kernels' score and window arguments: (qk_scale, cap_log2) as `_log2_scores` reads them, and
+    the window (0 and SLIDING=False for a global layer)."""
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of positions or None, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap}")
+    qk_scale = scale * LOG2E if softcap is None else scale / softcap
+    return dict(qk_scale=qk_scale, cap_log2=(softcap or 1.0) * LOG2E, window=window or 0,
+                SLIDING=window is not None, SOFTCAP=softcap is not None)
 
 
 def write_kv(kv_view: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
@@ -426,9 +467,11 @@ def decode_attention(
     mma: bool | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     kv_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
-    """out[query_start[s]] = attention of that row's query over positions 0..kv_len[s)-1 of sequence s,
-    for s in seqs[:num_seqs] (all on the device, int32).
+    """out[query_start[s]] = attention of that row's query over positions 0..kv_len[s)-1 of sequence s
+    (the last `window` of them on a sliding-window layer), for s in seqs[:num_seqs] (all on the device, int32).
 
     q: [T, heads, head_dim]; kv_view: [pages, tokens_per_page, kv_heads, head_dim]; k_table, v_table:
     int32 [S, max_blocks] (block_table[layer, 0|1], unit stride on blocks); out: [T, heads * head_dim].
@@ -439,6 +482,8 @@ def decode_attention(
     products on CUDA cores.
     kv_scale: float32 [2], the layer's K and V scales when kv_view holds FP8.
     Roofline: bytes = sum_s 2 * kv_len[s] * kv_heads * head_dim * element size; flops = 4 * that / size * group.
+    With a window: min(kv_len[s], window) positions in place of kv_len[s]. softcap: scores capped as Gemma 2's
+    (softcap * tanh(s / softcap)).
     """
     require_triton("paged attention kernels")
     heads, kv_heads, head_dim, tokens_per_page = _check_q(q, kv_view)
@@ -463,7 +508,7 @@ def decode_attention(
     kv_fp8 = _kv_fp8(kv_view, kv_scale)
     _decode_kernel[(num_seqs, kv_heads, splits)](
         q, kv_view, k_table, v_table, seqs, query_start, kv_len, out, part_out, part_lse, kv_scale if kv_fp8 else q,
-        q.stride(0), q.stride(1), out.stride(0), k_table.stride(0), scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), k_table.stride(0), **_score_args(scale, window, softcap),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_PAD=head_pad, KV_HEADS=kv_heads,
         TOKENS_PER_PAGE=tokens_per_page, BLOCK_N=block_n, SPLITS=splits, USE_DOT=use_dot,
         PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype), KV_FP8=kv_fp8, num_warps=num_warps,
@@ -489,10 +534,13 @@ def prefill_attention(
     num_warps: int = 4,
     num_stages: int | None = None,
     kv_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Causal attention for the prefill tiles of `meta` (query rows of sequences with query_len > 1
-    over all their cached positions, the rows' own K/V already written). Grid (num_tiles, heads);
-    query tiles of PREFILL_BLOCK_M rows. Shapes as in `decode_attention`."""
+    over all their cached positions, or the last `window` of each row's, the rows' own K/V already
+    written). Grid (num_tiles, heads); query tiles of PREFILL_BLOCK_M rows. Shapes, window and softcap as
+    in `decode_attention`."""
     require_triton("paged attention kernels")
     heads, kv_heads, head_dim, tokens_per_page = _check_q(q, kv_view)
     if meta.num_tiles == 0:
@@ -505,7 +553,7 @@ def prefill_attention(
     _prefill_kernel[(meta.num_tiles, heads)](
         q, kv_view, k_table, v_table, meta.tile_seq, meta.tile_row, meta.query_start, meta.query_len, meta.kv_len, out,
         kv_scale if kv_fp8 else q,
-        q.stride(0), q.stride(1), out.stride(0), k_table.stride(0), scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), k_table.stride(0), **_score_args(scale, window, softcap),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, KV_HEADS=kv_heads,
         TOKENS_PER_PAGE=tokens_per_page, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=block_n,
         PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype), KV_FP8=kv_fp8, num_warps=num_warps, **extra,
@@ -521,9 +569,11 @@ def attention(
     meta: AttentionMeta | None = None,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Drop-in for `paged_attention_ref` on any batch (decode and prefill rows mixed): q [T, heads,
-    head_dim] -> [T, heads * head_dim]. Decode sequences (query_len 1) go to `decode_attention`
+    head_dim] -> [T, heads * head_dim]; window and softcap as there. Decode sequences (query_len 1) go to `decode_attention`
     (split-K chosen from the batch's sizes), the others to `prefill_attention`; two launches at most
     (three with the split combine), no host sync. meta: the step's AttentionMeta (built on the first
     call and kept on the batch when not given). kv_scales: float32 [L, 2] when kv_view holds FP8."""
@@ -535,11 +585,12 @@ def attention(
     k_table, v_table = batch.block_table[layer, 0], batch.block_table[layer, 1]
     kv_scale = kv_scales[layer] if kv_scales is not None else None
     if meta.num_decode:
-        splits = decode_splits(meta.num_decode, kv_heads, meta.max_context, q.device)
+        context = meta.max_context if window is None else min(meta.max_context, window)
+        splits = decode_splits(meta.num_decode, kv_heads, context, q.device)
         decode_attention(
             q, kv_view, k_table, v_table, meta.decode_seqs, meta.query_start, meta.kv_len, out, scale,
-            num_seqs=meta.num_decode, splits=splits, kv_scale=kv_scale,
+            num_seqs=meta.num_decode, splits=splits, kv_scale=kv_scale, window=window, softcap=softcap,
         )
-    prefill_attention(q, kv_view, k_table, v_table, meta, out, scale, kv_scale=kv_scale)
+    prefill_attention(q, kv_view, k_table, v_table, meta, out, scale, kv_scale=kv_scale, window=window, softcap=softcap)
     return out
 

@@ -51,7 +51,7 @@ def demo_assets(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf_architectures() -> tuple[str, ...]:
-    """Names accepted by `hf_checkpoint`: llama, llama3_rope, llama_tied, mistral, qwen2, llama_sharded."""
+    """Names accepted by `hf_checkpoint`: the keys of hf_fixtures.ARCHITECTURES (llama, ..., gemma3_multimodal)."""
     return tuple(hf_fixtures.ARCHITECTURES)
 
 

@@ -55,6 +55,27 @@ ARCHITECTURES: dict[str, dict] = {
     "phi3_longrope": dict(family="phi3", intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=None,
                           rope_parameters=dict(PHI3_LONGROPE), original_max_position_embeddings=16),
+    # A sliding window of 8 positions on every layer, below the prompts (up to 40) and the context.
+    "mistral_window": dict(family="mistral", intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, sliding_window=8),
+    # Local (window 8) and global layers alternating, capped attention scores and logits (caps low enough to
+    # bite at these scales), an attention scale apart from head_dim, tanh GeGLU, four norms of (1 + w).
+    "gemma2": dict(family="gemma2", intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=20,
+                   attn_logit_softcapping=3.0, final_logit_softcapping=6.0),
+    # Local layers (window 8, RoPE base 10^4) around a global one (base 10^6 scaled linearly by 4), per-head
+    # q and k norms; head_dim 24: K rows of 48 do not divide the hidden size (64), as in Gemma 3 12B.
+    "gemma3": dict(family="gemma3", intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=24, sliding_window=8, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_scaling=dict(rope_type="linear", factor=4.0)),
+    # gemma3 as the text decoder of a Gemma3ForConditionalGeneration checkpoint beside a tiny vision tower; its
+    # adapters target the language model's projections alone (a regex: the tower has q_proj, k_proj, v_proj too).
+    "gemma3_multimodal": dict(family="gemma3_multimodal", text=dict(
+        intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        sliding_window=8, query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+        vision=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                    patch_size=14), mm_tokens_per_image=4),
     # Saved in several shards: model.safetensors.index.json maps names to files.
     "llama_sharded": dict(family="llama", intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, max_shard_size="400KB"),
@@ -105,13 +126,17 @@ class Checkpoint:
 
 
 def _config(arch: str, vocab_size: int):
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     options = dict(COMMON, **ARCHITECTURES[arch])
     family = options.pop("family")
     options.pop("max_shard_size", None)
+    if family == "gemma3_multimodal":
+        text = {key: options.pop(key) for key in COMMON} | options.pop("text")
+        return Gemma3Config(text_config=dict(vocab_size=vocab_size, **text), **options)
     config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-                    "phi3": Phi3Config}[family]
+                    "phi3": Phi3Config, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}[family]
     return config_class(vocab_size=vocab_size, **options)
 
 
@@ -142,7 +167,13 @@ def build_checkpoint(directory: Path, arch: str, seed: int = 0) -> Checkpoint:
     tokenizer = build_tokenizer()
     vocab_size = tokenizer.get_vocab_size()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(arch, vocab_size), dtype=torch.float32)
+    config = _config(arch, vocab_size)
+    if ARCHITECTURES[arch]["family"] == "gemma3_multimodal":
+        from transformers import Gemma3ForConditionalGeneration
+
+        model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _reinit(model, seed)
     model_dir = Path(directory) / "model"
     model.save_pretrained(model_dir, max_shard_size=ARCHITECTURES[arch].get("max_shard_size", "50GB"))
@@ -166,7 +197,10 @@ def build_adapter(model_dir: Path, directory: Path, options: dict, seed: int) ->
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import LoraLayer
 
-    model = get_peft_model(load_base(model_dir), LoraConfig(task_type="CAUSAL_LM", **options))
+    base = load_base(model_dir)
+    if type(base).__name__ == "Gemma3ForConditionalGeneration":  # the language model's projections only
+        options = dict(options, target_modules=rf".*language_model.*\.({'|'.join(options['target_modules'])})")
+    model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", **options))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():

@@ -183,7 +183,7 @@ def test_demo_matches_hf_peft(demo_assets, hf_reference):
     check_parity("demo", demo_assets.model_dir, demo_assets.adapters, cases, reference)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_fixture_adapters_change_the_output(arch, hf_checkpoint, hf_reference):
     # Parity means little if an adapter's update were too small to move a token: each one must.
     checkpoint = hf_checkpoint(arch)

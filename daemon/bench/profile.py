@@ -45,7 +45,8 @@ from lorad.daemon.engine.kernel_choice import (
     device_tag,
     rank_bucket,
 )
-from lorad.daemon.model.llama import LlamaModel, Step
+from lorad.daemon.model.gemma import build_model
+from lorad.daemon.model.llama import Step
 from lorad.daemon.model.ops import select_ops
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
@@ -203,7 +204,7 @@ class Bench:
         self.max_tokens = plan.max_tokens()
         self.ops = select_ops(device, self.max_tokens, max_lora_rank, self.choice)
         self.max_model_len = max(max(plan.contexts), max(plan.prefill_tokens)) + 1
-        self.model = LlamaModel(spec, weights, self.max_model_len, self.ops)
+        self.model = build_model(spec, weights, self.max_model_len, self.ops)
         page = spec.page_elems
         page_bytes = page * torch.tensor([], dtype=dtype).element_size()
         bank_pages = max(plan.bank_bytes // page_bytes, max(plan.ranks) * 8)

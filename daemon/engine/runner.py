@@ -19,7 +19,8 @@ from lorad.daemon.engine.decode_graphs import DecodeGraphs
 from lorad.daemon.engine.prefill_graphs import PrefillGraphs
 from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.model.checkpoint import ModelSpec
-from lorad.daemon.model.llama import LlamaModel, Step
+from lorad.daemon.model.gemma import build_model
+from lorad.daemon.model.llama import Step
 from lorad.daemon.model.ops import select_ops
 from lorad.errors import BadRequest
 from lorad.gpu_ops.attention import AttentionBatch
@@ -38,7 +39,7 @@ class ModelRunner:
         self.lora_pdl = self._lora_pdl()
         self.ops = select_ops(device, config.max_batch_tokens, config.max_lora_rank, kernel_choice,
                               fuse_groups=config.fuse_lora_groups, pdl=self.lora_pdl["on"])
-        self.model = LlamaModel(spec, weights, max_model_len, self.ops)
+        self.model = build_model(spec, weights, max_model_len, self.ops)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.graph_steps = self.prefill_graph_steps = 0

@@ -2,14 +2,16 @@
 accounting against its floor, the larger of bytes / HBM bandwidth and FLOPs / dense GEMM rate.
 
 A step reads every weight once (each layer's projections and norms, the final norm, the embedding rows of
-its tokens, the LM head when a row is sampled), reads each sequence's KV cache over its whole context and
-writes its new tokens' K and V, and reads the A and B rows of every adapter in it once per targeted
-projection. Its FLOPs are 2 per weight per row for the projections (the LM head for sampled rows only),
-attention's QK^T and PV over each row's causal context, and each adapter row's shrink and expand.
+its tokens, the LM head when a row is sampled), reads each sequence's KV cache over its whole context (on a
+sliding-window layer only the positions some new row sees: the last new_tokens + window - 1) and writes its
+new tokens' K and V, and reads the A and B rows of every adapter in it once per targeted projection. Its
+FLOPs are 2 per weight per row for the projections (the LM head for sampled rows only), attention's QK^T and
+PV over each row's causal context (or window), and each adapter row's shrink and expand.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,9 +56,14 @@ class StepCostModel:
         self.shapes = [spec.projection_shape(name) for name in PROJECTIONS]
         # q, k, v, o, gate, up, down: in * out weights each, in every layer
         self.layer_weights = sum(inputs * outputs for inputs, outputs in self.shapes)
-        self.norm_weights = spec.num_layers * 2 * spec.hidden_size + spec.hidden_size
+        norms = (4 if spec.gemma else 2) * spec.hidden_size + (2 * spec.head_dim if spec.qk_norm else 0)
+        self.norm_weights = spec.num_layers * norms + spec.hidden_size
         self.head_weights = spec.vocab_size * spec.hidden_size
-        self.kv_per_token = 2 * spec.num_layers * spec.kv_size  # K and V elements of one token, every layer
+        self.kv_per_token = 2 * spec.kv_size  # K and V elements of one token in one layer
+        # How many layers attend globally, and how many through each window size.
+        windows = Counter(spec.window(layer) for layer in range(spec.num_layers))
+        self.global_layers = windows.pop(None, 0)
+        self.window_layers = sorted(windows.items())
         self._adapter_elements: dict[str, tuple[int, int]] = {}
 
     def cost(self, sequences: list[SequenceInStep]) -> StepCost:
@@ -76,10 +83,15 @@ class StepCostModel:
         projections = spec.num_layers * self.layer_weights
         weights = self.norm_weights + rows * spec.hidden_size + (self.head_weights if sampled else 0)
         flops = 2 * rows * spec.num_layers * self.layer_weights + 2 * sampled * self.head_weights
-        kv = int((contexts + new_tokens).sum()) * self.kv_per_token  # the context read, the new tokens written
-        # row i (0-based) of a sequence's new tokens attends to its earlier tokens and i + 1 more
-        pairs = int((new_tokens * (contexts - new_tokens) + new_tokens * (new_tokens + 1) // 2).sum())
-        flops += 4 * spec.num_layers * spec.q_size * pairs  # QK^T and PV, 2 FLOPs per multiply-add
+        # Global layers: the context read, the new tokens written; row i (0-based) of a sequence's new tokens
+        # attends to its earlier tokens and i + 1 more.
+        kv = self.global_layers * int((contexts + new_tokens).sum())
+        pairs = self.global_layers * int((new_tokens * (contexts - new_tokens) + new_tokens * (new_tokens + 1) // 2).sum())
+        for window, layers in self.window_layers:
+            kv += layers * int((np.minimum(contexts, new_tokens + window - 1) + new_tokens).sum())
+            pairs += layers * int((_window_pairs(contexts, window) - _window_pairs(contexts - new_tokens, window)).sum())
+        kv *= self.kv_per_token
+        flops += 4 * spec.q_size * pairs  # QK^T and PV, 2 FLOPs per multiply-add
         adapter_elements = 0
         for name, count in adapter_rows.items():
             elements = self._adapter_size(name)
@@ -99,6 +111,13 @@ class StepCostModel:
     def forget(self, name: str) -> None:
         """An adapter was unloaded (or reloaded with other weights): its size is computed again next time."""
         self._adapter_elements.pop(name, None)
+
+
+def _window_pairs(positions: np.ndarray, window: int) -> np.ndarray:
+    """Query-key pairs of the rows at positions 0..n-1 of a sliding-window layer, for each n in `positions`:
+    sum over j = 1..n of min(j, window)."""
+    inside = np.minimum(positions, window)
+    return inside * (inside + 1) // 2 + (positions - inside) * window
 
 
 @dataclass(frozen=True)

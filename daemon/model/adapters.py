@@ -51,8 +51,10 @@ PARENTS = {
 # `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` for a LlamaForCausalLM (`layers.3...`
 # for a bare LlamaModel). Some saves keep the adapter's name (`lora_A.default.weight`), some tools drop
 # the `base_model.model.` prefix. `module` is the name rank_pattern and alpha_pattern are matched against.
+# Gemma3ForConditionalGeneration's text decoder is `model.language_model.` (transformers 5) or
+# `language_model.model.` (4).
 LORA_TENSOR = re.compile(
-    r"^(?:base_model\.model\.)?(?P<module>(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z0-9_]+)"
+    r"^(?:base_model\.model\.)?(?P<module>(?:model\.language_model\.|language_model\.model\.|model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z0-9_]+)"
     r"\.(?P<projection>[A-Za-z0-9_]+))\.lora_(?P<factor>[AB])(?:\.(?P<adapter>[A-Za-z0-9_-]+))?\.weight$"
 )
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
@@ -383,6 +385,8 @@ def _lora_pairs(names: list[str], spec: ModelSpec) -> dict[tuple[int, str], tupl
 def _foreign_tensor_reason(name: str, spec: ModelSpec) -> str:
     if "lora_embedding" in name or "embed_tokens" in name or "lm_head" in name:
         return f"tensor {name} is LoRA on the embeddings or lm_head; lorad applies LoRA to the seven projections only"
+    if "vision_tower" in name or "multi_modal_projector" in name:
+        return f"tensor {name} is LoRA on the vision tower; lorad serves Gemma 3's language model only"
     if "lora_magnitude_vector" in name:
         return f"tensor {name} is a DoRA magnitude vector; DoRA is not supported"
     if re.search(r"\.lora_B(\.[^.]+)?\.bias$", name):

@@ -22,7 +22,23 @@ from lorad.gpu_ops.rope import rope_cache
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+                 "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# Gemma's decoder (daemon/model/gemma.py). Of Gemma3ForConditionalGeneration lorad serves the text decoder
+# alone: its config is `text_config`, its weights lie under a prefix beside a vision tower (TEXT_PREFIXES).
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# transformers' Gemma3TextConfig defaults: the hub's Gemma 3 configs leave many fields to them.
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+    "bos_token_id": 2, "eos_token_id": 1,
+}
+# Gemma3ForConditionalGeneration's text decoder as transformers 4 (`language_model.model.`) and 5
+# (`model.language_model.`) save it; the vision tower and projector are not read.
+TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
+VISION_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
 # The seven projections a LoRA adapter may target, in the order lorad keeps them everywhere
 # (adapter tables, page-pool layout, kernels index projections by this position).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -80,6 +96,24 @@ MODEL_CONFIGS = {
                   "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 2048, "rope_theta": 10000.0,
                   "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1},
+    "gemma-2-9b": {"architectures": ["Gemma2ForCausalLM"], "torch_dtype": "bfloat16", "hidden_size": 3584,
+                   "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8,
+                   "head_dim": 256, "vocab_size": 256000, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+                   "rope_theta": 10000.0, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+                   "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                   "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1},
+    "gemma-3-12b": {"architectures": ["Gemma3ForCausalLM"], "torch_dtype": "bfloat16", "hidden_size": 3840,
+                    "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8,
+                    "sliding_window": 1024, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+    "tiny-gemma2": {"architectures": ["Gemma2ForCausalLM"], "torch_dtype": "float32", "hidden_size": 64,
+                    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 2048, "query_pre_attn_scalar": 16,
+                    "sliding_window": 16, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                    "bos_token_id": 0, "eos_token_id": 1},
+    "tiny-gemma3": {"architectures": ["Gemma3ForCausalLM"], "torch_dtype": "float32", "hidden_size": 64,
+                    "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "head_dim": 32, "vocab_size": 512, "max_position_embeddings": 2048, "query_pre_attn_scalar": 32,
+                    "sliding_window": 16, "sliding_window_pattern": 3, "bos_token_id": 0, "eos_token_id": 1},
 }
 
 
@@ -128,6 +162,19 @@ class ModelSpec:
         if members is None:
             return self.projection_shape(module)
         return self.projection_shape(members[0])[0], sum(self.projection_shape(m)[1] for m in members)
+    # Sliding windows and Gemma; the defaults are the Llama family's.
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None for global attention; (): all global
+    local_rope_theta: float | None = None  # Gemma 3: the RoPE base of sliding-window layers (unscaled)
+    query_pre_attn_scalar: float | None = None  # Gemma: the attention scale is its -1/2 power (head_dim's otherwise)
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores capped to softcap * tanh(s / softcap)
+    final_logit_softcapping: float | None = None  # Gemma 2: the logits likewise
+
+    @property
+    def gemma(self) -> bool:
+        return self.architecture in GEMMA
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @property
     def q_size(self) -> int:
@@ -166,27 +213,40 @@ class ModelSpec:
             raise ModelError(
                 f"unsupported architecture {architecture!r}: lorad serves {', '.join(ARCHITECTURES)}"
             )
+        if architecture == "Gemma3ForConditionalGeneration":
+            if not isinstance(config.get("text_config"), dict):
+                raise ModelError("config.json: Gemma3ForConditionalGeneration without a text_config")
+            config = {"tie_word_embeddings": config.get("tie_word_embeddings", True), **config["text_config"]}
+        if architecture in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
+            config = {**_GEMMA3_TEXT_DEFAULTS, **config}
         hidden = _field(config, "hidden_size", int)
         heads = _field(config, "num_attention_heads", int)
         max_positions = _field(config, "max_position_embeddings", int, 2048)
-        if architecture == "MistralForCausalLM":
-            window = config.get("sliding_window")
-            if window is not None and int(window) < max_positions:
-                raise ModelError(
-                    f"sliding_window={window} is smaller than the context ({max_positions}): "
-                    "lorad does not implement sliding-window attention"
-                )
         if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and config.get("use_sliding_window"):
             raise ModelError(f"{architecture.removesuffix('ForCausalLM')} with use_sliding_window=true is not supported")
+        layers = _field(config, "num_hidden_layers", int)
+        windows = _layer_windows(architecture, config, layers, max_positions)
+        gemma = architecture in GEMMA
         phi3 = architecture == "Phi3ForCausalLM"
         if phi3 and config.get("hidden_act", "silu") != "silu":
             raise ModelError(f"config.json: hidden_act={config['hidden_act']!r}: lorad's Phi3ForCausalLM runs silu only")
+        local_rope_theta = None
+        rope_parameters = config.get("rope_parameters") or {}
+        if "full_attention" in rope_parameters or "sliding_attention" in rope_parameters:
+            # Gemma 3 as transformers 5 writes it: the global layers' RoPE (scaled) and the local layers' base.
+            local_rope_theta = float((rope_parameters.get("sliding_attention") or {}).get("rope_theta", 10000.0))
+            config = {**config, "rope_parameters": rope_parameters.get("full_attention")}
+        elif architecture in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
+            local_rope_theta = _field(config, "rope_local_base_freq", float)
         head_dim = _field(config, "head_dim", int, hidden // heads)
         rope_scaling = _rope_scaling(config)
         rope_theta = (rope_scaling or {}).pop("rope_theta", None) or _field(config, "rope_theta", float, 10000.0)
         rotary_dim = _rotary_dim(config, head_dim)
         if (rope_scaling or {}).get("rope_type") == "longrope":
             _check_longrope(rope_scaling, rotary_dim)
+        activation = config.get("hidden_activation") or config.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
+            raise ModelError(f"config.json: hidden_activation {activation!r} is not supported for {architecture}")
         eos = (generation_config or {}).get("eos_token_id", config.get("eos_token_id"))
         eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
         return cls(
@@ -194,7 +254,7 @@ class ModelSpec:
             vocab_size=_field(config, "vocab_size", int),
             hidden_size=hidden,
             intermediate_size=_field(config, "intermediate_size", int),
-            num_layers=_field(config, "num_hidden_layers", int),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=_field(config, "num_key_value_heads", int, heads),
             head_dim=head_dim,
@@ -202,31 +262,65 @@ class ModelSpec:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling or None,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
             qkv_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
             bos_token_id=(generation_config or {}).get("bos_token_id", config.get("bos_token_id")),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             fused_projections=phi3,
             sliding_window=_field(config, "sliding_window", int) if phi3 and config.get("sliding_window") else None,
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
+            layer_windows=windows,
+            local_rope_theta=local_rope_theta,
+            query_pre_attn_scalar=_field(config, "query_pre_attn_scalar", float, 256.0) if gemma else None,
+            attn_logit_softcapping=_softcap(config, "attn_logit_softcapping") if gemma else None,
+            final_logit_softcapping=_softcap(config, "final_logit_softcapping") if gemma else None,
         )
 
 
 def within_sliding_window(spec: ModelSpec, max_model_len: int, asked: int | None) -> int:
-    """The context served under a sliding window (Phi-3), which lorad's attention does not implement: a context no
-    longer than the window attends to every earlier token, as the window would let it. Without --max-model-len the
+    """The context served under Phi-3's sliding window, which lorad applies to Mistral and Gemma but not to Phi-3
+    (its windows are not in `layer_windows`): a context no longer than the window attends to every earlier token, as
+    the window would let it. Without --max-model-len the
     context is capped at the window (logged); a max_model_len above it is refused, naming both."""
     window = spec.sliding_window
     if window is None or max_model_len <= window:
         return max_model_len
     if asked:
-        raise ModelError(f"max_model_len={asked} exceeds the model's sliding_window={window}: lorad does not implement "
-                         f"sliding-window attention for {spec.architecture}; serve at most {window} tokens")
+        raise ModelError(f"max_model_len={asked} exceeds the model's sliding_window={window}: lorad does not apply "
+                         f"the sliding window of {spec.architecture}; serve at most {window} tokens")
     log.info("context capped at the sliding window max_model_len=%d sliding_window=%d architecture=%s "
-             "reason=sliding-window attention not implemented", window, window, spec.architecture)
+             "reason=the window is not applied to this architecture", window, window, spec.architecture)
     return window
+
+
+def _layer_windows(architecture: str, config: dict, layers: int, max_positions: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: global). Mistral: every layer's, where the window is below the
+    context; Gemma: `layer_types` ("sliding_attention" / "full_attention"), else Gemma 2's alternation (even
+    layers local) or Gemma 3's `sliding_window_pattern` (every N-th layer global)."""
+    window = config.get("sliding_window")
+    if architecture == "MistralForCausalLM":
+        if window is None or int(window) >= max_positions:
+            return ()
+        return (_field(config, "sliding_window", int),) * layers
+    if architecture not in GEMMA:
+        return ()
+    if config.get("use_bidirectional_attention"):
+        raise ModelError("config.json: use_bidirectional_attention (an encoder's attention) is not supported")
+    window = _field(config, "sliding_window", int)
+    types = config.get("layer_types")
+    if types is None:
+        pattern = 2 if architecture == "Gemma2ForCausalLM" else _field(config, "sliding_window_pattern", int)
+        types = ["sliding_attention" if (layer + 1) % pattern else "full_attention" for layer in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ModelError(f"config.json: layer_types must give each of the {layers} layers sliding_attention or "
+                         f"full_attention, got {types!r}")
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
+
+
+def _softcap(config: dict, name: str) -> float | None:
+    return None if config.get(name) is None else _field(config, name, float)
 
 
 def _field(config: dict, name: str, kind, default=None):
@@ -246,7 +340,8 @@ def _field(config: dict, name: str, kind, default=None):
 
 
 def _rope_scaling(config: dict) -> dict | None:
-    """The rope scaling lorad implements: none (default), llama3, or Phi-3's longrope (also written "su").
+    """The rope scaling lorad implements: none (default), linear (Gemma 3's global layers), llama3, or Phi-3's longrope
+    (also written "su").
     Anything else is refused.
 
     transformers 5 writes `rope_parameters` (with rope_theta inside); 4.x writes `rope_scaling`.
@@ -265,10 +360,10 @@ def _rope_scaling(config: dict) -> dict | None:
         # copy (4096 when absent) to one inside the scaling.
         scaling["original_max_position_embeddings"] = config.get("original_max_position_embeddings", 4096)
         return scaling
-    if rope_type != "llama3":
-        raise ModelError(f"rope scaling {rope_type!r} is not supported (lorad implements default, llama3, and longrope "
-                         "for Phi3ForCausalLM)")
-    scaling["rope_type"] = "llama3"
+    if rope_type not in ("llama3", "linear"):
+        raise ModelError(f"rope scaling {rope_type!r} is not supported (lorad implements default, linear, llama3, and "
+                         "longrope for Phi3ForCausalLM)")
+    scaling["rope_type"] = rope_type
     return scaling
 
 
@@ -308,16 +403,20 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def rope_inv_freq(spec: ModelSpec, long: bool = False) -> torch.Tensor:
-    """Inverse frequencies [rope_dim // 2] in float32, with llama3 scaling when configured; with longrope, divided
-    by the short factors (by the long ones with long=True)."""
+def rope_inv_freq(spec: ModelSpec, long: bool = False, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [rope_dim // 2] in float32, with linear or llama3 scaling when configured; with longrope,
+    divided by the short factors (by the long ones with long=True). local: those of Gemma 3's sliding-window layers
+    (base local_rope_theta, never scaled)."""
     dim = spec.rope_dim
+    theta = spec.local_rope_theta if local else spec.rope_theta
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    scaling = spec.rope_scaling
+    scaling = None if local else spec.rope_scaling
     if scaling is not None and scaling.get("rope_type") == "longrope":
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
-        return 1.0 / (factors * spec.rope_theta**exponents)
-    inv_freq = 1.0 / (spec.rope_theta**exponents)
+        return 1.0 / (factors * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is not None and scaling.get("rope_type") == "linear":
+        return inv_freq / float(scaling["factor"])
     if scaling is None or scaling.get("rope_type") != "llama3":
         return inv_freq
     factor = float(scaling["factor"])
@@ -409,8 +508,8 @@ def dummy_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, see
     def normal(*shape: int, std: float) -> torch.Tensor:
         return (torch.randn(*shape, generator=generator, device=device, dtype=torch.float32) * std).to(dtype)
 
-    def ones(size: int) -> torch.Tensor:
-        return torch.ones(size, device=device, dtype=dtype)
+    def ones(size: int) -> torch.Tensor:  # a norm's identity weight: Gemma's norms scale by (1 + w)
+        return torch.full((size,), 0.0 if spec.gemma else 1.0, device=device, dtype=dtype)
 
     h = spec.hidden_size
     weights = {"model.embed_tokens.weight": normal(spec.vocab_size, h, std=1.0), "model.norm.weight": ones(h)}
@@ -418,6 +517,9 @@ def dummy_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, see
         prefix = f"model.layers.{layer}."
         weights[prefix + "input_layernorm.weight"] = ones(h)
         weights[prefix + "post_attention_layernorm.weight"] = ones(h)
+        if spec.gemma:
+            weights[prefix + "pre_feedforward_layernorm.weight"] = ones(h)
+            weights[prefix + "post_feedforward_layernorm.weight"] = ones(h)
         modules = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if spec.fused_projections else PROJECTIONS
         for module in modules:
             fan_in, fan_out = spec.module_shape(module)
@@ -464,14 +566,26 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def text_decoder_name(name: str) -> str | None:
+    """A tensor's name in a text-only checkpoint (TEXT_PREFIXES); None for a vision tower's (not read)."""
+    if name.startswith(VISION_PREFIXES):
+        return None
+    for prefix, text_prefix in TEXT_PREFIXES.items():
+        if name.startswith(prefix):
+            return text_prefix + name.removeprefix(prefix)
+    return name
+
+
 def load_weights(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint by its HF name, cast to dtype, on device."""
+    """Every tensor of the text decoder by its HF name in a text-only checkpoint, cast to dtype, on device."""
     weights = {}
     for path in safetensors_files(Path(model_dir)):
         try:
             with safe_open(str(path), framework="pt") as shard:
                 for name in shard.keys():
-                    weights[name] = shard.get_tensor(name).to(device=device, dtype=dtype)
+                    text_name = text_decoder_name(name)
+                    if text_name is not None:
+                        weights[text_name] = shard.get_tensor(name).to(device=device, dtype=dtype)
         except (OSError, RuntimeError, SafetensorError) as error:
             raise ModelError(f"cannot read {path}: {error}") from error
     return weights

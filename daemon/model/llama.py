@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3) over plain tensors.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3; Gemma's variant in gemma.py) over plain tensors.
 
 One forward serves a whole step: every sequence's new tokens side by side in the rows, prefill and
 decode mixed. LoRA enters through one call per projection; attention reads and writes the paged KV
@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from lorad.daemon.model.checkpoint import ModelSpec, rope_rows, rope_tables
+from lorad.daemon.model.checkpoint import ModelSpec, rope_inv_freq, rope_rows, rope_tables
 from lorad.daemon.model.ops import TorchOps
 from lorad.errors import ModelError
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.fp8 import Fp8Weight
 from lorad.gpu_ops.lora import LoraBatch
+from lorad.gpu_ops.rope import rope_cache
 
 Q, K, V, O, GATE, UP, DOWN = range(7)
 
@@ -24,7 +25,7 @@ Q, K, V, O, GATE, UP, DOWN = range(7)
 @dataclass
 class Step:
     input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]: each token's row of the RoPE tables (its position; LlamaModel.rope_rows)
+    positions: torch.Tensor  # int64 [T]
     sample_rows: torch.Tensor  # int64 [S'] rows whose logits are wanted (last token of a sequence)
     attention: AttentionBatch
     lora: LoraBatch
@@ -33,14 +34,16 @@ class Step:
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [q + 2 kv, hidden]: one GEMM for the three projections (projections: Fp8Weight in FP8)
+    qkv: torch.Tensor  # [q + 2 kv, hidden]: one GEMM for the three projections
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor
-    q_norm: torch.Tensor | None = None  # Qwen3: [head_dim], each head of q (and k) normed before RoPE
+    q_norm: torch.Tensor | None = None  # Qwen3, Gemma 3: [head_dim], each head of q (and k) normed before RoPE
     k_norm: torch.Tensor | None = None
+    window: int | None = None  # a sliding-window layer's window (Mistral, Gemma's local layers); None: global
+    rope: int = 0  # which of the model's RoPE tables: 1 for Gemma 3's local layers
 
 
 class LlamaModel:
@@ -49,38 +52,19 @@ class LlamaModel:
         self.ops = ops
         take = _Taker(weights)
         self.embed = take("model.embed_tokens.weight")
-        self.layers = []
-        for i in range(spec.num_layers):
-            p = f"model.layers.{i}."
-            attn = p + "self_attn."
-            bias = None
-            if spec.qkv_bias:
-                bias = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
-            if spec.fused_projections:  # Phi-3 stores them fused already, in lorad's order
-                qkv, gate_up = take(attn + "qkv_proj.weight"), take(p + "mlp.gate_up_proj.weight")
-            else:
-                qkv = _stack([take(attn + f"{n}_proj.weight") for n in "qkv"])
-                gate_up = _stack([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            self.layers.append(
-                Layer(
-                    input_norm=take(p + "input_layernorm.weight"),
-                    qkv=qkv,
-                    qkv_bias=bias,
-                    o=take(attn + "o_proj.weight"),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=gate_up,
-                    down=take(p + "mlp.down_proj.weight"),
-                    q_norm=take(attn + "q_norm.weight") if spec.qk_norm else None,
-                    k_norm=take(attn + "k_norm.weight") if spec.qk_norm else None,
-                )
-            )
+        self.layers = [self.load_layer(take, index) for index in range(spec.num_layers)]
         self.norm = take("model.norm.weight")
         self.lm_head = self.embed if spec.tie_word_embeddings else take("lm_head.weight")
         take.check_shapes(spec)
-        # [positions (+ longrope's long rows), rope_dim]: rows picked per token by checkpoint.rope_rows
-        self.cos, self.sin = rope_tables(spec, max_positions, self.embed.dtype, self.embed.device)
+        # RoPE tables (cos, sin) [rows, rope_dim], picked by Layer.rope: the model's ([positions (+ longrope's long
+        # rows)]: a token's row is checkpoint.rope_rows'), and Gemma 3's local one.
+        dtype, device = self.embed.dtype, self.embed.device
+        self.rotations = [rope_tables(spec, max_positions, dtype, device)]
+        if spec.local_rope_theta is not None:
+            self.rotations.append(rope_cache(rope_inv_freq(spec, local=True), max_positions, dtype, device))
         self.max_positions = max_positions
-        self.scale = spec.head_dim**-0.5
+        self.scale = (spec.query_pre_attn_scalar or spec.head_dim) ** -0.5
+        self.softcap = spec.attn_logit_softcapping
         self.splits = (spec.q_size, spec.kv_size, spec.kv_size)
         # Tensor parallelism (daemon/model/tensor_parallel.py): o's and down's outputs are partial sums over the
         # ranks, LoRA included; this sums them. The identity on one GPU.
@@ -90,46 +74,91 @@ class LlamaModel:
         """The cos/sin row of each token (Step.positions) from its position: checkpoint.rope_rows."""
         return rope_rows(self.spec, self.max_positions, positions, counts, lengths)
 
+    def load_layer(self, take, index: int) -> Layer:
+        p = f"model.layers.{index}."
+        attn = p + "self_attn."
+        spec = self.spec
+        bias = None
+        if spec.qkv_bias:
+            bias = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
+        if spec.fused_projections:  # Phi-3 stores them fused already, in lorad's order
+            qkv, gate_up = take(attn + "qkv_proj.weight"), take(p + "mlp.gate_up_proj.weight")
+        else:
+            qkv = _stack([take(attn + f"{n}_proj.weight") for n in "qkv"])
+            gate_up = _stack([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        return Layer(
+            input_norm=take(p + "input_layernorm.weight"),
+            qkv=qkv,
+            qkv_bias=bias,
+            o=take(attn + "o_proj.weight"),
+            post_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up=gate_up,
+            down=take(p + "mlp.down_proj.weight"),
+            q_norm=take(attn + "q_norm.weight") if spec.qk_norm else None,
+            k_norm=take(attn + "k_norm.weight") if spec.qk_norm else None,
+            window=spec.window(index),
+            rope=int(spec.local_rope_theta is not None and spec.window(index) is not None),
+        )
+
     @torch.inference_mode()
     def forward(self, step: Step, kv_view: torch.Tensor, table) -> torch.Tensor:
         """-> logits [len(sample_rows), vocab] float32."""
-        h = self.embed[step.input_ids]
-        cos, sin = self.cos[step.positions], self.sin[step.positions]
+        h = self.embed_tokens(step.input_ids)
+        rotations = [(cos[step.positions], sin[step.positions]) for cos, sin in self.rotations]
         x = self.ops.rms_norm(h, self.layers[0].input_norm, self.spec.rms_norm_eps)
         for index, layer in enumerate(self.layers):
+            cos, sin = rotations[layer.rope]
             h, down = self.layer_forward(index, layer, h, x, cos, sin, step, kv_view, table)
             if index + 1 < len(self.layers):  # the residual add, fused into the next layer's input norm
                 h, x = self.ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, self.spec.rms_norm_eps)
         h = h[step.sample_rows] + down[step.sample_rows]
         h = self.ops.rms_norm(h, self.norm, self.spec.rms_norm_eps)
+        return self.logits(h)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[input_ids]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head over the final norm's rows -> [rows, vocab] float32 (no copy where the model is float32)."""
         return self.ops.linear(h, self.lm_head).float()
 
     def layer_forward(self, index, layer: Layer, h, x, cos, sin, step: Step, kv_view, table):
         """h: the residual stream into the layer, x: its input norm (computed by the caller, fused
         with the previous layer's residual add). -> (h after attention, the MLP's output): the caller
         adds the latter."""
+        o = self.attention_block(index, layer, x, cos, sin, step, kv_view, table)
+        h, x = self.ops.add_rms_norm(h, o, layer.post_norm, self.spec.rms_norm_eps)
+        return h, self.mlp_block(index, layer, x, step, table)
+
+    def attention_block(self, index, layer: Layer, x, cos, sin, step: Step, kv_view, table) -> torch.Tensor:
+        """qkv, RoPE, the paged KV cache and attention, o: x [T, hidden] -> [T, hidden]."""
         spec, ops, lora = self.spec, self.ops, step.lora
         qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split(self.splits, dim=-1)
         ops.lora_group(x, qkv, (q, k, v), index, Q, lora, table)
-        if layer.q_norm is not None:  # Qwen3: each head normed after its projection (LoRA included), before RoPE
+        if layer.q_norm is not None:  # Qwen3, Gemma 3: each head normed after its projection (LoRA included), before RoPE
             q = ops.rms_norm(q.reshape(-1, spec.head_dim), layer.q_norm, spec.rms_norm_eps)
             k = ops.rms_norm(k.reshape(-1, spec.head_dim), layer.k_norm, spec.rms_norm_eps)
         q, k = ops.rope_qk(q.view(-1, spec.num_heads, spec.head_dim), k.view(-1, spec.num_kv_heads, spec.head_dim), cos, sin)
         ops.write_kv(kv_view, index, k, v.view(-1, spec.num_kv_heads, spec.head_dim), step.attention)
-        attended = ops.attention(q, kv_view, index, step.attention, self.scale)
+        attended = ops.attention(q, kv_view, index, step.attention, self.scale, layer.window, self.softcap)
         o = ops.linear(attended, layer.o)
         ops.lora(attended, o, index, O, lora, table)
-        o = self.reduce(o)
+        return self.reduce(o)
 
-        h, x = ops.add_rms_norm(h, o, layer.post_norm, spec.rms_norm_eps)
+    def mlp_block(self, index, layer: Layer, x, step: Step, table) -> torch.Tensor:
+        """gate/up, the gated activation, down: x [T, hidden] -> [T, hidden]."""
+        ops, lora = self.ops, step.lora
         gate_up = ops.linear(x, layer.gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         ops.lora_group(x, gate_up, (gate, up), index, GATE, lora, table)
-        act = ops.silu_mul(gate, up)
+        act = self.activation(gate, up)
         down = ops.linear(act, layer.down)
         ops.lora(act, down, index, DOWN, lora, table)
-        return h, self.reduce(down)
+        return self.reduce(down)
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_mul(gate, up)
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -174,6 +203,8 @@ class _Taker:
             expected[f"{p}self_attn.q_norm.weight"] = (spec.head_dim,)
             expected[f"{p}self_attn.k_norm.weight"] = (spec.head_dim,)
             expected[f"{p}post_attention_layernorm.weight"] = (h,)
+            expected[f"{p}pre_feedforward_layernorm.weight"] = (h,)  # Gemma
+            expected[f"{p}post_feedforward_layernorm.weight"] = (h,)
         for name, shape in expected.items():
             if name in self.taken and tuple(self.taken[name].shape) != shape:
                 raise ModelError(f"{name} has shape {tuple(self.taken[name].shape)}, config.json implies {shape}")

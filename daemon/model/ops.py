@@ -63,11 +63,16 @@ class TorchOps:
     def silu_mul(self, gate, up):
         return self._fused.silu_mul_ref(gate, up)
 
+    def gelu_tanh_mul(self, gate, up):
+        return self._fused.gelu_tanh_mul_ref(gate, up)
+
     def write_kv(self, kv_view, layer, k, v, attention):
         self._attention.write_kv_ref(kv_view, layer, k, v, attention, self.kv_scales)
 
-    def attention(self, q, kv_view, layer, attention, scale):
-        return self._attention.paged_attention_ref(q, kv_view, layer, attention, scale, self.kv_scales)
+    def attention(self, q, kv_view, layer, attention, scale, window=None, softcap=None):
+        """window: a sliding-window layer's (None: global); softcap: Gemma 2's cap on the scores."""
+        return self._attention.paged_attention_ref(q, kv_view, layer, attention, scale, window, softcap,
+                                                   kv_scales=self.kv_scales)
 
     # LoRA.
     def prepare_lora(self, batch: LoraBatch, table: AdapterTable) -> None:
@@ -116,7 +121,7 @@ class TritonOps(TorchOps):
 
         groups = ",mbgmv-groups:qkv|gate-up" if fuse_groups else ""
         groups += ",mbgmv-pdl" if pdl else ""
-        super().__init__(f"triton[lora:mbgmv|bgmv+mbgmm{groups},paged-attention,fused-norm-rope-silu,"
+        super().__init__(f"triton[lora:mbgmv|bgmv+mbgmm{groups},paged-attention,fused-norm-rope-silu-gelu,"
                          f"gemv(rows<={gemv.GEMV_MAX_ROWS})]")
         self.decode_choice = kernel_choice
         self._fused, self._paged_attention, self._gemv = fused, paged_attention, gemv
@@ -130,7 +135,7 @@ class TritonOps(TorchOps):
     def linear(self, x, weight, bias=None):
         if isinstance(weight, Fp8Weight):
             return self._fp8_gemm.fp8_linear(x, weight, bias)
-        if x.shape[0] <= self._gemv.GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous():
+        if 0 < x.shape[0] <= self._gemv.GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous():  # 0: a step that samples no row
             return self._gemv.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
 
@@ -146,11 +151,15 @@ class TritonOps(TorchOps):
     def silu_mul(self, gate, up):
         return self._fused.silu_mul(gate, up)
 
+    def gelu_tanh_mul(self, gate, up):
+        return self._fused.gelu_tanh_mul(gate, up)
+
     def write_kv(self, kv_view, layer, k, v, attention):
         self._paged_attention.write_kv(kv_view, layer, k, v, attention, self.kv_scales)
 
-    def attention(self, q, kv_view, layer, attention, scale):
-        return self._paged_attention.attention(q, kv_view, layer, attention, scale, kv_scales=self.kv_scales)
+    def attention(self, q, kv_view, layer, attention, scale, window=None, softcap=None):
+        return self._paged_attention.attention(q, kv_view, layer, attention, scale, kv_scales=self.kv_scales,
+                                               window=window, softcap=softcap)
 
     def prepare_lora(self, batch, table):
         if batch.slot_rows:

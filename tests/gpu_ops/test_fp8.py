@@ -147,7 +147,7 @@ def test_fp8_kv_reference_write_and_read():
     assert case.kv_view.dtype == torch.float8_e4m3fn and not torch.isnan(case.kv_view[1:3].float()).all()
     q = torch.randn(13, heads, head_dim)
     for layer in range(2):
-        got = paged_attention_ref(q, case.kv_view, layer, case.batch, 0.25, SCALES)
+        got = paged_attention_ref(q, case.kv_view, layer, case.batch, 0.25, kv_scales=SCALES)
         assert relative_error(got, truth(case, q, layer, 0.25)) < 1e-5
         assert relative_error(got, truth(exact, q, layer, 0.25)) < 0.08
     with pytest.raises(TypeError):  # FP8 pages without their scales
@@ -232,7 +232,7 @@ def test_attention_fp8_pages_interpreted(layout, dtype, kernels):
         got = attention_kernels.attention(q, case.kv_view, layer, case.batch, 0.3, out=out, kv_scales=SCALES)
         limit = 1e-5 if dtype == torch.float32 else 2e-2
         assert relative_error(got, truth(case, q, layer, 0.3)) < limit
-        reference = paged_attention_ref(q, case.kv_view, layer, case.batch, 0.3, SCALES)
+        reference = paged_attention_ref(q, case.kv_view, layer, case.batch, 0.3, kv_scales=SCALES)
         assert relative_error(got, reference.double()) < limit
 
 
@@ -354,7 +354,7 @@ def test_attention_fp8_pages_gpu(layout, batch, kernels):
     q = torch.randn(total, heads, head_dim, device="cuda").bfloat16()
     got = attention_kernels.attention(q, case.kv_view, 0, case.batch, head_dim**-0.5, kv_scales=scales)
     assert relative_error(got, truth(case, q, 0, head_dim**-0.5)) < 2e-2
-    assert relative_error(got, paged_attention_ref(q, case.kv_view, 0, case.batch, head_dim**-0.5, scales).double()) < 2e-2
+    assert relative_error(got, paged_attention_ref(q, case.kv_view, 0, case.batch, head_dim**-0.5, kv_scales=scales).double()) < 2e-2
     k = torch.randn(total, kv_heads, head_dim, device="cuda").bfloat16()
     v = torch.randn(total, kv_heads, head_dim, device="cuda").bfloat16()
     expected = case.kv_view.clone()

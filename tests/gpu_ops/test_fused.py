@@ -104,6 +104,22 @@ def check_silu_mul(kernels, tokens, width, dtype, device, seed):
         assert relative_error(got, expected) <= relative_error(kernels.silu_mul_ref(gate, up), expected) + 1e-7
 
 
+def check_gelu_tanh_mul(kernels, tokens, width, dtype, device, seed):
+    """Gemma's GeGLU against float64 tanh GELU (large |gate| included: tanh saturates, nothing overflows)."""
+    generator = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(tokens, 2 * width, generator=generator) * 4).to(dtype).to(device)
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate[0, :4] = torch.tensor([-60.0, 60.0, -9.0, 0.0], dtype=dtype)
+    out = torch.full((tokens, width), float("nan"), dtype=dtype, device=device)
+    got = kernels.gelu_tanh_mul(gate, up, out=out)
+    g = gate.double()
+    expected = 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3))) * up.double()
+    assert relative_error(got, expected) <= LIMIT[dtype]
+    assert relative_error(kernels.gelu_tanh_mul_ref(gate, up), expected) <= LIMIT[dtype]
+    if exact_rounding(dtype):
+        assert relative_error(got, expected) <= relative_error(kernels.gelu_tanh_mul_ref(gate, up), expected) + 1e-7
+
+
 def check_add_rms_norm(kernels, tokens, hidden, dtype, device, seed):
     generator = torch.Generator().manual_seed(seed)
     h0 = (torch.randn(tokens, hidden, generator=generator) * 3).to(dtype).to(device)
@@ -170,6 +186,13 @@ def test_silu_mul_interpreted(tokens, width, dtype, kernels):
     check_silu_mul(kernels, tokens, width, dtype, "cpu", seed=width)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("tokens,width", [(4, 100), (2, 2500)])
+def test_gelu_tanh_mul_interpreted(tokens, width, dtype, kernels):
+    check_gelu_tanh_mul(kernels, tokens, width, dtype, "cpu", seed=width)
+
+
 def test_refs_and_empty_inputs():
     x = torch.zeros(0, 64)
     assert rms_norm_ref(x, torch.ones(64), 1e-5).shape == (0, 64)
@@ -193,3 +216,4 @@ def test_fused_gpu(tokens, dtype, kernels):
     check_rope(kernels, tokens, 24, 8, 128, dtype, "cuda", seed=tokens, inplace=True, rotary=96)  # Phi-4-mini
     check_silu_mul(kernels, tokens, 11008, dtype, "cuda", seed=tokens)
     check_silu_mul(kernels, tokens, 14336, dtype, "cuda", seed=tokens + 1)
+    check_gelu_tanh_mul(kernels, tokens, 14336, dtype, "cuda", seed=tokens + 2)  # Gemma 2 9B's intermediate size

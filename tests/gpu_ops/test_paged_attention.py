@@ -74,8 +74,10 @@ def build_case(heads, kv_heads, head_dim, tokens_per_page, shapes, dtype, device
     return Case(kv_view, batch, keys, values, heads, list(shapes), layers)
 
 
-def truth(case: Case, q: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-    """float64 [T, heads * head_dim]: causal softmax attention of each new row over its sequence."""
+def truth(case: Case, q: torch.Tensor, layer: int, scale: float, window: int | None = None,
+          softcap: float | None = None) -> torch.Tensor:
+    """float64 [T, heads * head_dim]: causal softmax attention of each new row over its sequence (over the
+    positions in (p - window, p] of a row at position p with a window), scores soft-capped with softcap."""
     heads = case.heads
     group = heads // case.kv_view.shape[2]
     rows = []
@@ -85,8 +87,12 @@ def truth(case: Case, q: torch.Tensor, layer: int, scale: float) -> torch.Tensor
         v = case.values[seq][layer].double().repeat_interleave(group, dim=1).to(q.device)
         queries = q[start : start + query_len].double()  # [query_len, heads, d]
         scores = torch.einsum("qhd,khd->hqk", queries, k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         position = torch.arange(kv_len - query_len, kv_len, device=q.device)
         visible = torch.arange(kv_len, device=q.device)[None, :] <= position[:, None]
+        if window is not None:
+            visible &= torch.arange(kv_len, device=q.device)[None, :] > position[:, None] - window
         scores = scores.masked_fill(~visible[None], float("-inf"))
         rows.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v).reshape(query_len, -1))
     return torch.cat(rows)
@@ -100,21 +106,49 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 LIMIT = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
-def check_attention(kernels, case: Case, dtype, seed: int, layer: int = 1, limit=None) -> float:
+def unseen_positions(shapes, window: int) -> list[int]:
+    """Per sequence, how many of its first positions no new row sees through a window: those before the
+    first new row's window, (kv_len - query_len) - window + 1."""
+    return [max(0, kv_len - query_len - window + 1) for kv_len, query_len in shapes]
+
+
+def poison(case: Case, counts: list[int], whole_pages: bool = False) -> None:
+    """NaN into K and V of each sequence's first `counts[s]` positions (every layer), or only into the
+    pages that these positions fill wholly: a read of any of them turns a result into NaN."""
+    tokens_per_page = case.kv_view.shape[1]
+    table = case.batch.block_table
+    for seq, count in enumerate(counts):
+        count = count // tokens_per_page * tokens_per_page if whole_pages else count
+        for position in range(count):
+            pages = table[:, :, seq, position // tokens_per_page].reshape(-1).long()
+            case.kv_view[pages, position % tokens_per_page] = float("nan")
+
+
+def check_attention(kernels, case: Case, dtype, seed: int, layer: int = 1, limit=None, window=None,
+                    softcap=None) -> float:
+    """The kernels against the float64 truth, and no worse than the reference. With a window, K and V
+    that no row sees are NaN for the kernels (they must not read them) and, for the reference, the
+    pages wholly before every row's window."""
     generator = torch.Generator().manual_seed(seed)
     device = case.kv_view.device
     total = sum(query_len for _, query_len in case.shapes)
     head_dim = case.kv_view.shape[3]
     scale = head_dim**-0.5
-    q = torch.randn(total, case.heads, head_dim, generator=generator).to(dtype).to(device)
+    q = (2 * torch.randn(total, case.heads, head_dim, generator=generator)).to(dtype).to(device)
     out = torch.full((total, case.heads * head_dim), float("nan"), dtype=dtype, device=device)
-    got = kernels.attention(q, case.kv_view, layer, case.batch, scale, out=out)
+    expected = truth(case, q, layer, scale, window, softcap)
+    if window is not None:
+        poison(case, unseen_positions(case.shapes, window), whole_pages=True)
+        reference = paged_attention_ref(q, case.kv_view, layer, case.batch, scale, window, softcap)
+        poison(case, unseen_positions(case.shapes, window))
+    got = kernels.attention(q, case.kv_view, layer, case.batch, scale, out=out, window=window, softcap=softcap)
     assert got is out
-    expected = truth(case, q, layer, scale)
     error = relative_error(got, expected)
     bound = limit or LIMIT[dtype]
     assert error <= bound, f"relative error {error:.2e} > {bound:.0e}"
-    reference_error = relative_error(paged_attention_ref(q, case.kv_view, layer, case.batch, scale), expected)
+    if window is None:
+        reference = paged_attention_ref(q, case.kv_view, layer, case.batch, scale, window, softcap)
+    reference_error = relative_error(reference, expected)
     assert error <= max(2 * reference_error, bound / 4), f"kernel {error:.2e} vs reference {reference_error:.2e}"
     return error
 
@@ -189,6 +223,70 @@ def test_attention_interpreted_mixed(layout, dtype, kernels):
     heads, kv_heads, head_dim, tokens_per_page = LAYOUTS[layout]
     case = build_case(heads, kv_heads, head_dim, tokens_per_page, MIXED, dtype, torch.device("cpu"), seed=len(layout))
     check_attention(kernels, case, dtype, seed=3)
+
+
+# Windows below, at and above the contexts of MIXED (1..150): a window of 1 sees the row's own position only;
+# 16 is shorter than a prefill tile (rows of one tile start at different positions), 64 cuts the long decode.
+WINDOWS = [1, 5, 16, 64, 200]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("layout", ["gqa4_tpp4", "gqa2_d24_tpp3"])
+def test_attention_interpreted_sliding_window(window, layout, kernels):
+    heads, kv_heads, head_dim, tokens_per_page = LAYOUTS[layout]
+    case = build_case(heads, kv_heads, head_dim, tokens_per_page, MIXED, torch.float32, torch.device("cpu"), seed=window)
+    check_attention(kernels, case, torch.float32, seed=window, window=window)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_interpreted_softcap(window, dtype, kernels):
+    """Gemma 2's capped scores (cap 3: below the scores of these inputs, so the cap bites), on global and
+    sliding layers."""
+    heads, kv_heads, head_dim, tokens_per_page = LAYOUTS["mha_tpp1"]
+    case = build_case(heads, kv_heads, head_dim, tokens_per_page, MIXED, dtype, torch.device("cpu"), seed=2)
+    check_attention(kernels, case, dtype, seed=5, window=window, softcap=3.0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_interpreted_sliding_window_splits(splits, kernels):
+    """Flash-decoding splits over the window alone: every split starts inside it, none reads before it."""
+    heads, kv_heads, head_dim, tokens_per_page = LAYOUTS["gqa4_tpp4"]
+    shapes = [(200, 1), (3, 1), (64, 1), (129, 1)]
+    window = 37
+    case = build_case(heads, kv_heads, head_dim, tokens_per_page, shapes, torch.float32, torch.device("cpu"), seed=splits)
+    q = torch.randn(len(shapes), heads, head_dim)
+    expected = truth(case, q, 0, 0.3, window)
+    poison(case, unseen_positions(shapes, window))
+    meta = kernels.AttentionMeta.build(case.batch, tokens_per_page, "cpu")
+    out = torch.full((len(shapes), heads * head_dim), float("nan"))
+    table = case.batch.block_table
+    kernels.decode_attention(
+        q, case.kv_view, table[0, 0], table[0, 1], meta.decode_seqs, meta.query_start, meta.kv_len, out, 0.3,
+        num_seqs=meta.num_decode, splits=splits, block_n=16, window=window,
+    )
+    assert relative_error(out, expected) < 1e-5
+
+
+def test_reference_window_and_softcap():
+    """paged_attention_ref with a window reads no page wholly before it (NaN there), equal to the truth."""
+    shapes = [(9, 1), (7, 7), (70, 5), (90, 70)]
+    case = build_case(4, 2, 16, 4, shapes, torch.float32, torch.device("cpu"))
+    q = torch.randn(sum(length for _, length in shapes), 4, 16)
+    expected = truth(case, q, 1, 0.25, window=10, softcap=2.0)
+    poison(case, unseen_positions(shapes, 10), whole_pages=True)
+    got = paged_attention_ref(q, case.kv_view, 1, case.batch, 0.25, window=10, softcap=2.0)
+    assert relative_error(got, expected) < 1e-5
+
+
+def test_bad_window_and_softcap_rejected():
+    with pytest.raises(ValueError, match="window"):
+        paged_attention._score_args(0.1, 0, None)
+    with pytest.raises(ValueError, match="softcap"):
+        paged_attention._score_args(0.1, None, -1.0)
 
 
 @needs_interpreter
@@ -299,6 +397,22 @@ def test_decode_gpu_mma_either_way(layout, mma, kernels):
 def test_attention_gpu_fp32(kernels):
     case = build_case(32, 8, 128, 4, gpu_shapes(4, 2, 1000, prefill=2), torch.float32, torch.device("cuda"), layers=1)
     check_attention(kernels, case, torch.float32, seed=2, layer=0, limit=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [256, 1024, 4096])
+@pytest.mark.parametrize("softcap", [None, 50.0])
+def test_attention_gpu_sliding_window(window, softcap, kernels):
+    """Gemma 2 9B's attention shape (16 q heads, 8 kv heads, head_dim 256) with Mistral's and Gemma's windows,
+    decodes and prefills mixed, capped or not."""
+    case = build_case(16, 8, 256, 4, gpu_shapes(12, 5, 4096, prefill=4), torch.bfloat16, torch.device("cuda"), layers=1)
+    check_attention(kernels, case, torch.bfloat16, seed=7, layer=0, window=window, softcap=softcap)
+
+
+@pytest.mark.gpu
+def test_attention_gpu_sliding_window_fp32(kernels):
+    case = build_case(32, 8, 128, 4, gpu_shapes(4, 2, 3000, prefill=2), torch.float32, torch.device("cuda"), layers=1)
+    check_attention(kernels, case, torch.float32, seed=2, layer=0, limit=1e-4, window=700, softcap=30.0)
 
 
 @pytest.mark.gpu

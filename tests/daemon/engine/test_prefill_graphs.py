@@ -265,3 +265,33 @@ def test_phi3_on_the_triton_ops_gives_the_reference_tokens(hf_checkpoint):
     for got, want in zip(results, expected):
         assert got.token_ids == want.token_ids
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", ["tiny-gemma2", "tiny-gemma3"])
+def test_gemma_on_the_triton_ops_gives_the_reference_tokens(shape):
+    """Gemma through the Triton ops: sliding-window layers (prompts past the window of 16, chunked prefill
+    over a cached prefix, decodes), Gemma 2's capped scores, the tanh GeGLU kernel, Gemma 3's local RoPE table
+    and (1 + w) q/k norms, with LoRA rows, against the reference ops."""
+    from lorad.gpu_ops import bgmv, fused, gemv, mbgmm, mbgmv, paged_attention
+
+    interpreted(mbgmv._mbgmv_shrink_kernel, bgmv, mbgmv, mbgmm, paged_attention, fused, gemv)
+
+    def gemma() -> Engine:
+        return Engine(EngineConfig(model_config=shape, dummy_weights=True, dummy_adapters=2, dummy_adapter_rank=4,
+                                   device="cpu", max_model_len=64, max_batch_tokens=32))
+
+    def requests():
+        prompts = [list(range(3, 43)), [5, 6, 7], list(range(100, 120))]
+        return [GenerationRequest(prompt, adapter, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                                  keep_logits=True) for prompt, adapter in zip(prompts, ("dummy-0", "dummy-1", None))]
+
+    reference = gemma()
+    expected = reference.generate(requests())
+    reference.close()
+    engine = gemma()
+    engine.runner.ops = engine.runner.model.ops = TritonOps(engine.device, 32, 64)
+    results = engine.generate(requests())
+    engine.close()
+    for got, want in zip(results, expected):
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)

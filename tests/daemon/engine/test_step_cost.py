@@ -59,3 +59,25 @@ def test_the_device_rates_are_measured():
     rates = measure_device_rates(torch.device("cpu"), torch.float32, repeats=2)
     # a CPU core copies more than 100 MB/s and multiplies at more than 100 MFLOP/s; no device reaches 100 TB/s
     assert 1e8 < rates.bandwidth_bytes_per_s < 1e14 and 1e8 < rates.flops_per_s < 1e16
+
+
+def test_sliding_window_layers_count_only_the_window():
+    """gemma-2-9b: 21 global and 21 local layers (window 4096), K and V of 8 x 256 per token and layer, bf16.
+    A decode at context 10000 reads 10000 positions on a global layer and 4096 on a local one; a 300-token
+    chunk ending at 5000 reads 5000 and the last 300 + 4095 (its first row's window onwards)."""
+    from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec
+
+    spec = ModelSpec.from_hf_config(MODEL_CONFIGS["gemma-2-9b"])
+    model = StepCostModel(spec, dtype_bytes=2, adapter_ranks=lambda name: {})
+    kv_row = 2 * 8 * 256 * 2  # K and V of one token in one layer, bytes
+    decode = model.cost([SequenceInStep(new_tokens=1, context=10000, sampled=True, adapter=None)])
+    assert decode.kv_bytes == kv_row * (21 * (10000 + 1) + 21 * (4096 + 1))
+    chunk = model.cost([SequenceInStep(new_tokens=300, context=5000, sampled=False, adapter=None)])
+    assert chunk.kv_bytes == kv_row * (21 * (5000 + 300) + 21 * (300 + 4095 + 300))
+    # query-key pairs: a global row at position p sees p + 1 keys, a local one min(p + 1, 4096)
+    q_dims, layer_flops = 16 * 256, 2 * sum(i * o for i, o in (spec.projection_shape(n) for n in
+                                                               ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")))
+    global_pairs = sum(p + 1 for p in range(4700, 5000))
+    local_pairs = sum(min(p + 1, 4096) for p in range(4700, 5000))
+    assert chunk.flops == 300 * 42 * layer_flops + 4 * q_dims * (21 * global_pairs + 21 * local_pairs)
+    assert local_pairs == 300 * 4096  # every row of the chunk is past the window

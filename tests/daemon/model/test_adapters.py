@@ -285,6 +285,20 @@ def test_adapter_name_inside_tensor_names_is_accepted(tmp_path):
     assert list(adapter.weights) == [(1, PROJECTIONS.index("o_proj"))]
 
 
+@pytest.mark.parametrize("text_prefix", ["model.language_model", "language_model.model"])
+def test_gemma3_conditional_generation_adapter_of_the_language_model(tmp_path, text_prefix):
+    """PEFT names in a Gemma3ForConditionalGeneration adapter (transformers 5, then 4); a pattern matches as on
+    a text-only model; LoRA on the vision tower is refused naming it."""
+    tensors = {name.replace(PREFIX, f"base_model.model.{text_prefix}.layers"): tensor
+               for name, tensor in lora_tensors({(0, "q_proj"): 4, (1, "q_proj"): 2}).items()}
+    adapter = load_peft_adapter(write_adapter(tmp_path / "a", tensors, rank_pattern={"layers.1.self_attn.q_proj": 2}),
+                                SPEC, 8, "a")
+    assert sorted(adapter.weights) == [(0, 0), (1, 0)] and adapter.weights[(1, 0)][0].shape[0] == 2
+    tensors["base_model.model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.lora_A.weight"] = torch.zeros(4, 8)
+    with pytest.raises(AdapterError, match="vision tower"):
+        load_peft_adapter(write_adapter(tmp_path / "b", tensors, rank_pattern={"layers.1.self_attn.q_proj": 2}), SPEC, 8, "b")
+
+
 def test_loaded_weights_do_not_follow_later_rewrites_of_the_file(tmp_path):
     directory = write_adapter(tmp_path / "a")
     adapter = load_peft_adapter(directory, SPEC, 8, "a")

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from hf_fixtures import LLAMA3_ROPE
-from lorad.daemon.model.checkpoint import ModelSpec, load_spec, load_weights, rope_inv_freq, safetensors_files
+from lorad.daemon.model.checkpoint import ModelSpec, load_spec, load_weights, rope_inv_freq, safetensors_files, text_decoder_name
 from lorad.errors import ModelError
 
 CPU = torch.device("cpu")
@@ -133,21 +133,63 @@ def refused(config: dict, *words: str) -> None:
         assert word in error.value.message, error.value.message
 
 
+def test_sliding_windows_per_layer():
+    from transformers import Gemma2Config, MistralConfig
+
+    mistral = MistralConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, max_position_embeddings=8192,
+                            sliding_window=4096).to_dict()
+    mistral["architectures"] = ["MistralForCausalLM"]
+    spec = ModelSpec.from_hf_config(mistral)
+    assert spec.layer_windows == (4096,) * 3 and spec.window(2) == 4096
+    gemma2 = Gemma2Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=4, head_dim=16).to_dict()
+    gemma2["architectures"] = ["Gemma2ForCausalLM"]
+    del gemma2["layer_types"]  # as older configs: even layers local
+    spec = ModelSpec.from_hf_config(gemma2)
+    assert spec.layer_windows == (4096, None, 4096, None) and spec.gemma and spec.tie_word_embeddings
+    assert (spec.attn_logit_softcapping, spec.final_logit_softcapping, spec.query_pre_attn_scalar) == (50.0, 30.0, 256.0)
+    refused(dict(gemma2, layer_types=["sliding_attention", "chunked_attention"]), "layer_types")
+    refused(dict(gemma2, use_bidirectional_attention=True), "use_bidirectional_attention")
+    refused(dict(gemma2, hidden_activation="gelu"), "hidden_activation")
+
+
+def test_gemma3_text_of_a_conditional_generation_config():
+    """The hub's Gemma 3 configs (transformers 4 format): the text decoder's fields under text_config, many left to
+    Gemma3TextConfig's defaults; the global RoPE base scaled, the local one not."""
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+              "vision_config": {"hidden_size": 1152}, "text_config": {
+                  "hidden_size": 3840, "intermediate_size": 15360, "num_attention_heads": 16, "num_hidden_layers": 48,
+                  "num_key_value_heads": 8, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}}
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.architecture == "Gemma3ForConditionalGeneration" and spec.gemma and spec.qk_norm
+    assert (spec.head_dim, spec.vocab_size, spec.query_pre_attn_scalar) == (256, 262208, 256.0)
+    assert spec.layer_windows[:6] == (1024,) * 5 + (None,) and spec.layer_windows.count(None) == 8
+    assert (spec.rope_theta, spec.local_rope_theta, spec.rope_scaling) == (1e6, 1e4, {"rope_type": "linear", "factor": 8.0})
+    assert spec.page_elems == 4096  # K rows of 8 x 256 do not divide 3840: two rows a page
+    torch.testing.assert_close(rope_inv_freq(spec), 1e6 ** -(torch.arange(0, 256, 2) / 256) / 8.0)
+    torch.testing.assert_close(rope_inv_freq(spec, local=True), 1e4 ** -(torch.arange(0, 256, 2) / 256))
+    refused({"architectures": ["Gemma3ForConditionalGeneration"]}, "text_config")
+
+
+def test_text_decoder_names():
+    assert text_decoder_name("language_model.model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert text_decoder_name("model.language_model.embed_tokens.weight") == "model.embed_tokens.weight"
+    assert text_decoder_name("language_model.lm_head.weight") == "lm_head.weight"
+    assert text_decoder_name("model.norm.weight") == "model.norm.weight"
+    assert text_decoder_name("vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight") is None
+    assert text_decoder_name("model.multi_modal_projector.mm_input_projection_weight") is None
+
+
 def test_from_hf_config_refusals():
-    from transformers import MistralConfig, Qwen2Config
+    from transformers import Qwen2Config
 
     refused(dict(llama_dict(), architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel", "LlamaForCausalLM")
     refused(dict(llama_dict(), architectures=["GemmaForCausalLM"]), "unsupported architecture")
-
-    mistral = MistralConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=8192, sliding_window=4096).to_dict()
-    mistral["architectures"] = ["MistralForCausalLM"]
-    refused(mistral, "sliding_window", "4096", "8192")
 
     qwen = Qwen2Config(hidden_size=64, num_attention_heads=4, use_sliding_window=True, sliding_window=64).to_dict()
     qwen["architectures"] = ["Qwen2ForCausalLM"]
     refused(qwen, "sliding")
 
-    for rope_type in ("yarn", "dynamic", "linear", "longrope"):
+    for rope_type in ("yarn", "dynamic", "longrope"):
         refused(dict(llama_dict(), rope_parameters={"rope_type": rope_type, "factor": 4.0, "rope_theta": 1e4}), rope_type)
         old = dict(llama_dict(), rope_scaling={"type": rope_type, "factor": 4.0})
         old.pop("rope_parameters")

@@ -14,6 +14,21 @@ def test_known_shapes_parse():
     assert shapes["llama-2-7b"].projection_shape("down_proj") == (11008, 4096)
     assert shapes["llama-3-8b"].kv_size == 1024
     assert shapes["qwen3-8b"].qk_norm and shapes["qwen3-8b"].q_size == 4096 and shapes["qwen3-8b"].kv_size == 1024
+    gemma2, gemma3 = shapes["gemma-2-9b"], shapes["gemma-3-12b"]
+    assert gemma2.layer_windows == (4096, None) * 21 and gemma2.attn_logit_softcapping == 50.0 and gemma2.page_elems == 4096
+    assert gemma3.layer_windows == ((1024,) * 5 + (None,)) * 8 and gemma3.qk_norm and gemma3.vocab_size == 262208
+
+
+@pytest.mark.parametrize("shape", ["tiny-gemma2", "tiny-gemma3"])
+def test_a_dummy_gemma_serves_its_adapters_past_its_window(shape):
+    engine = Engine(EngineConfig(model_config=shape, dummy_weights=True, dummy_adapters=2, dummy_adapter_rank=4,
+                                 device="cpu"))
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = list(range(2, 42))  # 40 tokens over a window of 16
+    results = engine.generate([GenerationRequest(prompt, adapter="dummy-0", sampling=greedy),
+                               GenerationRequest(prompt, sampling=greedy)])
+    assert all(len(r.token_ids) == 4 for r in results)
+    assert engine.spec.gemma and engine.spec.window(0) == 16 and engine.spec.window(engine.spec.num_layers - 1) is None
 
 
 @pytest.mark.parametrize("hidden,kv_heads,head_dim,page", [
