@@ -205,13 +205,32 @@ def test_the_engine_on_the_triton_ops_gives_the_reference_tokens(demo_assets):
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not HAS_TRITON or CUDA, reason="Triton's interpreter on the CPU (a GPU runs the compiled kernels: -m gpu)")
-def test_qwen3_on_the_triton_ops_gives_the_reference_tokens():
-    """Qwen3's per-head q and k norms through the fused RMSNorm kernel (on the heads of a slice of the fused
-    q|k|v output), with LoRA rows, against the reference ops."""
+INTERPRETER_ONLY = pytest.mark.skipif(not HAS_TRITON or CUDA,
+                                      reason="Triton's interpreter on the CPU (a GPU runs the compiled kernels: -m gpu)")
+
+
+def assert_triton_ops_give_the_reference_tokens(make_engine, requests, max_batch_tokens: int) -> None:
+    """The same requests on an engine of `make_engine()` with the reference ops, then with the Triton ops (run by
+    the interpreter): equal tokens, logits within 1e-4."""
     from lorad.gpu_ops import bgmv, fused, gemv, mbgmm, mbgmv, paged_attention
 
     interpreted(mbgmv._mbgmv_shrink_kernel, bgmv, mbgmv, mbgmm, paged_attention, fused, gemv)
+    reference = make_engine()
+    expected = reference.generate(requests())
+    reference.close()
+    engine = make_engine()
+    engine.runner.ops = engine.runner.model.ops = TritonOps(engine.device, max_batch_tokens, 64)
+    results = engine.generate(requests())
+    engine.close()
+    for got, want in zip(results, expected):
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
+
+
+@INTERPRETER_ONLY
+def test_qwen3_on_the_triton_ops_gives_the_reference_tokens():
+    """Qwen3's per-head q and k norms through the fused RMSNorm kernel (on the heads of a slice of the fused
+    q|k|v output), with LoRA rows, against the reference ops."""
 
     def qwen3() -> Engine:
         return Engine(EngineConfig(model_config="tiny-qwen3", dummy_weights=True, dummy_adapters=2, dummy_adapter_rank=4,
@@ -221,27 +240,15 @@ def test_qwen3_on_the_triton_ops_gives_the_reference_tokens():
         return [GenerationRequest([3, 4, 5, 6, 7], adapter, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
                                   keep_logits=True) for adapter in ("dummy-0", "dummy-1", None)]
 
-    reference = qwen3()
-    expected = reference.generate(requests())
-    reference.close()
-    engine = qwen3()
-    engine.runner.ops = engine.runner.model.ops = TritonOps(engine.device, 64, 64)
-    results = engine.generate(requests())
-    engine.close()
-    for got, want in zip(results, expected):
-        assert got.token_ids == want.token_ids
-        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
+    assert_triton_ops_give_the_reference_tokens(qwen3, requests, 64)
 
 
-@pytest.mark.skipif(not HAS_TRITON or CUDA, reason="Triton's interpreter on the CPU (a GPU runs the compiled kernels: -m gpu)")
+@INTERPRETER_ONLY
 def test_phi3_on_the_triton_ops_gives_the_reference_tokens(hf_checkpoint):
     """Phi-3 with longrope and partial rotary (the RoPE kernel on 12 of 16 dimensions, the long factors' rows for a
     prompt past the original 16 tokens and for a sequence whose cache is computed again once it crosses them), and
     adapters on the fused qkv_proj and gate_up_proj (one A in the pool for q, k and v; MBGMV and MBGMM read it for
     each), against the reference ops."""
-    from lorad.gpu_ops import bgmv, fused, gemv, mbgmm, mbgmv, paged_attention
-
-    interpreted(mbgmv._mbgmv_shrink_kernel, bgmv, mbgmv, mbgmm, paged_attention, fused, gemv)
     checkpoint = hf_checkpoint("phi3_longrope")
 
     def phi3() -> Engine:
@@ -255,26 +262,15 @@ def test_phi3_on_the_triton_ops_gives_the_reference_tokens(hf_checkpoint):
         return [GenerationRequest(prompt, adapter, greedy, keep_logits=True)
                 for prompt, adapter in zip(prompts, ("all-r8", "qkv-r1", "pattern-r16", None))]
 
-    reference = phi3()
-    expected = reference.generate(requests())
-    reference.close()
-    engine = phi3()
-    engine.runner.ops = engine.runner.model.ops = TritonOps(engine.device, 64, 64)
-    results = engine.generate(requests())
-    engine.close()
-    for got, want in zip(results, expected):
-        assert got.token_ids == want.token_ids
-        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
+    assert_triton_ops_give_the_reference_tokens(phi3, requests, 64)
 
 
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("shape", ["tiny-gemma2", "tiny-gemma3"])
 def test_gemma_on_the_triton_ops_gives_the_reference_tokens(shape):
     """Gemma through the Triton ops: sliding-window layers (prompts past the window of 16, chunked prefill
     over a cached prefix, decodes), Gemma 2's capped scores, the tanh GeGLU kernel, Gemma 3's local RoPE table
     and (1 + w) q/k norms, with LoRA rows, against the reference ops."""
-    from lorad.gpu_ops import bgmv, fused, gemv, mbgmm, mbgmv, paged_attention
-
-    interpreted(mbgmv._mbgmv_shrink_kernel, bgmv, mbgmv, mbgmm, paged_attention, fused, gemv)
 
     def gemma() -> Engine:
         return Engine(EngineConfig(model_config=shape, dummy_weights=True, dummy_adapters=2, dummy_adapter_rank=4,
@@ -285,13 +281,4 @@ def test_gemma_on_the_triton_ops_gives_the_reference_tokens(shape):
         return [GenerationRequest(prompt, adapter, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
                                   keep_logits=True) for prompt, adapter in zip(prompts, ("dummy-0", "dummy-1", None))]
 
-    reference = gemma()
-    expected = reference.generate(requests())
-    reference.close()
-    engine = gemma()
-    engine.runner.ops = engine.runner.model.ops = TritonOps(engine.device, 32, 64)
-    results = engine.generate(requests())
-    engine.close()
-    for got, want in zip(results, expected):
-        assert got.token_ids == want.token_ids
-        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
+    assert_triton_ops_give_the_reference_tokens(gemma, requests, 32)
