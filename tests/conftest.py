@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-# pytest puts this directory on sys.path when it loads this file (no __init__.py in tests/).
-import hf_fixtures
+# pytest puts this directory on sys.path when it loads this file (no __init__.py in tests/). The interpreter's
+# switch first: a test module that imports transformers or peft at collection (pytest.importorskip) imports
+# triton, and Triton decorates its own library (tl.sum, ...) for the interpreter only if TRITON_INTERPRET is set
+# by then; otherwise every interpreted kernel collected after it fails in tl.sum.
+import triton_interpreter  # noqa: F401
+import hf_fixtures  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
