@@ -46,9 +46,8 @@ def test_cuda_greedy_choices_equal_the_single_request_beside_others(engine, prom
     assert engine.pool.num_free == free and engine.pool.used["kv"] == 0 and engine.kv.holders == {}
 
 
+@pytest.mark.parametrize("engine", ["float32"], indirect=True)  # bfloat16 rows of other batch sizes round differently
 def test_cuda_seeded_choices_equal_requests_seeded_seed_plus_i(engine):
-    if engine.dtype != torch.float32:
-        pytest.skip("batched bfloat16 rows round differently from single ones; draws may then part")
     sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
     choices = [choice.token_ids for choice in engine.generate([GenerationRequest(PROMPTS[1], None, sampling, n=3)])[0].choices]
     for i, tokens in enumerate(choices):
