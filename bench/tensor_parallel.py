@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -82,6 +81,8 @@ def run_case(case: dict, args) -> dict:
     from lorad.daemon.engine.step_cost import measure_device_rates
     from lorad.daemon.model.checkpoint import PROJECTIONS
 
+    from engine_decode import device_copy_bandwidth, start_decoding  # bench/, beside this script
+
     cuda = not args.dry_run
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     batch = case["batch"]
@@ -123,25 +124,6 @@ def run_case(case: dict, args) -> dict:
         engine.close()
 
 
-def start_decoding(engine, adapters: list, prompt_len: int, max_tokens: int) -> list:
-    """len(adapters) requests of random prompts, prefilled and 3 decode steps in: from here every step decodes."""
-    import torch
-
-    from lorad.daemon.engine.request import GenerationRequest, SamplingParams
-
-    generator = torch.Generator().manual_seed(len(adapters))
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    requests = [GenerationRequest(torch.randint(0, engine.vocab_size, (prompt_len,), generator=generator).tolist(),
-                                  adapter=adapter, sampling=sampling) for adapter in adapters]
-    for request in requests:
-        engine.submit(request)
-    while len(engine.scheduler.running) < len(requests) or any(seq.num_generated == 0 for seq in engine.scheduler.running):
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    return requests
-
-
 def all_reduce_ms(engine, cuda: bool, steps: int = 8) -> float:
     """The all-reduces' time per decode step on rank 0: NCCL's kernels' device time on cuda, gloo's op time on the cpu."""
     import torch
@@ -173,24 +155,6 @@ def step_weight_bytes(engine) -> int:
     for layer in model.layers:
         total += sum(value.nbytes for value in vars(layer).values() if isinstance(value, torch.Tensor))
     return total
-
-
-def device_copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes read plus bytes written per second of a large device-to-device copy (the median of 20)."""
-    import torch
-
-    source = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    target = torch.empty_like(source)
-    target.copy_(source)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        target.copy_(source)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 2 * nbytes / statistics.median(times) * 1e3
 
 
 def summary(results: dict, args) -> dict:

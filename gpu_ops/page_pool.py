@@ -166,6 +166,10 @@ class KVCache:
     def free_tokens(self) -> int:
         return self.pool.num_free // self.pages_per_block * self.tokens_per_page
 
+    def capacity_tokens(self) -> int:
+        """Positions the whole pool would hold as KV (adapters' pages counted as free)."""
+        return self.pool.capacity // self.pages_per_block * self.tokens_per_page
+
 
 class BlockList:
     """A sequence's KV blocks, page ids [n, num_layers, 2], in one growing numpy buffer: the runner

@@ -93,6 +93,7 @@ class LoraResidency:
                 if self.metrics is not None:
                     self.metrics.cold_start()
             return True
+        self._absorb()
         adapter = self._ready(name) or self.lookup(name)
         slot = self.table.free_slot()
         while slot is None:
@@ -188,8 +189,7 @@ class LoraResidency:
         buffers, ~5x slower), never a new staging. Keyed by the weights, which benchmark adapters share."""
         if not self.table.pool.pages.is_cuda:
             return self.table.stage(adapter.weights), "host"
-        self._absorb()
-        key = id(adapter.weights)
+        key = id(adapter.weights)  # the stager's finished work is absorbed by the callers (acquire, prefetch)
         pinned = self.pinned.get(key)
         if pinned is not None:
             return pinned, "pinned"

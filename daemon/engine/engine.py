@@ -179,7 +179,9 @@ class Engine:
             torch.cuda.empty_cache()
         log.info("device rates hbm_gb_s=%.1f gemm_tflop_s=%.2f (each step's floor: the slower of bytes and FLOPs)",
                  rates.bandwidth_bytes_per_s / 1e9, rates.flops_per_s / 1e12)
-        pages = self._pool_pages() if self.tp is None else self.tp.agree_pages(self._pool_pages(), self.spec.page_elems)
+        pages = pool_pages(config, self.spec, self.dtype, self.device)
+        if self.tp is not None:
+            pages = self.tp.agree_pages(pages, self.spec.page_elems)
         self.pool = PagePool(pages, self.spec.page_elems, self.dtype, self.device)
         self.kv = KVCache(self.pool, self.spec.num_layers, local.num_kv_heads, local.head_dim, self.kv_dtype)
         if self.kv.blocks_for(self.max_model_len) * self.kv.pages_per_block > self.pool.capacity:
@@ -284,9 +286,6 @@ class Engine:
         if config.model is None:
             raise BadRequest("no model: give --model DIR, --demo, or --model-config NAME --dummy-weights")
         return Path(config.model), []
-
-    def _pool_pages(self) -> int:
-        return pool_pages(self.config, self.spec, self.dtype, self.device)
 
     def _admission(self) -> tuple[AdmissionPolicy, Objectives]:
         """The admission policy and objectives of EngineConfig. Early abort predicts prefills with the
@@ -625,11 +624,14 @@ class Engine:
         forking = [seq for seq in sampled if seq.state.group is not None and seq.state.group.unforked]
         if forking:  # their other choices draw their first tokens from the same logits rows
             logits, sampled = self._choice_rows(logits, sampled, forking)
-            self._admit_to_sampler(sampled)  # the choices' own penalties and bias, from their (shared) prompt
+            for first in forking:  # each choice's sampler state is its first choice's, just admitted: copied on the device
+                if first in self.sampler_state:
+                    for choice in first.state.group.unforked:
+                        self.sampler_state.fork(first, choice)
         params = [seq.state.request.sampling for seq in sampled]
         processed = self._process_logits(logits, sampled)
         tokens = sample(logits, params, [seq.state.generator for seq in sampled])  # waits for the device
-        logprobs = logprobs_of(logits, params, tokens) if any(p.logprobs is not None for p in params) else None
+        logprobs = logprobs_of(logits, params, tokens)
         self.account.landed(time.perf_counter())
         redo = self.cold_starts.after_cpu_assist(assisted, self.runner.step_spans) if assisted else set()  # its prefill runs again
         if streamed:
@@ -638,7 +640,7 @@ class Engine:
         if not assisted and not streamed and (self.online_prefill is not None or self.config.cold_start == "auto"):
             self._observe_prefill(batch, time.perf_counter() - started)  # before num_computed moves on
         if processed is not None:
-            self._advance_sampler(processed, sampled, tokens, redo)
+            self._advance_sampler(processed, tokens, redo)
         for seq, count in batch:
             if seq not in redo:
                 seq.num_computed += count
@@ -659,7 +661,7 @@ class Engine:
             state: RequestState = seq.state
             if state.request.keep_logits:
                 state.logits.append(logits[row].to("cpu", copy=True))  # graph logits live in static memory
-            self._take_token(seq, token, now, logprobs[row] if logprobs is not None else None)
+            self._take_token(seq, token, now, logprobs[row])
 
     # ---- the choices of a request (n > 1) -----------------------------------------------------------------
     # The first choice prefills the prompt alone. In the step that finishes it, every other choice samples its
@@ -722,14 +724,13 @@ class Engine:
         rows = [row for row, seq in enumerate(seqs) if seq.state.request.sampling.processes_logits]
         return self.sampler_state.process(logits, rows, [seqs[row] for row in rows]) if rows else None
 
-    def _advance_sampler(self, processed: ProcessedRows, seqs: list[Sequence], tokens: list[int | None], redo) -> None:
+    def _advance_sampler(self, processed: ProcessedRows, tokens: list[int | None], redo) -> None:
         """A plain step's drawn tokens into its rows' state. A row whose token is dropped (its prefill runs again)
         gives its slot back, to be admitted again from its history; a failed row's request ends (_finish)."""
         drawn = torch.tensor([token if token is not None else 0 for token in tokens])
         self.sampler_state.advance(processed, to_device(drawn, self.device))
-        for seq in seqs:
-            if seq in redo:
-                self.sampler_state.release(seq)
+        for seq in redo:
+            self.sampler_state.release(seq)
 
     def _release_preempted(self) -> None:
         """Slots of sequences the scheduler preempted: their tokens are recomputed before they sample again."""

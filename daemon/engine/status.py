@@ -27,7 +27,7 @@ def engine_status(engine: Engine) -> dict:
             "quantization": engine.quantization.status(engine.runner.ops.fp8_gemm),
             "kv_cache_dtype": engine.kv_cache["dtype"],
             "kv_cache_scales": engine.kv_cache["scales"],
-            "kv_capacity_tokens": engine.kv.pool.capacity // engine.kv.pages_per_block * engine.kv.tokens_per_page,
+            "kv_capacity_tokens": engine.kv.capacity_tokens(),
             "pool": engine.pool.occupancy(),
             # the choices of n > 1 requests: KV blocks held by several of them (counted once in pool.kv)
             "kv_sharing": {**engine.kv.sharing(), "forked_choices": engine.forked_choices},
@@ -127,7 +127,7 @@ def metrics_snapshot(engine: Engine) -> dict:
         waiting = [seq.adapter for seq in list(engine.scheduler.waiting) + engine._inbox]
     return engine.stats.snapshot(
         model=engine.model_name, quantization=engine.quantization.method, kv_cache_dtype=engine.kv_cache["dtype"],
-        kv_capacity_tokens=engine.kv.pool.capacity // engine.kv.pages_per_block * engine.kv.tokens_per_page,
+        kv_capacity_tokens=engine.kv.capacity_tokens(),
         running=len(running), waiting=len(waiting), running_adapters=running,
         waiting_adapters=waiting, max_lora=engine.table.num_slots, pool=engine.pool.occupancy(),
         adapters_resident=len(engine.residency.slots), adapter_evictions=engine.residency.evictions,

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.reduction
 import os
 import signal
 import socket
@@ -206,21 +207,23 @@ class TensorParallel:
         """The engine's name -> LoraAdapter, as rank 0's shard (what its pool stages). Shards are kept while their
         whole adapter is (by the weights' identity), within host_adapter_bytes / size."""
         budget = self.config.host_adapter_bytes // self.size
+        lock = threading.Lock()  # the engine thread and the adapter stager's thread both look adapters up
 
         def sharded(name: str):
             adapter = lookup(name)
-            self._paths[name] = adapter.path
-            key = id(adapter.weights)
-            entry = self._shards.get(key)
-            if entry is None or entry[0] is not adapter.weights:
-                entry = (adapter.weights, self.shard.adapter(adapter))
-                self._shards[key] = entry
-                self._shard_bytes += entry[1].nbytes
-                while self._shard_bytes > budget and len(self._shards) > 1:
-                    _, (_, dropped) = self._shards.popitem(last=False)
-                    self._shard_bytes -= dropped.nbytes
-            self._shards.move_to_end(key)
-            return entry[1]
+            with lock:
+                self._paths[name] = adapter.path
+                key = id(adapter.weights)
+                entry = self._shards.get(key)
+                if entry is None or entry[0] is not adapter.weights:
+                    entry = (adapter.weights, self.shard.adapter(adapter))
+                    self._shards[key] = entry
+                    self._shard_bytes += entry[1].nbytes
+                    while self._shard_bytes > budget and len(self._shards) > 1:
+                        _, (_, dropped) = self._shards.popitem(last=False)
+                        self._shard_bytes -= dropped.nbytes
+                self._shards.move_to_end(key)
+                return entry[1]
 
         return sharded
 
@@ -229,17 +232,17 @@ class TensorParallel:
         started = time.perf_counter()
         placements = table.placements
         evicted = [slot for slot, sent in self._sent.items() if placements.get(slot) is not sent]
+        changed = [slot for slot, placement in placements.items() if self._sent.get(slot) is not placement]
         placed = []
-        if len(placements) != len(self._sent) or evicted or any(self._sent.get(slot) is not p for slot, p in placements.items()):
+        if evicted or changed:
             names = {slot: name for name, slot in residency.slots.items()}
-            for slot, placement in placements.items():
-                if self._sent.get(slot) is not placement:
-                    name = names[slot]
-                    placed.append(Placement(slot, name, self._paths[name], np.asarray(placement.page_ids, dtype=np.int32)))
+            placed = [Placement(slot, names[slot], self._paths[names[slot]],
+                                np.asarray(placements[slot].page_ids, dtype=np.int32)) for slot in changed]
             self._sent = dict(placements)
         message = StepMessage.of(plan, evicted, placed, self._blocks.updates(plan))
+        payload = multiprocessing.reduction.ForkingPickler.dumps(("step", message))  # pickled once for every worker
         for connection in self.connections:
-            connection.send(("step", message))
+            connection.send_bytes(payload)
         self.steps_sent += 1
         self.send_seconds += time.perf_counter() - started
 

@@ -576,8 +576,9 @@ def text_decoder_name(name: str) -> str | None:
     return name
 
 
-def load_weights(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor of the text decoder by its HF name in a text-only checkpoint, cast to dtype, on device."""
+def load_weights(model_dir: str | Path, dtype: torch.dtype, device: torch.device, cast=None) -> dict[str, torch.Tensor]:
+    """Every tensor of the text decoder by its HF name in a text-only checkpoint, cast to dtype, on device.
+    cast(path, name, tensor) -> tensor on device: in place of that cast (an FP8 checkpoint's, quantization.py)."""
     weights = {}
     for path in safetensors_files(Path(model_dir)):
         try:
@@ -585,7 +586,9 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype, device: torch.device
                 for name in shard.keys():
                     text_name = text_decoder_name(name)
                     if text_name is not None:
-                        weights[text_name] = shard.get_tensor(name).to(device=device, dtype=dtype)
+                        tensor = shard.get_tensor(name)
+                        weights[text_name] = (tensor.to(device=device, dtype=dtype) if cast is None
+                                              else cast(path, text_name, tensor))
         except (OSError, RuntimeError, SafetensorError) as error:
             raise ModelError(f"cannot read {path}: {error}") from error
     return weights

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
-from lorad.daemon.model.checkpoint import PROJECTIONS, ModelSpec, dummy_weights, read_json, safetensors_files
+from lorad.daemon.model.checkpoint import PROJECTIONS, ModelSpec, dummy_weights, load_weights, read_json
 from lorad.errors import BadRequest, ModelError
 from lorad.gpu_ops.fp8 import FP8, Fp8Weight, fp8_unavailable, quantize_weight
 
@@ -143,8 +142,6 @@ def load_base_weights(model_dir: Path | None, spec: ModelSpec, requested: str, d
     """The base model's weights as `requested` (EngineConfig.quantization: auto, fp8, none) on `device`:
     model_dir None is --dummy-weights. Refused (BadRequest) where FP8 cannot run: a GPU without FP8, or shapes
     torch._scaled_mm does not take."""
-    from lorad.daemon.model.checkpoint import load_weights
-
     scheme = checkpoint_scheme(read_json(model_dir / "config.json")) if model_dir is not None else None
     if scheme is not None and requested == "none":
         raise BadRequest(f"the checkpoint is FP8-quantized ({scheme.method}): serve it with --quantization fp8 or auto")
@@ -156,7 +153,7 @@ def load_base_weights(model_dir: Path | None, spec: ModelSpec, requested: str, d
     elif scheme is None:
         weights = load_weights(model_dir, dtype, device)
     else:
-        weights = _load_fp8_checkpoint(model_dir, dtype, device)
+        weights = load_weights(model_dir, dtype, device, cast=_fp8_cast(dtype, device))
     if not fp8:
         return BaseWeights(weights, Quantization(), None)
     kv_scales = _kv_scales(weights, spec, device) if scheme is not None and scheme.kv_scales else None
@@ -194,25 +191,18 @@ def _check_device(spec: ModelSpec, device: torch.device) -> None:
                                  "(torch._scaled_mm) needs in and out features that are multiples of 16")
 
 
-def _load_fp8_checkpoint(model_dir: Path, dtype: torch.dtype, device: torch.device) -> dict:
-    """Every tensor by its HF name on device: FP8 tensors as they are, scales in float32, the rest in dtype."""
-    weights = {}
-    for path in safetensors_files(Path(model_dir)):
-        try:
-            with safe_open(str(path), framework="pt") as shard:
-                for name in shard.keys():
-                    tensor = shard.get_tensor(name)
-                    if tensor.dtype == FP8:
-                        weights[name] = tensor.to(device)
-                    elif name.endswith(_SCALE_SUFFIXES):
-                        weights[name] = tensor.to(device=device, dtype=torch.float32)
-                    elif tensor.dtype in (torch.float8_e5m2, torch.int8, torch.int32, torch.uint8):
-                        raise ModelError(f"{path.name}: {name} is {tensor.dtype}; lorad loads float8_e4m3fn weights")
-                    else:
-                        weights[name] = tensor.to(device=device, dtype=dtype)
-        except (OSError, RuntimeError, SafetensorError) as error:
-            raise ModelError(f"cannot read {path}: {error}") from error
-    return weights
+def _fp8_cast(dtype: torch.dtype, device: torch.device):
+    """load_weights' cast for an FP8 checkpoint: FP8 tensors as they are, scales in float32, the rest in dtype."""
+    def cast(path: Path, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dtype == FP8:
+            return tensor.to(device)
+        if name.endswith(_SCALE_SUFFIXES):
+            return tensor.to(device=device, dtype=torch.float32)
+        if tensor.dtype in (torch.float8_e5m2, torch.int8, torch.int32, torch.uint8):
+            raise ModelError(f"{path.name}: {name} is {tensor.dtype}; lorad loads float8_e4m3fn weights")
+        return tensor.to(device=device, dtype=dtype)
+
+    return cast
 
 
 def fp8_projections(weights: dict, spec: ModelSpec, static_activations: bool = False) -> dict:

@@ -39,12 +39,13 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from lorad.daemon.model.adapters import weights_nbytes
 from lorad.daemon.model.checkpoint import PROJECTIONS, ModelSpec, safetensors_files
+from lorad.daemon.model.llama import DOWN, GATE, K, O, Q, UP, V
 from lorad.errors import BadRequest, ModelError
 
 log = logging.getLogger(__name__)
 
-Q, K, V, O, GATE, UP, DOWN = range(7)
 COLUMN_PARALLEL = (Q, K, V, GATE, UP)  # output features split: A whole, B's rows split
 ROW_PARALLEL = (O, DOWN)  # input features split: A's columns split, B whole
 # The architectures whose checkpoint names the shard reads (a fused qkv or gate_up tensor would need its own split).
@@ -161,8 +162,7 @@ class Shard:
                 weights[(layer, projection)] = (a, b[start:stop].contiguous())
             else:
                 weights[(layer, projection)] = (a[:, start:stop].contiguous(), b)
-        nbytes = sum(a.nbytes + b.nbytes for a, b in weights.values())
-        return dataclasses.replace(adapter, weights=weights, nbytes=nbytes)
+        return dataclasses.replace(adapter, weights=weights, nbytes=weights_nbytes(weights))
 
 
 def init_group(rank: int, size: int, device: torch.device, address: str, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> str:

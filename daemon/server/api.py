@@ -28,7 +28,8 @@ from lorad.errors import (
 from lorad.daemon.server import metrics as metrics_format
 from lorad.daemon.server.admin_gate import AdminGate
 from lorad.daemon.server.unix_socket import PeerCredentials, peer_credentials
-from lorad.daemon.engine.chat_template import AdapterTemplates, ChatTemplate, load_chat_template
+from lorad.daemon.engine.chat_template import (TEMPLATE_FILE, TOKENIZER_CONFIG, AdapterTemplates, ChatTemplate,
+                                               load_chat_template)
 from lorad.daemon.engine.request import GenerationRequest, RequestOutput, check_prompt
 from lorad.daemon.server.schemas import (
     MAX_N, AssistantMessage, ChatChoice, ChatChunkChoice, ChatLogprobs, Chunk, Completion, CompletionChoice,
@@ -535,7 +536,7 @@ def _chat_template(engine) -> ChatTemplate | str:
         return "it was given by shape (--model-config), without a checkpoint directory"
     template = load_chat_template(Path(model_dir))
     if template is None:
-        reason = f"neither {Path(model_dir) / 'chat_template.jinja'} nor chat_template in {Path(model_dir) / 'tokenizer_config.json'}"
+        reason = f"neither {Path(model_dir) / TEMPLATE_FILE} nor chat_template in {Path(model_dir) / TOKENIZER_CONFIG}"
         log.info("chat template none: %s (/v1/chat/completions answers 400)", reason)
         return reason
     log.info("chat template source=%s", template.source)
