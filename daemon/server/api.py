@@ -301,9 +301,11 @@ async def _generate(request: web.Request, completion: Completion, prompts: list[
             in_flight.add(generation.request_id)
             if request.app[SHUTTING_DOWN].is_set():  # shutdown began while submit() ran: its abort missed this one
                 engine.abort(generation.request_id)
+        # echo's prompt texts: a decode grows with the prompt, so off the event loop, once per prompt
+        echoes = await loop.run_in_executor(None, _echoes, completion, prompts, engine.tokenizer) if completion.echo else None
         if completion.stream:
-            return await _stream_response(request, completion, choices, outputs, record, prompts, request_id)
-        return await _full_response(completion, choices, outputs, record, prompts, request_id, engine.tokenizer)
+            return await _stream_response(request, completion, choices, outputs, record, prompts, request_id, echoes)
+        return await _full_response(completion, choices, outputs, record, prompts, request_id, engine.tokenizer, echoes)
     finally:
         for generation in generations:
             rid = generation.request_id
@@ -381,10 +383,13 @@ def _error_of(output: RequestOutput) -> LoradError:
     return LoradError(f"generation failed: {output.error or 'the engine gave no reason'}")
 
 
-def _echo(completion: Completion, prompt_index: int, prompts: list[list[int]], tokenizer) -> str:
-    """echo: the prompt's text ahead of the choice's (a text prompt as sent, token ids decoded)."""
-    prompt = completion.prompts[prompt_index] if completion.prompts else None
-    return prompt if isinstance(prompt, str) else tokenizer.decode(prompts[prompt_index])
+def _echoes(completion: Completion, prompts: list[list[int]], tokenizer) -> list[str] | None:
+    """echo: each prompt's text, set ahead of its choices' (a text prompt as sent, token ids decoded once per
+    prompt, whatever n); None when not asked for."""
+    if not completion.echo or completion.chat:
+        return None
+    sent = completion.prompts or [None] * len(prompts)
+    return [prompt if isinstance(prompt, str) else tokenizer.decode(ids) for prompt, ids in zip(sent, prompts)]
 
 
 def _logprobs(completion: Completion, choice: _Choice, token_ids: list[int], entries: list,
@@ -414,7 +419,7 @@ def _logprobs(completion: Completion, choice: _Choice, token_ids: list[int], ent
 
 
 async def _full_response(completion, choices: list[_Choice], outputs, record, prompts, request_id,
-                         tokenizer) -> web.Response:
+                         tokenizer, echoes: list[str] | None) -> web.Response:
     failed = None
     async for index, output in outputs:
         record.add(output)
@@ -437,7 +442,7 @@ async def _full_response(completion, choices: list[_Choice], outputs, record, pr
                                 finish_reason=choice.finish_reason, logprobs=logprobs)
         else:
             if completion.echo:
-                text = _echo(completion, choice.prompt_index, prompts, tokenizer) + text
+                text = echoes[choice.prompt_index] + text
             answer = CompletionChoice(index=choice.index, text=text, finish_reason=choice.finish_reason,
                                       logprobs=logprobs)
         if completion.return_token_ids:
@@ -453,7 +458,7 @@ async def _full_response(completion, choices: list[_Choice], outputs, record, pr
 
 
 async def _stream_response(request, completion, choices: list[_Choice], outputs, record, prompts,
-                           request_id: str) -> web.StreamResponse:
+                           request_id: str, echoes: list[str] | None) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     created = int(time.time())
@@ -477,7 +482,7 @@ async def _stream_response(request, completion, choices: list[_Choice], outputs,
                 entry = ChatChunkChoice(index=index, delta=delta, finish_reason=output.finish_reason, logprobs=logprobs)
             else:
                 if completion.echo and not choice.started:
-                    text = _echo(completion, choice.prompt_index, prompts, tokenizer) + text
+                    text = echoes[choice.prompt_index] + text
                 entry = CompletionChoice(index=index, text=text, finish_reason=output.finish_reason, logprobs=logprobs)
             chunk = Chunk(head, choices=[entry])
             if completion.return_token_ids:
