@@ -166,7 +166,7 @@ class TensorParallel:
             tp.processes.append(process)
             tp.connections.append(ours)
         threading.Thread(target=tp._watch, name="lorad-rank-watch", daemon=True).start()
-        tp.backend = tensor_parallel.init_group(0, tp.size, device, address)
+        tp.backend = tensor_parallel.init_group(0, tp.size, tp.devices[0], address)
         log.info("tensor parallel size=%d backend=%s devices=%s worker_pids=%s", tp.size, tp.backend,
                  ",".join(map(str, tp.devices)), ",".join(str(p.pid) for p in tp.processes))
         return tp
