@@ -62,5 +62,6 @@ class GemmaModel(LlamaModel):
 
 
 def build_model(spec: ModelSpec, weights: dict[str, torch.Tensor], max_positions: int, ops: TorchOps) -> LlamaModel:
-    """The decoder of spec's architecture: GemmaModel for Gemma 2 and 3, LlamaModel for the rest."""
+    """The decoder of spec's architecture: GemmaModel for Gemma 2 and 3, LlamaModel for the rest. It takes the
+    tensors out of `weights` (the dict is left with those the model does not use)."""
     return (GemmaModel if spec.gemma else LlamaModel)(spec, weights, max_positions, ops)

@@ -171,18 +171,22 @@ def _stack(weights: list) -> torch.Tensor | Fp8Weight:
 
 
 class _Taker:
-    """Hands out checkpoint tensors by name, so that missing or unexpected ones get a clear error."""
+    """Hands out checkpoint tensors by name, so that missing or unexpected ones get a clear error. Each is removed
+    from `weights` as it is taken: the parts of a fused projection (q, k, v; gate, up) are freed once it is built,
+    so building needs no more memory than the weights themselves and one layer's fused copy (a 70B shard fills
+    an 80 GB GPU)."""
 
     def __init__(self, weights: dict[str, torch.Tensor]):
         self.weights = weights
-        self.taken: dict[str, torch.Tensor] = {}
+        self.taken: dict[str, tuple[int, ...]] = {}  # name -> shape
 
     def __call__(self, name: str) -> torch.Tensor:
         try:
-            tensor = self.weights[name]
+            tensor = self.weights.pop(name)
         except KeyError:
-            raise ModelError(f"the checkpoint has no tensor {name}") from None
-        self.taken[name] = tensor
+            raise ModelError(f"the checkpoint has no tensor {name}"
+                             + (" (taken twice)" if name in self.taken else "")) from None
+        self.taken[name] = tuple(tensor.shape)
         return tensor
 
     def check_shapes(self, spec: ModelSpec) -> None:
@@ -206,5 +210,5 @@ class _Taker:
             expected[f"{p}pre_feedforward_layernorm.weight"] = (h,)  # Gemma
             expected[f"{p}post_feedforward_layernorm.weight"] = (h,)
         for name, shape in expected.items():
-            if name in self.taken and tuple(self.taken[name].shape) != shape:
-                raise ModelError(f"{name} has shape {tuple(self.taken[name].shape)}, config.json implies {shape}")
+            if name in self.taken and self.taken[name] != shape:
+                raise ModelError(f"{name} has shape {self.taken[name]}, config.json implies {shape}")

@@ -199,7 +199,17 @@ def broadcast(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def leave_group() -> None:
+    """Leaves the group. Under NCCL every rank must be leaving at the same time: the teardown waits for them all."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def abort_group() -> None:
+    """Drops the group without waiting for the other ranks (NCCL's abort; a rank is gone or stuck)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if dist.is_initialized():
+        distributed_c10d._abort_process_group()  # the one way to end NCCL communicators without the peers
