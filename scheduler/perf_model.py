@@ -250,10 +250,19 @@ class CollectiveModel:
 
 
 def fit_collective(samples: Iterable[tuple[int, float]], calls_per_step: int, size: int) -> CollectiveModel:
-    """samples: (rows of the all-reduced [rows, hidden] tensor, seconds of one all-reduce)."""
+    """samples: (rows of the all-reduced [rows, hidden] tensor, seconds of one all-reduce). Neither part of an
+    all-reduce's time is negative: where noise pulls the least-squares line's intercept or slope below 0, the
+    other is fitted alone (through the origin, or the mean)."""
     samples = list(samples)
-    line = LinearModel.fit(["tokens"], [[tokens] for tokens, _ in samples], [t for _, t in samples])
-    return CollectiveModel(line.intercept, line.coef[0], calls_per_step, size, line.r2)
+    x, y = [[tokens] for tokens, _ in samples], [t for _, t in samples]
+    line = LinearModel.fit(["tokens"], x, y)
+    fixed, per_token, r2 = line.intercept, line.coef[0], line.r2
+    if fixed < 0:
+        through_origin = LinearModel.fit(["tokens"], x, y, intercept=False)
+        fixed, per_token, r2 = 0.0, through_origin.coef[0], through_origin.r2
+    elif per_token < 0:
+        fixed, per_token, r2 = float(np.mean(y)), 0.0, 0.0
+    return CollectiveModel(fixed, per_token, calls_per_step, size, r2)
 
 
 @dataclass(frozen=True)
