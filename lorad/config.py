@@ -90,8 +90,8 @@ class EngineConfig:
     # on the H100 with pageable rank-32 7B adapters (BENCHMARKS.md, figure 5.1): mean TTFT 0.75-0.83x ondemand's.
     layerwise: bool = True
     # `lorad profile`'s performance models, from which each decode step's LoRA kernel (BGMV or MBGMV) is
-    # chosen. None: <state_dir or ~/.cache/lorad>/profile-<model>-<device>.json when it exists
-    # (daemon/engine/kernel_choice.py); "off": none, MBGMV always.
+    # chosen. None: <state_dir or ~/.cache/lorad>/profile-<model>-<device>.json (-tpN.json at tensor_parallel_size
+    # N > 1) when it exists (daemon/engine/kernel_choice.py); "off": none, MBGMV always.
     profile_path: str | None = None
     # The decode steps' LoRA kernel: auto (the profile's models choose per step; MBGMV without a profile), or
     # bgmv / mbgmv for every step (to compare, or to serve as CaraServe's and Punica's engines do).

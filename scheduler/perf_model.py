@@ -228,8 +228,48 @@ def fit_prefill(samples: Iterable[tuple[Sequence[tuple[int, int]], float]]) -> P
 
 
 @dataclass(frozen=True)
+class CollectiveModel:
+    """The all-reduces of a tensor-parallel engine of `size` ranks: one all-reduce of [tokens, hidden] costs
+
+        allreduce_s = fixed_s + per_token_s * tokens
+
+    and a step runs `calls_per_step` of them (two a layer: after o and after down). A profile of such an
+    engine fits its decode-step and prefill models on whole steps of every rank in step, so their coefficients
+    hold this cost already (it is linear in the rows, as their per-row terms are); this model says what part
+    of a step it is."""
+
+    fixed_s: float
+    per_token_s: float
+    calls_per_step: int
+    size: int
+    r2: float | None = None  # None: not fitted
+
+    def step_seconds(self, tokens: int) -> float:
+        """Seconds of one step's all-reduces over `tokens` rows (a decode step: its batch; a prefill: its tokens)."""
+        return self.calls_per_step * (self.fixed_s + self.per_token_s * tokens) if tokens else 0.0
+
+
+def fit_collective(samples: Iterable[tuple[int, float]], calls_per_step: int, size: int) -> CollectiveModel:
+    """samples: (rows of the all-reduced [rows, hidden] tensor, seconds of one all-reduce). Neither part of an
+    all-reduce's time is negative: where noise pulls the least-squares line's intercept or slope below 0, the
+    other is fitted alone (through the origin, or the mean)."""
+    samples = list(samples)
+    x, y = [[tokens] for tokens, _ in samples], [t for _, t in samples]
+    line = LinearModel.fit(["tokens"], x, y)
+    fixed, per_token, r2 = line.intercept, line.coef[0], line.r2
+    if fixed < 0:
+        through_origin = LinearModel.fit(["tokens"], x, y, intercept=False)
+        fixed, per_token, r2 = 0.0, through_origin.coef[0], through_origin.r2
+    elif per_token < 0:
+        fixed, per_token, r2 = float(np.mean(y)), 0.0, 0.0
+    return CollectiveModel(fixed, per_token, calls_per_step, size, r2)
+
+
+@dataclass(frozen=True)
 class Profile:
-    """What `lorad profile` measured on one machine: the fitted models and how well they fit."""
+    """What `lorad profile` measured on one machine: the fitted models and how well they fit. A profile of a
+    tensor-parallel engine (`tensor_parallel_size` > 1 in `machine`) holds the steps of all its ranks and
+    their all-reduces (`collectives`)."""
 
     machine: dict  # e.g. {"gpu": "H100 80GB", "model": "Llama-2-7b", "dtype": "bfloat16", "measured": True}
     decode: DecodeStepModel
@@ -237,6 +277,12 @@ class Profile:
     bgmv: BgmvModel | None = None  # kernel-only fits, for choose_kernel
     mbgmv: MbgmvModel | None = None
     notes: dict = field(default_factory=dict)
+    collectives: CollectiveModel | None = None  # tensor_parallel_size > 1 only
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The GPUs the profiled engine spans (profiles written before the field: 1)."""
+        return int(self.machine.get("tensor_parallel_size", 1))
 
     def to_json(self) -> dict:
         return {
@@ -246,6 +292,7 @@ class Profile:
             "prefill": asdict(self.prefill),
             "bgmv": asdict(self.bgmv) if self.bgmv else None,
             "mbgmv": asdict(self.mbgmv) if self.mbgmv else None,
+            "collectives": asdict(self.collectives) if self.collectives else None,
             "notes": self.notes,
         }
 
@@ -261,6 +308,7 @@ class Profile:
                 bgmv=BgmvModel(**data["bgmv"]) if data.get("bgmv") else None,
                 mbgmv=MbgmvModel(**data["mbgmv"]) if data.get("mbgmv") else None,
                 notes=dict(data.get("notes") or {}),
+                collectives=CollectiveModel(**data["collectives"]) if data.get("collectives") else None,
             )
         except (KeyError, TypeError, AttributeError) as error:
             raise BadRequest(f"malformed profile: {error!r}") from None

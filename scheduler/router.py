@@ -42,6 +42,7 @@ class EngineView:
     remaining_tokens: int = 0  # output tokens the requests have still to generate, where known
     free_kv_tokens: int = 1 << 62
     has_base_model: bool = True
+    tensor_parallel_size: int = 1  # the GPUs the engine spans: which performance models predict its steps
 
     @classmethod
     def build(
@@ -52,8 +53,10 @@ class EngineView:
         queued: Sequence[tuple[int, int]] = (),  # (rank, prompt tokens)
         free_kv_tokens: int = 1 << 62,
         has_base_model: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> "EngineView":
-        view = cls(engine_id, max_running, free_kv_tokens=free_kv_tokens, has_base_model=has_base_model)
+        view = cls(engine_id, max_running, free_kv_tokens=free_kv_tokens, has_base_model=has_base_model,
+                   tensor_parallel_size=tensor_parallel_size)
         for rank, remaining, context in running:
             view.add(rank, context)
             view.remaining_tokens += remaining
@@ -114,7 +117,11 @@ class RankAware:
     pays it too: the request's prompt rides on a step that reads the weights anyway, so on any busy engine
     only the marginal part counts. Without it (engines that prefill in steps of their own, as the
     simulator models, and as LightLLM did for CaraServe) an engine with no queue pays the whole prefill,
-    and the cost favours engines with a queue, whose prefill step would cost its decodes a step anyway."""
+    and the cost favours engines with a queue, whose prefill step would cost its decodes a step anyway.
+
+    An engine spanning N GPUs (tensor parallelism) is one engine whose steps cost what a profile measured at
+    that size says: `by_tensor_parallel_size` holds those models, by N; an engine of a size not there is
+    predicted with `decode` and `prefill`."""
 
     decode: DecodeStepModel
     prefill: PrefillModel
@@ -123,21 +130,27 @@ class RankAware:
     penalty_s: float = 1.0
     mixed_steps: bool = False
     name: str = "rank_aware"
+    by_tensor_parallel_size: dict[int, tuple[DecodeStepModel, PrefillModel]] = field(default_factory=dict)
+
+    def models(self, engine: EngineView) -> tuple[DecodeStepModel, PrefillModel]:
+        """The decode-step and prefill models of this engine's steps."""
+        return self.by_tensor_parallel_size.get(engine.tensor_parallel_size, (self.decode, self.prefill))
 
     def _prefill_already_paid(self, engine: EngineView) -> bool:
         """Is the prefill's fixed part paid already on this engine (see the class's text)?"""
         return bool(engine.num_queued or (self.mixed_steps and engine.num_running))
 
     def cost(self, request: RouteRequest, engine: EngineView) -> float:
+        decode, prefill = self.models(engine)
         if self._prefill_already_paid(engine):
-            delta_prefill = self.prefill.from_features(
+            delta_prefill = prefill.from_features(
                 request.prompt_tokens, request.rank * request.prompt_tokens, request.prompt_tokens**2
-            ) - self.prefill.fixed_s
+            ) - prefill.fixed_s
         else:
-            delta_prefill = self.prefill.predict([(request.prompt_tokens, request.rank)])
+            delta_prefill = prefill.predict([(request.prompt_tokens, request.rank)])
         count, max_rank = engine.num_requests, engine.max_rank
-        before = self.decode.from_stats(count, max_rank, engine.rank_sum, engine.context_tokens)
-        after = self.decode.from_stats(
+        before = decode.from_stats(count, max_rank, engine.rank_sum, engine.context_tokens)
+        after = decode.from_stats(
             count + 1, max(max_rank, request.rank), engine.rank_sum + request.rank,
             engine.context_tokens + request.prompt_tokens,
         )
@@ -146,17 +159,25 @@ class RankAware:
             cost += self.penalty_s
         return cost
 
+    def _terms(self, engine: EngineView, request: RouteRequest) -> tuple:
+        """What `choose` needs of an engine's models for this request, the same for every engine of its size."""
+        decode, prefill = self.models(engine)
+        prefill_alone = prefill.predict([(request.prompt_tokens, request.rank)]) / self.avg_response_tokens
+        return (decode, decode.lora, isinstance(decode.lora, BgmvModel), prefill_alone,
+                prefill_alone - prefill.fixed_s / self.avg_response_tokens,
+                decode.per_request_s + decode.per_context_token_s * request.prompt_tokens)
+
     def choose(self, request, engines):
         """argmin over candidates of cost * requests: `cost` inlined, since the simulator calls this for
         every arrival on every engine (tests check the two agree)."""
-        decode, lora = self.decode, self.decode.lora
-        padded = isinstance(lora, BgmvModel)
-        rank, prompt = request.rank, request.prompt_tokens
-        prefill_alone = self.prefill.predict([(prompt, rank)]) / self.avg_response_tokens
-        prefill_joining = prefill_alone - self.prefill.fixed_s / self.avg_response_tokens
-        added_base = decode.per_request_s + decode.per_context_token_s * prompt
+        rank = request.rank
+        terms: dict[int, tuple] = {}  # tensor_parallel_size -> _terms
         best, best_cost = None, float("inf")
         for engine in candidates(request, engines):
+            size = engine.tensor_parallel_size
+            if size not in terms:
+                terms[size] = self._terms(engine, request)
+            decode, lora, padded, prefill_alone, prefill_joining, added_base = terms[size]
             count = engine.num_running + engine.num_queued
             max_rank = engine.max_rank
             if count == 0:

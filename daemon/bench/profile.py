@@ -12,6 +12,13 @@ where they fit them, eager forwards beyond. On the CPU: the torch references
 (bgmv_ref, the reference of both; the CPU engine's ops), timed with perf_counter. Inputs are random, never zeros;
 adapter weights are random windows of a weight bank far larger than L2, and every timed replay reads
 other windows than the one before.
+
+`--tensor-parallel-size N` profiles an engine spanning N GPUs as it runs: N processes (this one rank 0), each
+with its shard of the model (daemon/model/tensor_parallel.py: Shard.local) and the all-reduces of its forward,
+run every measurement in step (same seed, same order), so a timed decode step or prefill is one of the TP
+engine's, its two all-reduces a layer and the wait for the slowest rank included; rank 0's timings are kept.
+The all-reduce alone is timed too, over the steps' token counts, and saved as the profile's `collectives`:
+what share of a step the ranks spend reducing.
 """
 
 from __future__ import annotations
@@ -20,8 +27,12 @@ import argparse
 import dataclasses
 import json
 import logging
+import multiprocessing
+import multiprocessing.connection
+import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,13 +59,16 @@ from lorad.daemon.engine.kernel_choice import (
 from lorad.daemon.model.gemma import build_model
 from lorad.daemon.model.llama import Step
 from lorad.daemon.model.ops import select_ops
+from lorad.daemon.model import tensor_parallel
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import AdapterTable, KVCache, PagePool
 from lorad.scheduler.perf_model import (
     KERNELS,
+    CollectiveModel,
     Profile,
     fit_bgmv,
+    fit_collective,
     fit_decode_step,
     fit_mbgmv,
     fit_prefill,
@@ -65,6 +79,7 @@ from lorad.errors import BadRequest, LoradError
 log = logging.getLogger(__name__)
 
 L2_MULTIPLE = 40  # the weight bank is at least this many times a 50 MB L2 (H100) on cuda
+REDUCES_PER_TIMING = 8  # all-reduces timed together (in one CUDA graph on cuda), as a step's run back to back
 
 
 @dataclass(frozen=True)
@@ -192,11 +207,14 @@ class AdapterBank:
 
 
 class Bench:
-    """The model, the pool (weight bank + KV region) and the ops of one profiling run."""
+    """The model, the pool (weight bank + KV region) and the ops of one profiling run. Under tensor parallelism
+    `spec` is the rank's shard (Shard.local), `page_elems` the whole model's page (the engine's pool pages), and
+    the model all-reduces o's and down's outputs over the group, as the engine's ranks do."""
 
     def __init__(self, spec: ModelSpec, weights: dict, dtype: torch.dtype, device: torch.device, plan: Plan,
-                 max_lora_rank: int, seed: int):
+                 max_lora_rank: int, seed: int, page_elems: int | None = None, tensor_parallel_size: int = 1):
         self.spec, self.dtype, self.device, self.plan = spec, dtype, device, plan
+        self.tensor_parallel_size = tensor_parallel_size
         self.max_lora_rank = max_lora_rank
         self.rng = np.random.default_rng(seed)
         self.clock = Clock(device)
@@ -205,7 +223,9 @@ class Bench:
         self.ops = select_ops(device, self.max_tokens, max_lora_rank, self.choice)
         self.max_model_len = max(max(plan.contexts), max(plan.prefill_tokens)) + 1
         self.model = build_model(spec, weights, self.max_model_len, self.ops)
-        page = spec.page_elems
+        if tensor_parallel_size > 1:
+            self.model.reduce = tensor_parallel.all_reduce
+        page = page_elems or spec.page_elems
         page_bytes = page * torch.tensor([], dtype=dtype).element_size()
         bank_pages = max(plan.bank_bytes // page_bytes, max(plan.ranks) * 8)
         kv_size = spec.num_kv_heads * spec.head_dim
@@ -421,17 +441,61 @@ def measure(bench: Bench, progress: Callable[[str], None] = lambda line: None) -
     return samples
 
 
-def fit(samples: dict) -> dict:
+def measure_collectives(bench: Bench, progress: Callable[[str], None] = lambda line: None) -> list[list]:
+    """[[tokens, seconds of one all-reduce of [tokens, hidden] in the model's dtype], ...] over the token counts of
+    the plan's decode steps and prefills; every rank runs it in step. Each timing starts from a barrier (and, on
+    cuda, an idle device) and runs REDUCES_PER_TIMING all-reduces back to back, in a CUDA graph on cuda as the
+    engine's graphs hold them. (The sums grow from call to call; an all-reduce's time does not depend on them.)"""
+    import torch.distributed as dist
+
+    plan, device, cuda = bench.plan, bench.device, bench.device.type == "cuda"
+    samples = []
+    for tokens in sorted({*plan.step_batch_sizes, *plan.prefill_tokens, plan.max_tokens()}):
+        buffer = torch.randn(tokens, bench.spec.hidden_size, dtype=bench.dtype, device=device)
+
+        def reduces():
+            for _ in range(REDUCES_PER_TIMING):
+                tensor_parallel.all_reduce(buffer)
+
+        def together(rep: int) -> None:
+            if cuda:
+                torch.cuda.synchronize(device)
+            dist.barrier()
+
+        together(0)
+        run = _graphed(reduces) if cuda else reduces
+        if not cuda:
+            run()  # warm-up: gloo's buffers for this size
+        seconds = bench.clock.median(run, plan.reps, before=together) / REDUCES_PER_TIMING
+        samples.append([tokens, seconds])
+        progress(f"all-reduce tokens={tokens} us={seconds * 1e6:.1f}")
+    return samples
+
+
+def fit(samples: dict, num_layers: int = 0, tensor_parallel_size: int = 1) -> dict:
     """The models of the samples: bgmv, mbgmv (per-step LoRA cost), decode_bgmv, decode_mbgmv (whole
-    steps running that kernel), prefill."""
+    steps running that kernel), prefill; and with tensor_parallel_size > 1, allreduce (two a layer)."""
     decode = samples["decode"]
-    return {
+    fits = {
         "bgmv": fit_bgmv((ranks, seconds) for ranks, seconds in samples["kernels"]["bgmv"]),
         "mbgmv": fit_mbgmv((ranks, seconds) for ranks, seconds in samples["kernels"]["mbgmv"]),
         "decode_bgmv": fit_decode_step(decode["bgmv"], "bgmv"),
         "decode_mbgmv": fit_decode_step(decode["mbgmv"], "mbgmv"),
         "prefill": fit_prefill([([tuple(p) for p in prompts], s) for prompts, s in samples["prefill"]]),
     }
+    if tensor_parallel_size > 1:
+        fits["allreduce"] = fit_collective(samples["allreduce"], 2 * num_layers, tensor_parallel_size)
+    return fits
+
+
+def collective_shares(collectives: CollectiveModel, samples: dict, kernel: str) -> dict:
+    """The all-reduces' predicted share of each measured step (decode steps running `kernel`, prefills):
+    {"decode": [min, median, max], "prefill": [...]}."""
+    decode = [collectives.step_seconds(len(ranks)) / seconds for ranks, _, seconds in samples["decode"][kernel]]
+    prefill = [collectives.step_seconds(sum(tokens for tokens, _ in prompts)) / seconds
+               for prompts, seconds in samples["prefill"]]
+    return {name: [round(min(shares), 4), round(statistics.median(shares), 4), round(max(shares), 4)]
+            for name, shares in (("decode", decode), ("prefill", prefill))}
 
 
 def build_profile(fits: dict, samples: dict, machine: dict) -> Profile:
@@ -443,18 +507,23 @@ def build_profile(fits: dict, samples: dict, machine: dict) -> Profile:
     kernel = min(KERNELS, key=lambda name: total[name])
     other = "bgmv" if kernel == "mbgmv" else "mbgmv"
     other_fit = fits[f"decode_{other}"]
+    collectives = fits.get("allreduce")
+    notes = {
+        "decode_kernel": f"{kernel}: predicted cheaper over the profiled rank mixes "
+                         f"({total[kernel] * 1e3:.3f} ms against {total[other] * 1e3:.3f} ms of LoRA in all)",
+        f"decode_{other}": other_fit.to_json(),
+        "samples": samples,
+    }
+    if collectives is not None:
+        notes["collective_share"] = collective_shares(collectives, samples, kernel)
     return Profile(
         machine=machine,
         decode=fits[f"decode_{kernel}"],
         prefill=fits["prefill"],
         bgmv=fits["bgmv"],
         mbgmv=fits["mbgmv"],
-        notes={
-            "decode_kernel": f"{kernel}: predicted cheaper over the profiled rank mixes "
-                             f"({total[kernel] * 1e3:.3f} ms against {total[other] * 1e3:.3f} ms of LoRA in all)",
-            f"decode_{other}": other_fit.to_json(),
-            "samples": samples,
-        },
+        notes=notes,
+        collectives=collectives,
     )
 
 
@@ -464,6 +533,7 @@ FORMS = {
     "decode_bgmv": "fixed + per_request * |S| + per_context_token * ctx + alpha * |S| * max_rank",
     "decode_mbgmv": "fixed + per_request * |S| + per_context_token * ctx + alpha * sum(ranks)",
     "prefill": "per_token * T + per_rank_token * sum(r*t) + per_square_token * sum(t^2) + fixed",
+    "allreduce": "fixed + per_token * T (one all-reduce of [T, hidden]; calls_per_step a step)",
 }
 
 
@@ -478,7 +548,7 @@ def coefficients(model) -> dict[str, float]:
 def fit_table(fits: dict, samples: dict) -> str:
     counts = {"bgmv": len(samples["kernels"]["bgmv"]), "mbgmv": len(samples["kernels"]["mbgmv"]),
               "decode_bgmv": len(samples["decode"]["bgmv"]), "decode_mbgmv": len(samples["decode"]["mbgmv"]),
-              "prefill": len(samples["prefill"])}
+              "prefill": len(samples["prefill"]), "allreduce": len(samples.get("allreduce", ()))}
     lines = ["| model | form | coefficients (seconds) | R^2 | samples |", "| --- | --- | --- | --- | --- |"]
     for name, model in fits.items():
         shown = ", ".join(f"{key}={value:.4g}" for key, value in coefficients(model).items())
@@ -490,23 +560,124 @@ def fit_table(fits: dict, samples: dict) -> str:
 
 
 def run_profile(spec: ModelSpec, weights: dict, model_name: str, dtype: torch.dtype, device: torch.device, plan: Plan,
-                max_lora_rank: int, seed: int = 0, progress: Callable[[str], None] = lambda line: None) -> tuple[Profile, dict]:
-    """Measures and fits; -> (the Profile, the fits by name)."""
+                max_lora_rank: int, seed: int = 0, progress: Callable[[str], None] = lambda line: None,
+                ranks: ProfileRanks | None = None) -> tuple[Profile, dict]:
+    """Measures and fits; -> (the Profile, the fits by name). spec is the whole model's. With `ranks` (a
+    tensor-parallel profile) this process is rank 0 of their group, `weights` its shard, and the other ranks
+    measure beside it."""
     if max(plan.ranks) > max_lora_rank:
         raise BadRequest(f"ranks up to {max(plan.ranks)} need max_lora_rank >= {max(plan.ranks)}")
+    size = 1 if ranks is None else ranks.size
     started = time.perf_counter()
-    bench = Bench(spec, weights, dtype, device, plan, max_lora_rank, seed)
+    bench = rank_bench(spec, weights, dtype, device, plan, max_lora_rank, seed, 0, size)
     samples = measure(bench, progress)
-    fits = fit(samples)
+    if size > 1:
+        samples["allreduce"] = measure_collectives(bench, progress)
+    fits = fit(samples, spec.num_layers, size)
     machine = {
         "model": model_name, "device": device_tag(device), "dtype": str(dtype).removeprefix("torch."),
         "kernels": "triton (gpu_ops/bgmv.py, mbgmv.py)" if device.type == "cuda" else "torch references (one function, bgmv_ref)",
         "ops": bench.ops.name, "max_lora_rank": max_lora_rank, "plan": dataclasses.asdict(plan),
+        "tensor_parallel_size": size, "gpus": [str(device)] if ranks is None else [str(d) for d in ranks.devices],
         "torch": torch.__version__, "measured": True, "seconds": round(time.perf_counter() - started, 1),
     }
+    if ranks is not None:
+        machine["collective_backend"] = ranks.backend
     if device.type == "cuda":
         machine["gpu"] = torch.cuda.get_device_name(device)
     return build_profile(fits, samples, machine), fits
+
+
+# ---- tensor parallelism: every rank measures, in step -------------------------------------------------------
+
+
+def rank_weights(spec: ModelSpec, model_dir: str | None, rank: int, size: int, dtype: torch.dtype,
+                 device: torch.device, seed: int) -> dict:
+    """What rank `rank` of `size` holds of the model, as the engine's ranks load it: random weights of its local
+    shape (model_dir None), or its slices of the checkpoint."""
+    if size == 1:
+        return dummy_weights(spec, dtype, device, seed=seed) if model_dir is None else load_weights(model_dir, dtype, device)
+    shard = tensor_parallel.Shard(spec, rank, size)
+    return dummy_weights(shard.local, dtype, device, seed=seed) if model_dir is None else shard.read_weights(model_dir, dtype, device)
+
+
+def rank_bench(spec: ModelSpec, weights: dict, dtype: torch.dtype, device: torch.device, plan: Plan, max_lora_rank: int,
+               seed: int, rank: int, size: int) -> Bench:
+    """The Bench of rank `rank`: its shard of the model on pages of the whole model's size (the engine's pool)."""
+    local = spec if size == 1 else tensor_parallel.Shard(spec, rank, size).local
+    return Bench(local, weights, dtype, device, plan, max_lora_rank, seed, page_elems=spec.page_elems,
+                 tensor_parallel_size=size)
+
+
+class ProfileRanks:
+    """Rank 0's side of a tensor-parallel profile: starts ranks 1..size-1 (`rank_main`, one process each, spawned),
+    joins their group, and ends this process if one of them fails (rank 0 would otherwise wait at a collective
+    until its timeout)."""
+
+    def __init__(self, size: int, spec: ModelSpec, model_dir: str | None, dtype: torch.dtype, device: torch.device,
+                 plan: Plan, max_lora_rank: int, seed: int):
+        from lorad.daemon.engine.tp_worker import free_port, rank_devices
+
+        self.size, self.devices = size, rank_devices(device, size)
+        self.closing = False  # close() joins the ranks from here on, and judges how they ended
+        address = f"tcp://127.0.0.1:{free_port()}"
+        context = multiprocessing.get_context("spawn")
+        self.processes = [
+            context.Process(target=rank_main, name=f"lorad-profile-rank{rank}", daemon=True,
+                            args=(rank, size, spec, model_dir, str(dtype).removeprefix("torch."), str(self.devices[rank]),
+                                  plan, max_lora_rank, seed, address, logging.getLogger().getEffectiveLevel()))
+            for rank in range(1, size)]
+        for process in self.processes:
+            process.start()
+        threading.Thread(target=self._watch, name="lorad-profile-rank-watch", daemon=True).start()
+        self.backend = tensor_parallel.init_group(0, size, self.devices[0], address)
+
+    def _watch(self) -> None:
+        waiting = {process.sentinel: rank for rank, process in enumerate(self.processes, start=1)}
+        while waiting:
+            for sentinel in multiprocessing.connection.wait(list(waiting)):
+                process = self.processes[waiting.pop(sentinel) - 1]
+                if self.closing:
+                    return
+                process.join(1)
+                if process.exitcode != 0:
+                    print(f"lorad profile: rank {process.name.removeprefix('lorad-profile-rank')} exited with code "
+                          f"{process.exitcode} (its traceback is above); stopping", file=sys.stderr, flush=True)
+                    os._exit(1)
+
+    def close(self, check: bool = True) -> None:
+        """Waits for the other ranks to finish their last measurement (check: that they did), and leaves the group."""
+        self.closing = True
+        for process in self.processes:
+            process.join(60)
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        tensor_parallel.leave_group()
+        failed = [process.name for process in self.processes if process.exitcode != 0]
+        if failed and check:
+            raise LoradError(f"{', '.join(failed)} did not finish cleanly")
+
+
+def rank_main(rank: int, size: int, spec: ModelSpec, model_dir: str | None, dtype: str, device: str, plan: Plan,
+              max_lora_rank: int, seed: int, address: str, log_level: int) -> None:
+    """Rank `rank` of a tensor-parallel profile: the same measurements as rank 0, in the same order with the same
+    seed, so that every forward meets the others' at its all-reduces; its timings are dropped."""
+    from lorad.daemon.engine.tp_worker import exit_with_parent
+
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s rank={rank} %(message)s")
+    device = torch.device(device)
+    if device.type == "cpu":  # the ranks share the host's cores, as the engine's do
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    threading.Thread(target=exit_with_parent, name="lorad-parent-watch", daemon=True).start()
+    torch_dtype = getattr(torch, dtype)
+    tensor_parallel.init_group(rank, size, device, address)
+    weights = rank_weights(spec, model_dir, rank, size, torch_dtype, device, seed)
+    bench = rank_bench(spec, weights, torch_dtype, device, plan, max_lora_rank, seed, rank, size)
+    del weights
+    measure(bench)
+    measure_collectives(bench)
+    tensor_parallel.leave_group()
 
 
 # ---- the command ---------------------------------------------------------------------------------
@@ -523,10 +694,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16 (default: auto, as lorad serve)")
     parser.add_argument("--max-lora-rank", type=int, default=256, metavar="N",
                         help="the engine's max_lora_rank: MBGMV's CUDA graphs are captured for it (default: 256, lorad serve's)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="profile an engine spanning N GPUs (lorad serve --tensor-parallel-size N): one process per "
+                             "rank, each timing its shard with the all-reduces (NCCL on cuda, gloo on the cpu); the "
+                             "profile goes to ...-tpN.json (default: 1)")
     parser.add_argument("--quick", action="store_true", help="a few samples of tiny batches: seconds on a CPU (tests)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--state-dir", metavar="DIR", help="the daemon's state_dir: the profile goes there (default: ~/.cache/lorad)")
-    parser.add_argument("--out", metavar="PATH", help="where to write the profile (default: <state-dir>/profile-<model>-<device>.json)")
+    parser.add_argument("--out", metavar="PATH", help="where to write the profile (default: <state-dir>/profile-<model>-<device>"
+                                                      "[-tpN].json)")
     parser.add_argument("--log-level", default="info", help="debug|info|warning|error")
     return parser
 
@@ -547,9 +723,12 @@ def profile_main(argv: list[str]) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from lorad.daemon.engine.engine import resolve_device, resolve_dtype
 
-    from lorad.config import EngineConfig
+    from lorad.config import MAX_TENSOR_PARALLEL_SIZE, EngineConfig
 
     EngineConfig(device=args.device, dtype=args.dtype, max_lora_rank=args.max_lora_rank)  # the engine's checks
+    size = args.tensor_parallel_size
+    if not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE:
+        raise BadRequest(f"--tensor-parallel-size must be in 1..{MAX_TENSOR_PARALLEL_SIZE}, not {size}")
     device = resolve_device(args.device)
     if args.model_config is not None:
         if args.model_config not in MODEL_CONFIGS:
@@ -557,23 +736,41 @@ def _profile(args: argparse.Namespace) -> int:
         spec, name = ModelSpec.from_hf_config(MODEL_CONFIGS[args.model_config]), args.model_config
     else:
         spec, name = load_spec(args.model), Path(args.model).resolve().name
+    tensor_parallel.check_size(spec, size)
     dtype = resolve_dtype(args.dtype, spec.torch_dtype, device)
     plan = QUICK_PLAN if args.quick else CUDA_PLAN if device.type == "cuda" else CPU_PLAN
-    out = Path(args.out) if args.out else default_profile_path(name, device, args.state_dir)
+    out = Path(args.out) if args.out else default_profile_path(name, device, args.state_dir, size)
     kernels = "the Triton kernels" if device.type == "cuda" else "the torch references of both kernels (one function, bgmv_ref): no GPU"
-    print(f"profiling {name} on {device_tag(device)} ({str(dtype).removeprefix('torch.')}), timing {kernels}; "
+    spans = f" x {size} ranks (each its shard, all-reduces included)" if size > 1 else ""
+    print(f"profiling {name} on {device_tag(device)}{spans} ({str(dtype).removeprefix('torch.')}), timing {kernels}; "
           f"the profile goes to {out}", flush=True)
-    weights = dummy_weights(spec, dtype, device, seed=args.seed) if args.model_config else load_weights(args.model, dtype, device)
-    profile, fits = run_profile(spec, weights, name, dtype, device, plan, args.max_lora_rank, args.seed,
-                                progress=lambda line: print("  " + line, flush=True))
+    if max(plan.ranks) > args.max_lora_rank:  # run_profile's check, before any other rank starts
+        raise BadRequest(f"ranks up to {max(plan.ranks)} need --max-lora-rank >= {max(plan.ranks)}")
+    model_dir = None if args.model_config else args.model
+    ranks = None if size == 1 else ProfileRanks(size, spec, model_dir, dtype, device, plan, args.max_lora_rank, args.seed)
+    device = device if ranks is None else ranks.devices[0]
+    try:
+        weights = rank_weights(spec, model_dir, 0, size, dtype, device, args.seed)
+        profile, fits = run_profile(spec, weights, name, dtype, device, plan, args.max_lora_rank, args.seed,
+                                    progress=lambda line: print("  " + line, flush=True), ranks=ranks)
+        del weights
+    except BaseException:
+        if ranks is not None:
+            ranks.close(check=False)
+        raise
+    if ranks is not None:
+        ranks.close()
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
     print()
     print(fit_table(fits, profile.notes["samples"]))
     print()
     summary = {name: {"r2": model.r2, **coefficients(model)} for name, model in fits.items()}
-    print(json.dumps({"profile": str(out), "machine": profile.machine["device"], "decode_kernel": profile.notes["decode_kernel"],
-                      "fits": summary}, indent=1))
+    shown = {"profile": str(out), "machine": profile.machine["device"], "tensor_parallel_size": size,
+             "decode_kernel": profile.notes["decode_kernel"], "fits": summary}
+    if "collective_share" in profile.notes:  # [min, median, max] over the measured steps
+        shown["collective_share"] = profile.notes["collective_share"]
+    print(json.dumps(shown, indent=1))
     print(f"wrote {out} in {profile.machine['seconds']} s; `lorad serve` on this machine and model loads it "
           f"(or give --profile-path), `lorad simulate --profile {out}` simulates with it")
     return 0

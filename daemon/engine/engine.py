@@ -138,6 +138,11 @@ class Engine:
                      self.rope_switch)
 
         started = time.perf_counter()
+        # The decode LoRA kernel per step, from `lorad profile`'s models when a profile of this engine's
+        # tensor-parallel size is found (checked before any rank starts).
+        self.kernel_choice = LoraKernelChoice.for_engine(
+            config.profile_path, self.model_name, self.device, config.state_dir, str(self.dtype).removeprefix("torch."),
+            config.lora_kernel, config.tensor_parallel_size)
         # Tensor parallelism: this process is rank 0 of tensor_parallel_size, with its shard of the model (its heads
         # and MLP columns: `local`); the workers it starts hold theirs (daemon/engine/tp_worker.py).
         self.tp = None
@@ -156,10 +161,6 @@ class Engine:
             base = quantization.load_base_weights(model_dir, self.spec, config.quantization, self.dtype, self.device, config.seed)
             weights, self.quantization, kv_scales = base.weights, base.quantization, base.kv_scales
             del base
-        # The decode LoRA kernel per step, from `lorad profile`'s models when a profile is found.
-        self.kernel_choice = LoraKernelChoice.for_engine(
-            config.profile_path, self.model_name, self.device, config.state_dir, str(self.dtype).removeprefix("torch."),
-            config.lora_kernel)
         log.info("decode lora kernel choice=%s", self.kernel_choice.describe())
         self.runner = ModelRunner(config, local, self.device, weights, self.max_model_len, self.kernel_choice)
         del weights

@@ -2,8 +2,11 @@
 row its own rank), picked per step from the fitted performance models of `lorad profile`
 (scheduler/perf_model.py, CaraServe §5). With no profile the engine runs MBGMV and says so.
 
-Where the profile lives by default: `<state_dir or ~/.cache/lorad>/profile-<model>-<device>.json`
-(`default_profile_path`); `lorad profile` writes there and the engine looks there.
+Where the profile lives by default: `<state_dir or ~/.cache/lorad>/profile-<model>-<device>.json`, and
+`profile-<model>-<device>-tp<N>.json` for an engine spanning N GPUs (`default_profile_path`); `lorad profile`
+writes there and the engine looks there. A profile holds for the tensor-parallel size it was measured at (a rank
+computes 1/N of the heads and MLP columns, and the ranks all-reduce twice a layer): one of another size given as
+profile_path is refused, one found at the default path is ignored, and the log and status say so.
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ def device_tag(device: torch.device) -> str:
     return "cuda-" + re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
 
 
-def default_profile_path(model_name: str, device: torch.device, state_dir: str | None) -> Path:
+def default_profile_path(model_name: str, device: torch.device, state_dir: str | None, tensor_parallel_size: int = 1) -> Path:
     root = Path(state_dir) if state_dir else Path.home() / ".cache" / "lorad"
     model = re.sub(r"[^A-Za-z0-9._-]+", "-", model_name)
-    return root / f"profile-{model}-{device_tag(device)}.json"
+    size = f"-tp{tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+    return root / f"profile-{model}-{device_tag(device)}{size}.json"
 
 
 def rank_bucket(max_rank: int, max_lora_rank: int) -> int:
@@ -78,18 +82,31 @@ class LoraKernelChoice:
 
     @classmethod
     def for_engine(cls, profile_path: str | None, model_name: str, device: torch.device, state_dir: str | None,
-                   dtype: str, lora_kernel: str = "auto") -> LoraKernelChoice:
+                   dtype: str, lora_kernel: str = "auto", tensor_parallel_size: int = 1) -> LoraKernelChoice:
         """profile_path: a file (must exist), None (the default path, when a profile is there) or "off".
-        lora_kernel: auto (from the profile, MBGMV without one), or bgmv / mbgmv for every step."""
+        lora_kernel: auto (from the profile, MBGMV without one), or bgmv / mbgmv for every step.
+        tensor_parallel_size: the engine's; a profile measured at another size is refused when given, ignored (with
+        a warning, and said by describe()) when found at the default path."""
         kernel = None if lora_kernel == "auto" else lora_kernel
         if profile_path == PROFILE_OFF:
             return cls(source="off", kernel=kernel)
-        path = Path(profile_path) if profile_path else default_profile_path(model_name, device, state_dir)
+        path = (Path(profile_path) if profile_path
+                else default_profile_path(model_name, device, state_dir, tensor_parallel_size))
         if not path.exists():
             if profile_path:
-                raise BadRequest(f"profile_path {path} does not exist (write it with `lorad profile --out {path}`)")
+                raise BadRequest(f"profile_path {path} does not exist (write it with `lorad profile --out {path}`"
+                                 + (f" --tensor-parallel-size {tensor_parallel_size}" if tensor_parallel_size > 1 else "")
+                                 + ")")
             return cls(source=f"none at {path}", kernel=kernel)
         profile = Profile.load(path)  # a malformed file is an error, never ignored
+        if profile.tensor_parallel_size != tensor_parallel_size:
+            mismatch = (f"measured at tensor_parallel_size {profile.tensor_parallel_size}, the engine runs "
+                        f"{tensor_parallel_size} (measure it with `lorad profile --tensor-parallel-size "
+                        f"{tensor_parallel_size}`)")
+            if profile_path:
+                raise BadRequest(f"profile_path {path} was {mismatch}")
+            log.warning("profile %s ignored: %s", path, mismatch)
+            return cls(source=f"ignored at {path}: {mismatch}", kernel=kernel)
         measured = profile.machine.get("dtype")
         if measured is not None and measured != dtype:
             log.warning("profile %s was measured in %s, the engine runs %s: its predictions may be off", path, measured, dtype)

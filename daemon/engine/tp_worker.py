@@ -134,7 +134,7 @@ class TensorParallel:
     def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device):
         self.config, self.size = config, config.tensor_parallel_size
         self.shard = tensor_parallel.Shard(spec, 0, self.size)
-        self.devices = _devices(device, self.size)
+        self.devices = rank_devices(device, self.size)
         self.processes: list = []
         self.connections: list = []
         self.workers: list[dict] = []  # what each worker reported when ready
@@ -154,7 +154,7 @@ class TensorParallel:
         """Starts the workers (ranks 1..size-1, each loading its shard) and joins their process group. model_name and
         max_model_len are rank 0's: the workers pick the same profile and capture the same graphs."""
         tp = cls(config, spec, device)
-        address = f"tcp://127.0.0.1:{_free_port()}"
+        address = f"tcp://127.0.0.1:{free_port()}"
         context = multiprocessing.get_context("spawn")
         for rank in range(1, tp.size):
             ours, theirs = context.Pipe()
@@ -328,7 +328,7 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def _devices(device: torch.device, size: int) -> list[torch.device]:
+def rank_devices(device: torch.device, size: int) -> list[torch.device]:
     if device.type != "cuda":
         return [device] * size
     first = device.index or 0
@@ -338,7 +338,7 @@ def _devices(device: torch.device, size: int) -> list[torch.device]:
     return [torch.device("cuda", first + rank) for rank in range(size)]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -377,7 +377,8 @@ class RankWorker:
             weights = self.shard.read_weights(model_dir, self.dtype, device)
         self.weight_bytes = sum(tensor.nbytes for tensor in weights.values())
         kernel_choice = LoraKernelChoice.for_engine(config.profile_path, model_name, device, config.state_dir,
-                                                    str(self.dtype).removeprefix("torch."), config.lora_kernel)
+                                                    str(self.dtype).removeprefix("torch."), config.lora_kernel,
+                                                    config.tensor_parallel_size)
         self.runner = ModelRunner(config, local, device, weights, max_model_len, kernel_choice)
         self.runner.model.reduce = tensor_parallel.all_reduce
         del weights
@@ -457,7 +458,7 @@ def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: st
     device = torch.device(device)
     if device.type == "cpu":  # the ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
-    threading.Thread(target=_exit_with_parent, name="lorad-parent-watch", daemon=True).start()
+    threading.Thread(target=exit_with_parent, name="lorad-parent-watch", daemon=True).start()
     try:
         tensor_parallel.init_group(rank, config.tensor_parallel_size, device, address)
         worker = RankWorker(rank, config, spec, model_name, model_dir, max_model_len, device)
@@ -484,7 +485,7 @@ def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: st
     tensor_parallel.leave_group()
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """Rank 0 (the engine process) gone, killed in a collective perhaps: this rank goes too."""
     multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
     os._exit(RANK_DIED_EXIT)

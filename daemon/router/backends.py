@@ -182,8 +182,14 @@ class Backend:
                 queued.append((flight.rank, flight.prompt_tokens))
         return EngineView.build(
             self.index, status["max_running_requests"], running=running, queued=queued,
-            free_kv_tokens=status["free_kv_tokens"],
+            free_kv_tokens=status["free_kv_tokens"], tensor_parallel_size=self.tensor_parallel_size,
         )
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The GPUs the engine spans, from its /v1/status (`tensor_parallel.size`; a lorad that does not say: 1). A
+        tensor-parallel engine is one backend: one batch, one KV capacity, its steps those of its size's profile."""
+        return int(((self.status or {}).get("tensor_parallel") or {}).get("size", 1))
 
     def describe(self) -> dict:
         """This backend's entry in the router's /v1/status."""
@@ -193,6 +199,8 @@ class Backend:
             "down_reason": self.down_reason,
             "down_since": self.down_since,
             "base_model": self.base_model,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "gpus": ((self.status or {}).get("tensor_parallel") or {}).get("gpus"),
             "models": len(self.ranks),
             "routed": self.routed,
             "failed": self.failed,

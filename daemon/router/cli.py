@@ -35,9 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", choices=POLICIES, default="rank-aware",
                         help="rank-aware: CaraServe's Algorithm 1 (needs --tpot-slo-ms); most-idle: fewest requests; "
                              "first-fit: Punica's first engine below its batch limit; random (default: rank-aware)")
-    parser.add_argument("--profile", metavar="PATH",
+    parser.add_argument("--profile", metavar="PATH", action="append",
                         help="rank-aware: performance models from `lorad profile` (default: the example profile, "
-                             "NOT MEASURED)")
+                             "NOT MEASURED); repeatable, one per tensor-parallel size of the backends: each engine's "
+                             "steps are predicted with the profile of its size (the first given where none is)")
     parser.add_argument("--kernel", choices=("bgmv", "mbgmv"), default=None,
                         help="the engines' decode LoRA kernel: the example profile's (default: bgmv), or with --profile "
                              "the decode model of engines run with --lora-kernel KERNEL (default: the profile's choice)")
@@ -75,14 +76,24 @@ def make_policy(args: argparse.Namespace) -> tuple[object, dict]:
         raise BadRequest("--policy rank-aware needs --tpot-slo-ms MS, the time-per-output-token objective (> 0)")
     if args.avg_response_tokens <= 0:
         raise BadRequest("--avg-response-tokens must be positive")
-    profile = profile_for(args.profile, args.kernel)
-    measured = args.profile is not None and bool(profile.machine.get("measured"))
+    by_size: dict[int, tuple[str | None, object]] = {}  # tensor_parallel_size -> (path, profile)
+    for path in args.profile or [None]:
+        profile = profile_for(path, args.kernel)
+        size = profile.tensor_parallel_size
+        if size in by_size:
+            raise BadRequest(f"--profile {path} and --profile {by_size[size][0]} were both measured at "
+                             f"tensor_parallel_size {size}: give one profile per size")
+        by_size[size] = (path, profile)
+    path, profile = next(iter(by_size.values()))  # engines of a size without a profile of their own
+    measured = all(path is not None and bool(p.machine.get("measured")) for path, p in by_size.values())
     if not measured:
         log.warning("rank-aware routing with %s", NOT_MEASURED)
     # lorad's engines put prefill chunks into their decode steps (see RankAware.mixed_steps).
-    policy = RankAware(profile.decode, profile.prefill, args.tpot_slo_ms / 1e3, args.avg_response_tokens, mixed_steps=True)
-    about = {"profile": {"path": args.profile, "kernel": profile.decode.lora.kernel, "machine": profile.machine,
-                         "measured": measured},
+    policy = RankAware(profile.decode, profile.prefill, args.tpot_slo_ms / 1e3, args.avg_response_tokens, mixed_steps=True,
+                       by_tensor_parallel_size={size: (p.decode, p.prefill) for size, (_, p) in by_size.items()})
+    about = {"profile": {"path": path, "kernel": profile.decode.lora.kernel, "machine": profile.machine,
+                         "measured": measured, "tensor_parallel_size": profile.tensor_parallel_size},
+             "profiles_by_tensor_parallel_size": {size: path for size, (path, _) in by_size.items()},
              "tpot_slo_s": args.tpot_slo_ms / 1e3, "avg_response_tokens": args.avg_response_tokens,
              "mixed_steps": policy.mixed_steps}
     return policy, about

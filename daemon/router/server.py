@@ -63,6 +63,7 @@ class Router:
         self._polls: list[asyncio.Task] = []
         self._models_refreshed = -1e9
         self._unknown_rank_warned: set[str] = set()
+        self._sizes_warned: set[int] = set()  # tensor-parallel sizes predicted with another size's profile
 
     async def start(self) -> None:
         for backend in self.backends:
@@ -70,7 +71,7 @@ class Router:
         await asyncio.gather(*(backend.poll(refresh_models=True) for backend in self.backends))
         for backend in self.backends:
             log.info("backend socket=%s up=%s%s", backend.socket_path, backend.up,
-                     "" if backend.up else f" reason={backend.down_reason}")
+                     f" tensor_parallel_size={backend.tensor_parallel_size}" if backend.up else f" reason={backend.down_reason}")
         self._polls = [asyncio.create_task(backend.poll_forever(self.poll_interval_s)) for backend in self.backends]
 
     async def stop(self) -> None:
@@ -114,9 +115,25 @@ class Router:
         return largest
 
     def choose(self, request: RouteRequest, pool: list[Backend]) -> Backend:
+        for backend in pool:
+            self._check_profile(backend)
         chosen = self.backends[self.policy.choose(request, [backend.engine_view() for backend in pool])]
         self.decisions[chosen.socket_path] += 1
         return chosen
+
+    def _check_profile(self, backend: Backend) -> None:
+        """Says once per tensor-parallel size when the policy predicts engines of that size with a profile measured
+        at another (rank-aware, with no --profile of that size)."""
+        sized = getattr(self.policy, "by_tensor_parallel_size", None)
+        size = backend.tensor_parallel_size
+        if sized is None or size in sized or size in self._sizes_warned:
+            return
+        self._sizes_warned.add(size)
+        profile = self.about.get("profile", {})
+        log.warning("backend socket=%s spans %d GPUs (tensor_parallel_size %d) and no --profile was measured at that "
+                    "size: its steps are predicted with %s (tensor_parallel_size %d); measure one with `lorad profile "
+                    "--tensor-parallel-size %d`", backend.socket_path, size, size, profile.get("path") or "the example profile",
+                    profile.get("tensor_parallel_size", 1), size)
 
     def describe(self) -> dict:
         return {

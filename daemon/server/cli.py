@@ -48,7 +48,8 @@ _ENGINE_FLAG_HELP = {
     "layerwise": "--cold-start cpu|auto: copy a cold adapter layer by layer and move each layer of a "
                  "cpu-assisted prefill to the GPU as soon as it has arrived",
     "profile_path": "lorad profile's performance models, from which each decode step's LoRA kernel is chosen "
-                    "(default: STATE_DIR or ~/.cache/lorad, /profile-MODEL-DEVICE.json, when it exists; off: none, MBGMV)",
+                    "(default: STATE_DIR or ~/.cache/lorad, /profile-MODEL-DEVICE.json, -tpN.json under tensor parallelism, "
+                    "when it exists; off: none, MBGMV)",
     "lora_kernel": "auto|bgmv|mbgmv: the decode steps' LoRA kernel (auto: chosen per step from the profile's models; "
                    "MBGMV without a profile)",
     "admission": "fcfs|early-abort|cluster: which waiting requests join a step (early-abort drops those that "

@@ -18,6 +18,7 @@ from lorad.scheduler.perf_model import (
     choose_kernel,
     example_profile,
     fit_bgmv,
+    fit_collective,
     fit_decode_step,
     fit_mbgmv,
     fit_prefill,
@@ -147,3 +148,16 @@ def test_profile_json_round_trip(tmp_path):
         Profile.load(tmp_path / "bad.json")
     with pytest.raises(BadRequest):
         Profile.load(tmp_path / "missing.json")
+
+
+def test_fit_collective_recovers_coefficients_and_never_goes_negative():
+    tokens = [1, 2, 4, 16, 32, 64]
+    model = fit_collective([(t, 2e-5 + 1e-8 * t) for t in tokens], calls_per_step=80, size=2)
+    assert (model.fixed_s, model.per_token_s) == pytest.approx((2e-5, 1e-8)) and model.r2 == pytest.approx(1.0)
+    assert model.step_seconds(64) == pytest.approx(80 * (2e-5 + 64e-8)) and model.step_seconds(0) == 0.0
+    # One slow sample at the largest size would pull the line's intercept below 0: it goes through the origin.
+    spiked = fit_collective([(t, 3e-4 if t < 64 else 5e-3) for t in tokens], 4, 2)
+    assert spiked.fixed_s == 0.0 and spiked.per_token_s > 0 and spiked.step_seconds(1) > 0
+    # Times falling with size (noise): no negative slope, the mean alone.
+    falling = fit_collective([(t, 3e-4 - 1e-6 * t) for t in tokens], 4, 2)
+    assert falling.per_token_s == 0.0 and falling.fixed_s == pytest.approx(np.mean([3e-4 - 1e-6 * t for t in tokens]))

@@ -3,6 +3,8 @@ MBGMV, the SLO penalty, the weight by requests), the baselines, and candidate fi
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -138,15 +140,20 @@ def test_mixed_steps_charge_the_fixed_prefill_on_idle_engines_only():
 @pytest.mark.parametrize("mixed_steps", [False, True])
 @pytest.mark.parametrize("kernel", ["bgmv", "mbgmv"])
 def test_choose_is_argmin_of_weighted_cost(kernel, mixed_steps):
-    """RankAware.choose (inlined for speed) picks an engine of least cost(request, engine) * requests."""
+    """RankAware.choose (inlined for speed) picks an engine of least cost(request, engine) * requests; engines
+    spanning 2 GPUs are predicted with their own models (the other kernel's, half the fixed cost)."""
     profile = example_profile(kernel)
-    policy = RankAware(profile.decode, profile.prefill, slo_tpot_s=0.045, avg_response_tokens=80, mixed_steps=mixed_steps)
+    other = example_profile("mbgmv" if kernel == "bgmv" else "bgmv")
+    two_gpus = dataclasses.replace(other.decode, fixed_s=other.decode.fixed_s / 2)
+    policy = RankAware(profile.decode, profile.prefill, slo_tpot_s=0.045, avg_response_tokens=80, mixed_steps=mixed_steps,
+                       by_tensor_parallel_size={2: (two_gpus, dataclasses.replace(other.prefill, fixed_s=0.001))})
     rng = np.random.default_rng(0)
     ranks = [8, 16, 32, 64, 128]
     for _ in range(300):
         engines = [
             engine(i, list(rng.choice(ranks, size=rng.integers(0, 40))), context=int(rng.integers(10, 3000)),
-                   queued=[(int(rng.choice(ranks)), int(rng.integers(8, 512))) for _ in range(rng.integers(0, 3))])
+                   queued=[(int(rng.choice(ranks)), int(rng.integers(8, 512))) for _ in range(rng.integers(0, 3))],
+                   tensor_parallel_size=int(rng.choice([1, 2])))
             for i in range(6)
         ]
         request = RouteRequest(int(rng.choice(ranks)), int(rng.integers(8, 1024)))

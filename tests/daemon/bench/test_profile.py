@@ -20,7 +20,7 @@ from lorad.daemon.engine.kernel_choice import (
 from lorad.daemon.server.metrics import render
 from lorad.daemon.bench.profile import build_profile, fit, profile_main, rank_mixes
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
-from lorad.scheduler.perf_model import BgmvModel, MbgmvModel, Profile, example_profile, profile_for
+from lorad.scheduler.perf_model import BgmvModel, CollectiveModel, MbgmvModel, Profile, example_profile, profile_for
 
 from lorad.config import EngineConfig
 from lorad.errors import BadRequest
@@ -47,6 +47,56 @@ def test_quick_cpu_profile_is_saved_where_the_engine_looks(tmp_path, capsys):
     assert profile.notes["samples"]["kernels"]["bgmv"] and profile.notes["samples"]["prefill"]
     # The engine finds it by default, for this model on this device.
     assert LoraKernelChoice.for_engine(None, "tiny-llama", torch.device("cpu"), str(tmp_path), "float32").profile == profile
+
+
+@pytest.mark.slow
+def test_quick_cpu_profile_at_tensor_parallel_size_2(tmp_path, capsys):
+    """Two ranks on gloo, each timing its shard with the all-reduces: the profile says its size, holds a measured
+    all-reduce term, goes to the -tp2 path, and only a size-2 engine takes it."""
+    cpu = torch.device("cpu")
+    argv = ["--model-config", "tiny-llama", "--device", "cpu", "--quick", "--state-dir", str(tmp_path)]
+    assert profile_main([*argv, "--tensor-parallel-size", "2"]) == 0
+    path = default_profile_path("tiny-llama", cpu, str(tmp_path), 2)
+    assert path == tmp_path / "profile-tiny-llama-cpu-tp2.json" and path.exists()
+    out = capsys.readouterr().out
+    assert "x 2 ranks" in out and "| allreduce |" in out and "collective_share" in out
+    profile = Profile.load(path)
+    assert profile.tensor_parallel_size == 2 and profile.machine["gpus"] == ["cpu", "cpu"]
+    assert profile.machine["collective_backend"] == "gloo"
+    collectives = profile.collectives
+    assert collectives.size == 2 and collectives.calls_per_step == 2 * 2  # two a layer, tiny-llama's 2 layers
+    assert collectives.step_seconds(1) > 0 and collectives.step_seconds(0) == 0
+    assert [tokens for tokens, _ in profile.notes["samples"]["allreduce"]] == [1, 2, 4, 16, 32, 64]
+    assert all(0 < share for share in profile.notes["collective_share"]["decode"])
+    # The TP=2 engine finds it at its default path; a TP=1 engine looks elsewhere (the size is in the name).
+    found = LoraKernelChoice.for_engine(None, "tiny-llama", cpu, str(tmp_path), "float32", tensor_parallel_size=2)
+    assert found.profile == profile and found.describe() == f"profile:{path}"
+    alone = LoraKernelChoice.for_engine(None, "tiny-llama", cpu, str(tmp_path), "float32")
+    assert alone.profile is None and alone.source == f"none at {tmp_path / 'profile-tiny-llama-cpu.json'}"
+    # A profile of another size: refused when given, ignored (and said) when found at the default path.
+    with pytest.raises(BadRequest, match="measured at tensor_parallel_size 2, the engine runs 1"):
+        LoraKernelChoice.for_engine(str(path), "tiny-llama", cpu, None, "float32")
+    path.rename(default_profile_path("tiny-llama", cpu, str(tmp_path)))
+    ignored = LoraKernelChoice.for_engine(None, "tiny-llama", cpu, str(tmp_path), "float32")
+    assert ignored.profile is None
+    assert ignored.describe().startswith("default:mbgmv (no profile: ignored at ")
+    assert "measured at tensor_parallel_size 2, the engine runs 1" in ignored.describe()
+    # A size that does not split the model is refused before any rank starts.
+    assert profile_main([*argv, "--tensor-parallel-size", "3"]) == 2
+    assert "tensor_parallel_size 3 does not divide" in capsys.readouterr().err
+
+
+def test_a_profile_without_a_size_is_of_one_gpu(tmp_path):
+    profile = example_profile()
+    assert profile.tensor_parallel_size == 1 and profile.collectives is None
+    path = tmp_path / "old.json"
+    profile.save(path)
+    assert LoraKernelChoice.for_engine(str(path), "m", torch.device("cpu"), None, "float32").profile == profile
+    with pytest.raises(BadRequest, match="tensor_parallel_size 1, the engine runs 2"):
+        LoraKernelChoice.for_engine(str(path), "m", torch.device("cpu"), None, "float32", tensor_parallel_size=2)
+    sized = dataclasses.replace(profile, machine={"tensor_parallel_size": 2},
+                                collectives=CollectiveModel(1e-5, 1e-8, 64, 2, 0.99))
+    assert Profile.from_json(sized.to_json()) == sized and sized.collectives.step_seconds(10) == pytest.approx(64 * (1e-5 + 1e-7))
 
 
 def test_fit_recovers_injected_coefficients():

@@ -59,3 +59,26 @@ def test_profile_fits_both_kernels_on_this_gpu():
     print({name: model.r2 for name, model in fits.items()})
     assert fits["bgmv"].r2 >= 0.9 and fits["mbgmv"].r2 >= 0.9, {name: model.r2 for name, model in fits.items()}
     assert profile.machine["kernels"].startswith("triton")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_profile_at_tensor_parallel_size_2_measures_nccl_all_reduces(tmp_path, capsys):
+    """Two ranks on cuda:0 and cuda:1 (NCCL, the all-reduces inside the decode and prefill CUDA graphs): the
+    profile of the TP=2 engine, at its default path, with a measured all-reduce term and its share of a step."""
+    from lorad.daemon.bench.profile import profile_main
+    from lorad.daemon.engine.kernel_choice import LoraKernelChoice, default_profile_path
+    from lorad.scheduler.perf_model import Profile
+
+    assert profile_main(["--model-config", "tiny-llama", "--device", "cuda", "--quick", "--tensor-parallel-size", "2",
+                         "--state-dir", str(tmp_path)]) == 0
+    path = default_profile_path("tiny-llama", torch.device("cuda:0"), str(tmp_path), 2)
+    profile = Profile.load(path)
+    print(capsys.readouterr().out)
+    assert profile.tensor_parallel_size == 2 and profile.machine["gpus"] == ["cuda:0", "cuda:1"]
+    assert profile.machine["collective_backend"] == "nccl"
+    one_row = profile.collectives.step_seconds(1) / profile.collectives.calls_per_step
+    assert 0 < one_row < 1e-3, one_row  # one small all-reduce between two GPUs of one host: microseconds
+    assert 0 < profile.notes["collective_share"]["decode"][1] < 1
+    found = LoraKernelChoice.for_engine(None, "tiny-llama", torch.device("cuda:0"), str(tmp_path), "float32",
+                                        tensor_parallel_size=2)
+    assert found.profile == profile

@@ -7,6 +7,7 @@ ranks run. A rank killed mid-request takes the engine down: every request errors
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import signal
 import time
@@ -16,12 +17,14 @@ import torch
 
 from lorad.config import EngineConfig
 from lorad.daemon.engine.engine import Engine
+from lorad.daemon.engine.kernel_choice import default_profile_path
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 from lorad.daemon.model.adapters import LoraAdapter
 from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
 from lorad.daemon.model.tensor_parallel import COLUMN_PARALLEL, Shard, check_size
 from lorad.daemon.server.metrics import render
 from lorad.errors import BadRequest, EngineDead
+from lorad.scheduler.perf_model import example_profile
 
 from test_hf_parity import MAX_TOKENS, make_cases, mismatches
 
@@ -68,6 +71,15 @@ def test_engine_refuses_a_size_before_starting_any_rank(hf_checkpoint):
 def test_fp8_is_refused_across_ranks_before_any_starts(flags):
     with pytest.raises(BadRequest, match="not served with tensor_parallel_size > 1"):
         Engine(EngineConfig(model_config="tiny-llama", dummy_weights=True, device="cpu", tensor_parallel_size=2, **flags))
+
+
+def test_a_profile_of_another_size_is_refused_before_any_rank_starts(tmp_path):
+    path = tmp_path / "one-gpu.json"
+    example_profile().save(path)  # a profile of one GPU (no tensor_parallel_size: 1)
+    with pytest.raises(BadRequest, match="measured at tensor_parallel_size 1, the engine runs 2 .*--tensor-parallel-size 2"):
+        Engine(EngineConfig(model_config="tiny-llama", dummy_weights=True, device="cpu", tensor_parallel_size=2,
+                            profile_path=str(path)))
+    assert multiprocessing.active_children() == []
 
 
 # --- the shards' algebra ----------------------------------------------------------------------------------------
@@ -216,10 +228,13 @@ def test_tp2_choices_of_one_prompt_equal_tp1(hf_checkpoint):
 
 @pytest.mark.slow
 def test_tp2_dummy_weights_and_adapters_run(tmp_path):
-    # The benchmarks' path: random weights drawn per rank in its local shape, in-memory adapters every rank makes.
+    # The benchmarks' path: random weights drawn per rank in its local shape, in-memory adapters every rank makes;
+    # the profile of size 2 found at its default path (`lorad profile --tensor-parallel-size 2` writes there).
+    profile_path = default_profile_path("tiny-llama", torch.device("cpu"), str(tmp_path), 2)
+    dataclasses.replace(example_profile("mbgmv"), machine={"tensor_parallel_size": 2}).save(profile_path)
     config = EngineConfig(model_config="tiny-llama", dummy_weights=True, dummy_adapters=3, dummy_adapter_rank=4,
                           dummy_adapter_targets=",".join(PROJECTIONS), device="cpu", tensor_parallel_size=2,
-                          cold_start="cached")
+                          cold_start="cached", state_dir=str(tmp_path))
     engine = Engine(config)
     try:
         results = engine.generate([GenerationRequest(prompt_token_ids=[5, 6, 7], adapter=f"dummy-{index % 3}",
@@ -230,6 +245,8 @@ def test_tp2_dummy_weights_and_adapters_run(tmp_path):
     finally:
         engine.close()
     assert [len(result.token_ids) for result in results] == [4] * 4
+    assert status["lora_kernel_choice"] == f"profile:{profile_path}" and profile_path.name.endswith("-tp2.json")
+    assert status["tensor_parallel"]["size"] == 2 and status["tensor_parallel"]["gpus"] == ["cpu", "cpu"]
     assert status["tensor_parallel"]["adapter_pages_each_rank"] > 0
     assert 'lorad_tensor_parallel_rank_up{rank="0",device="cpu"} 1' in metrics
     assert 'lorad_tensor_parallel_rank_up{rank="1",device="cpu"} 1' in metrics

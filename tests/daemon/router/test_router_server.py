@@ -292,6 +292,54 @@ def test_backend_view_counts_own_and_foreign_requests():
     assert view.remaining_tokens == 45 + 24 + 10
 
 
+def tp_status(size: int, running: list | None = None) -> dict:
+    """A /v1/status as a lorad engine spanning `size` GPUs answers it (the fields the router reads)."""
+    return {"max_running_requests": 8, "free_kv_tokens": 1000, "running_batch": running or [], "waiting_batch": [],
+            "tensor_parallel": {"size": size, "gpus": [f"cuda:{index}" for index in range(size)]}}
+
+
+def test_a_tensor_parallel_backend_is_one_engine_spanning_its_gpus():
+    backend = Backend(0, "/nonexistent.sock")
+    backend.status = tp_status(2)
+    view = backend.engine_view()  # one batch, one KV capacity: the engine's, whatever GPUs it spans
+    assert (view.tensor_parallel_size, view.max_running, view.free_kv_tokens) == (2, 8, 1000)
+    described = backend.describe()
+    assert described["tensor_parallel_size"] == 2 and described["gpus"] == ["cuda:0", "cuda:1"]
+    backend.status = {"max_running_requests": 8, "free_kv_tokens": 1000}  # a lorad that does not say: one GPU
+    assert backend.engine_view().tensor_parallel_size == 1 and backend.describe()["gpus"] is None
+
+
+def test_rank_aware_predicts_each_backend_with_its_sizes_profile(caplog):
+    from lorad.daemon.router.server import Router
+    from lorad.scheduler.perf_model import example_profile
+    from lorad.scheduler.router import RankAware, RouteRequest
+
+    one_gpu, two_gpus = example_profile("mbgmv"), example_profile("mbgmv")
+    two_gpus = dataclasses.replace(two_gpus, decode=dataclasses.replace(two_gpus.decode, per_request_s=1e-6,
+                                                                          fixed_s=0.015))
+    busy = [[16, 100, 50]] * 4  # the same batch on both
+    request = RouteRequest(rank=16, prompt_tokens=100)
+
+    def routed(sized: dict) -> tuple[int, list]:
+        policy = RankAware(one_gpu.decode, one_gpu.prefill, 1.0, 128.0, mixed_steps=True, by_tensor_parallel_size=sized)
+        router = Router(["/a.sock", "/b.sock"], policy)
+        for backend, size in zip(router.backends, (1, 2)):
+            backend.status = tp_status(size)
+            backend._find_foreign_requests(busy, [])
+        caplog.clear()
+        chosen = router.choose(request, router.backends).index
+        router.choose(request, router.backends)  # said once per size
+        return chosen, [record.getMessage() for record in caplog.records if "tensor_parallel_size" in record.getMessage()]
+
+    # Each engine's step from its own size's profile: the TP=2 engine's batch grows cheaper.
+    chosen, warnings = routed({1: (one_gpu.decode, one_gpu.prefill), 2: (two_gpus.decode, two_gpus.prefill)})
+    assert chosen == 1 and warnings == []
+    # No profile of size 2: predicted with the first one, and the router says so.
+    chosen, warnings = routed({1: (one_gpu.decode, one_gpu.prefill)})
+    assert chosen == 0 and len(warnings) == 1
+    assert "spans 2 GPUs (tensor_parallel_size 2) and no --profile was measured at that size" in warnings[0]
+
+
 # --- the 2-GPU benchmark script ---------------------------------------------------------------------------------
 
 
@@ -314,7 +362,7 @@ def test_make_policy_rank_aware_charges_prefill_for_mixed_steps(tmp_path):
     profile = tmp_path / "profile.json"
     example_profile("mbgmv").save(profile)
     args = argparse.Namespace(policy="rank-aware", seed=0, tpot_slo_ms=40.0, avg_response_tokens=128.0,
-                              profile=str(profile), kernel="mbgmv")
+                              profile=[str(profile)], kernel="mbgmv")
     policy, about = make_policy(args)
     assert isinstance(policy, RankAware) and policy.mixed_steps and about["mixed_steps"] is True
     assert about["tpot_slo_s"] == pytest.approx(0.04) and about["profile"]["path"] == str(profile)
@@ -330,3 +378,12 @@ def test_make_policy_rank_aware_charges_prefill_for_mixed_steps(tmp_path):
     assert policy.decode == bgmv and about["profile"]["kernel"] == "bgmv"
     policy, about = make_policy(argparse.Namespace(**{**vars(args), "kernel": None}))
     assert about["profile"]["kernel"] == "mbgmv"
+    # One profile per tensor-parallel size: each engine is predicted with its size's.
+    tp2 = tmp_path / "profile-tp2.json"
+    dataclasses.replace(example_profile("mbgmv"), machine={"tensor_parallel_size": 2, "measured": True}).save(tp2)
+    policy, about = make_policy(argparse.Namespace(**{**vars(args), "profile": [str(profile), str(tp2)]}))
+    assert sorted(policy.by_tensor_parallel_size) == [1, 2]
+    assert about["profiles_by_tensor_parallel_size"] == {1: str(profile), 2: str(tp2)}
+    assert about["profile"]["tensor_parallel_size"] == 1
+    with pytest.raises(BadRequest, match="both measured at tensor_parallel_size 2"):
+        make_policy(argparse.Namespace(**{**vars(args), "profile": [str(tp2), str(tp2)]}))
