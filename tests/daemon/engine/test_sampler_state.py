@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from triton_interpreter import CUDA, HAS_TRITON
 
 from lorad.daemon.engine.request import SamplingParams
 from lorad.daemon.engine.sampler import History, LogprobCopies, logprobs_of, process_logits
@@ -85,10 +86,20 @@ def test_incremental_state_equals_process_logits_on_the_whole_history(seed, monk
     run_randomized(seed, torch.device("cpu"))
 
 
-def run_randomized(seed: int, device: torch.device) -> None:
+@pytest.mark.skipif(not HAS_TRITON or CUDA, reason="the compiled kernels are tested by -m gpu (or triton is absent)")
+@pytest.mark.parametrize("seed", range(2))
+def test_state_through_the_kernels_equals_process_logits(seed, monkeypatch):
+    """The same, with process and advance in gpu_ops/logits.py's kernels (Triton's interpreter)."""
+    monkeypatch.setattr(sampler_state, "FIRST_SLOTS", 2)
+    monkeypatch.setattr(sampler_state, "FIRST_TOKENS", 4)
+    run_randomized(seed, torch.device("cpu"), kernels=True)
+
+
+def run_randomized(seed: int, device: torch.device, kernels: bool | None = None) -> None:
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
-    state = SamplerState(VOCAB, device, MAX_BANNED)
+    state = SamplerState(VOCAB, device, MAX_BANNED, kernels=kernels)
+    assert state.kernels == (kernels if kernels is not None else device.type == "cuda")
     running: list[Running] = []
     names = iter(range(10**6))
     steps = 0
