@@ -83,9 +83,9 @@ def process_rows(logits: torch.Tensor, rows: torch.Tensor | None, slots: torch.T
         counts if counts is not None else penalties, scratch if scratch is not None else penalties,
         logits.stride(0), bias_ids.stride(0), banned.stride(0), tokens.stride(0),
         counts.stride(0) if counts is not None else 0, bias_width, banned_width, held_width,
-        ALL_ROWS=rows is None, BIAS_BLOCK=next_power_of_2(max(bias_width, 1)),
-        BANNED_BLOCK=next_power_of_2(max(banned_width, 1)), HELD_BLOCK=HELD_BLOCK, REPETITION=repetition,
-        COUNTED=counts is not None, num_warps=4, enable_fp_fusion=False,
+        int(rows is None), int(repetition), int(counts is not None),
+        BIAS_BLOCK=next_power_of_2(bias_ids.shape[1]), BANNED_BLOCK=next_power_of_2(max(banned.shape[1], 1)),
+        HELD_BLOCK=HELD_BLOCK, num_warps=4, enable_fp_fusion=False,
     )
 
 
@@ -111,22 +111,23 @@ def advance_rows(tokens: torch.Tensor, counts: torch.Tensor | None, rows: torch.
         return
     _advance_kernel[(count,)](
         tokens, counts if counts is not None else tokens, rows if rows is not None else slots, slots, positions, drawn,
-        tokens.stride(0), counts.stride(0) if counts is not None else 0,
-        ALL_ROWS=rows is None, COUNTED=counts is not None, num_warps=1,
+        tokens.stride(0), counts.stride(0) if counts is not None else 0, int(rows is None), int(counts is not None),
+        num_warps=1,
     )
 
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["bias_width", "banned_width", "held_width"])  # they change step by step
+    # What changes from step to step is a runtime argument, never specialized on: one compiled kernel serves every
+    # step of an engine (the blocks are the tables' widths), instead of a compilation, on the decode loop, per mix.
+    @triton.jit(do_not_specialize=["bias_width", "banned_width", "held_width", "all_rows", "repetition", "counted"])
     def _process_kernel(logits, rows, slots, banning, penalties, bias_ids, bias_values, banned, tokens, counts, scratch,
                         logits_stride, bias_stride, banned_stride, tokens_stride, counts_stride,
-                        bias_width, banned_width, held_width,
-                        ALL_ROWS: tl.constexpr, BIAS_BLOCK: tl.constexpr, BANNED_BLOCK: tl.constexpr,
-                        HELD_BLOCK: tl.constexpr, REPETITION: tl.constexpr, COUNTED: tl.constexpr):
+                        bias_width, banned_width, held_width, all_rows, repetition, counted,
+                        BIAS_BLOCK: tl.constexpr, BANNED_BLOCK: tl.constexpr, HELD_BLOCK: tl.constexpr):
         i = tl.program_id(0)
         slot = tl.load(slots + i)
-        if ALL_ROWS:
+        if all_rows != 0:
             row = i.to(tl.int64)
         else:
             row = tl.load(rows + i)
@@ -140,7 +141,7 @@ if triton is not None:
         tl.store(line + ids, tl.load(line + ids, mask=biased) + add, mask=biased)
         tl.debug_barrier()
 
-        if REPETITION or COUNTED:
+        if repetition + counted != 0:
             penalty = tl.load(penalties + slot * 3 + 0)
             frequency = tl.load(penalties + slot * 3 + 1)
             presence = tl.load(penalties + slot * 3 + 2)
@@ -149,9 +150,9 @@ if triton is not None:
                 inside = k < held_width
                 held = tl.load(tokens + slot * tokens_stride + k, mask=inside, other=0)
                 values = tl.load(line + held, mask=inside, other=0.0)
-                if REPETITION:
+                if repetition != 0:
                     values = tl.where(values > 0, tl.math.div_rn(values, penalty), values * penalty)
-                if COUNTED:
+                if counted != 0:
                     seen = tl.load(counts + slot * counts_stride + held, mask=inside, other=0.0)
                     values = values - frequency * seen - presence * (seen > 0).to(tl.float32)
                 tl.store(scratch + slot * tokens_stride + k, values, mask=inside)
@@ -168,16 +169,15 @@ if triton is not None:
             ids = tl.load(banned + slot * banned_stride + b, mask=b < banned_width, other=0)
             tl.store(line + ids, tl.full((BANNED_BLOCK,), float("-inf"), tl.float32), mask=b < banned_width)
 
-    @triton.jit
-    def _advance_kernel(tokens, counts, rows, slots, positions, drawn, tokens_stride, counts_stride,
-                        ALL_ROWS: tl.constexpr, COUNTED: tl.constexpr):
+    @triton.jit(do_not_specialize=["all_rows", "counted"])
+    def _advance_kernel(tokens, counts, rows, slots, positions, drawn, tokens_stride, counts_stride, all_rows, counted):
         i = tl.program_id(0)
         slot = tl.load(slots + i)
-        if ALL_ROWS:
+        if all_rows != 0:
             token = tl.load(drawn + i)
         else:
             token = tl.load(drawn + tl.load(rows + i))
         tl.store(tokens + slot * tokens_stride + tl.load(positions + i), token)
-        if COUNTED:
+        if counted != 0:
             where = counts + slot * counts_stride + token
             tl.store(where, tl.load(where) + 1.0)
