@@ -112,15 +112,17 @@ def advance_rows(tokens: torch.Tensor, counts: torch.Tensor | None, rows: torch.
     _advance_kernel[(count,)](
         tokens, counts if counts is not None else tokens, rows if rows is not None else slots, slots, positions, drawn,
         tokens.stride(0), counts.stride(0) if counts is not None else 0, int(rows is None), int(counts is not None),
-        num_warps=1,
+        num_warps=1, enable_fp_fusion=False,
     )
 
 
 if triton is not None:
 
-    # What changes from step to step is a runtime argument, never specialized on: one compiled kernel serves every
-    # step of an engine (the blocks are the tables' widths), instead of a compilation, on the decode loop, per mix.
-    @triton.jit(do_not_specialize=["bias_width", "banned_width", "held_width", "all_rows", "repetition", "counted"])
+    # What changes from step to step is a runtime argument, never specialized on (nor the alignment of the step's
+    # index, whose rows are views at offsets of 8 x rows bytes): one compiled kernel serves every step of an engine
+    # (the blocks are the tables' widths), instead of a compilation, on the decode loop, per mix.
+    @triton.jit(do_not_specialize=["bias_width", "banned_width", "held_width", "all_rows", "repetition", "counted"],
+                do_not_specialize_on_alignment=["rows", "slots", "banning"])
     def _process_kernel(logits, rows, slots, banning, penalties, bias_ids, bias_values, banned, tokens, counts, scratch,
                         logits_stride, bias_stride, banned_stride, tokens_stride, counts_stride,
                         bias_width, banned_width, held_width, all_rows, repetition, counted,
@@ -166,10 +168,11 @@ if triton is not None:
 
         if tl.load(banning + i) != 0:
             b = tl.arange(0, BANNED_BLOCK)
-            ids = tl.load(banned + slot * banned_stride + b, mask=b < banned_width, other=0)
-            tl.store(line + ids, tl.full((BANNED_BLOCK,), float("-inf"), tl.float32), mask=b < banned_width)
+            bans = tl.load(banned + slot * banned_stride + b, mask=b < banned_width, other=0)
+            tl.store(line + bans, tl.full((BANNED_BLOCK,), float("-inf"), tl.float32), mask=b < banned_width)
 
-    @triton.jit(do_not_specialize=["all_rows", "counted"])
+    @triton.jit(do_not_specialize=["all_rows", "counted"],
+                do_not_specialize_on_alignment=["rows", "slots", "positions", "drawn"])
     def _advance_kernel(tokens, counts, rows, slots, positions, drawn, tokens_stride, counts_stride, all_rows, counted):
         i = tl.program_id(0)
         slot = tl.load(slots + i)
