@@ -248,18 +248,44 @@ PROCESSED = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_pena
 
 def sampler_overhead(engine: Engine, args) -> None:
     """Decode step time with every row processed (PROCESSED) against plain greedy, same rows and prompts,
-    in alternating rounds (A B B A ...) so drift hits both alike."""
+    in alternating rounds (A B B A ...) so drift hits both alike. Beside it, per overlapped step, the host's time
+    launching the step's sampling (engine._launch_tokens) and waiting for the step in flight: a wait near zero
+    means the host, not the device, sets the pace."""
     prompt = args.prompts[-1]
     times = {"greedy": [], "processed": []}
-    for name in ("greedy", "processed", "processed", "greedy", "greedy", "processed"):
-        _, ms = decode_rate(engine, [None] * args.batch, prompt, args.steps, PROCESSED if name == "processed" else None)
-        times[name].append(ms)
+    host = {name: {"launch_tokens": [], "wait": []} for name in times}
+    launch_tokens, wait = engine._launch_tokens, torch.cuda.Event.synchronize
+    current = host["greedy"]
+
+    def timed_launch(*positional, **named):
+        started = time.perf_counter()
+        try:
+            return launch_tokens(*positional, **named)
+        finally:
+            current["launch_tokens"].append((time.perf_counter() - started) * 1e3)
+
+    def timed_wait(event):
+        started = time.perf_counter()
+        wait(event)
+        current["wait"].append((time.perf_counter() - started) * 1e3)
+
+    engine._launch_tokens, torch.cuda.Event.synchronize = timed_launch, timed_wait
+    try:
+        for name in ("greedy", "processed", "processed", "greedy", "greedy", "processed"):
+            current = host[name]
+            _, ms = decode_rate(engine, [None] * args.batch, prompt, args.steps, PROCESSED if name == "processed" else None)
+            times[name].append(ms)
+    finally:
+        del engine._launch_tokens
+        torch.cuda.Event.synchronize = wait
     greedy, processed = statistics.median(times["greedy"]), statistics.median(times["processed"])
     result = {
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model_config,
         "batch": args.batch, "prompt": prompt, "steps": args.steps, "processed": {k: str(v) for k, v in PROCESSED.items()},
         "step_ms": times, "greedy_ms": greedy, "processed_ms": processed, "processed_over_greedy": processed / greedy,
         "overlap_decode": engine.overlap_decode,
+        "host_ms_per_step": {name: {phase: statistics.median(values) if values else None for phase, values in phases.items()}
+                             for name, phases in host.items()},
     }
     print(json.dumps(result, indent=1))
     if args.out:

@@ -784,7 +784,7 @@ class Engine:
         tokens = logits.argmax(dim=-1)  # as sample() does for greedy rows
         if processed is not None:
             self.sampler_state.advance(processed, tokens)
-        logprobs = self._logprob_copies.launch(logits, [seq.state.request.sampling for seq in seqs], tokens)
+        logprobs = self._logprob_copies.launch(logits, [seq.state.request.sampling for seq in seqs], tokens, argmax=True)
         host = self._token_buffers[self._token_turn][: len(seqs)]
         self._token_turn ^= 1
         host.copy_(tokens, non_blocking=True)

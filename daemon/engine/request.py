@@ -81,6 +81,8 @@ class SamplingParams:
                 raise BadRequest(f"logit_bias: {token!r} is not a token id")
             if not _real(bias) or not -100 <= bias <= 100:
                 raise BadRequest(f"logit_bias: the bias of token {token} must be a number in [-100, 100]")
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):  # e.g. the keys "7" and "07"
+            raise BadRequest("logit_bias: a token id is given more than once")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise BadRequest("min_tokens must be an integer >= 0")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)

@@ -98,10 +98,10 @@ def logprobs_of(logits: torch.Tensor, params: list[SamplingParams], tokens: list
 
 
 def logprob_tensors(logits: torch.Tensor, params: list[SamplingParams], rows: list[int],
-                    picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    picked: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """On the logits' device, without waiting for it, for the rows `rows` of logits [N, vocab] and their drawn
-    tokens picked [len(rows)] int64: the tokens' log-probabilities [R], and the k most likely ones' [R, k] and
-    their ids [R, k], k the most any of the rows asks for."""
+    tokens picked [len(rows)] int64: the tokens' log-probabilities [R] (None when picked is), and the k most likely
+    ones' [R, k] and their ids [R, k], k the most any of the rows asks for."""
     device = logits.device
     whole = rows == list(range(logits.shape[0]))
     selected = logits if whole else logits.index_select(0, to_device(torch.tensor(rows), device))
@@ -109,7 +109,7 @@ def logprob_tensors(logits: torch.Tensor, params: list[SamplingParams], rows: li
     if any(t != 1.0 for t in temperatures):
         selected = selected.float() / to_device(torch.tensor(temperatures, dtype=torch.float32), device)[:, None]
     log_probs = torch.log_softmax(selected.float(), dim=-1)
-    chosen = log_probs.gather(1, picked[:, None])[:, 0]
+    chosen = None if picked is None else log_probs.gather(1, picked[:, None])[:, 0]
     k = max(params[row].logprobs for row in rows)
     top_values, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
     return chosen, top_values, top_ids
@@ -144,19 +144,25 @@ class LogprobCopies:
         self._ids = [torch.zeros(max_rows * MAX_LOGPROBS, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._turn = 0
 
-    def launch(self, logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor) -> PendingLogprobs | None:
+    def launch(self, logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor,
+               argmax: bool = False) -> PendingLogprobs | None:
         """For the rows of logits [N, vocab] that ask for logprobs, of their drawn tokens [N] on the device; None
-        when no row asks."""
+        when no row asks. argmax: the tokens are the logits' argmax, so a drawn token's log-probability is the
+        first of the top ones (log_softmax keeps the order): not gathered apart when a row asks for top ones."""
         rows = [row for row, p in enumerate(params) if p.logprobs is not None]
         if not rows:
             return None
-        picked = tokens if len(rows) == len(params) else tokens.index_select(0, to_device(torch.tensor(rows), tokens.device))
+        k = max(params[row].logprobs for row in rows)
+        if argmax and k:
+            picked = None
+        else:
+            picked = tokens if len(rows) == len(params) else tokens.index_select(0, to_device(torch.tensor(rows), tokens.device))
         chosen, top_values, top_ids = logprob_tensors(logits, params, rows, picked)
-        count, k = len(rows), top_ids.shape[1]
-        values = self._values[self._turn][: count * (k + 1)].view(count, k + 1)  # contiguous: copied without waiting
+        count, columns = len(rows), k + (chosen is not None)
+        values = self._values[self._turn][: count * columns].view(count, columns)  # contiguous: copied without waiting
         ids = self._ids[self._turn][: count * k].view(count, k)
         self._turn ^= 1
-        values.copy_(torch.cat([chosen[:, None], top_values], dim=1), non_blocking=True)
+        values.copy_(top_values if chosen is None else torch.cat([chosen[:, None], top_values], dim=1), non_blocking=True)
         ids.copy_(top_ids, non_blocking=True)
         return PendingLogprobs(params, rows, values, ids)
 
@@ -167,12 +173,15 @@ class PendingLogprobs:
 
     params: list[SamplingParams]
     rows: list[int]
-    values: torch.Tensor  # [R, k + 1] float32 on the host: the drawn token's, then the top k
+    # float32 on the host: [R, k + 1], the drawn token's then the top k; or [R, k], the top k alone, the drawn
+    # token's being the first of them (LogprobCopies.launch with argmax)
+    values: torch.Tensor
     ids: torch.Tensor  # [R, k] int64 on the host
 
     def read(self) -> list[TokenLogprob | None]:
         values = self.values.tolist()
-        return token_logprobs(self.params, self.rows, [row[0] for row in values], [row[1:] for row in values],
+        first = self.values.shape[1] - self.ids.shape[1]  # 1: the drawn token's apart
+        return token_logprobs(self.params, self.rows, [row[0] for row in values], [row[first:] for row in values],
                               self.ids.tolist())
 
 

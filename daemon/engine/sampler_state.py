@@ -3,9 +3,10 @@ never rebuilds it from the token history: slot-indexed tables of its settings (p
 min_tokens bans), its tokens (prompt, then output) and, for frequency and presence penalties, the counts of its
 generated tokens over the vocabulary.
 
-A step gathers its rows' slots with one small index and processes them all in a fixed number of batched ops
-(`process`); after sampling it appends its tokens and counts them on the device (`advance`). Nothing waits for the
-device, so a decode step with such rows can overlap the next. The penalties only touch the tokens a row holds, so a
+A step gathers its rows' slots with one small index and processes them all in one launch (`process`); after
+sampling it appends its tokens and counts them on the device, in one more (`advance`): gpu_ops/logits.py's kernels on
+cuda, their torch references elsewhere. Nothing waits for the device, so a decode step with such rows can overlap the
+next. The penalties only touch the tokens a row holds, so a
 step reads and writes [rows, tokens held] entries of the logits, never [rows, vocab]. sampler.py's
 `process_logits`, which reads the whole history, is the reference this matches exactly.
 """
@@ -20,13 +21,12 @@ import torch
 
 from lorad.daemon.engine.request import MAX_LOGIT_BIAS, SamplingParams
 from lorad.daemon.engine.sampler import History, to_device
+from lorad.gpu_ops.logits import advance_rows, advance_rows_ref, process_rows, process_rows_ref
 
 log = logging.getLogger(__name__)
 
 FIRST_SLOTS = 8  # slots of the first tables; they double when full
 FIRST_TOKENS = 256  # tokens a slot holds at first; doubled for the longest sequence
-
-REPETITION, FREQUENCY, PRESENCE = range(3)  # the columns of SamplerState.penalties
 
 
 @dataclass(frozen=True)
@@ -44,15 +44,19 @@ class SamplerState:
     keyed by whatever the caller names its sequences with. The tables are allocated at the first `admit` and grow by
     doubling: slots x (tokens x 8 + about 6 KB) bytes for the token lists, bias and bans, and, once a sequence asks for a
     frequency or presence penalty, slots x vocab x 4 bytes of counts (float32, as the penalties are computed): 64
-    slots of a 256k vocabulary hold 64 MiB of counts, 64 slots of 8192 tokens 4 MiB of token lists; all outside the
-    page pool.
+    slots of a 256k vocabulary hold 64 MiB of counts, 64 slots of 8192 tokens 4 MiB of token lists (and, with the
+    kernels, 2 MiB of the process kernel's scratch); all outside the page pool.
 
     A slot whose sequence has no frequency or presence penalty still has a row of counts, only ever read as
     0 x count: finite, so without effect. `advance` must follow each `process`, once: it is what moves a slot's
     length on."""
 
-    def __init__(self, vocab_size: int, device: torch.device, max_banned: int):
+    def __init__(self, vocab_size: int, device: torch.device, max_banned: int, kernels: bool | None = None):
+        """kernels: a step's processing and advance each in one Triton launch (gpu_ops/logits.py); by default on
+        cuda only, the torch references elsewhere."""
         self.vocab_size, self.device, self.max_banned = vocab_size, device, max_banned
+        self.kernels = device.type == "cuda" if kernels is None else kernels
+        self._process, self._advance = (process_rows, advance_rows) if self.kernels else (process_rows_ref, advance_rows_ref)
         self._slots: dict[Hashable, int] = {}
         self._free: list[int] = []
         # By slot, on the host: its params, how many ids min_tokens bans (0: none can be), its prompt's length and its
@@ -68,7 +72,7 @@ class SamplerState:
         self.banned: torch.Tensor | None = None  # [slots, max_banned] int64, padded with the row's first id
         self.tokens: torch.Tensor | None = None  # [slots, width] int64: prompt then output, padded with its first token
         self.counts: torch.Tensor | None = None  # [slots, vocab] float32: how often each token was generated
-        self._one: torch.Tensor | None = None  # () float32: what advance counts
+        self.scratch: torch.Tensor | None = None  # [slots, width] float32: the kernel's penalized logits, as tokens
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._slots
@@ -180,7 +184,6 @@ class SamplerState:
             self.banned = _grown(self.banned, (capacity, self.max_banned), torch.long, device)
             if self.counts is not None:
                 self.counts = _grown(self.counts, (capacity, self.vocab_size), torch.float32, device)
-            self._one = torch.ones((), dtype=torch.float32, device=device)
             for column, fill in ((self._params, None), (self._banned, 0), (self._prompt_lens, 0), (self._lengths, 0)):
                 column += [fill] * (capacity - old)
             self._free += range(capacity - 1, old - 1, -1)  # the lowest slot is taken first
@@ -192,6 +195,8 @@ class SamplerState:
                 grown[:rows, :held] = self.tokens
                 grown[:rows, held:] = self.tokens[:, :1]  # each row's padding: its first token
             self.tokens, changed = grown, True
+            if self.kernels:
+                self.scratch = torch.empty(capacity, width, dtype=torch.float32, device=device)
         if counts and self.counts is None:
             self.counts, changed = torch.zeros(capacity, self.vocab_size, dtype=torch.float32, device=device), True
         if changed:
@@ -203,7 +208,7 @@ class SamplerState:
     def process(self, logits: torch.Tensor, rows: list[int], keys: list[Hashable]) -> ProcessedRows:
         """In place, the rows `rows` of logits [N, vocab] float32, of the sequences `keys` (each holding a slot),
         as process_logits does with their histories, in the same order: min_tokens bans, logit bias, repetition
-        penalty, frequency and presence penalties. The same ops whatever the number of rows, over [rows, bias],
+        penalty, frequency and presence penalties. One launch whatever the number of rows, over [rows, bias],
         [rows, bans] and [rows, tokens held] entries; one copy to the device (from pinned memory, without waiting)."""
         if logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits of {logits.shape[1]} tokens, the sampler state's vocabulary is {self.vocab_size}")
@@ -217,44 +222,22 @@ class SamplerState:
         index = to_device(torch.tensor(([] if whole else rows) + slots + lengths + under), self.device).view(-1, len(slots))
         row_index = None if whole else index[0]
         slot_index, positions, banning = index[-3], index[-2], index[-1]
-        block = logits if whole else logits.index_select(0, row_index)
         banned = max((self._banned[slot] for slot, u in zip(slots, under) if u), default=0)
-        if banned:
-            ids = self.banned.index_select(0, slot_index)[:, :banned]
-            block.scatter_(1, ids, torch.where(banning[:, None] > 0, float("-inf"), block.gather(1, ids)))
-        width = max(len(p.logit_bias) for p in params)
-        if width:
-            block.scatter_add_(1, self.bias_ids.index_select(0, slot_index)[:, :width],
-                               self.bias_values.index_select(0, slot_index)[:, :width])
         repetition = any(p.repetition_penalty != 1 for p in params)
         counted = any(_uses_counts(p) for p in params)
-        if repetition or counted:
-            # Only the tokens a row holds are penalized: the others have no repetition and a count of 0. A token
-            # held more than once is read, computed and written once per entry, each time alike.
-            held = self.tokens[:, : max(lengths)].index_select(0, slot_index)
-            values = block.gather(1, held)
-            penalties = self.penalties.index_select(0, slot_index).to(block.dtype)
-            if repetition:
-                penalty = penalties[:, REPETITION : REPETITION + 1]
-                values = torch.where(values > 0, values / penalty, values * penalty)
-            if counted:
-                counts = self.counts[slot_index[:, None], held]
-                frequency, presence = penalties[:, FREQUENCY : FREQUENCY + 1], penalties[:, PRESENCE : PRESENCE + 1]
-                values = values - frequency * counts - presence * (counts > 0).to(block.dtype)
-            block.scatter_(1, held, values)
-        if not whole:
-            logits.index_copy_(0, row_index, block)
+        # Only the tokens a row holds are penalized: the others have no repetition and a count of 0.
+        self._process(logits, row_index, slot_index, banning, self.penalties, self.bias_ids, self.bias_values, self.banned,
+                      self.tokens, self.counts if counted else None, self.scratch,
+                      bias_width=max(len(p.logit_bias) for p in params), banned_width=banned,
+                      held_width=max(lengths) if repetition or counted else 0, repetition=repetition)
         return ProcessedRows(row_index, slot_index, positions, slots)
 
     @torch.inference_mode()
     def advance(self, processed: ProcessedRows, tokens: torch.Tensor) -> None:
         """Appends the step's tokens ([N] int64 on the device, one per row of its logits) to the processed rows'
         state, and counts them, on the device. Rows whose token the caller drops must give their slot back."""
-        picked = tokens if processed.rows is None else tokens.index_select(0, processed.rows)
-        picked = picked.to(device=self.device, dtype=torch.long)
-        self.tokens.index_put_((processed.slots, processed.positions), picked)
-        if self.counts is not None:
-            self.counts.index_put_((processed.slots, picked), self._one, accumulate=True)
+        self._advance(self.tokens, self.counts, processed.rows, processed.slots, processed.positions,
+                      tokens.to(device=self.device, dtype=torch.long))
         for slot in processed.host_slots:
             self._lengths[slot] += 1
 

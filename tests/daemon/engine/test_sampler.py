@@ -239,6 +239,7 @@ def draw_processed(logits: torch.Tensor, params: SamplingParams, count: int) -> 
     (dict(logit_bias={"x": 1}), "logit_bias: 'x'"),
     (dict(logit_bias={"5": 101}), "logit_bias: the bias of token 5"),
     (dict(logit_bias=[1, 2]), "logit_bias must be an object"),
+    (dict(logit_bias={"7": 1, "07": 2}), "logit_bias: a token id is given more than once"),
     (dict(logit_bias={str(t): 1 for t in range(301)}), "at most 300"),
     (dict(min_tokens=-1), "min_tokens"),
     (dict(min_tokens=20, max_tokens=10), "must not exceed max_tokens"),

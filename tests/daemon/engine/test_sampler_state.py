@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from triton_interpreter import CUDA, HAS_TRITON
 
 from lorad.daemon.engine.request import SamplingParams
 from lorad.daemon.engine.sampler import History, LogprobCopies, logprobs_of, process_logits
@@ -85,10 +86,20 @@ def test_incremental_state_equals_process_logits_on_the_whole_history(seed, monk
     run_randomized(seed, torch.device("cpu"))
 
 
-def run_randomized(seed: int, device: torch.device) -> None:
+@pytest.mark.skipif(not HAS_TRITON or CUDA, reason="the compiled kernels are tested by -m gpu (or triton is absent)")
+@pytest.mark.parametrize("seed", range(2))
+def test_state_through_the_kernels_equals_process_logits(seed, monkeypatch):
+    """The same, with process and advance in gpu_ops/logits.py's kernels (Triton's interpreter)."""
+    monkeypatch.setattr(sampler_state, "FIRST_SLOTS", 2)
+    monkeypatch.setattr(sampler_state, "FIRST_TOKENS", 4)
+    run_randomized(seed, torch.device("cpu"), kernels=True)
+
+
+def run_randomized(seed: int, device: torch.device, kernels: bool | None = None) -> None:
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
-    state = SamplerState(VOCAB, device, MAX_BANNED)
+    state = SamplerState(VOCAB, device, MAX_BANNED, kernels=kernels)
+    assert state.kernels == (kernels if kernels is not None else device.type == "cuda")
     running: list[Running] = []
     names = iter(range(10**6))
     steps = 0
@@ -180,21 +191,25 @@ def test_rows_of_a_step_that_are_not_processed_are_untouched():
     assert state.counts[state.slot("x"), 8] == 1 and state.counts[state.slot("x"), 7] == 0
 
 
-@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3]])
-def test_logprob_copies_equal_logprobs_of(rows):
-    check_logprob_copies(rows, torch.device("cpu"))
+@pytest.mark.parametrize("argmax", [False, True])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3], [2]])
+def test_logprob_copies_equal_logprobs_of(rows, argmax):
+    check_logprob_copies(rows, torch.device("cpu"), argmax)
 
 
-def check_logprob_copies(rows: list[int], device: torch.device) -> None:
+def check_logprob_copies(rows: list[int], device: torch.device, argmax: bool) -> None:
+    """rows: those asking for 3 top logprobs (row 2 asks for none but its token's; alone, no top ones at all)."""
     logits = (torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2)) * 3).to(device)
+    logits[1, 7] = logits[1, 8] = logits[1].max() + 1  # a tie for the first
     params = [SamplingParams(temperature=0, logprobs=3 if row in rows else None) for row in range(4)]
-    if len(rows) == 4:
+    if 2 in rows:
         params[2] = SamplingParams(temperature=0, logprobs=0)
     tokens = logits.argmax(dim=-1)
     want = logprobs_of(logits, params, tokens.tolist())
     copies = LogprobCopies(max_rows=8, pin=device.type == "cuda")
-    first = copies.launch(logits, params, tokens)
-    second = copies.launch(logits * 0.5, params, tokens)  # the other buffer: the first is still readable
+    first = copies.launch(logits, params, tokens, argmax=argmax)
+    second = copies.launch(logits * 0.5, params, tokens, argmax=argmax)  # the other buffer: the first is still readable
+    assert (first.values.shape[1] == first.ids.shape[1]) == (argmax and rows != [2])  # the drawn token's not apart
     if device.type == "cuda":
         torch.cuda.synchronize()  # as the engine waits for the step's event
     assert first.read() == want

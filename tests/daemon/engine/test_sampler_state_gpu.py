@@ -25,9 +25,10 @@ def test_cuda_state_equals_process_logits(seed, monkeypatch):
     run_randomized(seed, torch.device("cuda"))
 
 
-@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3]])
-def test_cuda_logprob_copies_equal_logprobs_of(rows):
-    check_logprob_copies(rows, torch.device("cuda"))
+@pytest.mark.parametrize("argmax", [False, True])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3], [2]])
+def test_cuda_logprob_copies_equal_logprobs_of(rows, argmax):
+    check_logprob_copies(rows, torch.device("cuda"), argmax)
 
 
 @pytest.mark.parametrize("eager", [False, True])
@@ -66,6 +67,7 @@ def test_cuda_a_step_never_waits_for_the_device():
     params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
                             logit_bias={"5": 5.0, "1000": -2.0}, min_tokens=2, logprobs=5)
     state = sampler_state.SamplerState(vocab, device, max_banned=2)
+    assert state.kernels  # gpu_ops/logits.py's, on cuda
     state.admit((key, params, History(list(range(key, key + 300)), [], banned=(2,))) for key in range(rows))
     copies = LogprobCopies(rows, pin=True)
     logits = torch.randn(rows, vocab, device=device)
@@ -76,6 +78,7 @@ def test_cuda_a_step_never_waits_for_the_device():
             processed = state.process(logits, list(range(rows)), list(range(rows)))
             tokens = logits.argmax(dim=-1)
             state.advance(processed, tokens)
+            copies.launch(logits, [params] * rows, tokens, argmax=True)
             copies.launch(logits, [params] * rows, tokens)
             processed = state.process(logits, list(range(0, rows, 2)), list(range(0, rows, 2)))
             state.advance(processed, tokens)
