@@ -650,10 +650,10 @@ class ProfileRanks:
         self.closing = True
         for process in self.processes:
             process.join(60)
-        for process in self.processes:
-            if process.is_alive():
-                process.kill()
-        tensor_parallel.leave_group()
+        stuck = [process for process in self.processes if process.is_alive()]
+        for process in stuck:
+            process.kill()
+        tensor_parallel.leave_group(drain=not stuck)
         failed = [process.name for process in self.processes if process.exitcode != 0]
         if failed and check:
             raise LoradError(f"{', '.join(failed)} did not finish cleanly")

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 1800.0  # a worker loading a 70B shard and capturing its graphs
 MEMORY_ADAPTER = "<memory>"  # LoraAdapter.path of the --dummy-adapters, which every rank makes alike
 RANK_DIED_EXIT = 1  # the engine process's exit when a worker died: the daemon's "engine died", restarted
-LEAVE_TIMEOUT_S = 30.0  # the ranks leaving the group together at close; a teardown longer than this is aborted
+STOP_TIMEOUT_S = 30.0  # a worker's time to finish its step and leave the group when the engine closes
 
 
 @dataclasses.dataclass
@@ -266,30 +266,24 @@ class TensorParallel:
                                                    for rank, process in enumerate(self.processes, start=1)]
 
     def close(self) -> None:
-        """Stops the workers (they finish the step they run) and leaves the group beside them: NCCL's
-        communicator teardown waits for every rank, so rank 0 must not wait for the workers to exit before it
-        leaves (each would wait for the other). A teardown that does not end within LEAVE_TIMEOUT_S (a rank
-        gone or stuck) is aborted, which waits for no one."""
+        """Stops the workers (they finish the step they run and leave the group) and leaves it."""
         self._closing = True
         for connection in self.connections:
             try:
                 connection.send(("stop",))
             except (OSError, ValueError):
                 pass
-        leaving = threading.Thread(target=tensor_parallel.leave_group, name="lorad-tp-leave", daemon=True)
-        leaving.start()
+        stopped = True
         for process in self.processes:
-            process.join(LEAVE_TIMEOUT_S)
+            process.join(STOP_TIMEOUT_S)
             if process.is_alive():
                 log.warning("tensor parallel worker did not stop; killing it pid=%d", process.pid)
                 process.kill()
                 process.join(5)
+                stopped = False
         for connection in self.connections:
             connection.close()
-        leaving.join(LEAVE_TIMEOUT_S)
-        if leaving.is_alive():
-            log.error("leaving the tensor parallel group did not end in %.0f s; aborting it", LEAVE_TIMEOUT_S)
-            tensor_parallel.abort_group()
+        tensor_parallel.leave_group(drain=stopped)
 
     def _receive(self, rank: int, kind: str) -> dict:
         connection, process = self.connections[rank - 1], self.processes[rank - 1]

@@ -198,18 +198,19 @@ def broadcast(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def leave_group() -> None:
-    """Leaves the group. Under NCCL every rank must be leaving at the same time: the teardown waits for them all."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def abort_group() -> None:
-    """Drops the group without waiting for the other ranks (NCCL's abort; a rank is gone or stuck)."""
+def leave_group(drain: bool = True) -> None:
+    """Leaves the group. Gloo's is destroyed. NCCL's is aborted, after this rank's device work is done where `drain`
+    (its collectives then have had every rank's part, so no peer is left waiting in one): its orderly teardown
+    (destroy_process_group) hung on the GPU machine with every rank in it. Pass drain=False when a rank is gone: a
+    collective in flight would never finish."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    if dist.is_initialized():
-        distributed_c10d._abort_process_group()  # the one way to end NCCL communicators without the peers
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() != "nccl":
+        dist.destroy_process_group()
+        return
+    if drain:
+        torch.cuda.synchronize()
+    distributed_c10d._abort_process_group()  # ends the communicators without waiting for the peers
