@@ -37,6 +37,8 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--max-lora-rank", type=int, help="the engine's max_lora_rank, the rank its prefill graphs' "
+                                                          "LoRA kernels are launched for (default: the config's)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to try the script (tiny-llama, no kernels)")
     parser.add_argument("--out")
@@ -47,7 +49,8 @@ def main() -> int:
         return 2
     engine = Engine(EngineConfig(model_config=args.model_config, dummy_weights=True, dummy_adapters=args.running + 1,
                                  dummy_adapter_rank=args.rank, device=args.device, max_running_requests=args.running,
-                                 max_model_len=max(args.context, args.prompt) + 16))
+                                 max_model_len=max(args.context, args.prompt) + 16,
+                                 **({"max_lora_rank": args.max_lora_rank} if args.max_lora_rank else {})))
     names = engine.registry.names()[: args.running + 1]
     for name in names:
         assert engine.residency.preload(name), "the adapters fit in the pool"
@@ -88,11 +91,13 @@ def main() -> int:
         cost = engine.account.cost_model.cost([SequenceInStep(len(t), s + len(t), True, a) for t, s, a, _, _ in rows])
         memory_ms, compute_ms = cost.bytes / rates.bandwidth_bytes_per_s * 1e3, cost.flops / rates.flops_per_s * 1e3
         kernels = kernel_times(run) if cuda else {}
+        graph_rows = engine.runner.graph_rows or int(plan.num_tokens)  # None: eager, its own rows
         report["steps"][kind] = {"path": path, "ms": ms, "floor_ms": max(memory_ms, compute_ms), "memory_ms": memory_ms,
-                                 "compute_ms": compute_ms, "rows": int(plan.num_tokens), "kernels_ms": kernels,
+                                 "compute_ms": compute_ms, "rows": int(plan.num_tokens), "graph_rows": graph_rows,
+                                 "padding_rows": graph_rows - int(plan.num_tokens), "kernels_ms": kernels,
                                  "graph_key": list(engine.runner.prefill_graphs.last_key) if path == "prefill graph" else None}
         print(f"{kind}: {ms:.2f} ms ({path}), floor {max(memory_ms, compute_ms):.2f} ms "
-              f"(memory {memory_ms:.2f}, compute {compute_ms:.2f}), {plan.num_tokens} rows")
+              f"(memory {memory_ms:.2f}, compute {compute_ms:.2f}), {plan.num_tokens} rows in {graph_rows}")
         for name, kernel_ms in list(kernels.items())[:12]:
             print(f"    {kernel_ms:8.3f} ms  {name}")
     engine.close()

@@ -430,6 +430,9 @@ def step_time_delta(before: dict | None, after: dict | None) -> dict | None:
         delta = {key: totals[key] - earlier.get(key, 0) for key in ("steps", "busy_s", "floor_s", "rows", "prompt_tokens")}
         delta["efficiency"] = delta["floor_s"] / delta["busy_s"] if delta["busy_s"] > 0 else None
         delta["mean_step_ms"] = delta["busy_s"] / delta["steps"] * 1e3 if delta["steps"] else None
+        if "padding_rows" in totals:  # CUDA-graph bucket rows past the steps' own (a daemon that counts them)
+            delta["padding_rows"] = totals["padding_rows"] - earlier.get("padding_rows", 0)
+            delta["padding_rows_per_step"] = delta["padding_rows"] / delta["steps"] if delta["steps"] else None
         by_kind[kind] = delta
     busy = sum(kind["busy_s"] for kind in by_kind.values())
     floor = sum(kind["floor_s"] for kind in by_kind.values())

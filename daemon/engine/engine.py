@@ -611,7 +611,7 @@ class Engine:
         streamed = bool(self.residency.streaming())  # this step ran while adapters streamed in
         plan = self.runner.plan(batch, assisted)
         logits = self.runner.forward(plan)
-        self.account.launched(plan)
+        self.account.launched(plan, self.runner.graph_rows)
         sampled = plan.sampled
         # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
         self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)
@@ -819,7 +819,7 @@ class Engine:
             device_tokens = flight.tokens[index]
         plan = self.runner.plan([(seq, 1) for seq in seqs], device_tokens=device_tokens)
         logits = self.runner.forward(plan)
-        self.account.launched(plan)
+        self.account.launched(plan, self.runner.graph_rows)
         following = self._launch_tokens(logits, seqs)
         for seq in seqs:
             seq.num_computed += 1

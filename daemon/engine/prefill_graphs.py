@@ -4,7 +4,8 @@ graph per token bucket.
 An eager forward of the 7B shape launches ~20 kernels a layer; Triton's launcher costs tens of
 microseconds each, so a prefill of 32..512 tokens took 30-40 ms on the host where its kernels take
 6-18 ms on the device (bench/prefill_host.py; BENCHMARKS.md). A graph per bucket of step tokens
-(16 to 256 by powers of two, then every 256 tokens up to max_batch_tokens) removes that cost. Everything a graph reads lives in static buffers
+(TOKEN_BUCKETS: 16 to 256 by powers of two, then every 128 tokens to 1536 and every 256 to max_batch_tokens)
+removes that cost. Everything a graph reads lives in static buffers
 filled before each replay, and every grid is fixed by the bucket:
 
 - rows past the step's tokens are padding: token 0 at position 0, written to the scratch page, in
@@ -40,13 +41,21 @@ from lorad.gpu_ops.page_pool import SCRATCH_PAGE
 
 log = logging.getLogger(__name__)
 
-# Powers of two up to 256, then every 256 tokens: a step pads to at most 255 rows past 256 tokens (a power
-# of two would pad a step of 1100 rows, a prompt beside 64 decode rows, to 2048).
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
+# Powers of two up to 256, then every 128 tokens to 1536 and every 256 past it (a power of two would pad a step of
+# 1100 rows, a prompt beside 64 decode rows, to 2048). A step of one prompt beside up to 64 decode rows, the
+# mixed step of a saturated server, lands below 1536 for prompts up to ~1450 tokens: there a step pads to at most
+# 127 rows. Larger steps are mostly budget-filled, exactly max_batch_tokens. bench/step_padding.py replays a
+# saturated Azure-conversation run: 55 padding rows a mixed step on average, 93 with every 256 past 512.
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1152, 1280, 1408, 1536, 1792, 2048)
 # A graph per bucket and kind: no adapter row; adapter rows in MBGMM's segments only; and with one-token
 # adapter rows (a mixed step's decode rows) in MBGMV as well, whose launches cost ~20 us a projection even
 # with no row to compute, so a step without such rows does not pay them.
 GRAPH_KINDS = ("none", "lora", "lora+rows")
+
+
+def bucket_rows(num_tokens: int, buckets) -> int:
+    """The rows a step of num_tokens rows runs in: the smallest bucket that holds them (buckets ascending)."""
+    return next(tokens for tokens in buckets if tokens >= num_tokens)
 
 
 class _Bucket:
@@ -130,7 +139,7 @@ class PrefillGraphs:
     def fill(self, plan: StepPlan) -> tuple[tuple[int, str], int]:
         """Fills the static buffers for this step -> (the graph key, the number of sampled rows)."""
         lengths, n, num_seqs = plan.counts, plan.num_tokens, len(plan.tokens)
-        tokens = next(t for t in self.tokens_buckets if t >= n)
+        tokens = bucket_rows(n, self.tokens_buckets)
         bucket = self.buckets[tokens]
         tokens_per_page, layers = self.kv.tokens_per_page, self.kv.num_layers
         starts_row = np.concatenate([[0], np.cumsum(lengths)[:-1]])

@@ -43,6 +43,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.graph_steps = self.prefill_graph_steps = 0
+        self.graph_rows: int | None = None  # the rows the last forward computed: its graph's bucket; None: eager
         self.step_spans: list = []  # the last eager step's CPU-assisted spans
 
     def bind(self, kv: KVCache, table: AdapterTable, residency: LoraResidency, cold_starts: ColdStarts, held) -> None:
@@ -107,6 +108,7 @@ class ModelRunner:
                 and self.graphs.fits(len(plan.seqs), plan.max_blocks):
             logits = self.graphs.run(plan)
             self.graph_steps += 1
+            self.graph_rows = self.graphs.last_key[0]
             return logits
         if self.prefill_graphs is not None and not plan.assisted and plan.device_tokens is None \
                 and self.prefill_graphs.fits(plan.num_tokens, len(plan.seqs), plan.max_blocks):
@@ -115,9 +117,11 @@ class ModelRunner:
             # layer on the device (AdapterTable.place_streamed). Nothing above waited for the device.
             self.residency.issue_streams()
             self.prefill_graph_steps += 1
+            self.graph_rows = self.prefill_graphs.last_key[0]
             return logits
         # An eager forward may wait for the device (a first launch of a kernel loads it): everything its
         # kernels wait for is queued before it.
+        self.graph_rows = None
         self.residency.issue_streams()
         return self.model.forward(self.build_step(plan), self.kv.view, self.table)
 

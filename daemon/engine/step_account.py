@@ -9,7 +9,8 @@ the time after that one. Busy time summed over steps against their summed floor 
 1.0 would be a GPU that never waits for the host and runs every step at its HBM bandwidth or its GEMM rate.
 
 Kinds: `decode` (every sequence adds its next token), `prefill` (every sequence is in its prompt), `mixed`
-(prompt rows beside decode rows).
+(prompt rows beside decode rows). A step replayed from a CUDA graph computes its bucket's rows; those past the
+step's own are its padding rows, counted apart (GEMM work on no token, which the floor does not include).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class KindTotals:
     memory_s: float = 0.0  # bytes / bandwidth, summed
     compute_s: float = 0.0  # FLOPs / GEMM rate, summed
     rows: int = 0
+    padding_rows: int = 0  # rows of the steps' graph buckets past their own rows
     prompt_tokens: int = 0
     bytes: int = 0
     flops: int = 0
@@ -50,6 +52,8 @@ class KindTotals:
             "compute_floor_s": round(self.compute_s, 6),
             "mean_step_ms": round(self.busy_s / self.steps * 1e3, 3) if self.steps else None,
             "rows": self.rows,
+            "padding_rows": self.padding_rows,
+            "padding_rows_per_step": round(self.padding_rows / self.steps, 1) if self.steps else None,
             "prompt_tokens": self.prompt_tokens,
             "bytes": self.bytes,
             "flops": self.flops,
@@ -60,6 +64,7 @@ class KindTotals:
 class LaunchedStep:
     kind: str
     rows: int
+    padding_rows: int
     prompt_tokens: int
     cost: StepCost
 
@@ -86,8 +91,9 @@ class StepAccount:
         if not self._pending:
             self._mark = None
 
-    def launched(self, plan: StepPlan) -> None:
-        """A step's forward was launched; its time is taken when it lands (FIFO: steps land in launch order)."""
+    def launched(self, plan: StepPlan, graph_rows: int | None = None) -> None:
+        """A step's forward was launched; its time is taken when it lands (FIFO: steps land in launch order).
+        graph_rows: the rows its forward computed (a CUDA graph's bucket); None: the step's own (eager)."""
         counts, starts = plan.counts, plan.starts
         prompt_lens = np.fromiter((seq.prompt_len for seq in plan.seqs), dtype=np.int64, count=len(plan.seqs))
         prompt_tokens = int(np.clip(np.minimum(starts + counts, prompt_lens) - starts, 0, None).sum())
@@ -98,7 +104,11 @@ class StepAccount:
             if slot >= 0 and seq not in plan.assisted:  # CPU-assisted rows' LoRA is not read on the device
                 adapter_rows[seq.adapter] = adapter_rows.get(seq.adapter, 0) + int(count)
         cost = self.cost_model.cost_of(counts, starts + counts, int(plan.sample.sum()), adapter_rows)
-        self._pending.append(LaunchedStep(kind, int(counts.sum()), prompt_tokens, cost))
+        rows = int(counts.sum())
+        padding = 0 if graph_rows is None else graph_rows - rows
+        if padding < 0:
+            raise ValueError(f"graph_rows {graph_rows} < the step's {rows} rows")
+        self._pending.append(LaunchedStep(kind, rows, padding, prompt_tokens, cost))
 
     def landed(self, now: float) -> None:
         """The oldest launched step's tokens are on the host: its time and floor are counted."""
@@ -115,6 +125,7 @@ class StepAccount:
             totals.memory_s += memory_s
             totals.compute_s += compute_s
             totals.rows += step.rows
+            totals.padding_rows += step.padding_rows
             totals.prompt_tokens += step.prompt_tokens
             totals.bytes += step.cost.bytes
             totals.flops += step.cost.flops
@@ -141,9 +152,10 @@ class StepAccount:
         }
 
     def metrics(self) -> dict:
-        """For /metrics: per kind, the step-time histogram and the summed busy time, floor, rows and prompt tokens."""
+        """For /metrics: per kind, the step-time histogram and the summed busy time, floor, rows, padding rows and
+        prompt tokens."""
         with self._lock:
             return {kind: {"seconds": self.step_seconds[kind].snapshot(), "busy_s": totals.busy_s,
-                           "floor_s": totals.floor_s, "rows": totals.rows, "prompt_tokens": totals.prompt_tokens,
-                           "steps": totals.steps}
+                           "floor_s": totals.floor_s, "rows": totals.rows, "padding_rows": totals.padding_rows,
+                           "prompt_tokens": totals.prompt_tokens, "steps": totals.steps}
                     for kind, totals in self.totals.items()}

@@ -119,6 +119,8 @@ def render(snapshot: dict) -> str:
          "The least time the same steps could take on this device: bytes / HBM bandwidth or FLOPs / GEMM rate, "
          "the slower, measured at start-up. Floor over busy is the engine's efficiency."),
         ("lorad_step_rows_total", "rows", "Token rows computed by engine steps, by kind."),
+        ("lorad_step_padding_rows_total", "padding_rows",
+         "Rows of CUDA-graph token buckets past the steps' own rows (computed for no token), by kind."),
         ("lorad_step_prompt_tokens_total", "prompt_tokens", "Prompt tokens computed by engine steps, by kind."),
     ):
         out.family(name, "counter", help_text)

@@ -8,6 +8,7 @@ import torch
 
 from lorad.config import EngineConfig
 from lorad.daemon.engine.engine import Engine
+from lorad.daemon.engine.prefill_graphs import TOKEN_BUCKETS, bucket_rows
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -73,6 +74,10 @@ def test_cuda_graphs_equal_eager(demo_assets, dtype):
     graphed, graphed_status = run(False)
     assert eager_status["cuda_graph_steps"] == 0 and graphed_status["cuda_graph_steps"] > 0
     assert eager_status["prefill_cuda_graph_steps"] == 0 and graphed_status["prefill_cuda_graph_steps"] > 0
+    # the account's padding rows: none eager; the one prompt step's bucket rows past its own in the graphs
+    assert all(kind["padding_rows"] == 0 for kind in eager_status["step_time"]["by_kind"].values())
+    prefill = graphed_status["step_time"]["by_kind"]["prefill"]
+    assert prefill["steps"] == 1 and prefill["padding_rows"] == bucket_rows(prefill["rows"], TOKEN_BUCKETS) - prefill["rows"]
     for a, b in zip(eager, graphed):
         if dtype == "float32":
             assert a.token_ids == b.token_ids

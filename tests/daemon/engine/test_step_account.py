@@ -56,6 +56,23 @@ def test_each_step_has_its_kind_and_prompt_tokens(account):
     assert account.snapshot()["by_kind"]["mixed"]["prompt_tokens"] == 5
 
 
+def test_padding_rows_are_the_graph_buckets_rows_past_the_steps_own(account):
+    prompt, talker = Seq(prompt_len=1000), Seq(prompt_len=4)
+    account.begin(0.0)
+    account.launched(plan([(prompt, 0, 1000, True), (talker, 7, 1, True)]), graph_rows=1024)  # a mixed step, 23 padding
+    account.launched(plan([(prompt, 1000, 1, True), (talker, 8, 1, True)]), graph_rows=2)  # a decode graph's bucket 2
+    account.launched(plan([(prompt, 1001, 1, True), (talker, 9, 1, True)]))  # eager: its own rows
+    for now in (1.0, 2.0, 3.0):
+        account.landed(now)
+    kinds = account.snapshot()["by_kind"]
+    assert (kinds["mixed"]["padding_rows"], kinds["mixed"]["padding_rows_per_step"]) == (23, 23.0)
+    assert (kinds["decode"]["padding_rows"], kinds["decode"]["padding_rows_per_step"]) == (0, 0.0)
+    assert kinds["prefill"]["padding_rows_per_step"] is None
+    assert account.metrics()["mixed"]["padding_rows"] == 23
+    with pytest.raises(ValueError, match="graph_rows 1000"):  # a bucket smaller than the step is a bug
+        account.launched(plan([(prompt, 0, 1000, True), (talker, 7, 1, True)]), graph_rows=1000)
+
+
 def test_wall_time_is_charged_from_the_previous_landing_and_idle_time_to_no_step(account):
     seq = Seq(prompt_len=1)
     decode = plan([(seq, 5, 1, True)])
