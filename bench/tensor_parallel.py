@@ -38,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="on the CPU with gloo: tiny-llama, 4 requests, 4 steps (checks the script, times nothing real)")
     parser.add_argument("--only", help="run only these cases (comma-separated names: base_tp1, base_tpN, lora_tpN, "
                                        "big_batch1_tpN), e.g. to fit a time limit")
+    parser.add_argument("--case-timeout", type=float, default=300.0,
+                        help="seconds a case's process may take before it is killed (what it measured is kept)")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # one case, in a child process: JSON on stdout's last line
     args = parser.parse_args(argv)
@@ -119,6 +121,7 @@ def run_case(case: dict, args) -> dict:
         engine.step()
         if cuda:
             result["machine"] = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}"
+        print(json.dumps(result), flush=True)  # before closing: the parent keeps it if the engine fails to close
         return result
     finally:
         engine.close()
@@ -175,19 +178,27 @@ def summary(results: dict, args) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.case:
-        print(json.dumps(run_case(json.loads(args.case), args)))
+        run_case(json.loads(args.case), args)  # prints its result
         return
     forwarded = [f"--{name}={getattr(args, name)}" for name in ("batch", "rank", "prompt", "steps", "size")]
     forwarded += ["--dry-run"] if args.dry_run else []
     results = {}
     for case in cases(args):
         started = time.perf_counter()
-        child = subprocess.run([sys.executable, __file__, *forwarded, "--case", json.dumps(case)],
-                               stdout=subprocess.PIPE, text=True)
-        if child.returncode != 0:
-            results[case["name"]] = {**case, "error": f"exit code {child.returncode} (its log is above)"}
+        try:
+            child = subprocess.run([sys.executable, __file__, *forwarded, "--case", json.dumps(case)],
+                                   stdout=subprocess.PIPE, text=True, timeout=args.case_timeout)
+            output, ended = child.stdout, f"exit code {child.returncode}"
+        except subprocess.TimeoutExpired as expired:  # killed; what it printed is kept
+            output, ended = expired.stdout or "", f"killed after --case-timeout {args.case_timeout:.0f} s"
+            output = output.decode() if isinstance(output, bytes) else output
+        printed = [line for line in output.splitlines() if line.startswith("{")]
+        if printed:
+            results[case["name"]] = json.loads(printed[-1])
+            if ended != "exit code 0":
+                results[case["name"]]["close"] = f"measured, then the engine did not close cleanly: {ended}"
         else:
-            results[case["name"]] = json.loads(child.stdout.strip().splitlines()[-1])
+            results[case["name"]] = {**case, "error": f"{ended} (its log is above)"}
         print(f"case {case['name']} done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     document = {"args": {key: value for key, value in vars(args).items() if key != "case"}, "summary": summary(results, args),
                 "cases": results}

@@ -975,6 +975,9 @@ def pool_pages(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device
     if config.pool_bytes is not None:
         budget = config.pool_bytes
     elif device.type == "cuda":
+        # The allocator's cached blocks (the weights' build leaves GBs: a 70B shard's 8 GB on an 80 GB GPU) are
+        # free memory too, but only once given back to the driver: mem_get_info does not count them.
+        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
         # Leave room for the activations of the largest step (a generous multiple of its hidden states).
         activations = config.max_batch_tokens * (spec.hidden_size * 8 + spec.intermediate_size * 4) * element

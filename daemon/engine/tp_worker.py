@@ -175,6 +175,7 @@ class TensorParallel:
     def attach(self, runner) -> None:
         """Rank 0's model sums o's and down's partial outputs over the ranks, and each step is sent to the
         workers before it runs here."""
+        self.runner = runner
         runner.model.reduce = tensor_parallel.all_reduce
         forward = runner.forward
 
@@ -273,6 +274,7 @@ class TensorParallel:
                 connection.send(("stop",))
             except (OSError, ValueError):
                 pass
+        self._compare_step_paths()
         stopped = True
         for process in self.processes:
             process.join(STOP_TIMEOUT_S)
@@ -284,6 +286,24 @@ class TensorParallel:
         for connection in self.connections:
             connection.close()
         tensor_parallel.leave_group(drain=stopped)
+
+    def _compare_step_paths(self) -> None:
+        """Each worker's steps by the path they ran (decode graph, prefill graph, eager), against rank 0's: every
+        path launches its own collectives (a graph's over its bucket's rows), so ranks whose paths differ wait
+        on each other's collectives for ever. Logged as an error where they differ."""
+        ours = step_paths(self.steps_sent, self.runner)
+        for rank, connection in enumerate(self.connections, start=1):
+            try:
+                if not connection.poll(STOP_TIMEOUT_S):
+                    log.error("tensor parallel rank %d did not report its steps at stop (stuck in a step?); rank 0 "
+                              "ran %s", rank, ours)
+                    continue
+                kind, theirs = connection.recv()
+            except (EOFError, OSError, ValueError):
+                continue
+            if kind == "stopped" and theirs != ours:
+                log.error("tensor parallel rank %d ran its steps on other paths than rank 0: %s against rank 0's %s",
+                          rank, theirs, ours)
 
     def _receive(self, rank: int, kind: str) -> dict:
         connection, process = self.connections[rank - 1], self.processes[rank - 1]
@@ -380,6 +400,7 @@ class RankWorker:
         self.blocks = BlockSync()
         self._adapter_bytes = 0
         self._dummies = None
+        self.steps = 0
 
     def pages(self) -> int:
         from lorad.daemon.engine.engine import pool_pages
@@ -401,6 +422,7 @@ class RankWorker:
         self.runner.bind(self.kv, self.table, residency, types.SimpleNamespace(cpu_assist=None), held=None)
 
     def run(self, message: StepMessage) -> None:
+        self.steps += 1
         for slot in message.evicted:
             self.table.evict(slot)
         for placement in message.placed:
@@ -476,7 +498,15 @@ def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: st
         if message[0] == "stop":
             break
         worker.run(message[1])  # an error here ends this process, and rank 0's watch ends the engine
+    connection.send(("stopped", step_paths(worker.steps, worker.runner)))
     tensor_parallel.leave_group()
+
+
+def step_paths(steps: int, runner) -> dict[str, int]:
+    """A rank's steps by the path they ran."""
+    graphs = runner.graph_steps + runner.prefill_graph_steps
+    return {"steps": steps, "decode_graph": runner.graph_steps, "prefill_graph": runner.prefill_graph_steps,
+            "eager": steps - graphs}
 
 
 def exit_with_parent() -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -198,11 +199,15 @@ def broadcast(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+DRAIN_TIMEOUT_S = 20.0  # a rank's device work left at close; longer means a collective waits for a rank not in it
+
+
 def leave_group(drain: bool = True) -> None:
     """Leaves the group. Gloo's is destroyed. NCCL's is aborted, after this rank's device work is done where `drain`
     (its collectives then have had every rank's part, so no peer is left waiting in one): its orderly teardown
     (destroy_process_group) hung on the GPU machine with every rank in it. Pass drain=False when a rank is gone: a
-    collective in flight would never finish."""
+    collective in flight would never finish. Work that does not finish within DRAIN_TIMEOUT_S is logged as the
+    ranks being out of step, and the group aborted anyway."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -211,6 +216,20 @@ def leave_group(drain: bool = True) -> None:
     if dist.get_backend() != "nccl":
         dist.destroy_process_group()
         return
-    if drain:
-        torch.cuda.synchronize()
+    if drain and not _device_done(DRAIN_TIMEOUT_S):
+        log.error("rank %d: its device work did not finish within %.0f s of leaving the group: a collective waits "
+                  "for a rank that did not launch it (the ranks ran different steps); aborting the group",
+                  dist.get_rank(), DRAIN_TIMEOUT_S)
     distributed_c10d._abort_process_group()  # ends the communicators without waiting for the peers
+
+
+def _device_done(timeout_s: float) -> bool:
+    """Whether the current stream's work ends within timeout_s (torch.cuda.synchronize would wait for ever)."""
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + timeout_s
+    while not done.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True

@@ -148,11 +148,13 @@ def test_a_rank_reads_only_its_slices_of_a_sharded_checkpoint(hf_checkpoint):
 # --- whole engines ---------------------------------------------------------------------------------------------
 
 
-def generate(model_dir, adapters: dict, cases, **config):
-    """-> (results, the engine's status at the end)."""
+def generate(model_dir, adapters: dict, cases, overlap_on_cpu: bool = False, **config):
+    """-> (results, the engine's status at the end). overlap_on_cpu: decode steps overlapped as on cuda (requests
+    that keep their logits are never overlapped: they keep none then)."""
     engine = Engine(EngineConfig(model=str(model_dir), adapters=tuple((name, str(path)) for name, path in adapters.items()),
                                  device="cpu", dtype="float32", **config))
-    requests = [GenerationRequest(prompt_token_ids=list(prompt), adapter=adapter, keep_logits=True,
+    engine.overlap_decode = overlap_on_cpu
+    requests = [GenerationRequest(prompt_token_ids=list(prompt), adapter=adapter, keep_logits=not overlap_on_cpu,
                                   sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
                 for prompt, adapter in cases]
     try:
@@ -350,3 +352,21 @@ def test_an_engine_that_fails_after_its_workers_started_stops_them(hf_checkpoint
         Engine(EngineConfig(pool_bytes=64 * 256, **config))  # refused once the ranks have agreed on the pool
     engine = Engine(EngineConfig(**config))  # the group was left: a new one forms
     engine.close()
+
+
+@pytest.mark.slow
+def test_tp2_overlapped_decode_equals_tp1(hf_checkpoint, caplog):
+    # Overlapped decode runs on cuda only; forced on here, each step's input ids go from rank 0's device to the
+    # workers by a broadcast (gloo's here, NCCL's on GPUs), in step with the plans.
+    checkpoint = hf_checkpoint("llama")
+    cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size)[:4]  # all running at once: steps overlap
+    config = dict(max_running_requests=4, max_batch_tokens=64)
+    single, _ = generate(checkpoint.model_dir, checkpoint.adapters, cases, **config)
+    split, status = generate(checkpoint.model_dir, checkpoint.adapters, cases, tensor_parallel_size=2,
+                             overlap_on_cpu=True, **config)
+    assert status["overlapped_decode_steps"] > 0
+    for index, (one, two) in enumerate(zip(single, split)):
+        assert two.token_ids == one.token_ids, f"request {index} (adapter {cases[index][1]})"
+    # At close every worker reports its steps by path (graph, eager): the same as rank 0's.
+    assert not [record for record in caplog.records if "other paths than rank 0" in record.getMessage()
+                or "did not report its steps" in record.getMessage()]
