@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import multiprocessing
@@ -648,12 +649,13 @@ class ProfileRanks:
     def close(self, check: bool = True) -> None:
         """Waits for the other ranks to finish their last measurement (check: that they did), and leaves the group."""
         self.closing = True
+        gc.collect()  # rank 0's CUDA graphs (they hold NCCL's communicator) gone with its Bench
+        tensor_parallel.leave_group()  # beside the other ranks: NCCL's teardown may wait for every rank
         for process in self.processes:
             process.join(60)
-        stuck = [process for process in self.processes if process.is_alive()]
-        for process in stuck:
-            process.kill()
-        tensor_parallel.leave_group(drain=not stuck)
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
         failed = [process.name for process in self.processes if process.exitcode != 0]
         if failed and check:
             raise LoradError(f"{', '.join(failed)} did not finish cleanly")
@@ -677,6 +679,8 @@ def rank_main(rank: int, size: int, spec: ModelSpec, model_dir: str | None, dtyp
     del weights
     measure(bench)
     measure_collectives(bench)
+    del bench  # its CUDA graphs hold NCCL's communicator
+    gc.collect()
     tensor_parallel.leave_group()
 
 

@@ -7,6 +7,7 @@ decode CUDA graph or a prefill graph where one fits (decode_graphs.py, prefill_g
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import numpy as np
@@ -63,6 +64,15 @@ class ModelRunner:
             self.prefill_graphs.capture()
             self.graphs.pool = self.prefill_graphs.pool
             self.graphs.capture()
+
+    def release_graphs(self) -> None:
+        """Drops the CUDA graphs and their memory: a graph that captured a collective holds on to NCCL's
+        communicator, which cannot be torn down while such a graph lives (tensor parallelism's close)."""
+        self.graphs = self.prefill_graphs = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def _lora_pdl(self) -> dict:
         """Whether decode steps launch the MBGMV expand early (config.lora_pdl): {"on": bool, "why": why it is off};

@@ -267,43 +267,48 @@ class TensorParallel:
                                                    for rank, process in enumerate(self.processes, start=1)]
 
     def close(self) -> None:
-        """Stops the workers (they finish the step they run and leave the group) and leaves it."""
+        """Stops the workers (they finish the step they run, report their steps, drop their CUDA graphs and leave
+        the group) and leaves the group beside them: NCCL's teardown may wait for every rank, so rank 0 must not
+        first wait for the workers to exit."""
         self._closing = True
         for connection in self.connections:
             try:
                 connection.send(("stop",))
             except (OSError, ValueError):
                 pass
-        self._compare_step_paths()
-        stopped = True
+        reported = self._compare_step_paths()
+        self.runner.release_graphs()
+        tensor_parallel.leave_group(drain=reported)
         for process in self.processes:
             process.join(STOP_TIMEOUT_S)
             if process.is_alive():
                 log.warning("tensor parallel worker did not stop; killing it pid=%d", process.pid)
                 process.kill()
                 process.join(5)
-                stopped = False
         for connection in self.connections:
             connection.close()
-        tensor_parallel.leave_group(drain=stopped)
 
-    def _compare_step_paths(self) -> None:
+    def _compare_step_paths(self) -> bool:
         """Each worker's steps by the path they ran (decode graph, prefill graph, eager), against rank 0's: every
         path launches its own collectives (a graph's over its bucket's rows), so ranks whose paths differ wait
-        on each other's collectives for ever. Logged as an error where they differ."""
-        ours = step_paths(self.steps_sent, self.runner)
+        on each other's collectives for ever. Logged as an error where they differ. -> whether every worker
+        reported (none is stuck in a step)."""
+        ours, every = step_paths(self.steps_sent, self.runner), True
         for rank, connection in enumerate(self.connections, start=1):
             try:
                 if not connection.poll(STOP_TIMEOUT_S):
                     log.error("tensor parallel rank %d did not report its steps at stop (stuck in a step?); rank 0 "
                               "ran %s", rank, ours)
+                    every = False
                     continue
                 kind, theirs = connection.recv()
             except (EOFError, OSError, ValueError):
+                every = False
                 continue
             if kind == "stopped" and theirs != ours:
                 log.error("tensor parallel rank %d ran its steps on other paths than rank 0: %s against rank 0's %s",
                           rank, theirs, ours)
+        return every
 
     def _receive(self, rank: int, kind: str) -> dict:
         connection, process = self.connections[rank - 1], self.processes[rank - 1]
@@ -499,6 +504,7 @@ def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: st
             break
         worker.run(message[1])  # an error here ends this process, and rank 0's watch ends the engine
     connection.send(("stopped", step_paths(worker.steps, worker.runner)))
+    worker.runner.release_graphs()
     tensor_parallel.leave_group()
 
 
