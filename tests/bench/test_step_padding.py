@@ -4,25 +4,15 @@ every mixed step of up to 1536 rows pads fewer than 128 rows, fewer than with ev
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 
 from lorad.daemon.engine.prefill_graphs import TOKEN_BUCKETS, bucket_rows
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "step_padding.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("bench_step_padding", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import bench_scripts
 
 
 def test_replay_plans_the_steps_the_scheduler_does():
-    bench = load()
+    bench = bench_scripts.load("step_padding")
     # two running at most, 16 tokens a step; prompts of 10, two tokens out each (the first from the prompt's step)
     steps = bench.replay([(10, 2)] * 3, max_running=2, max_batch_tokens=16)
     assert steps == [
@@ -41,7 +31,7 @@ def test_replay_plans_the_steps_the_scheduler_does():
 
 
 def test_padding_counts_the_rows_past_each_step_up_to_its_bucket():
-    bench = load()
+    bench = bench_scripts.load("step_padding")
     steps = [("mixed", 100), ("mixed", 300), ("prefill", 64), ("prefill", 500), ("decode", 2)]
     report = bench.padding(steps, (16, 32, 64, 128, 256, 384, 1024), max_batch_tokens=512)  # 1024: past the budget
     assert report["mixed"] == {"steps": 2, "rows": 400, "graph_rows": 512, "padding_rows": 112,
@@ -57,7 +47,7 @@ def test_bucket_rows_is_the_smallest_bucket_that_holds_the_step():
 
 
 def test_a_saturated_queues_mixed_steps_pad_fewer_than_128_rows_below_1536():
-    bench = load()
+    bench = bench_scripts.load("step_padding")
     rng = np.random.default_rng(0)
     lengths = list(zip(rng.integers(200, 1450, 300).tolist(), rng.integers(20, 300, 300).tolist()))
     steps = bench.replay(lengths, max_running=64, max_batch_tokens=2048)

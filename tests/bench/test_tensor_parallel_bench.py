@@ -3,24 +3,15 @@ own process) that produces every figure's field."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "tensor_parallel.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("bench_tensor_parallel", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import bench_scripts
 
 
 def test_arguments_and_cases():
-    bench = load()
+    bench = bench_scripts.load("tensor_parallel")
     args = bench.parse_args([])
     assert (args.model_config, args.big_config, args.batch, args.rank, args.size) == ("llama-2-13b", "llama-2-70b", 64, 16, 2)
     names = [case["name"] for case in bench.cases(args)]
@@ -38,7 +29,7 @@ def test_arguments_and_cases():
 
 @pytest.mark.slow
 def test_dry_run_on_the_cpu(tmp_path, capsys):
-    bench = load()
+    bench = bench_scripts.load("tensor_parallel")
     out = tmp_path / "tp.json"
     bench.main(["--dry-run", "--out", str(out)])
     document = json.loads(out.read_text())
