@@ -4,6 +4,9 @@
 #   bash bench/gpu_check.sh OUTDIR            # every step
 #   bash bench/gpu_check.sh OUTDIR STEP...    # the install, then only the named steps (a device call is
 #                                             # at most 10 minutes: the full check takes two or three)
+# On a host with two GPUs, two lists at once (one install first, each list on its own GPU):
+#   bash bench/gpu_check.sh OUT/a STEP && export GPU_CHECK_INSTALLED=1 &&
+#   { CUDA_VISIBLE_DEVICES=0 bash bench/gpu_check.sh OUT/b STEP... & CUDA_VISIBLE_DEVICES=1 bash bench/gpu_check.sh OUT/c STEP...; wait; }
 # Steps: see `all_steps` below (pytest_fused: one test file, for a quick re-check). Wheels the machine lacks (posix_ipc, see ../shared/GPU.md)
 # travel in the ignored .devcarry/ folder. Every step runs even when one before it failed; the exit
 # status says whether any failed. A step's output lands in OUTDIR/NAME.log.
@@ -34,12 +37,12 @@ step() {
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$OUTDIR/machine.txt" 2>&1
 cat "$OUTDIR/machine.txt"
 
-# --- install --------------------------------------------------------------------------------------
+# --- install (GPU_CHECK_INSTALLED=1: done already, e.g. by another run of this script beside it) ----------
 if compgen -G ".devcarry/*.whl" >/dev/null; then
-    step install_wheels 120 python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/*.whl
+    [ "${GPU_CHECK_INSTALLED:-0}" = 1 ] || step install_wheels 120 python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-step install 150 python3 -m pip install -q --no-deps --no-build-isolation -e .
+[ "${GPU_CHECK_INSTALLED:-0}" = 1 ] || step install 150 python3 -m pip install -q --no-deps --no-build-isolation -e .
 
 # --- steps ----------------------------------------------------------------------------------------
 run_step() {
@@ -71,6 +74,9 @@ run_step() {
     # the FP8 figures: FP8 weights + FP8 KV against bf16 on the 7B shape (accuracy, batch-1 floor, 64x1024 decode,
     # KV capacity, LoRA/base), then the FP8 GPU tests
     fp8) step bench_fp8 420 python3 bench/fp8.py --out "$OUTDIR/fp8.json" ;;
+    # figure 25.4: the saturated Azure-conv run with FP8 weights + KV against bf16, this commit served twice
+    serve_fp8) step serve_fp8 560 env CURRENT_SERVE_ARGS="--quantization fp8 --kv-cache-dtype fp8" \
+        bash bench/serve_compare.sh "$OUTDIR/serve_fp8" . ;;
     pytest_fp8) step pytest_fp8 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 tests/gpu_ops/test_fp8.py \
         tests/daemon/engine/test_fp8_gpu.py tests/gpu_ops/test_paged_attention.py tests/gpu_ops/test_gemv.py ;;
     engine_decode_plain) step bench_engine_decode_plain 150 python3 bench/engine_decode.py --out "$OUTDIR/engine_decode_plain.json" ;;

@@ -5,7 +5,9 @@
 #   bash bench/serve_compare.sh OUTDIR [BASELINE_SRC] [-- BENCH_SERVE_ARGS...]
 # BASELINE_SRC: a source tree of the baseline commit (`git archive COMMIT | tar -x -C DIR`), served first.
 # Without BENCH_SERVE_ARGS: the saturated Azure conversation run (400 requests, all at once).
-# SERVE_ARGS in the environment: extra `lorad serve` flags for both builds. The Azure CSVs are read from
+# SERVE_ARGS in the environment: extra `lorad serve` flags for both builds; BASELINE_SERVE_ARGS and
+# CURRENT_SERVE_ARGS: for one build only. One commit's two settings side by side (FP8 against bf16, figure 25.4):
+#   CURRENT_SERVE_ARGS="--quantization fp8 --kv-cache-dtype fp8" bash bench/serve_compare.sh OUTDIR . The Azure CSVs are read from
 # $DATA_DIR (default ../shared/data). Each build is installed into its own folder (not editable), so the two
 # never see each other's modules (python3 -P: the checkout's own lorad/ folder is not on the path). Output: OUTDIR/NAME.json (bench serve), NAME.status.json (/v1/status after
 # the run), NAME.serve.log.
@@ -46,10 +48,11 @@ ADAPTERS=/tmp/serve_adapters
 [ -d "$ADAPTERS" ] || lorad_current demo adapters --model-config llama-2-7b --count 100 --ranks 8,16,32,64 \
     --targets q,k,v,o --out "$ADAPTERS" >"$OUTDIR/adapters.log" 2>&1 || { tail "$OUTDIR/adapters.log"; exit 1; }
 
-serve_and_load() {  # NAME PYTHONPATH
+serve_and_load() {  # NAME PYTHONPATH [SERVE FLAGS of this build alone]
     local name=$1 path=$2 socket=/tmp/lorad-$1.sock start=$SECONDS
+    shift 2
     PYTHONPATH=$path python3 -P -m lorad.daemon.server.cli serve --model-config llama-2-7b --dummy-weights \
-        --adapter-dir "$ADAPTERS" --device cuda --socket "$socket" ${SERVE_ARGS:-} >"$OUTDIR/$name.serve.log" 2>&1 &
+        --adapter-dir "$ADAPTERS" --device cuda --socket "$socket" ${SERVE_ARGS:-} "$@" >"$OUTDIR/$name.serve.log" 2>&1 &
     local daemon=$!
     until curl -sf --unix-socket "$socket" http://localhost/health >/dev/null 2>&1; do
         if ! kill -0 $daemon 2>/dev/null || [ $((SECONDS - start)) -gt 300 ]; then
@@ -66,5 +69,7 @@ serve_and_load() {  # NAME PYTHONPATH
     echo "$name: done after $((SECONDS - start)) s"
 }
 
-[ -n "$BASELINE" ] && serve_and_load baseline /tmp/lorad_baseline${SITE:+:$SITE}
-serve_and_load current "$CURRENT_PATH"
+# shellcheck disable=SC2086  # the flags split into words
+[ -n "$BASELINE" ] && serve_and_load baseline /tmp/lorad_baseline${SITE:+:$SITE} ${BASELINE_SERVE_ARGS:-}
+# shellcheck disable=SC2086
+serve_and_load current "$CURRENT_PATH" ${CURRENT_SERVE_ARGS:-}
