@@ -31,6 +31,8 @@ from lorad.scheduler.batching import Sequence
 
 log = logging.getLogger(__name__)
 
+DECODE_GRAPH, PREFILL_GRAPH, EAGER = "decode_graph", "prefill_graph", "eager"  # ModelRunner.path
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, weights: dict[str, torch.Tensor],
@@ -110,30 +112,38 @@ class ModelRunner:
         from its residency. device_tokens: a decode step's input ids, on the device (overlapped decode)."""
         return StepPlan.build(batch, self.residency.slot, assisted, device_tokens)
 
-    def forward(self, plan: StepPlan) -> torch.Tensor:
+    def forward(self, plan: StepPlan, path: str | None = None) -> torch.Tensor:
         """Runs the step's forward -> logits [len(plan.sampled), vocab], in plan.sampled's order: replayed from a
         decode CUDA graph for a decode step, from a prefill graph (daemon/engine/prefill_graphs.py) for a step
-        with prompt rows that fits one; eager when CPU assist computes some of its rows or adapters stream in."""
-        if self.graphs is not None and plan.decode and not plan.assisted and not self.residency.loading \
-                and self.graphs.fits(len(plan.seqs), plan.max_blocks):
+        with prompt rows that fits one; eager when CPU assist computes some of its rows or adapters stream in.
+        path: the one `path(plan)` chose (a tensor-parallel worker runs rank 0's choice: each path launches its
+        own collectives)."""
+        path = path or self.path(plan)
+        if path == DECODE_GRAPH:
             logits = self.graphs.run(plan)
             self.graph_steps += 1
-            self.graph_rows = self.graphs.last_key[0]
             return logits
-        if self.prefill_graphs is not None and not plan.assisted and plan.device_tokens is None \
-                and self.prefill_graphs.fits(plan.num_tokens, len(plan.seqs), plan.max_blocks):
+        if path == PREFILL_GRAPH:
             logits = self.prefill_graphs.run(plan)
             # Streamed adapters' pages go out now, while the graph runs: its LoRA kernels wait for each
             # layer on the device (AdapterTable.place_streamed). Nothing above waited for the device.
             self.residency.issue_streams()
             self.prefill_graph_steps += 1
-            self.graph_rows = self.prefill_graphs.last_key[0]
             return logits
         # An eager forward may wait for the device (a first launch of a kernel loads it): everything its
         # kernels wait for is queued before it.
-        self.graph_rows = None
         self.residency.issue_streams()
         return self.model.forward(self.build_step(plan), self.kv.view, self.table)
+
+    def path(self, plan: StepPlan) -> str:
+        """How the step runs: DECODE_GRAPH, PREFILL_GRAPH or EAGER."""
+        if self.graphs is not None and plan.decode and not plan.assisted and not self.residency.loading \
+                and self.graphs.fits(len(plan.seqs), plan.max_blocks):
+            return DECODE_GRAPH
+        if self.prefill_graphs is not None and not plan.assisted and plan.device_tokens is None \
+                and self.prefill_graphs.fits(plan.num_tokens, len(plan.seqs), plan.max_blocks):
+            return PREFILL_GRAPH
+        return EAGER
 
     def build_step(self, plan: StepPlan) -> Step:
         """The eager forward's tensors from the plan, sent to the device. The rows of CPU-assisted sequences

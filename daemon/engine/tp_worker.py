@@ -70,13 +70,14 @@ class StepMessage:
     blocks: tuple[list[int], list[int], list[np.ndarray]]  # BlockSync.updates: keys, first new row, new rows
     sample: np.ndarray
     device_tokens: bool  # the input ids come from rank 0's device (a broadcast), not `tokens`
+    path: str  # how rank 0 runs the step (ModelRunner.path): a worker runs it the same way
 
     @classmethod
-    def of(cls, plan: StepPlan, evicted: list[int], placed: list[Placement], blocks: tuple) -> StepMessage:
+    def of(cls, plan: StepPlan, evicted: list[int], placed: list[Placement], blocks: tuple, path: str) -> StepMessage:
         if plan.assisted:
             raise RuntimeError("a CPU-assisted step cannot run tensor-parallel")  # refused by EngineConfig
         return cls(evicted, placed, np.concatenate(plan.tokens), plan.counts, plan.starts, plan.slots,
-                   blocks, plan.sample, plan.device_tokens is not None)
+                   blocks, plan.sample, plan.device_tokens is not None, path)
 
     def plan(self, blocks: list[np.ndarray]) -> StepPlan:
         tokens = np.split(self.tokens, np.cumsum(self.counts)[:-1])
@@ -181,10 +182,11 @@ class TensorParallel:
 
         def forward_on_every_rank(plan: StepPlan) -> torch.Tensor:
             try:
-                self.send_step(plan, runner.table, runner.residency)
+                path = runner.path(plan)  # the workers run the same: each path launches its own collectives
+                self.send_step(plan, runner.table, runner.residency, path)
                 if plan.device_tokens is not None:
                     plan.device_tokens = tensor_parallel.broadcast(plan.device_tokens.contiguous())
-                return forward(plan)
+                return forward(plan, path)
             except BaseException:
                 # The ranks may now be at different collectives (a timeout, a rank gone, a bug here): no later
                 # step can be trusted, and the engine's step loop would go on to the next one.
@@ -229,7 +231,7 @@ class TensorParallel:
 
         return sharded
 
-    def send_step(self, plan: StepPlan, table, residency) -> None:
+    def send_step(self, plan: StepPlan, table, residency, path: str) -> None:
         """The pool's changes since the last step and the step's plan, to every worker."""
         started = time.perf_counter()
         placements = table.placements
@@ -241,7 +243,7 @@ class TensorParallel:
             placed = [Placement(slot, names[slot], self._paths[names[slot]],
                                 np.asarray(placements[slot].page_ids, dtype=np.int32)) for slot in changed]
             self._sent = dict(placements)
-        message = StepMessage.of(plan, evicted, placed, self._blocks.updates(plan))
+        message = StepMessage.of(plan, evicted, placed, self._blocks.updates(plan), path)
         payload = multiprocessing.reduction.ForkingPickler.dumps(("step", message))  # pickled once for every worker
         for connection in self.connections:
             connection.send_bytes(payload)
@@ -435,7 +437,7 @@ class RankWorker:
         plan = message.plan(self.blocks.apply(message.blocks))
         if message.device_tokens:
             plan.device_tokens = tensor_parallel.broadcast(torch.empty(len(plan.tokens), dtype=torch.long, device=self.device))
-        self.runner.forward(plan)
+        self.runner.forward(plan, message.path)
 
     def _staged(self, name: str, path: str):
         """This rank's shard of an adapter in page layout: read from its directory (or made, for a dummy adapter)."""

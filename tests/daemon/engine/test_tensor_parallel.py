@@ -309,7 +309,8 @@ def test_step_message_rebuilds_the_plan_and_the_block_lists():
         plan = StepPlan(tokens=[np.array([4, 5, 6])] + [np.array([9])] * (len(seqs) - 1), starts=np.arange(len(seqs)),
                         slots=np.array([-1, 3, 0][: len(seqs)]), blocks=[seq.blocks.array() for seq in seqs],
                         sample=np.ones(len(seqs), dtype=bool), seqs=seqs)
-        message = pickle.loads(pickle.dumps(StepMessage.of(plan, [], [], rank0.updates(plan))))
+        message = pickle.loads(pickle.dumps(StepMessage.of(plan, [], [], rank0.updates(plan), "eager")))
+        assert message.path == "eager"
         rebuilt = message.plan(worker.apply(message.blocks))
         assert [t.tolist() for t in rebuilt.tokens] == [t.tolist() for t in plan.tokens]
         for field in ("starts", "slots", "sample", "counts"):
