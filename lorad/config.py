@@ -13,9 +13,10 @@ DEVICES = ("auto", "cpu", "cuda")
 # What a request whose adapter is not in the page pool waits for (DESIGN.md, CPU-assisted cold start):
 # cached: every adapter placed at start-up (refused if they do not fit); ondemand: the adapter is
 # placed at admission, then the prefill runs; cpu: the prefill's LoRA runs on the CPU workers while
-# the adapter is placed; auto: ondemand or cpu per request, from costs measured at start-up. Not set (None), the
-# engine picks at start (daemon/engine/cold_start.py: resolve_cold_start): auto on cuda with tensor_parallel_size
-# 1, never slower than ondemand in BENCHMARKS.md's cold-start figures 5.1 and 5.2; ondemand elsewhere.
+# the adapter is placed; auto: ondemand or cpu per request, from costs measured at start-up. None (`lorad
+# serve`'s default), the engine picks at start (daemon/engine/cold_start.py: resolve_cold_start): auto on cuda
+# with tensor_parallel_size 1, no slower than ondemand in BENCHMARKS.md's cold-start figures 5.1 and 5.2;
+# ondemand elsewhere.
 COLD_STARTS = ("cached", "ondemand", "cpu", "auto")
 CPU_LORA_SPLITS = ("auto", "tokens", "groups")
 LORA_KERNELS = ("auto", "bgmv", "mbgmv")
@@ -78,7 +79,9 @@ class EngineConfig:
     quantization: str = "auto"  # auto|fp8|none (see QUANTIZATIONS)
     kv_cache_dtype: str = "auto"  # auto|fp8 (see KV_CACHE_DTYPES)
     eager: bool = False  # on cuda: no CUDA graphs for decode steps (slower; for comparison and debugging)
-    cold_start: str | None = None  # cached|ondemand|cpu|auto; None: chosen by the engine at start (see COLD_STARTS)
+    # cached|ondemand|cpu|auto; None: chosen by the engine at start (see COLD_STARTS), `lorad serve`'s default
+    # (SERVE_DEFAULTS). Engines built directly (tests, benchmarks) run ondemand unless told otherwise.
+    cold_start: str | None = "ondemand"
     cpu_workers: int = 0  # CPU LoRA worker processes for cold_start cpu|auto; 0: min(4, cores - 1)
     # How an assisted prompt's LoRA is shared among the workers (cpu_lora/partition.py): auto, whichever the
     # costs measured at start-up predict faster; tokens, each worker its own rows (CaraServe's split); groups,
@@ -167,8 +170,10 @@ class EngineConfig:
 
 
 # `lorad serve`'s defaults where they differ from an engine built directly: under config.py's own, beneath the config
-# file and the flags (daemon/server/settings.py).
-SERVE_DEFAULTS = {"profile_at_start": True}
+# file and the flags (daemon/server/settings.py). The daemon measures its kernel profile on a first start and runs
+# the cold-start mode chosen for its device; an engine built directly in a test or a benchmark does neither, so that
+# it starts in a second and starts no CPU workers it was not asked for.
+SERVE_DEFAULTS = {"profile_at_start": True, "cold_start": None}
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ class Engine:
         # cold_start not set: auto or ondemand for this device, settled before anything reads the config
         mode, self.cold_start_reason = resolve_cold_start(config, self.device, self.spec)
         config = self.config = replace(config, cold_start=mode)
-        log.info("cold_start=%s (%s)", mode, self.cold_start_reason)
+        log.info("cold_start=%s why=%r", mode, self.cold_start_reason)
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = self.spec.vocab_size

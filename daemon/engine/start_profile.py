@@ -64,8 +64,7 @@ def why_not_measured(config: EngineConfig, device: torch.device) -> str | None:
         return "profile_at_start off"
     plan = plan_for(device)
     if plan is None:
-        return (f"measured at start on cuda only, not on {device.type} (`lorad profile --device {device.type}` "
-                "measures it)")
+        return f"on cuda only, not on {device.type} (`lorad profile --device {device.type}` measures it)"
     if config.tensor_parallel_size > 1:
         # `lorad profile --tensor-parallel-size N` starts a process group of its own, which this process would have
         # to leave before the engine's ranks form theirs: measured once by hand instead.
@@ -83,7 +82,7 @@ def measure_at_start(config: EngineConfig, spec: ModelSpec, model_name: str, dev
     Never raises for a failed measurement: the engine then starts without a profile."""
     why = why_not_measured(config, device)
     if why is not None:
-        log.info("kernel profile: none at %s, none measured at start (%s)", path, why)
+        log.info("kernel profile: none at %s; not measured at start: %s", path, why)
         return {"origin": "none", "why": f"none at {path}; not measured at start: {why}"}
     log.info("profiling this GPU for %s on first start (~%d s for a 7B model on an H100); cached at %s",
              model_name, EXPECTED_SECONDS, path)

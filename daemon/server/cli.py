@@ -120,7 +120,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, config_class, helps: dict
     for field in dataclasses.fields(config_class):
         flag, metavar = f"--{field.name.replace('_', '-')}", field.name.upper()
         options = {"dest": f"{dest_prefix}{field.name}", "default": argparse.SUPPRESS}
-        default_note = "" if field.default in (None, ()) else f" (default: {_default_text(field)})"
+        # lorad serve's own defaults (config.SERVE_DEFAULTS) are told by the field's help
+        shown = field.name not in SERVE_DEFAULTS and field.default not in (None, ())
+        default_note = f" (default: {_default_text(field)})" if shown else ""
         help_text = (helps.get(field.name, "") + default_note).strip()
         if field.name == "adapters":  # repeated NAME=DIR pairs
             parser.add_argument("--adapter", action="append", type=_adapter_pair, metavar="NAME=DIR",

@@ -1,8 +1,8 @@
 """The configuration file, /etc/lorad/lorad.toml: sections [engine] and [server] whose keys are exactly
 the fields of lorad.config's EngineConfig and ServerConfig, checked here once (unknown keys and wrong
 types are refused naming the key and the section). Precedence, lowest first: config.py's defaults, `lorad
-serve`'s own (config.SERVE_DEFAULTS: profile_at_start on), what systemd tells us ($STATE_DIRECTORY,
-$RUNTIME_DIRECTORY), the file, the flags the user gave.
+serve`'s own (config.SERVE_DEFAULTS: the profile measured at start, the cold-start mode chosen for the
+device), what systemd tells us ($STATE_DIRECTORY, $RUNTIME_DIRECTORY), the file, the flags the user gave.
 """
 
 from __future__ import annotations

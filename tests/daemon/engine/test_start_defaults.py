@@ -1,5 +1,5 @@
-"""What an engine settles at start when the config leaves it open: the cold-start mode (auto on cuda at
-tensor_parallel_size 1, ondemand elsewhere; daemon/engine/cold_start.py: resolve_cold_start) and the kernel profile
+"""What an engine settles at start when the config leaves it open (`lorad serve`'s defaults): the cold-start mode
+(auto on cuda at tensor_parallel_size 1, ondemand elsewhere; daemon/engine/cold_start.py: resolve_cold_start) and the kernel profile
 measured on a first start (daemon/engine/start_profile.py), forced onto the CPU here with a tiny plan: measured and
 saved by the first engine, found by the second, and a failed measurement leaves the engine up, saying why."""
 
@@ -31,16 +31,19 @@ TINY_PLAN = Plan(batch_sizes=(1, 2, 4), ranks=(8, 16), step_batch_sizes=(1, 2), 
 
 
 def test_cold_start_is_auto_on_one_gpu_and_ondemand_elsewhere():
-    mode, why = resolve_cold_start(EngineConfig(), CUDA, SEVEN_B, PLENTY)
+    unset = EngineConfig(cold_start=None)  # lorad serve's default (SERVE_DEFAULTS)
+    mode, why = resolve_cold_start(unset, CUDA, SEVEN_B, PLENTY)
     assert mode == "auto" and "figures 5.1 and 5.2" in why
-    mode, why = resolve_cold_start(EngineConfig(), CPU, SEVEN_B, PLENTY)
+    mode, why = resolve_cold_start(unset, CPU, SEVEN_B, PLENTY)
     assert mode == "ondemand" and why.startswith("the default on cpu")
-    mode, why = resolve_cold_start(EngineConfig(tensor_parallel_size=2), CUDA, SEVEN_B, PLENTY)
+    mode, why = resolve_cold_start(EngineConfig(cold_start=None, tensor_parallel_size=2), CUDA, SEVEN_B, PLENTY)
     assert mode == "ondemand" and "tensor_parallel_size 2" in why
     # /dev/shm too small for the CPU workers' store and exchange (a container's default 64 MiB): ondemand, and why
-    mode, why = resolve_cold_start(EngineConfig(), CUDA, SEVEN_B, lambda: 64 << 20)
+    mode, why = resolve_cold_start(unset, CUDA, SEVEN_B, lambda: 64 << 20)
     assert mode == "ondemand" and "64 MiB free" in why
-    assert resolve_cold_start(EngineConfig(), CUDA, SEVEN_B, lambda: None)[0] == "auto"  # nothing to measure
+    assert resolve_cold_start(unset, CUDA, SEVEN_B, lambda: None)[0] == "auto"  # nothing to measure
+    # An engine built directly (tests, benchmarks) runs ondemand unless told otherwise.
+    assert resolve_cold_start(EngineConfig(), CUDA, SEVEN_B, PLENTY) == ("ondemand", "set (cold_start)")
     # An explicit mode always wins, on any device.
     for mode in ("cached", "ondemand", "cpu", "auto"):
         assert resolve_cold_start(EngineConfig(cold_start=mode), CPU, SEVEN_B, PLENTY) == (mode, "set (cold_start)")
@@ -74,7 +77,7 @@ def _engine(state_dir, **config) -> Engine:
 
 
 def test_an_engine_on_the_cpu_says_which_cold_start_it_runs_and_why(tmp_path):
-    engine = _engine(tmp_path)
+    engine = _engine(tmp_path, cold_start=None)
     status = engine.status()
     assert status["cold_start"] == "ondemand" and status["cold_start_reason"].startswith("the default on cpu")
     assert engine.cold_starts.cpu_assist is None

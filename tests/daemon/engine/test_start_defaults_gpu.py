@@ -1,5 +1,5 @@
-"""On an NVIDIA GPU: an engine left to its defaults runs cold_start auto (its CPU workers up) and serves cold
-adapters with it; a first start with profile_at_start measures the kernel profile on the device (the quick plan
+"""On an NVIDIA GPU: an engine left to choose its cold-start mode (lorad serve's default) runs auto (its CPU
+workers up) and serves cold adapters with it; a first start with profile_at_start measures the kernel profile on the device (the quick plan
 here), gives its memory back before the engine's weights and pool take theirs, and the next start finds it."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _close(engine: Engine) -> None:
 
 
 def test_the_default_cold_start_on_one_gpu_is_auto_and_serves(tmp_path):
-    engine = _engine(tmp_path, dummy_adapters=4, dummy_adapter_rank=16, profile_path="off")
+    engine = _engine(tmp_path, cold_start=None, dummy_adapters=4, dummy_adapter_rank=16, profile_path="off")
     try:
         status = engine.status()
         assert status["cold_start"] == "auto" and "figures 5.1 and 5.2" in status["cold_start_reason"], status
