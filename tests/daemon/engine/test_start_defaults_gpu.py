@@ -52,9 +52,10 @@ def test_a_first_start_measures_the_profile_on_the_gpu_and_frees_its_memory(tmp_
 
     def measured(*args):
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         allocated["before"] = torch.cuda.memory_allocated()
         origin = measure(*args)
-        allocated["after"] = torch.cuda.memory_allocated()
+        allocated["peak"], allocated["after"] = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
         return origin
 
     monkeypatch.setattr(start_profile, "measure_at_start", measured)
@@ -64,7 +65,9 @@ def test_a_first_start_measures_the_profile_on_the_gpu_and_frees_its_memory(tmp_
         origin = first.status()["kernel_profile"]
         assert origin["origin"] == "measured at start" and origin["path"] == str(path), origin
         assert first.status()["lora_kernel_choice"] == f"profile:{path}"
-        assert allocated["after"] - allocated["before"] < 1 << 20, allocated  # the bench's weights, pool, graphs gone
+        # the measurement's weights, pool and graphs are gone before the engine's own take the memory
+        left, used = allocated["after"] - allocated["before"], allocated["peak"] - allocated["before"]
+        assert left < min(used / 20, 4 << 20), allocated
     finally:
         _close(first)
     second = _engine(tmp_path, profile_at_start=True)
