@@ -13,7 +13,10 @@ DEVICES = ("auto", "cpu", "cuda")
 # What a request whose adapter is not in the page pool waits for (DESIGN.md, CPU-assisted cold start):
 # cached: every adapter placed at start-up (refused if they do not fit); ondemand: the adapter is
 # placed at admission, then the prefill runs; cpu: the prefill's LoRA runs on the CPU workers while
-# the adapter is placed; auto: ondemand or cpu per request, from costs measured at start-up.
+# the adapter is placed; auto: ondemand or cpu per request, from costs measured at start-up. None (`lorad
+# serve`'s default), the engine picks at start (daemon/engine/cold_start.py: resolve_cold_start): auto on cuda
+# with tensor_parallel_size 1, no slower than ondemand in BENCHMARKS.md's cold-start figures 5.1 and 5.2;
+# ondemand elsewhere.
 COLD_STARTS = ("cached", "ondemand", "cpu", "auto")
 CPU_LORA_SPLITS = ("auto", "tokens", "groups")
 LORA_KERNELS = ("auto", "bgmv", "mbgmv")
@@ -76,7 +79,9 @@ class EngineConfig:
     quantization: str = "auto"  # auto|fp8|none (see QUANTIZATIONS)
     kv_cache_dtype: str = "auto"  # auto|fp8 (see KV_CACHE_DTYPES)
     eager: bool = False  # on cuda: no CUDA graphs for decode steps (slower; for comparison and debugging)
-    cold_start: str = "ondemand"  # cached|ondemand|cpu|auto (see COLD_STARTS)
+    # cached|ondemand|cpu|auto; None: chosen by the engine at start (see COLD_STARTS), `lorad serve`'s default
+    # (SERVE_DEFAULTS). Engines built directly (tests, benchmarks) run ondemand unless told otherwise.
+    cold_start: str | None = "ondemand"
     cpu_workers: int = 0  # CPU LoRA worker processes for cold_start cpu|auto; 0: min(4, cores - 1)
     # How an assisted prompt's LoRA is shared among the workers (cpu_lora/partition.py): auto, whichever the
     # costs measured at start-up predict faster; tokens, each worker its own rows (CaraServe's split); groups,
@@ -93,6 +98,11 @@ class EngineConfig:
     # chosen. None: <state_dir or ~/.cache/lorad>/profile-<model>-<device>.json (-tpN.json at tensor_parallel_size
     # N > 1) when it exists (daemon/engine/kernel_choice.py); "off": none, MBGMV always.
     profile_path: str | None = None
+    # With profile_path None and no profile at its default path: on cuda at tensor_parallel_size 1 (and max_lora_rank
+    # >= 64, the profile's highest rank) the engine measures one before it loads its weights (`lorad profile`'s
+    # measurement, daemon/engine/start_profile.py: about 40 s for a 7B shape on an H100), saves it there and loads
+    # it. Off for engines built directly (tests, benchmarks); `lorad serve` turns it on (SERVE_DEFAULTS).
+    profile_at_start: bool = False
     # The decode steps' LoRA kernel: auto (the profile's models choose per step; MBGMV without a profile), or
     # bgmv / mbgmv for every step (to compare, or to serve as CaraServe's and Punica's engines do).
     lora_kernel: str = "auto"
@@ -122,7 +132,7 @@ class EngineConfig:
             raise BadRequest(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise BadRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
-        if self.cold_start not in COLD_STARTS:
+        if self.cold_start is not None and self.cold_start not in COLD_STARTS:
             raise BadRequest(f"cold_start must be one of {', '.join(COLD_STARTS)}, not {self.cold_start!r}")
         if self.lora_kernel not in LORA_KERNELS:
             raise BadRequest(f"lora_kernel must be one of {', '.join(LORA_KERNELS)}, not {self.lora_kernel!r}")
@@ -157,6 +167,13 @@ class EngineConfig:
                              "compute whole-model LoRA, the ranks hold shards): use cold_start ondemand or cached")
         if self.admission == "fcfs" and self.cluster_max_adapters:
             raise BadRequest("cluster_max_adapters goes with admission cluster or early-abort, not fcfs")
+
+
+# `lorad serve`'s defaults where they differ from an engine built directly: under config.py's own, beneath the config
+# file and the flags (daemon/server/settings.py). The daemon measures its kernel profile on a first start and runs
+# the cold-start mode chosen for its device; an engine built directly in a test or a benchmark does neither, so that
+# it starts in a second and starts no CPU workers it was not asked for.
+SERVE_DEFAULTS = {"profile_at_start": True, "cold_start": None}
 
 
 @dataclass(frozen=True)

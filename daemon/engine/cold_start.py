@@ -23,6 +23,8 @@ from lorad.daemon.engine.stats import Metrics
 from lorad.daemon.model.adapters import LoraAdapter
 from lorad.daemon.model.checkpoint import PROJECTIONS, ModelSpec
 from lorad.gpu_ops.page_pool import AdapterTable, StreamedLoad
+from lorad.shm.exchange import ExchangeConfig, ExchangeLayout
+from lorad.shm.segment import SHM_DIR
 from lorad.scheduler.batching import Sequence
 from lorad.scheduler.cold_start import (
     CPU_ASSIST,
@@ -40,6 +42,46 @@ log = logging.getLogger(__name__)
 
 CPU_STORE_BYTES = 1 << 30  # the CPU workers' shared adapter store (fp32; least recently used make room)
 CPU_JOB_TIMEOUT_S = 5.0  # a CPU LoRA job not done by then has a dead or stalled worker: the pool path takes over
+
+
+def resolve_cold_start(config: EngineConfig, device: torch.device, spec: ModelSpec,
+                       shm_free_bytes: Callable[[], int | None] | None = None) -> tuple[str, str]:
+    """The cold-start mode an engine runs and why (logged, in /v1/status): cold_start when it is set; else auto on
+    cuda at tensor_parallel_size 1, never slower than ondemand in BENCHMARKS.md's cold-start figures (5.1: 0.76x
+    ondemand's mean TTFT with pageable adapters, 1.04x cached's; 5.2: 0.97-0.99x ondemand's with pinned ones), and
+    ondemand elsewhere, or where /dev/shm cannot hold what auto's CPU workers share."""
+    if config.cold_start is not None:
+        return config.cold_start, "set (cold_start)"
+    if device.type != "cuda":
+        return "ondemand", (f"the default on {device.type} (auto's CPU workers would take the cores the engine "
+                            "computes on)")
+    if config.tensor_parallel_size > 1:
+        return "ondemand", (f"the default at tensor_parallel_size {config.tensor_parallel_size} (auto's CPU workers "
+                            "compute whole-model LoRA, the ranks hold shards)")
+    needed = cpu_assist_shm_bytes(config, spec)
+    free = (shm_free_bytes or _shm_free_bytes)()
+    if free is not None and free < needed:
+        return "ondemand", (f"the default where {SHM_DIR} is short: {free >> 20} MiB free, auto's CPU workers share "
+                            f"{needed >> 20} MiB there")
+    return "auto", "the default on cuda (never slower than ondemand: BENCHMARKS.md, figures 5.1 and 5.2)"
+
+
+def cpu_assist_shm_bytes(config: EngineConfig, spec: ModelSpec) -> int:
+    """The shared memory the CPU workers of cold_start cpu|auto map: the adapter store and the job exchange (at its
+    largest: partial buffers for split groups)."""
+    shapes = [spec.projection_shape(p) for p in PROJECTIONS]
+    exchange = ExchangeConfig(workers=default_workers(config.cpu_workers), max_tokens=config.max_batch_tokens,
+                              hidden=max(fan_in for fan_in, _ in shapes), max_out=max(fan_out for _, fan_out in shapes),
+                              max_rank=config.max_lora_rank)
+    return CPU_STORE_BYTES + (2 << 20) + ExchangeLayout.of(exchange).size  # (2 MiB: the store's header and index)
+
+
+def _shm_free_bytes() -> int | None:
+    try:
+        stats = os.statvfs(SHM_DIR)
+    except OSError:
+        return None  # no /dev/shm to measure: nothing to say against auto
+    return stats.f_bavail * stats.f_frsize
 
 
 def streaming_availability(config: EngineConfig, device: torch.device, ops_name: str) -> dict:

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -25,14 +25,14 @@ from lorad.daemon.model.adapters import AdapterRegistry, LoraAdapter, module_mem
 from lorad.daemon.model.checkpoint import (FUSED_MODULES, MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights,
                                           load_spec, longrope_switch, within_sliding_window)
 from lorad.daemon.model import quantization
-from lorad.daemon.engine.cold_start import ColdStarts, streaming_availability
+from lorad.daemon.engine.cold_start import ColdStarts, resolve_cold_start, streaming_availability
 from lorad.daemon.engine.runner import ModelRunner
 from lorad.daemon.engine.step_account import StepAccount
 from lorad.daemon.engine.step_cost import StepCostModel, measure_device_rates
 from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.engine.tp_worker import TensorParallel
 from lorad.daemon.model.tensor_parallel import check_size
-from lorad.daemon.engine.kernel_choice import LoraKernelChoice
+from lorad.daemon.engine import start_profile
 from lorad.daemon.engine.adapter_residency import LoraResidency
 from lorad.daemon.engine import status
 from lorad.daemon.engine.stats import Metrics
@@ -127,6 +127,10 @@ class Engine:
             self.spec = load_spec(model_dir)
             self.model_name = "lorad-demo" if config.demo else model_dir.name
         self.dtype = resolve_dtype(config.dtype, self.spec.torch_dtype, self.device)
+        # cold_start not set: auto or ondemand for this device, settled before anything reads the config
+        mode, self.cold_start_reason = resolve_cold_start(config, self.device, self.spec)
+        config = self.config = replace(config, cold_start=mode)
+        log.info("cold_start=%s why=%r", mode, self.cold_start_reason)
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = self.spec.vocab_size
@@ -139,10 +143,10 @@ class Engine:
 
         started = time.perf_counter()
         # The decode LoRA kernel per step, from `lorad profile`'s models when a profile of this engine's
-        # tensor-parallel size is found (checked before any rank starts).
-        self.kernel_choice = LoraKernelChoice.for_engine(
-            config.profile_path, self.model_name, self.device, config.state_dir, str(self.dtype).removeprefix("torch."),
-            config.lora_kernel, config.tensor_parallel_size)
+        # tensor-parallel size is found (checked before any rank starts), or measured now, before the weights take
+        # the memory (profile_at_start: start_profile.py).
+        self.kernel_choice, self.kernel_profile = start_profile.kernel_choice(config, self.spec, self.model_name,
+                                                                              self.device, self.dtype)
         # Tensor parallelism: this process is rank 0 of tensor_parallel_size, with its shard of the model (its heads
         # and MLP columns: `local`); the workers it starts hold theirs (daemon/engine/tp_worker.py).
         self.tp = None
@@ -161,7 +165,7 @@ class Engine:
             base = quantization.load_base_weights(model_dir, self.spec, config.quantization, self.dtype, self.device, config.seed)
             weights, self.quantization, kv_scales = base.weights, base.quantization, base.kv_scales
             del base
-        log.info("decode lora kernel choice=%s", self.kernel_choice.describe())
+        log.info("decode lora kernel choice=%s profile=%s", self.kernel_choice.describe(), self.kernel_profile)
         self.runner = ModelRunner(config, local, self.device, weights, self.max_model_len, self.kernel_choice)
         del weights
         if self.tp is not None:

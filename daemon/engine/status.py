@@ -54,10 +54,13 @@ def engine_status(engine: Engine) -> dict:
             "overlapped_decode_steps": engine.overlapped_steps,
             "prefill_cuda_graphs": engine.runner.prefill_graphs.tokens_buckets if engine.runner.prefill_graphs is not None else "off",
             "lora_kernel_choice": engine.kernel_choice.describe(),
+            # where the profile came from: measured at start, found, given, off, none or failed (with why)
+            "kernel_profile": dict(engine.kernel_profile),
             "decode_lora_groups": engine.runner.lora_groups,
             "decode_lora_pdl": dict(engine.runner.lora_pdl),
             "lora_kernel_steps": dict(engine.kernel_choice.steps),
             "cold_start": engine.config.cold_start,
+            "cold_start_reason": engine.cold_start_reason,  # set, or the default for this device and why
             "cold_start_decisions": dict(engine.cold_starts.decisions),
             "cpu_workers": engine.cold_starts.cpu_assist.workers if engine.cold_starts.cpu_assist is not None else 0,
             "cpu_lora_invocation": cuda_ext.invocation_path(),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from lorad.daemon.server import unix_socket
 from lorad.daemon.server.cli_args import Parser, octal_mode, parse
-from lorad.config import DTYPE_CHOICES, Config, EngineConfig, ServerConfig
+from lorad.config import DTYPE_CHOICES, SERVE_DEFAULTS, Config, EngineConfig, ServerConfig
 from lorad.errors import BadRequest, LoradError
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,8 @@ _ENGINE_FLAG_HELP = {
     "max_model_len": "default: the checkpoint's max_position_embeddings, capped at 8192",
     "pool_bytes": "unified page pool bytes (K/M/G suffixes accepted)",
     "host_adapter_bytes": "host-memory budget of loaded adapters (K/M/G suffixes accepted)",
-    "cold_start": "cached|ondemand|cpu|auto: what a request whose adapter is not in the pool waits for",
+    "cold_start": "cached|ondemand|cpu|auto: what a request whose adapter is not in the pool waits for (default: auto "
+                  "on cuda with --tensor-parallel-size 1, ondemand elsewhere; the log and /v1/status say which and why)",
     "cpu_workers": "CPU LoRA worker processes for --cold-start cpu|auto (0: min(4, cores - 1))",
     "cpu_lora_split": "auto|tokens|groups: how the CPU workers share an assisted prompt's LoRA: each its own tokens, "
                       "or all the tokens and a chunk of the adapter's columns (auto: from the costs measured at start)",
@@ -50,6 +51,9 @@ _ENGINE_FLAG_HELP = {
     "profile_path": "lorad profile's performance models, from which each decode step's LoRA kernel is chosen "
                     "(default: STATE_DIR or ~/.cache/lorad, /profile-MODEL-DEVICE.json, -tpN.json under tensor parallelism, "
                     "when it exists; off: none, MBGMV)",
+    "profile_at_start": "with no profile at the default --profile-path: on cuda, measure one before the model loads "
+                        "(as lorad profile does; about 40 s for a 7B model on an H100) and save it there for the next "
+                        "starts (default: on; --no-profile-at-start: off)",
     "lora_kernel": "auto|bgmv|mbgmv: the decode steps' LoRA kernel (auto: chosen per step from the profile's models; "
                    "MBGMV without a profile)",
     "admission": "fcfs|early-abort|cluster: which waiting requests join a step (early-abort drops those that "
@@ -116,7 +120,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, config_class, helps: dict
     for field in dataclasses.fields(config_class):
         flag, metavar = f"--{field.name.replace('_', '-')}", field.name.upper()
         options = {"dest": f"{dest_prefix}{field.name}", "default": argparse.SUPPRESS}
-        default_note = "" if field.default in (None, ()) else f" (default: {_default_text(field)})"
+        # lorad serve's own defaults (config.SERVE_DEFAULTS) are told by the field's help
+        shown = field.name not in SERVE_DEFAULTS and field.default not in (None, ())
+        default_note = f" (default: {_default_text(field)})" if shown else ""
         help_text = (helps.get(field.name, "") + default_note).strip()
         if field.name == "adapters":  # repeated NAME=DIR pairs
             parser.add_argument("--adapter", action="append", type=_adapter_pair, metavar="NAME=DIR",
@@ -125,7 +131,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, config_class, helps: dict
             singular = field.name.removesuffix("s").replace("_", "-")
             parser.add_argument(f"--{singular}", action="append", metavar="DIR", help=help_text, **options)
         elif str(field.type) == "bool":  # --flag; --flag/--no-flag when it is on by default
-            action = argparse.BooleanOptionalAction if field.default is True else "store_true"
+            on = field.default is True or SERVE_DEFAULTS.get(field.name) is True
+            action = argparse.BooleanOptionalAction if on else "store_true"
             parser.add_argument(flag, action=action, help=helps.get(field.name), **options)
         else:
             converter = _converter(field)

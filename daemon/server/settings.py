@@ -1,7 +1,8 @@
 """The configuration file, /etc/lorad/lorad.toml: sections [engine] and [server] whose keys are exactly
 the fields of lorad.config's EngineConfig and ServerConfig, checked here once (unknown keys and wrong
-types are refused naming the key and the section). Precedence, lowest first: config.py's defaults, what
-systemd tells us ($STATE_DIRECTORY, $RUNTIME_DIRECTORY), the file, the flags the user gave.
+types are refused naming the key and the section). Precedence, lowest first: config.py's defaults, `lorad
+serve`'s own (config.SERVE_DEFAULTS: the profile measured at start, the cold-start mode chosen for the
+device), what systemd tells us ($STATE_DIRECTORY, $RUNTIME_DIRECTORY), the file, the flags the user gave.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import tomllib
 import typing
 from pathlib import Path
 
-from lorad.config import Config, EngineConfig, ServerConfig
+from lorad.config import SERVE_DEFAULTS, Config, EngineConfig, ServerConfig
 from lorad.errors import BadRequest
 
 DEFAULT_PATH = "/etc/lorad/lorad.toml"
@@ -31,7 +32,7 @@ def resolve(cli_engine: dict, cli_server: dict, config_path: str | None = None,
         raise BadRequest(f"config file {path} does not exist")
     used = path if path.is_file() else None
     sections = read_file(path) if used else {}
-    engine = {**_systemd_engine(environ), **sections.get("engine", {}), **cli_engine}
+    engine = {**SERVE_DEFAULTS, **_systemd_engine(environ), **sections.get("engine", {}), **cli_engine}
     server = {**_systemd_server(environ), **sections.get("server", {}), **cli_server}
     if not engine.get("demo") and not engine.get("model") and not engine.get("model_config"):
         raise BadRequest('serve needs --model DIR (or --demo), or model = "DIR" in [engine] of the config file')

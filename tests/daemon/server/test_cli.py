@@ -64,6 +64,7 @@ def test_bad_flags_exit_2_with_one_line(capsys, argv, fragment):
 def test_help_exits_0(capsys):
     code, out, _ = run_main(capsys, "serve", "--help")
     assert code == 0 and "--max-lora-rank" in out and "(default: 256)" in out and "--adapter NAME=DIR" in out
+    assert "--profile-at-start, --no-profile-at-start" in out and "auto on cuda" in " ".join(out.split())
 
 
 def test_flags_map_onto_the_config(monkeypatch):
@@ -88,6 +89,9 @@ def test_flags_map_onto_the_config(monkeypatch):
     assert seen["server"] == {"socket": "/tmp/s.sock", "socket_mode": 0o600, "log_level": "debug"}
     # what is not given is not passed: the defaults are config.py's
     assert main(["serve", "--demo"]) == 0 and seen["engine"] == {"demo": True} and seen["server"] == {}
+    # lorad serve measures a kernel profile on a first start unless told not to; cold_start left to the engine
+    assert main(["serve", "--demo", "--no-profile-at-start", "--cold-start", "cached"]) == 0
+    assert seen["engine"] == {"demo": True, "profile_at_start": False, "cold_start": "cached"}
 
 
 def test_refuses_a_socket_path_that_is_a_file(capsys, short_tmp):

@@ -133,11 +133,26 @@ log_level = "warning"
 def test_default_file_only_when_it_exists(tmp_path, monkeypatch):
     monkeypatch.setattr(settings, "DEFAULT_PATH", str(tmp_path / "missing.toml"))
     config, used = resolve({"demo": True}, {}, None, {})
-    assert used is None and config.engine == EngineConfig(demo=True) and config.server == ServerConfig()
+    # config.py's defaults, and lorad serve's own: the kernel profile measured on a first start, the cold-start mode
+    # chosen by the engine for its device
+    assert used is None and config.engine == EngineConfig(demo=True, profile_at_start=True, cold_start=None)
+    assert config.server == ServerConfig()
     default = write(tmp_path, "[engine]\nmax_lora_rank = 16\n")
     monkeypatch.setattr(settings, "DEFAULT_PATH", str(default))
     config, used = resolve({"demo": True}, {}, None, {})
     assert used == default and config.engine.max_lora_rank == 16
+
+
+def test_serve_defaults_lie_under_the_file_and_the_flags(tmp_path):
+    assert EngineConfig().profile_at_start is False and EngineConfig().cold_start == "ondemand"  # built directly
+    off = write(tmp_path, "[engine]\ndemo = true\nprofile_at_start = false\ncold_start = \"ondemand\"\n")
+    config, _ = resolve({}, {}, str(off), {})
+    assert config.engine.profile_at_start is False and config.engine.cold_start == "ondemand"
+    on = write(tmp_path, "[engine]\ndemo = true\n", "on.toml")
+    config, _ = resolve({}, {}, str(on), {})
+    assert config.engine.profile_at_start is True and config.engine.cold_start is None  # settled by the engine
+    config, _ = resolve({"profile_at_start": False}, {}, str(on), {})
+    assert config.engine.profile_at_start is False
 
 
 def test_missing_explicit_file_and_model_checks(tmp_path):
