@@ -146,6 +146,7 @@ class TensorParallel:
         self._paths: dict[str, str] = {}  # adapter name -> the directory its shard was read from
         self._shards: collections.OrderedDict = collections.OrderedDict()  # id(weights) -> (weights, shard)
         self._shard_bytes = 0
+        self.runner = None  # rank 0's ModelRunner, once attached (an engine can fail, and close, before it is)
         self.steps_sent = 0
         self.send_seconds = 0.0
 
@@ -279,7 +280,8 @@ class TensorParallel:
             except (OSError, ValueError):
                 pass
         reported = self._compare_step_paths()
-        self.runner.release_graphs()
+        if self.runner is not None:
+            self.runner.release_graphs()
         tensor_parallel.leave_group(drain=reported)
         for process in self.processes:
             process.join(STOP_TIMEOUT_S)
@@ -511,10 +513,9 @@ def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: st
 
 
 def step_paths(steps: int, runner) -> dict[str, int]:
-    """A rank's steps by the path they ran."""
-    graphs = runner.graph_steps + runner.prefill_graph_steps
-    return {"steps": steps, "decode_graph": runner.graph_steps, "prefill_graph": runner.prefill_graph_steps,
-            "eager": steps - graphs}
+    """A rank's steps by the path they ran (runner None: none built, no step run)."""
+    decode, prefill = (0, 0) if runner is None else (runner.graph_steps, runner.prefill_graph_steps)
+    return {"steps": steps, "decode_graph": decode, "prefill_graph": prefill, "eager": steps - decode - prefill}
 
 
 def exit_with_parent() -> None:

@@ -356,6 +356,22 @@ def test_an_engine_that_fails_after_its_workers_started_stops_them(hf_checkpoint
 
 
 @pytest.mark.slow
+def test_an_engine_whose_model_fails_to_build_after_its_workers_started_stops_them(hf_checkpoint, monkeypatch):
+    # Rank 0's model failing to build (out of memory on a large shard, a tensor missing) once the workers started:
+    # the engine closes them with no runner attached, and the build's error is the one raised.
+    import lorad.daemon.engine.engine as engine_module
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory building the model")
+
+    monkeypatch.setattr(engine_module, "ModelRunner", out_of_memory)
+    checkpoint = hf_checkpoint("llama")
+    with pytest.raises(RuntimeError, match="out of memory building the model"):
+        Engine(EngineConfig(model=str(checkpoint.model_dir), device="cpu", tensor_parallel_size=2, max_model_len=512))
+    assert not torch.distributed.is_initialized()  # the group was left
+
+
+@pytest.mark.slow
 def test_tp2_overlapped_decode_equals_tp1(hf_checkpoint, caplog):
     # Overlapped decode runs on cuda only; forced on here, each step's input ids go from rank 0's device to the
     # workers by a broadcast (gloo's here, NCCL's on GPUs), in step with the plans.
