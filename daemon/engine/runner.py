@@ -122,6 +122,7 @@ class ModelRunner:
         if path == DECODE_GRAPH:
             logits = self.graphs.run(plan)
             self.graph_steps += 1
+            self.graph_rows = self.graphs.last_key[0]
             return logits
         if path == PREFILL_GRAPH:
             logits = self.prefill_graphs.run(plan)
@@ -129,9 +130,11 @@ class ModelRunner:
             # layer on the device (AdapterTable.place_streamed). Nothing above waited for the device.
             self.residency.issue_streams()
             self.prefill_graph_steps += 1
+            self.graph_rows = self.prefill_graphs.last_key[0]
             return logits
         # An eager forward may wait for the device (a first launch of a kernel loads it): everything its
         # kernels wait for is queued before it.
+        self.graph_rows = None
         self.residency.issue_streams()
         return self.model.forward(self.build_step(plan), self.kv.view, self.table)
 

@@ -124,3 +124,36 @@ def test_the_engine_accounts_every_step_it_runs(demo_assets):
     assert prefill.adapter_bytes == 4 * 10240  # demo-r8: its q, k, v A and B rows, float32 (test_step_cost.py)
     assert status["busy_s"] > 0 and status["floor_s"] > 0 and 0 < status["efficiency"]
     assert status["device_rates"]["hbm_gb_s"] > 0 and status["device_rates"]["gemm_tflop_s"] > 0
+
+
+class EagerAsGraphs:
+    """Stands in for a runner's decode or prefill graphs on the CPU: every step fits a bucket of `rows` rows, and
+    is computed eagerly; last_key names the bucket as DecodeGraphs and PrefillGraphs do."""
+
+    def __init__(self, runner, rows: int):
+        self.runner, self.rows, self.last_key = runner, rows, None
+
+    def fits(self, *sizes) -> bool:
+        return True
+
+    def run(self, plan):
+        self.last_key = (self.rows, "none", 0)
+        runner = self.runner
+        return runner.model.forward(runner.build_step(plan), runner.kv.view, runner.table)
+
+
+def test_the_engine_counts_the_padding_rows_of_the_graph_each_step_replayed(demo_assets):
+    # The runner says which bucket a step replayed (ModelRunner.graph_rows), the engine's account its padding rows.
+    engine = make_engine(demo_assets)
+    runner = engine.runner
+    runner.graphs, runner.prefill_graphs = EagerAsGraphs(runner, 16), EagerAsGraphs(runner, 32)
+    prompt = list(range(3, 8))
+    engine.generate([GenerationRequest(prompt, "demo-r8", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))])
+    kinds = engine.account.snapshot()["by_kind"]
+    assert (runner.prefill_graph_steps, runner.graph_steps) == (1, 2)
+    assert kinds["prefill"]["padding_rows"] == 32 - 5  # the prompt's 5 rows in the 32-row bucket
+    assert kinds["decode"]["padding_rows"] == 2 * (16 - 1)  # one row in the 16-row bucket, twice
+    runner.graphs = runner.prefill_graphs = None  # eager: a step's own rows, none padding
+    engine.generate([GenerationRequest(prompt, "demo-r8", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))])
+    kinds = engine.account.snapshot()["by_kind"]
+    assert kinds["prefill"]["padding_rows"] == 32 - 5 and kinds["decode"]["padding_rows"] == 2 * (16 - 1)
