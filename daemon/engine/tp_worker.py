@@ -280,9 +280,11 @@ class TensorParallel:
             except (OSError, ValueError):
                 pass
         reported = self._compare_step_paths()
-        if self.runner is not None:
+        # Releasing the graphs waits for the device, for ever where a collective waits for a stuck rank: only once
+        # this rank's work has ended within the drain's bound; else the group is aborted with them held.
+        if reported and tensor_parallel.device_drained() and self.runner is not None:
             self.runner.release_graphs()
-        tensor_parallel.leave_group(drain=reported)
+        tensor_parallel.leave_group(drain=False)
         for process in self.processes:
             process.join(STOP_TIMEOUT_S)
             if process.is_alive():
@@ -508,8 +510,9 @@ def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: st
             break
         worker.run(message[1])  # an error here ends this process, and rank 0's watch ends the engine
     connection.send(("stopped", step_paths(worker.steps, worker.runner)))
-    worker.runner.release_graphs()
-    tensor_parallel.leave_group()
+    if tensor_parallel.device_drained():  # releasing the graphs waits for the device: only once it is done
+        worker.runner.release_graphs()
+    tensor_parallel.leave_group(drain=False)
 
 
 def step_paths(steps: int, runner) -> dict[str, int]:

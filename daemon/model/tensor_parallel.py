@@ -202,12 +202,29 @@ def broadcast(tensor: torch.Tensor) -> torch.Tensor:
 DRAIN_TIMEOUT_S = 20.0  # a rank's device work left at close; longer means a collective waits for a rank not in it
 
 
+def device_drained(timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
+    """Whether this rank's device work ends within timeout_s (True off NCCL: gloo's collectives run on the host).
+    Where it does not, a collective waits for a rank that did not launch it (the ranks ran different steps): logged.
+    Anything that waits for the device unbounded (torch.cuda.synchronize, releasing CUDA graphs) must come after
+    this returned True, or it waits for ever."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return True
+    if _device_done(timeout_s):
+        return True
+    log.error("rank %d: its device work did not finish within %.0f s of leaving the group: a collective waits "
+              "for a rank that did not launch it (the ranks ran different steps); aborting the group",
+              dist.get_rank(), timeout_s)
+    return False
+
+
 def leave_group(drain: bool = True) -> None:
     """Leaves the group. Gloo's is destroyed. NCCL's is aborted, after this rank's device work is done where `drain`
     (its collectives then have had every rank's part, so no peer is left waiting in one): its orderly teardown
-    (destroy_process_group) hung on the GPU machine with every rank in it. Pass drain=False when a rank is gone: a
-    collective in flight would never finish. Work that does not finish within DRAIN_TIMEOUT_S is logged as the
-    ranks being out of step, and the group aborted anyway."""
+    (destroy_process_group) hung on the GPU machine with every rank in it. Pass drain=False when a rank is gone (a
+    collective in flight would never finish), or when device_drained was asked already. Work that does not finish
+    within DRAIN_TIMEOUT_S is logged as the ranks being out of step, and the group aborted anyway."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -216,10 +233,8 @@ def leave_group(drain: bool = True) -> None:
     if dist.get_backend() != "nccl":
         dist.destroy_process_group()
         return
-    if drain and not _device_done(DRAIN_TIMEOUT_S):
-        log.error("rank %d: its device work did not finish within %.0f s of leaving the group: a collective waits "
-                  "for a rank that did not launch it (the ranks ran different steps); aborting the group",
-                  dist.get_rank(), DRAIN_TIMEOUT_S)
+    if drain:
+        device_drained()
     distributed_c10d._abort_process_group()  # ends the communicators without waiting for the peers
 
 

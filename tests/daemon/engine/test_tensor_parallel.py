@@ -355,6 +355,48 @@ def test_an_engine_that_fails_after_its_workers_started_stops_them(hf_checkpoint
     engine.close()
 
 
+class ReportingWorker:
+    """Rank 1's end of the pipe at close: it reports its steps as run."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, message):
+        self.sent.append(message)
+
+    def poll(self, timeout):
+        return True
+
+    def recv(self):
+        return "stopped", {"steps": 0, "decode_graph": 0, "prefill_graph": 0, "eager": 0}
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("drained", [True, False])
+def test_close_releases_the_graphs_only_once_the_device_work_ended(monkeypatch, drained):
+    # On NCCL a rank's device work can wait for ever (a collective the other rank never launched). Releasing the
+    # CUDA graphs waits for the device without a bound: it must come after the bounded drain said the work ended,
+    # or close would hang before the drain's timeout could say why; where it did not end, the group is aborted
+    # with the graphs held.
+    import types
+
+    from lorad.daemon.engine import tp_worker
+    from lorad.daemon.model import tensor_parallel
+
+    events = []
+    monkeypatch.setattr(tensor_parallel, "device_drained", lambda: events.append("drain") or drained)
+    monkeypatch.setattr(tensor_parallel, "leave_group", lambda drain=True: events.append(("leave", drain)))
+    tp = tp_worker.TensorParallel(types.SimpleNamespace(tensor_parallel_size=2), spec_of(), torch.device("cpu"))
+    tp.connections = [ReportingWorker()]
+    tp.runner = types.SimpleNamespace(graph_steps=0, prefill_graph_steps=0,
+                                      release_graphs=lambda: events.append("release"))
+    tp.close()
+    assert tp.connections[0].sent == [("stop",)]
+    assert events == (["drain", "release", ("leave", False)] if drained else ["drain", ("leave", False)])
+
+
 @pytest.mark.slow
 def test_an_engine_whose_model_fails_to_build_after_its_workers_started_stops_them(hf_checkpoint, monkeypatch):
     # Rank 0's model failing to build (out of memory on a large shard, a tensor missing) once the workers started:
