@@ -179,9 +179,7 @@ class Engine:
                  self.kv_cache["scales"])
         # What this device sustains (HBM bandwidth, GEMM rate), measured before the pool takes the memory
         # left: each step's floor in the engine's account of its own time (step_account.py).
-        rates = measure_device_rates(self.device, self.dtype)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        rates = measure_device_rates(self.device, self.dtype)  # its buffers given back by pool_pages' empty_cache
         log.info("device rates hbm_gb_s=%.1f gemm_tflop_s=%.2f (each step's floor: the slower of bytes and FLOPs)",
                  rates.bandwidth_bytes_per_s / 1e9, rates.flops_per_s / 1e12)
         pages = pool_pages(config, self.spec, self.dtype, self.device)
@@ -817,10 +815,7 @@ class Engine:
         if rows == list(range(len(rows))):
             device_tokens = flight.tokens[: len(rows)]
         else:
-            index = torch.as_tensor(rows)
-            if flight.tokens.is_cuda:  # from pinned memory: a pageable copy may wait for the step in flight
-                index = index.pin_memory().to(flight.tokens.device, non_blocking=True)
-            device_tokens = flight.tokens[index]
+            device_tokens = flight.tokens[to_device(torch.as_tensor(rows), flight.tokens.device)]
         plan = self.runner.plan([(seq, 1) for seq in seqs], device_tokens=device_tokens)
         logits = self.runner.forward(plan)
         self.account.launched(plan, self.runner.graph_rows)
