@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -85,6 +88,10 @@ def run_case(case: dict, args) -> dict:
 
     from engine_decode import device_copy_bandwidth, start_decoding  # bench/, beside this script
 
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for the stacks of a case that hangs
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     cuda = not args.dry_run
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     batch = case["batch"]
@@ -127,6 +134,40 @@ def run_case(case: dict, args) -> dict:
         engine.close()
 
 
+def run_child(command: list[str], timeout_s: float) -> tuple[str, str]:
+    """A case's process -> (its stdout, how it ended). One still running at timeout_s first has every process of
+    it (rank 0 and the workers it started) print its threads' stacks (SIGUSR1), then is killed: a hang says where."""
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        output, _ = child.communicate(timeout=timeout_s)
+        return output, f"exit code {child.returncode}"
+    except subprocess.TimeoutExpired:
+        for pid in [child.pid, *descendants(child.pid)]:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(3)
+        child.kill()
+        output, _ = child.communicate()
+        return output or "", f"killed after --case-timeout {timeout_s:.0f} s"
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below pid (from /proc; none where there is no /proc)."""
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        try:
+            with open(f"/proc/{parent}/task/{parent}/children") as handle:
+                children = [int(word) for word in handle.read().split()]
+        except OSError:
+            children = []
+        found += children
+        frontier += children
+    return found
+
+
 def all_reduce_ms(engine, cuda: bool, steps: int = 8) -> float:
     """The all-reduces' time per decode step on rank 0: NCCL's kernels' device time on cuda, gloo's op time on the cpu."""
     import torch
@@ -162,6 +203,7 @@ def step_weight_bytes(engine) -> int:
 
 def summary(results: dict, args) -> dict:
     base1, base_n, lora_n = (results.get(name) for name in ("base_tp1", f"base_tp{args.size}", f"lora_tp{args.size}"))
+    base1, base_n, lora_n = (case if case and "tok_s" in case else None for case in (base1, base_n, lora_n))
     out = {}
     if base1 and base_n:
         out[f"tp{args.size}_over_tp1_decode"] = base_n["tok_s"] / base1["tok_s"]
@@ -185,13 +227,7 @@ def main(argv=None) -> None:
     results = {}
     for case in cases(args):
         started = time.perf_counter()
-        try:
-            child = subprocess.run([sys.executable, __file__, *forwarded, "--case", json.dumps(case)],
-                                   stdout=subprocess.PIPE, text=True, timeout=args.case_timeout)
-            output, ended = child.stdout, f"exit code {child.returncode}"
-        except subprocess.TimeoutExpired as expired:  # killed; what it printed is kept
-            output, ended = expired.stdout or "", f"killed after --case-timeout {args.case_timeout:.0f} s"
-            output = output.decode() if isinstance(output, bytes) else output
+        output, ended = run_child([sys.executable, __file__, *forwarded, "--case", json.dumps(case)], args.case_timeout)
         printed = [line for line in output.splitlines() if line.startswith("{")]
         if printed:
             results[case["name"]] = json.loads(printed[-1])
@@ -199,7 +235,8 @@ def main(argv=None) -> None:
                 results[case["name"]]["close"] = f"measured, then the engine did not close cleanly: {ended}"
         else:
             results[case["name"]] = {**case, "error": f"{ended} (its log is above)"}
-        print(f"case {case['name']} done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+        print(f"case {case['name']} done in {time.perf_counter() - started:.0f} s: {json.dumps(results[case['name']])}",
+              file=sys.stderr, flush=True)
     document = {"args": {key: value for key, value in vars(args).items() if key != "case"}, "summary": summary(results, args),
                 "cases": results}
     print(json.dumps(document, indent=1))

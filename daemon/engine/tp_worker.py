@@ -11,7 +11,7 @@ all-reduces. A decode step whose input ids are on rank 0's device (overlapped de
 device.
 
 The worker reads its pipe with no timeout (an idle engine sends nothing) and exits when rank 0's end closes; the
-collectives have COLLECTIVE_TIMEOUT_S. A worker that dies takes the engine process down (`_watch`): the API
+collectives have COLLECTIVE_TIMEOUT_S (`kill -USR1` a worker prints its threads' stacks). A worker that dies takes the engine process down (`_watch`): the API
 process then fails every request and the daemon exits non-zero, for systemd to restart it.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import faulthandler
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -481,6 +482,7 @@ def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: st
     # Stopping is rank 0's decision; a Ctrl-C to the process group must not take one rank out from under the others.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a stuck rank is, on stderr
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s rank={rank} pid={os.getpid()} %(message)s")
     device = torch.device(device)
     if device.type == "cpu":  # the ranks share the host's cores

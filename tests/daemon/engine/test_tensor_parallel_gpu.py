@@ -22,13 +22,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::FutureWarning
 
 
 def generate(model_dir, adapters: dict, cases, **config):
+    """The cases' greedy results twice from one engine: keeping their logits (which takes them off the overlapped
+    decode path), then without (overlapped) -> (with logits, without, the engine's status)."""
     engine = Engine(EngineConfig(model=str(model_dir), adapters=tuple((name, str(path)) for name, path in adapters.items()),
                                  device="cuda", dtype="float32", **config))
-    requests = [GenerationRequest(prompt_token_ids=list(prompt), adapter=adapter, keep_logits=True,
+
+    def requests(keep_logits: bool):
+        return [GenerationRequest(prompt_token_ids=list(prompt), adapter=adapter, keep_logits=keep_logits,
                                   sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
                 for prompt, adapter in cases]
+
     try:
-        return engine.generate(requests), engine.status()
+        kept = engine.generate(requests(True))
+        overlapped = engine.generate(requests(False))
+        return kept, overlapped, engine.status()
     finally:
         engine.close()
 
@@ -38,14 +45,15 @@ def test_tp2_on_two_gpus_equals_tp1_and_hf_peft(arch, hf_checkpoint, hf_referenc
     checkpoint = hf_checkpoint(arch)
     cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size)
     config = dict(max_running_requests=4, max_batch_tokens=64, pool_bytes=1600 * 256)
-    single, _ = generate(checkpoint.model_dir, checkpoint.adapters, cases, **config)
-    split, status = generate(checkpoint.model_dir, checkpoint.adapters, cases, tensor_parallel_size=2, **config)
+    single, _, _ = generate(checkpoint.model_dir, checkpoint.adapters, cases, **config)
+    split, overlapped, status = generate(checkpoint.model_dir, checkpoint.adapters, cases, tensor_parallel_size=2, **config)
     tp = status["tensor_parallel"]
     assert tp["backend"] == "nccl" and tp["gpus"] == ["cuda:0", "cuda:1"]
     assert status["cuda_graph_steps"] > 0 and status["overlapped_decode_steps"] > 0
     assert status["adapter_evictions"] > 0
-    for index, (one, two) in enumerate(zip(single, split)):
+    for index, (one, two, three) in enumerate(zip(single, split, overlapped)):
         assert two.token_ids == one.token_ids, f"request {index} (adapter {cases[index][1]})"
+        assert three.token_ids == one.token_ids, f"request {index} (adapter {cases[index][1]}), overlapped decode"
     problems = mismatches(f"{arch} tp=2 cuda", cases, split, hf_reference(checkpoint.model_dir, checkpoint.adapters))
     assert not problems, "\n".join(problems)
 
