@@ -66,7 +66,10 @@ def cases(args) -> list[dict]:
     ]
     if args.big_config != "none":
         listed.append({"name": f"big_batch1_tp{args.size}", "model": args.big_config, "size": args.size, "batch": 1,
-                       "lora": False, "profile": True, "floor": True})
+                       "lora": False, "profile": True, "floor": True,
+                       # a 70B shard leaves ~12 GB of an 80 GB GPU: fewer prefill graphs and a smaller pool, so the
+                       # graphs' own device memory fits beside it (the defaults ran out of memory capturing them)
+                       "max_batch_tokens": 512, "gpu_memory_utilization": 0.8})
     if args.only:
         wanted = set(args.only.split(","))
         unknown = wanted - {case["name"] for case in listed}
@@ -99,8 +102,9 @@ def run_case(case: dict, args) -> dict:
         model_config=case["model"], dummy_weights=True, dummy_adapters=batch if case["lora"] else 0,
         dummy_adapter_rank=args.rank, dummy_adapter_targets=",".join(PROJECTIONS), device="cuda" if cuda else "cpu",
         dtype="bfloat16" if cuda else "float32", max_running_requests=max(batch, 1),
-        max_batch_tokens=max(2048, batch * args.prompt), max_lora_rank=max(64, args.rank), max_model_len=2048,
-        tensor_parallel_size=case["size"], pool_bytes=None if cuda else 64 << 20,
+        max_batch_tokens=case.get("max_batch_tokens", max(2048, batch * args.prompt)), max_lora_rank=max(64, args.rank),
+        max_model_len=2048, tensor_parallel_size=case["size"], pool_bytes=None if cuda else 64 << 20,
+        gpu_memory_utilization=case.get("gpu_memory_utilization", EngineConfig.gpu_memory_utilization),
     ))
     try:
         adapters = [f"dummy-{index}" for index in range(batch)] if case["lora"] else [None] * batch
