@@ -665,7 +665,7 @@ def _stage_rows(staged: torch.Tensor, cursor: int, rows: torch.Tensor, chunks: i
     """Write rows [r, d] into staged pages from `cursor`, each row padded to `chunks` whole pages."""
     rank, width = rows.shape
     block = staged[cursor : cursor + rank * chunks].view(rank, chunks * page)
-    block[:, :width] = rows.to(staged.dtype)
+    block[:, :width].copy_(rows)  # the cast to the pool's dtype in the same pass
     return cursor + rank * chunks
 
 

@@ -448,14 +448,14 @@ class RankWorker:
         """This rank's shard of an adapter in page layout: read from its directory (or made, for a dummy adapter)."""
         from lorad.daemon.model.adapters import load_peft_adapter
 
-        key = (name, path)
+        adapter = self._dummy(name) if path == MEMORY_ADAPTER else None
+        # Dummy adapters share a handful of weight sets (as on rank 0, staged once each); a real one is its files.
+        key = (MEMORY_ADAPTER, id(adapter.weights)) if adapter is not None else (name, path)
         staged = self._adapters.get(key)
         if staged is not None:
             self._adapters.move_to_end(key)
             return staged
-        if path == MEMORY_ADAPTER:
-            adapter = self._dummy(name)
-        else:
+        if adapter is None:
             adapter = load_peft_adapter(path, self.spec, self.config.max_lora_rank, name=name)
         staged = self.table.stage(self.shard.adapter(adapter).weights, pin=False)
         self._adapters[key] = staged
@@ -485,8 +485,13 @@ def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: st
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a stuck rank is, on stderr
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s rank={rank} pid={os.getpid()} %(message)s")
     device = torch.device(device)
-    if device.type == "cpu":  # the ranks share the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    # The ranks share the host's cores: on the CPU their forwards; on GPUs a worker's host work (staging adapter
+    # shards) runs beside rank 0's and NCCL's threads spinning on the devices, and torch's default of a thread per
+    # core then has each of its parallel regions wait on descheduled threads (on two H100s a worker was still
+    # staging a 13B shape's adapters 110 s in; on 2 cores with 2 spinning processes one adapter's staging takes
+    # 2.1 s with 2 threads, 0.18 s with 1).
+    share = (os.cpu_count() or 1) // config.tensor_parallel_size
+    torch.set_num_threads(max(1, share if device.type == "cpu" else share // 2))
     threading.Thread(target=exit_with_parent, name="lorad-parent-watch", daemon=True).start()
     try:
         tensor_parallel.init_group(rank, config.tensor_parallel_size, device, address)
