@@ -25,6 +25,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.reduction
 import os
+import queue
 import signal
 import socket
 import threading
@@ -150,6 +151,8 @@ class TensorParallel:
         self.runner = None  # rank 0's ModelRunner, once attached (an engine can fail, and close, before it is)
         self.steps_sent = 0
         self.send_seconds = 0.0
+        self._send_lock = threading.Lock()  # the engine thread's steps and the stager thread's hints share the pipes
+        self._hinted: set[tuple[str, str]] = set()
 
     @classmethod
     def start(cls, config: EngineConfig, spec: ModelSpec, device: torch.device, model_name: str, model_dir,
@@ -217,6 +220,7 @@ class TensorParallel:
 
         def sharded(name: str):
             adapter = lookup(name)
+            self.hint(name, adapter.path)
             with lock:
                 self._paths[name] = adapter.path
                 key = id(adapter.weights)
@@ -233,6 +237,21 @@ class TensorParallel:
 
         return sharded
 
+    def hint(self, name: str, path: str) -> None:
+        """Tells the workers that rank 0 is reading an adapter (its stager, ahead of the request's admission, or
+        the engine thread), so that each stages its own shard on a thread of its own meanwhile, instead of in the
+        step that places it, which every rank would wait for. Once per adapter and directory."""
+        key = (name, path)
+        with self._send_lock:
+            if key in self._hinted or self._closing:
+                return
+            self._hinted.add(key)
+            for connection in self.connections:
+                try:
+                    connection.send(("stage", (name, path)))
+                except (OSError, ValueError):  # a worker gone: _watch ends the engine
+                    pass
+
     def send_step(self, plan: StepPlan, table, residency, path: str) -> None:
         """The pool's changes since the last step and the step's plan, to every worker."""
         started = time.perf_counter()
@@ -247,8 +266,9 @@ class TensorParallel:
             self._sent = dict(placements)
         message = StepMessage.of(plan, evicted, placed, self._blocks.updates(plan), path)
         payload = multiprocessing.reduction.ForkingPickler.dumps(("step", message))  # pickled once for every worker
-        for connection in self.connections:
-            connection.send_bytes(payload)
+        with self._send_lock:
+            for connection in self.connections:
+                connection.send_bytes(payload)
         self.steps_sent += 1
         self.send_seconds += time.perf_counter() - started
 
@@ -274,12 +294,13 @@ class TensorParallel:
         """Stops the workers (they finish the step they run, report their steps, drop their CUDA graphs and leave
         the group) and leaves the group beside them: NCCL's teardown may wait for every rank, so rank 0 must not
         first wait for the workers to exit."""
-        self._closing = True
-        for connection in self.connections:
-            try:
-                connection.send(("stop",))
-            except (OSError, ValueError):
-                pass
+        with self._send_lock:
+            self._closing = True
+            for connection in self.connections:
+                try:
+                    connection.send(("stop",))
+                except (OSError, ValueError):
+                    pass
         reported = self._compare_step_paths()
         # Releasing the graphs waits for the device, for ever where a collective waits for a stuck rank: only once
         # this rank's work has ended within the drain's bound; else the group is aborted with them held.
@@ -409,6 +430,10 @@ class RankWorker:
         self.runner.model.reduce = tensor_parallel.all_reduce
         del weights
         self._adapters = collections.OrderedDict()  # (name, path) -> staged shard, LRU within host_adapter_bytes
+        self._staging: dict[tuple, threading.Event] = {}  # keys the staging thread is on (rank 0's hints)
+        self._lock = threading.Lock()  # _adapters and _staging: the step's thread and the staging thread
+        self._hints = None  # the staging thread's queue, made at the first hint
+        self._dummy_lock = threading.Lock()
         self.blocks = BlockSync()
         self._adapter_bytes = 0
         self._dummies = None
@@ -444,32 +469,61 @@ class RankWorker:
             plan.device_tokens = tensor_parallel.broadcast(torch.empty(len(plan.tokens), dtype=torch.long, device=self.device))
         self.runner.forward(plan, message.path)
 
+    def hint(self, name: str, path: str) -> None:
+        """Rank 0 is reading this adapter: its shard is staged on this rank's staging thread meanwhile."""
+        if self._hints is None:
+            self._hints = queue.SimpleQueue()
+            threading.Thread(target=self._stage_hinted, name="lorad-rank-stager", daemon=True).start()
+        self._hints.put((name, path))
+
+    def _stage_hinted(self) -> None:
+        while True:
+            name, path = self._hints.get()
+            try:
+                self._staged(name, path)
+            except Exception:  # noqa: BLE001 -- the step that places it stages it again and fails there
+                log.exception("staging adapter %s ahead failed; the step placing it will try again", name)
+
     def _staged(self, name: str, path: str):
-        """This rank's shard of an adapter in page layout: read from its directory (or made, for a dummy adapter)."""
+        """This rank's shard of an adapter in page layout: read from its directory (or made, for a dummy adapter).
+        Staged by whichever thread asks first (the step's or the staging thread); the other waits for it."""
         from lorad.daemon.model.adapters import load_peft_adapter
 
         adapter = self._dummy(name) if path == MEMORY_ADAPTER else None
         # Dummy adapters share a handful of weight sets (as on rank 0, staged once each); a real one is its files.
         key = (MEMORY_ADAPTER, id(adapter.weights)) if adapter is not None else (name, path)
-        staged = self._adapters.get(key)
-        if staged is not None:
-            self._adapters.move_to_end(key)
+        while True:
+            with self._lock:
+                staged = self._adapters.get(key)
+                if staged is not None:
+                    self._adapters.move_to_end(key)
+                    return staged
+                busy = self._staging.get(key)
+                if busy is None:
+                    busy = self._staging[key] = threading.Event()
+                    break
+            busy.wait()  # the other thread's staging of it: taken from the cache, or staged here if it failed
+        try:
+            if adapter is None:
+                adapter = load_peft_adapter(path, self.spec, self.config.max_lora_rank, name=name)
+            staged = self.table.stage(self.shard.adapter(adapter).weights, pin=False)
+            with self._lock:
+                self._adapters[key] = staged
+                self._adapter_bytes += staged.pages.nbytes
+                while self._adapter_bytes > self.config.host_adapter_bytes and len(self._adapters) > 1:
+                    _, dropped = self._adapters.popitem(last=False)
+                    self._adapter_bytes -= dropped.pages.nbytes
             return staged
-        if adapter is None:
-            adapter = load_peft_adapter(path, self.spec, self.config.max_lora_rank, name=name)
-        staged = self.table.stage(self.shard.adapter(adapter).weights, pin=False)
-        self._adapters[key] = staged
-        self._adapter_bytes += staged.pages.nbytes
-        while self._adapter_bytes > self.config.host_adapter_bytes and len(self._adapters) > 1:
-            _, dropped = self._adapters.popitem(last=False)
-            self._adapter_bytes -= dropped.pages.nbytes
-        return staged
+        finally:
+            with self._lock:
+                self._staging.pop(key).set()
 
     def _dummy(self, name: str):
-        if self._dummies is None:
-            from lorad.daemon.engine.engine import _dummy_adapters
+        with self._dummy_lock:  # made once, by whichever thread asks first
+            if self._dummies is None:
+                from lorad.daemon.engine.engine import _dummy_adapters
 
-            self._dummies = {adapter.name: adapter for adapter in _dummy_adapters(self.spec, self.config)}
+                self._dummies = {adapter.name: adapter for adapter in _dummy_adapters(self.spec, self.config)}
         return self._dummies[name]
 
     def describe(self) -> dict:
@@ -515,6 +569,9 @@ def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: st
             os._exit(RANK_DIED_EXIT)
         if message[0] == "stop":
             break
+        if message[0] == "stage":
+            worker.hint(*message[1])
+            continue
         worker.run(message[1])  # an error here ends this process, and rank 0's watch ends the engine
     connection.send(("stopped", step_paths(worker.steps, worker.runner)))
     if tensor_parallel.device_drained():  # releasing the graphs waits for the device: only once it is done

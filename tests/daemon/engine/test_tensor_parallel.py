@@ -429,3 +429,33 @@ def test_tp2_overlapped_decode_equals_tp1(hf_checkpoint, caplog):
     # At close every worker reports its steps by path (graph, eager): the same as rank 0's.
     assert not [record for record in caplog.records if "other paths than rank 0" in record.getMessage()
                 or "did not report its steps" in record.getMessage()]
+
+
+def test_a_worker_stages_hinted_adapters_once_on_its_own_thread(hf_checkpoint, monkeypatch):
+    # Rank 0 hints each adapter as it reads it; the worker stages its shard on a thread of its own, and the step
+    # that places it takes that (or waits for it) instead of staging it again.
+    import threading
+
+    from lorad.daemon.engine.tp_worker import RankWorker
+
+    checkpoint = hf_checkpoint("llama")
+    config = EngineConfig(model=str(checkpoint.model_dir), device="cpu", dtype="float32", tensor_parallel_size=2,
+                          pool_bytes=1600 * 256)
+    worker = RankWorker(1, config, load_spec(checkpoint.model_dir), "llama", str(checkpoint.model_dir), 256,
+                        torch.device("cpu"))
+    worker.bind(worker.pages(), worker.spec.page_elems)
+    staged_on, stage = [], worker.table.stage
+
+    def slow_stage(weights, pin=True):
+        staged_on.append(threading.current_thread().name)
+        time.sleep(0.05)  # the step's thread asks while the staging thread is at it
+        return stage(weights, pin=pin)
+
+    monkeypatch.setattr(worker.table, "stage", slow_stage)
+    adapters = [(name, str(path)) for name, path in checkpoint.adapters.items()]
+    for name, path in adapters:
+        worker.hint(name, path)
+    taken = [worker._staged(name, path) for name, path in adapters]
+    assert len(staged_on) == len(adapters) and "lorad-rank-stager" in staged_on
+    assert all(worker._staged(name, path) is one for (name, path), one in zip(adapters, taken))
+    assert len(staged_on) == len(adapters) and not worker._staging
