@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 from lorad.gpu_ops.page_pool import AdapterTable, LayerwiseLoad, StagedAdapter, StreamedLoad, issue_streamed
 
@@ -408,28 +408,29 @@ def _stage_loop(stager_ref, todo: queue.SimpleQueue, done: queue.SimpleQueue) ->
 
 
 class StagedCache:
-    """Staged adapters keyed by their weights' id, least recently used dropped first beyond `budget`
-    bytes (the newest always stays). An entry holds the weights too, which keeps their id unique."""
+    """Staged adapters keyed by their weights' id (a tensor-parallel worker: by name and directory), least recently
+    used dropped first beyond `budget` bytes (the newest always stays). An entry holds the weights too, which keeps
+    their id unique."""
 
     def __init__(self, budget: int):
         self.budget = budget
         self.used = 0
-        self.entries: OrderedDict[int, tuple] = OrderedDict()
+        self.entries: OrderedDict[Hashable, tuple] = OrderedDict()
 
-    def __contains__(self, key: int) -> bool:
+    def __contains__(self, key: Hashable) -> bool:
         return key in self.entries
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def get(self, key: int) -> StagedAdapter | None:
+    def get(self, key: Hashable) -> StagedAdapter | None:
         entry = self.entries.get(key)
         if entry is None:
             return None
         self.entries.move_to_end(key)
         return entry[1]
 
-    def put(self, key: int, weights, staged: StagedAdapter) -> None:
+    def put(self, key: Hashable, weights, staged: StagedAdapter) -> None:
         self.entries[key] = (weights, staged)
         self.used += staged.pages.nbytes
         while self.used > self.budget and len(self.entries) > 1:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from lorad.config import EngineConfig
+from lorad.daemon.engine.adapter_residency import StagedCache
 from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.model import tensor_parallel
 from lorad.daemon.model.checkpoint import ModelSpec
@@ -429,13 +430,12 @@ class RankWorker:
         self.runner = ModelRunner(config, local, device, weights, max_model_len, kernel_choice)
         self.runner.model.reduce = tensor_parallel.all_reduce
         del weights
-        self._adapters = collections.OrderedDict()  # (name, path) -> staged shard, LRU within host_adapter_bytes
+        self._adapters = StagedCache(config.host_adapter_bytes)  # (name, path) -> staged shard
         self._staging: dict[tuple, threading.Event] = {}  # keys the staging thread is on (rank 0's hints)
         self._lock = threading.Lock()  # _adapters and _staging: the step's thread and the staging thread
         self._hints = None  # the staging thread's queue, made at the first hint
         self._dummy_lock = threading.Lock()
         self.blocks = BlockSync()
-        self._adapter_bytes = 0
         self._dummies = None
         self.steps = 0
 
@@ -496,7 +496,6 @@ class RankWorker:
             with self._lock:
                 staged = self._adapters.get(key)
                 if staged is not None:
-                    self._adapters.move_to_end(key)
                     return staged
                 busy = self._staging.get(key)
                 if busy is None:
@@ -508,11 +507,7 @@ class RankWorker:
                 adapter = load_peft_adapter(path, self.spec, self.config.max_lora_rank, name=name)
             staged = self.table.stage(self.shard.adapter(adapter).weights, pin=False)
             with self._lock:
-                self._adapters[key] = staged
-                self._adapter_bytes += staged.pages.nbytes
-                while self._adapter_bytes > self.config.host_adapter_bytes and len(self._adapters) > 1:
-                    _, dropped = self._adapters.popitem(last=False)
-                    self._adapter_bytes -= dropped.pages.nbytes
+                self._adapters.put(key, None, staged)  # keyed by name and path (a dummy's weights live in _dummies)
             return staged
         finally:
             with self._lock:
