@@ -5,6 +5,12 @@ of weight bytes and against the device copy bandwidth measured in the same run. 
 shows what `gemv_config` should pick.
 
     python3 bench/gemv.py --out bench/results/gemv_h100.json
+
+With --fp8, one row over FP8 weights (per-channel scales, gpu_ops/fp8.py) on the 7B projections: the
+default config, the bf16 gemv on the same shapes, and a sweep of the CUDA-core tiles and of the tensor-core
+form (mma f16 / bf16, and fp8 with x quantized per row, timed with its quantization):
+
+    python3 bench/gemv.py --fp8 --out bench/results/gemv_fp8_h100.json
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ SHAPES = {
     "8b.qkv": (6144, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336), "8b.lm_head": (128256, 4096),
 }
 SWEEP = [gemv.GemvConfig(n, k, w) for n, k, w in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8))]
+FP8_SWEEP = ([gemv.GemvConfig(n, k, w) for n, k, w in itertools.product((2, 4, 8), (1024, 2048, 4096), (4, 8))]
+             + [gemv.GemvConfig(n, k, w, mma=mma, num_stages=stages) for mma, n, k, w, stages
+                in itertools.product(("f16", "fp8"), (16, 32, 64), (256, 512), (4,), (3, 5))]
+             + [gemv.GemvConfig(n, 256, 4, mma="bf16") for n in (16, 32)])
 L2_FLUSH_BYTES = 512 << 20
 
 
@@ -35,11 +45,21 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-sweep", action="store_true", help="only the default config against cuBLAS")
+    parser.add_argument("--fp8", action="store_true", help="one row over FP8 weights: default, bf16 and a sweep")
     parser.add_argument("--out")
     args = parser.parse_args()
     device = torch.device("cuda")
     timer = Timer(device, args.reps)
     copy_gbps = copy_bandwidth(device, timer, 1024)
+    if args.fp8:
+        report = {"machine": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": copy_gbps,
+                  "results": fp8_sweep(device, timer, args.no_sweep),
+                  "notes": "one row; us: device time per call (CUDA-graph replays, each call on another copy of the "
+                           "weight); GB/s: weight bytes per second; mma fp8 timed with its row quantization"}
+        print(f"device copy bandwidth {copy_gbps:.0f} GB/s")
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        return
     rows_list = [int(r) for r in args.rows.split(",")]
     results = []
     for name, (n, k) in SHAPES.items():
@@ -81,6 +101,63 @@ def main() -> None:
     print(f"device copy bandwidth {copy_gbps:.0f} GB/s")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def fp8_sweep(device: torch.device, timer: Timer, no_sweep: bool) -> list[dict]:
+    from lorad.gpu_ops import fp8, fp8_gemm
+
+    results = []
+    for name in ("7b.qkv", "7b.o", "7b.gate_up", "7b.down"):
+        n, k = SHAPES[name]
+        nbytes = n * k
+        copies = max(2, math.ceil(L2_FLUSH_BYTES / nbytes))
+        bf16 = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5
+        quantized = fp8.quantize_weight(bf16)
+        weights = [quantized.weight.clone() for _ in range(copies)]
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        out = torch.empty(1, n, device=device, dtype=torch.bfloat16)
+        expected = F.linear(x.float(), quantized.dequantize(torch.float32)).double()
+        bf16_copies = [bf16.clone() for _ in range(max(2, math.ceil(L2_FLUSH_BYTES / (2 * nbytes))))]
+        bf16_us = timer.graph([lambda w=w: gemv.gemv(x, w, out=out) for w in bf16_copies])
+        del bf16_copies
+
+        def call(config, w):
+            if config.mma == "fp8":
+                rows, row_scale = fp8_gemm.quantize_rows(x)
+                return gemv.gemv(rows, w, config=config, out=out, scale=quantized.scale, x_scale=row_scale.view(-1))
+            return gemv.gemv(x, w, config=config, out=out, scale=quantized.scale)
+
+        def measure(config) -> dict:
+            got = call(config, weights[0]).double()
+            error = float((got - expected).norm() / expected.norm())
+            us = timer.graph([lambda w=w: call(config, w) for w in weights])
+            return {"config": repr(config), "us": us, "GBps": nbytes / us / 1e3, "rel_error": error}
+
+        default = gemv.gemv_config(n, k, 1)
+        entry = {"shape": name, "n": n, "k": k, "weight_bytes": nbytes, "bf16_gemv_us": bf16_us,
+                 "default": measure(default)}
+        if not no_sweep:
+            sweep = []
+            for config in FP8_SWEEP:
+                try:
+                    sweep.append(measure(config))
+                except Exception as error:  # a config the compiler refuses: skipped, said
+                    sweep.append({"config": repr(config), "error": repr(error)[:300]})
+            timed = [s for s in sweep if "us" in s]
+            entry.update(best=min(timed, key=lambda s: s["us"]) if timed else None, sweep=sweep)
+            for mma in ("", "f16", "bf16", "fp8"):
+                own = [s for s in timed if f"mma='{mma}'" in s["config"]]
+                if own:
+                    entry[f"best_mma_{mma or 'none'}"] = min(own, key=lambda s: s["us"])
+        results.append(entry)
+        line = f"{name:12s} fp8 default {entry['default']['GBps']:6.0f} GB/s ({entry['default']['us']:.1f} us), bf16 gemv {bf16_us:.1f} us"
+        for key in ("best_mma_none", "best_mma_f16", "best_mma_bf16", "best_mma_fp8"):
+            if key in entry:
+                line += f"\n    {key}: {entry[key]['GBps']:6.0f} GB/s {entry[key]['us']:.1f} us err {entry[key]['rel_error']:.4f} {entry[key]['config']}"
+        print(line, flush=True)
+        weights.clear()
+        torch.cuda.empty_cache()
+    return results
 
 
 if __name__ == "__main__":
