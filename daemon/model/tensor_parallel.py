@@ -191,6 +191,97 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+# Tensors up to this size are summed by the one-shot all-reduce where AllReduce has it: a decode step's [rows,
+# hidden] partials (64 rows of a 13B model: 640 KiB; of a 70B model: 1 MiB). Larger ones (prompt rows) go to NCCL,
+# whose ring moves each byte fewer times.
+ONE_SHOT_MAX_BYTES = 4 << 20
+
+
+class AllReduce:
+    """LlamaModel.reduce under tensor parallelism: the sum over the ranks of each rank's partial [T, hidden].
+
+    NCCL's all-reduce costs about 10 us even for the few hundred KiB of a decode step's partials (its protocol's
+    handshakes; BENCHMARKS.md's tensor-parallel figures), and a 40-layer model runs 80 a step. The one-shot
+    all-reduce of torch's symmetric memory (torch.ops.symm_mem) is one kernel: each rank copies its partial into a
+    buffer the other ranks map over NVLink, the ranks meet at a barrier of flags in that memory, and each sums every
+    rank's buffer itself. For `mode` auto it takes tensors up to ONE_SHOT_MAX_BYTES in the model's dtype, NCCL the
+    rest; it is set up only where every rank could map the others' buffer and a probe summed right on every rank
+    (else NCCL for all, and `path` says why). nccl: NCCL always. Gloo on the cpu.
+
+    Made by every rank at the same point (its setup is collective), after the process group and before any CUDA
+    graph is captured; capturable in a CUDA graph either way."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, mode: str = "auto"):
+        import torch.distributed as dist
+
+        self.dtype = dtype
+        self._buffer: torch.Tensor | None = None
+        self._group = dist.group.WORLD.group_name
+        backend = dist.get_backend()
+        if backend != "nccl":
+            self.path = backend
+        elif mode == "nccl":
+            self.path = "nccl (all_reduce nccl)"
+        else:
+            reason = self._set_up_one_shot(device)
+            self.path = (f"one-shot symmetric memory up to {ONE_SHOT_MAX_BYTES >> 10} KiB, nccl above" if reason is None
+                         else f"nccl (one-shot unavailable: {reason})")
+        log.info("tensor parallel all-reduce: %s", self.path)
+
+    def _set_up_one_shot(self, device: torch.device) -> str | None:
+        """None once every rank holds the one-shot buffer and summed a probe right; else why not (on every rank)."""
+        import torch.distributed as dist
+
+        rank, size = dist.get_rank(), dist.get_world_size()
+        buffer, reason = None, None
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.9
+            if enable is not None:
+                enable(self._group)
+            buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // self.dtype.itemsize, dtype=self.dtype, device=device)
+            symm_mem.rendezvous(buffer, self._group)
+        except Exception as error:  # no symmetric memory here (an older torch, no peer access, a sandbox's syscalls)
+            reason = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+        if not self._agreed(reason is None, device):  # no rank runs the probe's barrier unless every rank can
+            return reason or "another rank could not map the buffers"
+        self._buffer = buffer
+        probe = torch.full((1000, 3), float(rank + 1), dtype=self.dtype, device=device)
+        try:
+            summed = self(probe.clone())
+            if not torch.equal(summed, torch.full_like(probe, size * (size + 1) / 2)):
+                reason = "its probe summed wrong"
+        except Exception as error:
+            reason = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+        if not self._agreed(reason is None, device):
+            self._buffer = None
+            return reason or "another rank's probe failed"
+        return None
+
+    @staticmethod
+    def _agreed(ok: bool, device: torch.device) -> bool:
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def one_shot(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` goes to the one-shot all-reduce (the same answer on every rank: it depends on its size
+        and dtype alone, which every rank's step shares)."""
+        # storage_offset 0: the caching allocator's alignment (the kernel's 16-byte vectors), on every rank alike
+        return (self._buffer is not None and tensor.dtype == self.dtype and tensor.is_contiguous()
+                and tensor.storage_offset() == 0 and tensor.nbytes % 16 == 0 and tensor.numel() <= self._buffer.numel())
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.one_shot(tensor):
+            return all_reduce(tensor)
+        out = torch.empty_like(tensor)
+        symmetric = self._buffer[: tensor.numel()].view(tensor.shape)
+        return torch.ops.symm_mem.one_shot_all_reduce_copy_out(symmetric, tensor, "sum", self._group, out)
+
+
 def broadcast(tensor: torch.Tensor) -> torch.Tensor:
     """Rank 0's `tensor` on every rank, in place."""
     import torch.distributed as dist
