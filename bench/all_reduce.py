@@ -1,0 +1,129 @@
+"""The sum over 2 GPUs of a [rows, hidden] partial, as a tensor-parallel decode step runs 2 per layer: NCCL's
+all-reduce, the engine's one-shot all-reduce through symmetric memory (daemon/model/tensor_parallel.py,
+AllReduce), and torch's two-shot all-reduce over the same buffer, per call, from replays of a CUDA graph of
+`--calls` sums in a row (as the step's graph holds them; between them a small matmul, so that the ranks drift as
+a step's kernels make them). Each result checked against the exact sum first.
+
+    python3 bench/all_reduce.py --out bench/results/all_reduce_h100x2.json
+
+Needs 2 GPUs; each rank is a process (spawned). Rank 0 prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import time
+
+import torch
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", default="5120,8192", help="hidden sizes (13B, 70B)")
+    parser.add_argument("--rows", default="1,8,32,64,128,256,512")
+    parser.add_argument("--calls", type=int, default=80, help="sums per graph (a 40-layer model's decode step)")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out")
+    return parser.parse_args(argv)
+
+
+def rank_main(rank: int, port: int, args, results: list) -> None:
+    import torch.distributed as dist
+    from lorad.daemon.model import tensor_parallel
+
+    device = torch.device(f"cuda:{rank}")
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device)
+    one_shot = tensor_parallel.AllReduce(device, torch.bfloat16, "auto")
+    group = dist.group.WORLD.group_name
+    buffer = one_shot._buffer
+
+    def two_shot(tensor):
+        symmetric = buffer[: tensor.numel()].view(tensor.shape)
+        symmetric.copy_(tensor)
+        out = torch.empty_like(tensor)
+        return torch.ops.symm_mem.two_shot_all_reduce_out(symmetric, "sum", group, out)
+
+    paths = {"nccl": tensor_parallel.all_reduce, "one_shot": one_shot, "two_shot": two_shot}
+    between = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    for hidden in (int(h) for h in args.hidden.split(",")):
+        for rows in rows_list:
+            generator = torch.Generator(device=device).manual_seed(rank * 1000 + rows)
+            partial = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16, generator=generator)
+            others = [torch.empty_like(partial) for _ in range(2)]
+            dist.all_gather(others, partial)
+            exact = (others[0].float() + others[1].float()).to(torch.bfloat16)
+            entry = {"hidden": hidden, "rows": rows, "bytes": partial.nbytes}
+            for name, reduce in paths.items():
+                if name != "nccl" and (buffer is None or partial.numel() > buffer.numel()):
+                    continue
+                got = reduce(partial.clone())
+                assert torch.equal(got, exact), (name, rows, hidden)
+                work = partial.clone()
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        reduce(work)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(args.calls):
+                        between @ between
+                        reduce(work)
+                graph.replay()
+                torch.cuda.synchronize()
+                dist.barrier()
+                times = []
+                for _ in range(args.reps):
+                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    begin.record()
+                    graph.replay()
+                    end.record()
+                    end.synchronize()
+                    times.append(begin.elapsed_time(end) * 1e3 / args.calls)
+                times.sort()
+                entry[f"{name}_us"] = times[len(times) // 2]
+                del graph
+            results.append(entry)
+            if rank == 0:
+                print(json.dumps(entry), flush=True)
+    if rank == 0:
+        results.append({"path": one_shot.path})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def worker(rank: int, port: int, args) -> None:
+    results = []
+    rank_main(rank, port, args, results)
+    if rank == 0:
+        document = {"machine": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}", "torch": torch.__version__,
+                    "calls_per_graph": args.calls, "results": results,
+                    "notes": "us: device time per sum, median of graph replays; between sums a 64x64 matmul"}
+        print(json.dumps(document, indent=1), flush=True)
+        if args.out:
+            with open(args.out, "w") as handle:
+                json.dump(document, handle, indent=1)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("bench/all_reduce.py needs 2 GPUs")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.perf_counter()
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(port, args), nprocs=2, join=True)
+    print(f"wall {time.perf_counter() - started:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
