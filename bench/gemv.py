@@ -7,8 +7,7 @@ shows what `gemv_config` should pick.
     python3 bench/gemv.py --out bench/results/gemv_h100.json
 
 With --fp8, one row over FP8 weights (per-channel scales, gpu_ops/fp8.py) on the 7B projections: the
-default config, the bf16 gemv on the same shapes, and a sweep of the CUDA-core tiles and of the tensor-core
-form (mma f16 / bf16, and fp8 with x quantized per row, timed with its quantization):
+default config, the bf16 gemv on the same shapes, and a sweep of the tiles:
 
     python3 bench/gemv.py --fp8 --out bench/results/gemv_fp8_h100.json
 """
@@ -33,10 +32,7 @@ SHAPES = {
     "8b.qkv": (6144, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336), "8b.lm_head": (128256, 4096),
 }
 SWEEP = [gemv.GemvConfig(n, k, w) for n, k, w in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8))]
-FP8_SWEEP = ([gemv.GemvConfig(n, k, w) for n, k, w in itertools.product((2, 4, 8), (1024, 2048, 4096), (4, 8))]
-             + [gemv.GemvConfig(n, k, w, mma=mma, num_stages=stages) for mma, n, k, w, stages
-                in itertools.product(("f16", "fp8"), (16, 32, 64), (256, 512), (4,), (3, 5))]
-             + [gemv.GemvConfig(n, 256, 4, mma="bf16") for n in (16, 32)])
+FP8_SWEEP = [gemv.GemvConfig(n, k, w) for n, k, w in itertools.product((2, 4, 8), (1024, 2048, 4096), (4, 8))]
 L2_FLUSH_BYTES = 512 << 20
 
 
@@ -55,7 +51,7 @@ def main() -> None:
         report = {"machine": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": copy_gbps,
                   "results": fp8_sweep(device, timer, args.no_sweep),
                   "notes": "one row; us: device time per call (CUDA-graph replays, each call on another copy of the "
-                           "weight); GB/s: weight bytes per second; mma fp8 timed with its row quantization"}
+                           "weight); GB/s: weight bytes per second"}
         print(f"device copy bandwidth {copy_gbps:.0f} GB/s")
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
@@ -104,7 +100,7 @@ def main() -> None:
 
 
 def fp8_sweep(device: torch.device, timer: Timer, no_sweep: bool) -> list[dict]:
-    from lorad.gpu_ops import fp8, fp8_gemm
+    from lorad.gpu_ops import fp8
 
     results = []
     for name in ("7b.qkv", "7b.o", "7b.gate_up", "7b.down"):
@@ -122,9 +118,6 @@ def fp8_sweep(device: torch.device, timer: Timer, no_sweep: bool) -> list[dict]:
         del bf16_copies
 
         def call(config, w):
-            if config.mma == "fp8":
-                rows, row_scale = fp8_gemm.quantize_rows(x)
-                return gemv.gemv(rows, w, config=config, out=out, scale=quantized.scale, x_scale=row_scale.view(-1))
             return gemv.gemv(x, w, config=config, out=out, scale=quantized.scale)
 
         def measure(config) -> dict:
@@ -145,15 +138,10 @@ def fp8_sweep(device: torch.device, timer: Timer, no_sweep: bool) -> list[dict]:
                     sweep.append({"config": repr(config), "error": repr(error)[:300]})
             timed = [s for s in sweep if "us" in s]
             entry.update(best=min(timed, key=lambda s: s["us"]) if timed else None, sweep=sweep)
-            for mma in ("", "f16", "bf16", "fp8"):
-                own = [s for s in timed if f"mma='{mma}'" in s["config"]]
-                if own:
-                    entry[f"best_mma_{mma or 'none'}"] = min(own, key=lambda s: s["us"])
         results.append(entry)
         line = f"{name:12s} fp8 default {entry['default']['GBps']:6.0f} GB/s ({entry['default']['us']:.1f} us), bf16 gemv {bf16_us:.1f} us"
-        for key in ("best_mma_none", "best_mma_f16", "best_mma_bf16", "best_mma_fp8"):
-            if key in entry:
-                line += f"\n    {key}: {entry[key]['GBps']:6.0f} GB/s {entry[key]['us']:.1f} us err {entry[key]['rel_error']:.4f} {entry[key]['config']}"
+        if entry.get("best"):
+            line += f"\n    best: {entry['best']['GBps']:6.0f} GB/s {entry['best']['us']:.1f} us {entry['best']['config']}"
         print(line, flush=True)
         weights.clear()
         torch.cuda.empty_cache()

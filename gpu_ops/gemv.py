@@ -43,11 +43,6 @@ class GemvConfig:
     block_n: int  # output columns per program
     block_k: int  # elements of K read per row and iteration
     num_warps: int
-    # "" multiplies in float32 on the CUDA cores; "f16" / "bf16" / "fp8" multiply on the tensor cores (tl.dot)
-    # with the weight tile converted to that type and x's rows padded to 16 (a pass over the weights wastes
-    # the tensor cores' width, not their time). "fp8" takes x already quantized per row (`x_scale`).
-    mma: str = ""
-    num_stages: int = 3  # the loop's software pipelining depth (loads in flight ahead of the products)
 
 
 def gemv_config(n: int, k: int, element_size: int = 2) -> GemvConfig:
@@ -90,52 +85,13 @@ if triton is not None:
         out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
-    @triton.jit
-    def _gemv_mma_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, x_scale_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
-                         M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_TYPE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                         HAS_X_SCALE: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-        # The tile product as W [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]: the weight's rows fill the tensor
-        # cores' long side, x's few rows (padded to BLOCK_M = 16 with zeros) the short one.
-        pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_k = tl.arange(0, BLOCK_K)
-        n_ok = offs_n < N
-        m_ok = offs_m < M
-        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-        x_cols = x_ptr + offs_m[None, :] * stride_xm
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            k = k0 + offs_k
-            if EVEN_K:
-                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-                xt = tl.load(x_cols + k[:, None], mask=m_ok[None, :], other=0.0)
-            else:
-                k_ok = k < K
-                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                xt = tl.load(x_cols + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(w.to(DOT_TYPE), xt.to(DOT_TYPE), acc)
-        if HAS_X_SCALE:  # x's per-row quantization scales
-            acc *= tl.load(x_scale_ptr + offs_m, mask=m_ok, other=0.0)[None, :]
-        if HAS_SCALE:
-            acc *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        out = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
-
-    _DOT_TYPES = {"f16": tl.float16, "bf16": tl.bfloat16, "fp8": tl.float8e4nv}
-
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-         out: torch.Tensor | None = None, scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= KERNEL_MAX_ROWS, unit stride along K), weight [N, K] contiguous, bias [N] or None
-    -> y [M, N] in out_dtype (x's dtype by default; into `out` when given). scale: float32 [N], output column
-    n multiplied by scale[n] (an FP8 weight's channel scales; the weight may then be float8_e4m3fn). x_scale:
-    float32 [M], row m multiplied by x_scale[m] (x quantized per row to float8_e4m3fn, for a config with
-    mma "fp8"). No host sync; capturable in a CUDA graph."""
+    -> y [M, N] in x's dtype (into `out` when given). scale: float32 [N], output column n multiplied by
+    scale[n] (an FP8 weight's channel scales; the weight may then be float8_e4m3fn). No host sync; capturable
+    in a CUDA graph."""
     require_triton("gemv kernel")
     m, k = x.shape
     n = weight.shape[0]
@@ -145,20 +101,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if not 1 <= m <= KERNEL_MAX_ROWS:
         raise ValueError(f"gemv takes 1..{KERNEL_MAX_ROWS} rows, not {m}")
     config = config or gemv_config(n, k, weight.element_size())
-    if (config.mma == "fp8") != (x_scale is not None):
-        raise ValueError(f"x_scale goes with a config whose mma is 'fp8' (x quantized per row), got mma {config.mma!r}")
     if out is None:
-        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (cdiv(n, config.block_n),)
-    if config.mma:
-        _gemv_mma_kernel[grid](
-            x, weight, bias if bias is not None else weight, scale if scale is not None else weight,
-            x_scale if x_scale is not None else weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
-            M=m, BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k, DOT_TYPE=_DOT_TYPES[config.mma],
-            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, HAS_X_SCALE=x_scale is not None,
-            EVEN_K=k % config.block_k == 0, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
-        )
-        return out
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, out, n, k,
         x.stride(0), weight.stride(0), out.stride(0), M=m, BLOCK_M=next_power_of_2(m), BLOCK_N=config.block_n,

@@ -195,43 +195,6 @@ def test_gemv_fp8_weights_interpreted(k, kernels):
     assert relative_error(got, expected.double()) < 1e-2
 
 
-MMA_CONFIGS = {"f16": dict(block_n=16, block_k=32, num_warps=4, mma="f16"),
-               "fp8": dict(block_n=16, block_k=32, num_warps=4, mma="fp8")}
-
-
-def check_mma_gemv(gemv_module, rows, n, k, mma, device, config=None):
-    """The gemv's tensor-core form over FP8 weights: "f16" keeps x unquantized (error: float32 accumulation and
-    x's rounding to f16), "fp8" takes x quantized per row (quantize_rows_ref) and must equal that arithmetic
-    (scaled_mm_ref) within float32 accumulation."""
-    generator = torch.Generator().manual_seed(rows * 7 + k)
-    x = torch.randn(rows, k, generator=generator).bfloat16().to(device)
-    weight = fp8.quantize_weight((torch.randn(n, k, generator=generator) * k**-0.5).to(device))
-    bias = torch.randn(n, generator=generator).bfloat16().to(device)
-    config = config or gemv_module.GemvConfig(**MMA_CONFIGS[mma])
-    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=device)
-    if mma == "fp8":
-        quantized, row_scale = fp8.quantize_rows_ref(x)
-        got = gemv_module.gemv(quantized, weight.weight, bias, config=config, out=out, scale=weight.scale,
-                               x_scale=row_scale.view(-1))
-        expected = fp8.scaled_mm_ref(x.float(), weight, bias.float()).double()
-    else:
-        got = gemv_module.gemv(x, weight.weight, bias, config=config, out=out, scale=weight.scale)
-        expected = torch.nn.functional.linear(x.float(), weight.dequantize(torch.float32), bias.float()).double()
-    assert got is out and not torch.isnan(got).any(), "NaN in the output: an unwritten element"
-    assert relative_error(got, expected) < 1e-2, (rows, n, k, mma)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("mma", ["f16", "fp8"])
-def test_gemv_fp8_weights_tensor_cores_interpreted(mma, kernels):
-    _, gemv_module, _ = kernels
-    for rows, n, k in [(1, 48, 96), (3, 40, 100), (4, 16, 32)]:  # ragged N and K, padded rows
-        check_mma_gemv(gemv_module, rows, n, k, mma, torch.device("cpu"))
-    with pytest.raises(ValueError, match="x_scale"):
-        gemv_module.gemv(torch.randn(1, 32).bfloat16(), fp8.quantize_weight(torch.randn(16, 32)).weight,
-                         config=gemv_module.GemvConfig(**MMA_CONFIGS["fp8"]))
-
-
 @needs_interpreter
 def test_write_kv_fp8_interpreted(kernels):
     """The kernel stores exactly what write_kv_ref stores in FP8 pages, and nothing else."""
@@ -398,16 +361,3 @@ def test_attention_fp8_pages_gpu(layout, batch, kernels):
     write_kv_ref(expected, 0, k, v, case.batch, scales)
     attention_kernels.write_kv(case.kv_view, 0, k, v, case.batch, scales)
     assert torch.equal(case.kv_view.view(torch.uint8), expected.view(torch.uint8))
-
-
-@pytest.mark.gpu
-@needs_fp8_gpu
-@pytest.mark.parametrize("mma", ["f16", "bf16", "fp8"])
-def test_gemv_fp8_weights_tensor_cores_gpu(mma, kernels):
-    _, gemv_module, _ = kernels
-    for block_n, block_k in [(16, 256), (32, 512), (64, 256)]:
-        config = gemv_module.GemvConfig(block_n, block_k, 4, mma=mma)
-        for rows in (1, 3):
-            for in_features, out_features in LLAMA_7B_PROJECTIONS.values():
-                check_mma_gemv(gemv_module, rows, out_features, in_features, mma, torch.device("cuda"), config)
-
