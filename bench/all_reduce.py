@@ -66,8 +66,9 @@ def rank_main(rank: int, port: int, args, results: list) -> None:
                 work = partial.clone()
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
+                with torch.cuda.stream(stream):  # warm-up off the capture: cuBLAS's handle, the allocator's blocks
                     for _ in range(2):
+                        between @ between
                         reduce(work)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
