@@ -1,8 +1,9 @@
 """The sum over 2 GPUs of a [rows, hidden] partial, as a tensor-parallel decode step runs 2 per layer: NCCL's
-all-reduce, the engine's one-shot all-reduce through symmetric memory (daemon/model/tensor_parallel.py,
-AllReduce), and torch's two-shot all-reduce over the same buffer, per call, from replays of a CUDA graph of
-`--calls` sums in a row (as the step's graph holds them; between them a small matmul, so that the ranks drift as
-a step's kernels make them). Each result checked against the exact sum first.
+all-reduce (what the engine runs, daemon/model/tensor_parallel.py) against torch's one-shot and two-shot
+all-reduces through symmetric memory (each rank's partial copied into a buffer the other maps over NVLink; one
+kernel with a barrier of flags), per call, from replays of a CUDA graph of `--calls` sums in a row (as the step's
+graph holds them; between them a small matmul, so that the ranks drift as a step's kernels make them). Each
+result checked against the exact sum first.
 
     python3 bench/all_reduce.py --out bench/results/all_reduce_h100x2.json
 
@@ -37,9 +38,19 @@ def rank_main(rank: int, port: int, args, results: list) -> None:
     device = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device)
-    one_shot = tensor_parallel.AllReduce(device, torch.bfloat16, "auto")
+    import torch.distributed._symmetric_memory as symm_mem
+
     group = dist.group.WORLD.group_name
-    buffer = one_shot._buffer
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.9
+    if enable is not None:
+        enable(group)
+    buffer = symm_mem.empty((4 << 20) // 2, dtype=torch.bfloat16, device=device)  # up to 4 MiB of bf16
+    symm_mem.rendezvous(buffer, group)
+
+    def one_shot(tensor):
+        out = torch.empty_like(tensor)
+        symmetric = buffer[: tensor.numel()].view(tensor.shape)
+        return torch.ops.symm_mem.one_shot_all_reduce_copy_out(symmetric, tensor, "sum", group, out)
 
     def two_shot(tensor):
         symmetric = buffer[: tensor.numel()].view(tensor.shape)
@@ -59,7 +70,7 @@ def rank_main(rank: int, port: int, args, results: list) -> None:
             exact = (others[0].float() + others[1].float()).to(torch.bfloat16)
             entry = {"hidden": hidden, "rows": rows, "bytes": partial.nbytes}
             for name, reduce in paths.items():
-                if name != "nccl" and (buffer is None or partial.numel() > buffer.numel()):
+                if name != "nccl" and partial.numel() > buffer.numel():
                     continue
                 got = reduce(partial.clone())
                 assert torch.equal(got, exact), (name, rows, hidden)
@@ -93,8 +104,6 @@ def rank_main(rank: int, port: int, args, results: list) -> None:
             results.append(entry)
             if rank == 0:
                 print(json.dumps(entry), flush=True)
-    if rank == 0:
-        results.append({"path": one_shot.path})
     dist.barrier()
     dist.destroy_process_group()
 

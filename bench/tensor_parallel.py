@@ -5,8 +5,7 @@ memory to itself and its own process group):
   TP=2 (the base model);
 - at TP=2, LoRA (--batch distinct rank --rank adapters, all seven projections) against the base model alone;
 - the all-reduces' share of a TP=2 decode step (their kernels' device time on rank 0 per step, from the profiler,
-  which sees inside CUDA graph replays; it includes any wait for the other rank), with the engine's default
-  all-reduce (one-shot through symmetric memory for decode-sized sums) and with NCCL's for every sum;
+  which sees inside CUDA graph replays; it includes any wait for the other rank);
 - a 70B shape (--big-config, llama-2-70b) at TP=2 in bf16: the batch-1 decode step against its floor, the weight
   bytes a rank reads per step / the HBM bandwidth measured on its GPU (a 1 GiB device copy; on the CPU, the
   engine's own measure), plus the step's all-reduces as measured.
@@ -64,9 +63,6 @@ def cases(args) -> list[dict]:
         {"name": f"base_tp{args.size}", "model": args.model_config, "size": args.size, "batch": args.batch, "lora": False,
          "profile": True},
         {"name": f"lora_tp{args.size}", "model": args.model_config, "size": args.size, "batch": args.batch, "lora": True},
-        # the same as base_tpN with NCCL's all-reduce for every sum (the one-shot path's gain, side by side)
-        {"name": f"base_tp{args.size}_nccl", "model": args.model_config, "size": args.size, "batch": args.batch,
-         "lora": False, "profile": True, "all_reduce": "nccl"},
     ]
     if args.big_config != "none":
         listed.append({"name": f"big_batch1_tp{args.size}", "model": args.big_config, "size": args.size, "batch": 1,
@@ -113,7 +109,6 @@ def run_case(case: dict, args) -> dict:
         max_batch_tokens=case.get("max_batch_tokens", max(2048, batch * args.prompt)), max_lora_rank=max(64, args.rank),
         max_model_len=2048, tensor_parallel_size=case["size"], pool_bytes=None if cuda else 64 << 20,
         gpu_memory_utilization=case.get("gpu_memory_utilization", EngineConfig.gpu_memory_utilization),
-        all_reduce=case.get("all_reduce", "auto"),
     ))
     try:
         adapters = [f"dummy-{index}" for index in range(batch)] if case["lora"] else [None] * batch
@@ -182,8 +177,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def all_reduce_ms(engine, cuda: bool, steps: int = 8) -> float:
-    """The all-reduces' time per decode step on rank 0: NCCL's and the one-shot all-reduce's kernels' device time on
-    cuda, gloo's op time on the cpu."""
+    """The all-reduces' time per decode step on rank 0: NCCL's kernels' device time on cuda, gloo's op time on the cpu."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -196,7 +190,7 @@ def all_reduce_ms(engine, cuda: bool, steps: int = 8) -> float:
     total_us = 0.0
     for event in prof.key_averages():
         key = event.key.lower()
-        if cuda and ((key.startswith("nccl") and "allreduce" in key.replace("_", "")) or "one_shot_all_reduce" in key):
+        if cuda and key.startswith("nccl") and "allreduce" in key.replace("_", ""):
             total_us += getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         elif not cuda and "allreduce" in key.replace("_", "") and key.startswith("c10d::"):
             total_us += event.cpu_time_total
@@ -225,11 +219,6 @@ def summary(results: dict, args) -> dict:
         out[f"lora_over_base_tp{args.size}"] = lora_n["tok_s"] / base_n["tok_s"]
     if base_n and "all_reduce_share" in base_n:
         out["all_reduce_share_of_decode_step"] = base_n["all_reduce_share"]
-    nccl = results.get(f"base_tp{args.size}_nccl")
-    if base_n and nccl and "tok_s" in nccl:
-        out[f"tp{args.size}_all_reduce_auto_over_nccl"] = base_n["tok_s"] / nccl["tok_s"]
-        if base1:
-            out[f"tp{args.size}_nccl_over_tp1_decode"] = nccl["tok_s"] / base1["tok_s"]
     big = results.get(f"big_batch1_tp{args.size}")
     if big and "over_floor" in big:
         out["big_batch1_over_floor"] = big["over_floor"]

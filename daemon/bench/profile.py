@@ -225,7 +225,7 @@ class Bench:
         self.max_model_len = max(max(plan.contexts), max(plan.prefill_tokens)) + 1
         self.model = build_model(spec, weights, self.max_model_len, self.ops)
         if tensor_parallel_size > 1:
-            self.model.reduce = tensor_parallel.AllReduce(device, dtype)  # as the engine's (every rank makes it here)
+            self.model.reduce = tensor_parallel.all_reduce
         page = page_elems or spec.page_elems
         page_bytes = page * torch.tensor([], dtype=dtype).element_size()
         bank_pages = max(plan.bank_bytes // page_bytes, max(plan.ranks) * 8)

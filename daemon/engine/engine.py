@@ -169,7 +169,7 @@ class Engine:
         self.runner = ModelRunner(config, local, self.device, weights, self.max_model_len, self.kernel_choice)
         del weights
         if self.tp is not None:
-            self.tp.attach(self.runner, self.dtype)
+            self.tp.attach(self.runner)
         self.kv_cache = quantization.kv_cache_status(self.kv_dtype, kv_scales)
         if self.kv_dtype != self.dtype:
             self.runner.ops.kv_scales = (kv_scales if kv_scales is not None

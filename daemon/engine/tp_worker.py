@@ -150,7 +150,6 @@ class TensorParallel:
         self._shards: collections.OrderedDict = collections.OrderedDict()  # id(weights) -> (weights, shard)
         self._shard_bytes = 0
         self.runner = None  # rank 0's ModelRunner, once attached (an engine can fail, and close, before it is)
-        self.all_reduce = None  # its AllReduce, made at attach
         self.steps_sent = 0
         self.send_seconds = 0.0
         self._send_lock = threading.Lock()  # the engine thread's steps and the stager thread's hints share the pipes
@@ -180,12 +179,11 @@ class TensorParallel:
                  ",".join(map(str, tp.devices)), ",".join(str(p.pid) for p in tp.processes))
         return tp
 
-    def attach(self, runner, dtype: torch.dtype) -> None:
-        """Rank 0's model sums o's and down's partial outputs over the ranks (in `dtype`, the model's), and each
-        step is sent to the workers before it runs here."""
+    def attach(self, runner) -> None:
+        """Rank 0's model sums o's and down's partial outputs over the ranks, and each step is sent to the
+        workers before it runs here."""
         self.runner = runner
-        self.all_reduce = tensor_parallel.AllReduce(self.devices[0], dtype, self.config.all_reduce)
-        runner.model.reduce = self.all_reduce
+        runner.model.reduce = tensor_parallel.all_reduce
         forward = runner.forward
 
         def forward_on_every_rank(plan: StepPlan) -> torch.Tensor:
@@ -284,8 +282,7 @@ class TensorParallel:
         for rank, (process, report) in enumerate(zip(self.processes, self.workers), start=1):
             ranks.append({"rank": rank, "pid": process.pid, "device": report.get("device"), "alive": process.is_alive(),
                           "pool_pages": report.get("pages"), "page_bytes": occupancy["page_bytes"]})
-        return {"size": self.size, "backend": self.backend, "all_reduce": self.all_reduce.path if self.all_reduce else None,
-                "gpus": [str(device) for device in self.devices],
+        return {"size": self.size, "backend": self.backend, "gpus": [str(device) for device in self.devices],
                 "ranks": ranks, "kv_pages_each_rank": occupancy["kv"], "adapter_pages_each_rank": occupancy["adapter"],
                 "steps_sent": self.steps_sent, "send_ms": round(self.send_seconds * 1e3, 3)}
 
@@ -431,7 +428,7 @@ class RankWorker:
                                                     str(self.dtype).removeprefix("torch."), config.lora_kernel,
                                                     config.tensor_parallel_size)
         self.runner = ModelRunner(config, local, device, weights, max_model_len, kernel_choice)
-        self.runner.model.reduce = tensor_parallel.AllReduce(device, self.dtype, config.all_reduce)  # as rank 0's attach
+        self.runner.model.reduce = tensor_parallel.all_reduce
         del weights
         self._adapters = StagedCache(config.host_adapter_bytes)  # (name, path) -> staged shard
         self._staging: dict[tuple, threading.Event] = {}  # keys the staging thread is on (rank 0's hints)

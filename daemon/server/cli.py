@@ -69,9 +69,6 @@ _ENGINE_FLAG_HELP = {
                    "batch whose predicted decode step would break it",
     "tensor_parallel_size": "split the model over N GPUs of this host (one engine process per GPU, NCCL); N divides "
                             "the attention heads and the intermediate size; not with --cold-start cpu|auto",
-    "all_reduce": "auto|nccl: under tensor parallelism, how o's and down's partial outputs are summed over the GPUs "
-                  "(auto: a one-shot all-reduce through symmetric memory for decode-sized tensors where the GPUs can "
-                  "map each other's memory, NCCL otherwise; the log and /v1/status say which)",
     "cluster_max_adapters": "--admission cluster (or early-abort): distinct adapters in the running batch before "
                             "other adapters' requests wait (at most the TTFT objective, else 1 s)",
 }

@@ -1,6 +1,5 @@
 """Tensor parallelism on two GPUs (NCCL): with the Triton kernels, CUDA graphs (all-reduces captured in them) and
-overlapped decode (the next step's input ids broadcast on the device) and the one-shot all-reduce for decode-sized
-sums (NCCL's for prompt rows), TP=2 gives the greedy tokens of TP=1 on the
+overlapped decode (the next step's input ids broadcast on the device), TP=2 gives the greedy tokens of TP=1 on the
 same GPUs and of transformers + PEFT, float32, every fixture adapter in one batch, adapters evicted and placed again.
 
     pytest -m gpu tests/daemon/engine/test_tensor_parallel_gpu.py
@@ -50,7 +49,6 @@ def test_tp2_on_two_gpus_equals_tp1_and_hf_peft(arch, hf_checkpoint, hf_referenc
     split, overlapped, status = generate(checkpoint.model_dir, checkpoint.adapters, cases, tensor_parallel_size=2, **config)
     tp = status["tensor_parallel"]
     assert tp["backend"] == "nccl" and tp["gpus"] == ["cuda:0", "cuda:1"]
-    assert tp["all_reduce"].startswith("one-shot symmetric memory"), tp["all_reduce"]  # decode's sums; prefill's NCCL
     assert status["cuda_graph_steps"] > 0 and status["overlapped_decode_steps"] > 0
     assert status["adapter_evictions"] > 0
     for index, (one, two, three) in enumerate(zip(single, split, overlapped)):
