@@ -69,6 +69,24 @@ def _agreement(a, b) -> float:
     return sum(x.token_ids[0] == y.token_ids[0] for x, y in zip(a, b)) / len(a)
 
 
+# This fixture's random weights give flat next-token distributions: over half the prompts' top two logits lie
+# within 0.25 of each other, and E4M3 activations quantized per token (the GPU's _scaled_mm path; the CPU's
+# reference keeps them unquantized) move a first-token logit by 0.17-0.24 at the median and 0.51 at most. Emulated
+# on the CPU (gpu_ops/fp8.py's scaled_mm_ref in the reference's place, 192 prompts), that alone flips 10-12% of the
+# first tokens, each between candidates at most 0.21 apart, with the mean KL at 0.0016-0.003. So first tokens must
+# agree wherever the reference's top two lie further apart than DECIDED_MARGIN (above any one logit's move seen,
+# three times the widest gap a flip crossed; about one prompt in ten), and the distributions be close (KL below).
+DECIDED_MARGIN = 0.62
+DECIDING_PROMPTS = 192
+
+
+def _decided_agree(a, b) -> None:
+    decided = [(x, y) for x, y in zip(a, b) if float(x.logits[0].float().topk(2).values.diff().abs()) > DECIDED_MARGIN]
+    assert len(decided) >= len(a) // 16, f"only {len(decided)} of {len(a)} prompts decided: the check says little"
+    flipped = [(x.request_id, x.token_ids[0], y.token_ids[0]) for x, y in decided if x.token_ids[0] != y.token_ids[0]]
+    assert not flipped, f"first tokens differ where the reference's top two are over {DECIDED_MARGIN} apart: {flipped}"
+
+
 def _kl(a, b) -> float:
     log_p = torch.stack([r.logits[0] for r in a]).log_softmax(-1)
     log_q = torch.stack([r.logits[0] for r in b]).log_softmax(-1)
@@ -87,17 +105,17 @@ def test_fp8_engine_status_and_graphs(model_dir):
 def test_fp8_gpu_against_its_cpu_reference(model_dir):
     """The same FP8 weights (quantized at load from the same bf16 draws) and FP8 KV: the GPU's kernels (rows
     quantized per token) against the CPU's dequantized reference in float32."""
-    gpu = _run(_engine(model_dir, "cuda", "bfloat16", quantization="fp8", kv_cache_dtype="fp8"))
-    cpu = _run(_engine(model_dir, "cpu", "bfloat16", quantization="fp8", kv_cache_dtype="fp8"))
-    assert _agreement(cpu, gpu) >= 0.95
+    gpu = _run(_engine(model_dir, "cuda", "bfloat16", quantization="fp8", kv_cache_dtype="fp8"), DECIDING_PROMPTS)
+    cpu = _run(_engine(model_dir, "cpu", "bfloat16", quantization="fp8", kv_cache_dtype="fp8"), DECIDING_PROMPTS)
+    _decided_agree(cpu, gpu)
     assert _kl(cpu, gpu) < 0.02
 
 
 def test_fp8_against_bf16_and_graphs_against_eager(model_dir):
-    bf16 = _run(_engine(model_dir, "cuda", "bfloat16"))
-    graphs = _run(_engine(model_dir, "cuda", "bfloat16", quantization="fp8", kv_cache_dtype="fp8"))
-    eager = _run(_engine(model_dir, "cuda", "bfloat16", quantization="fp8", kv_cache_dtype="fp8", eager=True))
-    assert _agreement(bf16, graphs) >= 0.9
+    bf16 = _run(_engine(model_dir, "cuda", "bfloat16"), DECIDING_PROMPTS)
+    graphs = _run(_engine(model_dir, "cuda", "bfloat16", quantization="fp8", kv_cache_dtype="fp8"), DECIDING_PROMPTS)
+    eager = _run(_engine(model_dir, "cuda", "bfloat16", quantization="fp8", kv_cache_dtype="fp8", eager=True), DECIDING_PROMPTS)
+    _decided_agree(bf16, graphs)
     assert _kl(bf16, graphs) < 0.02
     # the graphs pad their rows to a bucket (another GEMM tile choice): the same tokens but for near ties
     assert _agreement(graphs, eager) >= 0.95
