@@ -61,9 +61,12 @@ def test_cuda_graphs_equal_eager(demo_assets, dtype):
     torch.backends.cuda.matmul.allow_tf32 = False
     adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
 
+    requests = _requests(demo_assets.adapters)
+
     def run(eager):
+        # every request admitted at once, so their prompts are one step (the account's padding is that step's)
         engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype=dtype,
-                                     eager=eager, max_running_requests=12, max_lora_rank=64))
+                                     eager=eager, max_running_requests=len(requests), max_lora_rank=64))
         results = engine.generate(_requests(demo_assets.adapters))
         status = engine.status()
         del engine
