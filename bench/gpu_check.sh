@@ -61,6 +61,7 @@ run_step() {
         --only-shapes q_proj,gate_proj,down_proj --budget-s 230 --out "$OUTDIR/lora_kernels_pdl_mixed.json" ;;
     attention) step bench_attention 240 python3 bench/attention.py --out "$OUTDIR/attention.json" ;;
     gemv) step bench_gemv 240 python3 bench/gemv.py --out "$OUTDIR/gemv.json" ;;
+    gemv_fp8) step bench_gemv_fp8 200 python3 bench/gemv.py --fp8 --out "$OUTDIR/gemv_fp8.json" ;;
     engine_decode) step bench_engine_decode 150 python3 bench/engine_decode.py --breakdown-batch --out "$OUTDIR/engine_decode.json" ;;
     # the same with one decode LoRA launch pair per projection (fuse_lora_groups off): run it beside engine_decode
     engine_decode_per_projection) step bench_engine_decode_per_projection 150 python3 bench/engine_decode.py --breakdown-batch \
@@ -140,6 +141,7 @@ run_step() {
     tp_throughput) step bench_tp_throughput 560 python3 bench/tensor_parallel.py --big-config none \
         --out "$OUTDIR/tensor_parallel_throughput.json" ;;
     tp_70b) step bench_tp_70b 560 python3 bench/tensor_parallel.py --only big_batch1_tp2 --out "$OUTDIR/tensor_parallel_70b.json" ;;
+    all_reduce) step bench_all_reduce 120 python3 bench/all_reduce.py --out "$OUTDIR/all_reduce.json" ;;
     *) echo "unknown step $1"; failed+=("$1") ;;
     esac
 }
