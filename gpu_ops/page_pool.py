@@ -83,7 +83,8 @@ class KVCache:
     it holds (the pool stays one tensor of the model dtype, adapters' pages in it unchanged), so a KV dtype of
     fewer bytes fits more tokens in a page: FP8 (float8_e4m3fn) in a bf16 pool, twice as many."""
 
-    def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | None = None):
+    def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | None = None,
+                 layer_windows: tuple[int | None, ...] = ()):
         dtype = dtype or pool.pages.dtype
         kv_size = num_kv_heads * head_dim
         page_bytes = pool.page_elems * pool.pages.element_size()
@@ -101,6 +102,16 @@ class KVCache:
         # blocks): the block's first page id (K of layer 0) -> how many sequences hold it. A block not
         # here has one holder; its pages go back to the pool when that one releases it.
         self.holders: dict[int, int] = {}
+        # Sliding-window layers (ModelSpec.layer_windows: a query at p reads keys in (p - window, p]), grouped by
+        # window: (window, their layers, a mask [len(layers), 2] of the pages `trim` frees: all but layer 0's K
+        # page, which stays as the block's key, what `holders` and `release` know a block by).
+        self._windows = []
+        for window in sorted({w for w in layer_windows if w is not None}):
+            layers = np.array([layer for layer, w in enumerate(layer_windows) if w == window])
+            freed = np.ones((len(layers), 2), dtype=bool)
+            freed[layers == 0, 0] = False
+            self._windows.append((window, layers, freed))
+        self.window_pages_freed = 0  # pages `trim` gave back, in all
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_page)
@@ -118,13 +129,47 @@ class KVCache:
         return True
 
     def release(self, blocks) -> None:
-        """Gives back a sequence's blocks: the pages of each block it was the last holder of go back to the pool."""
+        """Gives back a sequence's blocks: the pages of each block it was the last holder of go back to the pool
+        (those `trim` gave back already, SCRATCH_PAGE in the rows, not again)."""
         if len(blocks):
             rows = np.asarray(blocks.array() if isinstance(blocks, BlockList) else blocks)
             if self.holders:
                 rows = rows[self._last_holder(rows[:, 0, 0])]
-            self.pool.free(rows.ravel().tolist(), "kv")
+            ids = rows.ravel()
+            self.pool.free(ids[ids != SCRATCH_PAGE].tolist(), "kv")
         blocks.clear()
+
+    def trim(self, blocks: BlockList, start: int) -> int:
+        """A step is about to compute a sequence's positions from `start` on: gives back the pages no query of it
+        or of a later step reads, and -> how many. Those are, for each sliding-window layer, the K and V pages of
+        the blocks that end before the window of the step's first query and of the previous step's (which may
+        still run on the device while this one is planned: overlapped decode), but layer 0's K page, the
+        block's key; their entries become SCRATCH_PAGE, which the attention kernels never reach (they start
+        at the window). A block shared with another sequence (`share`) keeps its pages until its release."""
+        if not self._windows or not len(blocks):
+            return 0
+        horizon = min(start, blocks.last_start) if blocks.last_start is not None else start
+        blocks.last_start = start
+        rows, freed = blocks.array(), 0
+        for window, layers, mask in self._windows:
+            dead = min(max(0, horizon - window + 1) // self.tokens_per_page, len(rows))
+            done = blocks.trimmed.get(window, 0)
+            if dead <= done:
+                continue
+            blocks.trimmed[window] = dead
+            span = rows[done:dead]  # a view: the entries below are rewritten in the sequence's own rows
+            sole = np.ones(len(span), dtype=bool) if not self.holders else ~np.isin(
+                span[:, 0, 0], np.fromiter(self.holders, dtype=span.dtype, count=len(self.holders)))
+            pages = span[:, layers, :]  # [blocks, len(layers), 2], a copy
+            take = mask[None] & sole[:, None, None] & (pages != SCRATCH_PAGE)
+            ids = pages[take]
+            if len(ids):
+                pages[take] = SCRATCH_PAGE
+                span[:, layers, :] = pages
+                self.pool.free(ids.tolist(), "kv")
+                freed += len(ids)
+        self.window_pages_freed += freed
+        return freed
 
     def _last_holder(self, keys: np.ndarray) -> np.ndarray:
         """bool [blocks]: which of these blocks (by first page id) lose their last holder; one holder fewer
@@ -161,7 +206,8 @@ class KVCache:
     def sharing(self) -> dict:
         """For /v1/status: the blocks held by more than one sequence, and the pool pages that saves."""
         extra = sum(self.holders.values()) - len(self.holders)
-        return {"shared_blocks": len(self.holders), "pages_saved": extra * self.pages_per_block}
+        return {"shared_blocks": len(self.holders), "pages_saved": extra * self.pages_per_block,
+                "window_pages_freed": self.window_pages_freed}
 
     def free_tokens(self) -> int:
         return self.pool.num_free // self.pages_per_block * self.tokens_per_page
@@ -179,6 +225,9 @@ class BlockList:
         self._buffer: np.ndarray | None = None
         self._length = 0
         self.clears = 0  # how many times it was emptied (a preemption): a tensor-parallel rank's copy starts over
+        # KVCache.trim's progress: per window, the blocks before this index are trimmed; the last step's start
+        self.trimmed: dict[int, int] = {}
+        self.last_start: int | None = None
 
     def __len__(self) -> int:
         return self._length
@@ -206,6 +255,8 @@ class BlockList:
     def clear(self) -> None:
         self._length = 0
         self.clears += 1
+        self.trimmed = {}
+        self.last_start = None
 
 
 @dataclass

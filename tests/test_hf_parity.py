@@ -46,7 +46,8 @@ def make_cases(adapters: list[str], vocab_size: int, seed: int = 0,
     return cases
 
 
-def run_lorad(model_dir, adapters: dict, cases, **config):
+def run_lorad(model_dir, adapters: dict, cases, status: dict | None = None, **config):
+    """The cases' greedy results from a fresh engine (its /v1/status into `status` when given)."""
     engine = Engine(
         EngineConfig(
             model=str(model_dir),
@@ -65,6 +66,8 @@ def run_lorad(model_dir, adapters: dict, cases, **config):
     ]
     try:
         results = engine.generate(requests)
+        if status is not None:
+            status.update(engine.status())
     finally:
         close = getattr(engine, "close", None)
         if close is not None:
@@ -121,6 +124,21 @@ def test_matches_hf_peft(arch, hf_checkpoint, hf_reference):
     cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size)
     reference = hf_reference(checkpoint.model_dir, checkpoint.adapters)
     check_parity(arch, checkpoint.model_dir, checkpoint.adapters, cases, reference)
+
+
+@pytest.mark.parametrize("arch", ["mistral_window", "gemma2"])
+def test_window_layers_pages_go_back_and_the_tokens_stay_hf_peft(arch, hf_checkpoint, hf_reference):
+    """Prompts up to 5x the window: the sliding-window layers' pages before every window go back to the pool as the
+    sequences advance (KVCache.trim), and every request still gives HF + PEFT's tokens and logits."""
+    checkpoint = hf_checkpoint(arch)
+    cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size)
+    reference = hf_reference(checkpoint.model_dir, checkpoint.adapters)
+    status: dict = {}
+    results = run_lorad(checkpoint.model_dir, checkpoint.adapters, cases, status)
+    problems = mismatches(arch, cases, results, reference)
+    assert not problems, "\n".join(problems)
+    assert status["kv_sharing"]["window_pages_freed"] > 0
+    assert status["pool"]["kv"] == 0  # every page back once the requests ended: none freed twice or kept
 
 
 @pytest.mark.gpu

@@ -186,7 +186,8 @@ class Engine:
         if self.tp is not None:
             pages = self.tp.agree_pages(pages, self.spec.page_elems)
         self.pool = PagePool(pages, self.spec.page_elems, self.dtype, self.device)
-        self.kv = KVCache(self.pool, self.spec.num_layers, local.num_kv_heads, local.head_dim, self.kv_dtype)
+        self.kv = KVCache(self.pool, self.spec.num_layers, local.num_kv_heads, local.head_dim, self.kv_dtype,
+                          self.spec.layer_windows)
         if self.kv.blocks_for(self.max_model_len) * self.kv.pages_per_block > self.pool.capacity:
             raise ModelError(
                 f"the page pool ({self.pool.capacity} pages) cannot hold one sequence of max_model_len="
@@ -611,6 +612,8 @@ class Engine:
             return
         started = time.perf_counter()
         streamed = bool(self.residency.streaming())  # this step ran while adapters streamed in
+        for seq, _ in batch:  # sliding-window layers' pages before every window this step reads go back to the pool
+            self.kv.trim(seq.blocks, seq.num_computed)
         plan = self.runner.plan(batch, assisted)
         logits = self.runner.forward(plan)
         self.account.launched(plan, self.runner.graph_rows)
@@ -812,6 +815,8 @@ class Engine:
         seqs = [flight.seqs[row] for row in rows]
         if not seqs or not all(self.grow(seq.blocks, seq.num_computed + 1) for seq in seqs):
             return False
+        for seq in seqs:
+            self.kv.trim(seq.blocks, seq.num_computed)
         if rows == list(range(len(rows))):
             device_tokens = flight.tokens[: len(rows)]
         else:

@@ -125,12 +125,12 @@ def test_shared_blocks_go_back_with_their_last_holder():
     children = [kv.share(first, 3) for _ in range(3)]  # the 3 full blocks, no page taken
     assert pool.used["kv"] == 24 and all(len(child) == 3 for child in children)
     assert all((child.array() == first.array()[:3]).all() for child in children)
-    assert kv.sharing() == {"shared_blocks": 3, "pages_saved": 3 * 3 * 6}
+    assert kv.sharing() == {"shared_blocks": 3, "pages_saved": 3 * 3 * 6, "window_pages_freed": 0}
     kv.release(first)  # its own last block goes back; the shared ones stay with the children
     assert pool.used["kv"] == 18 and len(first) == 0
     kv.release(children[0])
     kv.release(children[1])
-    assert pool.used["kv"] == 18 and kv.sharing() == {"shared_blocks": 0, "pages_saved": 0}
+    assert pool.used["kv"] == 18 and kv.sharing() == {"shared_blocks": 0, "pages_saved": 0, "window_pages_freed": 0}
     assert kv.grow(children[2], 8)  # one holder left: it grows past them like any sequence
     assert pool.used["kv"] == 24
     kv.release(children[2])
@@ -158,6 +158,79 @@ def test_released_shared_pages_are_never_handed_out_while_held():
     for blocks in live:
         kv.release(blocks)
     assert pool.used["kv"] == 0 and kv.holders == {}
+
+
+WINDOWS = (4, None, 2)  # layer 0 reads the last 4 positions, layer 1 all of them, layer 2 the last 2
+
+
+def test_trim_gives_back_the_window_layers_pages_before_every_window():
+    pool = make_pool(1 + 6 * 12)
+    kv = KVCache(pool, num_layers=LAYERS, num_kv_heads=2, head_dim=16, layer_windows=WINDOWS)  # 2 tokens a page
+    blocks = BlockList()
+    assert kv.grow(blocks, 20)  # 10 blocks, 60 pages
+    before = blocks.array().copy()
+    # A query at 12 reads 9..12 in layer 0 (blocks 4-6: 0-3 dead) and 11..12 in layer 2 (blocks 5-6: 0-4 dead).
+    assert kv.trim(blocks, 12) == 4 + 10  # layer 0's V pages (its K page is the block's key), layer 2's K and V
+    rows = blocks.array()
+    assert (rows[:4, 0, 1] == SCRATCH_PAGE).all() and (rows[:5, 2] == SCRATCH_PAGE).all()
+    assert (rows[:, 0, 0] == before[:, 0, 0]).all() and (rows[:, 1] == before[:, 1]).all()
+    assert (rows[4:, 0, 1] == before[4:, 0, 1]).all() and (rows[5:, 2] == before[5:, 2]).all()
+    freed = set(before[:4, 0, 1].tolist()) | set(before[:5, 2].ravel().tolist())
+    assert freed <= set(pool._free) and pool.used["kv"] == 60 - 14
+    # The previous step's first query (12) may still be on the device: 16 trims nothing until the step after it.
+    assert kv.trim(blocks, 16) == 0
+    assert kv.trim(blocks, 17) == 2 + 4  # horizon 16: layer 0's blocks 4-5, layer 2's 5-6
+    assert kv.sharing()["window_pages_freed"] == 20
+    kv.release(blocks)  # the rest, each page once
+    assert pool.used["kv"] == 0 and pool.num_free == 72 and len(set(pool._free)) == 72
+    assert blocks.trimmed == {} and blocks.last_start is None  # a preempted sequence starts over
+    assert kv.grow(blocks, 4) and kv.trim(blocks, 0) == 0
+
+
+def test_trim_leaves_shared_blocks_to_their_release():
+    pool = make_pool(1 + 6 * 12)
+    kv = KVCache(pool, num_layers=LAYERS, num_kv_heads=2, head_dim=16, layer_windows=WINDOWS)
+    first = BlockList()
+    assert kv.grow(first, 20)
+    child = kv.share(first, 3)
+    before = first.array().copy()
+    assert kv.trim(first, 12) == 1 + 4  # blocks 3 (layer 0's V) and 3-4 (layer 2): 0-2 are the child's too
+    assert (first.array()[:3] == before[:3]).all() and (child.array() == before[:3]).all()
+    kv.release(first)
+    kv.release(child)
+    assert pool.used["kv"] == 0 and pool.num_free == 72 and kv.holders == {}
+
+
+def test_trimmed_pages_are_never_handed_out_while_held_and_each_goes_back_once():
+    rng = random.Random(7)
+    pool = make_pool(1 + 6 * 40)
+    kv = KVCache(pool, num_layers=LAYERS, num_kv_heads=2, head_dim=16, layer_windows=WINDOWS)
+    live: list[tuple[BlockList, int]] = []  # (blocks, tokens computed)
+    for _ in range(400):
+        action = rng.random()
+        if live and action < 0.2:
+            kv.release(live.pop(rng.randrange(len(live)))[0])
+        elif live and action < 0.35:
+            parent, tokens = rng.choice(live)
+            full = rng.randint(0, len(parent))
+            live.append((kv.share(parent, full), full * kv.tokens_per_page))
+        elif live and action < 0.8:
+            index = rng.randrange(len(live))
+            blocks, tokens = live[index]
+            count = rng.randint(1, 5)
+            if kv.grow(blocks, tokens + count):
+                kv.trim(blocks, tokens)
+                live[index] = (blocks, tokens + count)
+        else:
+            blocks = BlockList()
+            if kv.grow(blocks, rng.randint(1, 12)):
+                live.append((blocks, 0))
+        held = {page for blocks, _ in live for page in np.unique(blocks.array()).tolist()} - {SCRATCH_PAGE}
+        assert pool.used["kv"] == len(held) and not held & set(pool._free)
+    for blocks, _ in live:
+        kv.release(blocks)
+    assert pool.used["kv"] == 0 and len(set(pool._free)) == pool.num_free == 240 and kv.holders == {}
+    assert kv.window_pages_freed > 0
 
 
 def test_copy_block_copies_every_page_of_the_block():
