@@ -61,13 +61,15 @@ CLUSTER_MAX_WAIT_MS = 1000.0  # admission cluster without a TTFT objective: how 
 
 @dataclass(eq=False)
 class StepInFlight:
-    """A greedy decode step launched whose tokens the host has not read yet (overlapped decode)."""
+    """A greedy step launched whose tokens the host has not read yet (overlapped decode): a decode step, or one
+    whose prompt rows all end their prompts in it."""
 
     seqs: list[Sequence]  # its rows, in order
     tokens: torch.Tensor  # [n] int64 on the device: each row's argmax, the next step's input ids
     host: torch.Tensor  # [n] int64, pinned on cuda: where the tokens are copied to
     done: torch.cuda.Event | None  # recorded after that copy; None on the cpu (the copy is done)
     logprobs: PendingLogprobs | None = None  # the rows' logprobs, copied to the host before `done`
+    prefill: tuple[int, float] | None = None  # a step with prompt rows to time for the prefill model: (its tokens, launched at)
 
 
 @dataclass(eq=False)
@@ -622,9 +624,10 @@ class Engine:
         self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)
         self._admit_to_sampler(sampled)
         if not streamed and self._overlappable(plan):  # its tokens are read by the next step(), after it launches its successor
-            for seq in sampled:
-                seq.num_computed += 1
-            self._in_flight = self._launch_tokens(logits, sampled)
+            observed = None if assisted else self._prefill_tokens(batch)  # before num_computed moves on
+            for seq, count in batch:
+                seq.num_computed += count
+            self._in_flight = self._launch_tokens(logits, sampled, None if observed is None else (observed, started))
             self.steps += 1
             return
         forking = [seq for seq in sampled if seq.state.group is not None and seq.state.group.unforked]
@@ -643,8 +646,9 @@ class Engine:
         if streamed:
             redo |= self.cold_starts.after_streams(batch)  # failed: their step read an adapter that never arrived
             self.cold_starts.count_stream_step(time.perf_counter() - started)
-        if not assisted and not streamed and (self.online_prefill is not None or self.config.cold_start == "auto"):
-            self._observe_prefill(batch, time.perf_counter() - started)  # before num_computed moves on
+        observed = None if assisted or streamed else self._prefill_tokens(batch)  # before num_computed moves on
+        if observed is not None:
+            self._observe_prefill(observed, time.perf_counter() - started)
         if processed is not None:
             self._advance_sampler(processed, tokens, redo)
         for seq, count in batch:
@@ -773,18 +777,25 @@ class Engine:
     # admission and prefetch make, on the plain path, after the step in flight has been landed.
 
     def _overlappable(self, plan: StepPlan) -> bool:
-        """Is this step's reading of its tokens deferred: a greedy decode step of every running request (with
-        penalties, bias, logprobs or not). Rows drawn with a temperature stay on the plain path: they are drawn on
-        the cpu, for seeds that give the same tokens on every device."""
-        if not (self.overlap_decode and plan.decode) or plan.assisted or len(plan.seqs) != len(self.scheduler.running):
+        """Is this step's reading of its tokens deferred: a greedy step of every running request (with penalties,
+        bias, logprobs or not) that samples each of them, a decode step or one whose prompt rows all end their
+        prompts in it (a saturated server's step that admits a request beside the decode rows): the next step,
+        a decode of them all, is launched from its tokens on the device while the host takes them. Rows drawn
+        with a temperature stay on the plain path: they are drawn on the cpu, for seeds that give the same tokens
+        on every device."""
+        if not self.overlap_decode or plan.assisted or len(plan.seqs) != len(self.scheduler.running):
+            return False
+        if not plan.decode and len(plan.sampled) != len(plan.seqs):  # a prompt chunk that does not end its prompt
             return False
         return all(seq.state.request.sampling.greedy and not seq.state.request.keep_logits
                    and (seq.state.group is None or not seq.state.group.unforked)  # a fork reads the step's logits
                    for seq in plan.seqs)
 
-    def _launch_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepInFlight:
+    def _launch_tokens(self, logits: torch.Tensor, seqs: list[Sequence],
+                       prefill: tuple[int, float] | None = None) -> StepInFlight:
         """The step's greedy tokens on the device (from the processed logits where rows ask for it; their sampler
-        state advanced there), their logprobs computed there, and their copies to the host started."""
+        state advanced there), their logprobs computed there, and their copies to the host started. prefill: (the
+        step's tokens, when it was launched) where its time is to be observed when it lands."""
         processed = self._process_logits(logits, seqs)
         tokens = logits.argmax(dim=-1)  # as sample() does for greedy rows
         if processed is not None:
@@ -797,7 +808,7 @@ class Engine:
         if tokens.is_cuda:
             done = torch.cuda.Event()
             done.record()
-        return StepInFlight(seqs, tokens, host, done, logprobs)
+        return StepInFlight(seqs, tokens, host, done, logprobs, prefill)
 
     def _launch_next_decode(self) -> bool:
         """Launches the decode step after the one in flight from its tokens on the device, then lands the
@@ -852,6 +863,9 @@ class Engine:
             flight.done.synchronize()
         now = time.perf_counter()
         self.account.landed(now)
+        if flight.prefill is not None:
+            tokens, launched = flight.prefill
+            self._observe_prefill(tokens, now - launched)
         logprobs = flight.logprobs.read() if flight.logprobs is not None else [None] * len(flight.seqs)
         for seq, token, logprob in zip(flight.seqs, flight.host.tolist(), logprobs):
             if not seq.state.finished:
@@ -867,12 +881,18 @@ class Engine:
             self._finish(seq, "error", error=f"dropped by {self.config.admission} admission: {reason}",
                          error_type=AdmissionDropped.type)
 
-    def _observe_prefill(self, plan: list[tuple[Sequence, int]], seconds: float) -> None:
+    def _prefill_tokens(self, plan: list[tuple[Sequence, int]]) -> int | None:
+        """The step's tokens where its time feeds the prefill model (`_observe_prefill`): it has 8 prompt tokens or
+        more and a model wants it; else None. Asked before the step moves num_computed on."""
+        if self.online_prefill is None and self.config.cold_start != "auto":
+            return None
+        if sum(count for seq, count in plan if seq.num_computed < seq.prompt_len) < 8:
+            return None
+        return sum(count for _, count in plan)
+
+    def _observe_prefill(self, tokens: int, seconds: float) -> None:
         """The base prefill's cost per token, a moving average over steps with prompt tokens: for early abort's
         TTFT estimate when no profile was loaded, and for cold start `auto`."""
-        if sum(count for seq, count in plan if seq.num_computed < seq.prompt_len) < 8:
-            return
-        tokens = sum(count for _, count in plan)
         if self.online_prefill is not None:
             self.online_prefill.observe(tokens, seconds)
         self.cold_starts.observe_prefill(tokens, seconds)

@@ -96,6 +96,31 @@ def test_a_full_running_batch_overlaps_while_others_wait(demo_assets, plain):
     assert engine.pool.occupancy()["kv"] == 0 and not engine.scheduler.has_work() and engine._in_flight is None
 
 
+def test_a_step_that_admits_a_request_beside_the_decode_rows_overlaps_the_next(demo_assets, plain):
+    """Two running slots for seven requests: a step that admits a queued request beside the running one's decode
+    row (its whole prompt in the step) hands its tokens to the next step on the device, as a decode step does;
+    its time still feeds the prefill model, taken when it lands. The plain engine's tokens and texts."""
+    expected = plain.generate(mixed_requests(plain))
+    engine = overlapped(make_engine(demo_assets, max_running_requests=2))
+    launched = count_calls(engine.runner, "forward")
+    observed = count_calls(engine, "_observe_prefill")
+    engine.cold_starts.observe_prefill = lambda tokens, seconds: None  # what auto would learn; counted above
+    engine.config = type(engine.config)(**{**vars(engine.config), "cold_start": "auto"})  # a model that wants it
+    results = engine.generate(mixed_requests(plain))
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert [r.text for r in results] == [r.text for r in expected]
+    plans = [call[0] for call in launched]
+    mixed = [i for i, plan in enumerate(plans[:-1]) if not plan.decode and any(c == 1 for c in plan.counts)]
+    assert mixed and all(plans[i + 1].device_tokens is not None for i in mixed)  # the next launched from its tokens
+    prompt_tokens = [sum(int(count) for seq, count, start in zip(plan.seqs, plan.counts, plan.starts) if start < seq.prompt_len)
+                     for plan in plans]
+    timed = [i for i, tokens in enumerate(prompt_tokens) if tokens >= 8]  # the steps the prefill model takes
+    assert set(timed) & set(mixed)
+    assert [tokens for tokens, _ in observed] == [int(plans[i].counts.sum()) for i in timed]
+    assert all(seconds >= 0 for _, seconds in observed)
+    assert engine.pool.occupancy()["kv"] == 0 and not engine.scheduler.has_work() and engine._in_flight is None
+
+
 def test_arrivals_and_aborts_while_a_step_is_in_flight(demo_assets, plain):
     cases = [(prompt, ADAPTERS[i]) for i, prompt in enumerate(prompts(4, seed=5, low=4, high=12))]
     expected = [plain.generate(requests([case], 12))[0].token_ids for case in cases]
@@ -145,7 +170,9 @@ def test_rows_ending_on_length_are_not_launched(demo_assets, plain):
     result = engine.generate(requests([(prompt, "demo-r2")], 8))[0]
     assert result.finish_reason == "length" and len(result.token_ids) == 8
     assert result.token_ids == plain.generate(requests([(prompt, "demo-r2")], 8))[0].token_ids
-    assert len(launched) == 8 and engine.overlapped_steps == 6  # a prefill and 7 decodes, none past the 8th token
+    # a prefill and 7 decodes, none past the 8th token; each decode launched from the tokens of the step before it
+    # (the prefill's too: every running request ends its prompt in it)
+    assert len(launched) == 8 and engine.overlapped_steps == 7
 
 
 @pytest.mark.parametrize("kind", ["sampled", "keep_logits"])
