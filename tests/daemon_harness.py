@@ -77,8 +77,8 @@ def raw_request(path: str, method: str, target: str, body: bytes = b"", headers:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(10)
         sock.connect(path)
-        sock.sendall(head.encode() + b"\r\n")
         try:
+            sock.sendall(head.encode() + b"\r\n")  # a refused connection (at the cap) may be closed before this
             if chunked:
                 for start in range(0, len(body), 1 << 20):
                     piece = body[start:start + (1 << 20)]
@@ -87,7 +87,7 @@ def raw_request(path: str, method: str, target: str, body: bytes = b"", headers:
             else:
                 sock.sendall(body)
         except (BrokenPipeError, ConnectionResetError):
-            pass  # refused before the whole body was read: the answer is waiting
+            pass  # refused before the whole request was read: the answer is waiting
         response = http.client.HTTPResponse(sock)
         response.begin()
         return response.status, dict(response.getheaders()), response.read()
