@@ -41,12 +41,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="on the CPU with gloo: tiny-llama, 4 requests, 4 steps (checks the script, times nothing real)")
     parser.add_argument("--only", help="run only these cases (comma-separated names: base_tp1, base_tpN, lora_tpN, "
                                        "big_batch1_tpN), e.g. to fit a time limit")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the cases this many times, every other round in reverse order (2: A B C C B A), "
+                             "and report each case's median: a case's place in the run moves its figure (a case "
+                             "run last on two H100s read 7%% slower)")
     parser.add_argument("--case-timeout", type=float, default=300.0,
                         help="seconds a case's process may take before it is killed (what it measured is kept)")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # one case, in a child process: JSON on stdout's last line
     args = parser.parse_args(argv)
-    for name in ("batch", "rank", "prompt", "steps", "size"):
+    for name in ("batch", "rank", "prompt", "steps", "size", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be positive")
     if args.dry_run:
@@ -209,6 +213,15 @@ def step_weight_bytes(engine) -> int:
     return total
 
 
+def median_run(runs: list[dict]) -> dict:
+    """A case's runs -> the one of median tok/s (the lower middle of an even count), with every run's tok/s beside
+    it; the last run where none measured."""
+    measured = sorted((run for run in runs if "tok_s" in run), key=lambda run: run["tok_s"])
+    if not measured:
+        return runs[-1]
+    return {**measured[(len(measured) - 1) // 2], "tok_s_runs": [run.get("tok_s") for run in runs]}
+
+
 def summary(results: dict, args) -> dict:
     base1, base_n, lora_n = (results.get(name) for name in ("base_tp1", f"base_tp{args.size}", f"lora_tp{args.size}"))
     base1, base_n, lora_n = (case if case and "tok_s" in case else None for case in (base1, base_n, lora_n))
@@ -232,19 +245,23 @@ def main(argv=None) -> None:
         return
     forwarded = [f"--{name}={getattr(args, name)}" for name in ("batch", "rank", "prompt", "steps", "size")]
     forwarded += ["--dry-run"] if args.dry_run else []
-    results = {}
-    for case in cases(args):
-        started = time.perf_counter()
-        output, ended = run_child([sys.executable, __file__, *forwarded, "--case", json.dumps(case)], args.case_timeout)
-        printed = [line for line in output.splitlines() if line.startswith("{")]
-        if printed:
-            results[case["name"]] = json.loads(printed[-1])
-            if ended != "exit code 0":
-                results[case["name"]]["close"] = f"measured, then the engine did not close cleanly: {ended}"
-        else:
-            results[case["name"]] = {**case, "error": f"{ended} (its log is above)"}
-        print(f"case {case['name']} done in {time.perf_counter() - started:.0f} s: {json.dumps(results[case['name']])}",
-              file=sys.stderr, flush=True)
+    runs: dict[str, list[dict]] = {}
+    listed = cases(args)
+    for round_ in range(args.rounds):
+        for case in listed if round_ % 2 == 0 else listed[::-1]:
+            started = time.perf_counter()
+            output, ended = run_child([sys.executable, __file__, *forwarded, "--case", json.dumps(case)], args.case_timeout)
+            printed = [line for line in output.splitlines() if line.startswith("{")]
+            if printed:
+                result = json.loads(printed[-1])
+                if ended != "exit code 0":
+                    result["close"] = f"measured, then the engine did not close cleanly: {ended}"
+            else:
+                result = {**case, "error": f"{ended} (its log is above)"}
+            runs.setdefault(case["name"], []).append(result)
+            print(f"case {case['name']} (round {round_ + 1}) done in {time.perf_counter() - started:.0f} s: "
+                  f"{json.dumps(result)}", file=sys.stderr, flush=True)
+    results = {name: median_run(measured) for name, measured in runs.items()}
     document = {"args": {key: value for key, value in vars(args).items() if key != "case"}, "summary": summary(results, args),
                 "cases": results}
     print(json.dumps(document, indent=1))

@@ -25,6 +25,19 @@ def test_arguments_and_cases():
     assert [case["name"] for case in only] == ["base_tp1", "big_batch1_tp2"]
     with pytest.raises(SystemExit, match="no case lora_tp4"):
         bench.cases(bench.parse_args(["--only", "lora_tp4"]))
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", "0"])
+
+
+def test_rounds_report_each_case_s_median_run():
+    bench = bench_scripts.load("tensor_parallel")
+    runs = [{"name": "a", "tok_s": 10.0, "step_ms": 1}, {"name": "a", "tok_s": 30.0, "step_ms": 3},
+            {"name": "a", "tok_s": 20.0, "step_ms": 2}]
+    assert bench.median_run(runs) == {"name": "a", "tok_s": 20.0, "step_ms": 2, "tok_s_runs": [10.0, 30.0, 20.0]}
+    assert bench.median_run(runs[:2])["tok_s"] == 10.0  # an even count: the lower middle
+    failed = [{"name": "a", "error": "exit code 1"}, {"name": "a", "tok_s": 5.0}]
+    assert bench.median_run(failed) == {"name": "a", "tok_s": 5.0, "tok_s_runs": [None, 5.0]}
+    assert bench.median_run(failed[:1]) == failed[0]
 
 
 @pytest.mark.slow
