@@ -48,20 +48,44 @@ def main() -> None:
     timer = Timer(device, args.reps)
     copy_gbps = copy_bandwidth(device, timer, 1024)
     if args.fp8:
-        report = {"machine": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": copy_gbps,
-                  "results": fp8_sweep(device, timer, args.no_sweep),
-                  "notes": "one row; us: device time per call (CUDA-graph replays, each call on another copy of the "
-                           "weight); GB/s: weight bytes per second"}
-        print(f"device copy bandwidth {copy_gbps:.0f} GB/s")
-        if args.out:
-            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        return
-    rows_list = [int(r) for r in args.rows.split(",")]
+        results = fp8_sweep(device, timer, args.no_sweep)
+        notes = "one row; " + NOTES
+    else:
+        results = bf16_sweep(device, timer, [int(r) for r in args.rows.split(",")], args.no_sweep)
+        notes = NOTES + "; copy_GBps: device copy, bytes read + written per second"
+    report = {"machine": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": copy_gbps,
+              "results": results, "notes": notes}
+    print(f"device copy bandwidth {copy_gbps:.0f} GB/s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+NOTES = "us: device time per call (CUDA-graph replays, each call on another copy of the weight); GB/s: weight bytes per second"
+
+
+def copies_for(nbytes: int) -> int:
+    """Copies of a weight of nbytes that together exceed the L2 cache, so that every call reads HBM."""
+    return max(2, math.ceil(L2_FLUSH_BYTES / nbytes))
+
+
+def sweep_configs(configs, measure) -> dict:
+    """measure(config) -> its entry ({"us": ...}) for each config -> {"best": the fastest, "sweep": every entry};
+    a config the compiler refuses (registers) is skipped, said in its entry."""
+    sweep = []
+    for config in configs:
+        try:
+            sweep.append(measure(config))
+        except Exception as error:
+            sweep.append({"config": repr(config), "error": repr(error)[:300]})
+    timed = [entry for entry in sweep if "us" in entry]
+    return {"best": min(timed, key=lambda entry: entry["us"]) if timed else None, "sweep": sweep}
+
+
+def bf16_sweep(device: torch.device, timer: Timer, rows_list: list[int], no_sweep: bool) -> list[dict]:
     results = []
     for name, (n, k) in SHAPES.items():
         nbytes = n * k * 2
-        copies = max(2, math.ceil(L2_FLUSH_BYTES / nbytes))
-        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(copies_for(nbytes))]
         for rows in rows_list:
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
             out = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
@@ -72,31 +96,20 @@ def main() -> None:
             torch.testing.assert_close(gemv.gemv(x, weights[0]), F.linear(x, weights[0]), rtol=2e-2, atol=2e-2)
             default_us = timer.graph([lambda w=w: gemv.gemv(x, w, config=default, out=out) for w in weights])
             entry.update(default_us=default_us, default_GBps=nbytes / default_us / 1e3, speedup_vs_cublas=cublas_us / default_us)
-            if not args.no_sweep:
-                sweep = []
-                for config in SWEEP:
-                    try:
-                        us = timer.graph([lambda w=w, c=config: gemv.gemv(x, w, config=c, out=out) for w in weights])
-                    except Exception as error:  # a config the compiler refuses (registers): skipped, said
-                        sweep.append({"config": repr(config), "error": repr(error)[:200]})
-                        continue
-                    sweep.append({"config": repr(config), "us": us, "GBps": nbytes / us / 1e3})
-                timed = [s for s in sweep if "us" in s]
-                best = min(timed, key=lambda s: s["us"])
-                entry.update(best=best, sweep=sweep)
+            if not no_sweep:
+
+                def measure(config) -> dict:
+                    us = timer.graph([lambda w=w: gemv.gemv(x, w, config=config, out=out) for w in weights])
+                    return {"config": repr(config), "us": us, "GBps": nbytes / us / 1e3}
+
+                entry.update(sweep_configs(SWEEP, measure))
             results.append(entry)
             print(f"{name:12s} rows={rows} cublas {entry['cublas_GBps']:7.0f} GB/s  gemv default {entry['default_GBps']:7.0f} GB/s "
                   f"({entry['speedup_vs_cublas']:.3f}x)" + (f"  best {entry['best']['GBps']:7.0f} GB/s {entry['best']['config']}"
-                                                           if "best" in entry else ""), flush=True)
-        del weights
+                                                           if entry.get("best") else ""), flush=True)
+        weights.clear()
         torch.cuda.empty_cache()
-    report = {"machine": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": copy_gbps,
-              "results": results,
-              "notes": "us: device time per call (CUDA-graph replays, each call on another copy of the weight); "
-                       "GB/s: weight bytes per second; copy_GBps: device copy, bytes read + written per second"}
-    print(f"device copy bandwidth {copy_gbps:.0f} GB/s")
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return results
 
 
 def fp8_sweep(device: torch.device, timer: Timer, no_sweep: bool) -> list[dict]:
@@ -106,38 +119,26 @@ def fp8_sweep(device: torch.device, timer: Timer, no_sweep: bool) -> list[dict]:
     for name in ("7b.qkv", "7b.o", "7b.gate_up", "7b.down"):
         n, k = SHAPES[name]
         nbytes = n * k
-        copies = max(2, math.ceil(L2_FLUSH_BYTES / nbytes))
         bf16 = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5
         quantized = fp8.quantize_weight(bf16)
-        weights = [quantized.weight.clone() for _ in range(copies)]
+        weights = [quantized.weight.clone() for _ in range(copies_for(nbytes))]
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
         out = torch.empty(1, n, device=device, dtype=torch.bfloat16)
         expected = F.linear(x.float(), quantized.dequantize(torch.float32)).double()
-        bf16_copies = [bf16.clone() for _ in range(max(2, math.ceil(L2_FLUSH_BYTES / (2 * nbytes))))]
+        bf16_copies = [bf16.clone() for _ in range(copies_for(2 * nbytes))]
         bf16_us = timer.graph([lambda w=w: gemv.gemv(x, w, out=out) for w in bf16_copies])
         del bf16_copies
 
-        def call(config, w):
-            return gemv.gemv(x, w, config=config, out=out, scale=quantized.scale)
-
         def measure(config) -> dict:
-            got = call(config, weights[0]).double()
+            got = gemv.gemv(x, weights[0], config=config, out=out, scale=quantized.scale).double()
             error = float((got - expected).norm() / expected.norm())
-            us = timer.graph([lambda w=w: call(config, w) for w in weights])
+            us = timer.graph([lambda w=w: gemv.gemv(x, w, config=config, out=out, scale=quantized.scale) for w in weights])
             return {"config": repr(config), "us": us, "GBps": nbytes / us / 1e3, "rel_error": error}
 
-        default = gemv.gemv_config(n, k, 1)
         entry = {"shape": name, "n": n, "k": k, "weight_bytes": nbytes, "bf16_gemv_us": bf16_us,
-                 "default": measure(default)}
+                 "default": measure(gemv.gemv_config(n, k, 1))}
         if not no_sweep:
-            sweep = []
-            for config in FP8_SWEEP:
-                try:
-                    sweep.append(measure(config))
-                except Exception as error:  # a config the compiler refuses: skipped, said
-                    sweep.append({"config": repr(config), "error": repr(error)[:300]})
-            timed = [s for s in sweep if "us" in s]
-            entry.update(best=min(timed, key=lambda s: s["us"]) if timed else None, sweep=sweep)
+            entry.update(sweep_configs(FP8_SWEEP, measure))
         results.append(entry)
         line = f"{name:12s} fp8 default {entry['default']['GBps']:6.0f} GB/s ({entry['default']['us']:.1f} us), bf16 gemv {bf16_us:.1f} us"
         if entry.get("best"):

@@ -102,10 +102,9 @@ def run_case(case: dict, args) -> dict:
     cuda = not args.dry_run
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     batch = case["batch"]
-    # The floor's bandwidth, measured before the engine's pool takes the GPU's memory (a 1 GiB copy then finds none)
-    hbm = (device_copy_bandwidth() if cuda else None) if case.get("floor") else None
-    if hbm:
-        torch.cuda.empty_cache()  # the copy's 2 GiB back to the driver, for the pool's sizing
+    # The floor's bandwidth, measured before the engine's pool takes the GPU's memory (a 1 GiB copy then finds none;
+    # the copy's buffers go back to the driver with the allocator's cache, which the engine empties before sizing it)
+    hbm = device_copy_bandwidth() if cuda and case.get("floor") else None
     engine = Engine(EngineConfig(
         model_config=case["model"], dummy_weights=True, dummy_adapters=batch if case["lora"] else 0,
         dummy_adapter_rank=args.rank, dummy_adapter_targets=",".join(PROJECTIONS), device="cuda" if cuda else "cpu",

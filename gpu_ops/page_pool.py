@@ -158,8 +158,7 @@ class KVCache:
                 continue
             blocks.trimmed[window] = dead
             span = rows[done:dead]  # a view: the entries below are rewritten in the sequence's own rows
-            sole = np.ones(len(span), dtype=bool) if not self.holders else ~np.isin(
-                span[:, 0, 0], np.fromiter(self.holders, dtype=span.dtype, count=len(self.holders)))
+            sole = ~self._shared(span[:, 0, 0]) if self.holders else np.ones(len(span), dtype=bool)
             pages = span[:, layers, :]  # [blocks, len(layers), 2], a copy
             take = mask[None] & sole[:, None, None] & (pages != SCRATCH_PAGE)
             ids = pages[take]
@@ -171,10 +170,14 @@ class KVCache:
         self.window_pages_freed += freed
         return freed
 
+    def _shared(self, keys: np.ndarray) -> np.ndarray:
+        """bool [blocks]: which of these blocks (by first page id) more than one sequence holds."""
+        return np.isin(keys, np.fromiter(self.holders, dtype=keys.dtype, count=len(self.holders)))
+
     def _last_holder(self, keys: np.ndarray) -> np.ndarray:
         """bool [blocks]: which of these blocks (by first page id) lose their last holder; one holder fewer
         for each shared one."""
-        shared = np.isin(keys, np.fromiter(self.holders, dtype=keys.dtype, count=len(self.holders)))
+        shared = self._shared(keys)
         for key in keys[shared].tolist():
             count = self.holders[key] - 1
             if count == 1:
