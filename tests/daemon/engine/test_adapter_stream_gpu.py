@@ -145,7 +145,11 @@ def test_an_adapter_dropped_while_it_streams_ahead_frees_its_slot(demo_assets, c
         always_stream(engine)
         ahead_budget(monkeypatch, 1)
         residency = engine.residency
-        assert residency.prefetch("demo-r8", 0, tokens=12) and "demo-r8" in residency.ahead
+        deadline = time.monotonic() + 30
+        while not residency.prefetch("demo-r8", 0, tokens=12):  # False until the stager thread has staged it
+            assert time.monotonic() < deadline, "the stager never staged demo-r8"
+            time.sleep(0.01)
+        assert "demo-r8" in residency.ahead
         slot = residency.slots["demo-r8"]
         residency.issue_ahead(lambda: False)  # one layer of four
         assert residency.ahead_layers == 1
