@@ -10,6 +10,7 @@ on K/V already contiguous (what a flash kernel does without paging).
 
     python3 bench/attention.py --out bench/results/attention.json
     python3 bench/attention.py --smoke   # tiny shapes on the CPU (Triton interpreter): checks the script
+    python3 bench/attention.py --only decode_gemma2_9b_local,decode_gemma2_9b_global   # some sections alone
 
 Timing: CUDA events around replays of a CUDA graph that holds one call per rotated layer (device time),
 median of many; pages are scattered at random over a pool and the layers rotated so that each timed
@@ -257,6 +258,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--no-reference", dest="reference", action="store_false")
     parser.add_argument("--budget-s", type=float, default=240.0, help="sections past this many seconds are skipped")
+    parser.add_argument("--only", default=None, help="comma-separated section names (e.g. decode_gemma2_9b_local,decode_gemma2_9b_global)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not SMOKE:
@@ -308,6 +310,12 @@ def main() -> None:
             ("decode_gemma2_9b_global", lambda: decode_bench(args, device, timer, bandwidth, "gemma2_9b", 16, 8, 256, 1, [1, 64],
                                                              [8192], softcap=50.0)),
         ]
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - {name for name, _ in sections})
+        if unknown:
+            sys.exit(f"--only: no section {', '.join(unknown)}; the sections: {', '.join(name for name, _ in sections)}")
+        sections = [(name, section) for name, section in sections if name in wanted]
     for name, section in sections:
         if time.perf_counter() - started > args.budget_s:
             report[name] = "skipped: over the time budget"
