@@ -169,6 +169,28 @@ def test_bfloat16_on_cuda_close_to_hf_peft(arch, hf_checkpoint, hf_reference):
         assert distance < 3e-2, f"{arch} adapter={adapter} prompt_len={len(prompt)}: relative distance {distance:.3e}"
 
 
+def relative_distance(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "gemma3_multimodal"])
+def test_bfloat16_gemma_base_model_rounds_as_transformers(arch, hf_checkpoint, hf_reference):
+    """One-token prompts on the base model, where attention is the value row itself: lorad's bfloat16 references
+    round Gemma's embeddings, norms, GeGLU and residual adds as transformers' bfloat16 does, so the logits are
+    equal (Gemma 3), or 3e-3 apart where Gemma 2 soft-caps the logits (lorad in float32, transformers in
+    bfloat16). Rounding the norms' (1 + w) and normed rows to bfloat16 put them 1.2e-2 to 2.1e-2 apart."""
+    checkpoint = hf_checkpoint(arch)
+    reference_bf16 = hf_reference(checkpoint.model_dir, checkpoint.adapters, torch.bfloat16)
+    prompts = [[token] for token in (3, 17, 100, checkpoint.vocab_size - 1)]
+    results = run_lorad(checkpoint.model_dir, checkpoint.adapters, [(prompt, None) for prompt in prompts],
+                        dtype="bfloat16")
+    for prompt, result in zip(prompts, results):
+        expected = reference_bf16.greedy(prompt, None, 1)[1][0]
+        distance = relative_distance(result.logits[0].detach().float().reshape(-1), expected)
+        bound = 5e-3 if arch == "gemma2" else 1e-3
+        assert distance <= bound, f"{arch} prompt {prompt}: relative distance {distance:.3e} from transformers' bfloat16"
+
+
 def test_prefill_split_over_several_steps(hf_checkpoint, hf_reference):
     # 15 prompts of 1..40 tokens, 64 tokens a step: prefills land in different steps, beside decodes.
     checkpoint = hf_checkpoint("llama")
