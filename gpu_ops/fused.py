@@ -32,20 +32,27 @@ def _warps(elements: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_xt, stride_ot, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+    def _store_scaled(normed, weight_ptr, out_row_ptr, cols, ok, SCALE_F32: tl.constexpr):
+        """The float32 normed row times the weight, stored. Llama (a weight of the row's dtype): the normed row is
+        rounded to that dtype before the scale; Gemma (SCALE_F32, a float32 weight): scaled in float32, rounded once."""
+        if not SCALE_F32:
+            normed = normed.to(out_row_ptr.dtype.element_ty).to(tl.float32)
+        weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_row_ptr + cols, (normed * weight).to(out_row_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_xt, stride_ot, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                         SCALE_F32: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < HIDDEN
         x = tl.load(x_ptr + row * stride_xt + cols, mask=ok, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
-        # Llama: normalise in float32, cast to the input dtype, then scale by the weight.
-        normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-        weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_ot + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=ok)
+        _store_scaled(x * rstd, weight_ptr, out_ptr + row * stride_ot, cols, ok, SCALE_F32)
 
     @triton.jit
     def _add_rms_norm_kernel(h_ptr, delta_ptr, weight_ptr, out_ptr, stride_ht, stride_dt, stride_ot, eps,
-                             HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+                             HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SCALE_F32: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < HIDDEN
@@ -56,9 +63,7 @@ if triton is not None:
         tl.store(h_ptr + row * stride_ht + cols, h, mask=ok)
         x = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
-        normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-        weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_ot + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=ok)
+        _store_scaled(x * rstd, weight_ptr, out_ptr + row * stride_ot, cols, ok, SCALE_F32)
 
     @triton.jit
     def _rope_rows(x_ptr, out_ptr, token, stride_t, stride_h, stride_ot, stride_oh, cos1, cos2, sin1, sin2,
@@ -136,7 +141,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
         out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens:
         block = next_power_of_2(hidden)
-        _rms_norm_kernel[(tokens,)](x, weight, out, x.stride(0), out.stride(0), eps, HIDDEN=hidden, BLOCK=block, num_warps=_warps(block))
+        _rms_norm_kernel[(tokens,)](x, weight, out, x.stride(0), out.stride(0), eps, HIDDEN=hidden, BLOCK=block,
+                                    SCALE_F32=weight.dtype == torch.float32, num_warps=_warps(block))
     return out
 
 
@@ -156,7 +162,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     if tokens:
         block = next_power_of_2(hidden)
         _add_rms_norm_kernel[(tokens,)](h, delta, weight, out, h.stride(0), delta.stride(0), out.stride(0), eps,
-                                        HIDDEN=hidden, BLOCK=block, num_warps=_warps(block))
+                                        HIDDEN=hidden, BLOCK=block, SCALE_F32=weight.dtype == torch.float32,
+                                        num_warps=_warps(block))
     return h, out
 
 

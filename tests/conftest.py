@@ -15,6 +15,7 @@ import pytest
 # by then; otherwise every interpreted kernel collected after it fails in tl.sum.
 import triton_interpreter  # noqa: F401
 import hf_fixtures  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -79,14 +80,14 @@ def hf_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf_reference():
-    """`hf_reference(model_dir, adapters)` -> HFReference with `.greedy(prompt, adapter, max_tokens)`
+    """`hf_reference(model_dir, adapters, dtype=float32)` -> HFReference with `.greedy(prompt, adapter, max_tokens)`
     returning (token ids, per-step [vocab] float32 logits); models and results are cached."""
     built: dict = {}
 
-    def get(model_dir, adapters: dict):
-        key = (str(model_dir), tuple(sorted((name, str(path)) for name, path in adapters.items())))
+    def get(model_dir, adapters: dict, dtype: torch.dtype = torch.float32):
+        key = (str(model_dir), tuple(sorted((name, str(path)) for name, path in adapters.items())), dtype)
         if key not in built:
-            built[key] = hf_fixtures.HFReference(model_dir, adapters)
+            built[key] = hf_fixtures.HFReference(model_dir, adapters, dtype)
         return built[key]
 
     return get

@@ -181,10 +181,10 @@ def build_checkpoint(directory: Path, arch: str, seed: int = 0) -> Checkpoint:
     return Checkpoint(arch=arch, model_dir=model_dir, vocab_size=vocab_size)
 
 
-def load_base(model_dir: Path):
+def load_base(model_dir: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
     return model.eval()
 
 
@@ -227,12 +227,13 @@ def build_checkpoint_with_adapters(directory: Path, arch: str, seed: int = 0) ->
 
 
 class HFReference:
-    """transformers + PEFT with every adapter loaded: greedy decoding of one request at a time."""
+    """transformers + PEFT with every adapter loaded: greedy decoding of one request at a time. dtype: the base
+    model's (bfloat16: as a user loads it in bfloat16; PEFT keeps the adapters in float32, its default)."""
 
-    def __init__(self, model_dir: Path, adapters: dict[str, Path]):
+    def __init__(self, model_dir: Path, adapters: dict[str, Path], dtype: torch.dtype = torch.float32):
         from peft import PeftModel
 
-        base = load_base(model_dir)
+        base = load_base(model_dir, dtype)
         names = list(adapters)
         if names:
             self.model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])

@@ -153,20 +153,75 @@ def test_matches_hf_peft_on_cuda(arch, hf_checkpoint, hf_reference):
     check_parity(f"{arch} cuda", checkpoint.model_dir, checkpoint.adapters, cases, reference, atol=2e-4, device="cuda")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_bfloat16_on_cuda_close_to_hf_peft(arch, hf_checkpoint, hf_reference):
-    """bfloat16 on cuda: each request's first logits (the prompt alone decides them) within 3e-2 relative
-    distance of HF + PEFT's in float32, as the engine's own bfloat16 test allows against its float32."""
+# bfloat16 against HF + PEFT in float32: each request's first logits (the prompt alone decides them) within
+# 3e-2 relative distance, as the engine's own bfloat16 test allows against its float32, or within 2.5x the
+# distance of transformers' own bfloat16 on that request (the Gemma fixtures' (1 + w) norms near 2 and soft caps
+# amplify bfloat16's rounding: transformers' own reaches 0.05-0.10 on some prompts); and the mean over the
+# requests within 1.25x transformers' mean (or 1.5e-2). Measured on the CPU references over three sets of
+# prompts: the mean 0.87-1.05x on every fixture, single requests up to 2.1x where transformers happens to land
+# close. Rounding Gemma's norms where transformers does not put gemma3's mean at 1.45x and a request at 4.9x.
+BF16_CASE_BOUND, BF16_CASE_FACTOR = 3e-2, 2.5
+BF16_MEAN_BOUND, BF16_MEAN_FACTOR = 1.5e-2, 1.25
+
+
+def relative_distance(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm())
+
+
+def check_bfloat16_close_to_hf(arch, hf_checkpoint, hf_reference, device: str) -> None:
     checkpoint = hf_checkpoint(arch)
     cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size)
     reference = hf_reference(checkpoint.model_dir, checkpoint.adapters)
-    results = run_lorad(checkpoint.model_dir, checkpoint.adapters, cases, device="cuda", dtype="bfloat16")
+    reference_bf16 = hf_reference(checkpoint.model_dir, checkpoint.adapters, torch.bfloat16)
+    results = run_lorad(checkpoint.model_dir, checkpoint.adapters, cases, device=device, dtype="bfloat16")
+    ours, theirs, lines, over = [], [], [], []
+
+    def check(label, distance, their_distance, bound):
+        over.append(distance > bound)
+        lines.append(f"{label}: {distance:.3e} (transformers' bfloat16 {their_distance:.3e}, bound {bound:.3e})"
+                     + (" OVER" if over[-1] else ""))
+
     for (prompt, adapter), result in zip(cases, results):
-        _, expected = reference.greedy(prompt, adapter, 1)
-        actual = result.logits[0].detach().to("cpu", torch.float32).reshape(-1)
-        distance = float((actual - expected[0]).norm() / expected[0].norm())
-        assert distance < 3e-2, f"{arch} adapter={adapter} prompt_len={len(prompt)}: relative distance {distance:.3e}"
+        expected = reference.greedy(prompt, adapter, 1)[1][0]
+        ours.append(relative_distance(result.logits[0].detach().to("cpu", torch.float32).reshape(-1), expected))
+        theirs.append(relative_distance(reference_bf16.greedy(prompt, adapter, 1)[1][0], expected))
+        check(f"adapter={adapter} prompt_len={len(prompt)}", ours[-1], theirs[-1],
+              max(BF16_CASE_BOUND, BF16_CASE_FACTOR * theirs[-1]))
+    mean, their_mean = sum(ours) / len(ours), sum(theirs) / len(theirs)
+    check("mean", mean, their_mean, max(BF16_MEAN_BOUND, BF16_MEAN_FACTOR * their_mean))
+    assert not any(over), (f"{arch} {device} bfloat16, relative distance of the first logits to HF + PEFT's "
+                           "float32:\n" + "\n".join(lines))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_bfloat16_on_cuda_close_to_hf_peft(arch, hf_checkpoint, hf_reference):
+    """The Triton ops in bfloat16: within the bounds above (BF16_*)."""
+    check_bfloat16_close_to_hf(arch, hf_checkpoint, hf_reference, "cuda")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_bfloat16_on_cpu_close_to_hf_peft(arch, hf_checkpoint, hf_reference):
+    """The torch references in bfloat16: within the same bounds as on cuda."""
+    check_bfloat16_close_to_hf(arch, hf_checkpoint, hf_reference, "cpu")
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "gemma3_multimodal"])
+def test_bfloat16_gemma_base_model_rounds_as_transformers(arch, hf_checkpoint, hf_reference):
+    """One-token prompts on the base model, where attention is the value row itself: lorad's bfloat16 references
+    round Gemma's embeddings, norms, GeGLU and residual adds as transformers' bfloat16 does, so the logits are
+    equal (Gemma 3), or 3e-3 apart where Gemma 2 soft-caps the logits (lorad in float32, transformers in
+    bfloat16). Rounding the norms' (1 + w) and normed rows to bfloat16 put them 1.2e-2 to 2.1e-2 apart."""
+    checkpoint = hf_checkpoint(arch)
+    reference_bf16 = hf_reference(checkpoint.model_dir, checkpoint.adapters, torch.bfloat16)
+    prompts = [[token] for token in (3, 17, 100, checkpoint.vocab_size - 1)]
+    results = run_lorad(checkpoint.model_dir, checkpoint.adapters, [(prompt, None) for prompt in prompts],
+                        dtype="bfloat16")
+    for prompt, result in zip(prompts, results):
+        expected = reference_bf16.greedy(prompt, None, 1)[1][0]
+        distance = relative_distance(result.logits[0].detach().float().reshape(-1), expected)
+        bound = 5e-3 if arch == "gemma2" else 1e-3
+        assert distance <= bound, f"{arch} prompt {prompt}: relative distance {distance:.3e} from transformers' bfloat16"
 
 
 def test_prefill_split_over_several_steps(hf_checkpoint, hf_reference):

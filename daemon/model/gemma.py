@@ -26,9 +26,12 @@ class GemmaLayer(Layer):
 
 class GemmaModel(LlamaModel):
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], max_positions: int, ops: TorchOps):
-        # Gemma's RMSNorm scales by (1 + w) where Llama's scales by w: 1 is added to every norm weight once here
-        # (in float32, then rounded to the model dtype), so the norm references and kernels serve both as they are.
-        weights = {name: (tensor.float() + 1).to(tensor.dtype) if name.endswith("norm.weight") else tensor
+        # Gemma's RMSNorm scales by (1 + w) where Llama's scales by w: 1 is added to every norm weight once here,
+        # so the norm references and kernels serve both. Kept in float32: Gemma scales the normed row in float32
+        # and rounds the product once (a float32 weight tells rms_norm_ref and the kernels so); (1 + w) rounded to
+        # bfloat16 and the normed row rounded before the scale put lorad's bfloat16 logits up to 4x further from
+        # float32 than transformers' own bfloat16 on the tiny test checkpoints.
+        weights = {name: tensor.float() + 1 if name.endswith("norm.weight") else tensor
                    for name, tensor in weights.items()}
         super().__init__(spec, weights, max_positions, ops)
         # HF multiplies the embeddings by sqrt(hidden) rounded to their dtype (bfloat16: sqrt(3584) = 59.87 -> 60.0).

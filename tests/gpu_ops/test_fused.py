@@ -38,18 +38,38 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got.double() - expected).norm() / expected.norm())
 
 
-def check_rms_norm(kernels, tokens, hidden, dtype, device, seed):
+def norm_weight(hidden, dtype, generator, gemma):
+    """Llama's norm weight, of the model's dtype; or Gemma's (1 + w), float32 (gemma.py), close to 1 and not
+    representable in bfloat16, so a kernel that rounds it or the normed row before the scale fails."""
+    if gemma:
+        return 1 + 0.01 * torch.randn(hidden, generator=generator)
+    return (1 + 0.1 * torch.randn(hidden, generator=generator)).to(dtype)
+
+
+def check_norm_roundings(got, reference, expected, dtype, gemma):
+    """Llama casts twice (the normed row, then the product). Gemma's float32 scale rounds once: the reference
+    and the kernel as close to the float64 truth as the truth rounded to dtype is (a second rounding is about
+    1.4x as far), the kernel only where it rounds to nearest (exact_rounding). In float32 both orders agree."""
+    assert relative_error(reference, expected) <= LIMIT[dtype] * 2 and relative_error(got, expected) <= LIMIT[dtype] * 2
+    if gemma and dtype != torch.float32:
+        once = relative_error(expected.to(dtype), expected)
+        assert relative_error(reference, expected) <= 1.15 * once
+        if exact_rounding(dtype):
+            assert relative_error(got, expected) <= 1.15 * once
+
+
+def check_rms_norm(kernels, tokens, hidden, dtype, device, seed, gemma=False):
     generator = torch.Generator().manual_seed(seed)
     wide = (torch.randn(tokens, hidden + 8, generator=generator) * 3).to(dtype).to(device)
     x = wide[:, 4 : 4 + hidden]  # strided rows
-    weight = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(dtype).to(device)
+    weight = norm_weight(hidden, dtype, generator, gemma).to(device)
     out = torch.full((tokens, hidden), float("nan"), dtype=dtype, device=device)
     got = kernels.rms_norm(x, weight, 1e-5, out=out)
     h = x.double()
     expected = weight.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
     reference = rms_norm_ref(x, weight, 1e-5)
-    assert got.dtype == dtype
-    assert relative_error(got, expected) <= LIMIT[dtype] * 2  # two roundings, as Llama casts
+    assert got.dtype == dtype and reference.dtype == dtype
+    check_norm_roundings(got, reference, expected, dtype, gemma)
     # The same roundings as the reference: at most a last-place difference on a few elements.
     assert relative_error(got, reference.double()) <= LIMIT[dtype] * (1 if exact_rounding(dtype) else 2)
 
@@ -120,12 +140,12 @@ def check_gelu_tanh_mul(kernels, tokens, width, dtype, device, seed):
         assert relative_error(got, expected) <= relative_error(kernels.gelu_tanh_mul_ref(gate, up), expected) + 1e-7
 
 
-def check_add_rms_norm(kernels, tokens, hidden, dtype, device, seed):
+def check_add_rms_norm(kernels, tokens, hidden, dtype, device, seed, gemma=False):
     generator = torch.Generator().manual_seed(seed)
     h0 = (torch.randn(tokens, hidden, generator=generator) * 3).to(dtype).to(device)
     wide = torch.randn(tokens, hidden + 8, generator=generator).to(dtype).to(device)
     delta = wide[:, 4 : 4 + hidden]  # strided rows, as a column slice of a fused output would be
-    weight = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(dtype).to(device)
+    weight = norm_weight(hidden, dtype, generator, gemma).to(device)
     h = h0.clone()
     got_h, got = kernels.add_rms_norm(h, delta, weight, 1e-5)
     assert got_h.data_ptr() == h.data_ptr(), "the residual is updated in place"
@@ -136,7 +156,7 @@ def check_add_rms_norm(kernels, tokens, hidden, dtype, device, seed):
         assert relative_error(got_h, ref_h.double()) <= LIMIT[dtype]
     summed = ref_h.double()
     expected = weight.double() * summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5)
-    assert relative_error(got, expected) <= LIMIT[dtype] * 2
+    check_norm_roundings(got, reference, expected, dtype, gemma)
     assert relative_error(got, reference.double()) <= LIMIT[dtype] * (1 if exact_rounding(dtype) else 2)
 
 
@@ -149,6 +169,14 @@ def check_add_rms_norm(kernels, tokens, hidden, dtype, device, seed):
 @pytest.mark.parametrize("tokens,hidden", [(5, 64), (1, 200)])
 def test_add_rms_norm_interpreted(tokens, hidden, dtype, kernels):
     check_add_rms_norm(kernels, tokens, hidden, dtype, "cpu", seed=hidden)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_norms_interpreted_gemma_float32_weight(dtype, kernels):
+    """Gemma's (1 + w) norm weight kept in float32: the normed row scaled in float32 and rounded once."""
+    check_rms_norm(kernels, 5, 64, dtype, "cpu", seed=11, gemma=True)
+    check_add_rms_norm(kernels, 5, 64, dtype, "cpu", seed=12, gemma=True)
 
 
 @needs_interpreter
@@ -211,6 +239,8 @@ def test_fused_gpu(tokens, dtype, kernels):
     check_rms_norm(kernels, tokens, 4096, dtype, "cuda", seed=tokens)
     check_rms_norm(kernels, tokens, 8192, dtype, "cuda", seed=tokens + 1)
     check_add_rms_norm(kernels, tokens, 4096, dtype, "cuda", seed=tokens)
+    check_rms_norm(kernels, tokens, 3584, dtype, "cuda", seed=tokens + 2, gemma=True)  # gemma-2-9b
+    check_add_rms_norm(kernels, tokens, 3584, dtype, "cuda", seed=tokens + 2, gemma=True)
     check_rope(kernels, tokens, 32, 32, 128, dtype, "cuda", seed=tokens, inplace=False)
     check_rope(kernels, tokens, 32, 8, 128, dtype, "cuda", seed=tokens, inplace=True)
     check_rope(kernels, tokens, 24, 8, 128, dtype, "cuda", seed=tokens, inplace=True, rotary=96)  # Phi-4-mini
