@@ -433,11 +433,20 @@ def step_time_delta(before: dict | None, after: dict | None) -> dict | None:
         if "padding_rows" in totals:  # CUDA-graph bucket rows past the steps' own (a daemon that counts them)
             delta["padding_rows"] = totals["padding_rows"] - earlier.get("padding_rows", 0)
             delta["padding_rows_per_step"] = delta["padding_rows"] / delta["steps"] if delta["steps"] else None
+        if "host_before_launch_s" in totals:  # where the time went (a daemon that splits it)
+            delta["host_before_launch_s"] = totals["host_before_launch_s"] - earlier.get("host_before_launch_s", 0)
+            device = totals.get("device_s")
+            delta["device_s"] = None if device is None else device - (earlier.get("device_s") or 0)
         by_kind[kind] = delta
     busy = sum(kind["busy_s"] for kind in by_kind.values())
     floor = sum(kind["floor_s"] for kind in by_kind.values())
-    return {"busy_s": busy, "floor_s": floor, "efficiency": floor / busy if busy > 0 else None,
-            "device_rates": after["device_rates"], "by_kind": by_kind}
+    summary = {"busy_s": busy, "floor_s": floor, "efficiency": floor / busy if busy > 0 else None,
+               "device_rates": after["device_rates"], "by_kind": by_kind}
+    if all("host_before_launch_s" in kind for kind in by_kind.values()):
+        summary["host_before_launch_s"] = sum(kind["host_before_launch_s"] for kind in by_kind.values())
+        devices = [kind["device_s"] for kind in by_kind.values() if kind["device_s"] is not None]
+        summary["device_s"] = sum(devices) if devices else None
+    return summary
 
 
 def _json_point(point) -> float | str:
@@ -456,7 +465,7 @@ def format_table(runs: list[dict], key: str) -> str:
     header = [key, "done", "failed", "req/s", "out tok/s", "total tok/s"]
     for metric in ("TTFT", "TPOT", "ITL", "E2E"):
         header += [f"{metric} mean", f"{metric} p50", f"{metric} p99"]
-    header += ["goodput req/s", "busy s", "floor s", "floor/busy"]
+    header += ["goodput req/s", "busy s", "device s", "floor s", "floor/busy"]
     rows = [header]
     for run in runs:
         point = run["request_rate"] if key == "request-rate" else run["max_concurrency"]
@@ -466,14 +475,19 @@ def format_table(runs: list[dict], key: str) -> str:
             row += [_ms(run[metric][stat]) for stat in ("mean", "median", "p99")]
         row.append(f"{run['goodput']['request_goodput']:.2f}" if "goodput" in run else "-")
         engine = run.get("engine")
-        row += ([f"{engine['busy_s']:.2f}", f"{engine['floor_s']:.2f}",
+        row += ([f"{engine['busy_s']:.2f}", _seconds(engine.get("device_s")), f"{engine['floor_s']:.2f}",
                  f"{engine['efficiency']:.2f}" if engine["efficiency"] is not None else "-"]
-                if engine else ["-", "-", "-"])
+                if engine else ["-", "-", "-", "-"])
         rows.append(row)
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
-    return "\n".join(lines + ["(times in ms; busy s: the engine's step time in the run, floor s: the same steps' "
-                              "least time on this device from bytes and FLOPs)"])
+    return "\n".join(lines + ["(times in ms; busy s: the engine's step time in the run, device s: the same steps' "
+                              "forwards on the device's clock (busy - device: the device waited for the host), floor s: "
+                              "their least time on this device from bytes and FLOPs)"])
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _ms(value: float) -> str:

@@ -223,7 +223,7 @@ class Engine:
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
         self.account = StepAccount(StepCostModel(
             local, dtype_bytes, self._adapter_ranks, weight_bytes=1 if self.quantization.method == "fp8" else dtype_bytes,
-            kv_bytes=self.kv.view.element_size()), rates)
+            kv_bytes=self.kv.view.element_size()), rates, device_clock=self.device.type == "cuda")
         self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
         self.overlapped_steps = 0
         self.forked_choices = 0  # choices that began from another's prefill (n > 1), its prompt's blocks shared
@@ -617,8 +617,9 @@ class Engine:
         for seq, _ in batch:  # sliding-window layers' pages before every window this step reads go back to the pool
             self.kv.trim(seq.blocks, seq.num_computed)
         plan = self.runner.plan(batch, assisted)
+        self.account.before_forward()
         logits = self.runner.forward(plan)
-        self.account.launched(plan, self.runner.graph_rows)
+        self.account.launched(plan, self.runner.graph_rows, time.perf_counter())
         sampled = plan.sampled
         # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
         self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)
@@ -833,8 +834,9 @@ class Engine:
         else:
             device_tokens = flight.tokens[to_device(torch.as_tensor(rows), flight.tokens.device)]
         plan = self.runner.plan([(seq, 1) for seq in seqs], device_tokens=device_tokens)
+        self.account.before_forward()
         logits = self.runner.forward(plan)
-        self.account.launched(plan, self.runner.graph_rows)
+        self.account.launched(plan, self.runner.graph_rows, time.perf_counter())
         following = self._launch_tokens(logits, seqs)
         for seq in seqs:
             seq.num_computed += 1

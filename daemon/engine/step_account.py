@@ -8,6 +8,11 @@ the step it prepares, and an overlapped decode step, launched before the one ahe
 the time after that one. Busy time summed over steps against their summed floor is the engine's efficiency:
 1.0 would be a GPU that never waits for the host and runs every step at its HBM bandwidth or its GEMM rate.
 
+Where the time went, per kind: `host_before_launch_s`, the host's work from where the previous step landed to
+this step's launch (planning, admission; the device had no step of the engine's to run), and on cuda
+`device_s`, the step's span on the device's clock (CUDA events before and after its forward: from its first
+kernel to its forward's last). busy - device is the time the device waited for the host.
+
 Kinds: `decode` (every sequence adds its next token), `prefill` (every sequence is in its prompt), `mixed`
 (prompt rows beside decode rows). A step replayed from a CUDA graph computes its bucket's rows; those past the
 step's own are its padding rows, counted apart (GEMM work on no token, which the floor does not include).
@@ -20,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from lorad.daemon.engine.stats import Histogram
 from lorad.daemon.engine.step_cost import DeviceRates, StepCost, StepCostModel
@@ -41,6 +47,8 @@ class KindTotals:
     prompt_tokens: int = 0
     bytes: int = 0
     flops: int = 0
+    host_before_launch_s: float = 0.0
+    device_s: float | None = None  # None: no device clock (the CPU)
 
     def as_dict(self) -> dict:
         return {
@@ -57,6 +65,8 @@ class KindTotals:
             "prompt_tokens": self.prompt_tokens,
             "bytes": self.bytes,
             "flops": self.flops,
+            "host_before_launch_s": round(self.host_before_launch_s, 6),
+            "device_s": None if self.device_s is None else round(self.device_s, 6),
         }
 
 
@@ -67,19 +77,32 @@ class LaunchedStep:
     padding_rows: int
     prompt_tokens: int
     cost: StepCost
+    launched_at: float | None  # host time of the launch; None: not given
+    span: tuple | None  # (start, end) CUDA events around its forward; None without a device clock
 
 
 class StepAccount:
     """Called from the step loop (begin, launched, landed, idle, drop_pending); read from any thread
     (snapshot, metrics)."""
 
-    def __init__(self, cost_model: StepCostModel, rates: DeviceRates):
-        self.cost_model, self.rates = cost_model, rates
+    def __init__(self, cost_model: StepCostModel, rates: DeviceRates, device_clock: bool = False, new_event=None):
+        """device_clock: time each step's forward on the device too (the engine on cuda); new_event: makes the
+        recorded events (default: timing CUDA events on the current stream)."""
+        self.cost_model, self.rates, self.device_clock = cost_model, rates, device_clock
+        self._new_event = new_event or (lambda: torch.cuda.Event(enable_timing=True))
         self._pending: deque[LaunchedStep] = deque()
         self._mark: float | None = None  # where the next step's time starts; None while idle
         self._lock = threading.Lock()
         self.totals = {kind: KindTotals() for kind in STEP_KINDS}
         self.step_seconds = {kind: Histogram(STEP_BUCKETS) for kind in STEP_KINDS}
+        self._start_event = None  # recorded by before_forward, taken by the launched step
+        self._spans: deque = deque()  # (kind, start, end) of landed steps whose end the device has not passed yet
+
+    def before_forward(self) -> None:
+        """On cuda: an event on the current stream where the next step's forward begins (its device span's start)."""
+        if self.device_clock:
+            self._start_event = self._new_event()
+            self._start_event.record()
 
     def begin(self, now: float) -> None:
         """The step loop takes up work: time counts from here unless a step is already being timed."""
@@ -91,9 +114,11 @@ class StepAccount:
         if not self._pending:
             self._mark = None
 
-    def launched(self, plan: StepPlan, graph_rows: int | None = None) -> None:
+    def launched(self, plan: StepPlan, graph_rows: int | None = None, now: float | None = None) -> None:
         """A step's forward was launched; its time is taken when it lands (FIFO: steps land in launch order).
-        graph_rows: the rows its forward computed (a CUDA graph's bucket); None: the step's own (eager)."""
+        graph_rows: the rows its forward computed (a CUDA graph's bucket); None: the step's own (eager).
+        now: the host's clock at the launch (for host_before_launch_s). After before_forward, its device span
+        ends here."""
         counts, starts = plan.counts, plan.starts
         prompt_lens = np.fromiter((seq.prompt_len for seq in plan.seqs), dtype=np.int64, count=len(plan.seqs))
         prompt_tokens = int(np.clip(np.minimum(starts + counts, prompt_lens) - starts, 0, None).sum())
@@ -108,13 +133,23 @@ class StepAccount:
         padding = 0 if graph_rows is None else graph_rows - rows
         if padding < 0:
             raise ValueError(f"graph_rows {graph_rows} < the step's {rows} rows")
-        self._pending.append(LaunchedStep(kind, rows, padding, prompt_tokens, cost))
+        span = None
+        if self._start_event is not None:
+            end = self._new_event()
+            end.record()
+            span, self._start_event = (self._start_event, end), None
+        self._pending.append(LaunchedStep(kind, rows, padding, prompt_tokens, cost, now, span))
 
     def landed(self, now: float) -> None:
         """The oldest launched step's tokens are on the host: its time and floor are counted."""
         step = self._pending.popleft()
-        seconds = now - (self._mark if self._mark is not None else now)
+        start = self._mark if self._mark is not None else now
+        seconds = now - start
         self._mark = now
+        # an overlapped step was launched before the one ahead of it landed: no host time of its own before it
+        host = 0.0 if step.launched_at is None else min(max(step.launched_at - start, 0.0), seconds)
+        if step.span is not None:
+            self._spans.append((step.kind, *step.span))
         memory_s = step.cost.bytes / self.rates.bandwidth_bytes_per_s
         compute_s = step.cost.flops / self.rates.flops_per_s
         with self._lock:
@@ -129,11 +164,18 @@ class StepAccount:
             totals.prompt_tokens += step.prompt_tokens
             totals.bytes += step.cost.bytes
             totals.flops += step.cost.flops
+            totals.host_before_launch_s += host
+            # Spans are read once their end has passed on the device (without waiting: a prompt chunk's step lands
+            # before its device work is done); one stream, so they pass in launch order.
+            while self._spans and self._spans[0][2].query():
+                kind, begun, ended = self._spans.popleft()
+                self.totals[kind].device_s = (self.totals[kind].device_s or 0.0) + begun.elapsed_time(ended) / 1e3
             self.step_seconds[step.kind].observe(seconds)
 
     def drop_pending(self) -> None:
         """A step failed: what it had launched is not timed."""
         self._pending.clear()
+        self._start_event = None
         self._mark = None
 
     def snapshot(self) -> dict:
@@ -142,12 +184,15 @@ class StepAccount:
             by_kind = {kind: totals.as_dict() for kind, totals in self.totals.items()}
         busy = sum(kind["busy_s"] for kind in by_kind.values())
         floor = sum(kind["floor_s"] for kind in by_kind.values())
+        device = [kind["device_s"] for kind in by_kind.values() if kind["device_s"] is not None]
         return {
             "device_rates": {"hbm_gb_s": round(self.rates.bandwidth_bytes_per_s / 1e9, 1),
                              "gemm_tflop_s": round(self.rates.flops_per_s / 1e12, 2)},
             "busy_s": round(busy, 6),
             "floor_s": round(floor, 6),
             "efficiency": round(floor / busy, 4) if busy else None,
+            "host_before_launch_s": round(sum(kind["host_before_launch_s"] for kind in by_kind.values()), 6),
+            "device_s": round(sum(device), 6) if device else None,
             "by_kind": by_kind,
         }
 

@@ -86,6 +86,7 @@ def test_a_sweep_reports_every_point_and_plots_it(capsys, daemon, tmp_path):
         assert sum(kind["rows"] for kind in engine["by_kind"].values()) == 8 * (12 + 6 - 1)
         assert sum(kind["padding_rows"] for kind in engine["by_kind"].values()) == 0  # eager on the cpu
         assert 0 < engine["floor_s"] and 0 < engine["busy_s"] and engine["efficiency"] == engine["floor_s"] / engine["busy_s"]
+        assert 0 < engine["host_before_launch_s"] < engine["busy_s"] and engine["device_s"] is None  # no device clock on the cpu
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "max-concurrency" in stdout and "wrote" in stdout
 

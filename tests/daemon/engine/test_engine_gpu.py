@@ -81,6 +81,11 @@ def test_cuda_graphs_equal_eager(demo_assets, dtype):
     assert all(kind["padding_rows"] == 0 for kind in eager_status["step_time"]["by_kind"].values())
     prefill = graphed_status["step_time"]["by_kind"]["prefill"]
     assert prefill["steps"] == 1 and prefill["padding_rows"] == bucket_rows(prefill["rows"], TOKEN_BUCKETS) - prefill["rows"]
+    for status in (eager_status, graphed_status):  # every step's span on the device clock: one stream, so the
+        times = status["step_time"]  # spans follow each other, all within the engine's busy time
+        for kind in times["by_kind"].values():
+            assert (kind["device_s"] is None) == (kind["steps"] == 0) and (kind["device_s"] or 1) > 0
+        assert 0 < times["device_s"] <= times["busy_s"]
     for a, b in zip(eager, graphed):
         if dtype == "float32":
             assert a.token_ids == b.token_ids

@@ -96,6 +96,65 @@ def test_wall_time_is_charged_from_the_previous_landing_and_idle_time_to_no_step
     assert sum(histogram["counts"]) == 4 and histogram["sum"] == pytest.approx(1.45)
 
 
+def test_host_time_before_each_launch_is_told_apart(account):
+    """From the previous landing (or the start of work) to the launch is the host's; an overlapped step, launched
+    before the one ahead of it landed, has none. No device clock on the cpu: device_s is None."""
+    decode = plan([(Seq(prompt_len=1), 5, 1, True)])
+    account.begin(10.0)
+    account.launched(decode, now=10.1)  # 0.1 s of planning before it
+    account.landed(10.5)
+    account.launched(decode, now=10.7)  # 0.2 s after the landing
+    account.launched(decode, now=10.8)  # overlapped: launched before the one ahead of it landed
+    account.landed(11.0)
+    account.landed(11.3)
+    account.launched(decode)  # no launch time given: none counted
+    account.landed(11.4)
+    totals = account.snapshot()
+    assert totals["by_kind"]["decode"]["host_before_launch_s"] == pytest.approx(0.3)
+    assert totals["host_before_launch_s"] == pytest.approx(0.3) and totals["busy_s"] == pytest.approx(1.4)
+    assert totals["device_s"] is None and totals["by_kind"]["decode"]["device_s"] is None
+
+
+class FakeEvent:
+    """A CUDA event on a fake device clock: `clock` is where the device is, `at` where the event was recorded."""
+    clock = 0.0
+    next_at = 0.0
+
+    def __init__(self):
+        self.at = None
+
+    def record(self):
+        self.at = FakeEvent.next_at
+        FakeEvent.next_at += 0.25  # each event recorded 250 ms of device time after the one before
+
+    def query(self):
+        return self.at <= FakeEvent.clock
+
+    def elapsed_time(self, end):
+        assert self.query() and end.query(), "read before the device passed it"
+        return (end.at - self.at) * 1e3
+
+
+def test_device_spans_are_read_once_the_device_has_passed_them(demo_assets):
+    spec = load_spec(demo_assets.model_dir)
+    account = StepAccount(StepCostModel(spec, 4, adapter_ranks=lambda name: {}), DeviceRates(1e9, 1e9),
+                          device_clock=True, new_event=FakeEvent)
+    FakeEvent.clock, FakeEvent.next_at = 0.0, 0.0
+    prompt, talker = Seq(prompt_len=10), Seq(prompt_len=4)
+    account.begin(0.0)
+    account.before_forward()
+    account.launched(plan([(prompt, 0, 6, False)]), now=0.0)  # a prompt chunk: events at 0.0 and 0.25
+    account.landed(0.01)  # not waited for: the device is still at 0.0
+    assert account.snapshot()["by_kind"]["prefill"]["device_s"] is None
+    account.before_forward()
+    account.launched(plan([(prompt, 6, 4, True), (talker, 7, 1, True)]), now=0.02)  # events at 0.5 and 0.75
+    FakeEvent.clock = 0.75
+    account.landed(0.8)
+    kinds = account.snapshot()["by_kind"]
+    assert kinds["prefill"]["device_s"] == pytest.approx(0.25) and kinds["mixed"]["device_s"] == pytest.approx(0.25)
+    assert kinds["decode"]["device_s"] is None and account.snapshot()["device_s"] == pytest.approx(0.5)
+
+
 def test_a_failed_step_leaves_nothing_pending(account):
     account.begin(0.0)
     account.launched(plan([(Seq(prompt_len=1), 5, 1, True)]))
@@ -124,6 +183,7 @@ def test_the_engine_accounts_every_step_it_runs(demo_assets):
     assert prefill.adapter_bytes == 4 * 10240  # demo-r8: its q, k, v A and B rows, float32 (test_step_cost.py)
     assert status["busy_s"] > 0 and status["floor_s"] > 0 and 0 < status["efficiency"]
     assert status["device_rates"]["hbm_gb_s"] > 0 and status["device_rates"]["gemm_tflop_s"] > 0
+    assert 0 < status["host_before_launch_s"] < status["busy_s"] and status["device_s"] is None
 
 
 class EagerAsGraphs:
