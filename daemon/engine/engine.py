@@ -599,6 +599,7 @@ class Engine:
                 # streaming in meanwhile (their copies hold the host until it is done, at most a layer more).
                 self._prefetch(self._in_flight.done)
             self._finish_step_in_flight()
+        scheduling = time.perf_counter()
         try:
             batch = self.scheduler.schedule()
         except LoradError as error:  # an adapter that broke between submit and admission
@@ -617,9 +618,10 @@ class Engine:
         for seq, _ in batch:  # sliding-window layers' pages before every window this step reads go back to the pool
             self.kv.trim(seq.blocks, seq.num_computed)
         plan = self.runner.plan(batch, assisted)
+        planned = time.perf_counter()
         self.account.before_forward()
         logits = self.runner.forward(plan)
-        self.account.launched(plan, self.runner.graph_rows, time.perf_counter())
+        self.account.launched(plan, self.runner.graph_rows, time.perf_counter(), phases=(scheduling, started, planned))
         sampled = plan.sampled
         # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
         self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)
