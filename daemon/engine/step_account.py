@@ -214,10 +214,11 @@ class StepAccount:
         }
 
     def metrics(self) -> dict:
-        """For /metrics: per kind, the step-time histogram and the summed busy time, floor, rows, padding rows and
-        prompt tokens."""
+        """For /metrics: per kind, the step-time histogram and the summed busy time, floor, rows, padding rows,
+        prompt tokens, the host's time before the launches by phase and the device's time (None: no device clock)."""
         with self._lock:
             return {kind: {"seconds": self.step_seconds[kind].snapshot(), "busy_s": totals.busy_s,
                            "floor_s": totals.floor_s, "rows": totals.rows, "padding_rows": totals.padding_rows,
-                           "prompt_tokens": totals.prompt_tokens, "steps": totals.steps}
+                           "prompt_tokens": totals.prompt_tokens, "steps": totals.steps,
+                           "host_phases_s": dict(totals.host_phases_s), "device_s": totals.device_s}
                     for kind, totals in self.totals.items()}
