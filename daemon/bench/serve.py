@@ -435,9 +435,10 @@ def step_time_delta(before: dict | None, after: dict | None) -> dict | None:
             delta["padding_rows_per_step"] = delta["padding_rows"] / delta["steps"] if delta["steps"] else None
         if "host_before_launch_s" in totals:  # where the time went (a daemon that splits it)
             delta["host_before_launch_s"] = totals["host_before_launch_s"] - earlier.get("host_before_launch_s", 0)
-            phases, earlier_phases = totals.get("host_before_launch_by_phase_s", {}), earlier.get("host_before_launch_by_phase_s", {})
-            delta["host_before_launch_by_phase_s"] = {phase: seconds - earlier_phases.get(phase, 0)
-                                                      for phase, seconds in phases.items()}
+            parts = totals.get("host_before_launch_by_part_s", {})
+            earlier_parts = earlier.get("host_before_launch_by_part_s", {})
+            delta["host_before_launch_by_part_s"] = {part: seconds - earlier_parts.get(part, 0)
+                                                     for part, seconds in parts.items()}
             device = totals.get("device_s")
             delta["device_s"] = None if device is None else device - (earlier.get("device_s") or 0)
         by_kind[kind] = delta

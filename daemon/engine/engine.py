@@ -621,7 +621,7 @@ class Engine:
         planned = time.perf_counter()
         self.account.before_forward()
         logits = self.runner.forward(plan)
-        self.account.launched(plan, self.runner.graph_rows, time.perf_counter(), phases=(scheduling, started, planned))
+        self.account.launched(plan, self.runner.graph_rows, time.perf_counter(), parts=(scheduling, started, planned))
         sampled = plan.sampled
         # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
         self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)

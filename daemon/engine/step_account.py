@@ -9,8 +9,8 @@ the time after that one. Busy time summed over steps against their summed floor 
 1.0 would be a GPU that never waits for the host and runs every step at its HBM bandwidth or its GEMM rate.
 
 Where the time went, per kind: `host_before_launch_s`, the host's work from where the previous step landed to
-this step's launch (the device had no step of the engine's to run), split by phase where the step loop gives
-them (HOST_PHASES: the landed tokens handed back, the scheduler's admission, the step's plan, the forward's
+this step's launch (the device had no step of the engine's to run), split by part where the step loop gives
+them (HOST_PARTS: the landed tokens handed back, the scheduler's admission, the step's plan, the forward's
 launch), and on cuda
 `device_s`, the step's span on the device's clock (CUDA events before and after its forward: from its first
 kernel to its forward's last). busy - device is the time the device waited for the host.
@@ -34,7 +34,7 @@ from lorad.daemon.engine.step_cost import DeviceRates, StepCost, StepCostModel
 from lorad.daemon.engine.step_plan import StepPlan
 
 STEP_KINDS = ("decode", "prefill", "mixed")
-HOST_PHASES = ("tokens", "schedule", "plan", "launch")
+HOST_PARTS = ("tokens", "schedule", "plan", "launch")
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -51,7 +51,7 @@ class KindTotals:
     bytes: int = 0
     flops: int = 0
     host_before_launch_s: float = 0.0
-    host_phases_s: dict = field(default_factory=lambda: dict.fromkeys(HOST_PHASES, 0.0))
+    host_parts_s: dict = field(default_factory=lambda: dict.fromkeys(HOST_PARTS, 0.0))
     device_s: float | None = None  # None: no device clock (the CPU)
 
     def as_dict(self) -> dict:
@@ -70,7 +70,7 @@ class KindTotals:
             "bytes": self.bytes,
             "flops": self.flops,
             "host_before_launch_s": round(self.host_before_launch_s, 6),
-            "host_before_launch_by_phase_s": {phase: round(seconds, 6) for phase, seconds in self.host_phases_s.items()},
+            "host_before_launch_by_part_s": {part: round(seconds, 6) for part, seconds in self.host_parts_s.items()},
             "device_s": None if self.device_s is None else round(self.device_s, 6),
         }
 
@@ -83,7 +83,7 @@ class LaunchedStep:
     prompt_tokens: int
     cost: StepCost
     launched_at: float | None  # host time of the launch; None: not given
-    phases: tuple | None  # host times where the scheduling, the plan and the forward's launch began
+    parts: tuple | None  # host times where the scheduling, the plan and the forward's launch began
     span: tuple | None  # (start, end) CUDA events around its forward; None without a device clock
 
 
@@ -121,11 +121,11 @@ class StepAccount:
             self._mark = None
 
     def launched(self, plan: StepPlan, graph_rows: int | None = None, now: float | None = None,
-                 phases: tuple[float, float, float] | None = None) -> None:
+                 parts: tuple[float, float, float] | None = None) -> None:
         """A step's forward was launched; its time is taken when it lands (FIFO: steps land in launch order).
         graph_rows: the rows its forward computed (a CUDA graph's bucket); None: the step's own (eager).
-        now: the host's clock at the launch (for host_before_launch_s); phases: where the scheduling, the plan
-        and the forward's launch began on it (HOST_PHASES after `tokens`). After before_forward, its device span
+        now: the host's clock at the launch (for host_before_launch_s); parts: where the scheduling, the plan
+        and the forward's launch began on it (HOST_PARTS after `tokens`). After before_forward, its device span
         ends here."""
         counts, starts = plan.counts, plan.starts
         prompt_lens = np.fromiter((seq.prompt_len for seq in plan.seqs), dtype=np.int64, count=len(plan.seqs))
@@ -146,7 +146,7 @@ class StepAccount:
             end = self._new_event()
             end.record()
             span, self._start_event = (self._start_event, end), None
-        self._pending.append(LaunchedStep(kind, rows, padding, prompt_tokens, cost, now, phases, span))
+        self._pending.append(LaunchedStep(kind, rows, padding, prompt_tokens, cost, now, parts, span))
 
     def landed(self, now: float) -> None:
         """The oldest launched step's tokens are on the host: its time and floor are counted."""
@@ -157,8 +157,8 @@ class StepAccount:
         # an overlapped step was launched before the one ahead of it landed: no host time of its own before it
         host = 0.0 if step.launched_at is None else min(max(step.launched_at - start, 0.0), seconds)
         split = None
-        if host > 0 and step.phases is not None:  # each phase's share of the host's time, from `start` on
-            bounds = [start, *(min(max(at, start), step.launched_at) for at in step.phases), step.launched_at]
+        if host > 0 and step.parts is not None:  # each part's share of the host's time, from `start` on
+            bounds = [start, *(min(max(at, start), step.launched_at) for at in step.parts), step.launched_at]
             split = [later - earlier for earlier, later in zip(bounds, bounds[1:])]
         if step.span is not None:
             self._spans.append((step.kind, *step.span))
@@ -177,8 +177,8 @@ class StepAccount:
             totals.bytes += step.cost.bytes
             totals.flops += step.cost.flops
             totals.host_before_launch_s += host
-            for phase, seconds_in in zip(HOST_PHASES, split or ()):
-                totals.host_phases_s[phase] += seconds_in
+            for part, seconds_in in zip(HOST_PARTS, split or ()):
+                totals.host_parts_s[part] += seconds_in
             # Spans are read once their end has passed on the device (without waiting: a prompt chunk's step lands
             # before its device work is done); one stream, so they pass in launch order.
             while self._spans and self._spans[0][2].query():
@@ -206,19 +206,19 @@ class StepAccount:
             "floor_s": round(floor, 6),
             "efficiency": round(floor / busy, 4) if busy else None,
             "host_before_launch_s": round(sum(kind["host_before_launch_s"] for kind in by_kind.values()), 6),
-            "host_before_launch_by_phase_s": {
-                phase: round(sum(kind["host_before_launch_by_phase_s"][phase] for kind in by_kind.values()), 6)
-                for phase in HOST_PHASES},
+            "host_before_launch_by_part_s": {
+                part: round(sum(kind["host_before_launch_by_part_s"][part] for kind in by_kind.values()), 6)
+                for part in HOST_PARTS},
             "device_s": round(sum(device), 6) if device else None,
             "by_kind": by_kind,
         }
 
     def metrics(self) -> dict:
         """For /metrics: per kind, the step-time histogram and the summed busy time, floor, rows, padding rows,
-        prompt tokens, the host's time before the launches by phase and the device's time (None: no device clock)."""
+        prompt tokens, the host's time before the launches by part and the device's time (None: no device clock)."""
         with self._lock:
             return {kind: {"seconds": self.step_seconds[kind].snapshot(), "busy_s": totals.busy_s,
                            "floor_s": totals.floor_s, "rows": totals.rows, "padding_rows": totals.padding_rows,
                            "prompt_tokens": totals.prompt_tokens, "steps": totals.steps,
-                           "host_phases_s": dict(totals.host_phases_s), "device_s": totals.device_s}
+                           "host_parts_s": dict(totals.host_parts_s), "device_s": totals.device_s}
                     for kind, totals in self.totals.items()}

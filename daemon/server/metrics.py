@@ -128,10 +128,10 @@ def render(snapshot: dict) -> str:
             out.sample(name, {"kind": kind}, account[key])
     out.family("lorad_step_host_before_launch_seconds_total", "counter",
                "The host's work from the previous step's landing to a step's launch (the device had no step to run), "
-               "by kind and phase: tokens (handed back), schedule (admission), plan, launch.")
+               "by kind and part: tokens (handed back), schedule (admission), plan, launch.")
     for kind, account in steps.items():
-        for phase, seconds in account.get("host_phases_s", {}).items():
-            out.sample("lorad_step_host_before_launch_seconds_total", {"kind": kind, "phase": phase}, seconds)
+        for part, seconds in account.get("host_parts_s", {}).items():
+            out.sample("lorad_step_host_before_launch_seconds_total", {"kind": kind, "part": part}, seconds)
     if any(account.get("device_s") is not None for account in steps.values()):  # a device clock (cuda)
         out.family("lorad_step_device_seconds_total", "counter",
                    "Engine steps' forwards on the device's clock, by kind: busy minus device is the device waiting "

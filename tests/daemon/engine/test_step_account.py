@@ -101,7 +101,7 @@ def test_host_time_before_each_launch_is_told_apart(account):
     before the one ahead of it landed, has none. No device clock on the cpu: device_s is None."""
     decode = plan([(Seq(prompt_len=1), 5, 1, True)])
     account.begin(10.0)
-    account.launched(decode, now=10.1, phases=(10.01, 10.04, 10.08))  # 0.1 s before it: tokens, schedule, plan, launch
+    account.launched(decode, now=10.1, parts=(10.01, 10.04, 10.08))  # 0.1 s before it: tokens, schedule, plan, launch
     account.landed(10.5)
     account.launched(decode, now=10.7)  # 0.2 s after the landing
     account.launched(decode, now=10.8)  # overlapped: launched before the one ahead of it landed
@@ -113,9 +113,9 @@ def test_host_time_before_each_launch_is_told_apart(account):
     assert totals["by_kind"]["decode"]["host_before_launch_s"] == pytest.approx(0.3)
     assert totals["host_before_launch_s"] == pytest.approx(0.3) and totals["busy_s"] == pytest.approx(1.4)
     assert totals["device_s"] is None and totals["by_kind"]["decode"]["device_s"] is None
-    phases = totals["host_before_launch_by_phase_s"]
-    assert phases == pytest.approx({"tokens": 0.01, "schedule": 0.03, "plan": 0.04, "launch": 0.02})
-    assert totals["by_kind"]["decode"]["host_before_launch_by_phase_s"] == phases
+    parts = totals["host_before_launch_by_part_s"]
+    assert parts == pytest.approx({"tokens": 0.01, "schedule": 0.03, "plan": 0.04, "launch": 0.02})
+    assert totals["by_kind"]["decode"]["host_before_launch_by_part_s"] == parts
 
 
 class FakeEvent:
@@ -188,9 +188,9 @@ def test_the_engine_accounts_every_step_it_runs(demo_assets):
     rates = engine.account.rates  # (status rounds them: a busy cpu's GEMM rate can show as 0.00 TFLOP/s)
     assert rates.bandwidth_bytes_per_s > 0 and rates.flops_per_s > 0 and status["device_rates"]["hbm_gb_s"] >= 0
     assert 0 < status["host_before_launch_s"] < status["busy_s"] and status["device_s"] is None
-    # the step loop gives each step's phases: they split the host's time before the launches
-    assert sum(status["host_before_launch_by_phase_s"].values()) == pytest.approx(status["host_before_launch_s"], abs=1e-5)
-    assert status["host_before_launch_by_phase_s"]["launch"] > 0  # the cpu's forward is its launch
+    # the step loop gives each step's parts: they split the host's time before the launches
+    assert sum(status["host_before_launch_by_part_s"].values()) == pytest.approx(status["host_before_launch_s"], abs=1e-5)
+    assert status["host_before_launch_by_part_s"]["launch"] > 0  # the cpu's forward is its launch
 
 
 class EagerAsGraphs:

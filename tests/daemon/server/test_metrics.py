@@ -216,7 +216,7 @@ def test_metrics_move_as_requests_run(demo):
     assert value(after, "lorad_step_rows_total", kind="decode") == 8
     assert value(after, "lorad_step_padding_rows_total", kind="decode") == 0  # eager on the cpu: no graph bucket
     assert 0 < value(after, "lorad_step_floor_seconds_total", kind="decode")
-    assert 0 < value(after, "lorad_step_host_before_launch_seconds_total", kind="prefill", phase="launch")
+    assert 0 < value(after, "lorad_step_host_before_launch_seconds_total", kind="prefill", part="launch")
     assert "lorad_step_device_seconds_total" not in after  # no device clock on the cpu
     assert 0 < value(after, "lorad_step_busy_seconds_total", kind="decode") == pytest.approx(
         value(after, "lorad_step_seconds_sum", kind="decode"))
