@@ -210,8 +210,8 @@ if triton is not None:
         SPLITS: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
         SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
     ):
-        index = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        kv_head = tl.program_id(0)  # head-major: the programs that run together read the same sequences' pages
+        index = tl.program_id(1)
         split = tl.program_id(2)
         seq = tl.load(seqs_ptr + index)
         row = tl.load(query_start_ptr + seq)
@@ -475,7 +475,7 @@ def decode_attention(
 
     q: [T, heads, head_dim]; kv_view: [pages, tokens_per_page, kv_heads, head_dim]; k_table, v_table:
     int32 [S, max_blocks] (block_table[layer, 0|1], unit stride on blocks); out: [T, heads * head_dim].
-    Grid (num_seqs, kv_heads, splits): each program reads its kv head's K and V rows once for the
+    Grid (kv_heads, num_seqs, splits): each program reads its kv head's K and V rows once for the
     `heads / kv_heads` queries sharing them. splits > 1: flash-decoding partials (float32) and a
     combine launch; workspace: optional (out [>= num_seqs*heads*splits*head_pad], lse [>= num_seqs*heads*splits]).
     mma: scores and P @ V on tensor cores (tl.dot on the group padded to 16 rows, the default); False: dot
@@ -506,7 +506,7 @@ def decode_attention(
     else:
         part_out = part_lse = out  # unused
     kv_fp8 = _kv_fp8(kv_view, kv_scale)
-    _decode_kernel[(num_seqs, kv_heads, splits)](
+    _decode_kernel[(kv_heads, num_seqs, splits)](
         q, kv_view, k_table, v_table, seqs, query_start, kv_len, out, part_out, part_lse, kv_scale if kv_fp8 else q,
         q.stride(0), q.stride(1), out.stride(0), k_table.stride(0), **_score_args(scale, window, softcap),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_PAD=head_pad, KV_HEADS=kv_heads,
