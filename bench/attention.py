@@ -2,7 +2,8 @@
 kernels (gpu_ops/fused.py) against the pure-torch references.
 
 Decode: the Llama-7B shape (32 heads x 128, MHA, 1 token per page), bf16, batch 1/16/64/256 at
-context 512/2048, plus the Llama-3-8B shape (8 kv heads, 4 tokens per page) and Gemma 2 9B's (16 heads, 8 kv
+context 512/2048, and at the unequal contexts of a replayed Azure conversation trace against their mean
+(`--data-dir`); the Llama-3-8B shape (8 kv heads, 4 tokens per page) and Gemma 2 9B's (16 heads, 8 kv
 heads of 256, 1 token per page, capped scores) on a local layer (window 4096) and a global one. Each time is set against
 the bytes floor: the K and V bytes the call must read over the device-to-device copy bandwidth measured
 in the same run. Prefill: the Triton kernel vs the reference (gather + SDPA per sequence) and vs SDPA
@@ -111,6 +112,42 @@ class PagedCache:
         expected = paged_attention_ref(self.q[0].double(), self.kv_view.double(), 0, self.batch, self.scale, self.window,
                                        self.softcap)
         return float((got - expected).norm() / expected.norm())
+
+
+def trace_contexts(data_dir: str, batch: int, rng: np.random.Generator, max_len: int = 4096) -> list[int]:
+    """The contexts of `batch` running sequences as a server replaying the Azure conversation trace holds them:
+    requests drawn from its first 2000 rows, each part way through its output (prompt + a uniform share of it),
+    prompts fitted to a `max_len` context as `lorad bench serve` fits them."""
+    from lorad.scheduler.workload import read_azure_csv
+
+    rows = read_azure_csv(os.path.join(data_dir, "azure_llm_inference_2023_conv.csv"))
+    picks = rng.choice(min(2000, len(rows.prompt_tokens)), batch, replace=False)
+    contexts = []
+    for index in picks:
+        prompt = min(int(rows.prompt_tokens[index]), max_len - 256)
+        output = min(int(rows.output_tokens[index]), max_len - prompt)
+        contexts.append(prompt + int(rng.integers(0, max(output, 1))))
+    return contexts
+
+
+def decode_trace_bench(args, device, timer: Timer, bandwidth: float, batches) -> list:
+    """The 7B shape's decode attention over the contexts a trace replay holds (long and short together) against
+    the same batch at their mean context: what unequal lengths cost the kernel, which runs one sequence's heads
+    in a program each."""
+    results = []
+    for batch in batches:
+        contexts = trace_contexts(args.data_dir, batch, np.random.default_rng(batch))
+        mean = int(np.mean(contexts))
+        for label, shape in (("trace", contexts), ("mean", [mean] * batch)):
+            cache = PagedCache(32, 32, 128, 1, [(context, 1) for context in shape], 2, args.dtype, device, seed=batch)
+            floor_us = cache.kv_bytes() / (bandwidth * 1e9) * 1e6
+            kernel = timer.graph(cache.kernel_calls())
+            row = {"shape": "llama7b", "contexts": label, "batch": batch, "max_context": max(shape), "mean_context": mean,
+                   "kv_bytes": cache.kv_bytes(), "floor_us": round(floor_us, 2), "kernel_us": round(kernel, 2),
+                   "floor_percent": round(100 * floor_us / kernel, 1)}
+            print(row, flush=True)
+            results.append(row)
+    return results
 
 
 def layers_for(bytes_per_layer: int, cap: int = 64) -> int:
@@ -258,6 +295,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--no-reference", dest="reference", action="store_false")
     parser.add_argument("--budget-s", type=float, default=240.0, help="sections past this many seconds are skipped")
+    parser.add_argument("--data-dir", default="../shared/data", help="where the Azure trace CSVs are (decode_7b_azure_conv)")
     parser.add_argument("--only", default=None, help="comma-separated section names (e.g. decode_gemma2_9b_local,decode_gemma2_9b_global)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -304,6 +342,7 @@ def main() -> None:
             ("fused", lambda: fused_bench(args, device, timer, bandwidth, [64, 2048])),
             ("write_kv", lambda: write_kv_bench(args, device, timer, 256)),
             ("decode_llama3_8b", lambda: decode_bench(args, device, timer, bandwidth, "llama3_8b", 32, 8, 128, 4, [1, 64, 256], [2048])),
+            ("decode_7b_azure_conv", lambda: decode_trace_bench(args, device, timer, bandwidth, [32, 52, 64])),
             # Gemma 2 9B: a local layer at twice its window reads half the context, at the same share of the floor
             ("decode_gemma2_9b_local", lambda: decode_bench(args, device, timer, bandwidth, "gemma2_9b", 16, 8, 256, 1, [1, 64],
                                                             [8192], window=4096, softcap=50.0)),
