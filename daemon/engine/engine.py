@@ -27,6 +27,7 @@ from lorad.daemon.model.checkpoint import (FUSED_MODULES, MODEL_CONFIGS, PROJECT
 from lorad.daemon.model import quantization
 from lorad.daemon.engine.cold_start import ColdStarts, resolve_cold_start, streaming_availability
 from lorad.daemon.engine.runner import ModelRunner
+from lorad.daemon.engine.kernel_window import KernelWindow
 from lorad.daemon.engine.step_account import StepAccount
 from lorad.daemon.engine.step_cost import StepCostModel, measure_device_rates
 from lorad.daemon.engine.step_plan import StepPlan
@@ -224,6 +225,10 @@ class Engine:
         self.account = StepAccount(StepCostModel(
             local, dtype_bytes, self._adapter_ranks, weight_bytes=1 if self.quantization.method == "fp8" else dtype_bytes,
             kv_bytes=self.kv.view.element_size()), rates, device_clock=self.device.type == "cuda")
+        try:  # a diagnostic: the kernels of a window of served steps (kernel_window.py)
+            self.kernel_window = KernelWindow.from_env() if self.device.type == "cuda" else None
+        except ValueError as error:
+            raise BadRequest(str(error)) from None
         self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
         self.overlapped_steps = 0
         self.forked_choices = 0  # choices that began from another's prefill (n > 1), its prompt's blocks shared
@@ -576,6 +581,8 @@ class Engine:
                 if self._stopping:
                     break
             try:
+                if self.kernel_window is not None:
+                    self.kernel_window.step(self.steps, self.account)
                 self.step()
             except Exception:  # a bug must not kill the daemon: fail the step's requests, go on
                 log.exception("step failed; failing its requests")
