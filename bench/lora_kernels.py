@@ -43,6 +43,9 @@ from lorad.gpu_ops.page_pool import AdapterTable, PagePool  # noqa: E402
 Q = 0
 
 
+ENGINE_MAX_RANK = 256  # EngineConfig.max_lora_rank's default
+
+
 def build_table(page: int, in_dim: int, out_dim: int, ranks: list[int], layers: int, dtype, device, seed: int):
     """A pool holding len(ranks) adapters of rank ranks[slot] on projection 0 (in_dim -> out_dim) of
     every layer."""
@@ -122,6 +125,10 @@ def decode_methods(case: DecodeCase, baseline) -> dict:
     if mbgmv.pdl_unavailable(case.xs[0].device) is None:  # the expand launched early, as the engine does on Hopper
         methods["mbgmv_pdl"] = lambda x, y, layer: mbgmv.lora_decode(x, y, layer, Q, batch, table, max_rank=max_rank,
                                                                       workspace=workspace, pdl=True)
+        if max_rank < ENGINE_MAX_RANK:  # the same rows launched at the engine's default maximum rank, as a graph captured for it
+            wide = torch.empty(bgmv.workspace_numel(len(case.ranks), ENGINE_MAX_RANK), device=workspace.device)
+            methods[f"mbgmv_pdl_launched_at_{ENGINE_MAX_RANK}"] = lambda x, y, layer: mbgmv.lora_decode(
+                x, y, layer, Q, batch, table, max_rank=ENGINE_MAX_RANK, workspace=wide, pdl=True)
     if baseline is not None:
         methods["mbgmv_before"] = lambda x, y, layer: baseline.lora_decode(x, y, layer, Q, batch, table, max_rank=max_rank, workspace=workspace)
     methods["bgmv"] = lambda x, y, layer: bgmv.bgmv(x, y, layer, Q, batch.row_slot, table, max_rank, workspace)

@@ -8,8 +8,11 @@ page and use no adapter.
 
 Graphs are keyed by the step's decode LoRA kernel too (daemon/engine/kernel_choice.py): MBGMV graphs are
 captured for the configured maximum rank (each row's own rank decides its work, so one graph serves
-any mix of adapters) and, where the maximum is above 16, for batches whose ranks are all <= 16 (their
-expand kernel takes 16-row rank tiles instead of tiles of the maximum, mostly masked); BGMV pads every row to the rank it is launched with, so its graphs are captured
+any mix of adapters) and, below it, for batches whose ranks are all <= 16 and all <= 64 (RANK_TIERS): a launch
+at a lower maximum takes the tiles tuned for it (mbgmv.decode_config: the expand launched early with narrow
+rank tiles) and a quarter of the shrink programs or fewer. At the default maximum of 256 a batch of ranks 8-64
+took ~7 ms of MBGMV a decode step of 64 rows in the Azure-conversation run (BENCHMARKS.md, figure 21.1's
+kernels). BGMV pads every row to the rank it is launched with, so its graphs are captured
 per rank bucket (16, 32, 64, ...: one compiled BGMV kernel each), and only for the buckets and batch
 sizes where the profile's models say BGMV can ever be the cheaper kernel. Capturing them up front,
 not on first use, keeps Triton compilation and capture (hundreds of ms a graph on a 7B model) out of
@@ -33,6 +36,7 @@ log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 LOW_RANK = 16  # mbgmv.decode_config's smaller expand tile
+RANK_TIERS = (LOW_RANK, 64)  # MBGMV graphs below the configured maximum rank: mbgmv.decode_config's tuned tiers
 
 
 _warmup_streams: dict[int, torch.cuda.Stream] = {}
@@ -143,8 +147,7 @@ class DecodeGraphs:
         keys = []
         for size in self.buckets:
             keys += [(size, "none", 0), (size, "mbgmv", self.max_rank)]
-            if self.max_rank > LOW_RANK:
-                keys.append((size, "mbgmv", LOW_RANK))
+            keys += [(size, "mbgmv", tier) for tier in RANK_TIERS if tier < self.max_rank]
             low = 1
             for bucket in rank_buckets(self.max_rank):
                 if self.kernel_choice.bgmv_can_win(size, low, bucket):
@@ -161,8 +164,9 @@ class DecodeGraphs:
                                                        self.table, self.pool)
             self.graphs[key] = (graph, logits)
         bgmv = sorted({(size, rank) for size, kernel, rank in keys if kernel == "bgmv"})
-        log.info("cuda graphs captured buckets=%s max_rank=%d bgmv_graphs=%d (%s) kernel_choice=%s",
-                 ",".join(map(str, self.buckets)), self.max_rank, len(bgmv),
+        tiers = sorted({rank for _, kernel, rank in keys if kernel == "mbgmv"})
+        log.info("cuda graphs captured buckets=%s max_rank=%d mbgmv_rank_tiers=%s bgmv_graphs=%d (%s) kernel_choice=%s",
+                 ",".join(map(str, self.buckets)), self.max_rank, ",".join(map(str, tiers)), len(bgmv),
                  " ".join(f"{size}x{rank}" for size, rank in bgmv) or "none", self.kernel_choice.describe())
 
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
@@ -211,9 +215,10 @@ class DecodeGraphs:
         kernel = self.kernel_choice.choose_for_slots(slots, self.table.rank_host)
         used = slots[slots >= 0]
         if kernel == "mbgmv":
-            low = (size, "mbgmv", LOW_RANK)
-            if low in self.graphs and int(self.table.rank_host[used].max()) <= LOW_RANK:
-                return low
+            highest = int(self.table.rank_host[used].max())
+            for tier in RANK_TIERS:
+                if highest <= tier and (size, "mbgmv", tier) in self.graphs:
+                    return size, "mbgmv", tier
             return size, "mbgmv", self.max_rank
         key = (size, "bgmv", rank_bucket(int(self.table.rank_host[used].max()), self.max_rank))
         if key not in self.graphs:  # bgmv_can_win covers every batch choose() can pick BGMV for

@@ -78,6 +78,16 @@ def test_a_smaller_batch_after_a_larger_one_pads_its_rows_again():
     assert (seen["dest_pages"][:, :, 3] == SCRATCH_PAGE).all()
 
 
+def test_each_batch_replays_the_lowest_rank_tier_that_holds_its_ranks():
+    graphs, _, table = make(max_rank=256)
+    assert sorted(rank for size, kernel, rank in graphs.plan() if kernel == "mbgmv" and size == 4) == [16, 64, 256]
+    table.rank_host[0], table.rank_host[1], table.rank_host[2], table.rank_host[3] = 8, 32, 64, 128
+    blocks = [np.full((2, LAYERS, 2), 10 + i, dtype=np.int32) for i in range(4)]
+    for slots, tier in (([0, 0, -1], 16), ([0, 1, -1], 64), ([2, 0, 1], 64), ([0, 3, -1], 256)):
+        graphs.run(decode_plan(np.arange(3), np.full(3, 3), np.array(slots), blocks[:3]))
+        assert graphs.last_key == (4, "mbgmv", tier), slots
+
+
 def test_no_low_rank_graph_when_the_maximum_is_low():
     graphs, _, _ = make(max_rank=16)
     assert all(rank == 16 for _, kernel, rank in graphs.plan() if kernel == "mbgmv")
