@@ -66,7 +66,7 @@ def test_alloc_beyond_free_takes_nothing():
     assert pool.alloc(4, "adapter") is None
     assert pool.num_free == 3 and pool.used == {"kv": 6, "adapter": 0}
     rest = pool.alloc(3, "adapter")
-    assert sorted(first + rest) == list(range(1, 10))
+    assert sorted([*first.tolist(), *rest.tolist()]) == list(range(1, 10))
     assert pool.alloc(1, "kv") is None
 
 
@@ -154,7 +154,7 @@ def test_released_shared_pages_are_never_handed_out_while_held():
                 live.append(blocks)
         held = [page for blocks in live for page in np.unique(blocks.array()).tolist()]
         assert pool.used["kv"] == len(set(held))  # a page held by several sequences is counted once
-        assert not set(held) & set(pool._free)  # and none of them is free
+        assert not set(held) & set(pool.free_ids().tolist())  # and none of them is free
     for blocks in live:
         kv.release(blocks)
     assert pool.used["kv"] == 0 and kv.holders == {}
@@ -176,13 +176,13 @@ def test_trim_gives_back_the_window_layers_pages_before_every_window():
     assert (rows[:, 0, 0] == before[:, 0, 0]).all() and (rows[:, 1] == before[:, 1]).all()
     assert (rows[4:, 0, 1] == before[4:, 0, 1]).all() and (rows[5:, 2] == before[5:, 2]).all()
     freed = set(before[:4, 0, 1].tolist()) | set(before[:5, 2].ravel().tolist())
-    assert freed <= set(pool._free) and pool.used["kv"] == 60 - 14
+    assert freed <= set(pool.free_ids().tolist()) and pool.used["kv"] == 60 - 14
     # The previous step's first query (12) may still be on the device: 16 trims nothing until the step after it.
     assert kv.trim(blocks, 16) == 0
     assert kv.trim(blocks, 17) == 2 + 4  # horizon 16: layer 0's blocks 4-5, layer 2's 5-6
     assert kv.sharing()["window_pages_freed"] == 20
     kv.release(blocks)  # the rest, each page once
-    assert pool.used["kv"] == 0 and pool.num_free == 72 and len(set(pool._free)) == 72
+    assert pool.used["kv"] == 0 and pool.num_free == 72 and len(set(pool.free_ids().tolist())) == 72
     assert blocks.trimmed == {} and blocks.last_start is None  # a preempted sequence starts over
     assert kv.grow(blocks, 4) and kv.trim(blocks, 0) == 0
 
@@ -226,10 +226,10 @@ def test_trimmed_pages_are_never_handed_out_while_held_and_each_goes_back_once()
             if kv.grow(blocks, rng.randint(1, 12)):
                 live.append((blocks, 0))
         held = {page for blocks, _ in live for page in np.unique(blocks.array()).tolist()} - {SCRATCH_PAGE}
-        assert pool.used["kv"] == len(held) and not held & set(pool._free)
+        assert pool.used["kv"] == len(held) and not held & set(pool.free_ids().tolist())
     for blocks, _ in live:
         kv.release(blocks)
-    assert pool.used["kv"] == 0 and len(set(pool._free)) == pool.num_free == 240 and kv.holders == {}
+    assert pool.used["kv"] == 0 and len(set(pool.free_ids().tolist())) == pool.num_free == 240 and kv.holders == {}
     assert kv.window_pages_freed > 0
 
 
@@ -417,12 +417,20 @@ def test_churn_forces_compaction():
     assert compactions > 0, "the churn never filled the index: make the test place more"
 
 
+def test_giving_back_more_than_was_taken_is_refused():
+    pool = PagePool(8, 4, torch.float32, torch.device("cpu"))
+    taken = pool.alloc(3, "kv")
+    with pytest.raises(ValueError, match="given back"):
+        pool.free([*taken.tolist(), 4, 5, 6, 7, 1], "kv")
+    assert pool.num_free == 4 and pool.used["kv"] == 3
+
+
 def test_freed_pages_come_back_as_one_ascending_run():
     pool = PagePool(64, 16, torch.float32, torch.device("cpu"))
     first = pool.alloc(20, "adapter")
-    assert first == list(range(1, 21))
+    assert first.tolist() == list(range(1, 21))
     pool.free(first, "adapter")
-    assert pool.alloc(20, "adapter") == list(range(1, 21))
+    assert pool.alloc(20, "adapter").tolist() == list(range(1, 21))
 
 
 def test_alloc_is_ascending_after_interleaved_frees():
@@ -431,8 +439,8 @@ def test_alloc_is_ascending_after_interleaved_frees():
     taken = pool.alloc(15, "kv")
     pool.free([6, 8], "kv")
     pool.free([5, 7], "kv")  # the stack's top now reads 5, 7, 6, 8
-    assert pool.alloc(4, "kv") == [5, 6, 7, 8]
+    assert pool.alloc(4, "kv").tolist() == [5, 6, 7, 8]
     pool.free(taken[:3], "kv")
     pool.free([12, 10], "kv")
-    ids = pool.alloc(5, "kv")
+    ids = pool.alloc(5, "kv").tolist()
     assert ids == sorted(ids) and ids[-1] - ids[0] != len(ids) - 1  # not one run: place() copies run by run

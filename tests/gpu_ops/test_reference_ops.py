@@ -115,7 +115,7 @@ def test_paged_attention_matches_dense(heads, kv_heads, head_dim):
     tokens_per_page = kv.tokens_per_page
     assert tokens_per_page > 1
     # Shuffle the free list so blocks land in scattered, out-of-order pages.
-    rng.shuffle(pool._free)
+    rng.shuffle(pool._stack)
     # (kv_len, query_len): a decode, a fresh prefill, a chunk in the middle, a decode at a page edge
     shapes = [(9, 1), (7, 7), (13, 5), (tokens_per_page * 3, 1), (1, 1)]
     blocks = [[] for _ in shapes]
