@@ -39,7 +39,7 @@ class _Unbounded:
     def release(self, blocks):
         pass
 
-    def acquire(self, name, tokens=None, wait=True):
+    def acquire(self, name, tokens=None):
         return True
 
 

@@ -43,9 +43,8 @@ class Memory(Protocol):
 
 class Adapters(Protocol):
     # Resident and pinned, or False (not now); `tokens`: those of the sequence's first step, for how a
-    # cold adapter is placed; `wait` False: other sequences run meanwhile, so host work a cold adapter
-    # needs may be done in the background (and False returned until it is done).
-    def acquire(self, name: str | None, tokens: int | None = None, wait: bool = True) -> bool: ...
+    # cold adapter is placed.
+    def acquire(self, name: str | None, tokens: int | None = None) -> bool: ...
     def release(self, name: str | None) -> None: ...
 
 
@@ -152,7 +151,7 @@ class Scheduler:
         (or when acquiring its adapter raises) it is `blocked`."""
         self.blocked = seq
         count = min(seq.num_tokens - seq.num_computed, budget)
-        if not self.adapters.acquire(seq.adapter, count, wait=not self.running):
+        if not self.adapters.acquire(seq.adapter, count):
             return False
         if not self.memory.grow(seq.blocks, seq.num_computed + count):  # a forked sequence waits with blocks
             self.adapters.release(seq.adapter)

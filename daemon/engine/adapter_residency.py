@@ -15,11 +15,8 @@ request admitted (its adapter, tier and first step's tokens):
 
 On cuda, the host's part of a cold load (reading the adapter from disk, laying it out in pages, pinning it) runs
 on background threads (`Stager`) for the adapters of the first queued requests (`prepare`), so the engine
-thread finds them staged. An admission that finds its adapter not staged yet asks the stager for it and waits
-(acquire says not now) while other requests run: the engine thread does not stage (tens to hundreds of ms of
-host time for a 7B-shaped adapter, against steps of 20-70 ms) while it has steps to launch. Only a request
-that would run alone has its adapter staged on the engine thread, as does one whose staging failed on the
-stager (so that the failure is reported).
+thread finds them staged; an adapter admitted before its staging is done is staged on the engine thread, as
+without it (a cold start is not held back by a step to wait for the stager).
 
 A queued request's cold adapter may be placed before its admission (`prefetch`, while a step runs): whole,
 or, where its placement would be "stream", streamed ahead. A streamed-ahead copy waits in `ahead` and the
@@ -76,8 +73,6 @@ class LoraResidency:
         self.prepared: dict[str, object] = {}
         self.generation: dict[str, int] = {}  # bumped when a name is dropped: a staging begun before is stale
         self.staged_off_thread = 0  # adapters the stager staged that the engine thread took
-        self.staging_waits = 0  # admissions that waited (a step or more) for the stager rather than stage here
-        self.stage_failed: set[str] = set()  # the stager's staging of these failed: acquire stages them itself
         self.placed = dict.fromkeys(PLACEMENTS, 0)  # cold placements by kind
         self.issue_seconds = 0.0  # host time spent issuing streamed copies after their forward's launch
         self.ahead_seconds = 0.0  # host time spent issuing streamed-ahead copies (while a step ran)
@@ -87,10 +82,9 @@ class LoraResidency:
         self.streamed_ahead = 0  # prefetches streamed ahead
         self.evictions = 0
 
-    def acquire(self, name: str | None, tokens: int | None = None, wait: bool = True) -> bool:
+    def acquire(self, name: str | None, tokens: int | None = None) -> bool:
         """Resident and pinned, or False (not now). `tokens`: the admitted request's first step, for the
-        choice of placement when the adapter is cold. wait False (other requests run meanwhile): an adapter
-        the stager has not staged yet is asked of it, and acquire says not now."""
+        choice of placement when the adapter is cold."""
         if name is None:
             return True
         if name in self.slots:
@@ -104,13 +98,7 @@ class LoraResidency:
                     self.metrics.cold_start()
             return True
         self._absorb()
-        adapter = self._ready(name)
-        if adapter is None and not wait and self.stager is not None and name not in self.stage_failed:
-            self.stager.ask(name, self.generation.get(name, 0))
-            self.staging_waits += 1
-            return False
-        self.stage_failed.discard(name)  # staged here: a failure now is the admission's, and reported
-        adapter = adapter or self.lookup(name)
+        adapter = self._ready(name) or self.lookup(name)
         slot = self.table.free_slot()
         while slot is None:
             if not self.idle:
@@ -242,7 +230,6 @@ class LoraResidency:
         for name, generation, adapter, result in self.stager.take():
             if isinstance(result, BaseException):
                 log.debug("background staging of adapter %s failed: %s", name, result)
-                self.stage_failed.add(name)
             elif generation == self.generation.get(name, 0):
                 self._keep(name, adapter, *result)
                 self.staged_off_thread += 1

@@ -38,11 +38,10 @@ def engine_status(engine: Engine) -> dict:
             "adapter_loads": engine.residency.loads,
             "adapter_prefetches": engine.residency.prefetches,
             "adapter_evictions": engine.residency.evictions,
-            # cuda: adapters read and staged on the stager's thread, those it has still to do, and the admissions
-            # that waited for it while other requests ran; null where staging is not backgrounded (the CPU)
+            # cuda: adapters read and staged on the stager's thread ("off") against those the engine thread had
+            # to stage itself at admission or prefetch; null where staging is not backgrounded (the CPU)
             "adapter_staging": None if engine.residency.stager is None else {
-                "off_thread": engine.residency.staged_off_thread, "pending": engine.residency.stager.pending(),
-                "admissions_waited": engine.residency.staging_waits},
+                "off_thread": engine.residency.staged_off_thread, "pending": engine.residency.stager.pending()},
             "running": len(engine.scheduler.running),
             "waiting": len(engine.scheduler.waiting) + len(engine._inbox),
             "steps": engine.steps,

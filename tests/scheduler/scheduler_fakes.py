@@ -12,7 +12,7 @@ class Memory:
 
 
 class Adapters:
-    def acquire(self, name, tokens=None, wait=True):
+    def acquire(self, name, tokens=None):
         return True
 
     def release(self, name):

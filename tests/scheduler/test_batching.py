@@ -51,11 +51,9 @@ class FakeAdapters:
         self.unavailable = set(unavailable)
         self.pins: dict[str | None, int] = {}
         self.calls: list[tuple[str, str | None]] = []
-        self.waits: list[bool] = []
 
-    def acquire(self, name, tokens=None, wait=True):
+    def acquire(self, name, tokens=None):
         self.calls.append(("acquire", name))
-        self.waits.append(wait)
         if name in self.unavailable:
             return False
         self.pins[name] = self.pins.get(name, 0) + 1
@@ -102,19 +100,6 @@ def test_fcfs_admission_and_decode_before_prefill():
     # the running ones decode first (one token each), then the new prompt
     assert names(plan) == [("a", 1), ("b", 1), ("c", 20)]
     assert scheduler.running == [a, b, c] and not scheduler.waiting
-
-
-def test_an_admission_may_wait_for_its_adapter_only_while_others_run():
-    memory, adapters = FakeMemory(100), FakeAdapters()
-    scheduler = Scheduler(max_running=8, max_batch_tokens=64, memory=memory, adapters=adapters)
-    scheduler.add(seq("a", 10, "x"))
-    scheduler.add(seq("b", 6, "y"))
-    run_step(scheduler, scheduler.schedule())
-    assert adapters.waits == [True, False]  # a would run alone: its adapter is made resident now
-    adapters.unavailable.add("z")  # not ready yet (staging in the background)
-    scheduler.add(seq("c", 5, "z"))
-    assert names(scheduler.schedule()) == [("a", 1), ("b", 1)] and adapters.waits[-1] is False
-    assert [s.request_id for s in scheduler.waiting] == ["c"]
 
 
 def test_token_budget_and_chunked_prefill():

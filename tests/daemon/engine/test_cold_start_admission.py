@@ -43,10 +43,10 @@ def watch_placements(engine) -> dict:
         setattr(table, method, wrapper)
     acquire = residency.acquire
 
-    def watched_acquire(name, tokens=None, wait=True):
+    def watched_acquire(name, tokens=None):
         admitting[0] = True
         try:
-            return acquire(name, tokens, wait)
+            return acquire(name, tokens)
         finally:
             admitting[0] = False
             if name is not None:

@@ -158,31 +158,3 @@ def test_a_dropped_stager_is_freed_and_its_thread_ends():
     for thread in threads:
         thread.join(5)
         assert not thread.is_alive()
-
-
-def test_an_admission_beside_running_requests_waits_for_the_stager_rather_than_stage(residency):
-    assert not residency.acquire("x", 8, wait=False)  # other requests run: not now, the stager stages it
-    assert residency.table.placed == {} and residency.staging_waits == 1 and "x" not in residency.slots
-    settle(residency)
-    assert residency.acquire("x", 8, wait=False)
-    assert residency.looked_up == ["x"] and residency.table.placed[0].layout == ["x"]  # read once, by the stager
-    assert residency.pins["x"] == 1 and residency.staging_waits == 1
-
-
-def test_a_request_that_would_run_alone_has_its_adapter_staged_at_once(residency):
-    assert residency.acquire("y", 8, wait=True)
-    assert residency.looked_up == ["y"] and residency.staging_waits == 0 and residency.table.placed[0].layout == ["y"]
-
-
-def test_an_adapter_whose_staging_failed_off_thread_fails_at_admission_not_forever(monkeypatch):
-    def lookup(name):
-        raise ValueError(f"{name} is broken")
-
-    residency = LoraResidency(lookup, FakeTable(), pinned_bytes=1 << 20, staged_bytes=1 << 20)
-    assert not residency.acquire("bad", 8, wait=False)
-    deadline = time.monotonic() + 10
-    while "bad" not in residency.stage_failed and time.monotonic() < deadline:
-        residency._absorb()
-        time.sleep(0.005)
-    with pytest.raises(ValueError, match="bad is broken"):  # staged here, so the admission reports it
-        residency.acquire("bad", 8, wait=False)
