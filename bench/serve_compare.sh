@@ -31,8 +31,9 @@ if compgen -G ".devcarry/*.whl" >/dev/null; then
     SITE=/tmp/site
 fi
 
-install() {  # SRC DEST: a plain (non-editable) install of the tree at SRC into DEST
+install() {  # SRC DEST: a plain (non-editable) install of the tree at SRC into DEST, a fresh one
     local start=$SECONDS
+    rm -rf "$2"  # pip --target keeps what a run before this one left there (a warm machine) and installs nothing over it
     python3 -m pip install -q --no-deps --no-build-isolation --target "$2" "$1" >"$OUTDIR/install_$(basename "$2").log" 2>&1 \
         || { echo "install of $1 failed"; tail -20 "$OUTDIR/install_$(basename "$2").log"; exit 1; }
     echo "installed $1 into $2 in $((SECONDS - start)) s"
