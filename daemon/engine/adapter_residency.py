@@ -14,9 +14,9 @@ request admitted (its adapter, tier and first step's tokens):
   forward, and the `StreamedLoad` stays in `loading` until that step has been sampled.
 
 On cuda, the host's part of a cold load (reading the adapter from disk, laying it out in pages, pinning it) runs
-on background threads (`Stager`) for the adapters of the first queued requests (`prepare`), so the engine
+on a background thread (`Stager`) for the adapters of the first queued requests (`prepare`), so the engine
 thread finds them staged; an adapter admitted before its staging is done is staged on the engine thread, as
-without it (a cold start is not held back by a step to wait for the stager).
+without it.
 
 A queued request's cold adapter may be placed before its admission (`prefetch`, while a step runs): whole,
 or, where its placement would be "stream", streamed ahead. A streamed-ahead copy waits in `ahead` and the
@@ -37,10 +37,6 @@ from collections.abc import Callable, Hashable
 from lorad.gpu_ops.page_pool import AdapterTable, LayerwiseLoad, StagedAdapter, StreamedLoad, issue_streamed
 
 PLACEMENTS = ("whole", "layerwise", "stream")
-# Threads staging at once. On an H100 host a 7B-shaped adapter of rank 16-64 took 70-180 ms to read, 25-40 ms to lay
-# out in pages and up to ~100 ms more to pin, one at a time: where many requests for cold adapters arrive together
-# (a burst, a trace replayed at once), one thread would hold their admissions back.
-STAGER_THREADS = 4
 
 log = logging.getLogger(__name__)
 
@@ -354,33 +350,28 @@ class LoraResidency:
 
 
 class Stager:
-    """Background threads (`threads` of them) that read adapters (`lookup`, maybe from disk) and stage them
-    (`stage`: page layout, pinning), for the engine thread to take (`take`). Their work is torch copies and
-    casts, which release the GIL, so several adapters stage at once. `ask` and `take` are the engine thread's;
-    a name asked again while it is being staged is not staged twice; names are started in the order asked. The
-    threads hold the stager only weakly while they wait, so an engine that is dropped is freed (its GPU memory
-    with it), and the threads end."""
+    """A background thread that reads adapters (`lookup`, maybe from disk) and stages them (`stage`: page
+    layout, pinning), for the engine thread to take (`take`). `ask` and `take` are the engine thread's; a
+    name asked again while it is being staged is not staged twice. The thread holds the stager only weakly
+    while it waits, so an engine that is dropped is freed (its GPU memory with it), and the thread ends."""
 
-    def __init__(self, lookup, stage, threads: int = STAGER_THREADS):
+    def __init__(self, lookup, stage):
         self.lookup = lookup
         self.stage = stage
-        self.num_threads = threads
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: set[str] = set()
-        self._threads: list[threading.Thread] = []
+        self._thread: threading.Thread | None = None
 
     def ask(self, name: str, generation: int = 0) -> None:
         if name in self._pending:
             return
         self._pending.add(name)
-        if not self._threads:
-            for index in range(self.num_threads):
-                thread = threading.Thread(target=_stage_loop, args=(weakref.ref(self), self._todo, self._done),
-                                          name=f"lorad-stager-{index}", daemon=True)
-                thread.start()
-                self._threads.append(thread)
-                weakref.finalize(self, self._todo.put, None)  # ends one thread once the stager is gone
+        if self._thread is None:
+            self._thread = threading.Thread(target=_stage_loop, args=(weakref.ref(self), self._todo, self._done),
+                                            name="lorad-stager", daemon=True)
+            self._thread.start()
+            weakref.finalize(self, self._todo.put, None)  # ends the thread once the stager is gone
         self._todo.put((name, generation))
 
     def take(self) -> list[tuple[str, int, object, object]]:
@@ -399,7 +390,7 @@ class Stager:
 
 
 def _stage_loop(stager_ref, todo: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
-    """One of the stager's threads: until it is told to stop (None) or its stager is gone."""
+    """The stager's thread: until it is told to stop (None) or its stager is gone."""
     while True:
         item = todo.get()
         stager = stager_ref()

@@ -39,29 +39,9 @@ def test_each_name_staged_once_while_pending_and_off_the_callers_thread():
     release.set()
     done = wait_for(stager, 2)
     assert [(name, result) for name, _, _, result in done] == [("a", ("ADAPTER A", None)), ("b", ("ADAPTER B", None))]
-    assert sorted(calls) == ["a", "b"] and threads <= {f"lorad-stager-{i}" for i in range(stager.num_threads)}
-    assert stager.pending() == 0
+    assert calls == ["a", "b"] and threads == {"lorad-stager"} and stager.pending() == 0
     stager.ask("a", 1)  # asked again once done: staged again (e.g. after it left the caches)
     assert [item[:2] for item in wait_for(stager, 1)] == [("a", 1)]
-
-
-def test_several_adapters_stage_at_once():
-    started, release = [], threading.Event()
-
-    def lookup(name):
-        started.append(name)
-        release.wait(5)  # held until every thread has one
-        return name
-
-    stager = Stager(lookup, lambda adapter: (adapter, None), threads=3)
-    for name in ("a", "b", "c", "d"):
-        stager.ask(name, 0)
-    deadline = time.monotonic() + 5
-    while len(started) < 3 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert sorted(started) == ["a", "b", "c"]  # the first three asked, at once; "d" waits for a free thread
-    release.set()
-    assert sorted(name for name, *_ in wait_for(stager, 4)) == ["a", "b", "c", "d"]
 
 
 def test_a_failure_is_reported_not_raised():
@@ -150,11 +130,9 @@ def test_a_dropped_stager_is_freed_and_its_thread_ends():
     stager = Stager(lambda name: name, lambda adapter: (adapter, None))
     stager.ask("a", 0)
     wait_for(stager, 1)
-    threads, alive = stager._threads, weakref.ref(stager)
-    assert len(threads) == stager.num_threads
+    thread, alive = stager._thread, weakref.ref(stager)
     del stager
     gc.collect()
     assert alive() is None
-    for thread in threads:
-        thread.join(5)
-        assert not thread.is_alive()
+    thread.join(5)
+    assert not thread.is_alive()
