@@ -49,9 +49,18 @@ ADAPTERS=/tmp/serve_adapters
 [ -d "$ADAPTERS" ] || lorad_current demo adapters --model-config llama-2-7b --count 100 --ranks 8,16,32,64 \
     --targets q,k,v,o --out "$ADAPTERS" >"$OUTDIR/adapters.log" 2>&1 || { tail "$OUTDIR/adapters.log"; exit 1; }
 
-serve_and_load() {  # NAME PYTHONPATH [SERVE FLAGS of this build alone]
-    local name=$1 path=$2 socket=/tmp/lorad-$1.sock start=$SECONDS
-    shift 2
+serve_and_load() {  # NAME PYTHONPATH SOURCE [SERVE FLAGS of this build alone]
+    local name=$1 path=$2 source=$3 socket=/tmp/lorad-$1.sock start=$SECONDS
+    shift 3
+    # An editable install (pip install -e .) puts an import hook before PYTHONPATH: every build would run its
+    # checkout's code. Only a build of that same checkout may resolve there.
+    local resolved
+    resolved=$(cd /tmp && PYTHONPATH=$path python3 -P -c 'import lorad; print(lorad.__file__)' 2>&1)
+    if [[ "$resolved" != /tmp/lorad_$name/* && "$resolved" != "$(cd "$source" && pwd)/lorad/"* ]]; then
+        echo "$name: lorad resolves to $resolved, not to the build of $source (an editable install of lorad" \
+             "shadows PYTHONPATH: pip uninstall lorad, or run this before installing it)"
+        return 1
+    fi
     PYTHONPATH=$path python3 -P -m lorad.daemon.server.cli serve --model-config llama-2-7b --dummy-weights \
         --adapter-dir "$ADAPTERS" --device cuda --socket "$socket" ${SERVE_ARGS:-} "$@" >"$OUTDIR/$name.serve.log" 2>&1 &
     local daemon=$!
@@ -71,6 +80,6 @@ serve_and_load() {  # NAME PYTHONPATH [SERVE FLAGS of this build alone]
 }
 
 # shellcheck disable=SC2086  # the flags split into words
-[ -n "$BASELINE" ] && serve_and_load baseline /tmp/lorad_baseline${SITE:+:$SITE} ${BASELINE_SERVE_ARGS:-}
+[ -n "$BASELINE" ] && serve_and_load baseline /tmp/lorad_baseline${SITE:+:$SITE} "$BASELINE" ${BASELINE_SERVE_ARGS:-}
 # shellcheck disable=SC2086
-serve_and_load current "$CURRENT_PATH" ${CURRENT_SERVE_ARGS:-}
+serve_and_load current "$CURRENT_PATH" . ${CURRENT_SERVE_ARGS:-}
