@@ -9,8 +9,10 @@
 # CURRENT_SERVE_ARGS: for one build only. One commit's two settings side by side (FP8 against bf16, figure 25.4):
 #   CURRENT_SERVE_ARGS="--quantization fp8 --kv-cache-dtype fp8" bash bench/serve_compare.sh OUTDIR . The Azure CSVs are read from
 # $DATA_DIR (default ../shared/data). Each build is installed into its own folder (not editable), so the two
-# never see each other's modules (python3 -P: the checkout's own lorad/ folder is not on the path). Output: OUTDIR/NAME.json (bench serve), NAME.status.json (/v1/status after
-# the run), NAME.serve.log.
+# never see each other's modules (python3 -P: the checkout's own lorad/ folder is not on the path). An editable
+# install of lorad on the machine would shadow both folders: run this before `pip install -e .` (the script refuses
+# a baseline that resolves elsewhere). Output: OUTDIR/NAME.json (bench serve), NAME.status.json (/v1/status
+# after the run), NAME.serve.log.
 
 set -u
 OUTDIR=${1:?usage: bench/serve_compare.sh OUTDIR [BASELINE_SRC] [-- BENCH_SERVE_ARGS...]}
