@@ -114,13 +114,10 @@ class PagedCache:
         return float((got - expected).norm() / expected.norm())
 
 
-def trace_contexts(data_dir: str, batch: int, rng: np.random.Generator, max_len: int = 4096) -> list[int]:
-    """The contexts of `batch` running sequences as a server replaying the Azure conversation trace holds them:
-    requests drawn from its first 2000 rows, each part way through its output (prompt + a uniform share of it),
-    prompts fitted to a `max_len` context as `lorad bench serve` fits them."""
-    from lorad.scheduler.workload import read_azure_csv
-
-    rows = read_azure_csv(os.path.join(data_dir, "azure_llm_inference_2023_conv.csv"))
+def trace_contexts(rows, batch: int, rng: np.random.Generator, max_len: int = 4096) -> list[int]:
+    """The contexts of `batch` running sequences as a server replaying the Azure conversation trace (`rows`:
+    read_azure_csv's) holds them: requests drawn from its first 2000 rows, each part way through its output
+    (prompt + a uniform share of it), prompts fitted to a `max_len` context as `lorad bench serve` fits them."""
     picks = rng.choice(min(2000, len(rows.prompt_tokens)), batch, replace=False)
     contexts = []
     for index in picks:
@@ -134,9 +131,12 @@ def decode_trace_bench(args, device, timer: Timer, bandwidth: float, batches) ->
     """The 7B shape's decode attention over the contexts a trace replay holds (long and short together) against
     the same batch at their mean context: what unequal lengths cost the kernel, which runs one sequence's heads
     in a program each."""
+    from lorad.scheduler.workload import read_azure_csv
+
+    rows = read_azure_csv(os.path.join(args.data_dir, "azure_llm_inference_2023_conv.csv"))
     results = []
     for batch in batches:
-        contexts = trace_contexts(args.data_dir, batch, np.random.default_rng(batch))
+        contexts = trace_contexts(rows, batch, np.random.default_rng(batch))
         mean = int(np.mean(contexts))
         for label, shape in (("trace", contexts), ("mean", [mean] * batch)):
             cache = PagedCache(32, 32, 128, 1, [(context, 1) for context in shape], 2, args.dtype, device, seed=batch)

@@ -135,7 +135,7 @@ class KVCache:
         page_ids = self.pool.alloc(missing * self.pages_per_block, "kv")
         if page_ids is None:
             return False
-        rows = np.asarray(page_ids, dtype=np.int32).reshape(missing, self.num_layers, 2)
+        rows = page_ids.reshape(missing, self.num_layers, 2)
         blocks.extend(rows)
         return True
 
@@ -285,7 +285,7 @@ class StagedAdapter:
 @dataclass
 class AdapterPlacement:
     slot: int
-    page_ids: list[int]
+    page_ids: np.ndarray  # int32, as PagePool.alloc hands them out
     index_start: int
     index_len: int
 
@@ -411,11 +411,10 @@ class AdapterTable:
         `StreamedLoad.join` before the slot is used without that care. None when the pool is short."""
         if not self.streaming:
             raise RuntimeError("place_streamed needs enable_streaming() first")
-        page_ids = self.pool.alloc(staged.pages.shape[0], "adapter")
-        if page_ids is None:
+        ids = self.pool.alloc(staged.pages.shape[0], "adapter")
+        if ids is None:
             return None
-        ids = np.asarray(page_ids, dtype=np.int32)
-        start = self._record_placement(slot, staged, page_ids, ids)
+        start = self._record_placement(slot, staged, ids)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.pool.pages.device)
         streamer = self._streamer
@@ -427,9 +426,9 @@ class AdapterTable:
         streamer.stream.wait_event(published)
         return StreamedLoad(slot, published, self, staged, ids)
 
-    def _record_placement(self, slot: int, staged: StagedAdapter, page_ids: list[int], ids: np.ndarray) -> int:
+    def _record_placement(self, slot: int, staged: StagedAdapter, ids: np.ndarray) -> int:
         """The slot's host table rows and index entries -> the start of its page ids in the index."""
-        needed = len(page_ids)
+        needed = len(ids)
         if self._index_end + needed > len(self.page_ids_host):
             self._compact()
         start = self._index_end
@@ -439,26 +438,25 @@ class AdapterTable:
             self.b_start_host[slot, layer, proj] = start + b_offset
         self.page_ids_host[start : start + needed] = ids
         self._index_end = start + needed
-        self.placements[slot] = AdapterPlacement(slot, page_ids, start, needed)
+        self.placements[slot] = AdapterPlacement(slot, ids, start, needed)
         return start
 
     def _place(self, slot: int, staged: StagedAdapter | dict, layerwise: bool) -> LayerwiseLoad | None:
         if not isinstance(staged, StagedAdapter):
             staged = self.stage(staged)
         needed = staged.pages.shape[0]
-        page_ids = self.pool.alloc(needed, "adapter")
-        if page_ids is None:
+        ids = self.pool.alloc(needed, "adapter")
+        if ids is None:
             return None
         pages = self.pool.pages
-        one_run = page_ids[-1] - page_ids[0] == needed - 1  # alloc's ids are ascending and distinct
+        one_run = ids[-1] - ids[0] == needed - 1  # alloc's ids are ascending and distinct
         if pages.is_cuda:
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(pages.device)
             if one_run and not layerwise:  # the common case: the DMA starts before any bookkeeping below
                 with torch.cuda.stream(self._copy_stream):
-                    pages[page_ids[0] : page_ids[0] + needed].copy_(staged.pages, non_blocking=True)
-        ids = np.asarray(page_ids, dtype=np.int32)
-        start = self._record_placement(slot, staged, page_ids, ids)
+                    pages[ids[0] : ids[0] + needed].copy_(staged.pages, non_blocking=True)
+        start = self._record_placement(slot, staged, ids)
         if not pages.is_cuda:
             pages.index_copy_(0, torch.from_numpy(ids).long(), staged.pages)
             self._publish(slot, start, needed)
@@ -484,7 +482,7 @@ class AdapterTable:
         if len(ids) != staged.pages.shape[0]:
             raise ValueError(f"{len(ids)} page ids for an adapter of {staged.pages.shape[0]} pages")
         self.pool.used["adapter"] += len(ids)
-        start = self._record_placement(slot, staged, ids.tolist(), ids)
+        start = self._record_placement(slot, staged, ids)
         pages = self.pool.pages
         pages.index_copy_(0, torch.from_numpy(ids).long().to(pages.device), staged.pages.to(pages.device))
         self._publish(slot, start, len(ids))

@@ -29,7 +29,8 @@ class KernelWindow:
         if self.first < 0 or self.count <= 0 or not self.path:
             raise ValueError(f"{KERNELS_ENV}: FIRST >= 0, COUNT > 0 and a FILE, got {spec!r}")
         self.profiler = None
-        self.before: dict | None = None
+        self.before: dict | None = None  # the account's snapshot, and the engine's step count, where the window opened
+        self.opened = 0
         self.done = False
 
     @classmethod
