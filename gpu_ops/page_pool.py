@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,21 +42,31 @@ class PagePool:
         self._stack = np.arange(num_pages - 1, SCRATCH_PAGE, -1, dtype=np.int32)
         self._top = len(self._stack)  # the free ids: _stack[:_top]
         self.used = {"kv": 0, "adapter": 0}
+        # Pages given back while a step launched before may still write them (`free(..., fenced=True)`): each batch
+        # with an event recorded after that step, back on the stack once the device has passed it. Counted free.
+        self._fenced: deque[tuple[object, np.ndarray]] = deque()
+        self._fenced_count = 0
+        self.fences = self.pages.is_cuda  # on the cpu every launch is done when it returns: nothing to fence
+        self.new_event = torch.cuda.Event  # recorded on the current stream where the fenced pages' last writer ends
 
     @property
     def num_free(self) -> int:
-        return self._top
+        return self._top + self._fenced_count
 
     @property
     def capacity(self) -> int:
         return self.num_pages - 1
 
     def free_ids(self) -> np.ndarray:
-        """The free page ids (a copy), the next to be handed out last."""
+        """The free page ids (a copy), the next to be handed out last (fenced ones once the device has passed them)."""
+        self._unfence(self.num_free)
         return self._stack[: self._top].copy()
 
     def alloc(self, count: int, owner: str) -> np.ndarray | None:
-        """`count` page ids (int32, ascending), or None (and nothing taken) when fewer are free."""
+        """`count` page ids (int32, ascending), or None (and nothing taken) when fewer are free. Fenced pages are
+        taken once the device has passed their event; when the others are too few it waits for it."""
+        if count > self._top and self._fenced:
+            self._unfence(count)
         if count > self._top:
             return None
         # ascending (the stack holds descending stretches): a run iff last - first == count - 1
@@ -64,16 +75,39 @@ class PagePool:
         self.used[owner] += count
         return taken
 
-    def free(self, page_ids, owner: str) -> None:
-        """Gives back ids `alloc` handed out (any sequence of ints)."""
+    def free(self, page_ids, owner: str, fenced: bool = False) -> None:
+        """Gives back ids `alloc` handed out (any sequence of ints). fenced (cuda): a step queued on the current
+        stream may still write them (a sequence's row computed past its end, or aborted while in flight): they are
+        handed out again only after the device has passed that step, since an adapter's pages are copied on
+        another stream, which would not wait for it."""
         ids = np.asarray(page_ids, dtype=np.int32)
-        if self._top + len(ids) > len(self._stack):
-            raise ValueError(f"{len(ids)} pages given back with only {len(self._stack) - self._top} out")
+        if self._top + self._fenced_count + len(ids) > len(self._stack):
+            raise ValueError(f"{len(ids)} pages given back with only {len(self._stack) - self._top - self._fenced_count} out")
+        if fenced and self.fences and len(ids):
+            event = self.new_event()
+            event.record()
+            self._fenced.append((event, ids))
+            self._fenced_count += len(ids)
+            self.used[owner] -= len(ids)
+            return
+        self._push(ids)
+        self.used[owner] -= len(ids)
+
+    def _push(self, ids: np.ndarray) -> None:
         # Highest first, so the freed pages come back out ascending: an adapter freed and placed again
         # gets consecutive pages, which load with one copy.
         self._stack[self._top : self._top + len(ids)] = np.sort(ids)[::-1]
         self._top += len(ids)
-        self.used[owner] -= len(ids)
+
+    def _unfence(self, count: int) -> None:
+        """Fenced pages back on the stack: those the device has passed, then, while fewer than `count` are free,
+        the oldest after waiting for them."""
+        while self._fenced and (self._fenced[0][0].query() or count > self._top):
+            event, ids = self._fenced.popleft()
+            if not event.query():
+                event.synchronize()
+            self._fenced_count -= len(ids)
+            self._push(ids)
 
     def occupancy(self) -> dict:
         return {
@@ -139,15 +173,16 @@ class KVCache:
         blocks.extend(rows)
         return True
 
-    def release(self, blocks) -> None:
+    def release(self, blocks, fenced: bool = False) -> None:
         """Gives back a sequence's blocks: the pages of each block it was the last holder of go back to the pool
-        (those `trim` gave back already, SCRATCH_PAGE in the rows, not again)."""
+        (those `trim` gave back already, SCRATCH_PAGE in the rows, not again). fenced: a step still queued on the
+        device may write them (PagePool.free)."""
         if len(blocks):
             rows = np.asarray(blocks.array() if isinstance(blocks, BlockList) else blocks)
             if self.holders:
                 rows = rows[self._last_holder(rows[:, 0, 0])]
             ids = rows.ravel()
-            self.pool.free(ids[ids != SCRATCH_PAGE], "kv")
+            self.pool.free(ids[ids != SCRATCH_PAGE], "kv", fenced)
         blocks.clear()
 
     def trim(self, blocks: BlockList, start: int) -> int:

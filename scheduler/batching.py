@@ -110,17 +110,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """The next step: (sequence, number of its tokens to compute) pairs, running ones first."""
+    def schedule(self, ahead: frozenset | set = frozenset(), ending: frozenset | set = frozenset()) -> list[tuple[Sequence, int]]:
+        """The next step: (sequence, number of its tokens to compute) pairs, running ones first.
+
+        Planned while a step is still in flight (the engine launches the next before reading its tokens): each
+        running sequence of `ahead` has one token more than its `tokens`, the one in flight; those of `ending`
+        end on theirs, so they are left out and their slots count as free."""
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
         self.blocked = None
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted below to make room for an older one
+            if seq not in self.running or seq in ending:  # preempted below to make room for an older one; ends
                 continue
-            count = min(seq.num_tokens - seq.num_computed, budget)
+            count = min(seq.num_tokens + (seq in ahead) - seq.num_computed, budget)
             while not self.memory.grow(seq.blocks, seq.num_computed + count):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -131,7 +135,7 @@ class Scheduler:
                 budget -= count
         if type(self.admission) is FCFS:  # what FCFS.select would give, without building its view of the queue
             batch = self._running_batch() if self.decode is not None else RunningBatch()
-            while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            while self.waiting and budget > 0 and len(self.running) - len(ending) < self.max_running:
                 head = self.waiting[0]
                 context = head.num_tokens - head.num_computed + 1
                 if not decode_step_allows(self.decode, batch, head.rank, context, self.objectives.tpot_s):
@@ -143,7 +147,7 @@ class Scheduler:
                 budget -= plan[-1][1]
                 batch = batch.plus(head.rank, context)
         elif self.waiting:
-            self._admit_by_policy(budget, plan)
+            self._admit_by_policy(budget, plan, len(ending))
         return plan
 
     def _admit(self, seq: Sequence, budget: int, plan: list) -> bool:
@@ -161,9 +165,9 @@ class Scheduler:
         plan.append((seq, count))
         return True
 
-    def _admit_by_policy(self, budget: int, plan: list) -> None:
+    def _admit_by_policy(self, budget: int, plan: list, ending: int = 0) -> None:
         room = Room(
-            slots=self.max_running - len(self.running), prefill_tokens=budget, kv_tokens=0,
+            slots=self.max_running - len(self.running) + ending, prefill_tokens=budget, kv_tokens=0,
             batch_empty=not self.running, chunked_prefill=True,
             running_adapters=frozenset(seq.adapter for seq in self.running if seq.adapter is not None),
             running=self._running_batch() if self.decode is not None else RunningBatch(), decode=self.decode,
@@ -179,7 +183,7 @@ class Scheduler:
             self._hold_for_tpot(self._by_key[key])
         for key in decision.admit:  # in the policy's order, until one does not get its adapter or KV
             seq = self._by_key[key]
-            if budget <= 0 or len(self.running) >= self.max_running or not self._admit(seq, budget, plan):
+            if budget <= 0 or len(self.running) - ending >= self.max_running or not self._admit(seq, budget, plan):
                 break
             del self._by_key[key]
             seq.queued = None

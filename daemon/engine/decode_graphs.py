@@ -26,6 +26,7 @@ import logging
 import numpy as np
 import torch
 from lorad.daemon.engine.kernel_choice import LoraKernelChoice, rank_bucket, rank_buckets
+from lorad.daemon.engine.sampler import to_device
 from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.model.llama import Step
 from lorad.gpu_ops.attention import AttentionBatch
@@ -194,8 +195,11 @@ class DecodeGraphs:
         host32[2, :n], host32[3, :n] = positions + 1, slots
         self.packed64[:, :size].copy_(self.host64[:, :size], non_blocking=True)
         self.packed32[:, :size].copy_(self.host32[:, :size], non_blocking=True)
-        if plan.device_tokens is not None:
+        if plan.every_token_on_device:
             self.input_ids[:n].copy_(plan.device_tokens)
+        elif plan.device_tokens is not None:  # a one-token prompt joined the rows launched from the device's tokens
+            rows = to_device(torch.from_numpy(plan.device_input_rows()), self.input_ids.device)
+            self.input_ids.index_copy_(0, rows, plan.device_tokens)
         dest = self.host_dest.numpy()
         dest[:, :, n:size] = SCRATCH_PAGE  # padding rows write the scratch page
         dest[:, :, :n] = staged[np.arange(n), positions // tokens_per_page].transpose(1, 2, 0)

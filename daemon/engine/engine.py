@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from lorad.config import EngineConfig
@@ -231,6 +232,7 @@ class Engine:
             raise BadRequest(str(error)) from None
         self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
         self.overlapped_steps = 0
+        self.planned_ahead_steps = 0  # steps planned and launched before the tokens of the step in flight were read
         self.forked_choices = 0  # choices that began from another's prefill (n > 1), its prompt's blocks shared
         # Overlapped decode (step(), _launch_next_decode): only where the device runs behind the host. On the cpu a
         # launch is the computation itself, so reading a step's tokens one step late would only delay them.
@@ -569,7 +571,9 @@ class Engine:
         return self.residency.reclaim(missing) and self.kv.grow(blocks, num_tokens)
 
     def release(self, blocks: list) -> None:
-        self.kv.release(blocks)
+        # A step launched and not landed may have a row of this sequence (computed past its end, or aborted), which
+        # writes its KV: its pages wait for the device to pass that step before an adapter's copy may take them.
+        self.kv.release(blocks, fenced=self.account.in_flight())
 
     # ---- the step loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -598,6 +602,7 @@ class Engine:
     def step(self) -> None:
         self.account.begin(time.perf_counter())
         self._take_inbox()
+        ahead = None  # the rows of the step in flight that the step planned now takes on from its tokens on the device
         if self._in_flight is not None:
             if self._launch_next_decode():
                 return
@@ -605,10 +610,15 @@ class Engine:
                 # The host would only wait for the step in flight: queued requests' cold adapters start
                 # streaming in meanwhile (their copies hold the host until it is done, at most a layer more).
                 self._prefetch(self._in_flight.done)
-            self._finish_step_in_flight()
+            ahead = self._rows_going_on()
+            if ahead is None:
+                self._finish_step_in_flight()
         scheduling = time.perf_counter()
         try:
-            batch = self.scheduler.schedule()
+            if ahead is None:
+                batch = self.scheduler.schedule()
+            else:
+                batch = self.scheduler.schedule(ahead=ahead.keys(), ending=self._ending(ahead))
         except LoradError as error:  # an adapter that broke between submit and admission
             self._finish(self.scheduler.blocked, "error", error=error.message)
             return
@@ -622,9 +632,20 @@ class Engine:
             return
         started = time.perf_counter()
         streamed = bool(self.residency.streaming())  # this step ran while adapters streamed in
+        if ahead is not None and (assisted or streamed):  # steps the host reads at once: from the tokens landed
+            self._finish_step_in_flight()
+            batch = [(seq, count) for seq, count in batch if not seq.state.finished]
+            ahead = None
+            if not batch:
+                return
         for seq, _ in batch:  # sliding-window layers' pages before every window this step reads go back to the pool
             self.kv.trim(seq.blocks, seq.num_computed)
-        plan = self.runner.plan(batch, assisted)
+        if ahead is None:
+            plan = self.runner.plan(batch, assisted)
+        else:
+            rows = [index for index, (seq, _) in enumerate(batch) if seq in ahead]
+            plan = self.runner.plan(batch, device_tokens=self._flight_tokens([ahead[batch[index][0]] for index in rows]),
+                                    device_rows=np.asarray(rows, dtype=np.int64))
         planned = time.perf_counter()
         self.account.before_forward()
         logits = self.runner.forward(plan)
@@ -633,7 +654,28 @@ class Engine:
         # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
         self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)
         self._admit_to_sampler(sampled)
-        if not streamed and self._overlappable(plan):  # its tokens are read by the next step(), after it launches its successor
+        if ahead is not None:
+            self.planned_ahead_steps += 1
+            if self._overlappable(plan, ending=len(self._ending(ahead))):
+                observed = self._prefill_tokens(batch)  # before num_computed moves on
+                for seq, count in batch:
+                    seq.num_computed += count
+                following = self._launch_tokens(logits, sampled, None if observed is None else (observed, started))
+                self.steps += 1
+                self._finish_step_in_flight()
+                self._in_flight = following
+                if all(seq.state.finished for seq in following.seqs):  # every row ended on the tokens just landed
+                    self._finish_step_in_flight()
+                return
+            # Its tokens are read now (a prompt chunk that does not end its prompt, a row drawn with a temperature):
+            # the step in flight's first. A row whose token just landed ended its request (a stop token) is dropped.
+            self._finish_step_in_flight()
+            kept = [row for row, seq in enumerate(sampled) if not seq.state.finished]
+            if len(kept) < len(sampled):
+                logits = logits[to_device(torch.as_tensor(kept), logits.device)]
+                sampled = [sampled[row] for row in kept]
+            batch = [(seq, count) for seq, count in batch if not seq.state.finished]
+        elif not streamed and self._overlappable(plan):  # its tokens are read by the next step(), after it launches its successor
             observed = None if assisted else self._prefill_tokens(batch)  # before num_computed moves on
             for seq, count in batch:
                 seq.num_computed += count
@@ -782,18 +824,20 @@ class Engine:
     # runs the second. The host's work per step then hides behind the device's, instead of adding to it.
     # A request that stops on a token (EOS, a stop sequence) has one row computed past its end, which is
     # dropped; a request that stops on length is left out of the next step, as that is known in advance.
-    # Pages freed while a step is in flight are safe: KV pages are only written by later steps on the
-    # same stream, and adapter pages are only overwritten by a placement, which only the scheduler's
-    # admission and prefetch make, on the plain path, after the step in flight has been landed.
+    # A step that admits waiting requests is planned while the step before it is in flight (_rows_going_on), and
+    # launched with its decode rows' input ids from that step's tokens on the device, before they are read.
+    # Pages freed while a step is in flight: KV pages are only written by later steps on the same stream; an
+    # adapter placement copies on a side stream, so the KV pages of a sequence with a row in a step not landed
+    # yet are fenced (`release`), and go out again once the device has passed that step.
 
-    def _overlappable(self, plan: StepPlan) -> bool:
+    def _overlappable(self, plan: StepPlan, ending: int = 0) -> bool:
         """Is this step's reading of its tokens deferred: a greedy step of every running request (with penalties,
         bias, logprobs or not) that samples each of them, a decode step or one whose prompt rows all end their
         prompts in it (a saturated server's step that admits a request beside the decode rows): the next step,
         a decode of them all, is launched from its tokens on the device while the host takes them. Rows drawn
         with a temperature stay on the plain path: they are drawn on the cpu, for seeds that give the same tokens
         on every device."""
-        if not self.overlap_decode or plan.assisted or len(plan.seqs) != len(self.scheduler.running):
+        if not self.overlap_decode or plan.assisted or len(plan.seqs) != len(self.scheduler.running) - ending:
             return False
         if not plan.decode and len(plan.sampled) != len(plan.seqs):  # a prompt chunk that does not end its prompt
             return False
@@ -825,24 +869,15 @@ class Engine:
         one in flight. False (nothing done) when the next step is not that same decode batch: requests
         wait to join it and a running slot is free, or one of its KV caches cannot grow without the
         scheduler preempting."""
-        flight = self._in_flight
-        if not self.overlap_decode or (self.scheduler.waiting and not self._running_is_full()):
+        if self.scheduler.waiting and not self._running_is_full():
             return False
-        in_flight = set(flight.seqs)
-        if any(seq not in in_flight for seq in self.scheduler.running):
+        going = self._rows_going_on()
+        if going is None:
             return False
-        rows = [row for row, seq in enumerate(flight.seqs) if not seq.state.finished and not self._ends_on_length(seq)
-                and seq.num_tokens != self.rope_switch]  # its token in flight makes its cache be recomputed
-        seqs = [flight.seqs[row] for row in rows]
-        if not seqs or not all(self.grow(seq.blocks, seq.num_computed + 1) for seq in seqs):
-            return False
+        seqs, rows = list(going), list(going.values())
         for seq in seqs:
             self.kv.trim(seq.blocks, seq.num_computed)
-        if rows == list(range(len(rows))):
-            device_tokens = flight.tokens[: len(rows)]
-        else:
-            device_tokens = flight.tokens[to_device(torch.as_tensor(rows), flight.tokens.device)]
-        plan = self.runner.plan([(seq, 1) for seq in seqs], device_tokens=device_tokens)
+        plan = self.runner.plan([(seq, 1) for seq in seqs], device_tokens=self._flight_tokens(rows))
         self.account.before_forward()
         logits = self.runner.forward(plan)
         self.account.launched(plan, self.runner.graph_rows, time.perf_counter())
@@ -856,6 +891,35 @@ class Engine:
         if all(seq.state.finished for seq in seqs):  # every row ended on the tokens just landed
             self._finish_step_in_flight()
         return True
+
+    def _flight_tokens(self, rows: list[int]) -> torch.Tensor:
+        """The tokens of the step in flight's rows `rows`, on the device (its own tensor when they are its first)."""
+        tokens = self._in_flight.tokens
+        if rows == list(range(len(rows))):
+            return tokens[: len(rows)]
+        return tokens[to_device(torch.as_tensor(rows), tokens.device)]
+
+    def _rows_going_on(self) -> dict[Sequence, int] | None:
+        """When the next step can be planned and launched before the step in flight's tokens are read (the step
+        after a greedy one that admits waiting requests: a mixed step): its rows that go on -> their row in it.
+        None (the tokens are read first) when a running request is not in it, none goes on, or one of their KV
+        caches cannot grow by the token in flight without a preemption. Rows that end on length in it are left
+        out, as the overlapped decode does."""
+        flight = self._in_flight
+        if not self.overlap_decode:
+            return None
+        in_flight = set(flight.seqs)
+        if any(seq not in in_flight for seq in self.scheduler.running):
+            return None
+        going = {seq: row for row, seq in enumerate(flight.seqs) if not seq.state.finished and not self._ends_on_length(seq)
+                 and seq.num_tokens != self.rope_switch}  # a token in flight that crosses it has its cache recomputed
+        if not going or not all(self.grow(seq.blocks, seq.num_computed + 1) for seq in going):
+            return None
+        return going
+
+    def _ending(self, going: dict[Sequence, int]) -> set[Sequence]:
+        """The running rows of the step in flight that end on its tokens (on length), and so leave the next step."""
+        return {seq for seq in self._in_flight.seqs if seq not in going and not seq.state.finished}
 
     def _running_is_full(self) -> bool:
         """No waiting request can join the next step: every running slot is taken. A saturated server keeps

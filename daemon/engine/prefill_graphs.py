@@ -97,9 +97,10 @@ class PrefillGraphs:
         self.max_seqs = min(max_seqs, largest)
         layers = kv.num_layers
         self.buckets = {t: _Bucket(t, min(t, self.max_seqs), PREFILL_BLOCK_M, GRAPH_BLOCK_M, device, self.pin) for t in self.tokens_buckets}
-        # int64 rows: input_ids, positions, dest_offsets, sample_rows
-        self.packed64 = torch.zeros(4, largest, dtype=torch.long, device=device)
-        self.host64 = torch.zeros(4, largest, dtype=torch.long, pin_memory=self.pin)
+        # int64 rows: input_ids, positions, dest_offsets, sample_rows, and the rows whose input ids come from the
+        # device (a step launched before the tokens of the one in flight are read)
+        self.packed64 = torch.zeros(5, largest, dtype=torch.long, device=device)
+        self.host64 = torch.zeros(5, largest, dtype=torch.long, pin_memory=self.pin)
         self.dest_pages = torch.full((layers, 2, largest), SCRATCH_PAGE, dtype=torch.long, device=device)
         self.host_dest = torch.full((layers, 2, largest), SCRATCH_PAGE, dtype=torch.long, pin_memory=self.pin)
         self.block_table = torch.full((layers, 2, self.max_seqs + 1, self.max_blocks), SCRATCH_PAGE, dtype=torch.int32,
@@ -108,6 +109,7 @@ class PrefillGraphs:
         self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.last_key = None
+        self.sent: torch.cuda.Event | None = None  # recorded after the last fill's copies from pinned memory
 
     def plan(self) -> list[tuple[int, str]]:
         return [(tokens, kind) for tokens in self.tokens_buckets for kind in GRAPH_KINDS]
@@ -128,8 +130,9 @@ class PrefillGraphs:
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         """One step -> logits [sampled sequences, vocab] float32, in the plan's order (a view of static
-        memory, valid until the next replay). No host sync: every copy is from pinned memory, which the
-        previous step's sampling (a host sync) has finished reading."""
+        memory, valid until the next replay). No host sync: every copy is from pinned memory, which the last
+        fill's copies have finished reading (`sent`: long done by the time the host comes back, unless the
+        host fills a step while the one before it is still queued)."""
         key, num_sampled = self.fill(plan)
         self.last_key = key
         graph, logits = self.graphs[key]
@@ -138,6 +141,8 @@ class PrefillGraphs:
 
     def fill(self, plan: StepPlan) -> tuple[tuple[int, str], int]:
         """Fills the static buffers for this step -> (the graph key, the number of sampled rows)."""
+        if self.sent is not None:
+            self.sent.synchronize()
         lengths, n, num_seqs = plan.counts, plan.num_tokens, len(plan.tokens)
         tokens = bucket_rows(n, self.tokens_buckets)
         bucket = self.buckets[tokens]
@@ -154,6 +159,9 @@ class PrefillGraphs:
         host64[1, :n] = self.model.rope_rows(positions, lengths, (seq.num_tokens for seq in plan.seqs))
         host64[2, :n] = positions % tokens_per_page
         host64[3, : len(sampled)] = starts_row[sampled] + lengths[sampled] - 1
+        device_rows = plan.device_input_rows()
+        if device_rows is not None:
+            host64[4, : len(device_rows)] = device_rows
 
         seg_meta, seg_rows, slot_rows, seq_info, tile_seq, tile_row, seg_tile, one_row_slot = bucket.host_parts
         seg_meta[:] = 0  # padding segments (the last one always): no rows
@@ -206,9 +214,14 @@ class PrefillGraphs:
         host_dest[:, :, :n] = dest.transpose(1, 2, 0)
 
         self.packed64[:, :tokens].copy_(self.host64[:, :tokens], non_blocking=True)
+        if device_rows is not None:  # the decode rows' input ids: the step in flight's tokens, on the device
+            self.packed64[0].index_copy_(0, self.packed64[4, : len(device_rows)], plan.device_tokens)
         self.dest_pages[:, :, :tokens].copy_(self.host_dest[:, :, :tokens], non_blocking=True)
         bucket.device.copy_(bucket.host, non_blocking=True)
         self.blocks.send(num_seqs, width, self.block_table)
+        if self.pin:
+            self.sent = torch.cuda.Event()
+            self.sent.record()
         kind = "lora+rows" if one_row.any() else "lora" if len(used) else "none"
         return (tokens, kind), len(sampled)
 

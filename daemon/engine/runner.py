@@ -107,10 +107,11 @@ class ModelRunner:
         return groups
 
     def plan(self, batch: list[tuple[Sequence, int]], assisted: dict | None = None,
-             device_tokens: torch.Tensor | None = None) -> StepPlan:
+             device_tokens: torch.Tensor | None = None, device_rows=None) -> StepPlan:
         """The step's plan from the scheduler's batch (daemon/engine/step_plan.py), each adapter's slot read
-        from its residency. device_tokens: a decode step's input ids, on the device (overlapped decode)."""
-        return StepPlan.build(batch, self.residency.slot, assisted, device_tokens)
+        from its residency. device_tokens: the input ids of the sequences device_rows (all when None), on the
+        device: the tokens of the step in flight (StepPlan.build)."""
+        return StepPlan.build(batch, self.residency.slot, assisted, device_tokens, device_rows)
 
     def forward(self, plan: StepPlan, path: str | None = None) -> torch.Tensor:
         """Runs the step's forward -> logits [len(plan.sampled), vocab], in plan.sampled's order: replayed from a
@@ -143,7 +144,7 @@ class ModelRunner:
         if self.graphs is not None and plan.decode and not plan.assisted and not self.residency.loading \
                 and self.graphs.fits(len(plan.seqs), plan.max_blocks):
             return DECODE_GRAPH
-        if self.prefill_graphs is not None and not plan.assisted and plan.device_tokens is None \
+        if self.prefill_graphs is not None and not plan.assisted \
                 and self.prefill_graphs.fits(plan.num_tokens, len(plan.seqs), plan.max_blocks):
             return PREFILL_GRAPH
         return EAGER
@@ -183,9 +184,14 @@ class ModelRunner:
             kv_len=(plan.starts + plan.counts).tolist(),
         )
         sample_rows = (first_rows + plan.counts - 1)[plan.sample]
+        if plan.every_token_on_device:
+            input_ids = plan.device_tokens
+        else:
+            input_ids = torch.from_numpy(np.concatenate(plan.tokens)).to(device)
+            if plan.device_tokens is not None:  # the decode rows of a step launched before the one in flight landed
+                input_ids.index_copy_(0, torch.from_numpy(plan.device_input_rows()).to(device), plan.device_tokens)
         step = Step(
-            input_ids=(plan.device_tokens if plan.device_tokens is not None
-                       else torch.from_numpy(np.concatenate(plan.tokens)).to(device)),
+            input_ids=input_ids,
             positions=torch.from_numpy(self.model.rope_rows(positions, plan.counts, (s.num_tokens for s in plan.seqs))).to(device),
             sample_rows=torch.from_numpy(sample_rows).to(device),
             attention=attention,

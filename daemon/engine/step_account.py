@@ -186,6 +186,10 @@ class StepAccount:
                 self.totals[kind].device_s = (self.totals[kind].device_s or 0.0) + begun.elapsed_time(ended) / 1e3
             self.step_seconds[step.kind].observe(seconds)
 
+    def in_flight(self) -> bool:
+        """A step was launched whose tokens have not landed."""
+        return bool(self._pending)
+
     def drop_pending(self) -> None:
         """A step failed: what it had launched is not timed."""
         self._pending.clear()

@@ -27,7 +27,10 @@ class StepPlan:
     sample: np.ndarray  # bool [n]: its last row's logits are taken (its prompt is done)
     seqs: list[Sequence] = field(default_factory=list)  # the engine's sequences, in the same order
     assisted: dict[Sequence, int] = field(default_factory=dict)  # CPU-assisted sequences -> their adapter id
-    device_tokens: torch.Tensor | None = None  # [n] a decode step's input ids already on the device
+    # the one new token of some sequences, already on the device (a step launched before the tokens of the step
+    # in flight are read): [len(device_rows)] input ids for the sequences device_rows (all of them when None)
+    device_tokens: torch.Tensor | None = None
+    device_rows: np.ndarray | None = None
     counts: np.ndarray = field(init=False)  # int64 [n]: new tokens per sequence
     decode: bool = field(init=False)  # every sequence adds one token, and it is sampled
 
@@ -37,15 +40,17 @@ class StepPlan:
 
     @classmethod
     def build(cls, batch: list[tuple[Sequence, int]], slot_of, assisted: dict[Sequence, int] | None = None,
-              device_tokens: torch.Tensor | None = None) -> StepPlan:
+              device_tokens: torch.Tensor | None = None, device_rows: np.ndarray | None = None) -> StepPlan:
         """From the scheduler's batch (each sequence and its new tokens this step); slot_of(adapter name) -> its
-        slot. With device_tokens (overlapped decode) each sequence adds the one token the device holds for it,
-        which its `tokens` do not have yet."""
-        if device_tokens is not None:
-            tokens = [np.zeros(1, dtype=np.int64) for _ in batch]
-        else:
-            tokens = [np.asarray(seq.tokens[seq.num_computed : seq.num_computed + count], dtype=np.int64)
-                      for seq, count in batch]
+        slot. With device_tokens (a step launched before the one in flight has landed) each sequence of
+        device_rows (every one when None) adds the one token the device holds for it, which its `tokens` do not
+        have yet."""
+        if device_tokens is not None and device_rows is None:
+            device_rows = np.arange(len(batch))
+        on_device = set() if device_rows is None else set(device_rows.tolist())
+        tokens = [np.zeros(1, dtype=np.int64) if index in on_device
+                  else np.asarray(seq.tokens[seq.num_computed : seq.num_computed + count], dtype=np.int64)
+                  for index, (seq, count) in enumerate(batch)]
         starts = np.fromiter((seq.num_computed for seq, _ in batch), dtype=np.int64, count=len(batch))
         ends = starts + np.fromiter((count for _, count in batch), dtype=np.int64, count=len(batch))
         return cls(
@@ -57,6 +62,7 @@ class StepPlan:
             seqs=[seq for seq, _ in batch],
             assisted=assisted or {},
             device_tokens=device_tokens,
+            device_rows=device_rows,
         )
 
     @property
@@ -66,6 +72,22 @@ class StepPlan:
     @property
     def max_blocks(self) -> int:
         return max(len(blocks) for blocks in self.blocks)
+
+    def first_rows(self) -> np.ndarray:
+        """int64 [n]: each sequence's first row among the step's tokens."""
+        return np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+
+    def device_input_rows(self) -> np.ndarray | None:
+        """int64: the rows whose input ids are device_tokens, in their order; None without device_tokens."""
+        if self.device_tokens is None:
+            return None
+        first = self.first_rows()
+        return first if self.device_rows is None else first[self.device_rows]
+
+    @property
+    def every_token_on_device(self) -> bool:
+        """Every sequence's input is its one token in device_tokens (an overlapped decode step)."""
+        return self.device_tokens is not None and (self.device_rows is None or len(self.device_rows) == len(self.tokens))
 
     @property
     def sampled(self) -> list[Sequence]:

@@ -72,7 +72,7 @@ class StepMessage:
     slots: np.ndarray
     blocks: tuple[list[int], list[int], list[np.ndarray]]  # BlockSync.updates: keys, first new row, new rows
     sample: np.ndarray
-    device_tokens: bool  # the input ids come from rank 0's device (a broadcast), not `tokens`
+    device_rows: np.ndarray | None  # the sequences whose input id comes from rank 0's device (a broadcast), not `tokens`
     path: str  # how rank 0 runs the step (ModelRunner.path): a worker runs it the same way
 
     @classmethod
@@ -80,12 +80,19 @@ class StepMessage:
         if plan.assisted:
             raise RuntimeError("a CPU-assisted step cannot run tensor-parallel")  # refused by EngineConfig
         return cls(evicted, placed, np.concatenate(plan.tokens), plan.counts, plan.starts, plan.slots,
-                   blocks, plan.sample, plan.device_tokens is not None, path)
+                   blocks, plan.sample, _device_rows(plan), path)
 
     def plan(self, blocks: list[np.ndarray]) -> StepPlan:
         tokens = np.split(self.tokens, np.cumsum(self.counts)[:-1])
         return StepPlan(tokens=tokens, starts=self.starts, slots=self.slots, blocks=blocks, sample=self.sample,
                         seqs=[None] * len(tokens))
+
+
+def _device_rows(plan: StepPlan) -> np.ndarray | None:
+    """The sequences of the plan whose input id is in its device_tokens, or None."""
+    if plan.device_tokens is None:
+        return None
+    return np.arange(len(plan.tokens)) if plan.device_rows is None else np.asarray(plan.device_rows)
 
 
 class BlockSync:
@@ -465,8 +472,9 @@ class RankWorker:
         for placement in message.placed:
             self.table.place_at(placement.slot, self._staged(placement.name, placement.path), placement.page_ids)
         plan = message.plan(self.blocks.apply(message.blocks))
-        if message.device_tokens:
-            plan.device_tokens = tensor_parallel.broadcast(torch.empty(len(plan.tokens), dtype=torch.long, device=self.device))
+        if message.device_rows is not None:
+            plan.device_rows = message.device_rows
+            plan.device_tokens = tensor_parallel.broadcast(torch.empty(len(message.device_rows), dtype=torch.long, device=self.device))
         self.runner.forward(plan, message.path)
 
     def hint(self, name: str, path: str) -> None:

@@ -70,6 +70,56 @@ def test_alloc_beyond_free_takes_nothing():
     assert pool.alloc(1, "kv") is None
 
 
+class FakeEvent:
+    """A device event the test passes by hand: query() says whether the device is past it; synchronize() waits."""
+
+    made: list[FakeEvent] = []
+
+    def __init__(self):
+        self.passed = self.recorded = False
+        self.waited = 0
+        FakeEvent.made.append(self)
+
+    def record(self):
+        self.recorded = True
+
+    def query(self):
+        return self.passed
+
+    def synchronize(self):
+        self.waited += 1
+        self.passed = True
+
+
+def test_fenced_pages_go_out_again_only_after_the_device_passed_their_step():
+    """Pages a step in flight may still write come back counted free, but are handed out only once their event
+    has passed, or, when the others are too few, after waiting for it; unfenced pages go out first."""
+    pool = make_pool(10)
+    pool.fences, pool.new_event = True, FakeEvent
+    FakeEvent.made.clear()
+    written = pool.alloc(4, "kv")  # a sequence's pages, a step in flight writing them
+    pool.free(written, "kv", fenced=True)
+    event = FakeEvent.made[-1]
+    assert event.recorded and pool.num_free == 9 and pool.used["kv"] == 0
+    other = pool.alloc(5, "adapter")  # the 5 never written: no wait
+    assert not set(other.tolist()) & set(written.tolist()) and event.waited == 0
+    taken = pool.alloc(2, "adapter")  # only the fenced ones are left: waits for the step, then hands them out
+    assert event.waited == 1 and set(taken.tolist()) <= set(written.tolist())
+    assert pool.num_free == 2 and pool.used == {"kv": 0, "adapter": 7}
+    pool.free(taken, "adapter")
+    pool.free(other, "adapter", fenced=True)
+    FakeEvent.made[-1].passed = True  # the device passed it: back without a wait at the next short alloc
+    assert pool.alloc(9, "kv") is not None and FakeEvent.made[-1].waited == 0 and pool.num_free == 0
+    assert pool.used == {"kv": 9, "adapter": 0}
+
+
+def test_fenced_free_is_plain_on_the_cpu():
+    pool = make_pool(6)
+    ids = pool.alloc(5, "kv")
+    pool.free(ids, "kv", fenced=True)  # no device queue on the cpu: free at once
+    assert pool.alloc(5, "kv") is not None
+
+
 # --- KVCache ----------------------------------------------------------------------------------------
 
 

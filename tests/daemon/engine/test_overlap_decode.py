@@ -121,6 +121,68 @@ def test_a_step_that_admits_a_request_beside_the_decode_rows_overlaps_the_next(d
     assert engine.pool.occupancy()["kv"] == 0 and not engine.scheduler.has_work() and engine._in_flight is None
 
 
+def test_a_step_admitting_the_queue_is_planned_and_launched_before_the_step_in_flight_lands(demo_assets, plain):
+    """Two running slots for seven requests, a stop token and a stop string among them: each step that admits the
+    queue's head beside the running rows is planned while the step before it is in flight, its decode rows' input ids
+    that step's tokens on the device, and launched before they are read. The plain engine's tokens and texts; a row
+    that ended on the landed tokens (a stop) was computed past its end and dropped."""
+    expected = plain.generate(mixed_requests(plain))
+    engine = overlapped(make_engine(demo_assets, max_running_requests=2))
+    launched = count_calls(engine.runner, "forward")
+    landed = []
+    finish = engine._finish_step_in_flight
+
+    def watched():
+        landed.append(len(launched))
+        finish()
+
+    engine._finish_step_in_flight = watched
+    results = engine.generate(mixed_requests(plain))
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert [r.finish_reason for r in results] == [r.finish_reason for r in expected]
+    assert [r.text for r in results] == [r.text for r in expected]
+    plans = [call[0] for call in launched]
+    ahead = [plan for plan in plans if plan.device_tokens is not None and not plan.every_token_on_device]
+    assert engine.planned_ahead_steps >= 4 and len(ahead) >= 4  # the queue's head joined beside a row in flight
+    for plan in ahead:
+        prompt_rows = [i for i, seq in enumerate(plan.seqs) if plan.starts[i] < seq.prompt_len]
+        assert prompt_rows and set(prompt_rows).isdisjoint(plan.device_rows.tolist())
+    assert engine.pool.occupancy()["kv"] == 0 and not engine.scheduler.has_work() and engine._in_flight is None
+
+
+@pytest.mark.parametrize("case", ["chunked", "sampled", "one_token_prompt"])
+def test_steps_planned_ahead_that_read_their_tokens_at_once(demo_assets, case):
+    """A step planned ahead whose own tokens are read at once (a prompt chunk that does not end its prompt, a row
+    drawn with a temperature) lands the step in flight first; a one-token prompt joins the decode rows as a decode
+    step with some input ids from the host. The plain engine's tokens either way."""
+    cases = [(prompt, ADAPTERS[i % len(ADAPTERS)]) for i, prompt in enumerate(prompts(4, seed=8, low=5, high=12))]
+    config = {"max_running_requests": 2}
+    if case == "chunked":
+        cases[2] = (prompts(1, seed=9, low=40, high=40)[0], "demo-r2")
+        config["max_batch_tokens"] = 16
+    if case == "one_token_prompt":
+        cases[2] = ([77], "demo-r1")
+
+    def reqs() -> list[GenerationRequest]:
+        made = [GenerationRequest(list(prompt), adapter, SamplingParams(max_tokens=3 + 4 * i, **GREEDY))
+                for i, (prompt, adapter) in enumerate(cases)]
+        if case == "sampled":
+            made[2] = GenerationRequest(list(cases[2][0]), cases[2][1], SamplingParams(max_tokens=11, temperature=0.8, seed=4))
+        return made
+
+    plain_engine = make_engine(demo_assets, **config)
+    expected = [plain_engine.generate([request])[0].token_ids for request in reqs()]
+    engine = overlapped(make_engine(demo_assets, **config))
+    launched = count_calls(engine.runner, "forward")
+    results = engine.generate(reqs())
+    assert [r.token_ids for r in results] == expected
+    assert engine.planned_ahead_steps > 0
+    plans = [call[0] for call in launched]
+    if case == "one_token_prompt":
+        assert any(plan.decode and plan.device_tokens is not None and not plan.every_token_on_device for plan in plans)
+    assert engine.pool.occupancy()["kv"] == 0 and not engine.scheduler.has_work() and engine._in_flight is None
+
+
 def test_arrivals_and_aborts_while_a_step_is_in_flight(demo_assets, plain):
     cases = [(prompt, ADAPTERS[i]) for i, prompt in enumerate(prompts(4, seed=5, low=4, high=12))]
     expected = [plain.generate(requests([case], 12))[0].token_ids for case in cases]
@@ -133,11 +195,11 @@ def test_arrivals_and_aborts_while_a_step_is_in_flight(demo_assets, plain):
     while engine.overlapped_steps < 3:
         engine.step()
     assert engine._in_flight is not None
-    engine.submit(reqs[3])  # joins: the step in flight is landed first, then the plain step admits it
+    engine.submit(reqs[3])  # joins: planned and launched beside the others before the step in flight lands
     engine.abort(reqs[1].request_id)  # its row in flight is dropped
-    steps = engine.overlapped_steps
+    steps, ahead = engine.overlapped_steps, engine.planned_ahead_steps
     engine.step()
-    assert engine.overlapped_steps == steps
+    assert engine.overlapped_steps == steps and engine.planned_ahead_steps == ahead + 1
     assert outputs[reqs[1].request_id][-1].finish_reason == "abort"
     aborted_at = len([t for o in outputs[reqs[1].request_id] for t in o.new_token_ids])
     while engine.scheduler.has_work():

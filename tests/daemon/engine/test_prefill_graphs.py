@@ -53,7 +53,7 @@ def test_fill_lays_out_a_mixed_step_for_the_fixed_grids():
     key, sampled = graphs.fill(plan_of(*seqs))
     assert key == (32, "lora") and sampled == 2  # 18 tokens: the 32 bucket
     bucket = graphs.buckets[32]
-    ids, positions, offsets, sample_rows = graphs.packed64[:, :32]
+    ids, positions, offsets, sample_rows, _ = graphs.packed64[:, :32]
     assert ids[:18].tolist() == [*range(100, 107), 55, *range(200, 210)] and not ids[18:].any()
     assert positions[:18].tolist() == [*range(7), 3, *range(6, 16)] and not positions[18:].any()
     assert offsets[:18].tolist() == [p % kv.tokens_per_page for p in positions[:18].tolist()]
@@ -77,6 +77,21 @@ def test_fill_lays_out_a_mixed_step_for_the_fixed_grids():
             assert torch.equal(graphs.dest_pages[:, :, first + row], torch.from_numpy(page).long())
     assert (graphs.dest_pages[:, :, 18:32] == SCRATCH_PAGE).all(), "padding rows write only the scratch page"
     assert (graphs.block_table[:, :, bucket.seqs] == SCRATCH_PAGE).all(), "the padding sequence reads the scratch page"
+
+
+def test_fill_takes_decode_rows_input_ids_from_the_device():
+    """A step planned while the one before it is in flight: its decode rows' input ids are that step's tokens on the
+    device (StepPlan.device_tokens for device_rows), written over the placeholders after the packed copy."""
+    graphs, _ = make()
+    rng = np.random.default_rng(1)
+    blocks = [rng.integers(1, 4096, size=(n, LAYERS, 2), dtype=np.int32) for n in (3, 5, 4)]
+    plan = plan_of((np.zeros(1, dtype=np.int64), 4, 1, blocks[0], True),
+                   (np.arange(300, 309), 0, 2, blocks[1], True),
+                   (np.zeros(1, dtype=np.int64), 6, -1, blocks[2], True))
+    plan.device_tokens, plan.device_rows = torch.tensor([41, 42]), np.array([0, 2])
+    key, sampled = graphs.fill(plan)
+    assert key == (16, "lora+rows") and sampled == 3
+    assert graphs.packed64[0, :11].tolist() == [41, *range(300, 309), 42] and not graphs.packed64[0, 11:16].any()
 
 
 def test_a_mixed_steps_decode_rows_go_to_mbgmv_and_its_prompt_rows_to_mbgmm():

@@ -148,15 +148,15 @@ def test_a_rank_reads_only_its_slices_of_a_sharded_checkpoint(hf_checkpoint):
 # --- whole engines ---------------------------------------------------------------------------------------------
 
 
-def generate(model_dir, adapters: dict, cases, overlap_on_cpu: bool = False, **config):
+def generate(model_dir, adapters: dict, cases, overlap_on_cpu: bool = False, max_tokens=None, **config):
     """-> (results, the engine's status at the end). overlap_on_cpu: decode steps overlapped as on cuda (requests
-    that keep their logits are never overlapped: they keep none then)."""
+    that keep their logits are never overlapped: they keep none then). max_tokens: each request's (MAX_TOKENS)."""
     engine = Engine(EngineConfig(model=str(model_dir), adapters=tuple((name, str(path)) for name, path in adapters.items()),
                                  device="cpu", dtype="float32", **config))
     engine.overlap_decode = overlap_on_cpu
     requests = [GenerationRequest(prompt_token_ids=list(prompt), adapter=adapter, keep_logits=not overlap_on_cpu,
-                                  sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
-                for prompt, adapter in cases]
+                                  sampling=SamplingParams(max_tokens=limit, temperature=0, ignore_eos=True))
+                for (prompt, adapter), limit in zip(cases, max_tokens or [MAX_TOKENS] * len(cases))]
     try:
         results = engine.generate(requests)
         return results, engine.status()
@@ -432,6 +432,21 @@ def test_tp2_overlapped_decode_equals_tp1(hf_checkpoint, caplog):
     # At close every worker reports its steps by path (graph, eager): the same as rank 0's.
     assert not [record for record in caplog.records if "other paths than rank 0" in record.getMessage()
                 or "did not report its steps" in record.getMessage()]
+
+
+def test_tp2_steps_planned_ahead_equal_tp1(hf_checkpoint):
+    # Two running slots for five requests of different lengths: a step that admits the queue's head is planned while
+    # the step before it is in flight, its decode rows' input ids that step's tokens, broadcast with the rows they go to.
+    checkpoint = hf_checkpoint("llama")
+    cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size)[:5]
+    limits = [3, 7, 5, 9, 4]
+    config = dict(max_running_requests=2, max_batch_tokens=64, max_tokens=limits)
+    single, _ = generate(checkpoint.model_dir, checkpoint.adapters, cases, **config)
+    split, status = generate(checkpoint.model_dir, checkpoint.adapters, cases, tensor_parallel_size=2,
+                             overlap_on_cpu=True, **config)
+    assert status["planned_ahead_steps"] > 0
+    for index, (one, two) in enumerate(zip(single, split)):
+        assert two.token_ids == one.token_ids, f"request {index} (adapter {cases[index][1]})"
 
 
 def test_a_worker_stages_hinted_adapters_once_on_its_own_thread(hf_checkpoint, monkeypatch):
