@@ -51,7 +51,7 @@ def test_fill_lays_out_a_mixed_step_for_the_fixed_grids():
             (np.array([55]), 3, -1, blocks[1], True),
             (np.arange(200, 210), 6, 2, blocks[2], True)]
     key, sampled = graphs.fill(plan_of(*seqs))
-    assert key == (32, "lora") and sampled == 2  # 18 tokens: the 32 bucket
+    assert key == (32, "lora", 16) and sampled == 2  # 18 tokens: the 32 bucket
     bucket = graphs.buckets[32]
     ids, positions, offsets, sample_rows, _ = graphs.packed64[:, :32]
     assert ids[:18].tolist() == [*range(100, 107), 55, *range(200, 210)] and not ids[18:].any()
@@ -90,7 +90,7 @@ def test_fill_takes_decode_rows_input_ids_from_the_device():
                    (np.zeros(1, dtype=np.int64), 6, -1, blocks[2], True))
     plan.device_tokens, plan.device_rows = torch.tensor([41, 42]), np.array([0, 2])
     key, sampled = graphs.fill(plan)
-    assert key == (16, "lora+rows") and sampled == 3
+    assert key == (16, "lora+rows", 16) and sampled == 3
     assert graphs.packed64[0, :11].tolist() == [41, *range(300, 309), 42] and not graphs.packed64[0, 11:16].any()
 
 
@@ -102,14 +102,33 @@ def test_a_mixed_steps_decode_rows_go_to_mbgmv_and_its_prompt_rows_to_mbgmm():
                                  (np.array([6]), 7, 2, blocks, True), (np.array([7]), 2, -1, blocks, True),
                                  (np.array([8]), 3, 3, blocks, True)))
     bucket = graphs.buckets[16]
-    assert key == (16, "lora+rows") and bucket.seqs == 8
+    assert key == (16, "lora+rows", 16) and bucket.seqs == 8
     assert bucket.one_row_slot.tolist() == [1, -1, -1, -1, -1, -1, -1, 2], "rows 0 and 7 of the first 8; row 9 is past them"
     assert bucket.seg_meta[:, :3].tolist() == [[1, 3, 0], [0, 6, 0], [6, 1, 0]], "slot 1's prompt rows, then row 9"
     assert bucket.seg_rows[:7].tolist() == [1, 2, 3, 4, 5, 6, 9]
     assert bucket.row_slot[:10].tolist() == [1, 1, 1, 1, 1, 1, 1, 2, -1, 3], "every row's slot, for the reference ops"
     key, _ = graphs.fill(plan_of((np.array([5]), 4, 1, blocks, True), (np.arange(6), 0, -1, blocks, True)))
-    assert key == (16, "lora+rows") and not bucket.seg_meta[2].any(), "decode rows alone take MBGMV's graph"
+    assert key == (16, "lora+rows", 16) and not bucket.seg_meta[2].any(), "decode rows alone take MBGMV's graph"
     assert bucket.one_row_slot.tolist() == [1] + [-1] * 7
+
+
+def test_a_step_takes_the_lowest_rank_tier_that_holds_its_adapters():
+    """Graphs per rank tier (16, 64 and the maximum, 256 here) for steps with adapter rows: a step replays the lowest
+    that holds the ranks of its rows' adapters, decode rows' (MBGMV) and prompt rows' (MBGMM) alike."""
+    graphs, _ = make(max_rank=256)
+    assert graphs.rank_tiers == [16, 64, 256]
+    assert [key for key in graphs.plan() if key[0] == 16] == [(16, "none", 0), (16, "lora", 16), (16, "lora", 64),
+                                                              (16, "lora", 256), (16, "lora+rows", 16),
+                                                              (16, "lora+rows", 64), (16, "lora+rows", 256)]
+    ranks = {1: 8, 2: 64, 3: 100}
+    for slot, rank in ranks.items():
+        graphs.table.rank_host[slot, 1, 2] = rank  # the adapter's largest (layer, projection)
+    blocks = np.ones((9, LAYERS, 2), dtype=np.int32)
+    for slots, kind, tier in [((1,), "lora", 16), ((1, 2), "lora", 64), ((2, 3), "lora", 256), ((-1, 1), "lora", 16)]:
+        key, _ = graphs.fill(plan_of(*[(np.arange(5), 0, slot, blocks, True) for slot in slots]))
+        assert key == (16, kind, tier), slots
+    key, _ = graphs.fill(plan_of((np.array([5]), 4, 3, blocks, True), (np.arange(6), 0, 1, blocks, True)))
+    assert key == (16, "lora+rows", 256), "the decode row's adapter, rank 100, sets the tier"
 
 
 def test_a_base_only_step_takes_the_graph_without_lora_and_long_prompts_take_several_tiles():
@@ -118,7 +137,7 @@ def test_a_base_only_step_takes_the_graph_without_lora_and_long_prompts_take_sev
     blocks = np.ones((75, LAYERS, 2), dtype=np.int32)
     key, sampled = graphs.fill(plan_of((np.arange(150), 0, -1, blocks, True)))
     bucket = graphs.buckets[200]
-    assert key == (200, "none") and sampled == 1
+    assert key == (200, "none", 0) and sampled == 1
     assert bucket.tile_row[:3].tolist() == [0, 64, 128] and bucket.tile_seq[:3].tolist() == [0, 0, 0]
     assert bucket.tile_seq[3] == bucket.seqs
     blocks2 = np.ones((40, LAYERS, 2), dtype=np.int32)
@@ -186,7 +205,8 @@ def test_the_padded_static_steps_give_the_reference_engines_tokens(demo_assets):
     results = engine.generate(batch(names)) + engine.generate(batch([None], count=2, seed=1))
     engine.close()
 
-    assert engine.runner.prefill_graph_steps > 0 and {kind for _, kind in replayed} == {"none", "lora", "lora+rows"}
+    assert engine.runner.prefill_graph_steps > 0 and {kind for _, kind, _ in replayed} == {"none", "lora", "lora+rows"}
+    assert {tier for _, kind, tier in replayed if kind != "none"} == {16}  # the demo's ranks: 1 to 16
     for got, want in zip(results, expected):
         assert got.token_ids == want.token_ids
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
