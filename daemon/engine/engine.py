@@ -632,7 +632,7 @@ class Engine:
             return
         started = time.perf_counter()
         streamed = bool(self.residency.streaming())  # this step ran while adapters streamed in
-        if ahead is not None and (assisted or streamed):  # steps the host reads at once: from the tokens landed
+        if ahead is not None and assisted:  # the CPU workers compute from tokens on the host: the tokens landed first
             self._finish_step_in_flight()
             batch = [(seq, count) for seq, count in batch if not seq.state.finished]
             ahead = None
@@ -656,7 +656,7 @@ class Engine:
         self._admit_to_sampler(sampled)
         if ahead is not None:
             self.planned_ahead_steps += 1
-            if self._overlappable(plan, ending=len(self._ending(ahead))):
+            if not streamed and self._overlappable(plan, ending=len(self._ending(ahead))):
                 observed = self._prefill_tokens(batch)  # before num_computed moves on
                 for seq, count in batch:
                     seq.num_computed += count
@@ -667,8 +667,8 @@ class Engine:
                 if all(seq.state.finished for seq in following.seqs):  # every row ended on the tokens just landed
                     self._finish_step_in_flight()
                 return
-            # Its tokens are read now (a prompt chunk that does not end its prompt, a row drawn with a temperature):
-            # the step in flight's first. A row whose token just landed ended its request (a stop token) is dropped.
+            # Its tokens are read now (a prompt chunk that does not end its prompt, a row drawn with a temperature, a
+            # step whose adapters stream in, checked when it lands): the step in flight's first. A row whose token just landed ended its request (a stop token) is dropped.
             self._finish_step_in_flight()
             kept = [row for row, seq in enumerate(sampled) if not seq.state.finished]
             if len(kept) < len(sampled):
