@@ -14,9 +14,9 @@ request admitted (its adapter, tier and first step's tokens):
   forward, and the `StreamedLoad` stays in `loading` until that step has been sampled.
 
 On cuda, the host's part of a cold load (reading the adapter from disk, laying it out in pages, pinning it) runs
-on background threads (`Stager`, handing its work over in the order asked) for the adapters of the first queued
-requests (`prepare`), so the engine thread finds them staged; an adapter admitted before its staging is done is
-staged on the engine thread, as without it.
+on a background thread (`Stager`) for the adapters of the first queued requests (`prepare`), so the engine
+thread finds them staged; an adapter admitted before its staging is done is staged on the engine thread, as
+without it.
 
 A queued request's cold adapter may be placed before its admission (`prefetch`, while a step runs): whole,
 or, where its placement would be "stream", streamed ahead. A streamed-ahead copy waits in `ahead` and the
@@ -37,10 +37,6 @@ from collections.abc import Callable, Hashable
 from lorad.gpu_ops.page_pool import AdapterTable, LayerwiseLoad, StagedAdapter, StreamedLoad, issue_streamed
 
 PLACEMENTS = ("whole", "layerwise", "stream")
-# Threads staging at once. On an H100 host a 7B-shaped adapter of rank 16-64 took 70-180 ms to read, 25-40 ms to lay
-# out and up to ~100 ms more to pin: where many requests for cold adapters arrive together (a burst, a trace replayed
-# at once), one thread fell behind the admissions, which then staged on the engine thread.
-STAGER_THREADS = 2
 
 log = logging.getLogger(__name__)
 
@@ -354,68 +350,53 @@ class LoraResidency:
 
 
 class Stager:
-    """Background threads (`threads` of them) that read adapters (`lookup`, maybe from disk) and stage them (`stage`:
-    page layout, pinning), for the engine thread to take (`take`) in the order they were asked for: a later one
-    finished first waits for those before it, so the queue's head is always staged first, as with one thread.
-    Their work is mostly torch copies and casts, which release the GIL. `ask` and `take` are the engine thread's; a
-    name asked again while it is being staged is not staged twice. The threads hold the stager only weakly while
-    they wait, so an engine that is dropped is freed (its GPU memory with it), and the threads end."""
+    """A background thread that reads adapters (`lookup`, maybe from disk) and stages them (`stage`: page
+    layout, pinning), for the engine thread to take (`take`). `ask` and `take` are the engine thread's; a
+    name asked again while it is being staged is not staged twice. The thread holds the stager only weakly
+    while it waits, so an engine that is dropped is freed (its GPU memory with it), and the thread ends."""
 
-    def __init__(self, lookup, stage, threads: int = STAGER_THREADS):
+    def __init__(self, lookup, stage):
         self.lookup = lookup
         self.stage = stage
-        self.num_threads = threads
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: set[str] = set()
-        self._threads: list[threading.Thread] = []
-        self._asked = 0  # tickets handed out, in ask order
-        self._next = 0  # the ticket `take` hands over next
-        self._finished: dict[int, tuple] = {}  # done, waiting for the tickets before them
+        self._thread: threading.Thread | None = None
 
     def ask(self, name: str, generation: int = 0) -> None:
         if name in self._pending:
             return
         self._pending.add(name)
-        if not self._threads:
-            for index in range(self.num_threads):
-                thread = threading.Thread(target=_stage_loop, args=(weakref.ref(self), self._todo, self._done),
-                                          name=f"lorad-stager-{index}", daemon=True)
-                thread.start()
-                self._threads.append(thread)
-                weakref.finalize(self, self._todo.put, None)  # ends one thread once the stager is gone
-        self._todo.put((self._asked, name, generation))
-        self._asked += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=_stage_loop, args=(weakref.ref(self), self._todo, self._done),
+                                            name="lorad-stager", daemon=True)
+            self._thread.start()
+            weakref.finalize(self, self._todo.put, None)  # ends the thread once the stager is gone
+        self._todo.put((name, generation))
 
     def take(self) -> list[tuple[str, int, object, object]]:
-        """(name, generation, adapter or None, (pageable, pinned) or the exception) for each one done whose
-        predecessors are done too, in ask order."""
+        """(name, generation, adapter or None, (pageable, pinned) or the exception) for each one done."""
+        done = []
         while True:
             try:
-                ticket, *item = self._done.get_nowait()
+                item = self._done.get_nowait()
             except queue.Empty:
-                break
-            self._finished[ticket] = tuple(item)
-        done = []
-        while self._next in self._finished:
-            item = self._finished.pop(self._next)
-            self._next += 1
+                return done
             self._pending.discard(item[0])
             done.append(item)
-        return done
 
     def pending(self) -> int:
         return len(self._pending)
 
 
 def _stage_loop(stager_ref, todo: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
-    """One of the stager's threads: until it is told to stop (None) or its stager is gone."""
+    """The stager's thread: until it is told to stop (None) or its stager is gone."""
     while True:
         item = todo.get()
         stager = stager_ref()
         if item is None or stager is None:
             return
-        ticket, name, generation = item
+        name, generation = item
         adapter = None
         try:
             adapter = stager.lookup(name)
@@ -423,7 +404,7 @@ def _stage_loop(stager_ref, todo: queue.SimpleQueue, done: queue.SimpleQueue) ->
         except Exception as error:  # noqa: BLE001 - reported by take(); admission meets it again
             result = error
         del stager
-        done.put((ticket, name, generation, adapter, result))
+        done.put((name, generation, adapter, result))
 
 
 class StagedCache:

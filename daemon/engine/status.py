@@ -38,7 +38,7 @@ def engine_status(engine: Engine) -> dict:
             "adapter_loads": engine.residency.loads,
             "adapter_prefetches": engine.residency.prefetches,
             "adapter_evictions": engine.residency.evictions,
-            # cuda: adapters read and staged on the stager's threads ("off") against those the engine thread had
+            # cuda: adapters read and staged on the stager's thread ("off") against those the engine thread had
             # to stage itself at admission or prefetch; null where staging is not backgrounded (the CPU)
             "adapter_staging": None if engine.residency.stager is None else {
                 "off_thread": engine.residency.staged_off_thread, "pending": engine.residency.stager.pending()},

@@ -39,30 +39,9 @@ def test_each_name_staged_once_while_pending_and_off_the_callers_thread():
     release.set()
     done = wait_for(stager, 2)
     assert [(name, result) for name, _, _, result in done] == [("a", ("ADAPTER A", None)), ("b", ("ADAPTER B", None))]
-    assert sorted(calls) == ["a", "b"] and threads <= {"lorad-stager-0", "lorad-stager-1"} and stager.pending() == 0
+    assert calls == ["a", "b"] and threads == {"lorad-stager"} and stager.pending() == 0
     stager.ask("a", 1)  # asked again once done: staged again (e.g. after it left the caches)
     assert [item[:2] for item in wait_for(stager, 1)] == [("a", 1)]
-
-
-def test_work_is_handed_over_in_the_order_asked_though_a_later_one_finishes_first():
-    """Two threads: the second name asked finishes first, and waits until the first is done to be taken, so the
-    queue's head is always staged first (prefetch and admission take staged adapters in queue order)."""
-    first_may_end = threading.Event()
-
-    def lookup(name):
-        if name == "first":
-            first_may_end.wait(5)
-        return name
-
-    stager = Stager(lookup, lambda adapter: (adapter, None), threads=2)
-    stager.ask("first", 0)
-    stager.ask("second", 0)
-    deadline = time.monotonic() + 5
-    while stager._done.qsize() == 0 and time.monotonic() < deadline:  # "second" is done, "first" not
-        time.sleep(0.005)
-    assert stager.take() == [] and stager.pending() == 2
-    first_may_end.set()
-    assert [item[0] for item in wait_for(stager, 2)] == ["first", "second"] and stager.pending() == 0
 
 
 def test_a_failure_is_reported_not_raised():
@@ -151,11 +130,9 @@ def test_a_dropped_stager_is_freed_and_its_thread_ends():
     stager = Stager(lambda name: name, lambda adapter: (adapter, None))
     stager.ask("a", 0)
     wait_for(stager, 1)
-    threads, alive = list(stager._threads), weakref.ref(stager)
-    assert len(threads) == stager.num_threads == 2
+    thread, alive = stager._thread, weakref.ref(stager)
     del stager
     gc.collect()
     assert alive() is None
-    for thread in threads:
-        thread.join(5)
-        assert not thread.is_alive()
+    thread.join(5)
+    assert not thread.is_alive()
