@@ -436,15 +436,6 @@ def test_refused_adapter(tmp_path, case):
     assert raised.value.message.startswith(f"adapter 'customer-7' ({directory}): ")
 
 
-def test_finite_weights_whose_sum_overflows_are_not_refused(tmp_path):
-    """The finiteness check sums each factor first: huge finite values whose float32 sum is infinite still load."""
-    tensors = good_tensors()
-    tensors[f"{PREFIX}.0.self_attn.q_proj.lora_A.weight"].fill_(3e38)
-    adapter = load_peft_adapter(write_adapter(tmp_path / "huge", tensors), SPEC, max_rank=8)
-    a, _ = adapter.weights[(0, 0)]
-    assert torch.isinf(a.sum()) and torch.isfinite(a).all()
-
-
 def assert_refused(directory, pattern):
     with pytest.raises(AdapterError, match=pattern) as raised:
         load_peft_adapter(directory, SPEC, max_rank=8, name="customer-7")
