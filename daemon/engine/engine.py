@@ -275,10 +275,11 @@ class Engine:
             self.cold_starts.start_cpu_assist()
         log.info(
             "engine ready model=%s arch=%s device=%s dtype=%s quantization=%s kv_cache_dtype=%s ops=%s cuda_graphs=%s "
-            "overlap_decode=%s pool_pages=%d page_elems=%d kv_tokens=%d adapters=%d load_s=%.2f",
+            "overlap_decode=%s plan_ahead=%s pool_pages=%d page_elems=%d kv_tokens=%d adapters=%d load_s=%.2f",
             self.model_name, self.spec.architecture, self.device, str(self.dtype).removeprefix("torch."),
             self.quantization.method, self.kv_cache["dtype"],
-            self.runner.ops.name, "off" if self.runner.graphs is None else "on", "on" if self.overlap_decode else "off", self.pool.capacity, self.pool.page_elems, self.kv.free_tokens(),
+            self.runner.ops.name, "off" if self.runner.graphs is None else "on", "on" if self.overlap_decode else "off",
+            "on" if self.plan_ahead["on"] else f"off ({self.plan_ahead['why']})", self.pool.capacity, self.pool.page_elems, self.kv.free_tokens(),
             len(self.registry.names()), time.perf_counter() - started,
         )
 
@@ -610,7 +611,7 @@ class Engine:
                 # The host would only wait for the step in flight: queued requests' cold adapters start
                 # streaming in meanwhile (their copies hold the host until it is done, at most a layer more).
                 self._prefetch(self._in_flight.done)
-            ahead = self._rows_going_on()
+            ahead = self._rows_going_on() if self.plan_ahead["on"] else None
             if ahead is None:
                 self._finish_step_in_flight()
         scheduling = time.perf_counter()
@@ -891,6 +892,17 @@ class Engine:
         if all(seq.state.finished for seq in seqs):  # every row ended on the tokens just landed
             self._finish_step_in_flight()
         return True
+
+    @property
+    def plan_ahead(self) -> dict:
+        """Whether a step that admits waiting requests is planned while the step before it is in flight (step()):
+        {"on": bool, "why": why not}. With the overlapped decode, on one GPU: with tensor parallelism a tied-embedding
+        checkpoint's tokens differed on two GPUs (H200, test_tensor_parallel_gpu.py), so there such a step waits for
+        the tokens in flight, as before."""
+        why = None if self.overlap_decode else "no overlapped decode"
+        if why is None and self.tp is not None:
+            why = "tensor parallel: tokens differed on two GPUs"
+        return {"on": why is None, "why": why}
 
     def _flight_tokens(self, rows: list[int]) -> torch.Tensor:
         """The tokens of the step in flight's rows `rows`, on the device (its own tensor when they are its first)."""

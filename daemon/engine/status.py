@@ -52,6 +52,7 @@ def engine_status(engine: Engine) -> dict:
             "prefill_cuda_graph_steps": engine.runner.prefill_graph_steps,
             "overlap_decode": engine.overlap_decode,
             "overlapped_decode_steps": engine.overlapped_steps,
+            "plan_ahead": engine.plan_ahead,
             "planned_ahead_steps": engine.planned_ahead_steps,
             "prefill_cuda_graphs": engine.runner.prefill_graphs.tokens_buckets if engine.runner.prefill_graphs is not None else "off",
             "lora_kernel_choice": engine.kernel_choice.describe(),

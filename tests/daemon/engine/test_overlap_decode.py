@@ -51,6 +51,7 @@ def test_off_on_the_cpu_by_default_and_said(demo_assets):
     assert engine.config.overlap_decode and not engine.overlap_decode  # nothing to overlap with on the cpu
     status = engine.status()
     assert status["overlap_decode"] is False and status["overlapped_decode_steps"] == 0
+    assert status["plan_ahead"] == {"on": False, "why": "no overlapped decode"} and status["planned_ahead_steps"] == 0
 
 
 def test_same_tokens_text_and_stream_as_plain_stepping(demo_assets, plain):

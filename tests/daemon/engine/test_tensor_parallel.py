@@ -434,17 +434,20 @@ def test_tp2_overlapped_decode_equals_tp1(hf_checkpoint, caplog):
                 or "did not report its steps" in record.getMessage()]
 
 
-def test_tp2_steps_planned_ahead_equal_tp1(hf_checkpoint):
-    # Two running slots for five requests of different lengths: a step that admits the queue's head is planned while
-    # the step before it is in flight, its decode rows' input ids that step's tokens, broadcast with the rows they go to.
+def test_tp2_does_not_plan_steps_ahead_and_says_why(hf_checkpoint):
+    # Two running slots for five requests of different lengths: on one device a step that admits the queue's head is
+    # planned while the step before it is in flight; tensor-parallel, it waits for that step's tokens (its tokens
+    # differed on two GPUs), and says so. The tokens are tp=1's either way.
     checkpoint = hf_checkpoint("llama")
     cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size)[:5]
     limits = [3, 7, 5, 9, 4]
     config = dict(max_running_requests=2, max_batch_tokens=64, max_tokens=limits)
-    single, _ = generate(checkpoint.model_dir, checkpoint.adapters, cases, **config)
+    single, status_one = generate(checkpoint.model_dir, checkpoint.adapters, cases, overlap_on_cpu=True, **config)
     split, status = generate(checkpoint.model_dir, checkpoint.adapters, cases, tensor_parallel_size=2,
                              overlap_on_cpu=True, **config)
-    assert status["planned_ahead_steps"] > 0
+    assert status_one["plan_ahead"]["on"] and status_one["planned_ahead_steps"] > 0
+    assert status["plan_ahead"] == {"on": False, "why": "tensor parallel: tokens differed on two GPUs"}
+    assert status["planned_ahead_steps"] == 0 and status["overlapped_decode_steps"] > 0
     for index, (one, two) in enumerate(zip(single, split)):
         assert two.token_ids == one.token_ids, f"request {index} (adapter {cases[index][1]})"
 
