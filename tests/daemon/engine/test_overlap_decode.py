@@ -184,6 +184,32 @@ def test_steps_planned_ahead_that_read_their_tokens_at_once(demo_assets, case):
     assert engine.pool.occupancy()["kv"] == 0 and not engine.scheduler.has_work() and engine._in_flight is None
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_random_queues_give_the_plain_engines_tokens(demo_assets, seed):
+    """Fourteen requests of 1-40 prompt tokens and 1-12 output tokens over the base model and five adapters, in a few
+    running slots, small token budgets (chunked prompts) and small pools (adapters evicted while steps are in flight):
+    overlapped and planned ahead, each request gets the tokens it gets alone from a plain engine."""
+    import random
+
+    rng = random.Random(seed)
+    names = [None, "demo-r1", "demo-r2", "demo-r4", "demo-r8", "demo-r16"]
+    cases = [(prompt, rng.choice(names), rng.randint(1, 12)) for prompt in prompts(14, seed=seed, low=1, high=40)]
+    config = dict(max_running_requests=rng.choice([2, 3, 4]), max_batch_tokens=rng.choice([16, 32, 64]),
+                  pages=rng.choice([300, 600, 4096]))
+
+    def reqs() -> list[GenerationRequest]:
+        return [GenerationRequest(list(prompt), adapter, SamplingParams(max_tokens=limit, **GREEDY))
+                for prompt, adapter, limit in cases]
+
+    plain_engine = make_engine(demo_assets, **config)
+    expected = [plain_engine.generate([request])[0].token_ids for request in reqs()]
+    engine = overlapped(make_engine(demo_assets, **config))
+    results = engine.generate(reqs())
+    assert [r.token_ids for r in results] == expected
+    assert engine.planned_ahead_steps > 0 and engine.overlapped_steps > 0
+    assert engine.pool.occupancy()["kv"] == 0 and not engine.scheduler.has_work() and engine._in_flight is None
+
+
 def test_arrivals_and_aborts_while_a_step_is_in_flight(demo_assets, plain):
     cases = [(prompt, ADAPTERS[i]) for i, prompt in enumerate(prompts(4, seed=5, low=4, high=12))]
     expected = [plain.generate(requests([case], 12))[0].token_ids for case in cases]
