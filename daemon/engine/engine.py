@@ -661,16 +661,20 @@ class Engine:
                 observed = self._prefill_tokens(batch)  # before num_computed moves on
                 for seq, count in batch:
                     seq.num_computed += count
-                following = self._launch_tokens(logits, sampled, None if observed is None else (observed, started))
+                following = self._launch_tokens(logits, sampled)
                 self.steps += 1
                 self._finish_step_in_flight()
+                if observed is not None:  # timed from here, where the device turned to it: the prefill model's cost
+                    following.prefill = (observed, time.perf_counter())
                 self._in_flight = following
                 if all(seq.state.finished for seq in following.seqs):  # every row ended on the tokens just landed
                     self._finish_step_in_flight()
                 return
             # Its tokens are read now (a prompt chunk that does not end its prompt, a row drawn with a temperature, a
-            # step whose adapters stream in, checked when it lands): the step in flight's first. A row whose token just landed ended its request (a stop token) is dropped.
+            # step whose adapters stream in, checked when it lands): the step in flight's first. A row whose token just
+            # landed ended its request (a stop token) is dropped.
             self._finish_step_in_flight()
+            started = time.perf_counter()  # where the device turned to it: the prefill model times it from here
             kept = [row for row, seq in enumerate(sampled) if not seq.state.finished]
             if len(kept) < len(sampled):
                 logits = logits[to_device(torch.as_tensor(kept), logits.device)]

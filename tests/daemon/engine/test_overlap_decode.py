@@ -7,6 +7,8 @@ while a step is in flight, preemption in a tiny pool, and the requests it must n
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from test_engine import GREEDY, count_calls, make_engine, prompts, requests
 
@@ -149,6 +151,32 @@ def test_a_step_admitting_the_queue_is_planned_and_launched_before_the_step_in_f
         prompt_rows = [i for i, seq in enumerate(plan.seqs) if plan.starts[i] < seq.prompt_len]
         assert prompt_rows and set(prompt_rows).isdisjoint(plan.device_rows.tolist())
     assert engine.pool.occupancy()["kv"] == 0 and not engine.scheduler.has_work() and engine._in_flight is None
+
+
+def test_a_step_planned_ahead_is_timed_for_the_prefill_model_from_the_landing_before_it(demo_assets, plain):
+    """The prefill model (cold_start auto, early abort) takes a step's time from where the device turned to it: for a
+    step launched behind the one in flight, from that one's landing, not from its own launch. Here the step in flight
+    takes 0.2 s more to land whenever a step planned ahead was launched behind it (a slow device, as the host sees
+    it): no observed time holds those 0.2 s."""
+    engine = overlapped(make_engine(demo_assets, max_running_requests=2))
+    engine.cold_starts.observe_prefill = lambda tokens, seconds: None
+    engine.config = type(engine.config)(**{**vars(engine.config), "cold_start": "auto"})  # a model that wants it
+    observed = count_calls(engine, "_observe_prefill")
+    launched = count_calls(engine.runner, "forward")
+    finish, slowed = engine._finish_step_in_flight, []
+
+    def slow_landing():
+        last = launched[-1][0]
+        if last.device_tokens is not None and not last.every_token_on_device and engine._in_flight.seqs != last.seqs:
+            time.sleep(0.2)  # the step in flight, with a step planned ahead behind it
+            slowed.append(last)
+        finish()
+
+    engine._finish_step_in_flight = slow_landing
+    results = engine.generate(mixed_requests(plain))
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain.generate(mixed_requests(plain))]
+    assert slowed and observed
+    assert all(seconds < 0.15 for _, seconds in observed), observed
 
 
 @pytest.mark.parametrize("case", ["chunked", "sampled", "one_token_prompt"])
