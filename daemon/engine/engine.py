@@ -611,7 +611,7 @@ class Engine:
                 # The host would only wait for the step in flight: queued requests' cold adapters start
                 # streaming in meanwhile (their copies hold the host until it is done, at most a layer more).
                 self._prefetch(self._in_flight.done)
-            ahead = self._rows_going_on() if self.plan_ahead["on"] else None
+            ahead = self._plan_ahead_rows() if self.plan_ahead["on"] else None
             if ahead is None:
                 self._finish_step_in_flight()
         scheduling = time.perf_counter()
@@ -936,6 +936,16 @@ class Engine:
     def _ending(self, going: dict[Sequence, int]) -> set[Sequence]:
         """The running rows of the step in flight that end on its tokens (on length), and so leave the next step."""
         return {seq for seq in self._in_flight.seqs if seq not in going and not seq.state.finished}
+
+    def _plan_ahead_rows(self) -> dict[Sequence, int] | None:
+        """_rows_going_on where the step after the one in flight may be planned before its tokens land: every row of
+        it goes on or ends on length (a row whose token crosses longrope's switch has its cache computed again, from
+        the landed tokens)."""
+        going = self._rows_going_on()
+        if going is None or any(seq not in going and not seq.state.finished and not self._ends_on_length(seq)
+                                for seq in self._in_flight.seqs):
+            return None
+        return going
 
     def _running_is_full(self) -> bool:
         """No waiting request can join the next step: every running slot is taken. A saturated server keeps
