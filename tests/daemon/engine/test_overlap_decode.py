@@ -156,8 +156,8 @@ def test_a_step_admitting_the_queue_is_planned_and_launched_before_the_step_in_f
 def test_a_step_planned_ahead_is_timed_for_the_prefill_model_from_the_landing_before_it(demo_assets, plain):
     """The prefill model (cold_start auto, early abort) takes a step's time from where the device turned to it: for a
     step launched behind the one in flight, from that one's landing, not from its own launch. Here the step in flight
-    takes 0.2 s more to land whenever a step planned ahead was launched behind it (a slow device, as the host sees
-    it): no observed time holds those 0.2 s."""
+    takes 0.4 s more to land whenever a step planned ahead was launched behind it (a slow device, as the host sees
+    it): no observed time holds those 0.4 s."""
     engine = overlapped(make_engine(demo_assets, max_running_requests=2))
     engine.cold_starts.observe_prefill = lambda tokens, seconds: None
     engine.config = type(engine.config)(**{**vars(engine.config), "cold_start": "auto"})  # a model that wants it
@@ -168,7 +168,7 @@ def test_a_step_planned_ahead_is_timed_for_the_prefill_model_from_the_landing_be
     def slow_landing():
         last = launched[-1][0]
         if last.device_tokens is not None and not last.every_token_on_device and engine._in_flight.seqs != last.seqs:
-            time.sleep(0.2)  # the step in flight, with a step planned ahead behind it
+            time.sleep(0.4)  # the step in flight, with a step planned ahead behind it
             slowed.append(last)
         finish()
 
@@ -176,7 +176,7 @@ def test_a_step_planned_ahead_is_timed_for_the_prefill_model_from_the_landing_be
     results = engine.generate(mixed_requests(plain))
     assert [r.token_ids for r in results] == [r.token_ids for r in plain.generate(mixed_requests(plain))]
     assert slowed and observed
-    assert all(seconds < 0.15 for _, seconds in observed), observed
+    assert all(seconds < 0.3 for _, seconds in observed), observed
 
 
 @pytest.mark.parametrize("case", ["chunked", "sampled", "one_token_prompt"])
