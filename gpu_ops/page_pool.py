@@ -83,15 +83,14 @@ class PagePool:
         ids = np.asarray(page_ids, dtype=np.int32)
         if self._top + self._fenced_count + len(ids) > len(self._stack):
             raise ValueError(f"{len(ids)} pages given back with only {len(self._stack) - self._top - self._fenced_count} out")
+        self.used[owner] -= len(ids)
         if fenced and self.fences and len(ids):
             event = self.new_event()
             event.record()
             self._fenced.append((event, ids))
             self._fenced_count += len(ids)
-            self.used[owner] -= len(ids)
-            return
-        self._push(ids)
-        self.used[owner] -= len(ids)
+        else:
+            self._push(ids)
 
     def _push(self, ids: np.ndarray) -> None:
         # Highest first, so the freed pages come back out ascending: an adapter freed and placed again

@@ -619,7 +619,8 @@ class Engine:
             if ahead is None:
                 batch = self.scheduler.schedule()
             else:
-                batch = self.scheduler.schedule(ahead=ahead.keys(), ending=self._ending(ahead))
+                ending = self._ending(ahead)
+                batch = self.scheduler.schedule(ahead=ahead.keys(), ending=ending)
         except LoradError as error:  # an adapter that broke between submit and admission
             self._finish(self.scheduler.blocked, "error", error=error.message)
             return
@@ -657,7 +658,7 @@ class Engine:
         self._admit_to_sampler(sampled)
         if ahead is not None:
             self.planned_ahead_steps += 1
-            if not streamed and self._overlappable(plan, ending=len(self._ending(ahead))):
+            if not streamed and self._overlappable(plan, ending=len(ending)):
                 observed = self._prefill_tokens(batch)  # before num_computed moves on
                 for seq, count in batch:
                     seq.num_computed += count

@@ -153,7 +153,7 @@ class PrefillGraphs:
         tokens = bucket_rows(n, self.tokens_buckets)
         bucket = self.buckets[tokens]
         tokens_per_page, layers = self.kv.tokens_per_page, self.kv.num_layers
-        starts_row = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        starts_row = plan.first_rows()
         first_pos = plan.starts
         positions = np.repeat(first_pos - starts_row, lengths) + np.arange(n)
         row_slot = plan.row_slots()

@@ -154,7 +154,7 @@ class ModelRunner:
         get slot -1 and a CpuSpan instead: the CPU workers compute their LoRA."""
         tokens_per_page, device = self.kv.tokens_per_page, self.device
         n = len(plan.tokens)
-        first_rows = np.concatenate([[0], np.cumsum(plan.counts)[:-1]])
+        first_rows = plan.first_rows()
         positions = np.concatenate([np.arange(start, start + count) for start, count in zip(plan.starts, plan.counts)])
         block_table = np.zeros((n, plan.max_blocks, self.spec.num_layers, 2), dtype=np.int32)
         dest, cpu_spans = [], []

@@ -75,7 +75,7 @@ class StepPlan:
 
     def first_rows(self) -> np.ndarray:
         """int64 [n]: each sequence's first row among the step's tokens."""
-        return np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        return np.concatenate([[0], np.cumsum(self.counts)[:-1]])
 
     def device_input_rows(self) -> np.ndarray | None:
         """int64: the rows whose input ids are device_tokens, in their order; None without device_tokens."""
