@@ -168,7 +168,7 @@ class KVCache:
         page_ids = self.pool.alloc(missing * self.pages_per_block, "kv")
         if page_ids is None:
             return False
-        rows = page_ids.reshape(missing, self.num_layers, 2)
+        rows = page_ids.reshape(self.num_layers, 2, missing).transpose(2, 0, 1)
         blocks.extend(rows)
         return True
 
