@@ -258,6 +258,8 @@ class Engine:
         admission, objectives = self._admission()
         self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency,
                                    admission, objectives, decode=self.tpot_decode)
+        # a cold adapter not staged yet holds its request back while other rows run, rather than the step (cuda)
+        self.residency.defer_unstaged = lambda: bool(self.scheduler.running)
         self.admission_dropped = 0
 
         self._lock = threading.Condition()

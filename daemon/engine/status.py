@@ -39,9 +39,11 @@ def engine_status(engine: Engine) -> dict:
             "adapter_prefetches": engine.residency.prefetches,
             "adapter_evictions": engine.residency.evictions,
             # cuda: adapters read and staged on the stager's thread ("off") against those the engine thread had
-            # to stage itself at admission or prefetch; null where staging is not backgrounded (the CPU)
+            # to stage itself at admission or prefetch, and the adapters whose admission waited for the stager while
+            # other rows ran ("admissions_deferred"); null where staging is not backgrounded (the CPU)
             "adapter_staging": None if engine.residency.stager is None else {
-                "off_thread": engine.residency.staged_off_thread, "pending": engine.residency.stager.pending()},
+                "off_thread": engine.residency.staged_off_thread, "pending": engine.residency.stager.pending(),
+                "admissions_deferred": engine.residency.admissions_deferred},
             "running": len(engine.scheduler.running),
             "waiting": len(engine.scheduler.waiting) + len(engine._inbox),
             "steps": engine.steps,

@@ -136,3 +136,36 @@ def test_a_dropped_stager_is_freed_and_its_thread_ends():
     assert alive() is None
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_an_admission_waits_for_the_stager_while_other_rows_run(residency):
+    running = [True]
+    residency.defer_unstaged = lambda: running[0]
+    assert not residency.acquire("x", 8)  # not staged: the stager is asked, the step goes on without it
+    assert residency.stager.pending() == 1 and "x" in residency.deferred
+    assert not residency.acquire("x", 8)  # asked again in the next step: counted once
+    assert residency.admissions_deferred == 1
+    settle(residency)
+    assert residency.acquire("x", 8)  # staged now: admitted from the stager's copy
+    assert residency.looked_up == ["x"] and residency.slots["x"] == 0 and not residency.deferred
+    running[0] = False  # nothing else runs: the engine thread stages it itself, as without a stager
+    assert residency.acquire("y", 8)
+    assert residency.looked_up == ["x", "y"] and residency.admissions_deferred == 1
+
+
+def test_an_adapter_the_stager_failed_on_is_staged_at_admission_and_fails_there(residency):
+    broken = {"z"}
+
+    def lookup(name):
+        residency.looked_up.append(name)
+        if name in broken:
+            raise ValueError(f"adapter {name} is broken")
+        return FakeAdapter(name)
+
+    residency.lookup = residency.stager.lookup = lookup
+    residency.defer_unstaged = lambda: True
+    assert not residency.acquire("z", 8)
+    settle(residency)
+    with pytest.raises(ValueError, match="z is broken"):  # not deferred forever: the request meets the error
+        residency.acquire("z", 8)
+    assert residency.looked_up == ["z", "z"]
