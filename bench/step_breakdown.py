@@ -7,7 +7,9 @@ Steps (7B shape by default, `--running` sequences each with its own adapter of r
 - decode: every running sequence adds one token;
 - mixed: the same decode rows but one, beside one `--prompt`-token prompt with an adapter (what a saturated
   engine runs whenever a request ends and the next one takes its place);
-- prefill: the prompt alone.
+- prefill: the prompt alone;
+- with `--prompt-adapters N`: one prompt step of `--prompt` tokens over N prompts, each with its own adapter, and the
+  same step for the base model alone (figure 21.5: `--prompt 2048 --prompt-adapters 8`).
 
 Each is timed as the engine runs it (runner.forward on a StepPlan, graph replays, the host filling their
 buffers included; CUDA events around `--reps` runs after a warm-up), then once under torch.profiler for its
@@ -39,6 +41,9 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-lora-rank", type=int, help="the engine's max_lora_rank, the rank its prefill graphs' "
                                                           "LoRA kernels are launched for (default: the config's)")
+    parser.add_argument("--prompt-adapters", type=int, default=0,
+                        help="also a prompt step of --prompt tokens split over this many prompts, each with its own "
+                             "adapter, and the same step for the base model alone (figure 21.5)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to try the script (tiny-llama, no kernels)")
     parser.add_argument("--out")
@@ -66,6 +71,11 @@ def main() -> int:
                    for i in range(args.running)]
     prompt = (rng.integers(0, vocab, size=args.prompt), 0, names[args.running], blocks_for(args.prompt), True)
     steps = {"decode": decode_rows, "mixed": decode_rows[:-1] + [prompt], "prefill": [prompt]}
+    if args.prompt_adapters:  # one prompt step of --prompt tokens over that many prompts, each with its own adapter, and alone
+        share = args.prompt // args.prompt_adapters
+        prompts = [(rng.integers(0, vocab, size=share), 0, names[i], blocks_for(share), True) for i in range(args.prompt_adapters)]
+        steps[f"prefill, {args.prompt_adapters} adapters"] = prompts
+        steps["prefill, base model"] = [(tokens, start, None, blocks, sample) for tokens, start, _, blocks, sample in prompts]
 
     def plan_of(rows) -> StepPlan:
         tokens, starts, adapters, blocks, sample = zip(*rows)
