@@ -246,8 +246,8 @@ class LoraResidency:
         """Does the admission of a request whose adapter is not staged yet wait for the stager (asked here)? While the
         engine has other rows to run (`defer_unstaged`): the device runs their steps while the stager reads and stages
         the adapter, where staging it on the engine thread would leave the device idle for as long (~100-250 ms for a
-        rank-64 7B adapter). Not where nothing else runs, nor after the stager failed on it (staged here, the
-        admission meets the error and the request fails with it)."""
+        rank-64 7B adapter). Not where nothing else runs or the engine says not to (Engine._defer_unstaged), nor after
+        the stager failed on it (staged here, the admission meets the error and the request fails with it)."""
         if self.stager is None or self.defer_unstaged is None or not self.defer_unstaged():
             return False
         if name in self._stage_failed:

@@ -258,8 +258,7 @@ class Engine:
         admission, objectives = self._admission()
         self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency,
                                    admission, objectives, decode=self.tpot_decode)
-        # a cold adapter not staged yet holds its request back while other rows run, rather than the step (cuda)
-        self.residency.defer_unstaged = lambda: bool(self.scheduler.running)
+        self.residency.defer_unstaged = self._defer_unstaged
         self.admission_dropped = 0
 
         self._lock = threading.Condition()
@@ -935,6 +934,12 @@ class Engine:
         if not going or not all(self.grow(seq.blocks, seq.num_computed + 1) for seq in going):
             return None
         return going
+
+    def _defer_unstaged(self) -> bool:
+        """Does a request whose cold adapter the stager has not staged yet wait for it (LoraResidency._defer), rather
+        than the engine thread staging it with the device idle: while other rows run, except under cold_start cpu,
+        whose CPU workers compute the request's first layers from its host copy while the adapter loads."""
+        return bool(self.scheduler.running) and self.config.cold_start != "cpu"
 
     def _ending(self, going: dict[Sequence, int]) -> set[Sequence]:
         """The running rows of the step in flight that end on its tokens (on length), and so leave the next step."""
