@@ -70,9 +70,35 @@ def capture(run, pool=None, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, obj
     return graph, output, graph.pool()
 
 
-def capture_forward(model, step: Step, kv_view: torch.Tensor, table, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, object]:
-    """One forward over a static step captured -> (the graph, its logits, its memory pool)."""
-    return capture(lambda: model.forward(step, kv_view, table), pool)
+class SharedLogits:
+    """One logits buffer [rows, vocab] float32 for a set of graphs that replay one at a time on one stream. Each graph
+    copies its logits into the buffer's first rows as its last kernel instead of keeping a static output of its own:
+    the 119 prefill graphs of 64 sampled rows held 1 GB of logits for the 7B shape's 32k vocabulary, 4 GB for Llama
+    3's 128k, 15 GB at 256 running requests (the daemon then failed to start). A graph's logits are so valid until
+    the next replay of any graph of the set; the engine reads them (tokens, logprobs, kept rows) on the device or the
+    host before it launches its next step."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.buffer: torch.Tensor | None = None
+
+    def take(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.shape[0] > self.rows:
+            raise ValueError(f"a graph's {logits.shape[0]} rows of logits exceed the shared buffer's {self.rows}")
+        if self.buffer is None:  # in the first capture's warm-up, outside any graph: a plain allocation
+            self.buffer = torch.empty(self.rows, logits.shape[1], dtype=logits.dtype, device=logits.device)
+        view = self.buffer[: logits.shape[0]]
+        view.copy_(logits)
+        return view
+
+
+def capture_forward(model, step: Step, kv_view: torch.Tensor, table, pool,
+                    logits: SharedLogits | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, object]:
+    """One forward over a static step captured -> (the graph, its logits, its memory pool). logits: the set's shared
+    buffer the graph writes them into (its own forward's logits are then a temporary of the pool, reused)."""
+    if logits is None:
+        return capture(lambda: model.forward(step, kv_view, table), pool)
+    return capture(lambda: logits.take(model.forward(step, kv_view, table)), pool)
 
 
 class BlockStaging:
@@ -138,6 +164,7 @@ class DecodeGraphs:
         # (bucket, kernel, max rank): kernel "none" (no row has an adapter), "mbgmv" (max_lora_rank) or
         # "bgmv" (a rank bucket).
         self.graphs: dict[tuple[int, str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.logits = SharedLogits(size)
         self.pool = None
         self.last_key = None  # the graph the last run() replayed (benchmarks read it)
         self.sent: torch.cuda.Event | None = None  # recorded after the last run's copies from pinned memory
@@ -162,7 +189,7 @@ class DecodeGraphs:
         for key in keys:
             size, kernel, max_rank = key
             graph, logits, self.pool = capture_forward(self.model, self._static_step(size, max_rank, kernel), self.kv.view,
-                                                       self.table, self.pool)
+                                                       self.table, self.pool, self.logits)
             self.graphs[key] = (graph, logits)
         bgmv = sorted({(size, rank) for size, kernel, rank in keys if kernel == "bgmv"})
         tiers = sorted({rank for _, kernel, rank in keys if kernel == "mbgmv"})
@@ -175,7 +202,7 @@ class DecodeGraphs:
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         """One decode step (plan.decode) of n sequences -> logits [n, vocab] float32 (a view of static memory,
-        valid until the next replay). plan.device_tokens, where given, are the input ids (overlapped decode).
+        valid until the next decode graph replays). plan.device_tokens, where given, are the input ids (overlapped decode).
         No host sync: every copy is from pinned memory, which the last run's copies have finished reading
         (`sent`: long done by the time the host comes back, unless the host runs a step ahead of the device,
         where it waits microseconds)."""

@@ -1116,6 +1116,9 @@ def pool_pages(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device
         activations = config.max_batch_tokens * (spec.hidden_size * 8 + spec.intermediate_size * 4) * element
         if not config.eager:  # the CUDA graphs' memory pool holds one such step's activations for good
             activations *= 2
+            # and their logits: the decode and the prefill graphs' shared buffers (decode_graphs.SharedLogits) and the
+            # largest graph's own float32 and model-dtype logits, a temporary of the pool
+            activations += config.max_running_requests * spec.vocab_size * (3 * 4 + element)
         budget = int(free * config.gpu_memory_utilization) - activations
     else:
         budget = CPU_POOL_BYTES

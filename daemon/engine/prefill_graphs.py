@@ -21,7 +21,8 @@ filled before each replay, and every grid is fixed by the bucket:
   one-token sequences (a mixed step's decode rows) among the first max_seqs rows are not in a segment:
   MBGMV takes them, each row with its own adapter, over those max_seqs rows (-1: none), where MBGMM would
   spend a 16-row tile on each;
-- logits come back for a fixed number of sampled rows; the caller reads the first ones.
+- logits come back for a fixed number of sampled rows, the first rows of one buffer every prefill graph writes
+  (`SharedLogits`); the caller reads the first ones before the next replay.
 
 Graphs are captured per bucket for steps without any adapter row ("none": no LoRA launches), and per bucket
 and rank tier with adapter rows in segments only ("lora": MBGMM) and with one-token adapter rows too
@@ -35,7 +36,7 @@ import logging
 
 import numpy as np
 import torch
-from lorad.daemon.engine.decode_graphs import RANK_TIERS, BlockStaging, capture_forward
+from lorad.daemon.engine.decode_graphs import RANK_TIERS, BlockStaging, SharedLogits, capture_forward
 from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.model.llama import Step
 from lorad.gpu_ops.attention import AttentionBatch
@@ -112,6 +113,7 @@ class PrefillGraphs:
         self.blocks = BlockStaging(layers, device)
         # (bucket, kind, rank tier): kind "none" (tier 0), "lora" or "lora+rows"
         self.graphs: dict[tuple[int, str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.logits = SharedLogits(self.max_seqs)
         self.pool = None
         self.last_key = None
         self.sent: torch.cuda.Event | None = None  # recorded after the last fill's copies from pinned memory
@@ -126,7 +128,8 @@ class PrefillGraphs:
         graphs; `lorad profile` hands these the decode graphs')."""
         self.pool = pool
         for key in sorted(self.plan(), key=lambda key: -key[0]):
-            graph, logits, self.pool = capture_forward(self.model, self.static_step(*key), self.kv.view, self.table, self.pool)
+            graph, logits, self.pool = capture_forward(self.model, self.static_step(*key), self.kv.view, self.table, self.pool,
+                                                       self.logits)
             self.graphs[key] = (graph, logits)
         log.info("prefill cuda graphs captured token_buckets=%s max_seqs=%d rank_tiers=%s",
                  ",".join(map(str, self.tokens_buckets)), self.max_seqs, ",".join(map(str, self.rank_tiers)))
@@ -136,7 +139,7 @@ class PrefillGraphs:
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         """One step -> logits [sampled sequences, vocab] float32, in the plan's order (a view of static
-        memory, valid until the next replay). No host sync: every copy is from pinned memory, which the last
+        memory, valid until the next prefill graph replays). No host sync: every copy is from pinned memory, which the last
         fill's copies have finished reading (`sent`: long done by the time the host comes back, unless the
         host fills a step while the one before it is still queued)."""
         key, num_sampled = self.fill(plan)

@@ -2,6 +2,7 @@
 them (the capture and the replay itself need a GPU: tests/daemon/engine/test_engine_gpu.py)."""
 
 import numpy as np
+import pytest
 import torch
 
 from lorad.daemon.engine.decode_graphs import LOW_RANK, DecodeGraphs
@@ -92,3 +93,15 @@ def test_no_low_rank_graph_when_the_maximum_is_low():
     graphs, _, _ = make(max_rank=16)
     assert all(rank == 16 for _, kernel, rank in graphs.plan() if kernel == "mbgmv")
     assert len([key for key in graphs.plan() if key[1] == "mbgmv"]) == len(graphs.buckets)
+
+
+def test_graphs_of_a_set_write_their_logits_into_one_buffer():
+    from lorad.daemon.engine.decode_graphs import SharedLogits
+
+    shared = SharedLogits(4)
+    first = shared.take(torch.arange(12.0).view(4, 3))  # the largest graph's: it sizes the buffer
+    second = shared.take(torch.full((2, 3), -1.0))
+    assert first.data_ptr() == second.data_ptr() == shared.buffer.data_ptr() and second.shape == (2, 3)
+    assert first[:2].eq(-1).all() and first[2:].equal(torch.arange(6.0, 12.0).view(2, 3))  # the next replay's rows
+    with pytest.raises(ValueError, match="exceed the shared buffer's 4"):
+        shared.take(torch.zeros(5, 3))
