@@ -74,7 +74,7 @@ class SharedLogits:
     """One logits buffer [rows, vocab] float32 for a set of graphs that replay one at a time on one stream. Each graph
     copies its logits into the buffer's first rows as its last kernel instead of keeping a static output of its own:
     the 119 prefill graphs of 64 sampled rows held 1 GB of logits for the 7B shape's 32k vocabulary, 4 GB for Llama
-    3's 128k, 15 GB at 256 running requests (the daemon then failed to start). A graph's logits are so valid until
+    3's 128k, 15 GB at 256 running requests (the daemon then failed to start). A graph's logits therefore hold until
     the next replay of any graph of the set; the engine reads them (tokens, logprobs, kept rows) on the device or the
     host before it launches its next step."""
 
