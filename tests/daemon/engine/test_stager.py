@@ -169,3 +169,17 @@ def test_an_adapter_the_stager_failed_on_is_staged_at_admission_and_fails_there(
     with pytest.raises(ValueError, match="z is broken"):  # not deferred forever: the request meets the error
         residency.acquire("z", 8)
     assert residency.looked_up == ["z", "z"]
+
+
+def test_the_engine_defers_while_rows_run_and_not_under_cold_start_cpu():
+    from types import SimpleNamespace
+
+    from lorad.daemon.engine.engine import Engine
+
+    def engine(running, cold_start):
+        return SimpleNamespace(scheduler=SimpleNamespace(running=running), config=SimpleNamespace(cold_start=cold_start))
+
+    assert Engine._defer_unstaged(engine(["a row"], "auto"))
+    assert Engine._defer_unstaged(engine(["a row"], "ondemand"))
+    assert not Engine._defer_unstaged(engine([], "auto"))  # nothing else to run: staged on the engine thread
+    assert not Engine._defer_unstaged(engine(["a row"], "cpu"))  # its CPU workers start while the adapter loads
