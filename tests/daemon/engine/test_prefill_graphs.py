@@ -198,8 +198,9 @@ def test_the_padded_static_steps_give_the_reference_engines_tokens(demo_assets):
     kernels = copy.copy(engine.runner.model)
     kernels.ops = TritonOps(engine.device, 64, 64)
     replayed = []
+    graphs.logits.buffer = torch.empty(graphs.max_seqs, engine.vocab_size)  # every graph's logits in one buffer, as captured
     for key in graphs.plan():
-        logits = torch.empty(graphs.buckets[key[0]].seqs, engine.vocab_size)
+        logits = graphs.logits.buffer[: graphs.buckets[key[0]].seqs]
         graphs.graphs[key] = (EagerReplay(kernels, graphs, key, logits, replayed), logits)
     engine.runner.prefill_graphs = graphs
     results = engine.generate(batch(names)) + engine.generate(batch([None], count=2, seed=1))
