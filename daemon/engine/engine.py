@@ -935,12 +935,6 @@ class Engine:
             return None
         return going
 
-    def _defer_unstaged(self) -> bool:
-        """Does a request whose cold adapter the stager has not staged yet wait for it (LoraResidency._defer), rather
-        than the engine thread staging it with the device idle: while other rows run, except under cold_start cpu,
-        whose CPU workers compute the request's first layers from its host copy while the adapter loads."""
-        return bool(self.scheduler.running) and self.config.cold_start != "cpu"
-
     def _ending(self, going: dict[Sequence, int]) -> set[Sequence]:
         """The running rows of the step in flight that end on its tokens (on length), and so leave the next step."""
         return {seq for seq in self._in_flight.seqs if seq not in going and not seq.state.finished}
@@ -954,6 +948,12 @@ class Engine:
                                 for seq in self._in_flight.seqs):
             return None
         return going
+
+    def _defer_unstaged(self) -> bool:
+        """Does a request whose cold adapter the stager has not staged yet wait for it (LoraResidency._defer), rather
+        than the engine thread staging it with the device idle: while other rows run, except under cold_start cpu,
+        whose CPU workers compute the request's first layers from its host copy while the adapter loads."""
+        return bool(self.scheduler.running) and self.config.cold_start != "cpu"
 
     def _running_is_full(self) -> bool:
         """No waiting request can join the next step: every running slot is taken. A saturated server keeps

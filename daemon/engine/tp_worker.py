@@ -80,19 +80,12 @@ class StepMessage:
         if plan.assisted:
             raise RuntimeError("a CPU-assisted step cannot run tensor-parallel")  # refused by EngineConfig
         return cls(evicted, placed, np.concatenate(plan.tokens), plan.counts, plan.starts, plan.slots,
-                   blocks, plan.sample, _device_rows(plan), path)
+                   blocks, plan.sample, None if plan.device_tokens is None else plan.device_rows, path)
 
     def plan(self, blocks: list[np.ndarray]) -> StepPlan:
         tokens = np.split(self.tokens, np.cumsum(self.counts)[:-1])
         return StepPlan(tokens=tokens, starts=self.starts, slots=self.slots, blocks=blocks, sample=self.sample,
                         seqs=[None] * len(tokens))
-
-
-def _device_rows(plan: StepPlan) -> np.ndarray | None:
-    """The sequences of the plan whose input id is in its device_tokens, or None."""
-    if plan.device_tokens is None:
-        return None
-    return np.arange(len(plan.tokens)) if plan.device_rows is None else np.asarray(plan.device_rows)
 
 
 class BlockSync:
