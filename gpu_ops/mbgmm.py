@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from lorad.gpu_ops.bgmv import (
+    MAX_SPLITS,
     batch_max_rank,
     check_operands,
     num_splits,
@@ -19,7 +20,7 @@ from lorad.gpu_ops.bgmv import (
     paged_operand,
     workspace_view,
 )
-from lorad.gpu_ops.launch import cdiv, require_triton, widen_bf16_dots
+from lorad.gpu_ops.launch import cdiv, next_power_of_2, require_triton, sm_count, widen_bf16_dots
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import STREAM_TIMEOUT_NS, AdapterTable, gather_rows
 
@@ -34,12 +35,15 @@ except ImportError:
 __all__ = ["Segments", "lora_prefill", "mbgmm", "mbgmm_ref", "mbgmm_shrink", "mbgmm_expand"]
 
 BLOCK_K = 128  # shrink's reduction tile along `in` (the H100 sweep's best; BENCHMARKS.md)
-BLOCK_N = 128  # expand's output tile along `out`
-BLOCK_R_EXPAND = 32  # expand's reduction tile along the rank
-MAX_SPLITS = 4
-# Split-K of a shrink over at most FEW_TILES row tiles (short prompts): with MAX_SPLITS its few programs
-# read A serially (16 us for one 32-row tile of the 7B q_proj on the H100); the extra partials are small.
-FEW_TILES, MAX_SPLITS_FEW = 2, 16
+BLOCK_N = 128  # expand's output tile along `out`, at ranks up to EXPAND_TILE_ELEMS / BLOCK_N
+EXPAND_TILE_ELEMS = 128 * 128  # the expand's B^T tile (the whole rank x its output tile), at most
+EXPAND_PROGRAMS_PER_SM = 2
+# Split-K of the shrink: up to MAX_SPLITS (the workspace's bound) while the expand sums at most SPLIT_PARTIALS
+# partial values a row (splits x workspace width): on the H100 the 7B q_proj over 2048 rows took 36 / 21 / 16 us at
+# 4 / 8 / 16 splits with rank 16, and at width 64 8 splits beat both 4 and 16 (BENCHMARKS.md). Over at most
+# FEW_TILES row tiles (short prompts) always MAX_SPLITS: otherwise its few programs read A serially.
+SPLIT_PARTIALS = 512
+FEW_TILES = 2
 GRAPH_BLOCK_M = 64  # the row tile of fixed-grid (tile list) launches
 
 
@@ -196,16 +200,19 @@ if triton is not None:
         v_ptrs = v_ptr + (split * num_rows + t[:, None]) * max_rank + offs_r[None, :]
         tl.store(v_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
 
-    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'splits', 'slot_stride', 'table_offset', 'chunks_out', 'num_tiles'])
+    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'splits', 'slot_stride', 'table_offset', 'chunks_out', 'num_tiles', 'n_per_program'])
     def _mbgmm_expand_kernel(
         v_ptr, y_ptr, rows_ptr, meta_ptr, num_segments, rank_ptr, b_start_ptr, page_ids_ptr, pages_ptr,
         out_dim, max_rank, num_rows, splits, stride_yt, stride_yn, slot_stride, table_offset, chunks_out,
-        tiles_ptr, num_tiles,
+        tiles_ptr, num_tiles, n_per_program,
         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
         ALIGNED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TILES: tl.constexpr,
     ):
+        # One program: a row tile of one segment times n_per_program consecutive output tiles. The
+        # split sums of v are added once, held at the full rank (BLOCK_R >= max_rank), and the loop over
+        # the output tiles pipelines the B^T and y loads of the next tile with this one's dot and store.
         segment, m0 = _segment_tile(tiles_ptr, num_tiles, BLOCK_M, USE_TILES)
-        n0 = tl.program_id(2) * BLOCK_N
+        n_first = tl.program_id(2) * n_per_program * BLOCK_N
         length = tl.load(meta_ptr + 2 * num_segments + segment)
         if m0 >= length:
             return
@@ -219,27 +226,29 @@ if triton is not None:
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < length
         t = tl.load(rows_ptr + first + offs_m, mask=m_ok, other=0).to(tl.int64)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < rank
+        v_mask = m_ok[:, None] & r_ok[None, :]
+        v = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for split in range(0, splits):
+            v += tl.load(v_ptr + (split * num_rows + t[:, None]) * max_rank + offs_r[None, :], mask=v_mask, other=0.0)
+        v = v.to(pages_ptr.dtype.element_ty)
+        if UPCAST:
+            v = v.to(tl.float32)
+        b_rows = b_start + offs_r * chunks_out
         offs_n = tl.arange(0, BLOCK_N)
-        n_ok = (n0 + offs_n) < out_dim
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            r_ok = offs_r < rank
-            v_mask = m_ok[:, None] & r_ok[None, :]
-            v = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-            for split in range(0, splits):
-                v += tl.load(v_ptr + (split * num_rows + t[:, None]) * max_rank + offs_r[None, :], mask=v_mask, other=0.0)
-            ptrs = page_pointers(pages_ptr, page_ids_ptr, b_start + offs_r * chunks_out, r_ok, n0, offs_n, out_dim, PAGE, ALIGNED)
+        n_last = tl.minimum(n_first + n_per_program * BLOCK_N, out_dim)
+        for n0 in range(n_first, n_last, BLOCK_N):
+            n_ok = (n0 + offs_n) < out_dim
+            ptrs = page_pointers(pages_ptr, page_ids_ptr, b_rows, r_ok, n0, offs_n, out_dim, PAGE, ALIGNED)
             b = tl.load(ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [R, N]
-            v = v.to(b.dtype)
+            y_ptrs = y_ptr + t[:, None] * stride_yt + (n0 + offs_n)[None, :] * stride_yn
+            y_mask = m_ok[:, None] & n_ok[None, :]
+            y = tl.load(y_ptrs, mask=y_mask, other=0.0)
             if UPCAST:
-                v = v.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = tl.dot(v, b, acc, input_precision=PRECISION)
-        y_ptrs = y_ptr + t[:, None] * stride_yt + (n0 + offs_n)[None, :] * stride_yn
-        y_mask = m_ok[:, None] & n_ok[None, :]
-        y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+            delta = tl.dot(v, b, input_precision=PRECISION)
+            tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -272,33 +281,55 @@ def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, blo
     )
 
 
-def mbgmm_expand(v, y, layer, proj, segments: Segments, table, block_m=None, block_r=BLOCK_R_EXPAND, block_n=BLOCK_N, num_warps=4, num_stages=2):
+def expand_tiles(width: int, out_dim: int, page_elems: int) -> tuple[int, int, bool]:
+    """(rank block, output tile, whether the tile lies in one page) of an expand over a workspace of
+    `width` ranks: the whole rank in one block, the B^T tile at most EXPAND_TILE_BYTES of bf16."""
+    block_r = next_power_of_2(max(width, 16))
+    block_n, aligned = page_block(page_elems, out_dim, max(16, min(BLOCK_N, EXPAND_TILE_ELEMS // block_r)))
+    return block_r, block_n, aligned
+
+
+def expand_groups(segments: Segments, block_m: int, n_tiles: int, device) -> int:
+    """Output tiles a program of the expand loops over: enough programs for EXPAND_PROGRAMS_PER_SM a
+    SM, then as many tiles each as that allows (a longer loop re-reads less of v, pipelines more)."""
+    want = EXPAND_PROGRAMS_PER_SM * sm_count(device, otherwise=8)
+    groups = min(n_tiles, max(1, cdiv(want, max(1, segments.m_blocks(block_m)))))
+    return cdiv(n_tiles, groups)
+
+
+def mbgmm_expand(v, y, layer, proj, segments: Segments, table, block_m=None, n_per_program=None, num_warps=4, num_stages=3):
     """y[t] += (sum over splits of v[:, t, :rank]) @ B^T for every row of every segment; other rows
-    untouched. v: float32 [splits, T, max_rank]; y: [T, out], any strides."""
+    untouched. v: float32 [splits, T, max_rank]; y: [T, out], any strides. Grid (row tiles, output
+    tile groups): each program sums its rows' v once and loops over n_per_program output tiles
+    (`expand_groups` unless given)."""
     require_triton("LoRA kernels")
     splits, num_rows, width = v.shape
     page, out_dim, chunks_out, slot_stride, offset = paged_operand(table, layer, proj, side=1)
     block_m = block_m or _segments_block_m(segments)
-    block_n, aligned = page_block(page, out_dim, block_n)
+    block_r, block_n, aligned = expand_tiles(width, out_dim, page)
+    n_tiles = cdiv(out_dim, block_n)
+    n_per_program = n_per_program or expand_groups(segments, block_m, n_tiles, y.device)
     grid0, grid1, tiles, num_tiles = _grid_rows(segments, block_m)
-    _mbgmm_expand_kernel[(grid0, grid1, cdiv(out_dim, block_n))](
+    _mbgmm_expand_kernel[(grid0, grid1, cdiv(n_tiles, n_per_program))](
         v, y, segments.rows, segments.meta, segments.num_segments, table.rank, table.b_start, table.page_ids, table.pool.pages,
         out_dim, width, num_rows, splits, y.stride(0), y.stride(1), slot_stride, offset, chunks_out, tiles, num_tiles,
+        n_per_program,
         PAGE=page, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, ALIGNED=aligned,
-        PRECISION=_precision(table.pool.pages.dtype), UPCAST=widen_bf16_dots(table.pool.pages.dtype, _mbgmm_shrink_kernel),
+        PRECISION=_precision(table.pool.pages.dtype), UPCAST=widen_bf16_dots(table.pool.pages.dtype, _mbgmm_expand_kernel),
         USE_TILES=segments.tiles is not None, num_warps=num_warps, num_stages=num_stages,
     )
 
 
 def mbgmm_splits(segments: Segments, in_dim: int, page_elems: int, device) -> int:
-    """Split-K of the shrink: enough programs for the SMs, at most MAX_SPLITS (each split adds a
-    float32 [T, max_rank] partial that every expand program re-reads), MAX_SPLITS_FEW over at most
-    FEW_TILES row tiles."""
+    """Split-K of the shrink: enough programs for the SMs, at most MAX_SPLITS and, past FEW_TILES row
+    tiles, at most SPLIT_PARTIALS / width (each split adds a float32 [T, width] partial that the expand
+    sums once a program)."""
     block_m = _segments_block_m(segments)
     block_k, _ = page_block(page_elems, in_dim, BLOCK_K)
     m_blocks = segments.m_blocks(block_m)
     programs = m_blocks * cdiv(segments.max_rank, _block_r_shrink(segments.max_rank))
-    most = MAX_SPLITS_FEW if m_blocks <= FEW_TILES else MAX_SPLITS
+    width = cdiv(segments.max_rank, 16) * 16
+    most = MAX_SPLITS if m_blocks <= FEW_TILES else max(1, min(MAX_SPLITS, SPLIT_PARTIALS // width))
     return num_splits(programs, cdiv(in_dim, block_k), device, per_sm=2, most=most)
 
 

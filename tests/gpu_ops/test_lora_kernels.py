@@ -312,6 +312,30 @@ def test_kernels_interpreted_shrink_expand_split(kernels, interpreter_setups):
     assert torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-4)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("width", [64, 256])
+@pytest.mark.parametrize("n_per_program", [1, 2, 3])
+def test_mbgmm_expand_tile_loop_interpreted(width, n_per_program, kernels, interpreter_setups):
+    """MBGMM's expand over every grouping of up_proj's three output tiles (one, two and three a program,
+    a last group short), summing two split partials, with the rank held whole at the workspace's width
+    (256: a narrower output tile); rows of no segment untouched."""
+    _, _, mbgmm_module = kernels
+    setup = interpreter_setups(64, torch.float32)
+    table = setup.table
+    row_slots = [3, 0, -1, 3, 5, 1, 3, 2, 0]
+    batch = LoraBatch.build(row_slots, torch.device("cpu"))
+    segments = mbgmm_module.Segments.build(batch, table)
+    in_dim, out_dim = table.shapes[UP]
+    assert mbgmm_module.expand_tiles(width, out_dim, table.pool.page_elems)[1] * 2 < out_dim  # three tiles or more
+    x = torch.randn(len(row_slots), in_dim)
+    v = torch.full((2, len(row_slots), width), float("nan"))
+    mbgmm_module.mbgmm_shrink(x, v, 0, UP, segments, table)
+    y = torch.zeros(len(row_slots), out_dim) + 0.5
+    mbgmm_module.mbgmm_expand(v, y, 0, UP, segments, table, n_per_program=n_per_program)
+    expected = truth(setup, x, row_slots, 0, UP) + 0.5
+    assert torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-4)
+
+
 def mbgmv_configs(module) -> list:
     """MBGMV tile configurations that take each branch: rank blocks smaller and larger than the ranks,
     several K tiles per shrink program, a rank loop in the expand, other warp counts."""
@@ -344,6 +368,29 @@ def test_decode_config_covers_shapes():
             assert config.block_k & (config.block_k - 1) == 0 and config.block_n & (config.block_n - 1) == 0
             splits = mbgmv._shrink_plan(4096, shape[0], None, config)[0]
             assert 1 <= splits <= bgmv.MAX_SPLITS
+
+
+def test_mbgmm_launch_shapes(monkeypatch):
+    """On an H100's 132 SMs: MBGMM's split-K over a 2048-token prompt as many as the workspace allows at
+    rank 16 and fewer at wider ranks (at most SPLIT_PARTIALS partial values a row), all of them over a
+    short prompt; the expand holds the whole rank and its programs cover every output tile exactly once."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(bgmv, "sm_count", lambda device, otherwise: 132)
+    monkeypatch.setattr(mbgmm, "sm_count", lambda device, otherwise: 132)
+    table = build_setup(64, [(4096, 4096)] * 7, [16, 64, 256], torch.bfloat16, cpu, layers=1).table
+
+    def segments(slot: int, rows: int):
+        return mbgmm.Segments.build(LoraBatch.build([slot] * rows, cpu), table)
+
+    for slot, width, splits in ((0, 16, 16), (1, 64, 8), (2, 256, 2)):
+        long_prompt, short_prompt = segments(slot, 2048), segments(slot, 40)
+        assert mbgmm.mbgmm_splits(long_prompt, 4096, 4096, cpu) == splits
+        assert mbgmm.mbgmm_splits(short_prompt, 4096, 4096, cpu) == bgmv.MAX_SPLITS
+        block_r, block_n, aligned = mbgmm.expand_tiles(width, 4096, 4096)
+        assert block_r >= width and aligned and block_r * block_n <= mbgmm.EXPAND_TILE_ELEMS
+        tiles = 4096 // block_n
+        for segs, per in ((long_prompt, 4 if width < 256 else 8), (short_prompt, 1)):
+            assert mbgmm.expand_groups(segs, 64, tiles, cpu) == per
 
 
 # ---------------------------------------------------------------------------------------------------
