@@ -211,11 +211,8 @@ class PrefillGraphs:
         tile_seq[:num_tiles] = np.repeat(np.arange(num_seqs), tiles_per_seq)
         tile_row[:num_tiles] = (np.arange(num_tiles) - np.repeat(np.cumsum(tiles_per_seq) - tiles_per_seq, tiles_per_seq)) * tile_m
 
-        width = plan.max_blocks
-        staged = self.blocks.stage(num_seqs, width)
         dest = np.empty((n, layers, 2), dtype=np.int64)
         for index, blocks in enumerate(plan.blocks):
-            staged[index, : len(blocks)] = blocks
             rows = slice(starts_row[index], starts_row[index] + lengths[index])
             dest[rows] = blocks[positions[rows] // tokens_per_page]
         host_dest = self.host_dest.numpy()
@@ -227,7 +224,7 @@ class PrefillGraphs:
             self.packed64[0].index_copy_(0, self.packed64[4, : len(device_rows)], plan.device_tokens)
         self.dest_pages[:, :, :tokens].copy_(self.host_dest[:, :, :tokens], non_blocking=True)
         bucket.device.copy_(bucket.host, non_blocking=True)
-        self.blocks.send(num_seqs, width, self.block_table)
+        self.blocks.send(plan, self.block_table)
         if self.pin:
             self.sent = torch.cuda.Event()
             self.sent.record()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from lorad.gpu_ops.page_pool import BlockList
 from lorad.scheduler.batching import Sequence
 
 
@@ -26,6 +27,9 @@ class StepPlan:
     blocks: list[np.ndarray]  # each sequence's KV block list [blocks, L, 2] of page ids
     sample: np.ndarray  # bool [n]: its last row's logits are taken (its prompt is done)
     seqs: list[Sequence] = field(default_factory=list)  # the engine's sequences, in the same order
+    # each sequence's BlockList, whose identity and length the graphs' block tables send only the new rows by
+    # (decode_graphs.BlockStaging); empty: every list sent whole
+    lists: list[BlockList] = field(default_factory=list)
     assisted: dict[Sequence, int] = field(default_factory=dict)  # CPU-assisted sequences -> their adapter id
     # the one new token of some sequences, already on the device (a step launched before the tokens of the step
     # in flight are read): [len(device_rows)] input ids for the sequences device_rows (all of them when None)
@@ -60,6 +64,7 @@ class StepPlan:
             blocks=[seq.blocks.array() for seq, _ in batch],
             sample=ends >= np.fromiter((seq.num_tokens for seq, _ in batch), dtype=np.int64, count=len(batch)),
             seqs=[seq for seq, _ in batch],
+            lists=[seq.blocks for seq, _ in batch],
             assisted=assisted or {},
             device_tokens=device_tokens,
             device_rows=device_rows,

@@ -82,10 +82,10 @@ class StepMessage:
         return cls(evicted, placed, np.concatenate(plan.tokens), plan.counts, plan.starts, plan.slots,
                    blocks, plan.sample, None if plan.device_tokens is None else plan.device_rows, path)
 
-    def plan(self, blocks: list[np.ndarray]) -> StepPlan:
+    def plan(self, lists: list[BlockList]) -> StepPlan:
         tokens = np.split(self.tokens, np.cumsum(self.counts)[:-1])
-        return StepPlan(tokens=tokens, starts=self.starts, slots=self.slots, blocks=blocks, sample=self.sample,
-                        seqs=[None] * len(tokens))
+        return StepPlan(tokens=tokens, starts=self.starts, slots=self.slots, blocks=[blocks.array() for blocks in lists],
+                        sample=self.sample, seqs=[None] * len(tokens), lists=lists)
 
 
 class BlockSync:
@@ -116,8 +116,9 @@ class BlockSync:
             self.sent[key] = (seq, seq.blocks, seq.blocks.clears, len(blocks))
         return keys, firsts, rows
 
-    def apply(self, update: tuple[list[int], list[int], list[np.ndarray]]) -> list[np.ndarray]:
-        """A worker: each sequence's whole block list, from rank 0's update."""
+    def apply(self, update: tuple[list[int], list[int], list[np.ndarray]]) -> list[BlockList]:
+        """A worker: each sequence's whole block list, from rank 0's update (the same BlockList from step to step
+        while rank 0 sends it rows, as the graphs' block tables expect)."""
         held, self.held = self.held, {}
         lists = []
         for key, first, rows in zip(*update):
@@ -128,7 +129,7 @@ class BlockSync:
             if len(rows):
                 blocks.extend(rows)
             self.held[key] = blocks
-            lists.append(blocks.array())
+            lists.append(blocks)
         return lists
 
 

@@ -1,13 +1,15 @@
 """DecodeGraphs' host side on the CPU: what a replay reads from its static buffers after `run()` fills
 them (the capture and the replay itself need a GPU: tests/daemon/engine/test_engine_gpu.py)."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
-from lorad.daemon.engine.decode_graphs import LOW_RANK, DecodeGraphs
+from lorad.daemon.engine.decode_graphs import LOW_RANK, BlockStaging, DecodeGraphs
 from lorad.daemon.engine.step_plan import StepPlan
-from lorad.gpu_ops.page_pool import SCRATCH_PAGE, AdapterTable, KVCache, PagePool
+from lorad.gpu_ops.page_pool import SCRATCH_PAGE, AdapterTable, BlockList, KVCache, PagePool
 
 LAYERS, KV_HEADS, HEAD_DIM = 3, 2, 4
 
@@ -105,3 +107,43 @@ def test_graphs_of_a_set_write_their_logits_into_one_buffer():
     assert first[:2].eq(-1).all() and first[2:].equal(torch.arange(6.0, 12.0).view(2, 3))  # the next replay's rows
     with pytest.raises(ValueError, match="exceed the shared buffer's 4"):
         shared.take(torch.zeros(5, 3))
+
+
+def test_block_tables_receive_only_the_blocks_they_lack():
+    """BlockStaging over 300 random steps (lists growing, sequences joining, leaving, changing rows, emptied by a
+    preemption and grown again, a plan without lists): after each send every row holds its sequence's blocks, and
+    a step where the same sequences each add one block sends one entry each."""
+    layers, width = 3, 40
+    rng = np.random.default_rng(0)
+    staging = BlockStaging(layers, torch.device("cpu"))
+    table = torch.full((layers, 2, 8, width), SCRATCH_PAGE, dtype=torch.int32)
+    lists = [BlockList() for _ in range(12)]
+    for step in range(300):
+        live = [blocks for blocks in lists if len(blocks) < width]
+        chosen = [live[i] for i in rng.permutation(len(live))[: rng.integers(1, 9)]]
+        for blocks in chosen:
+            if rng.random() < 0.05:  # preempted: its pages went back; it starts over, past where it was
+                before = len(blocks)
+                blocks.clear()
+                blocks.extend(rng.integers(1, 10_000, size=(min(before + 1, width - 3), layers, 2), dtype=np.int32))
+            grow = min(int(rng.integers(0, 4)), width - len(blocks))
+            blocks.extend(rng.integers(1, 10_000, size=(grow, layers, 2), dtype=np.int32))
+            if not len(blocks):
+                blocks.extend(rng.integers(1, 10_000, size=(1, layers, 2), dtype=np.int32))
+        arrays = [blocks.array() for blocks in chosen]
+        plan = SimpleNamespace(blocks=arrays, lists=chosen if step % 50 else [])
+        staging.send(plan, table)
+        for row, rows in enumerate(arrays):
+            assert torch.equal(table[:, :, row, : len(rows)], torch.from_numpy(rows).permute(1, 2, 0)), (step, row)
+    assert staging.rows_moved > 0
+    steady = [BlockList() for _ in range(4)]
+    for blocks in steady:
+        blocks.extend(rng.integers(1, 10_000, size=(1, layers, 2), dtype=np.int32))
+    staging.send(SimpleNamespace(blocks=[b.array() for b in steady], lists=steady), table)
+    before = staging.entries_sent
+    for blocks in steady:
+        blocks.extend(rng.integers(1, 10_000, size=(1, layers, 2), dtype=np.int32))
+    staging.send(SimpleNamespace(blocks=[b.array() for b in steady], lists=steady), table)
+    assert staging.entries_sent - before == len(steady)
+    for row, blocks in enumerate(steady):
+        assert torch.equal(table[:, :, row, : len(blocks)], torch.from_numpy(blocks.array()).permute(1, 2, 0))
