@@ -105,10 +105,10 @@ class BlockStaging:
     """The step's block lists into a graph's block table [L, 2, rows, blocks] on the device, each row sent only what
     it lacks. A table row remembers the list it holds (the sequence's BlockList, how often that was emptied, how many
     blocks): a sequence in the row it had before is sent the blocks added since (a decode step adds at most one), one
-    that moved to another row has that row copied on the device and is then topped up, any other is sent whole. Every
-    step lists the rows whole before this (64 lists of ~1000 blocks of a 7B model, one token a page: 16 MB over PCIe
-    ahead of each replay). The entries go in one pinned area with their places in the table, one copy each, scattered
-    on the device; no host sync. A plan without `lists` (the tests' plans) has its rows sent whole."""
+    that moved to another row has that row copied on the device and is then topped up, any other is sent whole (the
+    whole lists of 64 sequences at ~1000 tokens of a 7B model, one token a page, are 16 MB: a millisecond over PCIe
+    ahead of each replay, on its stream). The entries go in one pinned area with their places in the table, one copy
+    each, scattered on the device; no host sync. A plan without `lists` (the tests' plans) has its rows sent whole."""
 
     def __init__(self, num_layers: int, device: torch.device):
         self.num_layers, self.device = num_layers, device
