@@ -19,7 +19,7 @@ from lorad.daemon.model.ops import TritonOps
 from lorad.daemon.engine.prefill_graphs import PrefillGraphs
 from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
-from lorad.gpu_ops.page_pool import SCRATCH_PAGE, AdapterTable, KVCache, PagePool
+from lorad.gpu_ops.page_pool import SCRATCH_PAGE, AdapterTable, BlockList, KVCache, PagePool
 
 from lorad.config import EngineConfig
 
@@ -77,6 +77,38 @@ def test_fill_lays_out_a_mixed_step_for_the_fixed_grids():
             assert torch.equal(graphs.dest_pages[:, :, first + row], torch.from_numpy(page).long())
     assert (graphs.dest_pages[:, :, 18:32] == SCRATCH_PAGE).all(), "padding rows write only the scratch page"
     assert (graphs.block_table[:, :, bucket.seqs] == SCRATCH_PAGE).all(), "the padding sequence reads the scratch page"
+
+
+def test_consecutive_fills_send_each_row_only_the_blocks_it_lacks():
+    """A mixed step, then the next one with its decode rows one block longer and in another order beside a new
+    prompt: the block table holds every list, and the second fill sent one block a decode row plus the prompt's."""
+    graphs, kv = make()
+    rng = np.random.default_rng(1)
+    lists = [BlockList() for _ in range(3)]
+    for blocks, count in zip(lists, (4, 6, 3)):
+        blocks.extend(rng.integers(1, 4096, size=(count, LAYERS, 2), dtype=np.int32))
+
+    def fill(order, prompt):
+        chosen = [lists[i] for i in order] + [prompt]
+        seqs = [(np.array([7]), 2 * len(blocks) - 1, -1, blocks.array(), True) for blocks in chosen[:-1]]
+        seqs.append((np.arange(10, 16), 0, -1, prompt.array(), True))
+        plan = plan_of(*seqs)
+        plan.lists = chosen
+        graphs.fill(plan)
+        for row, blocks in enumerate(chosen):
+            rows = blocks.array()
+            assert torch.equal(graphs.block_table[:, :, row, : len(rows)], torch.from_numpy(rows).permute(1, 2, 0))
+
+    first_prompt, second_prompt = BlockList(), BlockList()
+    for prompt in (first_prompt, second_prompt):
+        prompt.extend(rng.integers(1, 4096, size=(3, LAYERS, 2), dtype=np.int32))
+    fill([0, 1, 2], first_prompt)
+    sent = graphs.blocks.entries_sent
+    assert sent == 4 + 6 + 3 + 3
+    for blocks in lists:
+        blocks.extend(rng.integers(1, 4096, size=(1, LAYERS, 2), dtype=np.int32))
+    fill([2, 0, 1], second_prompt)
+    assert graphs.blocks.entries_sent - sent == 3 + 3 and graphs.blocks.rows_moved == 3
 
 
 def test_fill_takes_decode_rows_input_ids_from_the_device():
