@@ -40,7 +40,7 @@ from lorad.daemon.engine import status
 from lorad.daemon.engine.stats import Metrics
 from lorad.daemon.engine.request import (MAX_STOP_TOKEN_IDS, GenerationRequest, GenerationResult, RequestOutput,
                                          check_prompt, deliver)
-from lorad.daemon.engine.sampler import History, LogprobCopies, PendingLogprobs, logprobs_of, make_generator, sample, to_device
+from lorad.daemon.engine.sampler import Draws, History, LogprobCopies, PendingLogprobs, logprobs_of, make_generator, sample, to_device
 from lorad.daemon.engine.sampler_state import ProcessedRows, SamplerState
 from lorad.daemon.engine.tokenizer import Detokenizer, load_tokenizer
 from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded, clip
@@ -100,7 +100,7 @@ class ChoiceGroup:
 class RequestState:
     request: GenerationRequest
     detokenizer: Detokenizer
-    generator: torch.Generator | None
+    generator: Draws | None
     choice: int = 0  # which of the request's choices this sequence is
     group: ChoiceGroup | None = None  # the request's choices, when it has more than one
     arrival: float = field(default_factory=time.perf_counter)

@@ -9,6 +9,8 @@ given histories)."""
 from __future__ import annotations
 
 import logging
+import os
+import random
 from dataclasses import dataclass
 
 import torch
@@ -28,53 +30,105 @@ class History:
     banned: tuple[int, ...] = ()
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+class Draws:
+    """A seeded request's random stream: its seed and how many tokens it has drawn. Draw i of a row reads the
+    uniforms hash(seed, i, token id) (`_uniforms`): integer arithmetic, the same on every device, so a seed gives the
+    same draws wherever the logits agree, and no generator state lives on a device."""
+
+    __slots__ = ("seed", "count")
+
+    def __init__(self, seed: int):
+        self.seed, self.count = seed % 2**64, 0
+
+    def take(self) -> tuple[int, int]:
+        """(seed as a signed 64-bit integer, this draw's index); the next draw gets the next index."""
+        index, self.count = self.count, self.count + 1
+        return self.seed - 2**64 if self.seed >= 2**63 else self.seed, index
+
+
+_UNSEEDED = random.Random(int.from_bytes(os.urandom(8), "little"))  # unseeded requests' draws: a fresh seed each
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[Draws | None],
            histories: list[History | None] | None = None) -> list[int | None]:
-    """logits: [N, vocab] float32 -> N token ids; None for a row whose sampling failed (its request alone
-    ends with an error: the step's other rows go on). histories: per row, for the rows whose params process
-    their logits (the others may be None); the logits of those rows are changed in place."""
+    """logits: [N, vocab] float32 -> N token ids; None for a row whose sampling failed (no finite logit: its request
+    alone ends with an error, the step's other rows go on). histories: per row, for the rows whose params process
+    their logits (the others may be None); the logits of those rows are changed in place. generators: each row's
+    Draws (a seeded request's), None for the others; rows of one Draws take its draws in order. The sampled rows are
+    drawn together on the logits' device (`draw`); one copy of the tokens to the host."""
     if histories is not None:
         with torch.inference_mode():  # the forward's logits are inference tensors: changed in place in this mode
             process_logits(logits, params, histories)
     tokens = logits.argmax(dim=-1)
-    failed = []
-    for row, (p, generator) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            try:
-                tokens[row] = _sample_row(logits[row], p, generator)
-            except (RuntimeError, ValueError) as error:  # e.g. a distribution torch.multinomial refuses
-                log.warning("sampling failed for one row: %s", error)
-                failed.append(row)
+    rows = [row for row, p in enumerate(params) if not p.greedy]
+    if rows:
+        keys = [generators[row].take() if generators[row] is not None else (_UNSEEDED.getrandbits(63), 0) for row in rows]
+        index = to_device(torch.tensor(rows), logits.device)
+        tokens.index_copy_(0, index, draw(logits.index_select(0, index), [params[row] for row in rows], keys))
     out = tokens.tolist()
-    for row in failed:
-        out[row] = None
-    return out
+    failed = [row for row in rows if out[row] < 0]
+    if failed:
+        log.warning("sampling failed for %d row(s): no finite logit", len(failed))
+    return [None if token < 0 else token for token in out]
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-        sorted_probs[outside] = 0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    # Draw on the CPU so that a seed gives the same tokens on every device.
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+def draw(logits: torch.Tensor, params: list[SamplingParams], keys: list[tuple[int, int]]) -> torch.Tensor:
+    """One token a row from softmax(logits / temperature) cut to its top_k tokens, then to the smallest set of most
+    likely tokens whose mass reaches top_p (the most likely always kept), by the Gumbel-max trick: the argmax of the
+    cut logits over the temperature plus -log(-log(u)), u the row's uniforms for key (seed, draw index). logits:
+    [R, vocab] float32 -> int64 [R] on its device; -1 for a row with no finite logit."""
+    rows, vocab = logits.shape
+    device = logits.device
+    scaled = logits / to_device(torch.tensor([[p.temperature] for p in params], dtype=logits.dtype), device)
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        kth = scaled.topk(max(top_k), dim=-1).values.gather(1, to_device(torch.tensor([[max(k, 1) - 1] for k in top_k]), device))
+        cut = to_device(torch.tensor([[k > 0] for k in top_k]), device)
+        scaled = scaled.masked_fill(cut & (scaled < kth), float("-inf"))
+    nucleus = [row for row, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:
+        index = to_device(torch.tensor(nucleus), device)
+        part = scaled.index_select(0, index)
+        sorted_probs, order = torch.softmax(part, dim=-1).sort(dim=-1, descending=True)
+        top_p = to_device(torch.tensor([[params[row].top_p] for row in nucleus], dtype=sorted_probs.dtype), device)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        part = part.masked_fill(torch.zeros_like(outside).scatter_(1, order, outside), float("-inf"))
+        scaled = scaled.index_copy(0, index, part)
+    uniforms = _uniforms(to_device(torch.tensor(keys, dtype=torch.int64), device), vocab)
+    tokens = (scaled - torch.log(-torch.log(uniforms))).argmax(dim=-1)
+    valid = torch.isfinite(scaled).any(dim=-1) & ~torch.isnan(scaled).any(dim=-1)
+    return torch.where(valid, tokens, torch.full_like(tokens, -1))
 
 
-def make_generator(p: SamplingParams, choice: int = 0) -> torch.Generator | None:
-    """The generator of a request's choice `choice` (GenerationRequest.n): seeded with seed + choice, so the set
-    of choices repeats with the seed and its choices are distinct draws; None (the global one) without a seed."""
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (a murmur3-style finalizer) on int64 tensors holding values below 2^32: every
+    product stays below 2^59, so it is exact on every device."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def _uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """keys: int64 [R, 2] (seed, draw index) -> float32 [R, vocab] uniforms in (0, 1), 23 bits each, a function of
+    (seed, index, token id) alone."""
+    seed, index = keys[:, 0], keys[:, 1]
+    row = _mix32(_mix32(_mix32(seed & _MASK32) ^ ((seed >> 32) & _MASK32)) ^ (index & _MASK32))
+    row = _mix32(row ^ ((index >> 32) & _MASK32))
+    tokens = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    bits = _mix32((row[:, None] + tokens[None, :] * 0x9E3779B1) & _MASK32)  # a Weyl sequence from the row's key, mixed
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))  # exact in float32: 23 bits and a half
+
+
+def make_generator(p: SamplingParams, choice: int = 0) -> Draws | None:
+    """The random stream of a request's choice `choice` (GenerationRequest.n): seeded with seed + choice, so the set
+    of choices repeats with the seed and its choices are distinct draws; None (a fresh seed each draw) without a
+    seed."""
     if p.greedy or p.seed is None:
         return None
-    generator = torch.Generator()
-    generator.manual_seed(p.seed if choice == 0 else (p.seed + choice) % 2**64)
-    return generator
+    return Draws(p.seed if choice == 0 else p.seed + choice)
 
 
 @dataclass(frozen=True)

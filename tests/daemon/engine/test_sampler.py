@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lorad.daemon.engine.request import SamplingParams
-from lorad.daemon.engine.sampler import History, make_generator, sample
+from lorad.daemon.engine.sampler import Draws, History, make_generator, sample
 from lorad.errors import BadRequest
 
 VOCAB = 50
@@ -85,7 +85,7 @@ def test_same_seed_same_tokens_different_seeds_differ():
 def test_generator_only_for_seeded_sampling():
     assert make_generator(SamplingParams(temperature=0, seed=1)) is None
     assert make_generator(SamplingParams(temperature=1.0)) is None
-    assert isinstance(make_generator(SamplingParams(temperature=1.0, seed=1)), torch.Generator)
+    assert isinstance(make_generator(SamplingParams(temperature=1.0, seed=1)), Draws)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
@@ -269,3 +269,38 @@ def test_logprobs_are_those_of_the_distribution_drawn_from():
         assert [token for token, _ in got[row].top] == order
         assert all(math.isclose(value, float(want[token]), abs_tol=1e-5) for token, value in got[row].top)
     assert got[0].top[0][0] == tokens[0] and got[2].top == ()  # greedy: its token is the most likely
+
+
+def test_a_row_with_no_finite_logit_fails_alone():
+    logits = random_logits(3, 11)
+    logits[1] = float("-inf")
+    logits[2, 5] = float("nan")
+    params = [SamplingParams(temperature=1.0, seed=1)] * 3
+    tokens = sample(logits, params, [make_generator(p) for p in params])
+    assert tokens[0] is not None and tokens[1:] == [None, None]
+
+
+def test_uniforms_are_integer_arithmetic_of_seed_draw_and_token():
+    """The draws' uniforms against the same hash in Python integers (what makes them equal on every device), for
+    seeds that use all 64 bits, and a seeded stream's draws in order."""
+    from lorad.daemon.engine.sampler import _uniforms
+
+    def mix(x):
+        x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+        x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+        return (x >> 16) ^ x
+
+    def expected(seed, index, token):
+        seed %= 2**64
+        row = mix(mix(mix(seed & 0xFFFFFFFF) ^ (seed >> 32)) ^ (index & 0xFFFFFFFF))
+        row = mix(row ^ (index >> 32))
+        return ((mix((row + token * 0x9E3779B1) & 0xFFFFFFFF) >> 9) + 0.5) / (1 << 23)
+
+    draws = Draws(2**64 - 5)
+    keys = [draws.take(), draws.take(), Draws(7).take(), Draws(2**63 + 1).take()]
+    assert [key[1] for key in keys] == [0, 1, 0, 0] and keys[0][0] == -5
+    got = _uniforms(torch.tensor(keys), 300)
+    for row, (seed, index) in enumerate(keys):
+        for token in (0, 1, 157, 299):
+            assert float(got[row, token]) == expected(seed, index, token)
+    assert 0 < float(got.min()) and float(got.max()) < 1

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from lorad.client import Client
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
@@ -48,14 +49,13 @@ def test_a_row_whose_sampling_fails_ends_alone(demo_assets, monkeypatch):
     prompts = [[40, 41, 42, 43], [50, 51, 52], [60, 61, 62, 63, 64]]
     alone = [engine.generate([GenerationRequest(p, "demo-r8", SamplingParams(max_tokens=5, temperature=0))])[0].token_ids
              for p in prompts[:2]]
-    original = sampler._sample_row
+    original = sampler.draw
 
-    def failing(logits, p, generator):
-        if p.seed == 13:
-            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return original(logits, p, generator)
+    def failing(logits, params, keys):  # the seed-13 row as if its logits had no finite value
+        tokens = original(logits, params, keys)
+        return torch.where(torch.tensor([p.seed == 13 for p in params], device=tokens.device), -1, tokens)
 
-    monkeypatch.setattr(sampler, "_sample_row", failing)
+    monkeypatch.setattr(sampler, "draw", failing)
     results = engine.generate([GenerationRequest(prompts[0], "demo-r8", SamplingParams(max_tokens=5, temperature=0)),
                                GenerationRequest(prompts[1], "demo-r8", SamplingParams(max_tokens=5, temperature=0)),
                                GenerationRequest(prompts[2], "demo-r8", SamplingParams(max_tokens=5, temperature=1.0, seed=13))])
