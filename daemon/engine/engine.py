@@ -3,7 +3,7 @@
 `submit` may be called from any thread; the step loop (a background thread after `start`, or the
 caller's thread in `generate`) takes new requests and aborts at the start of each step, asks the
 scheduler for the step's batch, runs one forward for all of it, samples, and reports each request's
-new tokens through its `on_output` callback. On cuda, greedy decode steps overlap (see "overlapped
+new tokens through its `on_output` callback. On cuda, decode steps overlap (see "overlapped
 decode" below): a step launches the next one from its tokens on the device before reading them.
 """
 
@@ -40,7 +40,7 @@ from lorad.daemon.engine import status
 from lorad.daemon.engine.stats import Metrics
 from lorad.daemon.engine.request import (MAX_STOP_TOKEN_IDS, GenerationRequest, GenerationResult, RequestOutput,
                                          check_prompt, deliver)
-from lorad.daemon.engine.sampler import Draws, History, LogprobCopies, PendingLogprobs, logprobs_of, make_generator, sample, to_device
+from lorad.daemon.engine.sampler import Draws, History, LogprobCopies, PendingLogprobs, choose, logprobs_of, make_generator, sample, to_device
 from lorad.daemon.engine.sampler_state import ProcessedRows, SamplerState
 from lorad.daemon.engine.tokenizer import Detokenizer, load_tokenizer
 from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded, clip
@@ -58,17 +58,18 @@ CPU_POOL_BYTES = 256 << 20
 ADAPTER_SLOTS = 1024
 PREFETCH_DEPTH = 8  # queued requests whose adapters are loaded ahead, while a step runs
 PREPARE_DEPTH = 16  # queued requests whose adapters are read and staged ahead on the stager's thread (cuda)
+SAMPLING_FAILED = "sampling failed for this request (its distribution was not valid)"
 CLUSTER_MAX_WAIT_MS = 1000.0  # admission cluster without a TTFT objective: how long another adapter's request waits at most
 
 
 @dataclass(eq=False)
 class StepInFlight:
-    """A greedy step launched whose tokens the host has not read yet (overlapped decode): a decode step, or one
-    whose prompt rows all end their prompts in it."""
+    """A step launched whose tokens the host has not read yet (overlapped decode): a decode step, or one whose
+    prompt rows all end their prompts in it."""
 
     seqs: list[Sequence]  # its rows, in order
-    tokens: torch.Tensor  # [n] int64 on the device: each row's argmax, the next step's input ids
-    host: torch.Tensor  # [n] int64, pinned on cuda: where the tokens are copied to
+    tokens: torch.Tensor  # [n] int64 on the device: each row's token (argmax or drawn), the next step's input ids
+    host: torch.Tensor  # [n] int64, pinned on cuda: where the tokens are copied to (-1: a failed draw)
     done: torch.cuda.Event | None  # recorded after that copy; None on the cpu (the copy is done)
     logprobs: PendingLogprobs | None = None  # the rows' logprobs, copied to the host before `done`
     prefill: tuple[int, float] | None = None  # a step with prompt rows to time for the prefill model: (its tokens, launched at)
@@ -725,7 +726,7 @@ class Engine:
             if seq in skipped:
                 continue
             if token is None:  # its sampling failed: this request ends, the step's others go on
-                self._finish(seq, "error", error="sampling failed for this request (its distribution was not valid)")
+                self._finish(seq, "error", error=SAMPLING_FAILED)
                 continue
             state: RequestState = seq.state
             if state.request.keep_logits:
@@ -825,7 +826,7 @@ class Engine:
             log.debug("longrope cache recomputed request=%s tokens=%d", seq.request_id, seq.num_tokens)
 
     # ---- overlapped decode -----------------------------------------------------------------------
-    # A greedy decode step's next input ids are its argmax, already on the device. So the step after it
+    # A decode step's next input ids are its tokens, argmax or drawn on the device. So the step after it
     # can be launched before the host has read them: its forward takes its input ids from the device,
     # and the host reads the first step's tokens (and streams them, finishes requests) while the device
     # runs the second. The host's work per step then hides behind the device's, instead of adding to it.
@@ -838,33 +839,35 @@ class Engine:
     # yet are fenced (`release`), and go out again once the device has passed that step.
 
     def _overlappable(self, plan: StepPlan, ending: int = 0) -> bool:
-        """Is this step's reading of its tokens deferred: a greedy step of every running request (with penalties,
-        bias, logprobs or not) that samples each of them, a decode step or one whose prompt rows all end their
-        prompts in it (a saturated server's step that admits a request beside the decode rows): the next step,
-        a decode of them all, is launched from its tokens on the device while the host takes them. Rows drawn
-        with a temperature stay on the plain path: they are drawn on the cpu, for seeds that give the same tokens
-        on every device."""
+        """Is this step's reading of its tokens deferred: a step of every running request (greedy or drawn with a
+        temperature, with penalties, bias, logprobs or not) that samples each of them, a decode step or one whose
+        prompt rows all end their prompts in it (a saturated server's step that admits a request beside the decode
+        rows): the next step, a decode of them all, is launched from its tokens on the device while the host takes
+        them. Requests that keep their logits, and a step whose first choices fork, read the step on the host."""
         if not self.overlap_decode or plan.assisted or len(plan.seqs) != len(self.scheduler.running) - ending:
             return False
         if not plan.decode and len(plan.sampled) != len(plan.seqs):  # a prompt chunk that does not end its prompt
             return False
-        return all(seq.state.request.sampling.greedy and not seq.state.request.keep_logits
+        return all(not seq.state.request.keep_logits
                    and (seq.state.group is None or not seq.state.group.unforked)  # a fork reads the step's logits
                    for seq in plan.seqs)
 
     def _launch_tokens(self, logits: torch.Tensor, seqs: list[Sequence],
                        prefill: tuple[int, float] | None = None) -> StepInFlight:
-        """The step's greedy tokens on the device (from the processed logits where rows ask for it; their sampler
-        state advanced there), their logprobs computed there, and their copies to the host started. prefill: (the
+        """The step's tokens on the device (argmax or drawn, from the processed logits where rows ask for it; their
+        sampler state advanced there), their logprobs computed there, and their copies to the host started. prefill: (the
         step's tokens, when it was launched) where its time is to be observed when it lands."""
         processed = self._process_logits(logits, seqs)
-        tokens = logits.argmax(dim=-1)  # as sample() does for greedy rows
+        params = [seq.state.request.sampling for seq in seqs]
+        chosen = choose(logits, params, [seq.state.generator for seq in seqs])  # as sample() does
+        greedy = all(p.greedy for p in params)
+        tokens = chosen if greedy else chosen.clamp(min=0)  # a failed draw's -1 is read on the host, never an input id
         if processed is not None:
             self.sampler_state.advance(processed, tokens)
-        logprobs = self._logprob_copies.launch(logits, [seq.state.request.sampling for seq in seqs], tokens, argmax=True)
+        logprobs = self._logprob_copies.launch(logits, params, tokens, argmax=greedy)
         host = self._token_buffers[self._token_turn][: len(seqs)]
         self._token_turn ^= 1
-        host.copy_(tokens, non_blocking=True)
+        host.copy_(chosen, non_blocking=True)
         done = None
         if tokens.is_cuda:
             done = torch.cuda.Event()
@@ -919,7 +922,7 @@ class Engine:
 
     def _rows_going_on(self) -> dict[Sequence, int] | None:
         """When the next step can be planned and launched before the step in flight's tokens are read (the step
-        after a greedy one that admits waiting requests: a mixed step): its rows that go on -> their row in it.
+        after an overlapped one that admits waiting requests: a mixed step): its rows that go on -> their row in it.
         None (the tokens are read first) when a running request is not in it, none goes on, or one of their KV
         caches cannot grow by the token in flight without a preemption. Rows that end on length in it are left
         out, as the overlapped decode does."""
@@ -977,8 +980,12 @@ class Engine:
             self._observe_prefill(tokens, now - launched)
         logprobs = flight.logprobs.read() if flight.logprobs is not None else [None] * len(flight.seqs)
         for seq, token, logprob in zip(flight.seqs, flight.host.tolist(), logprobs):
-            if not seq.state.finished:
-                self._take_token(seq, token, now, logprob)
+            if seq.state.finished:
+                continue
+            if token < 0:  # its draw failed: this request ends, the others go on (the row launched after it is dropped)
+                self._finish(seq, "error", error=SAMPLING_FAILED)
+                continue
+            self._take_token(seq, token, now, logprob)
 
     def _drop_by_admission(self) -> None:
         """Fails the requests the admission policy dropped this step, each with its reason (503)."""

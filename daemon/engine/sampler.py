@@ -53,23 +53,29 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
            histories: list[History | None] | None = None) -> list[int | None]:
     """logits: [N, vocab] float32 -> N token ids; None for a row whose sampling failed (no finite logit: its request
     alone ends with an error, the step's other rows go on). histories: per row, for the rows whose params process
-    their logits (the others may be None); the logits of those rows are changed in place. generators: each row's
-    Draws (a seeded request's), None for the others; rows of one Draws take its draws in order. The sampled rows are
-    drawn together on the logits' device (`draw`); one copy of the tokens to the host."""
+    their logits (the others may be None); the logits of those rows are changed in place. generators as in
+    `choose`; one copy of the tokens to the host."""
     if histories is not None:
         with torch.inference_mode():  # the forward's logits are inference tensors: changed in place in this mode
             process_logits(logits, params, histories)
+    out = choose(logits, params, generators).tolist()
+    failed = [row for row, token in enumerate(out) if token < 0]
+    if failed:
+        log.warning("sampling failed for %d row(s): no finite logit", len(failed))
+    return [None if token < 0 else token for token in out]
+
+
+def choose(logits: torch.Tensor, params: list[SamplingParams], generators: list[Draws | None]) -> torch.Tensor:
+    """Each row's token on the logits' device, int64 [N], without waiting for it: the argmax of a greedy row, a draw
+    (`draw`, all such rows together) for the others; -1 for a row whose draw failed. generators: each row's Draws (a
+    seeded request's), None for the others; rows of one Draws take its draws in order."""
     tokens = logits.argmax(dim=-1)
     rows = [row for row, p in enumerate(params) if not p.greedy]
     if rows:
         keys = [generators[row].take() if generators[row] is not None else (_UNSEEDED.getrandbits(63), 0) for row in rows]
         index = to_device(torch.tensor(rows), logits.device)
         tokens.index_copy_(0, index, draw(logits.index_select(0, index), [params[row] for row in rows], keys))
-    out = tokens.tolist()
-    failed = [row for row in rows if out[row] < 0]
-    if failed:
-        log.warning("sampling failed for %d row(s): no finite logit", len(failed))
-    return [None if token < 0 else token for token in out]
+    return tokens
 
 
 def draw(logits: torch.Tensor, params: list[SamplingParams], keys: list[tuple[int, int]]) -> torch.Tensor:

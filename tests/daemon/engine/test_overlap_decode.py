@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 from test_engine import GREEDY, count_calls, make_engine, prompts, requests
 
 from lorad.daemon.engine.engine import Engine
@@ -181,9 +182,9 @@ def test_a_step_planned_ahead_is_timed_for_the_prefill_model_from_the_landing_be
 
 @pytest.mark.parametrize("case", ["chunked", "sampled", "one_token_prompt"])
 def test_steps_planned_ahead_that_read_their_tokens_at_once(demo_assets, case):
-    """A step planned ahead whose own tokens are read at once (a prompt chunk that does not end its prompt, a row
-    drawn with a temperature) lands the step in flight first; a one-token prompt joins the decode rows as a decode
-    step with some input ids from the host. The plain engine's tokens either way."""
+    """A step planned ahead whose own tokens are read at once (a prompt chunk that does not end its prompt) lands the
+    step in flight first; a row drawn with a temperature is planned ahead like a greedy one; a one-token prompt joins
+    the decode rows as a decode step with some input ids from the host. The plain engine's tokens either way."""
     cases = [(prompt, ADAPTERS[i % len(ADAPTERS)]) for i, prompt in enumerate(prompts(4, seed=8, low=5, high=12))]
     config = {"max_running_requests": 2}
     if case == "chunked":
@@ -292,23 +293,63 @@ def test_rows_ending_on_length_are_not_launched(demo_assets, plain):
     assert len(launched) == 8 and engine.overlapped_steps == 7
 
 
-@pytest.mark.parametrize("kind", ["sampled", "keep_logits"])
-def test_steps_with_a_request_it_must_not_touch_stay_plain(demo_assets, plain, kind):
+def test_steps_with_a_request_that_keeps_its_logits_stay_plain(demo_assets, plain):
     cases = [(prompt, ADAPTERS[i]) for i, prompt in enumerate(prompts(3, seed=11))]
     reqs = requests(cases, 6)
-    if kind == "sampled":
-        reqs[1] = GenerationRequest(cases[1][0], cases[1][1], SamplingParams(max_tokens=6, temperature=0.8, seed=3))
-        expected_sampled = plain.generate([GenerationRequest(cases[1][0], cases[1][1], SamplingParams(max_tokens=6, temperature=0.8, seed=3))])[0]
-    else:
-        reqs[1] = GenerationRequest(cases[1][0], cases[1][1], SamplingParams(max_tokens=6, **GREEDY), keep_logits=True)
+    reqs[1] = GenerationRequest(cases[1][0], cases[1][1], SamplingParams(max_tokens=6, **GREEDY), keep_logits=True)
     engine = overlapped(make_engine(demo_assets))
     results = engine.generate(reqs)
     assert engine.overlapped_steps == 0
     assert results[0].token_ids == plain.generate(requests([cases[0]], 6))[0].token_ids
-    if kind == "sampled":
-        assert results[1].token_ids == expected_sampled.token_ids
-    else:
-        assert len(results[1].logits) == 6
+    assert len(results[1].logits) == 6
+
+
+def test_rows_drawn_with_a_temperature_overlap_and_draw_the_plain_engines_tokens(demo_assets, plain):
+    """Seeded rows with a temperature, top-k and top-p beside greedy ones: drawn on the device as the steps launch,
+    each seed's draws in order, so the overlapped engine gives the plain engine's tokens."""
+    cases = [(prompt, ADAPTERS[i % len(ADAPTERS)]) for i, prompt in enumerate(prompts(4, seed=12))]
+    drawn = [dict(temperature=0.8, seed=3), dict(temperature=1.0, top_p=0.9, seed=5), dict(temperature=1.3, top_k=20, seed=9)]
+
+    def reqs() -> list[GenerationRequest]:
+        made = requests(cases, 9)
+        for index, fields in enumerate(drawn, start=1):
+            made[index] = GenerationRequest(cases[index][0], cases[index][1], SamplingParams(max_tokens=9, **fields))
+        return made
+
+    expected = [r.token_ids for r in plain.generate(reqs())]
+    engine = overlapped(make_engine(demo_assets))
+    results = engine.generate(reqs())
+    assert engine.overlapped_steps > 0
+    assert [r.token_ids for r in results] == expected
+    assert len({tuple(r.token_ids) for r in results}) == len(results)
+
+
+def test_a_failed_draw_under_overlap_ends_its_request_alone(demo_assets, plain, monkeypatch):
+    """A row whose draw fails (as a row with no finite logit does) comes back -1: its request ends with an error when
+    the step lands, the row launched after it never reads -1, and the other requests keep the plain engine's tokens."""
+    from lorad.daemon.engine import sampler
+
+    cases = [(prompt, ADAPTERS[i % len(ADAPTERS)]) for i, prompt in enumerate(prompts(3, seed=13))]
+    reqs = requests(cases, 7)
+    reqs[2] = GenerationRequest(cases[2][0], cases[2][1], SamplingParams(max_tokens=7, temperature=1.0, seed=13))
+    expected = [r.token_ids for r in plain.generate(reqs[:2])]
+    original = sampler.draw
+    calls = []
+
+    def failing(logits, params, keys):  # the seed-13 row fails from its third draw on
+        calls.append(keys)
+        tokens = original(logits, params, keys)
+        fail = [p.seed == 13 and key[1] >= 2 for p, key in zip(params, keys)]
+        return torch.where(torch.tensor(fail, device=tokens.device), -1, tokens)
+
+    monkeypatch.setattr(sampler, "draw", failing)
+    engine = overlapped(make_engine(demo_assets))
+    results = engine.generate(reqs)
+    assert engine.overlapped_steps > 0
+    assert [r.finish_reason for r in results] == ["length", "length", "error"]
+    assert [r.token_ids for r in results[:2]] == expected
+    assert len(results[2].token_ids) == 2
+    assert engine.pool.occupancy()["kv"] == 0 and engine._in_flight is None
 
 
 def test_a_sequence_crossing_longrope_s_switch_is_left_out_and_recomputed(hf_checkpoint):
