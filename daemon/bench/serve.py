@@ -74,13 +74,15 @@ class Outcome:
 
 
 async def stream_request(client, model: str, prompt: list[int], max_tokens: int, outcome: Outcome, clock,
-                         ignore_eos: bool = True) -> Outcome:
-    """Sends one completion, streamed and greedy (ignoring EOS: exactly max_tokens tokens), and times each
-    chunk's arrival on `clock` (the event loop's). A refused or lost request ends with `outcome.error` set."""
+                         ignore_eos: bool = True, sampling: dict | None = None) -> Outcome:
+    """Sends one completion, streamed (ignoring EOS: exactly max_tokens tokens), greedy or with `sampling`'s
+    temperature, top_p and top_k, and times each chunk's arrival on `clock` (the event loop's). A refused or lost
+    request ends with `outcome.error` set."""
     outcome.sent = clock()
     try:
         async for chunk in client.stream_completions(model=model, prompt=prompt, max_tokens=max_tokens,
-                                                     temperature=0, ignore_eos=ignore_eos, return_token_ids=True):
+                                                     ignore_eos=ignore_eos, return_token_ids=True,
+                                                     **(sampling or {"temperature": 0})):
             new = sum(len(choice.get("token_ids") or ()) for choice in chunk.get("choices", ()))
             if new:
                 outcome.chunk_times.append(clock())
@@ -189,7 +191,7 @@ def send_times(prompts: list[Prompt], request_rate: float | str, time_scale: flo
 
 
 async def run_load(client, prompts: list[Prompt], models: list[str], at: list[float], max_concurrency: int | None,
-                   ignore_eos: bool, progress=None) -> tuple[list[Outcome], float]:
+                   ignore_eos: bool, progress=None, sampling: dict | None = None) -> tuple[list[Outcome], float]:
     """Sends every prompt at its time, at most max_concurrency in flight; returns the outcomes and the
     run's wall time (first send to last token or error)."""
     loop = asyncio.get_running_loop()
@@ -202,10 +204,11 @@ async def run_load(client, prompts: list[Prompt], models: list[str], at: list[fl
             await asyncio.sleep(delay)
         outcome = Outcome(model, len(prompt.token_ids), prompt.output_len)
         if limit is None:
-            await stream_request(client, model, prompt.token_ids, prompt.output_len, outcome, loop.time, ignore_eos)
+            await stream_request(client, model, prompt.token_ids, prompt.output_len, outcome, loop.time, ignore_eos, sampling)
         else:
             async with limit:
-                await stream_request(client, model, prompt.token_ids, prompt.output_len, outcome, loop.time, ignore_eos)
+                await stream_request(client, model, prompt.token_ids, prompt.output_len, outcome, loop.time, ignore_eos,
+                                     sampling)
         if progress is not None:
             progress.update(1)
         return outcome
@@ -334,6 +337,10 @@ def add_parser(actions, default_socket: str) -> None:
                        help="one run per value: request-rate=1,2,4,inf or max-concurrency=1,8,32")
     serve.add_argument("--goodput", nargs="+", metavar="KEY:MS",
                        help="objectives for goodput, e.g. ttft:2000 tpot:100 (keys ttft, tpot, e2el)")
+    serve.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                       help="each request's temperature (default 0: greedy; the API's own default is 1)")
+    serve.add_argument("--top-p", type=float, default=1.0, metavar="P", help="each request's top_p (default 1)")
+    serve.add_argument("--top-k", type=int, default=0, metavar="K", help="each request's top_k (default 0: off)")
     serve.add_argument("--seed", type=int, default=0, metavar="N")
     serve.add_argument("--no-progress", action="store_true", help="no progress bar")
     serve.add_argument("--out", metavar="PATH.json", help="JSON report (and PATH.png: throughput against latency)")
@@ -350,6 +357,8 @@ def run(args: argparse.Namespace) -> int:
         raise BadRequest("--adapters must be >= 0 and --time-scale positive")
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise BadRequest(f"--out {args.out}: the directory {Path(args.out).resolve().parent} does not exist")
+    if not 0 <= args.temperature <= 100 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise BadRequest("--temperature must be from 0 to 100, --top-p above 0 and at most 1, --top-k >= 0")
     goodput = parse_goodput(args.goodput)
     report = asyncio.run(_run(args, goodput))
     print(format_table(report["runs"], report["sweep"]["key"]))
@@ -377,6 +386,8 @@ async def _run(args: argparse.Namespace, goodput: dict[str, float]) -> dict:
         prompts, dataset = load_prompts(args, max_model_len, rng)
         models, served = choose_models(listed, args.adapters, args.alpha, len(prompts), rng)
         dataset["ignore_eos"] = args.ignore_eos
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+        dataset["sampling"] = sampling
         report = {"version": 1, "kind": "serve", "socket": args.socket, "dataset": dataset, "models": served,
                   "sweep": {"key": key, "points": [_json_point(p) for p in points]}, "runs": []}
         for point in points:
@@ -386,7 +397,8 @@ async def _run(args: argparse.Namespace, goodput: dict[str, float]) -> dict:
             progress = _progress_bar(len(prompts), f"{key} {_json_point(point)}", args.no_progress)
             before = await _step_time(client)
             try:
-                outcomes, duration = await run_load(client, prompts, models, at, concurrency, args.ignore_eos, progress)
+                outcomes, duration = await run_load(client, prompts, models, at, concurrency, args.ignore_eos, progress,
+                                                    sampling)
             finally:
                 if progress is not None:
                     progress.close()

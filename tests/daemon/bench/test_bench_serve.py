@@ -91,6 +91,17 @@ def test_a_sweep_reports_every_point_and_plots_it(capsys, daemon, tmp_path):
     assert "max-concurrency" in stdout and "wrote" in stdout
 
 
+def test_requests_drawn_with_a_temperature(capsys, daemon, tmp_path):
+    out = tmp_path / "sampled.json"
+    code, _, err = bench(capsys, "--socket", daemon, "--input-len", 10, "--output-len", 5, "--ignore-eos",
+                         "--num-prompts", 6, "--temperature", 0.9, "--top-p", 0.8, "--top-k", 20, "--out", out)
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    assert report["dataset"]["sampling"] == {"temperature": 0.9, "top_p": 0.8, "top_k": 20}
+    run = report["runs"][0]
+    assert run["completed"] == 6 and run["total_output_tokens"] == 6 * 5
+
+
 @pytest.mark.skipif(not DATA_DIR.is_dir(), reason="the Azure traces are in ../shared/data")
 def test_azure_prompts_at_their_own_arrivals(capsys, daemon, tmp_path):
     out = tmp_path / "azure.json"
@@ -111,6 +122,8 @@ def test_azure_prompts_at_their_own_arrivals(capsys, daemon, tmp_path):
     (["--request-rate", "0"], "not a positive number, inf or trace"),
     (["--goodput", "ttft:fast"], "--goodput ttft:fast"),
     (["--num-prompts", "0"], "--num-prompts must be at least 1"),
+    (["--temperature", "-1"], "--temperature must be from 0 to 100"),
+    (["--top-p", "0"], "--top-p above 0 and at most 1"),
 ])
 def test_bad_flags_are_one_line(capsys, argv, fragment, tmp_path):
     code, _, err = bench(capsys, "--socket", tmp_path / "none.sock", *argv)
