@@ -46,6 +46,7 @@ class Draws:
         return self.seed - 2**64 if self.seed >= 2**63 else self.seed, index
 
 
+DRAW_ELEMENTS = 1 << 22  # logits a `draw` takes at once: its int64 and sort temporaries stay ~100-200 MB
 _UNSEEDED = random.Random(int.from_bytes(os.urandom(8), "little"))  # unseeded requests' draws: a fresh seed each
 
 
@@ -73,8 +74,12 @@ def choose(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     rows = [row for row, p in enumerate(params) if not p.greedy]
     if rows:
         keys = [generators[row].take() if generators[row] is not None else (_UNSEEDED.getrandbits(63), 0) for row in rows]
-        index = to_device(torch.tensor(rows), logits.device)
-        tokens.index_copy_(0, index, draw(logits.index_select(0, index), [params[row] for row in rows], keys))
+        step = max(1, DRAW_ELEMENTS // logits.shape[1])  # rows a draw: its temporaries (sorts, hashes) stay bounded
+        for first in range(0, len(rows), step):
+            part = rows[first : first + step]
+            index = to_device(torch.tensor(part), logits.device)
+            drawn = draw(logits.index_select(0, index), [params[row] for row in part], keys[first : first + step])
+            tokens.index_copy_(0, index, drawn)
     return tokens
 
 

@@ -304,3 +304,20 @@ def test_uniforms_are_integer_arithmetic_of_seed_draw_and_token():
         for token in (0, 1, 157, 299):
             assert float(got[row, token]) == expected(seed, index, token)
     assert 0 < float(got.min()) and float(got.max()) < 1
+
+
+def test_rows_drawn_in_parts_draw_what_one_draw_does(monkeypatch):
+    """choose() draws a few rows at a time (DRAW_ELEMENTS bounds the logits a draw takes): every row's token is the
+    one a single draw of all rows gives, each seeded stream's draws in row order."""
+    from lorad.daemon.engine import sampler
+
+    logits = random_logits(10, 14)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=20, seed=row % 3) for row in range(10)]
+    params[4] = SamplingParams(temperature=0)
+    whole = sample(logits.clone(), params, [make_generator(p) for p in params])
+    monkeypatch.setattr(sampler, "DRAW_ELEMENTS", 3 * VOCAB)  # three rows a draw
+    calls = []
+    original = sampler.draw
+    monkeypatch.setattr(sampler, "draw", lambda logits, params, keys: calls.append(len(keys)) or original(logits, params, keys))
+    assert sample(logits.clone(), params, [make_generator(p) for p in params]) == whole
+    assert calls == [3, 3, 3]
