@@ -119,16 +119,17 @@ class BlockStaging:
         self._host: dict[str, torch.Tensor] = {}
         self._device: dict[str, torch.Tensor] = {}
 
-    def _buffers(self, name: str, count: int, dtype) -> tuple[np.ndarray, torch.Tensor]:
-        """(a pinned host area of `count` elements to fill, its device twin), grown on demand."""
+    def _area(self, name: str, count: int, dtype) -> np.ndarray:
+        """A pinned host area of `count` elements to fill (and its device twin, for `_sent`), grown on demand."""
         host = self._host.get(name)
         if host is None or host.numel() < count:
             grown = max(count, 2 * (0 if host is None else host.numel()), 64)
             self._host[name] = torch.zeros(grown, dtype=dtype, pin_memory=self.pin)
             self._device[name] = torch.zeros(grown, dtype=dtype, device=self.device)
-        return self._host[name][:count].numpy(), self._device[name][:count]
+        return self._host[name][:count].numpy()
 
     def _sent(self, name: str, count: int) -> torch.Tensor:
+        """The first `count` elements of area `name`, copied to its device twin without waiting."""
         device = self._device[name][:count]
         device.copy_(self._host[name][:count], non_blocking=True)
         return device
@@ -139,6 +140,10 @@ class BlockStaging:
         n, layers, width = len(plan.blocks), self.num_layers, block_table.shape[3]
         lists = plan.lists if len(plan.lists) == n else [None] * n
         old = self.held
+
+        def holds(entry, blocks) -> bool:  # a row's entry is this list as it is now (not emptied since)
+            return entry is not None and entry[0] is blocks and entry[1] == blocks.clears
+
         where = {}  # a list held in several rows (one it left, not written since): the row holding the most of it
         for row, entry in enumerate(old):
             if entry is not None and (id(entry[0]) not in where or where[id(entry[0])][1][2] < entry[2]):
@@ -151,9 +156,9 @@ class BlockStaging:
                 raise ValueError(f"a block list of {length} blocks for a table of {width}")
             if blocks is not None:
                 source, entry = row, old[row] if row < len(old) else None
-                if entry is None or entry[0] is not blocks or entry[1] != blocks.clears:
+                if not holds(entry, blocks):
                     source, entry = where.get(id(blocks), (row, None))
-                if entry is not None and entry[0] is blocks and entry[1] == blocks.clears and entry[2] <= length:
+                if holds(entry, blocks) and entry[2] <= length:
                     first = entry[2]
                     if source != row:
                         moves.append((source, row))
@@ -161,15 +166,14 @@ class BlockStaging:
                 pieces.append((row, first, rows[first:]))
             held[row] = None if blocks is None else (blocks, blocks.clears, length)
         if moves:  # all read before any is written: a row may be moved out of and into in one step
-            indices, device = self._buffers("moves", 2 * len(moves), torch.int64)
-            indices[:] = np.asarray(moves, dtype=np.int64).T.reshape(-1)
+            self._area("moves", 2 * len(moves), torch.int64)[:] = np.asarray(moves, dtype=np.int64).T.reshape(-1)
             device = self._sent("moves", 2 * len(moves))
             block_table.index_copy_(2, device[len(moves):], block_table.index_select(2, device[: len(moves)]))
             self.rows_moved += len(moves)
         count = sum(len(rows) for _, _, rows in pieces)
         if count:
-            values, _ = self._buffers("values", count * layers * 2, torch.int32)
-            places, _ = self._buffers("places", count, torch.int64)
+            values = self._area("values", count * layers * 2, torch.int32)
+            places = self._area("places", count, torch.int64)
             values.reshape(count, layers * 2)[:] = np.concatenate([rows.reshape(len(rows), -1) for _, _, rows in pieces])
             places[:] = np.concatenate([row * width + np.arange(first, first + len(rows)) for row, first, rows in pieces])
             flat = block_table.view(layers * 2, -1)

@@ -88,8 +88,7 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], keys: list[tuple[in
     likely tokens whose mass reaches top_p (the most likely always kept), by the Gumbel-max trick: the argmax of the
     cut logits over the temperature plus -log(-log(u)), u the row's uniforms for key (seed, draw index). logits:
     [R, vocab] float32 -> int64 [R] on its device; -1 for a row with no finite logit."""
-    rows, vocab = logits.shape
-    device = logits.device
+    vocab, device = logits.shape[1], logits.device
     scaled = logits / to_device(torch.tensor([[p.temperature] for p in params], dtype=logits.dtype), device)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
