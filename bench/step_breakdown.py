@@ -45,12 +45,12 @@ def main() -> int:
                         help="also a prompt step of --prompt tokens split over this many prompts, each with its own "
                              "adapter, and the same step for the base model alone (figure 21.5)")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--device", default="cuda", help="cuda; cpu only to try the script (tiny-llama, no kernels)")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu only to try the script (with --model-config tiny-llama; no kernels)")
     parser.add_argument("--out")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
-        print("step_breakdown: no GPU here (--device cpu tries the script on the torch references)", file=sys.stderr)
+        print("step_breakdown: no GPU here (--device cpu --model-config tiny-llama tries the script on the torch references)", file=sys.stderr)
         return 2
     engine = Engine(EngineConfig(model_config=args.model_config, dummy_weights=True, dummy_adapters=args.running + 1,
                                  dummy_adapter_rank=args.rank, device=args.device, max_running_requests=args.running,
@@ -62,10 +62,10 @@ def main() -> int:
     rng = np.random.default_rng(0)
     vocab = engine.vocab_size
 
-    def blocks_for(tokens: int) -> np.ndarray:
+    def blocks_for(tokens: int) -> BlockList:
         blocks = BlockList()
         assert engine.kv.grow(blocks, tokens)
-        return blocks.array()
+        return blocks
 
     decode_rows = [(rng.integers(0, vocab, size=1), args.context - 1, names[i], blocks_for(args.context), True)
                    for i in range(args.running)]
@@ -79,8 +79,9 @@ def main() -> int:
 
     def plan_of(rows) -> StepPlan:
         tokens, starts, adapters, blocks, sample = zip(*rows)
+        # The lists themselves, as the engine's plans carry them: a replay sends each table row only what it lacks
         return StepPlan(list(tokens), np.array(starts), np.array([engine.residency.slot(a) for a in adapters]),
-                        list(blocks), np.array(sample))
+                        [b.array() for b in blocks], np.array(sample), lists=list(blocks))
 
     rates = engine.account.rates
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "args": vars(args),
