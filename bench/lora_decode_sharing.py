@@ -79,9 +79,9 @@ def main() -> int:
                     case[name] = {"us": round(us, 2), "rel_error": round(error, 5)}
                 print(case, flush=True)
                 out["cases"].append(case)
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(out, handle, indent=1)
+                if args.out:  # after every case: a run cut short by a time limit keeps what it measured
+                    with open(args.out, "w") as handle:
+                        json.dump(out, handle, indent=1)
     return 0
 
 

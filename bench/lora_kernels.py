@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import itertools
 import json
 import os
@@ -36,7 +35,7 @@ if SMOKE and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from lorad.gpu_ops import bgmv, mbgmm, mbgmv  # noqa: E402
-from timing import Timer, copy_bandwidth  # noqa: E402  (bench/timing.py, beside this script)
+from timing import Timer, copy_bandwidth, load_module_file  # noqa: E402  (bench/timing.py, beside this script)
 from lorad.gpu_ops.lora import LoraBatch, apply_lora_ref  # noqa: E402
 from lorad.gpu_ops.page_pool import AdapterTable, PagePool  # noqa: E402
 
@@ -73,12 +72,7 @@ def lora_bytes(row_ranks: list[int], in_dim: int, out_dim: int, element: int) ->
 def load_baseline(path: str | None):
     """An earlier gpu_ops/mbgmv.py (e.g. `git show REV:gpu_ops/mbgmv.py > .devcarry/mbgmv_before.py`),
     timed beside the current one in the same run."""
-    if not path:
-        return None
-    spec = importlib.util.spec_from_file_location("mbgmv_before", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module_file(path, "mbgmv_before") if path else None
 
 
 class DecodeCase:

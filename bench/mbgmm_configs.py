@@ -17,7 +17,6 @@ bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -29,7 +28,7 @@ if SMOKE and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from lora_kernels import build_table  # noqa: E402  (bench/, beside this script)
-from timing import Timer, copy_bandwidth  # noqa: E402
+from timing import Timer, copy_bandwidth, load_module_file  # noqa: E402
 
 from lorad.gpu_ops import mbgmm  # noqa: E402
 from lorad.gpu_ops.lora import LoraBatch  # noqa: E402
@@ -40,14 +39,6 @@ SPLITS = (4, 8, 16)
 TILES_A_PROGRAM = (None, 1, 2, 4, 8)  # None: mbgmm.expand_groups' choice
 WARPS_STAGES = ((4, 3), (4, 2), (8, 3), (4, 4))  # the expand's, swept at 8 splits with its own tile choice
 SHRINK_TILES = ((64, 4), (128, 4), (256, 3))  # the shrink's K tile and stages, at 8 splits
-
-
-def load_module(path: str):
-    spec = importlib.util.spec_from_file_location("mbgmm_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["mbgmm_baseline"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def segments_for(ranks: list[int], rows: int, in_dim: int, out_dim: int, layers: int, graph_tiles: bool, page: int, device):
@@ -77,7 +68,7 @@ def main() -> int:
     bandwidth = copy_bandwidth(device, timer, 1 if args.smoke else 256)
     layers, rows = (2, 64) if args.smoke else (4, 2048)
     shapes = ((64, 128), (128, 64)) if args.smoke else ((4096, 4096), (4096, 11008), (11008, 4096))
-    baseline = load_module(args.baseline) if args.baseline else None
+    baseline = load_module_file(args.baseline, "mbgmm_baseline") if args.baseline else None
     results = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "copy_bandwidth_GBps": round(bandwidth, 1), "rows": rows, "cases": []}
     for in_dim, out_dim in shapes:

@@ -11,12 +11,13 @@ this one. On the CPU it runs the same cases (no figure to quote).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
 
 import torch
+
+from timing import load_module_file  # bench/, beside this script
 
 from lorad.daemon.engine import sampler
 from lorad.daemon.engine.request import SamplingParams
@@ -25,14 +26,6 @@ CASES = (("temperature 1", SamplingParams(temperature=1.0)),
          ("temperature 0.8 top_p 0.95", SamplingParams(temperature=0.8, top_p=0.95)),
          ("seeded, top_k 50", SamplingParams(temperature=0.7, top_k=50, seed=3)),
          ("greedy", SamplingParams(temperature=0)))
-
-
-def load_module(path: str):
-    spec = importlib.util.spec_from_file_location("sampler_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sampler_baseline"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def median_ms(module, logits: torch.Tensor, params: SamplingParams, device: torch.device) -> float:
@@ -59,7 +52,7 @@ def main() -> int:
     device = torch.device(args.device)
     modules = {"current": sampler}
     if args.baseline:
-        modules["baseline"] = load_module(args.baseline)
+        modules["baseline"] = load_module_file(args.baseline, "sampler_baseline")
     results = []
     for rows in (64, 256):
         for vocab in (32000, 128256):

@@ -1,10 +1,13 @@
 """Timing helpers shared by the benchmarks: per-call microseconds from CUDA events (or perf_counter on
-the CPU, for --smoke runs), eagerly or from replays of a CUDA graph, and the device copy bandwidth that
-every roofline figure is measured against."""
+the CPU, for --smoke runs), eagerly or from replays of a CUDA graph, the device copy bandwidth that
+every roofline figure is measured against, and an earlier commit's module file loaded to be timed beside
+the current one (--baseline)."""
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
+import sys
 import time
 
 import torch
@@ -78,3 +81,13 @@ def copy_bandwidth(device: torch.device, timer: Timer, mebibytes: int, reps: int
     microseconds = timer.eager([lambda: target.copy_(source)], reps=reps or max(10, timer.reps // 4))
     del source, target
     return 2 * elements * 2 / (microseconds * 1e-6) / 1e9
+
+
+def load_module_file(path: str, name: str):
+    """The module in file `path` (an earlier commit's source, `git show REV:FILE > OLD.py`) under the name `name`,
+    registered in sys.modules (dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
