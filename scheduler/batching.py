@@ -90,6 +90,7 @@ class Scheduler:
         tpot_rule = decode is not None and math.isfinite(self.objectives.tpot_s)
         self.decode = decode if tpot_rule else None
         self.tpot_held = 0  # sequences the time-per-token rule held back (each counted once)
+        self.preemptions = 0  # running sequences preempted for KV (each time; their tokens are recomputed)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.dropped: list[tuple[Sequence, str]] = []  # by the admission policy, for the engine to fail
@@ -233,6 +234,7 @@ class Scheduler:
         self.adapters.release(seq.adapter)
         seq.num_computed = 0
         seq.preemptions += 1
+        self.preemptions += 1
         seq.queued = None  # it has more tokens to compute now
         self.waiting.appendleft(seq)
 

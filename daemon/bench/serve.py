@@ -414,10 +414,14 @@ async def _run(args: argparse.Namespace, goodput: dict[str, float]) -> dict:
 
 
 async def _step_time(client) -> dict | None:
-    """The daemon's account of its steps (/v1/status `step_time`); None where there is none (a router, or a
-    daemon that stopped answering)."""
+    """The daemon's account of its steps (/v1/status `step_time`), with its count of preemptions where it gives
+    one; None where there is none (a router, or a daemon that stopped answering)."""
     try:
-        return (await client.status()).get("step_time")
+        status = await client.status()
+        step_time = status.get("step_time")
+        if step_time is not None and "preemptions" in status:
+            step_time = {**step_time, "preemptions": status["preemptions"]}
+        return step_time
     except (OSError, asyncio.TimeoutError, LoradError):  # the run's own errors say why; its report goes on without them
         return None
     except Exception as error:  # aiohttp's ClientError (a disconnect), as in stream_request
@@ -458,6 +462,8 @@ def step_time_delta(before: dict | None, after: dict | None) -> dict | None:
     floor = sum(kind["floor_s"] for kind in by_kind.values())
     summary = {"busy_s": busy, "floor_s": floor, "efficiency": floor / busy if busy > 0 else None,
                "device_rates": after["device_rates"], "by_kind": by_kind}
+    if "preemptions" in before and "preemptions" in after:  # requests preempted for KV, computed again
+        summary["preemptions"] = after["preemptions"] - before["preemptions"]
     if all("host_before_launch_s" in kind for kind in by_kind.values()):
         summary["host_before_launch_s"] = sum(kind["host_before_launch_s"] for kind in by_kind.values())
         devices = [kind["device_s"] for kind in by_kind.values() if kind["device_s"] is not None]
@@ -481,7 +487,7 @@ def format_table(runs: list[dict], key: str) -> str:
     header = [key, "done", "failed", "req/s", "out tok/s", "total tok/s"]
     for metric in ("TTFT", "TPOT", "ITL", "E2E"):
         header += [f"{metric} mean", f"{metric} p50", f"{metric} p99"]
-    header += ["goodput req/s", "busy s", "device s", "floor s", "floor/busy"]
+    header += ["goodput req/s", "busy s", "device s", "floor s", "floor/busy", "preempted"]
     rows = [header]
     for run in runs:
         point = run["request_rate"] if key == "request-rate" else run["max_concurrency"]
@@ -492,14 +498,16 @@ def format_table(runs: list[dict], key: str) -> str:
         row.append(f"{run['goodput']['request_goodput']:.2f}" if "goodput" in run else "-")
         engine = run.get("engine")
         row += ([f"{engine['busy_s']:.2f}", _seconds(engine.get("device_s")), f"{engine['floor_s']:.2f}",
-                 f"{engine['efficiency']:.2f}" if engine["efficiency"] is not None else "-"]
-                if engine else ["-", "-", "-", "-"])
+                 f"{engine['efficiency']:.2f}" if engine["efficiency"] is not None else "-",
+                 str(engine["preemptions"]) if "preemptions" in engine else "-"]
+                if engine else ["-"] * 5)
         rows.append(row)
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     return "\n".join(lines + ["(times in ms; busy s: the engine's step time in the run, device s: the same steps' "
-                              "forwards on the device's clock (busy - device: the device waited for the host), floor s: "
-                              "their least time on this device from bytes and FLOPs)"])
+                              "forwards on the device's clock (busy - device: the device's work between forwards, sampling and the tokens' "
+                              "copies, and its waits for the host), floor s: their least time on this device from bytes "
+                              "and FLOPs; preempted: running requests preempted for KV and computed again)"])
 
 
 def _seconds(value: float | None) -> str:

@@ -46,6 +46,8 @@ def engine_status(engine: Engine) -> dict:
                 "admissions_deferred": engine.residency.admissions_deferred},
             "running": len(engine.scheduler.running),
             "waiting": len(engine.scheduler.waiting) + len(engine._inbox),
+            # running requests preempted when the KV cache ran short (each time; their tokens computed again)
+            "preemptions": engine.scheduler.preemptions,
             "steps": engine.steps,
             # each step's wall time against its floor on this device (step_account.py): busy_s, floor_s, efficiency
             "step_time": engine.account.snapshot(),
@@ -138,7 +140,8 @@ def metrics_snapshot(engine: Engine) -> dict:
         running=len(running), waiting=len(waiting), running_adapters=running,
         waiting_adapters=waiting, max_lora=engine.table.num_slots, pool=engine.pool.occupancy(),
         adapters_resident=len(engine.residency.slots), adapter_evictions=engine.residency.evictions,
-        admission_tpot_held=engine.scheduler.tpot_held, steps=engine.account.metrics(),
+        admission_tpot_held=engine.scheduler.tpot_held, preemptions=engine.scheduler.preemptions,
+        steps=engine.account.metrics(),
         cpu_jobs_native=assist.pool.native_jobs if (assist := engine.cold_starts.cpu_assist) is not None else 0,
         tensor_parallel_ranks=engine.tp.ranks() if engine.tp is not None else [],
     )

@@ -13,7 +13,8 @@ this step's launch (the device had no step of the engine's to run), split by par
 them (HOST_PARTS: the landed tokens handed back, the scheduler's admission, the step's plan, the forward's
 launch), and on cuda
 `device_s`, the step's span on the device's clock (CUDA events before and after its forward: from its first
-kernel to its forward's last). busy - device is the time the device waited for the host.
+kernel to its forward's last). busy - device is the device's work between forwards (the tokens drawn, their
+logprobs and copies to the host) and the time it waited for the host.
 
 Kinds: `decode` (every sequence adds its next token), `prefill` (every sequence is in its prompt), `mixed`
 (prompt rows beside decode rows). A step replayed from a CUDA graph computes its bucket's rows; those past the

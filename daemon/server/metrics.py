@@ -51,6 +51,9 @@ def render(snapshot: dict) -> str:
     out.family("lorad_admission_tpot_held_total", "counter",
                "Queued requests held back (they waited) because the decode step with them would break slo_tpot_ms.")
     out.sample("lorad_admission_tpot_held_total", {}, snapshot.get("admission_tpot_held", 0))
+    out.family("lorad_preemptions_total", "counter",
+               "Running requests preempted when the KV cache ran short; their tokens are computed again.")
+    out.sample("lorad_preemptions_total", {}, snapshot.get("preemptions", 0))
     out.family("lorad_prompt_tokens_total", "counter", "Prompt tokens of finished requests.")
     out.sample("lorad_prompt_tokens_total", {}, snapshot["prompt_tokens"])
     out.family("lorad_generation_tokens_total", "counter", "Tokens generated for finished requests.")

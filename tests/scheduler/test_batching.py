@@ -155,7 +155,7 @@ def test_preempts_newest_when_memory_runs_out():
     plan = scheduler.schedule()
     # a needs a block: c (the newest) is preempted; b then needs one too and takes c's other block
     assert c not in scheduler.running and list(scheduler.waiting) == [c]
-    assert c.num_computed == 0 and c.blocks == [] and c.preemptions == 1
+    assert c.num_computed == 0 and c.blocks == [] and c.preemptions == 1 and scheduler.preemptions == 1
     assert set(c_blocks) <= set(memory.released)
     assert adapters.pins["z"] == 0 and adapters.pins["x"] == 1 and adapters.pins["y"] == 1
     assert names(plan) == [("a", 1), ("b", 1)]
@@ -182,6 +182,7 @@ def test_preempting_several_keeps_their_order():
     assert names(plan) == [("s0", 9)]
     assert list(scheduler.waiting) == [seqs[1], seqs[2], seqs[3]]  # oldest first, as they arrived
     assert all(s.preemptions == 1 and s.num_computed == 0 for s in seqs[1:])
+    assert scheduler.preemptions == 3  # the scheduler's count, for /v1/status and /metrics
 
 
 def test_preempts_itself_when_alone_and_short():

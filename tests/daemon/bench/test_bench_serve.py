@@ -87,8 +87,9 @@ def test_a_sweep_reports_every_point_and_plots_it(capsys, daemon, tmp_path):
         assert sum(kind["padding_rows"] for kind in engine["by_kind"].values()) == 0  # eager on the cpu
         assert 0 < engine["floor_s"] and 0 < engine["busy_s"] and engine["efficiency"] == engine["floor_s"] / engine["busy_s"]
         assert 0 < engine["host_before_launch_s"] < engine["busy_s"] and engine["device_s"] is None  # no device clock on the cpu
+        assert engine["preemptions"] == 0  # the demo's KV holds every request
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "max-concurrency" in stdout and "wrote" in stdout
+    assert "max-concurrency" in stdout and "preempted" in stdout and "wrote" in stdout
 
 
 def test_requests_drawn_with_a_temperature(capsys, daemon, tmp_path):

@@ -119,6 +119,7 @@ def test_preempted_and_waiting_choices_still_produce_the_single_request(demo_ass
         assert choice_tokens(result) == [alone] * 4, config
         if "pages" in config:
             assert preemptions, "the pool was meant to be too small for every choice at once"
+        assert engine.status()["preemptions"] == len(preemptions)  # counted for /v1/status and /metrics
         assert_back_to_baseline(engine, free)
 
 
