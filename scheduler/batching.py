@@ -6,8 +6,10 @@ chunk), then waiting ones join while the token budget, the running-request cap, 
 residency allow, in the order the admission policy (admission.py) gives: arrival order (FCFS), with
 early abort's drops taken out (`take_dropped`), or clustered by adapter. With a decode-step model and a time-per-token objective, a waiting sequence does
 not join a non-empty running batch whose next decode step, with it, would break the objective
-(admission.decode_step_allows); it waits at the head of the queue. When KV runs out, the newest
-running sequence is preempted: its pages go back (those it shares with the other choices of its request
+(admission.decode_step_allows); it waits at the head of the queue. With a growth reserve
+(`GrowthReserve`), a waiting sequence joins only while the KV left would still hold its prompt and the tokens
+the running ones and it are expected to generate, so that a batch does not outgrow the cache. When KV runs
+out all the same, the newest running sequence is preempted: its pages go back (those it shares with the other choices of its request
 stay theirs) and it is recomputed later (prompt plus what it generated so far). The scheduler owns no memory: `memory` and `adapters` do, behind the two small
 protocols below.
 """
@@ -41,6 +43,12 @@ class Memory(Protocol):
     def release(self, blocks: list) -> None: ...
 
 
+class Reservable(Protocol):  # a Memory that says how much it can still give (for the growth reserve)
+    def free_tokens(self) -> int: ...  # positions its free blocks hold
+    def reclaimable_tokens(self) -> int: ...  # the same once what may be evicted for KV is (>= free_tokens)
+    def missing_tokens(self, blocks: list, num_tokens: int) -> int: ...  # positions of the blocks `grow` would add
+
+
 class Adapters(Protocol):
     # Resident and pinned, or False (not now); `tokens`: those of the sequence's first step, for how a
     # cold adapter is placed.
@@ -62,6 +70,7 @@ class Sequence:
     arrival_s: float | None = None  # when it was submitted, on the scheduler's clock; None: when added
     queued: Queued | None = None  # how the admission policy sees it while it waits
     held_for_tpot: bool = False  # the time-per-token rule has held it back at least once
+    max_new_tokens: int | None = None  # the most tokens it may generate (None: unknown, nothing reserved for them)
 
     @property
     def num_tokens(self) -> int:
@@ -72,14 +81,49 @@ class Sequence:
         return len(self.tokens) - self.prompt_len
 
 
+class GrowthReserve:
+    """The KV positions held back at admission for the tokens running sequences have yet to generate.
+
+    Admitting by a prompt's KV alone (as vLLM does) lets a batch outgrow the cache as its sequences generate:
+    the newest are then preempted and their prompts computed again (the saturated Azure-conv run at 96 and 128
+    running preempted 57 and 71 times, BENCHMARKS.md). Reserving each sequence's whole `max_new_tokens` instead
+    starves the batch when clients ask for far more than they use (a max_tokens of thousands for answers of
+    hundreds). So each sequence reserves `ratio` of what it may still generate, where ratio is the QUANTILE of the
+    share of their `max_new_tokens` that the last WINDOW sequences to end by a stop or their length generated
+    (1.0 until one has). SGLang's scheduler keeps such a ratio too (its new-token ratio, decayed over time and
+    raised on retraction); this one follows what requests have used."""
+
+    WINDOW = 256
+    QUANTILE = 0.9
+
+    def __init__(self):
+        self.used: deque[float] = deque(maxlen=self.WINDOW)
+        self.ratio = 1.0
+
+    def ended(self, seq: Sequence) -> None:
+        """A sequence ended by a stop or its length: the share of its max_new_tokens it generated counts."""
+        if seq.max_new_tokens:
+            self.used.append(min(1.0, seq.num_generated / seq.max_new_tokens))
+            ordered = sorted(self.used)
+            self.ratio = ordered[min(len(ordered) - 1, math.ceil(self.QUANTILE * len(ordered)) - 1)]
+
+    def tokens(self, seq: Sequence) -> int:
+        """The positions held back for what `seq` may still generate."""
+        if seq.max_new_tokens is None:
+            return 0
+        return math.ceil(self.ratio * max(0, seq.max_new_tokens - seq.num_generated))
+
+
 class Scheduler:
     """`admission` picks the order in which waiting sequences join and which are dropped, judged by
     `objectives` on `clock` (seconds; the engine's time.perf_counter, or a test's simulated time).
-    `decode` (the profile's decode-step model) turns on the time-per-token rule for `objectives.tpot_s`."""
+    `decode` (the profile's decode-step model) turns on the time-per-token rule for `objectives.tpot_s`;
+    `reserve` (a GrowthReserve, with a `memory` that is also Reservable) holds KV back for the running sequences'
+    next tokens at admission."""
 
     def __init__(self, max_running: int, max_batch_tokens: int, memory: Memory, adapters: Adapters,
                  admission: AdmissionPolicy | None = None, objectives: Objectives | None = None,
-                 clock=time.perf_counter, decode: DecodeStepModel | None = None):
+                 clock=time.perf_counter, decode: DecodeStepModel | None = None, reserve: GrowthReserve | None = None):
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.memory = memory
@@ -91,6 +135,8 @@ class Scheduler:
         self.decode = decode if tpot_rule else None
         self.tpot_held = 0  # sequences the time-per-token rule held back (each counted once)
         self.preemptions = 0  # running sequences preempted for KV (each time; their tokens are recomputed)
+        self.reserve = reserve
+        self._held: int | None = None  # KV positions the running sequences' reserves hold (None: to be summed)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.dropped: list[tuple[Sequence, str]] = []  # by the admission policy, for the engine to fail
@@ -120,6 +166,7 @@ class Scheduler:
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
         self.blocked = None
+        self._held = None
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -158,13 +205,29 @@ class Scheduler:
         count = min(seq.num_tokens - seq.num_computed, budget)
         if not self.adapters.acquire(seq.adapter, count):
             return False
-        if not self.memory.grow(seq.blocks, seq.num_computed + count):  # a forked sequence waits with blocks
-            self.adapters.release(seq.adapter)
+        if not self._reserve_allows(seq) or not self.memory.grow(seq.blocks, seq.num_computed + count):
+            self.adapters.release(seq.adapter)  # (a forked sequence waits with its blocks)
             return False
+        self._held = None
         self.blocked = None
         self.running.append(seq)
         plan.append((seq, count))
         return True
+
+    def _reserve_allows(self, seq: Sequence) -> bool:
+        """Without a growth reserve, or with nothing running (the first sequence goes in as it would alone): yes.
+        Else: do the KV positions left, once the running sequences' reserves are held, take the blocks `seq` needs
+        for the rest of its prompt and its own reserve? Asked after its adapter was placed (which takes pages);
+        idle adapters' pages count only when the free ones fall short."""
+        if self.reserve is None or not self.running:
+            return True
+        def end(s: Sequence) -> int:  # the positions it is expected to reach
+            return s.num_tokens + self.reserve.tokens(s)
+
+        if self._held is None:
+            self._held = sum(self.memory.missing_tokens(s.blocks, end(s)) for s in self.running)
+        need = self._held + self.memory.missing_tokens(seq.blocks, end(seq))
+        return need <= self.memory.free_tokens() or need <= self.memory.reclaimable_tokens()
 
     def _admit_by_policy(self, budget: int, plan: list, ending: int = 0) -> None:
         room = Room(
@@ -238,8 +301,11 @@ class Scheduler:
         seq.queued = None  # it has more tokens to compute now
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Takes a sequence out (finished or aborted), returning what it holds."""
+    def finish(self, seq: Sequence, completed: bool = False) -> None:
+        """Takes a sequence out (finished or aborted), returning what it holds. completed: it ended by a stop or
+        its length (what it generated informs the growth reserve)."""
+        if completed and self.reserve is not None:
+            self.reserve.ended(seq)
         if seq in self.running:
             self.running.remove(seq)
             self.memory.release(seq.blocks)

@@ -46,7 +46,7 @@ from lorad.daemon.engine.tokenizer import Detokenizer, load_tokenizer
 from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded, clip
 from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool
 from lorad.scheduler.admission import AdmissionPolicy, Objectives, OnlinePrefill, make_admission
-from lorad.scheduler.batching import Scheduler, Sequence
+from lorad.scheduler.batching import GrowthReserve, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,8 @@ class Engine:
         self.online_prefill: OnlinePrefill | None = None  # early abort's estimate when no profile was found
         admission, objectives = self._admission()
         self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency,
-                                   admission, objectives, decode=self.tpot_decode)
+                                   admission, objectives, decode=self.tpot_decode,
+                                   reserve=GrowthReserve() if config.kv_growth_reserve else None)
         self.residency.defer_unstaged = self._defer_unstaged
         self.admission_dropped = 0
 
@@ -413,7 +414,8 @@ class Engine:
                              make_generator(request.sampling, choice), choice=choice)
         prompt = request.prompt_token_ids
         return Sequence(request.request_id, list(prompt), len(prompt), request.adapter, blocks=BlockList(), state=state,
-                        rank=rank, arrival_s=self.scheduler.clock())
+                        rank=rank, arrival_s=self.scheduler.clock(),
+                        max_new_tokens=max(0, min(request.sampling.max_tokens, self.max_model_len - len(prompt))))
 
     def abort(self, request_id: str) -> None:
         """Ends every choice of the request that is still going (finish_reason "abort")."""
@@ -572,6 +574,22 @@ class Engine:
             return True
         missing = (self.kv.blocks_for(num_tokens) - len(blocks)) * self.kv.pages_per_block
         return self.residency.reclaim(missing) and self.kv.grow(blocks, num_tokens)
+
+    def free_tokens(self) -> int:
+        """KV positions the pool's free pages hold (for the scheduler's growth reserve)."""
+        return self.kv.free_tokens()
+
+    def missing_tokens(self, blocks: list, num_tokens: int) -> int:
+        """KV positions of the blocks `grow(blocks, num_tokens)` would add."""
+        return max(0, self.kv.blocks_for(num_tokens) - len(blocks)) * self.kv.tokens_per_page
+
+    def reclaimable_tokens(self) -> int:
+        """KV positions the pool's free pages and its idle adapters' pages hold (`grow` evicts idle adapters for
+        KV): asked only when the free pages fall short, since it walks the idle adapters."""
+        table, slots = self.table, self.residency.slots
+        idle = sum(len(table.placements[slots[name]].page_ids) for name in self.residency.idle
+                   if slots.get(name) in table.placements)
+        return (self.pool.num_free + idle) // self.kv.pages_per_block * self.kv.tokens_per_page
 
     def release(self, blocks: list) -> None:
         # A step launched and not landed may have a row of this sequence (computed past its end, or aborted), which
@@ -1072,7 +1090,7 @@ class Engine:
         now = time.perf_counter()
         decode_s = None if state.first_token_time is None else now - state.first_token_time
         self.stats.request_finished(reason, seq.prompt_len, seq.num_generated, now - state.arrival, decode_s)
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, completed=reason in ("stop", "length"))
         self.sampler_state.release(seq)
         group = state.group
         if group is not None and seq in group.unforked:

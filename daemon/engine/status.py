@@ -48,6 +48,10 @@ def engine_status(engine: Engine) -> dict:
             "waiting": len(engine.scheduler.waiting) + len(engine._inbox),
             # running requests preempted when the KV cache ran short (each time; their tokens computed again)
             "preemptions": engine.scheduler.preemptions,
+            # admission holds KV back for what running requests are expected to generate: ratio, the share of
+            # their remaining max_tokens held (scheduler/batching.py GrowthReserve)
+            "kv_growth_reserve": {"on": False} if (reserve := engine.scheduler.reserve) is None else
+                                 {"on": True, "ratio": round(reserve.ratio, 4)},
             "steps": engine.steps,
             # each step's wall time against its floor on this device (step_account.py): busy_s, floor_s, efficiency
             "step_time": engine.account.snapshot(),

@@ -63,6 +63,10 @@ _ENGINE_FLAG_HELP = {
                         "of one per projection (--no-fuse-lora-groups: one per projection)",
     "lora_pdl": "auto|on|off: on Hopper and later, a decode step's LoRA expand kernel starts loading its adapter "
                 "weights while the shrink still runs (programmatic dependent launch); auto: on where supported",
+    "kv_growth_reserve": "a request joins the running batch only while the KV cache left holds what the running "
+                         "requests are expected to generate (the share of their max_tokens that finished requests "
+                         "used), so that the batch does not outgrow the cache and preempt; without it, it joins when "
+                         "its prompt's KV is free",
     "overlap_decode": "greedy decode steps launched one ahead of the host, from the sampled tokens on the device "
                       "(--no-overlap-decode: each step waits for its tokens first)",
     "slo_tpot_ms": "time-per-output-token objective in ms (0: none); with a profile loaded, no request joins a running "

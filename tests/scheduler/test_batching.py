@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from lorad.scheduler.batching import Scheduler, Sequence
+from lorad.scheduler.batching import GrowthReserve, Scheduler, Sequence
 
 TOKENS_PER_BLOCK = 4
 
@@ -316,3 +316,104 @@ def test_adopted_sequences_run_while_there_is_room_and_wait_first_with_their_blo
     assert names(plan)[-1] == ("fork1", 2) and len(forks[1].blocks) == 2
     scheduler.finish(forks[2])  # a waiting fork that ends gives its blocks back
     assert forks[2].blocks == [] and forks[2] not in scheduler.waiting
+
+
+# --- the growth reserve ------------------------------------------------------------------------------------
+
+
+class ReservableMemory(FakeMemory):
+    """FakeMemory that says what it can still give; `evictable` blocks are free once reclaimed (idle adapters)."""
+
+    def __init__(self, capacity: int, evictable: int = 0):
+        super().__init__(capacity)
+        self.evictable = evictable
+        self.reclaim_asks = 0
+
+    def free_tokens(self) -> int:
+        return self.free * TOKENS_PER_BLOCK
+
+    def reclaimable_tokens(self) -> int:
+        self.reclaim_asks += 1
+        return (self.free + self.evictable) * TOKENS_PER_BLOCK
+
+    def missing_tokens(self, blocks: list, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // TOKENS_PER_BLOCK) - len(blocks)) * TOKENS_PER_BLOCK
+
+    def grow(self, blocks: list, num_tokens: int) -> bool:  # evicts what it must first, as the engine's does
+        short = self.missing_tokens(blocks, num_tokens) // TOKENS_PER_BLOCK - self.free
+        if 0 < short <= self.evictable:
+            self.capacity += short
+            self.evictable -= short
+        return super().grow(blocks, num_tokens)
+
+
+def limited(name: str, prompt_len: int, max_new: int) -> Sequence:
+    sequence = seq(name, prompt_len)
+    sequence.max_new_tokens = max_new
+    return sequence
+
+
+def test_growth_reserve_ratio_is_a_high_quantile_of_what_ended_sequences_used():
+    reserve = GrowthReserve()
+    assert reserve.ratio == 1.0 and reserve.tokens(limited("a", 4, 10)) == 10  # nothing ended yet: all of it
+    assert reserve.tokens(seq("b", 4)) == 0  # no max_new_tokens: nothing to reserve
+    for generated in range(1, 11):  # ten sequences that used 10%, 20%, ... 100% of their max_new_tokens
+        ended = limited(f"e{generated}", 4, 10)
+        ended.tokens.extend([0] * generated)
+        reserve.ended(ended)
+    assert reserve.ratio == pytest.approx(0.9)  # the 9th of 10 shares
+    running = limited("r", 4, 100)
+    running.tokens.extend([0] * 40)  # 60 of its 100 still to come: 0.9 of them held
+    assert reserve.tokens(running) == 54
+    for _ in range(GrowthReserve.WINDOW):  # the window forgets the older ones
+        short = limited("s", 4, 10)
+        short.tokens.append(0)
+        reserve.ended(short)
+    assert reserve.ratio == pytest.approx(0.1)
+
+
+def test_growth_reserve_holds_a_join_that_would_outgrow_the_cache():
+    # 10 blocks = 40 positions. a: 8-token prompt, 16 new tokens to come -> reaches 24 (6 blocks). b's prompt (8,
+    # 2 blocks) fits beside a's today, but a's growth and b's own would need 6 + 6 blocks: b waits.
+    memory, adapters = ReservableMemory(10), FakeAdapters()
+    scheduler = Scheduler(max_running=8, max_batch_tokens=100, memory=memory, adapters=adapters, reserve=GrowthReserve())
+    a, b = limited("a", 8, 16), limited("b", 8, 16)
+    scheduler.add(a)
+    scheduler.add(b)
+    plan = scheduler.schedule()
+    assert names(plan) == [("a", 8)] and scheduler.blocked is b and list(scheduler.waiting) == [b]
+    assert adapters.held() == 1  # b's adapter acquired for the check went back
+    for _ in range(16):  # a runs to its length without a preemption, then b joins
+        run_step(scheduler, plan)
+        plan = scheduler.schedule()
+    assert scheduler.preemptions == 0
+    scheduler.finish(a, completed=True)
+    assert names(scheduler.schedule()) == [("b", 8)]
+    # without the reserve, both join at once and a growing batch preempts b
+    memory, adapters = ReservableMemory(10), FakeAdapters()
+    scheduler = Scheduler(max_running=8, max_batch_tokens=100, memory=memory, adapters=adapters)
+    a, b = limited("a", 8, 16), limited("b", 8, 16)
+    scheduler.add(a)
+    scheduler.add(b)
+    plan = scheduler.schedule()
+    assert names(plan) == [("a", 8), ("b", 8)]
+    for _ in range(16):  # at 21 tokens each they would need 12 blocks
+        run_step(scheduler, plan)
+        plan = scheduler.schedule()
+    assert scheduler.preemptions >= 1
+
+
+def test_growth_reserve_counts_evictable_blocks_only_when_the_free_ones_fall_short():
+    memory, adapters = ReservableMemory(6, evictable=6), FakeAdapters()
+    scheduler = Scheduler(max_running=8, max_batch_tokens=100, memory=memory, adapters=adapters, reserve=GrowthReserve())
+    a, b, c = limited("a", 4, 4), limited("b", 4, 4), limited("c", 4, 4)  # each reaches 8 positions: 2 blocks
+    for sequence in (a, b, c):
+        scheduler.add(sequence)
+    plan = scheduler.schedule()
+    # a and b fit in the 6 free blocks with their growth (4 blocks); c's 2 more fit too: no reclaim asked
+    assert names(plan) == [("a", 4), ("b", 4), ("c", 4)] and memory.reclaim_asks == 0
+    d = limited("d", 4, 8)  # 3 blocks: only with the evictable ones
+    scheduler.add(d)
+    run_step(scheduler, plan)
+    scheduler.schedule()
+    assert d in scheduler.running and memory.reclaim_asks == 1

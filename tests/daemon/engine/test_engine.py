@@ -143,7 +143,8 @@ def test_tiny_pool_preempts_and_greedy_tokens_do_not_change(demo_assets, big_eng
     cases = [(prompt, [None, "demo-r1", "demo-r2"][i % 3]) for i, prompt in enumerate(prompts(6, seed=1, low=8, high=16))]
     max_tokens = 14
     expected = reference_tokens(big_engine, cases, max_tokens)
-    # 2 * 8 * (30 / 2) = 240 pages hold two sequences at full length, and 80 pages of adapters
+    # 2 * 8 * (30 / 2) = 240 pages hold two sequences at full length, and 80 pages of adapters. Admitted by their
+    # prompts' KV alone (the default, no growth reserve), the batch outgrows the pool and its newest are preempted.
     engine = make_engine(demo_assets, pages=200, max_model_len=32)
     preemptions = count_calls(engine.scheduler, "preempt")
     results = engine.generate(requests(cases, max_tokens))
@@ -153,6 +154,27 @@ def test_tiny_pool_preempts_and_greedy_tokens_do_not_change(demo_assets, big_eng
     assert engine.pool.occupancy()["kv"] == 0
     # the batched roomy run agrees too
     assert [r.token_ids for r in big_engine.generate(requests(cases, max_tokens))] == expected
+
+
+@pytest.mark.parametrize("pages", [200, 320, 400])
+def test_the_growth_reserve_keeps_a_small_pool_from_preempting(demo_assets, big_engine, pages):
+    """Pools where admission by the prompts' KV alone preempts (3 or 4 times): with the growth reserve, requests
+    join only while the KV left holds what the running ones will still generate, so none is preempted, and the
+    tokens are the same."""
+    cases = [(prompt, [None, "demo-r1", "demo-r2"][i % 3]) for i, prompt in enumerate(prompts(6, seed=1, low=8, high=16))]
+    expected = reference_tokens(big_engine, cases, 14)
+    engine = make_engine(demo_assets, pages=pages, max_model_len=32, kv_growth_reserve=True)
+    preemptions = count_calls(engine.scheduler, "preempt")
+    most_running = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda *args, **kwargs: (most_running.append(len(engine.scheduler.running)),
+                                                         schedule(*args, **kwargs))[1]
+    results = engine.generate(requests(cases, 14))
+    assert [r.token_ids for r in results] == expected
+    assert not preemptions and engine.status()["preemptions"] == 0
+    assert max(most_running) == {200: 1, 320: 2, 400: 3}[pages]  # as many as the pool holds at their full length
+    assert engine.status()["kv_growth_reserve"] == {"on": True, "ratio": 1.0}  # every request used its max_tokens
+    assert engine.pool.occupancy()["kv"] == 0
 
 
 def test_chunked_prefill_and_running_cap_do_not_change_tokens(demo_assets, big_engine):
