@@ -1,0 +1,158 @@
+"""What a larger running batch does to a saturated run when the KV cache is bounded, on the CPU.
+
+The engine's own Scheduler is replayed over a dataset's prompt and output lengths (every request waiting at
+once, as `lorad bench serve --request-rate inf`; each request generates its output length, as the random-weight
+daemon does) against a KV cache of the capacity the daemon reports (`kv_capacity_tokens` in /v1/status), in
+blocks of one position (the 7B shape's). For each running cap, with and without the growth reserve
+(`--kv-growth-reserve`, scheduler/batching.py): the steps by kind, the mean decode rows a step, the preemptions
+and the prompt tokens computed again, and the summed step floor from the engine's account (step_cost.py: bytes
+over the HBM bandwidth or FLOPs over the GEMM rate, the rates the H100 measured at start-up). The floor is not
+the served time, but it moves with it: on the H100 the served busy time has been 1.24-1.27x the decode steps'
+floor and 2.1x the mixed steps' (BENCHMARKS.md, figure 21.1), and `estimated_busy_s` applies those factors.
+The base model alone (the adapters' bytes are a few percent of a decode step's).
+
+    python3 bench/kv_admission.py [--num-prompts 400] [--kv-tokens 104584] [--running 64,96,128] [--out OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+from lorad.daemon.bench.trace_make import default_data_dir
+from lorad.daemon.engine.step_cost import DeviceRates, SequenceInStep, StepCostModel
+from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec
+from lorad.scheduler.batching import GrowthReserve, Scheduler, Sequence
+from step_padding import lengths_of  # bench/, beside this script
+
+# The H100's rates as the daemon measured them at start-up for figure 21.1 (7f7418f), and the served busy time
+# over the floor by step kind in that run.
+H100 = DeviceRates(2978.4e9, 783.15e12)
+BUSY_OVER_FLOOR = {"decode": 1.27, "mixed": 2.09, "prefill": 2.09}
+
+
+class BoundedKV:
+    """KV blocks of one position out of `capacity` (the scheduler's Memory and Reservable)."""
+
+    def __init__(self, capacity: int):
+        self.free = capacity
+
+    def grow(self, blocks: list, num_tokens: int) -> bool:
+        missing = num_tokens - len(blocks)
+        if missing <= 0:
+            return True
+        if missing > self.free:
+            return False
+        self.free -= missing
+        blocks.extend([0] * missing)
+        return True
+
+    def release(self, blocks: list) -> None:
+        self.free += len(blocks)
+        blocks.clear()
+
+    def free_tokens(self) -> int:
+        return self.free
+
+    reclaimable_tokens = free_tokens
+
+    def missing_tokens(self, blocks: list, num_tokens: int) -> int:
+        return max(0, num_tokens - len(blocks))
+
+
+class AtHand:
+    """Adapters always at hand."""
+
+    def acquire(self, name, tokens=None) -> bool:
+        return True
+
+    def release(self, name) -> None:
+        pass
+
+
+def replay(lengths: list[tuple[int, int]], kv_tokens: int, max_running: int, max_batch_tokens: int, reserve: bool,
+           cost: StepCostModel, rates: DeviceRates) -> dict:
+    memory = BoundedKV(kv_tokens)
+    scheduler = Scheduler(max_running, max_batch_tokens, memory, AtHand(), reserve=GrowthReserve() if reserve else None)
+    outputs = {}
+    for index, (prompt_len, output_len) in enumerate(lengths):
+        seq = Sequence(str(index), [0] * prompt_len, prompt_len, None, max_new_tokens=output_len)
+        outputs[seq] = output_len
+        scheduler.add(seq)
+    steps = {kind: {"steps": 0, "rows": 0, "floor_s": 0.0} for kind in ("decode", "mixed", "prefill")}
+    decode_rows = []
+    prompt_rows = 0
+    most_running = 0
+    while scheduler.has_work():
+        batch = scheduler.schedule()
+        if not batch:
+            raise RuntimeError("the scheduler planned an empty step with work left")
+        most_running = max(most_running, len(scheduler.running))
+        decoding = [seq.num_computed >= seq.prompt_len for seq, _ in batch]
+        kind = "decode" if all(decoding) else "mixed" if any(decoding) else "prefill"
+        step_cost = cost.cost([SequenceInStep(count, seq.num_computed + count, seq.num_computed + count >= seq.num_tokens, None)
+                               for seq, count in batch])
+        entry = steps[kind]
+        entry["steps"] += 1
+        entry["rows"] += sum(count for _, count in batch)
+        entry["floor_s"] += step_cost.floor_s(rates.bandwidth_bytes_per_s, rates.flops_per_s)
+        decode_rows.append(sum(decoding))
+        for seq, count in batch:
+            if seq.num_computed < seq.prompt_len:
+                prompt_rows += min(count, seq.prompt_len - seq.num_computed)
+            seq.num_computed += count
+            if seq.num_computed >= seq.num_tokens:  # its prompt is done or it decoded: one token more
+                seq.tokens.append(0)
+                if seq.num_generated >= outputs[seq]:
+                    scheduler.finish(seq, completed=True)
+    floor = sum(entry["floor_s"] for entry in steps.values())
+    busy = sum(BUSY_OVER_FLOOR[kind] * entry["floor_s"] for kind, entry in steps.items())
+    return {"max_running_requests": max_running, "kv_growth_reserve": reserve, "steps": steps,
+            "mean_decode_rows": round(float(np.mean(decode_rows)), 1), "most_running": most_running,
+            "preemptions": scheduler.preemptions, "prompt_tokens_again": prompt_rows - sum(p for p, _ in lengths),
+            "floor_s": floor, "estimated_busy_s": busy, "estimated_output_tok_s": sum(o for _, o in lengths) / busy}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", choices=("azure-conv", "azure-code", "random"), default="azure-conv")
+    parser.add_argument("--num-prompts", type=int, default=400)
+    parser.add_argument("--data-dir", type=Path, help="the Azure CSVs (default: ../shared/data)")
+    parser.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="random: output tokens")
+    parser.add_argument("--model-config", default="llama-2-7b")
+    parser.add_argument("--kv-tokens", type=int, default=104584,
+                        help="the KV cache's positions (default: the 7B daemon's on the H100 in bf16; FP8 KV: 231990)")
+    parser.add_argument("--kv-bytes", type=int, default=2, help="bytes of a KV element (FP8: 1)")
+    parser.add_argument("--weight-bytes", type=int, default=2, help="bytes of a projection weight (FP8: 1)")
+    parser.add_argument("--running", default="64,96,128", help="running caps, comma-separated")
+    parser.add_argument("--max-batch-tokens", type=int, default=2048)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    lengths = lengths_of(args.dataset, args.num_prompts, args.data_dir or default_data_dir(), args.input_len,
+                         args.output_len)
+    spec = ModelSpec.from_hf_config(MODEL_CONFIGS[args.model_config])
+    cost = StepCostModel(spec, dtype_bytes=2, adapter_ranks=lambda name: {}, weight_bytes=args.weight_bytes,
+                         kv_bytes=args.kv_bytes)
+    runs = [replay(lengths, args.kv_tokens, int(running), args.max_batch_tokens, reserve, cost, H100)
+            for running in args.running.split(",") for reserve in (False, True)]
+    print(f"{args.dataset}: {len(lengths)} prompts, {args.kv_tokens} KV positions, {args.model_config}")
+    print(f"{'running':>7} {'reserve':>7} {'decode':>6} {'mixed':>5} {'rows/decode':>11} {'most':>4} {'preempted':>9} "
+          f"{'prompt again':>12} {'floor s':>7} {'est. busy s':>11} {'est. tok/s':>10}")
+    for run in runs:
+        print(f"{run['max_running_requests']:>7} {'on' if run['kv_growth_reserve'] else 'off':>7} "
+              f"{run['steps']['decode']['steps']:>6} {run['steps']['mixed']['steps']:>5} {run['mean_decode_rows']:>11} "
+              f"{run['most_running']:>4} {run['preemptions']:>9} {run['prompt_tokens_again']:>12} {run['floor_s']:>7.2f} "
+              f"{run['estimated_busy_s']:>11.2f} {run['estimated_output_tok_s']:>10.0f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"dataset": args.dataset, "prompts": len(lengths), "kv_tokens": args.kv_tokens,
+                                        "kv_bytes": args.kv_bytes, "weight_bytes": args.weight_bytes,
+                                        "model_config": args.model_config, "runs": runs}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

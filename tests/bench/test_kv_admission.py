@@ -1,0 +1,26 @@
+"""bench/kv_admission.py: its replay of the engine's scheduler against a bounded KV cache. Admitted by their prompts'
+KV alone, requests that together outgrow the cache are preempted and their prompts computed again; with the growth
+reserve none is, every output token is still generated, and the replay's floor counts each step once."""
+
+from __future__ import annotations
+
+import bench_scripts
+from lorad.daemon.engine.step_cost import DeviceRates, StepCostModel
+from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec
+
+
+def test_the_growth_reserve_replays_without_preemption():
+    bench = bench_scripts.load("kv_admission")
+    cost = StepCostModel(ModelSpec.from_hf_config(MODEL_CONFIGS["tiny-llama"]), 2, adapter_ranks=lambda name: {})
+    rates = DeviceRates(1e12, 1e14)
+    lengths = [(20, 30)] * 6  # 50 positions each at the end; the cache holds 120: two at full length
+    plain = bench.replay(lengths, kv_tokens=120, max_running=6, max_batch_tokens=64, reserve=False, cost=cost, rates=rates)
+    held = bench.replay(lengths, kv_tokens=120, max_running=6, max_batch_tokens=64, reserve=True, cost=cost, rates=rates)
+    assert plain["preemptions"] > 0 and plain["prompt_tokens_again"] >= 20 * plain["preemptions"]
+    assert held["preemptions"] == 0 and held["prompt_tokens_again"] == 0 and held["most_running"] == 2
+    # every request's prompt and its 29 tokens after the first (the first comes from its prompt's step) were computed
+    # once with the reserve; without it, a preempted request's prompt and tokens so far were computed again
+    rows = {name: sum(kind["rows"] for kind in run["steps"].values()) for name, run in (("plain", plain), ("held", held))}
+    assert rows["held"] == 6 * (20 + 29) and rows["plain"] >= 6 * (20 + 29) + plain["prompt_tokens_again"]
+    assert held["steps"]["decode"]["steps"] > plain["steps"]["decode"]["steps"]  # fewer rows a decode step
+    assert 0 < held["floor_s"] < held["estimated_busy_s"]
