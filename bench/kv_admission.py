@@ -21,11 +21,10 @@ import json
 from pathlib import Path
 
 import numpy as np
-from lorad.daemon.bench.trace_make import default_data_dir
 from lorad.daemon.engine.step_cost import DeviceRates, SequenceInStep, StepCostModel
 from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec
 from lorad.scheduler.batching import GrowthReserve, Scheduler, Sequence
-from step_padding import lengths_of  # bench/, beside this script
+from step_padding import add_dataset_arguments, dataset_lengths  # bench/, beside this script
 
 # The H100's rates as the daemon measured them at start-up for figure 21.1 (7f7418f), and the served busy time
 # over the floor by step kind in that run.
@@ -117,11 +116,7 @@ def replay(lengths: list[tuple[int, int]], kv_tokens: int, max_running: int, max
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", choices=("azure-conv", "azure-code", "random"), default="azure-conv")
-    parser.add_argument("--num-prompts", type=int, default=400)
-    parser.add_argument("--data-dir", type=Path, help="the Azure CSVs (default: ../shared/data)")
-    parser.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens")
-    parser.add_argument("--output-len", type=int, default=128, help="random: output tokens")
+    add_dataset_arguments(parser)
     parser.add_argument("--model-config", default="llama-2-7b")
     parser.add_argument("--kv-tokens", type=int, default=104584,
                         help="the KV cache's positions (default: the 7B daemon's on the H100 in bf16; FP8 KV: 231990)")
@@ -132,8 +127,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    lengths = lengths_of(args.dataset, args.num_prompts, args.data_dir or default_data_dir(), args.input_len,
-                         args.output_len)
+    lengths = dataset_lengths(args)
     spec = ModelSpec.from_hf_config(MODEL_CONFIGS[args.model_config])
     cost = StepCostModel(spec, dtype_bytes=2, adapter_ranks=lambda name: {}, weight_bytes=args.weight_bytes,
                          kv_bytes=args.kv_bytes)

@@ -53,6 +53,19 @@ def lengths_of(dataset: str, num_prompts: int, data_dir: Path, input_len: int, o
             for prompt, output in zip(rows.prompt_tokens[:count], rows.output_tokens[:count])]
 
 
+def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
+    """The dataset's flags, as bench serve has them (this script's and kv_admission.py's)."""
+    parser.add_argument("--dataset", choices=("azure-conv", "azure-code", "random"), default="azure-conv")
+    parser.add_argument("--num-prompts", type=int, default=400)
+    parser.add_argument("--data-dir", type=Path, help="the Azure CSVs (default: ../shared/data)")
+    parser.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="random: output tokens")
+
+
+def dataset_lengths(args: argparse.Namespace) -> list[tuple[int, int]]:
+    return lengths_of(args.dataset, args.num_prompts, args.data_dir or default_data_dir(), args.input_len, args.output_len)
+
+
 def replay(lengths: list[tuple[int, int]], max_running: int, max_batch_tokens: int,
            trim_to: tuple[int, ...] | None = None) -> list[tuple[str, int]]:
     """Each step's (kind, rows) as the engine's scheduler plans them, every request waiting from the start.
@@ -111,11 +124,7 @@ def padding(steps: list[tuple[str, int]], buckets: tuple[int, ...], max_batch_to
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", choices=("azure-conv", "azure-code", "random"), default="azure-conv")
-    parser.add_argument("--num-prompts", type=int, default=400)
-    parser.add_argument("--data-dir", type=Path, help="the Azure CSVs (default: ../shared/data)")
-    parser.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens")
-    parser.add_argument("--output-len", type=int, default=128, help="random: output tokens")
+    add_dataset_arguments(parser)
     parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--buckets", help="comma-separated token buckets to compare with the engine's "
@@ -124,8 +133,7 @@ def main() -> None:
     args = parser.parse_args()
 
     other = tuple(int(token) for token in args.buckets.split(",")) if args.buckets else EVERY_256
-    lengths = lengths_of(args.dataset, args.num_prompts, args.data_dir or default_data_dir(), args.input_len,
-                         args.output_len)
+    lengths = dataset_lengths(args)
     steps = replay(lengths, args.max_running_requests, args.max_batch_tokens)
     trimmed = replay(lengths, args.max_running_requests, args.max_batch_tokens, trim_to=TOKEN_BUCKETS)
     runs = {"engine": (TOKEN_BUCKETS, steps), "other": (other, steps),
