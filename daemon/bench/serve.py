@@ -253,6 +253,16 @@ def summarize(outcomes: list[Outcome], duration_s: float, goodput: dict[str, flo
     return summary
 
 
+def sweep_goodput(report: dict, share: float) -> dict:
+    """The highest swept value (request rate or max concurrency) at which at least `share` of the requests met every
+    objective: the goodput of a sweep, as figure 21.3 counts it (None: no point did)."""
+    key = report["sweep"]["key"]
+    met = [run["request_rate"] if key == "request-rate" else run["max_concurrency"]
+           for run in report["runs"] if run["goodput"]["share_met"] >= share]
+    highest = max(met, key=lambda point: math.inf if point in ("inf", None) else float(point), default=None)
+    return {"share": share, "highest": highest}
+
+
 def getattr_ms(outcome: Outcome, key: str) -> float:
     """The outcome's TTFT, TPOT or end-to-end latency in ms (a one-token request meets any TPOT)."""
     value = {"ttft": outcome.ttft, "tpot": outcome.tpot, "e2el": outcome.latency}[key] * 1e3
@@ -337,6 +347,9 @@ def add_parser(actions, default_socket: str) -> None:
                        help="one run per value: request-rate=1,2,4,inf or max-concurrency=1,8,32")
     serve.add_argument("--goodput", nargs="+", metavar="KEY:MS",
                        help="objectives for goodput, e.g. ttft:2000 tpot:100 (keys ttft, tpot, e2el)")
+    serve.add_argument("--goodput-share", type=float, default=0.9, metavar="S",
+                       help="with --goodput and --sweep: report the highest swept value at which at least this share "
+                            "of the requests met every objective (default 0.9)")
     serve.add_argument("--temperature", type=float, default=0.0, metavar="T",
                        help="each request's temperature (default 0: greedy; the API's own default is 1)")
     serve.add_argument("--top-p", type=float, default=1.0, metavar="P", help="each request's top_p (default 1)")
@@ -357,11 +370,20 @@ def run(args: argparse.Namespace) -> int:
         raise BadRequest("--adapters must be >= 0 and --time-scale positive")
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise BadRequest(f"--out {args.out}: the directory {Path(args.out).resolve().parent} does not exist")
+    if not 0 < args.goodput_share <= 1:
+        raise BadRequest("--goodput-share must be above 0 and at most 1")
     if not 0 <= args.temperature <= 100 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise BadRequest("--temperature must be from 0 to 100, --top-p above 0 and at most 1, --top-k >= 0")
     goodput = parse_goodput(args.goodput)
     report = asyncio.run(_run(args, goodput))
+    if goodput:
+        report["sweep"]["goodput"] = sweep_goodput(report, args.goodput_share)
     print(format_table(report["runs"], report["sweep"]["key"]))
+    if goodput and args.sweep:
+        best = report["sweep"]["goodput"]["highest"]
+        objectives = ", ".join(f"{key} <= {limit:g} ms" for key, limit in goodput.items())
+        print(f"goodput: {report['sweep']['key']} {'none of the points' if best is None else best}, the highest with "
+              f">= {args.goodput_share:.0%} of the requests at {objectives}")
     if "attribution" in report["dataset"]:
         print(f"data: {report['dataset']['attribution']}")
     lost = report.get("stopped")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lorad.daemon.bench.serve import Outcome, summarize
+from lorad.daemon.bench.serve import Outcome, summarize, sweep_goodput
 from lorad.daemon.server.cli import main
 from lorad.scheduler.workload import AZURE_ATTRIBUTION
 
@@ -62,6 +62,21 @@ def test_the_metrics_of_outcomes_made_by_hand():
     assert summary["goodput"]["share_met"] == pytest.approx(1 / 3)
 
 
+def test_a_sweeps_goodput_is_its_highest_point_with_the_share_met():
+    def report(key, points, shares):
+        field = "request_rate" if key == "request-rate" else "max_concurrency"
+        return {"sweep": {"key": key}, "runs": [{field: point, "goodput": {"share_met": share}}
+                                                for point, share in zip(points, shares)]}
+
+    rates = report("request-rate", [5.0, 7.0, 8.0, "inf"], [1.0, 0.956, 0.728, 0.5])
+    assert sweep_goodput(rates, 0.9) == {"share": 0.9, "highest": 7.0}
+    assert sweep_goodput(rates, 0.5)["highest"] == "inf"
+    assert sweep_goodput(rates, 1.0)["highest"] == 5.0
+    # the highest point that meets it, even past one that does not
+    assert sweep_goodput(report("max-concurrency", [8, 1, 32, 64], [0.95, 1.0, 0.5, 0.92]), 0.9)["highest"] == 64
+    assert sweep_goodput(report("request-rate", [9.0], [0.6]), 0.9)["highest"] is None
+
+
 def test_a_sweep_reports_every_point_and_plots_it(capsys, daemon, tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "serve.json"
@@ -70,7 +85,7 @@ def test_a_sweep_reports_every_point_and_plots_it(capsys, daemon, tmp_path):
                               "--sweep", "max-concurrency=1,4", "--goodput", "ttft:60000", "tpot:60000", "--out", out)
     assert code == 0, err
     report = json.loads(out.read_text())
-    assert report["kind"] == "serve" and report["sweep"] == {"key": "max-concurrency", "points": [1, 4]}
+    assert report["kind"] == "serve" and (report["sweep"]["key"], report["sweep"]["points"]) == ("max-concurrency", [1, 4])
     assert report["models"]["adapters"] == 3 and report["dataset"]["dataset"] == "random"
     assert [run["max_concurrency"] for run in report["runs"]] == [1, 4]
     for run in report["runs"]:
@@ -90,6 +105,9 @@ def test_a_sweep_reports_every_point_and_plots_it(capsys, daemon, tmp_path):
         assert engine["preemptions"] == 0  # the demo's KV holds every request
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "max-concurrency" in stdout and "preempted" in stdout and "wrote" in stdout
+    # every request met the (loose) objectives at both points: the sweep's goodput is its highest point
+    assert report["sweep"]["goodput"] == {"share": 0.9, "highest": 4}
+    assert "goodput: max-concurrency 4, the highest with >= 90% of the requests at ttft <= 60000 ms, tpot <= 60000 ms" in stdout
 
 
 def test_requests_drawn_with_a_temperature(capsys, daemon, tmp_path):
