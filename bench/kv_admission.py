@@ -21,9 +21,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+from lorad.daemon.bench.serve import choose_models
 from lorad.daemon.engine.step_cost import DeviceRates, SequenceInStep, StepCostModel
 from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec
-from lorad.scheduler.batching import GrowthReserve, Scheduler, Sequence
+from lorad.scheduler.batching import PASS_STAGING, GrowthReserve, Scheduler, Sequence
 from step_padding import add_dataset_arguments, dataset_lengths  # bench/, beside this script
 
 # The H100's rates as the daemon measured them at start-up for figure 21.1 (7f7418f), and the served busy time
@@ -61,23 +62,42 @@ class BoundedKV:
         return max(0, num_tokens - len(blocks))
 
 
-class AtHand:
-    """Adapters always at hand."""
+class Staged:
+    """Adapters that stage in the background: the first request for one waits `steps` steps before it is ready,
+    as a cold adapter's admission waits ~100-250 ms for the stager on the GPU while other rows run (0: every
+    adapter at hand); with nothing running it is staged at once, as the engine does. `step` and `running` (whether
+    any sequence runs) are the replay's."""
+
+    def __init__(self, steps: int):
+        self.steps, self.step, self.ready = steps, 0, {}
+        self.running = lambda: False
 
     def acquire(self, name, tokens=None) -> bool:
-        return True
+        if name is None or not self.steps:
+            return True
+        if not self.running():
+            self.ready.setdefault(name, self.step)
+        return self.step >= self.ready.setdefault(name, self.step + self.steps)
 
     def release(self, name) -> None:
         pass
 
+    def staging(self, name) -> bool:
+        return name is not None and self.step < self.ready.get(name, 0)
+
 
 def replay(lengths: list[tuple[int, int]], kv_tokens: int, max_running: int, max_batch_tokens: int, reserve: bool,
-           cost: StepCostModel, rates: DeviceRates) -> dict:
-    memory = BoundedKV(kv_tokens)
-    scheduler = Scheduler(max_running, max_batch_tokens, memory, AtHand(), reserve=GrowthReserve() if reserve else None)
+           cost: StepCostModel, rates: DeviceRates, adapters: list[str | None] | None = None, staging_steps: int = 0,
+           pass_staging: int = PASS_STAGING) -> dict:
+    """adapters: each request's adapter (None: the base model alone, every request when not given)."""
+    memory, staged = BoundedKV(kv_tokens), Staged(staging_steps)
+    scheduler = Scheduler(max_running, max_batch_tokens, memory, staged, reserve=GrowthReserve() if reserve else None,
+                          pass_staging=pass_staging)
+    staged.running = lambda: bool(scheduler.running)
     outputs = {}
     for index, (prompt_len, output_len) in enumerate(lengths):
-        seq = Sequence(str(index), [0] * prompt_len, prompt_len, None, max_new_tokens=output_len)
+        adapter = None if adapters is None else adapters[index]
+        seq = Sequence(str(index), [0] * prompt_len, prompt_len, adapter, max_new_tokens=output_len)
         outputs[seq] = output_len
         scheduler.add(seq)
     steps = {kind: {"steps": 0, "rows": 0, "floor_s": 0.0} for kind in ("decode", "mixed", "prefill")}
@@ -85,6 +105,7 @@ def replay(lengths: list[tuple[int, int]], kv_tokens: int, max_running: int, max
     prompt_rows = 0
     most_running = 0
     while scheduler.has_work():
+        staged.step += 1
         batch = scheduler.schedule()
         if not batch:
             raise RuntimeError("the scheduler planned an empty step with work left")
@@ -108,7 +129,8 @@ def replay(lengths: list[tuple[int, int]], kv_tokens: int, max_running: int, max
                     scheduler.finish(seq, completed=True)
     floor = sum(entry["floor_s"] for entry in steps.values())
     busy = sum(BUSY_OVER_FLOOR[kind] * entry["floor_s"] for kind, entry in steps.items())
-    return {"max_running_requests": max_running, "kv_growth_reserve": reserve, "steps": steps,
+    return {"max_running_requests": max_running, "kv_growth_reserve": reserve, "staging_steps": staging_steps,
+            "pass_staging": pass_staging, "admitted_past_staging": scheduler.past_staging, "steps": steps,
             "mean_decode_rows": round(float(np.mean(decode_rows)), 1), "most_running": most_running,
             "preemptions": scheduler.preemptions, "prompt_tokens_again": prompt_rows - sum(p for p, _ in lengths),
             "floor_s": floor, "estimated_busy_s": busy, "estimated_output_tok_s": sum(o for _, o in lengths) / busy}
@@ -124,6 +146,11 @@ def main() -> None:
     parser.add_argument("--weight-bytes", type=int, default=2, help="bytes of a projection weight (FP8: 1)")
     parser.add_argument("--running", default="64,96,128", help="running caps, comma-separated")
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
+    parser.add_argument("--adapters", type=int, default=100, help="requests spread over N adapters (0: the base model)")
+    parser.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of adapter popularity, as bench serve")
+    parser.add_argument("--staging-steps", type=int, default=8,
+                        help="steps an adapter's first request waits for its staging (default 8: ~140 ms of the "
+                             "H100's ~17 ms decode steps; 0: adapters always at hand)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -131,13 +158,19 @@ def main() -> None:
     spec = ModelSpec.from_hf_config(MODEL_CONFIGS[args.model_config])
     cost = StepCostModel(spec, dtype_bytes=2, adapter_ranks=lambda name: {}, weight_bytes=args.weight_bytes,
                          kv_bytes=args.kv_bytes)
-    runs = [replay(lengths, args.kv_tokens, int(running), args.max_batch_tokens, reserve, cost, H100)
-            for running in args.running.split(",") for reserve in (False, True)]
-    print(f"{args.dataset}: {len(lengths)} prompts, {args.kv_tokens} KV positions, {args.model_config}")
-    print(f"{'running':>7} {'reserve':>7} {'decode':>6} {'mixed':>5} {'rows/decode':>11} {'most':>4} {'preempted':>9} "
-          f"{'prompt again':>12} {'floor s':>7} {'est. busy s':>11} {'est. tok/s':>10}")
+    listed = [{"id": "base"}] + [{"id": f"adapter-{index:04d}", "kind": "lora"} for index in range(args.adapters)]
+    adapters = (None if args.adapters == 0 else
+                choose_models(listed, args.adapters, args.alpha, len(lengths), np.random.default_rng(0))[0])
+    passing = (0, PASS_STAGING) if args.staging_steps and args.adapters else (PASS_STAGING,)
+    runs = [replay(lengths, args.kv_tokens, int(running), args.max_batch_tokens, reserve, cost, H100, adapters,
+                   args.staging_steps, pass_staging)
+            for running in args.running.split(",") for reserve in (False, True) for pass_staging in passing]
+    print(f"{args.dataset}: {len(lengths)} prompts, {args.kv_tokens} KV positions, {args.model_config}, "
+          f"{args.adapters} adapters staged in {args.staging_steps} steps")
+    print(f"{'running':>7} {'reserve':>7} {'pass':>4} {'decode':>6} {'mixed':>5} {'rows/decode':>11} {'most':>4} "
+          f"{'preempted':>9} {'prompt again':>12} {'floor s':>7} {'est. busy s':>11} {'est. tok/s':>10}")
     for run in runs:
-        print(f"{run['max_running_requests']:>7} {'on' if run['kv_growth_reserve'] else 'off':>7} "
+        print(f"{run['max_running_requests']:>7} {'on' if run['kv_growth_reserve'] else 'off':>7} {run['pass_staging']:>4} "
               f"{run['steps']['decode']['steps']:>6} {run['steps']['mixed']['steps']:>5} {run['mean_decode_rows']:>11} "
               f"{run['most_running']:>4} {run['preemptions']:>9} {run['prompt_tokens_again']:>12} {run['floor_s']:>7.2f} "
               f"{run['estimated_busy_s']:>11.2f} {run['estimated_output_tok_s']:>10.0f}")
@@ -145,7 +178,8 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"dataset": args.dataset, "prompts": len(lengths), "kv_tokens": args.kv_tokens,
                                         "kv_bytes": args.kv_bytes, "weight_bytes": args.weight_bytes,
-                                        "model_config": args.model_config, "runs": runs}, indent=1) + "\n")
+                                        "model_config": args.model_config, "adapters": args.adapters, "alpha": args.alpha,
+                                        "staging_steps": args.staging_steps, "runs": runs}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

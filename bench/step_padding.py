@@ -42,6 +42,9 @@ class _Unbounded:
     def acquire(self, name, tokens=None):
         return True
 
+    def staging(self, name):
+        return False
+
 
 def lengths_of(dataset: str, num_prompts: int, data_dir: Path, input_len: int, output_len: int) -> list[tuple[int, int]]:
     """(prompt, output) lengths as bench serve sends them."""

@@ -4,7 +4,10 @@ tokens.
 Every step, running sequences go first (decodes take one token, unfinished prompts take the next
 chunk), then waiting ones join while the token budget, the running-request cap, KV pages and adapter
 residency allow, in the order the admission policy (admission.py) gives: arrival order (FCFS), with
-early abort's drops taken out (`take_dropped`), or clustered by adapter. With a decode-step model and a time-per-token objective, a waiting sequence does
+early abort's drops taken out (`take_dropped`), or clustered by adapter. A sequence whose adapter is being
+staged in the background (`Adapters.staging`) keeps its place but is passed over, up to PASS_STAGING of them a
+step, for those behind it whose adapters are ready: waiting for it would leave running slots empty for the
+~100-250 ms a cold adapter takes to stage. With a decode-step model and a time-per-token objective, a waiting sequence does
 not join a non-empty running batch whose next decode step, with it, would break the objective
 (admission.decode_step_allows); it waits at the head of the queue. With a growth reserve
 (`GrowthReserve`), a waiting sequence joins only while the KV left would still hold its prompt and the tokens
@@ -54,6 +57,12 @@ class Adapters(Protocol):
     # cold adapter is placed.
     def acquire(self, name: str | None, tokens: int | None = None) -> bool: ...
     def release(self, name: str | None) -> None: ...
+    # Was the last acquire(name) refused only because the adapter is being staged in the background (it will be
+    # ready by itself)? Such a waiting sequence is passed over for those behind it (Scheduler).
+    def staging(self, name: str | None) -> bool: ...
+
+
+PASS_STAGING = 8  # waiting sequences an admission passes over while their adapters are staged
 
 
 @dataclass(eq=False)
@@ -123,7 +132,8 @@ class Scheduler:
 
     def __init__(self, max_running: int, max_batch_tokens: int, memory: Memory, adapters: Adapters,
                  admission: AdmissionPolicy | None = None, objectives: Objectives | None = None,
-                 clock=time.perf_counter, decode: DecodeStepModel | None = None, reserve: GrowthReserve | None = None):
+                 clock=time.perf_counter, decode: DecodeStepModel | None = None, reserve: GrowthReserve | None = None,
+                 pass_staging: int = PASS_STAGING):
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.memory = memory
@@ -136,6 +146,8 @@ class Scheduler:
         self.tpot_held = 0  # sequences the time-per-token rule held back (each counted once)
         self.preemptions = 0  # running sequences preempted for KV (each time; their tokens are recomputed)
         self.reserve = reserve
+        self.pass_staging = pass_staging  # how many waiting sequences whose adapters are being staged may be passed over
+        self.past_staging = 0  # sequences admitted past one whose adapter was being staged, for /v1/status
         self._held: int | None = None  # KV positions the running sequences' reserves hold (None: to be summed)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -183,6 +195,7 @@ class Scheduler:
                 budget -= count
         if type(self.admission) is FCFS:  # what FCFS.select would give, without building its view of the queue
             batch = self._running_batch() if self.decode is not None else RunningBatch()
+            passed: list[Sequence] = []  # waiting for their adapters' staging: back at the front, in order, below
             while self.waiting and budget > 0 and len(self.running) - len(ending) < self.max_running:
                 head = self.waiting[0]
                 context = head.num_tokens - head.num_computed + 1
@@ -190,10 +203,15 @@ class Scheduler:
                     self._hold_for_tpot(head)
                     break
                 if not self._admit(head, budget, plan):
+                    if len(passed) < self.pass_staging and self.adapters.staging(head.adapter):
+                        passed.append(self.waiting.popleft())
+                        continue
                     break
                 self.waiting.popleft()
+                self.past_staging += bool(passed)
                 budget -= plan[-1][1]
                 batch = batch.plus(head.rank, context)
+            self.waiting.extendleft(reversed(passed))
         elif self.waiting:
             self._admit_by_policy(budget, plan, len(ending))
         return plan
@@ -245,10 +263,17 @@ class Scheduler:
             gone.add(seq)
         for key in decision.held:
             self._hold_for_tpot(self._by_key[key])
+        passed = 0  # sequences passed over while their adapters are staged
         for key in decision.admit:  # in the policy's order, until one does not get its adapter or KV
             seq = self._by_key[key]
-            if budget <= 0 or len(self.running) - ending >= self.max_running or not self._admit(seq, budget, plan):
+            if budget <= 0 or len(self.running) - ending >= self.max_running:
                 break
+            if not self._admit(seq, budget, plan):
+                if passed < self.pass_staging and self.adapters.staging(seq.adapter):
+                    passed += 1
+                    continue
+                break
+            self.past_staging += passed > 0
             del self._by_key[key]
             seq.queued = None
             budget -= plan[-1][1]

@@ -131,6 +131,11 @@ class LoraResidency:
         self.admitted_cold.append((name, tier))
         return True
 
+    def staging(self, name: str | None) -> bool:
+        """Was `name`'s last acquire refused because its admission waits for the stager (`_defer`)? It becomes ready
+        by itself, so the scheduler passes its request over for those behind it meanwhile."""
+        return name in self.deferred
+
     def _place(self, name: str, slot: int, staged: StagedAdapter, kind: str) -> bool:
         if kind == "whole":
             return self.table.place(slot, staged)

@@ -40,10 +40,12 @@ def engine_status(engine: Engine) -> dict:
             "adapter_evictions": engine.residency.evictions,
             # cuda: adapters read and staged on the stager's thread ("off") against those the engine thread had
             # to stage itself at admission or prefetch, and the adapters whose admission waited for the stager while
-            # other rows ran ("admissions_deferred"); null where staging is not backgrounded (the CPU)
+            # other rows ran ("admissions_deferred"), and the requests admitted past such a waiting one
+            # ("admitted_past_staging"); null where staging is not backgrounded (the CPU)
             "adapter_staging": None if engine.residency.stager is None else {
                 "off_thread": engine.residency.staged_off_thread, "pending": engine.residency.stager.pending(),
-                "admissions_deferred": engine.residency.admissions_deferred},
+                "admissions_deferred": engine.residency.admissions_deferred,
+                "admitted_past_staging": engine.scheduler.past_staging},
             "running": len(engine.scheduler.running),
             "waiting": len(engine.scheduler.waiting) + len(engine._inbox),
             # running requests preempted when the KV cache ran short (each time; their tokens computed again)

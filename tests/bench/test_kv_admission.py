@@ -24,3 +24,21 @@ def test_the_growth_reserve_replays_without_preemption():
     assert rows["held"] == 6 * (20 + 29) and rows["plain"] >= 6 * (20 + 29) + plain["prompt_tokens_again"]
     assert held["steps"]["decode"]["steps"] > plain["steps"]["decode"]["steps"]  # fewer rows a decode step
     assert 0 < held["floor_s"] < held["estimated_busy_s"]
+
+
+def test_passing_over_staging_adapters_fills_the_batch():
+    """Requests whose adapters stage for 6 steps on first use: holding the queue behind them leaves slots empty
+    (more decode steps, fewer rows each); passing them over (the scheduler's default) does not."""
+    bench = bench_scripts.load("kv_admission")
+    cost = StepCostModel(ModelSpec.from_hf_config(MODEL_CONFIGS["tiny-llama"]), 2, adapter_ranks=lambda name: {})
+    lengths = [(8, 12)] * 24
+    adapters = [None if index % 3 else f"a{index}" for index in range(24)]  # every third request a cold adapter
+    runs = {passing: bench.replay(lengths, kv_tokens=10_000, max_running=4, max_batch_tokens=64, reserve=False, cost=cost,
+                                  rates=DeviceRates(1e12, 1e14), adapters=adapters, staging_steps=6, pass_staging=passing)
+            for passing in (0, 8)}
+    held, passed = runs[0], runs[8]
+    assert passed["admitted_past_staging"] > 0 and held["admitted_past_staging"] == 0
+    assert passed["steps"]["decode"]["steps"] < held["steps"]["decode"]["steps"]
+    assert passed["mean_decode_rows"] > held["mean_decode_rows"]
+    for run in (held, passed):  # the same work either way
+        assert sum(kind["rows"] for kind in run["steps"].values()) == 24 * (8 + 11)

@@ -18,6 +18,9 @@ class Adapters:
     def release(self, name):
         pass
 
+    def staging(self, name):
+        return False
+
 
 class Clock:
     def __init__(self):

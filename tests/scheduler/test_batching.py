@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from lorad.scheduler.batching import GrowthReserve, Scheduler, Sequence
+from lorad.scheduler.batching import PASS_STAGING, GrowthReserve, Scheduler, Sequence
 
 TOKENS_PER_BLOCK = 4
 
@@ -47,8 +47,11 @@ class FakeMemory:
 
 
 class FakeAdapters:
-    def __init__(self, unavailable: set[str] = frozenset()):
+    """`unavailable` adapters are refused; those also in `staged` are being staged (they will be ready by themselves)."""
+
+    def __init__(self, unavailable: set[str] = frozenset(), staged: set[str] = frozenset()):
         self.unavailable = set(unavailable)
+        self.staged = set(staged)
         self.pins: dict[str | None, int] = {}
         self.calls: list[tuple[str, str | None]] = []
 
@@ -66,6 +69,9 @@ class FakeAdapters:
 
     def held(self) -> int:
         return sum(self.pins.values())
+
+    def staging(self, name) -> bool:
+        return name in self.unavailable and name in self.staged
 
 
 def seq(name: str, prompt_len: int, adapter: str | None = None) -> Sequence:
@@ -417,3 +423,56 @@ def test_growth_reserve_counts_evictable_blocks_only_when_the_free_ones_fall_sho
     run_step(scheduler, plan)
     scheduler.schedule()
     assert d in scheduler.running and memory.reclaim_asks == 1
+
+
+# --- passing over sequences whose adapters are being staged ------------------------------------------------
+
+
+def test_a_sequence_whose_adapter_stages_is_passed_over_and_keeps_its_place():
+    memory, adapters = FakeMemory(100), FakeAdapters(unavailable={"cold"}, staged={"cold"})
+    scheduler = Scheduler(max_running=4, max_batch_tokens=100, memory=memory, adapters=adapters)
+    running = seq("r", 4, "warm")
+    scheduler.add(running)
+    run_step(scheduler, scheduler.schedule())
+    cold, after, later = seq("c", 4, "cold"), seq("d", 4, "warm"), seq("e", 4, None)
+    for sequence in (cold, after, later):
+        scheduler.add(sequence)
+    plan = scheduler.schedule()
+    # c waits for its adapter's staging; d and e, behind it, join meanwhile; c keeps the head of the queue
+    assert names(plan) == [("r", 1), ("d", 4), ("e", 4)] and list(scheduler.waiting) == [cold]
+    assert scheduler.past_staging == 2 and adapters.pins.get("cold", 0) == 0
+    run_step(scheduler, plan)
+    adapters.unavailable.discard("cold")  # staged
+    assert ("c", 4) in names(scheduler.schedule())
+
+
+def test_a_refused_adapter_that_is_not_staging_still_holds_the_queue():
+    memory, adapters = FakeMemory(100), FakeAdapters(unavailable={"full"})  # e.g. no room for it: not passed over
+    scheduler = Scheduler(max_running=4, max_batch_tokens=100, memory=memory, adapters=adapters)
+    running = seq("r", 4)
+    scheduler.add(running)
+    run_step(scheduler, scheduler.schedule())
+    blocked, after = seq("b", 4, "full"), seq("d", 4)
+    scheduler.add(blocked)
+    scheduler.add(after)
+    assert names(scheduler.schedule()) == [("r", 1)] and scheduler.blocked is blocked
+    assert list(scheduler.waiting) == [blocked, after] and scheduler.past_staging == 0
+
+
+def test_at_most_pass_staging_sequences_are_passed_over_a_step():
+    names_staging = {f"cold{i}" for i in range(PASS_STAGING + 1)}
+    memory, adapters = FakeMemory(100), FakeAdapters(unavailable=names_staging, staged=names_staging)
+    scheduler = Scheduler(max_running=16, max_batch_tokens=200, memory=memory, adapters=adapters)
+    running = seq("r", 4)
+    scheduler.add(running)
+    run_step(scheduler, scheduler.schedule())
+    cold = [seq(f"c{i}", 4, f"cold{i}") for i in range(PASS_STAGING + 1)]
+    for sequence in cold + [seq("d", 4)]:
+        scheduler.add(sequence)
+    assert names(scheduler.schedule()) == [("r", 1)]  # the ninth staging one stops the step: d is not reached
+    assert list(scheduler.waiting)[:len(cold)] == cold
+    # with passing turned off, the first holds the queue
+    scheduler = Scheduler(max_running=16, max_batch_tokens=200, memory=FakeMemory(100), adapters=adapters, pass_staging=0)
+    for sequence in (seq("r2", 4), seq("c", 4, "cold0"), seq("e", 4)):
+        scheduler.add(sequence)
+    assert names(scheduler.schedule()) == [("r2", 4)]

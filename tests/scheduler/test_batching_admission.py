@@ -98,3 +98,29 @@ def test_clustering_caps_distinct_adapters_until_a_request_waits_too_long():
         scheduler.finish(s)
     scheduler.add(seq("new", 4, "e"))
     assert [s.adapter for s, _ in scheduler.schedule()] == ["e"]
+
+
+def test_a_policys_admission_passes_over_a_request_whose_adapter_stages():
+    """The policies' path (here clustering) passes over a request whose adapter is being staged, as FCFS does."""
+
+    class Staging(Adapters):
+        def __init__(self):
+            self.cold = {"c"}
+
+        def acquire(self, name, tokens=None):
+            return name not in self.cold
+
+        def staging(self, name):
+            return name in self.cold
+
+    adapters = Staging()
+    scheduler = Scheduler(8, 1000, Memory(), adapters, AdapterClustering(FCFS(), 4, max_wait_s=1.0), clock=Clock())
+    scheduler.add(seq("r0", 4, "a"))
+    scheduler.schedule()
+    for index, adapter in enumerate(["c", "a", None], start=1):
+        scheduler.add(seq(f"r{index}", 4, adapter))
+    plan = scheduler.schedule()
+    assert [s.request_id for s, _ in plan] == ["r0", "r2", "r3"] and [s.request_id for s in scheduler.waiting] == ["r1"]
+    assert scheduler.past_staging == 2
+    adapters.cold.clear()
+    assert "r1" in [s.request_id for s, _ in scheduler.schedule()]
