@@ -196,22 +196,24 @@ class Scheduler:
         if type(self.admission) is FCFS:  # what FCFS.select would give, without building its view of the queue
             batch = self._running_batch() if self.decode is not None else RunningBatch()
             passed: list[Sequence] = []  # waiting for their adapters' staging: back at the front, in order, below
-            while self.waiting and budget > 0 and len(self.running) - len(ending) < self.max_running:
-                head = self.waiting[0]
-                context = head.num_tokens - head.num_computed + 1
-                if not decode_step_allows(self.decode, batch, head.rank, context, self.objectives.tpot_s):
-                    self._hold_for_tpot(head)
-                    break
-                if not self._admit(head, budget, plan):
-                    if len(passed) < self.pass_staging and self.adapters.staging(head.adapter):
-                        passed.append(self.waiting.popleft())
-                        continue
-                    break
-                self.waiting.popleft()
-                self.past_staging += bool(passed)
-                budget -= plan[-1][1]
-                batch = batch.plus(head.rank, context)
-            self.waiting.extendleft(reversed(passed))
+            try:
+                while self.waiting and budget > 0 and len(self.running) - len(ending) < self.max_running:
+                    head = self.waiting[0]
+                    context = head.num_tokens - head.num_computed + 1
+                    if not decode_step_allows(self.decode, batch, head.rank, context, self.objectives.tpot_s):
+                        self._hold_for_tpot(head)
+                        break
+                    if not self._admit(head, budget, plan):
+                        if len(passed) < self.pass_staging and self.adapters.staging(head.adapter):
+                            passed.append(self.waiting.popleft())
+                            continue
+                        break
+                    self.waiting.popleft()
+                    self.past_staging += bool(passed)
+                    budget -= plan[-1][1]
+                    batch = batch.plus(head.rank, context)
+            finally:  # also when an adapter raises at its admission: the passed-over ones keep their places
+                self.waiting.extendleft(reversed(passed))
         elif self.waiting:
             self._admit_by_policy(budget, plan, len(ending))
         return plan
@@ -264,22 +266,24 @@ class Scheduler:
         for key in decision.held:
             self._hold_for_tpot(self._by_key[key])
         passed = 0  # sequences passed over while their adapters are staged
-        for key in decision.admit:  # in the policy's order, until one does not get its adapter or KV
-            seq = self._by_key[key]
-            if budget <= 0 or len(self.running) - ending >= self.max_running:
-                break
-            if not self._admit(seq, budget, plan):
-                if passed < self.pass_staging and self.adapters.staging(seq.adapter):
-                    passed += 1
-                    continue
-                break
-            self.past_staging += passed > 0
-            del self._by_key[key]
-            seq.queued = None
-            budget -= plan[-1][1]
-            gone.add(seq)
-        if gone:
-            self.waiting = deque(seq for seq in self.waiting if seq not in gone)
+        try:
+            for key in decision.admit:  # in the policy's order, until one does not get its adapter or KV
+                seq = self._by_key[key]
+                if budget <= 0 or len(self.running) - ending >= self.max_running:
+                    break
+                if not self._admit(seq, budget, plan):
+                    if passed < self.pass_staging and self.adapters.staging(seq.adapter):
+                        passed += 1
+                        continue
+                    break
+                self.past_staging += passed > 0
+                del self._by_key[key]
+                seq.queued = None
+                budget -= plan[-1][1]
+                gone.add(seq)
+        finally:  # also when an adapter raises at its admission: those admitted before it leave the queue
+            if gone:
+                self.waiting = deque(seq for seq in self.waiting if seq not in gone)
 
     def _running_batch(self) -> RunningBatch:
         """The running batch as the decode-step model reads it (context: every position of each sequence)."""

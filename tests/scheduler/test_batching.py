@@ -476,3 +476,22 @@ def test_at_most_pass_staging_sequences_are_passed_over_a_step():
     for sequence in (seq("r2", 4), seq("c", 4, "cold0"), seq("e", 4)):
         scheduler.add(sequence)
     assert names(scheduler.schedule()) == [("r2", 4)]
+
+
+def test_passed_over_sequences_keep_their_places_when_an_adapter_raises_behind_them():
+    class Broken(FakeAdapters):
+        def acquire(self, name, tokens=None):
+            if name == "broken":
+                raise RuntimeError("the adapter's files are gone")
+            return super().acquire(name, tokens)
+
+    memory, adapters = FakeMemory(100), Broken(unavailable={"cold"}, staged={"cold"})
+    scheduler = Scheduler(max_running=4, max_batch_tokens=100, memory=memory, adapters=adapters)
+    scheduler.add(seq("r", 4))
+    run_step(scheduler, scheduler.schedule())
+    cold, broken, after = seq("c", 4, "cold"), seq("b", 4, "broken"), seq("d", 4)
+    for sequence in (cold, broken, after):
+        scheduler.add(sequence)
+    with pytest.raises(RuntimeError):
+        scheduler.schedule()
+    assert scheduler.blocked is broken and list(scheduler.waiting) == [cold, broken, after]

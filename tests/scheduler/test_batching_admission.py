@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from lorad.scheduler.admission import FCFS, AdapterClustering, EarlyAbort, Objectives
 from lorad.scheduler.batching import Scheduler, Sequence
 from lorad.scheduler.perf_model import PrefillModel
@@ -124,3 +126,19 @@ def test_a_policys_admission_passes_over_a_request_whose_adapter_stages():
     assert scheduler.past_staging == 2
     adapters.cold.clear()
     assert "r1" in [s.request_id for s, _ in scheduler.schedule()]
+
+
+def test_a_policys_admission_that_raises_leaves_the_admitted_out_of_the_queue():
+    class Broken(Adapters):
+        def acquire(self, name, tokens=None):
+            if name == "broken":
+                raise RuntimeError("the adapter's files are gone")
+            return True
+
+    scheduler = Scheduler(8, 1000, Memory(), Broken(), AdapterClustering(FCFS(), 4, max_wait_s=1.0), clock=Clock())
+    first, broken, last = seq("r0", 4, "a"), seq("r1", 4, "broken"), seq("r2", 4, "a")
+    for sequence in (first, broken, last):
+        scheduler.add(sequence)
+    with pytest.raises(RuntimeError):
+        scheduler.schedule()
+    assert scheduler.running == [first] and list(scheduler.waiting) == [broken, last] and scheduler.blocked is broken
