@@ -1,20 +1,20 @@
 """Iteration-level continuous batching: which sequences run in the next step, and how many of their
 tokens.
 
-Every step, running sequences go first (decodes take one token, unfinished prompts take the next
-chunk), then waiting ones join while the token budget, the running-request cap, KV pages and adapter
-residency allow, in the order the admission policy (admission.py) gives: arrival order (FCFS), with
-early abort's drops taken out (`take_dropped`), or clustered by adapter. A sequence whose adapter is being
-staged in the background (`Adapters.staging`) keeps its place but is passed over, up to PASS_STAGING of them a
-step, for those behind it whose adapters are ready: waiting for it would leave running slots empty for the
-~100-250 ms a cold adapter takes to stage. With a decode-step model and a time-per-token objective, a waiting sequence does
-not join a non-empty running batch whose next decode step, with it, would break the objective
-(admission.decode_step_allows); it waits at the head of the queue. With a growth reserve
-(`GrowthReserve`), a waiting sequence joins only while the KV left would still hold its prompt and the tokens
-the running ones and it are expected to generate, so that a batch does not outgrow the cache. When KV runs
-out all the same, the newest running sequence is preempted: its pages go back (those it shares with the other choices of its request
-stay theirs) and it is recomputed later (prompt plus what it generated so far). The scheduler owns no memory: `memory` and `adapters` do, behind the two small
-protocols below.
+Every step, running sequences go first (decodes take one token, unfinished prompts take the next chunk), then
+waiting ones join while the token budget, the running-request cap, KV pages and adapter residency allow, in the
+order the admission policy (admission.py) gives: arrival order (FCFS), with early abort's drops taken out
+(`take_dropped`), or clustered by adapter. A sequence whose adapter is being staged in the background
+(`Adapters.staging`) keeps its place but is passed over, up to PASS_STAGING of them a step, for those behind it
+whose adapters are ready: waiting for it would leave running slots empty for the ~100-250 ms a cold adapter
+takes to stage. With a decode-step model and a time-per-token objective, a waiting sequence does not join a
+non-empty running batch whose next decode step, with it, would break the objective
+(admission.decode_step_allows); it waits at the head of the queue. With a growth reserve (`GrowthReserve`), a
+waiting sequence joins only while the KV left would still hold its prompt and the tokens the running ones and it
+are expected to generate, so that a batch does not outgrow the cache. When KV runs out all the same, the newest
+running sequence is preempted: its pages go back (those it shares with the other choices of its request stay
+theirs) and it is recomputed later (prompt plus what it generated so far). The scheduler owns no memory:
+`memory` and `adapters` do, behind the two small protocols below.
 """
 
 from __future__ import annotations
