@@ -24,8 +24,8 @@ import numpy as np
 from lorad.daemon.bench.serve import choose_models
 from lorad.daemon.engine.step_cost import DeviceRates, SequenceInStep, StepCostModel
 from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec
-from lorad.scheduler.batching import PASS_STAGING, GrowthReserve, Scheduler, Sequence
-from step_padding import add_dataset_arguments, dataset_lengths  # bench/, beside this script
+from lorad.scheduler.batching import PASS_STAGING, GrowthReserve, Scheduler
+from step_padding import add_dataset_arguments, advance, dataset_lengths, enqueue, step_kind  # bench/, beside this script
 
 # The H100's rates as the daemon measured them at start-up for figure 21.1 (7f7418f), and the served busy time
 # over the floor by step kind in that run.
@@ -89,17 +89,12 @@ class Staged:
 def replay(lengths: list[tuple[int, int]], kv_tokens: int, max_running: int, max_batch_tokens: int, reserve: bool,
            cost: StepCostModel, rates: DeviceRates, adapters: list[str | None] | None = None, staging_steps: int = 0,
            pass_staging: int = PASS_STAGING) -> dict:
-    """adapters: each request's adapter (None: the base model alone, every request when not given)."""
+    """adapters: each request's adapter (`enqueue`)."""
     memory, staged = BoundedKV(kv_tokens), Staged(staging_steps)
     scheduler = Scheduler(max_running, max_batch_tokens, memory, staged, reserve=GrowthReserve() if reserve else None,
                           pass_staging=pass_staging)
     staged.running = lambda: bool(scheduler.running)
-    outputs = {}
-    for index, (prompt_len, output_len) in enumerate(lengths):
-        adapter = None if adapters is None else adapters[index]
-        seq = Sequence(str(index), [0] * prompt_len, prompt_len, adapter, max_new_tokens=output_len)
-        outputs[seq] = output_len
-        scheduler.add(seq)
+    enqueue(scheduler, lengths, adapters)
     steps = {kind: {"steps": 0, "rows": 0, "floor_s": 0.0} for kind in ("decode", "mixed", "prefill")}
     decode_rows = []
     prompt_rows = 0
@@ -110,23 +105,16 @@ def replay(lengths: list[tuple[int, int]], kv_tokens: int, max_running: int, max
         if not batch:
             raise RuntimeError("the scheduler planned an empty step with work left")
         most_running = max(most_running, len(scheduler.running))
-        decoding = [seq.num_computed >= seq.prompt_len for seq, _ in batch]
-        kind = "decode" if all(decoding) else "mixed" if any(decoding) else "prefill"
+        kind = step_kind(batch)
         step_cost = cost.cost([SequenceInStep(count, seq.num_computed + count, seq.num_computed + count >= seq.num_tokens, None)
                                for seq, count in batch])
         entry = steps[kind]
         entry["steps"] += 1
         entry["rows"] += sum(count for _, count in batch)
         entry["floor_s"] += step_cost.floor_s(rates.bandwidth_bytes_per_s, rates.flops_per_s)
-        decode_rows.append(sum(decoding))
-        for seq, count in batch:
-            if seq.num_computed < seq.prompt_len:
-                prompt_rows += min(count, seq.prompt_len - seq.num_computed)
-            seq.num_computed += count
-            if seq.num_computed >= seq.num_tokens:  # its prompt is done or it decoded: one token more
-                seq.tokens.append(0)
-                if seq.num_generated >= outputs[seq]:
-                    scheduler.finish(seq, completed=True)
+        decode_rows.append(sum(seq.num_computed >= seq.prompt_len for seq, _ in batch))
+        prompt_rows += sum(min(count, max(0, seq.prompt_len - seq.num_computed)) for seq, count in batch)
+        advance(scheduler, batch)
     floor = sum(entry["floor_s"] for entry in steps.values())
     busy = sum(BUSY_OVER_FLOOR[kind] * entry["floor_s"] for kind, entry in steps.items())
     return {"max_running_requests": max_running, "kv_growth_reserve": reserve, "staging_steps": staging_steps,

@@ -69,6 +69,31 @@ def dataset_lengths(args: argparse.Namespace) -> list[tuple[int, int]]:
     return lengths_of(args.dataset, args.num_prompts, args.data_dir or default_data_dir(), args.input_len, args.output_len)
 
 
+def enqueue(scheduler: Scheduler, lengths: list[tuple[int, int]], adapters: list[str | None] | None = None) -> None:
+    """Every request waiting from the start: a sequence of its prompt length that generates its output length
+    (`max_new_tokens`), with its adapter (None: the base model alone, every request when not given)."""
+    for index, (prompt_len, output_len) in enumerate(lengths):
+        adapter = None if adapters is None else adapters[index]
+        scheduler.add(Sequence(str(index), [0] * prompt_len, prompt_len, adapter, max_new_tokens=output_len))
+
+
+def step_kind(batch: list[tuple[Sequence, int]]) -> str:
+    """As step_account.py has it: decode (every row after its prompt), prefill (none), mixed."""
+    decoding = [seq.num_computed >= seq.prompt_len for seq, _ in batch]
+    return "decode" if all(decoding) else "mixed" if any(decoding) else "prefill"
+
+
+def advance(scheduler: Scheduler, batch: list[tuple[Sequence, int]]) -> None:
+    """The step ran: each sequence's rows are computed, one that ended its prompt or decoded has its next token, and
+    one that reached its output length ends (by its length)."""
+    for seq, count in batch:
+        seq.num_computed += count
+        if seq.num_computed >= seq.num_tokens:
+            seq.tokens.append(0)
+            if seq.num_generated >= seq.max_new_tokens:
+                scheduler.finish(seq, completed=True)
+
+
 def replay(lengths: list[tuple[int, int]], max_running: int, max_batch_tokens: int,
            trim_to: tuple[int, ...] | None = None) -> list[tuple[str, int]]:
     """Each step's (kind, rows) as the engine's scheduler plans them, every request waiting from the start.
@@ -77,30 +102,21 @@ def replay(lengths: list[tuple[int, int]], max_running: int, max_batch_tokens: i
     the next step."""
     room = _Unbounded()
     scheduler = Scheduler(max_running, max_batch_tokens, room, room)
-    outputs = {}
-    for index, (prompt_len, output_len) in enumerate(lengths):
-        seq = Sequence(str(index), [0] * prompt_len, prompt_len, None)
-        outputs[seq] = output_len
-        scheduler.add(seq)
+    enqueue(scheduler, lengths)
     steps = []
     while scheduler.has_work():
         batch = scheduler.schedule()
-        decoding = [seq.num_computed >= seq.prompt_len for seq, _ in batch]
-        kind = "decode" if all(decoding) else "mixed" if any(decoding) else "prefill"
+        kind = step_kind(batch)
         rows = sum(count for _, count in batch)
-        if trim_to and kind == "mixed" and not decoding[-1]:
+        last, _ = batch[-1]
+        if trim_to and kind == "mixed" and last.num_computed < last.prompt_len:
             below = max((bucket for bucket in trim_to if bucket < rows), default=0)
             seq, count = batch[-1]
             if below > 256 and rows - below < count:
                 batch[-1] = (seq, count - (rows - below))
                 rows = below
         steps.append((kind, rows))
-        for seq, count in batch:
-            seq.num_computed += count
-            if seq.num_computed >= seq.num_tokens:  # its prompt is done or it decoded: one token more
-                seq.tokens.append(0)
-                if seq.num_generated >= outputs[seq]:
-                    scheduler.finish(seq)
+        advance(scheduler, batch)
     return steps
 
 

@@ -259,7 +259,7 @@ def sweep_goodput(report: dict, share: float) -> dict:
     key = report["sweep"]["key"]
     met = [run["request_rate"] if key == "request-rate" else run["max_concurrency"]
            for run in report["runs"] if run["goodput"]["share_met"] >= share]
-    highest = max(met, key=lambda point: math.inf if point in ("inf", None) else float(point), default=None)
+    highest = max(met, key=lambda point: math.inf if point == "inf" else float(point), default=None)
     return {"share": share, "highest": highest}
 
 
