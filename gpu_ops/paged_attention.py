@@ -49,11 +49,17 @@ PREFILL_BLOCK_M = 64  # query rows per prefill program; AttentionMeta cuts promp
 # the query group padded to 16 rows; for MHA 15 of them are padding). The H100 sweep (bench/attention.py,
 # BENCHMARKS.md) on the 7B MHA shape, 1 token a page: tensor cores at block_n 128 take b=64 ctx=2048 to
 # 717 us against 980 us on CUDA cores at their best block_n (32), i.e. to the copy floor; b=64 ctx=512 192 vs
-# 275 us; b=1 ctx=2048 19.3 vs 23.7 us. GQA (8 kv heads, 4 tokens a page): 64, at 94-99% of the floor.
-DECODE_BLOCK_N = {"mha": 128, "gqa": 64}
+# 275 us; b=1 ctx=2048 19.3 vs 23.7 us. GQA (8 kv heads, 4 tokens a page): 64, at 94-99% of the floor. Over FP8
+# pages (float16 dots) GQA takes 128: 67.7 against 88.5 us at b=64 ctx=1024, 239 against 266 at b=256; MHA stays
+# at 128 (bench/attention.py's decode_*_fp8 sections).
+DECODE_BLOCK_N = {"mha": 128, "gqa": 64, "mha_fp8": 128, "gqa_fp8": 128}
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in the combine than it saves
 PROGRAMS_PER_SM = 2
+# The dot operands beside FP8 pages: "float16" (K and V widened exactly, the query and P rounded to float16, whose
+# mantissa is wider than bfloat16's) or "model" (widened to the model dtype).
+FP8_KV_DOTS = "float16"
+FP8_KV_DOTS_CHOICES = ("float16", "model")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -142,12 +148,36 @@ def decode_splits(num_seqs: int, kv_heads: int, max_context: int, device: torch.
 if triton is not None:
 
     @triton.jit
-    def _as_operand(p, q_ptr, UPCAST: tl.constexpr):
-        """Probabilities as the P @ V operand: rounded to the model dtype (float32 when upcast)."""
-        p = p.to(q_ptr.dtype.element_ty)
-        if UPCAST:
-            p = p.to(tl.float32)
+    def _as_operand(p, q_ptr, UPCAST: tl.constexpr, F16_DOTS: tl.constexpr):
+        """Probabilities as the P @ V operand: rounded to the model dtype (float32 when upcast, float16 for
+        FP8 pages read as float16)."""
+        if F16_DOTS:
+            p = p.to(tl.float16)
+        else:
+            p = p.to(q_ptr.dtype.element_ty)
+            if UPCAST:
+                p = p.to(tl.float32)
         return p
+
+    @triton.jit
+    def _query_operand(q, UPCAST: tl.constexpr, F16_DOTS: tl.constexpr):
+        """The query as the scores' operand: float16 beside FP8 pages read as float16 (saturated at its
+        range, which real queries stay far within), float32 when upcast, else as loaded."""
+        if F16_DOTS:
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        elif UPCAST:
+            q = q.to(tl.float32)
+        return q
+
+    @triton.jit
+    def _widen_kv(k, v, q_ptr, F16_DOTS: tl.constexpr):
+        """FP8 K and V as dot operands: float16 (exact: every E4M3 value is one, one conversion instruction a
+        pair on sm89+) or the model dtype."""
+        if F16_DOTS:
+            k, v = k.to(tl.float16), v.to(tl.float16)
+        else:
+            k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)
+        return k, v
 
     @triton.jit
     def _tanh(x):
@@ -208,7 +238,7 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         KV_HEADS: tl.constexpr, TOKENS_PER_PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
+        SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, F16_DOTS: tl.constexpr,
     ):
         kv_head = tl.program_id(0)  # head-major: the programs that run together read the same sequences' pages
         index = tl.program_id(1)
@@ -230,9 +260,7 @@ if triton is not None:
         d_ok = offs_d < HEAD_DIM
         heads = kv_head * GROUP + offs_g
         q_ptrs = q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
+        q = _query_operand(tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0), UPCAST, F16_DOTS)
         table_row = seq.to(tl.int64) * stride_table
         v_scale = 1.0
         if KV_FP8:  # FP8 pages: K's scale folded into the scores, V's into the result
@@ -248,7 +276,7 @@ if triton is not None:
             k, v = _load_kv_block(kv_ptr, k_table_ptr, v_table_ptr, table_row, positions, n_ok, kv_head, offs_d, d_ok,
                                   HEAD_DIM, KV_HEADS, TOKENS_PER_PAGE)
             if KV_FP8:
-                k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)
+                k, v = _widen_kv(k, v, q_ptr, F16_DOTS)
             if UPCAST:
                 k = k.to(tl.float32)
             if USE_DOT:
@@ -261,7 +289,7 @@ if triton is not None:
             p = tl.exp2(scores - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
             if USE_DOT:
-                acc = acc * alpha[:, None] + tl.dot(_as_operand(p, q_ptr, UPCAST), v.to(k.dtype), input_precision=PRECISION)
+                acc = acc * alpha[:, None] + tl.dot(_as_operand(p, q_ptr, UPCAST, F16_DOTS), v.to(k.dtype), input_precision=PRECISION)
             else:
                 acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
             m = m_new
@@ -305,7 +333,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_ot, stride_table, qk_scale, cap_log2, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
         TOKENS_PER_PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
+        UPCAST: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, F16_DOTS: tl.constexpr,
     ):
         tile = tl.program_id(0)
         head = tl.program_id(1)
@@ -324,8 +352,7 @@ if triton is not None:
         query_pos = kv_len - query_len + offs_m  # rows past query_len see everything: finite, never stored
         rows = (query_start + offs_m).to(tl.int64)
         q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
+        q = _query_operand(q, UPCAST, F16_DOTS)
         table_row = seq.to(tl.int64) * stride_table
         v_scale = 1.0
         if KV_FP8:  # as in the decode kernel
@@ -347,7 +374,7 @@ if triton is not None:
             k, v = _load_kv_block(kv_ptr, k_table_ptr, v_table_ptr, table_row, positions, n_ok, kv_head, offs_d, d_ok,
                                   HEAD_DIM, KV_HEADS, TOKENS_PER_PAGE)
             if KV_FP8:
-                k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)
+                k, v = _widen_kv(k, v, q_ptr, F16_DOTS)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -363,7 +390,7 @@ if triton is not None:
             alpha = tl.exp2(m - shift)
             p = tl.exp2(scores - shift[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(_as_operand(p, q_ptr, UPCAST), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(_as_operand(p, q_ptr, UPCAST, F16_DOTS), v, input_precision=PRECISION)
             m = m_new
 
         result = acc * v_scale / tl.where(l > 0, l, 1.0)[:, None]  # l is 0 only in rows past query_len (not stored)
@@ -398,6 +425,16 @@ def _precision(dtype: torch.dtype) -> str:
 
 def _upcast(dtype: torch.dtype) -> bool:
     return widen_bf16_dots(dtype, _decode_kernel)
+
+
+def _dot_args(q_dtype: torch.dtype, kv_fp8: bool, fp8_dots: str | None) -> dict:
+    """PRECISION, UPCAST and F16_DOTS of a launch: float16 dots beside FP8 pages of a bfloat16 model (FP8_KV_DOTS,
+    or `fp8_dots` for a benchmark's sweep); float16 models widen to their own dtype, which is float16."""
+    fp8_dots = fp8_dots or FP8_KV_DOTS
+    if fp8_dots not in FP8_KV_DOTS_CHOICES:
+        raise ValueError(f"fp8_dots must be one of {FP8_KV_DOTS_CHOICES}, got {fp8_dots!r}")
+    f16 = kv_fp8 and q_dtype == torch.bfloat16 and fp8_dots == "float16"
+    return dict(PRECISION="tf32" if f16 else _precision(q_dtype), UPCAST=_upcast(q_dtype) and not f16, F16_DOTS=f16)
 
 
 def _score_args(scale: float, window: int | None, softcap: float | None) -> dict:
@@ -469,6 +506,7 @@ def decode_attention(
     kv_scale: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    fp8_dots: str | None = None,
 ) -> None:
     """out[query_start[s]] = attention of that row's query over positions 0..kv_len[s)-1 of sequence s
     (the last `window` of them on a sliding-window layer), for s in seqs[:num_seqs] (all on the device, int32).
@@ -480,7 +518,8 @@ def decode_attention(
     combine launch; workspace: optional (out [>= num_seqs*heads*splits*head_pad], lse [>= num_seqs*heads*splits]).
     mma: scores and P @ V on tensor cores (tl.dot on the group padded to 16 rows, the default); False: dot
     products on CUDA cores.
-    kv_scale: float32 [2], the layer's K and V scales when kv_view holds FP8.
+    kv_scale: float32 [2], the layer's K and V scales when kv_view holds FP8; fp8_dots: their dots' operands
+    (FP8_KV_DOTS when None).
     Roofline: bytes = sum_s 2 * kv_len[s] * kv_heads * head_dim * element size; flops = 4 * that / size * group.
     With a window: min(kv_len[s], window) positions in place of kv_len[s]. softcap: scores capped as Gemma 2's
     (softcap * tanh(s / softcap)).
@@ -494,8 +533,9 @@ def decode_attention(
     group = heads // kv_heads
     head_pad = max(16, next_power_of_2(head_dim))
     use_dot = True if mma is None else mma
+    kv_fp8 = _kv_fp8(kv_view, kv_scale)
     if block_n is None:
-        block_n = DECODE_BLOCK_N["gqa" if group > 1 else "mha"]
+        block_n = DECODE_BLOCK_N[("gqa" if group > 1 else "mha") + ("_fp8" if kv_fp8 else "")]
     group_pad = max(16, next_power_of_2(group)) if use_dot else next_power_of_2(group)
     if splits > 1:
         if workspace is None:
@@ -505,13 +545,12 @@ def decode_attention(
             part_out, part_lse = workspace
     else:
         part_out = part_lse = out  # unused
-    kv_fp8 = _kv_fp8(kv_view, kv_scale)
     _decode_kernel[(kv_heads, num_seqs, splits)](
         q, kv_view, k_table, v_table, seqs, query_start, kv_len, out, part_out, part_lse, kv_scale if kv_fp8 else q,
         q.stride(0), q.stride(1), out.stride(0), k_table.stride(0), **_score_args(scale, window, softcap),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_PAD=head_pad, KV_HEADS=kv_heads,
         TOKENS_PER_PAGE=tokens_per_page, BLOCK_N=block_n, SPLITS=splits, USE_DOT=use_dot,
-        PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype), KV_FP8=kv_fp8, num_warps=num_warps,
+        KV_FP8=kv_fp8, num_warps=num_warps, **_dot_args(q.dtype, kv_fp8, fp8_dots),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if splits > 1:
@@ -536,6 +575,7 @@ def prefill_attention(
     kv_scale: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    fp8_dots: str | None = None,
 ) -> None:
     """Causal attention for the prefill tiles of `meta` (query rows of sequences with query_len > 1
     over all their cached positions, or the last `window` of each row's, the rows' own K/V already
@@ -556,7 +596,7 @@ def prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), k_table.stride(0), **_score_args(scale, window, softcap),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, KV_HEADS=kv_heads,
         TOKENS_PER_PAGE=tokens_per_page, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=block_n,
-        PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype), KV_FP8=kv_fp8, num_warps=num_warps, **extra,
+        KV_FP8=kv_fp8, num_warps=num_warps, **_dot_args(q.dtype, kv_fp8, fp8_dots), **extra,
     )
 
 

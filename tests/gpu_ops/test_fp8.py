@@ -219,10 +219,13 @@ def test_write_kv_fp8_interpreted(kernels):
 @needs_interpreter
 @pytest.mark.parametrize("layout", [(4, 4, 16, 2), (8, 2, 16, 8), (4, 2, 24, 6)], ids=["mha", "gqa4", "gqa2_d24"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_attention_fp8_pages_interpreted(layout, dtype, kernels):
+@pytest.mark.parametrize("dots", ["float16", "model"])
+def test_attention_fp8_pages_interpreted(layout, dtype, dots, kernels, monkeypatch):
     """Decode and prefill kernels over FP8 pages against float64 attention over the stored values (the kernel's
-    only rounding is then the model dtype's) and against paged_attention_ref over the same pages."""
+    only rounding is then the model dtype's, or float16's for the query and P) and against paged_attention_ref over
+    the same pages, with either dot operand (a float32 model always widens to float32)."""
     _, _, attention_kernels = kernels
+    monkeypatch.setattr(attention_kernels, "FP8_KV_DOTS", dots)
     heads, kv_heads, head_dim, tokens_per_page = layout
     case = fp8_case(heads, kv_heads, head_dim, tokens_per_page, MIXED, dtype, torch.device("cpu"), SCALES)
     total = sum(query_len for _, query_len in MIXED)
@@ -234,6 +237,24 @@ def test_attention_fp8_pages_interpreted(layout, dtype, kernels):
         assert relative_error(got, truth(case, q, layer, 0.3)) < limit
         reference = paged_attention_ref(q, case.kv_view, layer, case.batch, 0.3, kv_scales=SCALES)
         assert relative_error(got, reference.double()) < limit
+
+
+@needs_interpreter
+def test_fp8_pages_float16_dots_saturate_the_query_interpreted(kernels):
+    """Float16 dots round the query to float16: an element past its range saturates there (finite scores) rather
+    than becoming inf; an unknown choice of operand is refused."""
+    _, _, attention_kernels = kernels
+    case = fp8_case(4, 4, 16, 2, MIXED, torch.bfloat16, torch.device("cpu"), SCALES)
+    total = sum(query_len for _, query_len in MIXED)
+    q = torch.randn(total, 4, 16).bfloat16()
+    q[:, :, 0] = 1e5
+    got = attention_kernels.attention(q, case.kv_view, 0, case.batch, 0.3, kv_scales=SCALES)
+    assert torch.isfinite(got.float()).all()
+    meta = attention_kernels.AttentionMeta.build(case.batch, 2, "cpu")
+    table = case.batch.block_table
+    with pytest.raises(ValueError, match="fp8_dots must be one of"):
+        attention_kernels.decode_attention(q, case.kv_view, table[0, 0], table[0, 1], meta.decode_seqs, meta.query_start,
+                                           meta.kv_len, got, 0.3, num_seqs=meta.num_decode, kv_scale=SCALES[0], fp8_dots="fp8")
 
 
 @needs_interpreter
