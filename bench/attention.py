@@ -37,6 +37,7 @@ if SMOKE and not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from lorad.gpu_ops import fused, paged_attention  # noqa: E402
+from lorad.gpu_ops.fp8 import FP8  # noqa: E402
 from timing import Timer, copy_bandwidth  # noqa: E402  (bench/timing.py, beside this script)
 from lorad.gpu_ops.attention import AttentionBatch, paged_attention_ref, scattered_block_table, write_kv_ref  # noqa: E402
 from lorad.gpu_ops.norm import rms_norm_ref  # noqa: E402
@@ -50,7 +51,7 @@ class PagedCache:
     pages drawn at random from the whole pool."""
 
     def __init__(self, heads, kv_heads, head_dim, tokens_per_page, shapes, layers, dtype, device, seed=0, window=None,
-                 softcap=None):
+                 softcap=None, kv_fp8=False):
         rng = np.random.default_rng(seed)
         self.window, self.softcap = window, softcap
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
@@ -58,6 +59,10 @@ class PagedCache:
         blocks = [-(-kv // tokens_per_page) for kv, _ in shapes]
         num_pages = 1 + 2 * layers * sum(blocks)
         self.kv_view = torch.empty(num_pages, tokens_per_page, kv_heads, head_dim, dtype=dtype, device=device).normal_()
+        # FP8 pages (--kv-cache-dtype fp8): values of the same spread over per-layer scales as the engine keeps them
+        self.kv_scales = torch.tensor([[0.02, 0.015]] * layers, device=device) if kv_fp8 else None
+        if kv_fp8:
+            self.kv_view = (self.kv_view * 64).to(FP8)
         table = scattered_block_table(blocks, layers, num_pages, rng)
         self.tokens = sum(query_len for _, query_len in shapes)
         self.batch = AttentionBatch.from_block_table(table, shapes, tokens_per_page, device)
@@ -73,6 +78,9 @@ class PagedCache:
         seen = [kv if self.window is None else min(kv, query + self.window - 1) for kv, query in self.shapes]
         return sum(2 * positions * self.kv_heads * self.head_dim * element for positions in seen)
 
+    def layer_scale(self, layer):
+        return None if self.kv_scales is None else self.kv_scales[layer]
+
     def kernel_calls(self, **decode_options):
         def call(layer):
             if decode_options:
@@ -80,15 +88,15 @@ class PagedCache:
                 paged_attention.decode_attention(
                     self.q[layer], self.kv_view, table[layer, 0], table[layer, 1], self.meta.decode_seqs,
                     self.meta.query_start, self.meta.kv_len, self.out, self.scale, num_seqs=self.meta.num_decode,
-                    window=self.window, softcap=self.softcap, **decode_options,
+                    window=self.window, softcap=self.softcap, kv_scale=self.layer_scale(layer), **decode_options,
                 )
             else:
                 paged_attention.attention(self.q[layer], self.kv_view, layer, self.batch, self.scale, meta=self.meta, out=self.out,
-                                          window=self.window, softcap=self.softcap)
+                                          window=self.window, softcap=self.softcap, kv_scales=self.kv_scales)
 
         return [lambda layer=layer: call(layer) for layer in range(self.layers)]
 
-    def prefill_kernel_calls(self):
+    def prefill_kernel_calls(self, **options):
         """The prefill kernel over the same rows: every decode sequence a one-row query tile."""
         meta = self.meta
         seqs = meta.decode_seqs
@@ -96,7 +104,8 @@ class PagedCache:
         table = self.batch.block_table
         return [
             lambda layer=layer: paged_attention.prefill_attention(
-                self.q[layer], self.kv_view, table[layer, 0], table[layer, 1], meta, self.out, self.scale)
+                self.q[layer], self.kv_view, table[layer, 0], table[layer, 1], meta, self.out, self.scale,
+                kv_scale=self.layer_scale(layer), **options)
             for layer in range(self.layers)
         ]
 
@@ -108,9 +117,10 @@ class PagedCache:
         if self.kv_view.numel() * self.kv_view.element_size() > (1 << 30):
             return None
         got = paged_attention.attention(self.q[0], self.kv_view, 0, self.batch, self.scale, meta=self.meta, window=self.window,
-                                        softcap=self.softcap).double()
-        expected = paged_attention_ref(self.q[0].double(), self.kv_view.double(), 0, self.batch, self.scale, self.window,
-                                       self.softcap)
+                                        softcap=self.softcap, kv_scales=self.kv_scales).double()
+        pages = self.kv_view.double() if self.kv_scales is None else self.kv_view  # FP8: the reference reads them times their scales
+        expected = paged_attention_ref(self.q[0].double(), pages, 0, self.batch, self.scale, self.window, self.softcap,
+                                       kv_scales=None if self.kv_scales is None else self.kv_scales.double())
         return float((got - expected).norm() / expected.norm())
 
 
@@ -146,6 +156,49 @@ def decode_trace_bench(args, device, timer: Timer, bandwidth: float, batches) ->
                    "kv_bytes": cache.kv_bytes(), "floor_us": round(floor_us, 2), "kernel_us": round(kernel, 2),
                    "floor_percent": round(100 * floor_us / kernel, 1)}
             print(row, flush=True)
+            results.append(row)
+    return results
+
+
+def decode_fp8_bench(args, device, timer: Timer, bandwidth: float, shape_name: str, heads, kv_heads, head_dim, tpp, batches,
+                     contexts) -> list:
+    """Decode attention over FP8 pages (--kv-cache-dtype fp8) beside the same batch over bf16 pages, each against
+    its own bytes' floor: the kernel with each choice of dot operands (paged_attention.FP8_KV_DOTS), a few tiles,
+    and the prefill kernel on the same rows (one-row query tiles, as a prefill graph runs a mixed step's decode rows)."""
+    results = []
+    for context in contexts:
+        for batch in batches:
+            shapes = [(context, 1)] * batch
+            layers = layers_for(2 * batch * context * kv_heads * head_dim) if not SMOKE else 1
+            row = {"shape": shape_name, "batch": batch, "context": context, "layers_rotated": layers}
+            for pages in ("bf16", "fp8"):
+                cache = PagedCache(heads, kv_heads, head_dim, tpp, shapes, layers, args.dtype, device, seed=batch,
+                                   kv_fp8=pages == "fp8")
+                floor_us = cache.kv_bytes() / (bandwidth * 1e9) * 1e6
+                splits = paged_attention.decode_splits(batch, kv_heads, context, device)
+                default_n = paged_attention.DECODE_BLOCK_N["gqa" if heads > kv_heads else "mha"]  # bf16's: the sweep's centre
+                times = {"default": timer.graph(cache.kernel_calls())}
+                dots = paged_attention.FP8_KV_DOTS_CHOICES if pages == "fp8" else [None]
+                for dot in dots:
+                    label = f"dots={dot}," if dot else ""
+                    for block_n, warps in ((default_n, 4), (default_n, 8), (2 * default_n, 4), (2 * default_n, 8), (default_n // 2, 4)):
+                        options = dict(splits=splits, block_n=block_n, num_warps=warps, **({"fp8_dots": dot} if dot else {}))
+                        try:
+                            times[f"{label}block_n={block_n},warps={warps}"] = timer.graph(cache.kernel_calls(**options), reps=20)
+                        except Exception as error:  # noqa: BLE001 - a tile that does not compile is data
+                            times[f"{label}block_n={block_n},warps={warps}"] = repr(error)[:200]
+                    times[f"{label}prefill kernel on the decode rows"] = timer.graph(
+                        cache.prefill_kernel_calls(**({"fp8_dots": dot} if dot else {})), reps=20)
+                best = min(value for value in times.values() if isinstance(value, float))
+                row[pages] = {"kv_bytes": cache.kv_bytes(), "floor_us": round(floor_us, 2), "splits": splits,
+                              "times_us": {key: round(value, 2) if isinstance(value, float) else value for key, value in times.items()},
+                              "default_floor_percent": round(100 * floor_us / times["default"], 1),
+                              "best_floor_percent": round(100 * floor_us / best, 1),
+                              "relative_error_vs_fp64_ref": cache.error()}
+                del cache
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            print(f"decode fp8 {shape_name} b={batch} ctx={context}: {row}", flush=True)
             results.append(row)
     return results
 
@@ -331,6 +384,7 @@ def main() -> None:
             ("write_kv", lambda: write_kv_bench(args, device, timer, 3)),
             ("decode_window", lambda: decode_bench(args, device, timer, bandwidth, "tiny", 4, 2, 16, 1, [1, 3], [40], window=16,
                                                    softcap=5.0)),
+            ("decode_fp8", lambda: decode_fp8_bench(args, device, timer, bandwidth, "tiny gqa", 4, 2, 16, 2, [3], [40])),
         ]
     else:
         sections = [
@@ -348,6 +402,9 @@ def main() -> None:
                                                             [8192], window=4096, softcap=50.0)),
             ("decode_gemma2_9b_global", lambda: decode_bench(args, device, timer, bandwidth, "gemma2_9b", 16, 8, 256, 1, [1, 64],
                                                              [8192], softcap=50.0)),
+            ("decode_7b_fp8", lambda: decode_fp8_bench(args, device, timer, bandwidth, "llama7b", 32, 32, 128, 1, [64, 128], [1024])),
+            ("decode_llama3_8b_fp8", lambda: decode_fp8_bench(args, device, timer, bandwidth, "llama3_8b", 32, 8, 128, 4, [64, 256],
+                                                              [1024])),
         ]
     if args.only:
         wanted = args.only.split(",")

@@ -44,6 +44,8 @@ def main() -> int:
     parser.add_argument("--prompt-adapters", type=int, default=0,
                         help="also a prompt step of --prompt tokens split over this many prompts, each with its own "
                              "adapter, and the same step for the base model alone (figure 21.5)")
+    parser.add_argument("--quantization", default="auto", help="the engine's --quantization (fp8: FP8 weights)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype (fp8: FP8 KV pages)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to try the script (with --model-config tiny-llama; no kernels)")
     parser.add_argument("--out")
@@ -55,6 +57,7 @@ def main() -> int:
     engine = Engine(EngineConfig(model_config=args.model_config, dummy_weights=True, dummy_adapters=args.running + 1,
                                  dummy_adapter_rank=args.rank, device=args.device, max_running_requests=args.running,
                                  max_model_len=max(args.context, args.prompt) + 16,
+                                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                  **({"max_lora_rank": args.max_lora_rank} if args.max_lora_rank else {})))
     names = engine.registry.names()[: args.running + 1]
     for name in names:
