@@ -77,9 +77,10 @@ class EngineConfig:
     # hides behind the device's work. Off: every step waits for its tokens before the next is launched.
     overlap_decode: bool = True
     # Admission holds KV back for what the running requests are expected to generate (scheduler/batching.py,
-    # GrowthReserve), so that a batch does not outgrow the cache and preempt. Off (the default, until measured
-    # on the GPU): a request joins when its prompt's KV is free, as in vLLM, and the newest are preempted (their
-    # tokens computed again) when the cache runs short.
+    # GrowthReserve), so that a batch does not outgrow the cache and preempt: for a larger max_running_requests.
+    # Off (the default; at 256 running it served within 1% of the defaults on the H100, BENCHMARKS.md figure 21.1):
+    # a request joins when its prompt's KV is free, as in vLLM, and the newest are preempted (their tokens
+    # computed again) when the cache runs short.
     kv_growth_reserve: bool = False
     quantization: str = "auto"  # auto|fp8|none (see QUANTIZATIONS)
     kv_cache_dtype: str = "auto"  # auto|fp8 (see KV_CACHE_DTYPES)

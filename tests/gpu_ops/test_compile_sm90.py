@@ -20,8 +20,6 @@ def test_paged_attention_kernels_compile_for_sm90(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")  # compiled here, not found in a cache from an earlier run
     script = Path(__file__).with_name("sm90_compile.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode == 2:
-        pytest.skip(done.stderr[-300:])
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert done.stdout.count("ok ") >= 20
     shutil.rmtree(tmp_path / "triton", ignore_errors=True)
