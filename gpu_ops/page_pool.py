@@ -437,11 +437,15 @@ class AdapterTable:
         ready[slot] > l, so the forward that needs the adapter can be launched before its pages are sent, as
         one CUDA graph, and each layer's kernels start as soon as its pages are in.
 
-        The caller must `issue()` right after launching that forward (a graph launch), or before it (an
-        eager forward), and make no call that waits for the device in between: the device is then never
-        waiting on anything the host has yet to do. From a pageable source each layer's copy returns once
-        the driver has staged it through its own pinned buffers (~10 GB/s on the H100 host): `issue()`
-        then takes a few milliseconds of host time, while the forward's first layers run.
+        The caller must `issue()` before launching that forward: a kernel on the device may then wait only
+        for copies queued before it. Launching first and queueing the pages after deadlocks wherever the
+        compute stream and the streaming stream share one of the device's hardware work queues (the driver
+        multiplexes streams onto CUDA_DEVICE_MAX_CONNECTIONS queues, 8 by default, each in order): the copies
+        then sit behind the kernel that spins for them, until its timeout, layer after layer. Which streams
+        share a queue is the driver's choice, so only the order is safe; the copies still run beside the
+        forward on the copy engine. From a pageable source each layer's copy returns once the driver has
+        staged it through its own pinned buffers (~10 GB/s on the H100 host): `issue()` then holds the host a
+        few milliseconds before the launch; from a pinned one it only queues.
         `StreamedLoad.join` before the slot is used without that care. None when the pool is short."""
         if not self.streaming:
             raise RuntimeError("place_streamed needs enable_streaming() first")

@@ -160,8 +160,8 @@ class LoraResidency:
                 load.join()
 
     def issue_streams(self) -> None:
-        """Queues the pages of every streamed copy not yet queued (`StreamedLoad.issue`): right after the
-        forward that waits for them is launched (a graph), or before it (eager)."""
+        """Queues the pages of every streamed copy not yet queued (`StreamedLoad.issue`), before the forward that
+        waits for them is launched (AdapterTable.place_streamed)."""
         started = time.perf_counter()
         loads = [load for load in self.loading.values() if isinstance(load, StreamedLoad) and not load.issued]
         if loads:

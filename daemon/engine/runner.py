@@ -126,15 +126,15 @@ class ModelRunner:
             self.graph_rows = self.graphs.last_key[0]
             return logits
         if path == PREFILL_GRAPH:
-            logits = self.prefill_graphs.run(plan)
-            # Streamed adapters' pages go out now, while the graph runs: its LoRA kernels wait for each
-            # layer on the device (AdapterTable.place_streamed). Nothing above waited for the device.
+            # Streamed adapters' pages are queued before the graph that waits for them, layer by layer on their
+            # own stream: the graph's LoRA kernels then wait on the device only for copies already queued
+            # (AdapterTable.place_streamed says why that order, and not the launch first, is the safe one).
             self.residency.issue_streams()
+            logits = self.prefill_graphs.run(plan)
             self.prefill_graph_steps += 1
             self.graph_rows = self.prefill_graphs.last_key[0]
             return logits
-        # An eager forward may wait for the device (a first launch of a kernel loads it): everything its
-        # kernels wait for is queued before it.
+        # An eager forward as well (it may also wait for the device: a first launch of a kernel loads it).
         self.graph_rows = None
         self.residency.issue_streams()
         return self.model.forward(self.build_step(plan), self.kv.view, self.table)

@@ -1,7 +1,8 @@
 """Streamed adapter placement (AdapterTable.place_streamed): a kernel that reads a streamed slot is launched
 before the adapter's pages are sent, and waits on the device for each layer. `pytest -m gpu`.
 
-The pages are issued only after the kernel has been launched and seen still running, so a kernel that did
+The pages are issued only after the kernel has been launched and seen still running (the engine never does
+this: it queues them first, DESIGN.md says why; here it shows the wait), so a kernel that did
 not wait would have read the pool's poison (NaN) or finished early; it must give the float64 truth of the
 streamed weights, eagerly and from a CUDA graph captured before the adapter existed, from pinned and from
 pageable host memory. A copy that never comes ends the wait after STREAM_TIMEOUT_NS with `stream_error`

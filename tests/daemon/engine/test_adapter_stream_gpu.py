@@ -1,12 +1,16 @@
 """`pytest -m gpu`: cold adapters streamed into the pool during their prefill (cold_start auto's gpu-stream).
-With the pages issued late, the prefill (replayed from a CUDA graph, or eager) waits on the device for each
-layer and gives cached mode's greedy tokens; a copy that fails fails its request with the reason, and
-the engine goes on."""
+With the pages held back on the device, the prefill (replayed from a CUDA graph, or eager), launched after
+they were queued, waits there for each layer and gives cached mode's greedy tokens, also with every stream on
+one hardware work queue; a copy that fails fails its request with the reason, and the engine goes on."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,10 +20,11 @@ from lorad.daemon.engine import adapter_residency as lora_residency
 from lorad.daemon.engine.engine import Engine
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 from lorad.gpu_ops import page_pool
+from lorad.gpu_ops.page_pool import StreamedLoad
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 PROMPTS = [([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], "demo-r8"), ([20, 21, 22, 23, 24, 25, 26], "demo-r16")]
-HOLD_S = 0.3
+HOLD_CYCLES = 500_000_000  # ~0.3 s of the H100's clock: how long the streamed copies are held on the device
 
 
 def engine_for(demo_assets, **config) -> Engine:
@@ -53,25 +58,54 @@ def test_streamed_cold_starts_give_the_cached_tokens(demo_assets, cached_tokens,
     try:
         assert engine.status()["cold_adapter_streaming"] == {"on": True, "why": None}
         always_stream(engine)
-        issue, launched = lora_residency.issue_streamed, []
+        issue, held = lora_residency.issue_streamed, []
 
-        def late(loads, until=None):  # the forward is launched first: its kernels wait on the device for the pages
+        def held_back(loads, until=None):  # the copies wait on the device first: the forward must wait for them there
             if until is None and any(not load.issued for load in loads):
-                launched.append(torch.cuda.current_stream().query())
-                time.sleep(HOLD_S)
+                held.append(True)
+                with torch.cuda.stream(engine.table._streamer.stream):
+                    torch.cuda._sleep(HOLD_CYCLES)
             return issue(loads, until)
 
-        monkeypatch.setattr(lora_residency, "issue_streamed", late)
-        graph_steps = engine.runner.prefill_graph_steps
+        launches = []  # per forward launched: (any streamed copy not yet queued, the device done right after it)
+        owner, name = (engine.runner.model, "forward") if eager else (engine.runner.prefill_graphs, "run")
+        forward = getattr(owner, name)
+
+        def launch(*args, **kwargs):
+            unqueued = any(isinstance(load, StreamedLoad) and not load.issued for load in engine.residency.loading.values())
+            streamed = bool(engine.residency.streaming())
+            out = forward(*args, **kwargs)
+            if streamed:
+                launches.append((unqueued, torch.cuda.current_stream().query()))
+            return out
+
+        monkeypatch.setattr(lora_residency, "issue_streamed", held_back)
+        monkeypatch.setattr(owner, name, launch)
         assert [result.token_ids for result in run(engine)] == cached_tokens
         status = engine.status()
         assert status["cold_start_decisions"]["gpu-stream"] == 2
         assert status["cold_placements"]["stream"] == 2
         assert engine.table.stream_error.item() == 0 and not engine.residency.loading
-        if not eager:  # the graph was launched and still waiting when the pages were issued
-            assert engine.runner.prefill_graph_steps > graph_steps and launched and not any(launched)
+        assert held and launches, "no step ran while adapters streamed in"
+        assert not any(unqueued for unqueued, _ in launches), "a forward was launched before the pages it waits for"
+        if not eager:  # (an eager forward may synchronise the context: a kernel's first launch loads its module)
+            assert not any(done for _, done in launches), "the graph did not wait on the device for the held pages"
     finally:
         engine.close()
+
+
+def test_streamed_cold_starts_with_one_hardware_queue():
+    """The same with CUDA_DEVICE_MAX_CONNECTIONS=1 (in a process of its own: it is read when CUDA starts), so the
+    compute and streaming streams share one in-order hardware queue: a forward launched before the copies it waits
+    for would hold them behind it until each layer's wait timed out."""
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        pytest.skip("runs the test above in a child process with one hardware queue; this is that child")
+    test = f"{Path(__file__).resolve()}::test_streamed_cold_starts_give_the_cached_tokens"
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", test],
+                           env=dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1"), capture_output=True, text=True,
+                           timeout=600, cwd=Path(__file__).resolve().parents[3])
+    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
+    assert "2 passed" in child.stdout, child.stdout[-2000:]
 
 
 def test_a_failed_stream_fails_its_request_and_the_engine_goes_on(demo_assets, cached_tokens, monkeypatch):
