@@ -75,6 +75,10 @@ class AttentionMeta:
     tile_seq, tile_row: int32 [num_tiles] each prefill tile's sequence and first query row within it.
     num_decode, num_tiles: host ints (grid sizes); max_context: host int, the widest block table row in
     positions (block_table.shape[-1] * tokens_per_page), for the split choice.
+    decode_splits: the decode launch's split-K factor, fixed (a prefill graph's, whose decode entries past its
+    step's point at a padding sequence of no context: 1, which stores nothing for them), or None: chosen per step.
+    side_stream: a CUDA stream the decode launch runs on beside the prefill launch (a prefill graph's, where a
+    mixed step's decode rows need not wait for its prompt tiles, nor few of them leave the GPU idle), or None.
     """
 
     seq_info: torch.Tensor
@@ -84,6 +88,8 @@ class AttentionMeta:
     num_decode: int
     num_tiles: int
     max_context: int
+    decode_splits: int | None = None
+    side_stream: object = None
 
     @property
     def query_start(self) -> torch.Tensor:
@@ -297,9 +303,10 @@ if triton is not None:
         has = l > 0
         result = acc * v_scale / tl.where(has, l, 1.0)[:, None]
         store_mask = g_ok[:, None] & d_ok[None, :]
-        if SPLITS == 1:
+        if SPLITS == 1:  # a padding sequence (no context: a prefill graph's unused decode entries) stores nothing
             out_ptrs = out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * HEAD_DIM + offs_d[None, :]
-            tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=store_mask)
+            stored = (g_ok & (offs_g * 0 + kv_len > 0))[:, None] & d_ok[None, :]
+            tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=stored)
         else:
             # partials: [num_decode, heads, SPLITS, HEAD_PAD] and lse (base 2) [num_decode, heads, SPLITS]
             part = (index.to(tl.int64) * (KV_HEADS * GROUP) + heads) * SPLITS + split
@@ -616,7 +623,8 @@ def attention(
     head_dim] -> [T, heads * head_dim]; window and softcap as there. Decode sequences (query_len 1) go to `decode_attention`
     (split-K chosen from the batch's sizes), the others to `prefill_attention`; two launches at most
     (three with the split combine), no host sync. meta: the step's AttentionMeta (built on the first
-    call and kept on the batch when not given). kv_scales: float32 [L, 2] when kv_view holds FP8."""
+    call and kept on the batch when not given; its side_stream, if any, runs the decode launch beside the prefill
+    one). kv_scales: float32 [L, 2] when kv_view holds FP8."""
     heads, kv_heads, head_dim, tokens_per_page = _check_q(q, kv_view)
     if meta is None:
         meta = attention_meta(batch, tokens_per_page, q.device)
@@ -624,13 +632,27 @@ def attention(
         out = torch.empty(q.shape[0], heads * head_dim, dtype=q.dtype, device=q.device)
     k_table, v_table = batch.block_table[layer, 0], batch.block_table[layer, 1]
     kv_scale = kv_scales[layer] if kv_scales is not None else None
-    if meta.num_decode:
-        context = meta.max_context if window is None else min(meta.max_context, window)
-        splits = decode_splits(meta.num_decode, kv_heads, context, q.device)
-        decode_attention(
-            q, kv_view, k_table, v_table, meta.decode_seqs, meta.query_start, meta.kv_len, out, scale,
-            num_seqs=meta.num_decode, splits=splits, kv_scale=kv_scale, window=window, softcap=softcap,
-        )
+    if not meta.num_decode:
+        prefill_attention(q, kv_view, k_table, v_table, meta, out, scale, kv_scale=kv_scale, window=window, softcap=softcap)
+        return out
+    splits = meta.decode_splits
+    if splits is None:
+        splits = decode_splits(meta.num_decode, kv_heads, meta.max_context if window is None else min(meta.max_context, window),
+                               q.device)
+
+    def decode():
+        decode_attention(q, kv_view, k_table, v_table, meta.decode_seqs, meta.query_start, meta.kv_len, out, scale,
+                         num_seqs=meta.num_decode, splits=splits, kv_scale=kv_scale, window=window, softcap=softcap)
+
+    if meta.side_stream is None:
+        decode()
+        prefill_attention(q, kv_view, k_table, v_table, meta, out, scale, kv_scale=kv_scale, window=window, softcap=softcap)
+        return out
+    main = torch.cuda.current_stream(q.device)
+    meta.side_stream.wait_stream(main)  # q and the step's KV written
+    with torch.cuda.stream(meta.side_stream):
+        decode()
     prefill_attention(q, kv_view, k_table, v_table, meta, out, scale, kv_scale=kv_scale, window=window, softcap=softcap)
+    main.wait_stream(meta.side_stream)  # both halves of out written
     return out
 

@@ -61,7 +61,8 @@ def test_fill_lays_out_a_mixed_step_for_the_fixed_grids():
     assert bucket.seq_info[:, :4].tolist() == [[0, 7, 8, 0], [7, 1, 10, 0], [7, 4, 16, 0]]
     assert not bucket.seq_info[:, 3:].any(), "padding sequences have no rows and no context"
     tiles = [(s, r) for s, r in zip(bucket.tile_seq.tolist(), bucket.tile_row.tolist())]
-    assert tiles[:3] == [(0, 0), (1, 0), (2, 0)] and all(t == (bucket.seqs, 0) for t in tiles[3:])
+    assert tiles[:2] == [(0, 0), (2, 0)] and all(t == (bucket.seqs, 0) for t in tiles[2:]), "the decode row in no tile"
+    assert bucket.decode_seqs.tolist() == [1] + [bucket.seqs] * (bucket.seqs - 1), "the decode kernel's: the one-token sequence, then padding"
     assert bucket.row_slot[:18].tolist() == [2] * 7 + [-1] + [2] * 10 and (bucket.row_slot[18:] == -1).all()
     meta = bucket.seg_meta
     assert meta.shape == (3, bucket.seqs + 1)
