@@ -1,7 +1,8 @@
 """PrefillGraphs (daemon/engine/prefill_graphs.py) on the CPU: what a replay reads from the static buffers after
 `fill()`, and the padded static step run eagerly through the Triton kernels (Triton's interpreter)
 inside the engine, which must give the reference engine's greedy tokens, token for token, and the
-same logits. The capture and the replay themselves need a GPU: tests/daemon/engine/test_engine_gpu.py."""
+same logits; and that a step's streamed adapter pages are queued before its forward. The capture and the replay
+themselves need a GPU: tests/daemon/engine/test_engine_gpu.py."""
 
 from __future__ import annotations
 
@@ -351,3 +352,20 @@ def test_gemma_on_the_triton_ops_gives_the_reference_tokens(shape):
                                   keep_logits=True) for prompt, adapter in zip(prompts, ("dummy-0", "dummy-1", None))]
 
     assert_triton_ops_give_the_reference_tokens(gemma, requests, 32)
+
+
+@pytest.mark.parametrize("path", ["prefill_graph", "eager"])
+def test_streamed_pages_are_queued_before_the_forward_that_waits_for_them(path):
+    """The LoRA kernels of a step whose adapters stream in spin on the device until each layer's pages are in: the
+    copies must be queued before the forward is launched, or a hardware queue shared by the two streams holds them
+    behind the spinning kernel (DESIGN.md, "Streamed placement")."""
+    from lorad.daemon.engine.runner import ModelRunner
+
+    calls = []
+    runner = SimpleNamespace(
+        residency=SimpleNamespace(issue_streams=lambda: calls.append("queue the pages")),
+        prefill_graphs=SimpleNamespace(run=lambda plan: calls.append("launch") or "logits", last_key=(64, "lora", 16)),
+        model=SimpleNamespace(forward=lambda step, kv, table: calls.append("launch") or "logits"),
+        build_step=lambda plan: None, kv=SimpleNamespace(view=None), table=None, prefill_graph_steps=0)
+    assert ModelRunner.forward(runner, plan=None, path=path) == "logits"
+    assert calls == ["queue the pages", "launch"]
