@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Serving figures on the GPU machine, lorad beside a baseline build, in one run: each build serves the 7B shape
-# (random weights) with 100 PEFT adapters of ranks 8-64 on q, k, v, o, and this checkout's `lorad bench serve`
-# loads it. Usage, from the repository root:
+# (random weights; MODEL_CONFIG in the environment names another `--model-config`, e.g. llama-3-8b) with 100 PEFT
+# adapters of ranks 8-64 on q, k, v, o, and this checkout's `lorad bench serve` loads it. Usage, from the repository root:
 #   bash bench/serve_compare.sh OUTDIR [BASELINE_SRC] [-- BENCH_SERVE_ARGS...]
 # BASELINE_SRC: a source tree of the baseline commit (`git archive COMMIT | tar -x -C DIR`), served first.
 # Without BENCH_SERVE_ARGS: the saturated Azure conversation run (400 requests, all at once).
@@ -47,8 +47,9 @@ wait
 CURRENT_PATH=/tmp/lorad_current${SITE:+:$SITE}
 lorad_current() { PYTHONPATH=$CURRENT_PATH python3 -P -m lorad.daemon.server.cli "$@"; }
 
-ADAPTERS=/tmp/serve_adapters
-[ -d "$ADAPTERS" ] || lorad_current demo adapters --model-config llama-2-7b --count 100 --ranks 8,16,32,64 \
+MODEL_CONFIG=${MODEL_CONFIG:-llama-2-7b}
+ADAPTERS=/tmp/serve_adapters_$MODEL_CONFIG
+[ -d "$ADAPTERS" ] || lorad_current demo adapters --model-config "$MODEL_CONFIG" --count 100 --ranks 8,16,32,64 \
     --targets q,k,v,o --out "$ADAPTERS" >"$OUTDIR/adapters.log" 2>&1 || { tail "$OUTDIR/adapters.log"; exit 1; }
 
 serve_and_load() {  # NAME PYTHONPATH SOURCE [SERVE FLAGS of this build alone]
@@ -63,7 +64,7 @@ serve_and_load() {  # NAME PYTHONPATH SOURCE [SERVE FLAGS of this build alone]
              "shadows PYTHONPATH: pip uninstall lorad, or run this before installing it)"
         return 1
     fi
-    PYTHONPATH=$path python3 -P -m lorad.daemon.server.cli serve --model-config llama-2-7b --dummy-weights \
+    PYTHONPATH=$path python3 -P -m lorad.daemon.server.cli serve --model-config "$MODEL_CONFIG" --dummy-weights \
         --adapter-dir "$ADAPTERS" --device cuda --socket "$socket" ${SERVE_ARGS:-} "$@" >"$OUTDIR/$name.serve.log" 2>&1 &
     local daemon=$!
     until curl -sf --unix-socket "$socket" http://localhost/health >/dev/null 2>&1; do
