@@ -30,6 +30,7 @@ from lorad.daemon.engine.cold_start import ColdStarts, resolve_cold_start, strea
 from lorad.daemon.engine.runner import ModelRunner
 from lorad.daemon.engine.kernel_window import KernelWindow
 from lorad.daemon.engine.step_account import StepAccount
+from lorad.daemon.engine.step_watch import StepWatch
 from lorad.daemon.engine.step_cost import StepCostModel, measure_device_rates
 from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.engine.tp_worker import TensorParallel
@@ -271,6 +272,7 @@ class Engine:
         self._finished: dict[str, Sequence] = {}  # read back by generate(); unused when started
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.step_watch = StepWatch()  # how long the step now running has run; a warning when one stalls
         self.steps = 0
         if config.cold_start == "cached":
             self._place_every_adapter()
@@ -535,6 +537,7 @@ class Engine:
         self._thread = threading.Thread(target=self._profiled_loop if os.environ.get(PROFILE_ENV) else self._loop,
                                         name="lorad-engine", daemon=True)
         self._thread.start()
+        self.step_watch.start()
 
     def _profiled_loop(self) -> None:
         """The step loop under cProfile, its stats written to $LORAD_PROFILE_ENGINE when it stops: where the
@@ -557,6 +560,7 @@ class Engine:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join()
+        self.step_watch.stop()
 
     def close(self) -> None:
         """Stops the step loop (if started) and the CPU LoRA workers, and unlinks the engine's
@@ -605,6 +609,7 @@ class Engine:
                     self._lock.wait()
                 if self._stopping:
                     break
+            self.step_watch.begin()
             try:
                 if self.kernel_window is not None:
                     self.kernel_window.step(self.steps, self.account)
@@ -615,6 +620,8 @@ class Engine:
                 self.account.drop_pending()
                 for seq in list(self.scheduler.running):
                     self._finish(seq, "error", error="internal error in the engine step")
+            finally:
+                self.step_watch.end()
         with self._lock:
             inbox, self._inbox = self._inbox, []
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + inbox:

@@ -48,6 +48,10 @@ def engine_status(engine: Engine) -> dict:
                 "admitted_past_staging": engine.scheduler.past_staging},
             "running": len(engine.scheduler.running),
             "waiting": len(engine.scheduler.waiting) + len(engine._inbox),
+            # how long the engine's step now running has run (0 between steps), and the steps that ran past
+            # step_watch.STALL_WARN_S (each logged with where the engine thread waits)
+            "step_running_s": round(engine.step_watch.running_s(), 3),
+            "stalled_steps": engine.step_watch.stalled_steps,
             # running requests preempted when the KV cache ran short (each time; their tokens computed again)
             "preemptions": engine.scheduler.preemptions,
             # admission holds KV back for what running requests are expected to generate: ratio, the share of
@@ -147,7 +151,8 @@ def metrics_snapshot(engine: Engine) -> dict:
         waiting_adapters=waiting, max_lora=engine.table.num_slots, pool=engine.pool.occupancy(),
         adapters_resident=len(engine.residency.slots), adapter_evictions=engine.residency.evictions,
         admission_tpot_held=engine.scheduler.tpot_held, preemptions=engine.scheduler.preemptions,
-        steps=engine.account.metrics(),
+        steps=engine.account.metrics(), step_running_s=engine.step_watch.running_s(),
+        stalled_steps=engine.step_watch.stalled_steps,
         cpu_jobs_native=assist.pool.native_jobs if (assist := engine.cold_starts.cpu_assist) is not None else 0,
         tensor_parallel_ranks=engine.tp.ranks() if engine.tp is not None else [],
     )

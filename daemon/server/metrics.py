@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from lorad.daemon.engine.step_watch import STALL_WARN_S
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # --- the text exposition format ------------------------------------------------------------------------
@@ -41,6 +43,12 @@ def render(snapshot: dict) -> str:
                                      "kv_cache_dtype": snapshot.get("kv_cache_dtype", "")}, 1)
     out.family("lorad_kv_capacity_tokens", "gauge", "KV-cache positions the whole page pool holds (no adapter resident).")
     out.sample("lorad_kv_capacity_tokens", {}, snapshot.get("kv_capacity_tokens", 0))
+    out.family("lorad_engine_step_running_seconds", "gauge",
+               "How long the engine's step now running has run (0 between steps); steps take milliseconds.")
+    out.sample("lorad_engine_step_running_seconds", {}, snapshot.get("step_running_s", 0.0))
+    out.family("lorad_engine_stalled_steps_total", "counter",
+               f"Engine steps that ran {STALL_WARN_S:.0f} s or more (each logged with where the engine thread waited).")
+    out.sample("lorad_engine_stalled_steps_total", {}, snapshot.get("stalled_steps", 0))
     out.family("lorad_requests_total", "counter", "Finished requests by finish reason.")
     for reason, count in sorted(snapshot["requests"].items()):
         out.sample("lorad_requests_total", {"finish_reason": reason}, count)

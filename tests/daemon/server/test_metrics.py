@@ -98,7 +98,7 @@ def value(families: dict, name: str, **labels) -> float:
 
 GAUGES = dict(model="m", running=2, waiting=3, running_adapters=["a", None, "a", "b"], waiting_adapters=[],
               max_lora=1024, pool={"pages": 100, "free": 50, "kv": 30, "adapter": 20, "page_bytes": 256},
-              adapters_resident=2, adapter_evictions=4, preemptions=5)
+              adapters_resident=2, adapter_evictions=4, preemptions=5, step_running_s=41.5, stalled_steps=1)
 
 
 def test_render_parses_and_carries_the_values():
@@ -136,6 +136,8 @@ def test_render_parses_and_carries_the_values():
     assert value(families, "lorad_pool_pages", owner="free") == 50
     assert value(families, "lorad_adapter_evictions_total") == 4
     assert value(families, "lorad_preemptions_total") == 5
+    assert value(families, "lorad_engine_step_running_seconds") == 41.5
+    assert value(families, "lorad_engine_stalled_steps_total") == 1
     assert value(families, "lorad_cpu_worker_restarts_total") == 0
     assert value(families, "lorad_cpu_jobs_native_total") == 0
 
@@ -189,6 +191,8 @@ def test_metrics_move_as_requests_run(demo):
     assert value(before, "lorad_requests_total", finish_reason="length") == 0
     assert value(before, "lorad_pool_pages", owner="kv") == 0
     assert value(before, "lorad_preemptions_total") == 0
+    assert value(before, "lorad_engine_step_running_seconds") == 0  # between steps
+    assert value(before, "lorad_engine_stalled_steps_total") == 0
 
     client.completions(model="demo-r4", prompt="hello there", max_tokens=5, ignore_eos=True)
     client.completions(model="demo-r4", prompt="hello there", max_tokens=5, ignore_eos=True)
