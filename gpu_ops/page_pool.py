@@ -441,7 +441,7 @@ class AdapterTable:
         for copies queued before it. Launching first and queueing the pages after deadlocks wherever the
         compute stream and the streaming stream share one of the device's hardware work queues (the driver
         multiplexes streams onto CUDA_DEVICE_MAX_CONNECTIONS queues, 8 by default, each in order): the copies
-        then sit behind the kernel that spins for them, until its timeout, layer after layer. Which streams
+        then sit behind the kernel that spins for them, until its timeout, launch after launch. Which streams
         share a queue is the driver's choice, so only the order is safe; the copies still run beside the
         forward on the copy engine. From a pageable source each layer's copy returns once the driver has
         staged it through its own pinned buffers (~10 GB/s on the H100 host): `issue()` then holds the host a
