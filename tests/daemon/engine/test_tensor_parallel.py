@@ -476,6 +476,12 @@ def test_a_worker_stages_hinted_adapters_once_on_its_own_thread(hf_checkpoint, m
     adapters = [(name, str(path)) for name, path in checkpoint.adapters.items()]
     for name, path in adapters:
         worker.hint(name, path)
+    # The step asks once the staging thread is at the first one (a step comes after its adapters' hints; asking at
+    # once, this thread could claim each adapter first, the staging thread a step behind it on a busy machine).
+    deadline = time.monotonic() + 30
+    while not staged_on:
+        assert time.monotonic() < deadline, "the staging thread never started"
+        time.sleep(0.001)
     taken = [worker._staged(name, path) for name, path in adapters]
     assert len(staged_on) == len(adapters) and "lorad-rank-stager" in staged_on
     assert all(worker._staged(name, path) is one for (name, path), one in zip(adapters, taken))
