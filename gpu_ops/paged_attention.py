@@ -632,27 +632,19 @@ def attention(
         out = torch.empty(q.shape[0], heads * head_dim, dtype=q.dtype, device=q.device)
     k_table, v_table = batch.block_table[layer, 0], batch.block_table[layer, 1]
     kv_scale = kv_scales[layer] if kv_scales is not None else None
-    if not meta.num_decode:
-        prefill_attention(q, kv_view, k_table, v_table, meta, out, scale, kv_scale=kv_scale, window=window, softcap=softcap)
-        return out
-    splits = meta.decode_splits
-    if splits is None:
-        splits = decode_splits(meta.num_decode, kv_heads, meta.max_context if window is None else min(meta.max_context, window),
-                               q.device)
-
-    def decode():
-        decode_attention(q, kv_view, k_table, v_table, meta.decode_seqs, meta.query_start, meta.kv_len, out, scale,
-                         num_seqs=meta.num_decode, splits=splits, kv_scale=kv_scale, window=window, softcap=softcap)
-
-    if meta.side_stream is None:
-        decode()
-        prefill_attention(q, kv_view, k_table, v_table, meta, out, scale, kv_scale=kv_scale, window=window, softcap=softcap)
-        return out
-    main = torch.cuda.current_stream(q.device)
-    meta.side_stream.wait_stream(main)  # q and the step's KV written
-    with torch.cuda.stream(meta.side_stream):
-        decode()
+    side = meta.side_stream if meta.num_decode else None  # the decode launch's stream, beside the prefill one
+    if meta.num_decode:
+        splits = meta.decode_splits
+        if splits is None:
+            context = meta.max_context if window is None else min(meta.max_context, window)
+            splits = decode_splits(meta.num_decode, kv_heads, context, q.device)
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(q.device))  # q and the step's KV written
+        with torch.cuda.stream(side):  # None: the current stream
+            decode_attention(q, kv_view, k_table, v_table, meta.decode_seqs, meta.query_start, meta.kv_len, out, scale,
+                             num_seqs=meta.num_decode, splits=splits, kv_scale=kv_scale, window=window, softcap=softcap)
     prefill_attention(q, kv_view, k_table, v_table, meta, out, scale, kv_scale=kv_scale, window=window, softcap=softcap)
-    main.wait_stream(meta.side_stream)  # both halves of out written
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)  # both halves of out written
     return out
 

@@ -97,9 +97,7 @@ def test_streamed_cold_starts_give_the_cached_tokens(demo_assets, cached_tokens,
 def test_streamed_cold_starts_with_one_hardware_queue():
     """The same with CUDA_DEVICE_MAX_CONNECTIONS=1 (in a process of its own: it is read when CUDA starts), so the
     compute and streaming streams share one in-order hardware queue: a forward launched before the copies it waits
-    for would hold them behind it until each layer's wait timed out."""
-    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-        pytest.skip("runs the test above in a child process with one hardware queue; this is that child")
+    for would hold them behind it until each layer's wait timed out. The child runs only the test above."""
     test = f"{Path(__file__).resolve()}::test_streamed_cold_starts_give_the_cached_tokens"
     child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", test],
                            env=dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1"), capture_output=True, text=True,
