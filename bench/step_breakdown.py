@@ -46,6 +46,8 @@ def main() -> int:
                              "adapter, and the same step for the base model alone (figure 21.5)")
     parser.add_argument("--quantization", default="auto", help="the engine's --quantization (fp8: FP8 weights)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype (fp8: FP8 KV pages)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="any other EngineConfig field (lorad/config.py), e.g. lora_pdl=off or fuse_lora_groups=false; repeatable")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to try the script (with --model-config tiny-llama; no kernels)")
     parser.add_argument("--out")
@@ -54,11 +56,16 @@ def main() -> int:
     if cuda and not torch.cuda.is_available():
         print("step_breakdown: no GPU here (--device cpu --model-config tiny-llama tries the script on the torch references)", file=sys.stderr)
         return 2
+    try:
+        overrides = config_overrides(args.set)
+    except ValueError as error:
+        print(f"step_breakdown: {error}", file=sys.stderr)
+        return 2
     engine = Engine(EngineConfig(model_config=args.model_config, dummy_weights=True, dummy_adapters=args.running + 1,
                                  dummy_adapter_rank=args.rank, device=args.device, max_running_requests=args.running,
                                  max_model_len=max(args.context, args.prompt) + 16,
                                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                                 **({"max_lora_rank": args.max_lora_rank} if args.max_lora_rank else {})))
+                                 **({"max_lora_rank": args.max_lora_rank} if args.max_lora_rank else {}), **overrides))
     names = engine.registry.names()[: args.running + 1]
     for name in names:
         assert engine.residency.preload(name), "the adapters fit in the pool"
@@ -119,6 +126,31 @@ def main() -> int:
         with open(args.out, "w") as out:
             json.dump(report, out, indent=1)
     return 0
+
+
+def config_overrides(pairs: list[str]) -> dict:
+    """--set FIELD=VALUE pairs as EngineConfig keywords, each value parsed as its field's default is typed."""
+    import dataclasses
+
+    fields = {field.name: field for field in dataclasses.fields(EngineConfig)}
+    overrides = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"--set takes FIELD=VALUE with an EngineConfig field, got {pair!r}")
+        default = fields[name].default
+        if isinstance(default, bool):
+            if text.lower() not in ("true", "false", "1", "0", "on", "off"):
+                raise ValueError(f"--set {name} takes true or false, got {text!r}")
+            overrides[name] = text.lower() in ("true", "1", "on")
+        elif isinstance(default, (int, float)) and not isinstance(default, bool):
+            try:
+                overrides[name] = type(default)(text)
+            except ValueError:
+                raise ValueError(f"--set {name} takes a {type(default).__name__}, got {text!r}") from None
+        else:
+            overrides[name] = text
+    return overrides
 
 
 def timed_ms(run, reps: int, cuda: bool) -> float:
