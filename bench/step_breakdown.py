@@ -148,6 +148,8 @@ def config_overrides(pairs: list[str]) -> dict:
                 overrides[name] = type(default)(text)
             except ValueError:
                 raise ValueError(f"--set {name} takes a {type(default).__name__}, got {text!r}") from None
+        elif default is None and text.isdigit():  # an optional size (pool_bytes, ...)
+            overrides[name] = int(text)
         else:
             overrides[name] = text
     return overrides
