@@ -370,6 +370,19 @@ def test_decode_config_covers_shapes():
             assert 1 <= splits <= bgmv.MAX_SPLITS
 
 
+def test_the_early_launch_takes_the_nearest_tuned_tiles():
+    """Shapes the early launch's sweep did not cover take the tiles of the nearest swept shape, never the plain
+    tiles' wide expand grid (Llama-3-8B's MLP is 14336 wide: with the plain tiles its decode step took 15%
+    longer launched early than in stream order, BENCHMARKS.md)."""
+    for table, max_rank in ((mbgmv.TUNED_PDL, 64), (mbgmv.TUNED_LOW_RANK_PDL, 16)):
+        assert mbgmv.decode_config(4096, 14336, max_rank, True) == table[(4096, 11008)]  # Llama-3-8B gate, up
+        assert mbgmv.decode_config(14336, 4096, max_rank, True) == table[(11008, 4096)]  # its down
+        assert mbgmv.decode_config(5120, 5120, max_rank, True) == table[(4096, 4096)]  # a 13B's q, o
+        assert mbgmv.decode_config(4096, 1024, max_rank, True) == table[(4096, 4096)]  # GQA k, v: as q in their group
+    assert mbgmv.decode_config(4096, 14336, 64, False) == mbgmv.DecodeConfig()  # stream order: unchanged
+    assert mbgmv.decode_config(4096, 4096, 256, True) == mbgmv.TUNED[(4096, 4096)]  # ranks past 64: the plain tiles
+
+
 def test_mbgmm_launch_shapes(monkeypatch):
     """On an H100's 132 SMs: MBGMM's split-K over a 2048-token prompt as many as the workspace allows at
     rank 16 and fewer at wider ranks (at most SPLIT_PARTIALS partial values a row), all of them over a
