@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from lorad.config import EngineConfig
+from lorad.errors import BadRequest
 from lorad.daemon.engine.engine import Engine
 from lorad.daemon.engine.step_cost import SequenceInStep
 from lorad.daemon.engine.step_plan import StepPlan
@@ -47,7 +48,8 @@ def main() -> int:
     parser.add_argument("--quantization", default="auto", help="the engine's --quantization (fp8: FP8 weights)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype (fp8: FP8 KV pages)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="any other EngineConfig field (lorad/config.py), e.g. lora_pdl=off or fuse_lora_groups=false; repeatable")
+                        help="any other EngineConfig field as lorad.toml's [engine] takes it, e.g. lora_pdl=off, "
+                             "fuse_lora_groups=false or pool_bytes=20GiB; repeatable")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to try the script (with --model-config tiny-llama; no kernels)")
     parser.add_argument("--out")
@@ -58,7 +60,7 @@ def main() -> int:
         return 2
     try:
         overrides = config_overrides(args.set)
-    except ValueError as error:
+    except (ValueError, BadRequest) as error:
         print(f"step_breakdown: {error}", file=sys.stderr)
         return 2
     engine = Engine(EngineConfig(model_config=args.model_config, dummy_weights=True, dummy_adapters=args.running + 1,
@@ -129,30 +131,22 @@ def main() -> int:
 
 
 def config_overrides(pairs: list[str]) -> dict:
-    """--set FIELD=VALUE pairs as EngineConfig keywords, each value parsed as its field's default is typed."""
-    import dataclasses
+    """--set FIELD=VALUE pairs as EngineConfig keywords: each value read as a TOML value where it is one (false, 64),
+    else as a string (off, 20GiB), then typed and checked as lorad.toml's [engine] table."""
+    import tomllib
 
-    fields = {field.name: field for field in dataclasses.fields(EngineConfig)}
-    overrides = {}
+    from lorad.daemon.server.settings import engine_values
+
+    table = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
-        if not sep or name not in fields:
-            raise ValueError(f"--set takes FIELD=VALUE with an EngineConfig field, got {pair!r}")
-        default = fields[name].default
-        if isinstance(default, bool):
-            if text.lower() not in ("true", "false", "1", "0", "on", "off"):
-                raise ValueError(f"--set {name} takes true or false, got {text!r}")
-            overrides[name] = text.lower() in ("true", "1", "on")
-        elif isinstance(default, (int, float)) and not isinstance(default, bool):
-            try:
-                overrides[name] = type(default)(text)
-            except ValueError:
-                raise ValueError(f"--set {name} takes a {type(default).__name__}, got {text!r}") from None
-        elif default is None and text.isdigit():  # an optional size (pool_bytes, ...)
-            overrides[name] = int(text)
-        else:
-            overrides[name] = text
-    return overrides
+        if not sep:
+            raise ValueError(f"--set takes FIELD=VALUE, got {pair!r}")
+        try:
+            table[name] = tomllib.loads(f"value = {text}")["value"]
+        except tomllib.TOMLDecodeError:
+            table[name] = text
+    return engine_values(table, "--set")
 
 
 def timed_ms(run, reps: int, cuda: bool) -> float:

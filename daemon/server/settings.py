@@ -62,6 +62,12 @@ def read_file(path: str | Path) -> dict[str, dict]:
     return sections
 
 
+def engine_values(table: dict, where: str) -> dict:
+    """EngineConfig keywords from {field: value} as an [engine] table of lorad.toml holds them (benchmarks' overrides),
+    typed and checked as the config file's; `where` names them in errors."""
+    return _section(Path(where), "engine", EngineConfig, table)
+
+
 def _section(path: Path, section: str, config_class, table: dict) -> dict:
     fields = {field.name: field for field in dataclasses.fields(config_class)}
     types = typing.get_type_hints(config_class)
