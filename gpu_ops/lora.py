@@ -25,6 +25,9 @@ class LoraBatch:
     one_row_slot: in a batch that is not a decode step, int32 [n] on the device for its first n rows: the
     slot of each row MBGMV computes (one-token rows, each with its own adapter), -1 for the others, which
     MBGMM's segments hold (daemon/engine/prefill_graphs.py); None: MBGMM takes every row.
+    untargeted: the projections (llama.py's Q..DOWN) that no row's adapter targets in any layer: their LoRA
+    is not launched (an empty launch still schedules every program of its grid, ~10 us a projection pair on a
+    64-row decode step). Empty: every projection is launched.
     """
 
     row_slot: torch.Tensor
@@ -33,6 +36,7 @@ class LoraBatch:
     one_row_slot: torch.Tensor | None = None
     segments: object = None  # the kernels' per-step metadata (mbgmm.Segments), when they run
     max_rank: int = 0
+    untargeted: frozenset[int] = frozenset()
     decode_kernel: str = "mbgmv"  # the step's decode LoRA kernel, bgmv|mbgmv (daemon/engine/kernel_choice.py)
     # Rows whose LoRA the CPU workers compute (their row_slot is -1 here): daemon/engine/cpu_assist.py's
     # CpuSpan per CPU-assisted sequence, and the CpuAssist that computes them (daemon/model/ops.py calls it).

@@ -535,6 +535,11 @@ class AdapterTable:
         else:
             self.rank[slot] = 0
 
+    def untargeted(self, slots) -> frozenset[int]:
+        """The projections that none of the adapters in `slots` targets in any layer (host mirrors, no sync)."""
+        targeted = (self.rank_host[np.asarray(slots, dtype=np.int64)] > 0).any(axis=(0, 1))
+        return frozenset(int(proj) for proj in np.flatnonzero(~targeted))
+
     def _publish(self, slot: int, start: int, length: int) -> None:
         """Sends a slot's table rows and its page ids to the device in one copy, from pinned memory on
         cuda so that it never makes the host wait (torch's pinned-host cache recycles the buffer only

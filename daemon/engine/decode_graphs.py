@@ -12,7 +12,10 @@ any mix of adapters) and, below it, for batches whose ranks are all <= 16 and al
 at a lower maximum takes the tiles tuned for it (mbgmv.decode_config: the expand launched early with narrow
 rank tiles) and a quarter of the shrink programs or fewer. At the default maximum of 256 a batch of ranks 8-64
 took ~7 ms of MBGMV a decode step of 64 rows in the Azure-conversation run (BENCHMARKS.md, figure 21.1's
-kernels). BGMV pads every row to the rank it is launched with, so its graphs are captured
+kernels). Each MBGMV graph is captured twice more narrowly as well: without the MLP's LoRA launches (TARGETS
+"attention"), which a batch replays when none of its adapters targets gate, up or down (most PEFT adapters target
+q, v or q, k, v, o; the MLP's empty launch pairs cost ~0.6 ms of a 7B decode step of 64 rows, BENCHMARKS.md).
+BGMV pads every row to the rank it is launched with, so its graphs are captured
 per rank bucket (16, 32, 64, ...: one compiled BGMV kernel each), and only for the buckets and batch
 sizes where the profile's models say BGMV can ever be the cheaper kernel. Capturing them up front,
 not on first use, keeps Triton compilation and capture (hundreds of ms a graph on a 7B model) out of
@@ -28,7 +31,7 @@ import torch
 from lorad.daemon.engine.kernel_choice import LoraKernelChoice, rank_bucket, rank_buckets
 from lorad.daemon.engine.sampler import to_device
 from lorad.daemon.engine.step_plan import StepPlan
-from lorad.daemon.model.llama import Step
+from lorad.daemon.model.llama import DOWN, GATE, UP, Step
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import SCRATCH_PAGE
@@ -38,6 +41,8 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 LOW_RANK = 16  # mbgmv.decode_config's smaller expand tile
 RANK_TIERS = (LOW_RANK, 64)  # MBGMV graphs below the configured maximum rank: mbgmv.decode_config's tuned tiers
+# An MBGMV graph's LoRA launches: "all" projections, or the attention's alone (LoraBatch.untargeted: the MLP's)
+TARGETS = {"all": frozenset(), "attention": frozenset((GATE, UP, DOWN))}
 
 
 _warmup_streams: dict[int, torch.cuda.Stream] = {}
@@ -214,25 +219,27 @@ class DecodeGraphs:
         self.block_table = torch.full((layers, 2, size, self.max_blocks), SCRATCH_PAGE, **int32)
         self.blocks = BlockStaging(layers, device)
         self.rows = torch.arange(size, **long)
-        # (bucket, kernel, max rank): kernel "none" (no row has an adapter), "mbgmv" (max_lora_rank) or
-        # "bgmv" (a rank bucket).
-        self.graphs: dict[tuple[int, str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, kernel, max rank, targets): kernel "none" (no row has an adapter), "mbgmv" (max_lora_rank or a
+        # tier) or "bgmv" (a rank bucket); targets a TARGETS name ("all" but for MBGMV's "attention" graphs).
+        self.graphs: dict[tuple[int, str, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.logits = SharedLogits(size)
         self.pool = None
         self.last_key = None  # the graph the last run() replayed (benchmarks read it)
         self.sent: torch.cuda.Event | None = None  # recorded after the last run's copies from pinned memory
 
-    def plan(self) -> list[tuple[int, str, int]]:
-        """The graphs to capture: per bucket, base-only and MBGMV, and BGMV at each rank bucket where the
-        kernel choice says BGMV can win for some batch of up to that many LoRA rows."""
+    def plan(self) -> list[tuple[int, str, int, str]]:
+        """The graphs to capture: per bucket, base-only, MBGMV at each rank tier for every projection and for the
+        attention's alone, and BGMV at each rank bucket where the kernel choice says BGMV can win for some batch of
+        up to that many LoRA rows."""
         keys = []
         for size in self.buckets:
-            keys += [(size, "none", 0), (size, "mbgmv", self.max_rank)]
-            keys += [(size, "mbgmv", tier) for tier in RANK_TIERS if tier < self.max_rank]
+            keys.append((size, "none", 0, "all"))
+            tiers = [tier for tier in RANK_TIERS if tier < self.max_rank] + [self.max_rank]
+            keys += [(size, "mbgmv", tier, targets) for targets in TARGETS for tier in tiers]
             low = 1
             for bucket in rank_buckets(self.max_rank):
                 if self.kernel_choice.bgmv_can_win(size, low, bucket):
-                    keys.append((size, "bgmv", bucket))
+                    keys.append((size, "bgmv", bucket, "all"))
                 low = bucket + 1
         return keys
 
@@ -240,14 +247,15 @@ class DecodeGraphs:
         """Captures every planned graph, largest bucket first so the smaller graphs reuse its memory pool."""
         keys = sorted(self.plan(), key=lambda key: -key[0])
         for key in keys:
-            size, kernel, max_rank = key
-            graph, logits, self.pool = capture_forward(self.model, self._static_step(size, max_rank, kernel), self.kv.view,
+            size, kernel, max_rank, targets = key
+            graph, logits, self.pool = capture_forward(self.model, self._static_step(size, max_rank, kernel, targets), self.kv.view,
                                                        self.table, self.pool, self.logits)
             self.graphs[key] = (graph, logits)
-        bgmv = sorted({(size, rank) for size, kernel, rank in keys if kernel == "bgmv"})
-        tiers = sorted({rank for _, kernel, rank in keys if kernel == "mbgmv"})
-        log.info("cuda graphs captured buckets=%s max_rank=%d mbgmv_rank_tiers=%s bgmv_graphs=%d (%s) kernel_choice=%s",
-                 ",".join(map(str, self.buckets)), self.max_rank, ",".join(map(str, tiers)), len(bgmv),
+        bgmv = sorted({(size, rank) for size, kernel, rank, _ in keys if kernel == "bgmv"})
+        tiers = sorted({rank for _, kernel, rank, _ in keys if kernel == "mbgmv"})
+        log.info("cuda graphs captured buckets=%s max_rank=%d mbgmv_rank_tiers=%s mbgmv_targets=%s bgmv_graphs=%d (%s) "
+                 "kernel_choice=%s", ",".join(map(str, self.buckets)), self.max_rank, ",".join(map(str, tiers)),
+                 ",".join(TARGETS), len(bgmv),
                  " ".join(f"{size}x{rank}" for size, rank in bgmv) or "none", self.kernel_choice.describe())
 
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
@@ -290,23 +298,25 @@ class DecodeGraphs:
         graph.replay()
         return logits[:n]
 
-    def _key(self, size: int, slots: np.ndarray) -> tuple[int, str, int]:
+    def _key(self, size: int, slots: np.ndarray) -> tuple[int, str, int, str]:
         if not (slots >= 0).any():
-            return size, "none", 0
+            return size, "none", 0, "all"
         kernel = self.kernel_choice.choose_for_slots(slots, self.table.rank_host)
         used = slots[slots >= 0]
         if kernel == "mbgmv":
+            untargeted = self.table.untargeted(used)
+            targets = next(name for name in reversed(TARGETS) if TARGETS[name] <= untargeted)
             highest = int(self.table.rank_host[used].max())
             for tier in RANK_TIERS:
-                if highest <= tier and (size, "mbgmv", tier) in self.graphs:
-                    return size, "mbgmv", tier
-            return size, "mbgmv", self.max_rank
-        key = (size, "bgmv", rank_bucket(int(self.table.rank_host[used].max()), self.max_rank))
+                if highest <= tier and (size, "mbgmv", tier, targets) in self.graphs:
+                    return size, "mbgmv", tier, targets
+            return size, "mbgmv", self.max_rank, targets
+        key = (size, "bgmv", rank_bucket(int(self.table.rank_host[used].max()), self.max_rank), "all")
         if key not in self.graphs:  # bgmv_can_win covers every batch choose() can pick BGMV for
             raise RuntimeError(f"no BGMV graph for bucket {size} at rank {key[2]}: the capture plan missed a case")
         return key
 
-    def _static_step(self, size: int, max_rank: int, kernel: str) -> Step:
+    def _static_step(self, size: int, max_rank: int, kernel: str, targets: str = "all") -> Step:
         from lorad.gpu_ops.paged_attention import AttentionMeta
 
         attention = AttentionBatch(
@@ -323,5 +333,5 @@ class DecodeGraphs:
             num_decode=size, num_tiles=0, max_context=self.max_blocks * self.kv.tokens_per_page,
         )
         lora = LoraBatch(row_slot=self.row_slot[:size], slot_rows=[], max_rank=max_rank, decode=True,
-                         decode_kernel="bgmv" if kernel == "bgmv" else "mbgmv")
+                         decode_kernel="bgmv" if kernel == "bgmv" else "mbgmv", untargeted=TARGETS[targets])
         return Step(self.input_ids[:size], self.positions[:size], self.rows[:size], attention, lora)

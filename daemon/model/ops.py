@@ -77,7 +77,9 @@ class TorchOps:
     # LoRA.
     def prepare_lora(self, batch: LoraBatch, table: AdapterTable) -> None:
         """The per-step LoRA metadata the kernels need beyond LoraBatch (segments, max rank, the decode
-        kernel): built once per step by the runner, never per layer."""
+        kernel, the projections no row's adapter targets): built once per step by the runner, never per layer."""
+        if batch.slot_rows:
+            batch.untargeted = table.untargeted([slot for slot, _ in batch.slot_rows])
         if self.kernel_choice is None:
             return
         if batch.decode and batch.slot_rows:
@@ -86,8 +88,10 @@ class TorchOps:
 
     def lora(self, x, y, layer: int, proj: int, batch: LoraBatch, table: AdapterTable) -> None:
         """y += (x @ A^T) @ B^T for every row with an adapter: the pool's rows here, the CPU-assisted rows
-        by batch.cpu_assist. x: [T, in]; y: [T, out], accumulated in place."""
-        self.pool_lora(x, y, layer, proj, batch, table)
+        by batch.cpu_assist. x: [T, in]; y: [T, out], accumulated in place. A projection no pool row's adapter
+        targets (batch.untargeted) launches nothing for the pool's rows."""
+        if proj not in batch.untargeted:
+            self.pool_lora(x, y, layer, proj, batch, table)
         if batch.cpu_spans:
             batch.cpu_assist.apply(
                 x, y, layer, proj, batch.cpu_spans,
@@ -163,6 +167,7 @@ class TritonOps(TorchOps):
 
     def prepare_lora(self, batch, table):
         if batch.slot_rows:
+            batch.untargeted = table.untargeted([slot for slot, _ in batch.slot_rows])
             batch.segments = self._mbgmm.Segments.build(batch, table)
             batch.max_rank = batch.segments.max_rank
             if batch.decode and self.decode_choice is not None:
@@ -186,9 +191,11 @@ class TritonOps(TorchOps):
                                   self.workspace, pdl=False)
 
     def lora_group(self, x, fused, outs, layer, first, batch, table):
-        """With fuse_groups, a decode step's group in one MBGMV launch pair where the members' tiles agree;
-        otherwise one projection after another."""
+        """With fuse_groups, a decode step's group in one MBGMV launch pair where the members' tiles agree (none
+        where no member is targeted); otherwise one projection after another."""
         if self.fuses_groups and batch.decode and batch.max_rank and batch.decode_kernel == "mbgmv" and not batch.cpu_spans:
+            if batch.untargeted.issuperset(range(first, first + len(outs))):
+                return
             config = self._mbgmv.group_fits(table, first, len(outs), batch.max_rank, pdl=self.pdl)
             if config is not None:
                 self._mbgmv.mbgmv_group(x, fused, layer, first, len(outs), batch.row_slot, table, batch.max_rank,

@@ -84,6 +84,41 @@ def test_apply_lora_ref_evicted_slot_adds_nothing():
     assert torch.count_nonzero(y) == 0
 
 
+def test_projections_no_row_targets_launch_nothing():
+    """The step's LoRA metadata names the projections none of its rows' adapters targets in any layer; the ops
+    launch nothing for those (a fused group only where every member is one), and the sums are unchanged."""
+    from lorad.daemon.model.ops import TorchOps
+
+    generator = torch.Generator().manual_seed(3)
+    pool = PagePool(800, HIDDEN, torch.float32, CPU)
+    table = AdapterTable(pool, num_slots=3, num_layers=LAYERS, shapes=SHAPES)
+    q_v = {(layer, proj): (torch.randn(4, SHAPES[proj][0], generator=generator), torch.randn(SHAPES[proj][1], 4, generator=generator))
+           for layer in range(LAYERS) for proj in (0, 2)}
+    down = {(1, 6): (torch.randn(2, INTERMEDIATE, generator=generator), torch.randn(HIDDEN, 2, generator=generator))}
+    assert table.place(0, q_v) and table.place(2, down)  # q and v in every layer; down in layer 1 alone
+    ops = TorchOps()
+    launched = []
+    ops.pool_lora = lambda x, y, layer, proj, batch, table: launched.append(proj)
+    for row_slots, expected in (([0, -1, 0], {1, 3, 4, 5, 6}), ([0, 2], {1, 3, 4, 5}), ([-1, -1], set())):
+        batch = LoraBatch.build(row_slots, CPU)
+        ops.prepare_lora(batch, table)
+        assert batch.untargeted == expected, row_slots
+        launched.clear()
+        for proj, (fan_in, fan_out) in enumerate(SHAPES):
+            ops.lora(torch.zeros(len(row_slots), fan_in), torch.zeros(len(row_slots), fan_out), 1, proj, batch, table)
+        assert launched == [proj for proj in range(7) if proj not in expected], row_slots
+    del ops.pool_lora
+    batch = LoraBatch.build([0, 2, -1], CPU)
+    ops.prepare_lora(batch, table)
+    for layer in range(LAYERS):
+        for proj, (fan_in, fan_out) in enumerate(SHAPES):
+            x = torch.randn(3, fan_in, generator=generator)
+            y, reference = torch.zeros(3, fan_out), torch.zeros(3, fan_out)
+            ops.lora(x, y, layer, proj, batch, table)
+            apply_lora_ref(x, reference, layer, proj, LoraBatch.build([0, 2, -1], CPU), table)
+            assert torch.equal(y, reference), (layer, proj)
+
+
 # --- paged attention --------------------------------------------------------------------------------
 
 

@@ -51,7 +51,7 @@ def test_run_fills_every_buffer_a_replay_reads():
     tokens, slots = np.array([7, 8, 9]), np.array([-1, -1, -1])
     graphs.run(decode_plan(tokens, positions, slots, blocks))
     size = 4  # the bucket holding 3 rows
-    replay = graphs.graphs[(size, "none", 0)][0]
+    replay = graphs.graphs[(size, "none", 0, "all")][0]
     seen = replay.seen
     assert seen is not None, "the base-only graph replays when no row has an adapter"
     assert seen["input_ids"][:3].tolist() == [7, 8, 9] and seen["input_ids"][3] == 0
@@ -72,9 +72,9 @@ def test_a_smaller_batch_after_a_larger_one_pads_its_rows_again():
     table.rank_host[2, :, :] = 32
     blocks = [np.full((2, LAYERS, 2), 10 + i, dtype=np.int32) for i in range(4)]
     graphs.run(decode_plan(np.arange(4), np.full(4, 3), np.array([1, 2, 1, 2]), blocks))
-    assert graphs.graphs[(4, "mbgmv", 64)][0].seen is not None, "a rank-32 row needs the full-rank graph"
+    assert graphs.graphs[(4, "mbgmv", 64, "all")][0].seen is not None, "a rank-32 row needs the full-rank graph"
     graphs.run(decode_plan(np.arange(3), np.full(3, 3), np.array([1, -1, 1]), blocks[:3]))
-    seen = graphs.graphs[(4, "mbgmv", LOW_RANK)][0].seen
+    seen = graphs.graphs[(4, "mbgmv", LOW_RANK, "all")][0].seen
     assert seen is not None, "ranks <= 16 replay the low-rank MBGMV graph"
     assert seen["row_slot"][:4].tolist() == [1, -1, 1, -1]
     assert seen["seq_info"][2, 3] == 1 and seen["input_ids"][3] == 0 and seen["positions"][3] == 0
@@ -83,18 +83,40 @@ def test_a_smaller_batch_after_a_larger_one_pads_its_rows_again():
 
 def test_each_batch_replays_the_lowest_rank_tier_that_holds_its_ranks():
     graphs, _, table = make(max_rank=256)
-    assert sorted(rank for size, kernel, rank in graphs.plan() if kernel == "mbgmv" and size == 4) == [16, 64, 256]
+    assert sorted(rank for size, kernel, rank, targets in graphs.plan()
+                  if kernel == "mbgmv" and size == 4 and targets == "all") == [16, 64, 256]
     table.rank_host[0], table.rank_host[1], table.rank_host[2], table.rank_host[3] = 8, 32, 64, 128
     blocks = [np.full((2, LAYERS, 2), 10 + i, dtype=np.int32) for i in range(4)]
     for slots, tier in (([0, 0, -1], 16), ([0, 1, -1], 64), ([2, 0, 1], 64), ([0, 3, -1], 256)):
         graphs.run(decode_plan(np.arange(3), np.full(3, 3), np.array(slots), blocks[:3]))
-        assert graphs.last_key == (4, "mbgmv", tier), slots
+        assert graphs.last_key == (4, "mbgmv", tier, "all"), slots
 
 
 def test_no_low_rank_graph_when_the_maximum_is_low():
     graphs, _, _ = make(max_rank=16)
-    assert all(rank == 16 for _, kernel, rank in graphs.plan() if kernel == "mbgmv")
-    assert len([key for key in graphs.plan() if key[1] == "mbgmv"]) == len(graphs.buckets)
+    assert all(rank == 16 for _, kernel, rank, _ in graphs.plan() if kernel == "mbgmv")
+    assert len([key for key in graphs.plan() if key[1] == "mbgmv"]) == 2 * len(graphs.buckets)  # all; attention
+
+
+def test_a_batch_whose_adapters_leave_the_mlp_alone_replays_a_graph_without_its_lora():
+    """A batch replays the "attention" graph (no MLP LoRA launched) only while none of its adapters targets gate,
+    up or down in any layer; one such adapter, or a BGMV or base-only step, takes the graph of every projection."""
+    from lorad.daemon.engine.decode_graphs import TARGETS
+    from lorad.daemon.model.llama import DOWN, GATE, O, Q, UP, V
+
+    graphs, _, table = make()
+    assert TARGETS["attention"] == {GATE, UP, DOWN}
+    assert {key[3] for key in graphs.plan() if key[1] == "mbgmv"} == {"all", "attention"}
+    table.rank_host[0, :, [Q, V]] = 8  # q, v: the PEFT default
+    table.rank_host[1, :, [Q, O]] = 32
+    table.rank_host[2, 1, DOWN] = 8  # down in one layer only
+    blocks = [np.full((2, LAYERS, 2), 10 + i, dtype=np.int32) for i in range(4)]
+    for slots, key in (([0, -1, 0], (4, "mbgmv", LOW_RANK, "attention")), ([0, 1, -1], (4, "mbgmv", 64, "attention")),
+                       ([0, 2, -1], (4, "mbgmv", LOW_RANK, "all")), ([-1, -1, -1], (4, "none", 0, "all"))):
+        graphs.run(decode_plan(np.arange(3), np.full(3, 3), np.array(slots), blocks[:3]))
+        assert graphs.last_key == key, slots
+    step = graphs._static_step(4, 64, "mbgmv", "attention")
+    assert step.lora.untargeted == {GATE, UP, DOWN} and graphs._static_step(4, 64, "mbgmv").lora.untargeted == set()
 
 
 def test_graphs_of_a_set_write_their_logits_into_one_buffer():
