@@ -48,7 +48,12 @@ def median_ms(fn, repeats: int = 20) -> float:
 
 def start_decoding(engine: Engine, adapters: list[str | None], prompt_len: int, max_tokens: int, sampling: dict | None = None) -> list[GenerationRequest]:
     """len(adapters) requests of random prompts, prefilled and 3 decode steps in: from here every step decodes.
-    sampling: SamplingParams fields beside greedy's (None: plain greedy)."""
+    sampling: SamplingParams fields beside greedy's (None: plain greedy). The adapters are placed in the pool first:
+    admitted cold, their requests would join one by one while the stager stages each (the engine runs the others'
+    steps meanwhile), and the first could end before the last joins."""
+    for name in set(adapters) - {None}:
+        if not engine.residency.preload(name):
+            raise RuntimeError(f"adapter {name} does not fit in the pool")
     generator = torch.Generator().manual_seed(len(adapters))
     sampling = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=max_tokens, ignore_eos=True)
     requests = [
@@ -57,8 +62,12 @@ def start_decoding(engine: Engine, adapters: list[str | None], prompt_len: int, 
     ]
     for request in requests:
         engine.submit(request)
+    steps = 0
     while len(engine.scheduler.running) < len(requests) or any(s.num_generated == 0 for s in engine.scheduler.running):
         engine.step()
+        steps += 1
+        if steps > max_tokens:  # a request ended before the last one joined: no step would decode them all
+            raise RuntimeError(f"{len(engine.scheduler.running)} of {len(requests)} requests running after {steps} steps")
     for _ in range(3):  # warm
         engine.step()
     return requests
