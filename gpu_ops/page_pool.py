@@ -537,8 +537,7 @@ class AdapterTable:
 
     def untargeted(self, slots) -> frozenset[int]:
         """The projections that none of the adapters in `slots` targets in any layer (host mirrors, no sync)."""
-        targeted = (self.rank_host[np.asarray(slots, dtype=np.int64)] > 0).any(axis=(0, 1))
-        return frozenset(int(proj) for proj in np.flatnonzero(~targeted))
+        return untargeted(self.rank_host[np.asarray(slots, dtype=np.int64)])
 
     def _publish(self, slot: int, start: int, length: int) -> None:
         """Sends a slot's table rows and its page ids to the device in one copy, from pinned memory on
@@ -779,3 +778,8 @@ def gather_rows(pages: torch.Tensor, page_ids: torch.Tensor, start: int, rank: i
     """The [rank, width] matrix stored from index `start` (the reference path's view of a weight)."""
     ids = page_ids[start : start + rank * chunks].long()
     return pages[ids].view(rank, chunks * pages.shape[1])[:, :width]
+
+
+def untargeted(ranks: np.ndarray) -> frozenset[int]:
+    """The projections with rank 0 in every row of `ranks` [slots, layers, projections] (AdapterTable.rank_host rows)."""
+    return frozenset(int(proj) for proj in np.flatnonzero(~(ranks > 0).any(axis=(0, 1))))

@@ -12,10 +12,9 @@ any mix of adapters) and, below it, for batches whose ranks are all <= 16 and al
 at a lower maximum takes the tiles tuned for it (mbgmv.decode_config: the expand launched early with narrow
 rank tiles) and a quarter of the shrink programs or fewer. At the default maximum of 256 a batch of ranks 8-64
 took ~7 ms of MBGMV a decode step of 64 rows in the Azure-conversation run (BENCHMARKS.md, figure 21.1's
-kernels). Each MBGMV graph is captured twice more narrowly as well: without the MLP's LoRA launches (TARGETS
-"attention"), which a batch replays when none of its adapters targets gate, up or down (most PEFT adapters target
-q, v or q, k, v, o; the MLP's empty launch pairs cost ~0.6 ms of a 7B decode step of 64 rows, BENCHMARKS.md).
-BGMV pads every row to the rank it is launched with, so its graphs are captured
+kernels). Each MBGMV graph is captured a second time without the MLP's LoRA launches (TARGETS "attention"),
+which a batch replays when none of its adapters targets gate, up or down (most PEFT adapters target q, v or
+q, k, v, o; the MLP's empty launch pairs cost ~0.6 ms of a 7B decode step of 64 rows, BENCHMARKS.md). BGMV pads every row to the rank it is launched with, so its graphs are captured
 per rank bucket (16, 32, 64, ...: one compiled BGMV kernel each), and only for the buckets and batch
 sizes where the profile's models say BGMV can ever be the cheaper kernel. Capturing them up front,
 not on first use, keeps Triton compilation and capture (hundreds of ms a graph on a 7B model) out of
@@ -34,7 +33,7 @@ from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.model.llama import DOWN, GATE, UP, Step
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.lora import LoraBatch
-from lorad.gpu_ops.page_pool import SCRATCH_PAGE
+from lorad.gpu_ops.page_pool import SCRATCH_PAGE, untargeted
 
 log = logging.getLogger(__name__)
 
@@ -304,9 +303,10 @@ class DecodeGraphs:
         kernel = self.kernel_choice.choose_for_slots(slots, self.table.rank_host)
         used = slots[slots >= 0]
         if kernel == "mbgmv":
-            untargeted = self.table.untargeted(used)
-            targets = next(name for name in reversed(TARGETS) if TARGETS[name] <= untargeted)
-            highest = int(self.table.rank_host[used].max())
+            ranks = self.table.rank_host[used]
+            unused = untargeted(ranks)
+            targets = next(name for name in reversed(TARGETS) if TARGETS[name] <= unused)
+            highest = int(ranks.max())
             for tier in RANK_TIERS:
                 if highest <= tier and (size, "mbgmv", tier, targets) in self.graphs:
                     return size, "mbgmv", tier, targets

@@ -78,8 +78,7 @@ class TorchOps:
     def prepare_lora(self, batch: LoraBatch, table: AdapterTable) -> None:
         """The per-step LoRA metadata the kernels need beyond LoraBatch (segments, max rank, the decode
         kernel, the projections no row's adapter targets): built once per step by the runner, never per layer."""
-        if batch.slot_rows:
-            batch.untargeted = table.untargeted([slot for slot, _ in batch.slot_rows])
+        mark_untargeted(batch, table)
         if self.kernel_choice is None:
             return
         if batch.decode and batch.slot_rows:
@@ -166,8 +165,8 @@ class TritonOps(TorchOps):
                                                window=window, softcap=softcap)
 
     def prepare_lora(self, batch, table):
+        mark_untargeted(batch, table)
         if batch.slot_rows:
-            batch.untargeted = table.untargeted([slot for slot, _ in batch.slot_rows])
             batch.segments = self._mbgmm.Segments.build(batch, table)
             batch.max_rank = batch.segments.max_rank
             if batch.decode and self.decode_choice is not None:
@@ -202,6 +201,12 @@ class TritonOps(TorchOps):
                                   self.workspace, config=config, pdl=self.pdl)
                 return
         super().lora_group(x, fused, outs, layer, first, batch, table)
+
+
+def mark_untargeted(batch: LoraBatch, table: AdapterTable) -> None:
+    """batch.untargeted: the projections none of its pool rows' adapters targets (their LoRA is not launched)."""
+    if batch.slot_rows:
+        batch.untargeted = table.untargeted([slot for slot, _ in batch.slot_rows])
 
 
 def row_ranks(batch: LoraBatch, table: AdapterTable) -> list[int]:
