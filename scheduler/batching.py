@@ -64,6 +64,17 @@ class Adapters(Protocol):
 
 PASS_STAGING = 8  # waiting sequences an admission passes over while their adapters are staged
 
+# Why the last step's admission stopped (`Scheduler.stopped`): what keeps any running slot it leaves empty.
+NO_REQUEST_WAITING = "no_request_waiting"  # the queue was empty
+RUNNING_FULL = "running_full"  # every running slot was taken
+TOKEN_BUDGET = "token_budget"  # the step's tokens were spent (a long prompt's chunk)
+ADAPTER_STAGING = "adapter_staging"  # the next ones wait for their adapters' staging (passed over as far as allowed)
+KV_OR_ADAPTER_PAGES = "kv_or_adapter_pages"  # the next one's KV or adapter did not fit in the page pool now
+TIME_PER_TOKEN = "time_per_token"  # held back by the time-per-token objective
+ADMISSION_POLICY = "admission_policy"  # a policy other than FCFS chose to admit no more
+ADMISSION_STOPS = (NO_REQUEST_WAITING, RUNNING_FULL, TOKEN_BUDGET, ADAPTER_STAGING, KV_OR_ADAPTER_PAGES, TIME_PER_TOKEN,
+                   ADMISSION_POLICY)
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -153,6 +164,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.dropped: list[tuple[Sequence, str]] = []  # by the admission policy, for the engine to fail
         self.blocked: Sequence | None = None  # the waiting sequence the last step's admission stopped at
+        self.stopped = NO_REQUEST_WAITING  # why the last step's admission stopped, one of ADMISSION_STOPS
         self._keys = itertools.count()
         self._by_key: dict[int, Sequence] = {}
 
@@ -178,10 +190,11 @@ class Scheduler:
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
         self.blocked = None
+        self.stopped = TOKEN_BUDGET
         self._held = None
         for seq in list(self.running):
             if budget == 0:
-                break
+                return plan
             if seq not in self.running or seq in ending:  # preempted below to make room for an older one; ends
                 continue
             count = min(seq.num_tokens + (seq in ahead) - seq.num_computed, budget)
@@ -197,16 +210,27 @@ class Scheduler:
             batch = self._running_batch() if self.decode is not None else RunningBatch()
             passed: list[Sequence] = []  # waiting for their adapters' staging: back at the front, in order, below
             try:
-                while self.waiting and budget > 0 and len(self.running) - len(ending) < self.max_running:
+                while True:
+                    if not self.waiting:
+                        self.stopped = ADAPTER_STAGING if passed else NO_REQUEST_WAITING
+                        break
+                    if budget <= 0:
+                        self.stopped = TOKEN_BUDGET
+                        break
+                    if len(self.running) - len(ending) >= self.max_running:
+                        self.stopped = RUNNING_FULL
+                        break
                     head = self.waiting[0]
                     context = head.num_tokens - head.num_computed + 1
                     if not decode_step_allows(self.decode, batch, head.rank, context, self.objectives.tpot_s):
                         self._hold_for_tpot(head)
+                        self.stopped = TIME_PER_TOKEN
                         break
                     if not self._admit(head, budget, plan):
                         if len(passed) < self.pass_staging and self.adapters.staging(head.adapter):
                             passed.append(self.waiting.popleft())
                             continue
+                        self.stopped = ADAPTER_STAGING if self.adapters.staging(head.adapter) else KV_OR_ADAPTER_PAGES
                         break
                     self.waiting.popleft()
                     self.past_staging += bool(passed)
@@ -216,6 +240,8 @@ class Scheduler:
                 self.waiting.extendleft(reversed(passed))
         elif self.waiting:
             self._admit_by_policy(budget, plan, len(ending))
+        else:
+            self.stopped = NO_REQUEST_WAITING
         return plan
 
     def _admit(self, seq: Sequence, budget: int, plan: list) -> bool:
@@ -266,15 +292,18 @@ class Scheduler:
         for key in decision.held:
             self._hold_for_tpot(self._by_key[key])
         passed = 0  # sequences passed over while their adapters are staged
+        self.stopped = TIME_PER_TOKEN if decision.held else ADMISSION_POLICY  # unless one of the below stops it first
         try:
             for key in decision.admit:  # in the policy's order, until one does not get its adapter or KV
                 seq = self._by_key[key]
                 if budget <= 0 or len(self.running) - ending >= self.max_running:
+                    self.stopped = TOKEN_BUDGET if budget <= 0 else RUNNING_FULL
                     break
                 if not self._admit(seq, budget, plan):
                     if passed < self.pass_staging and self.adapters.staging(seq.adapter):
                         passed += 1
                         continue
+                    self.stopped = ADAPTER_STAGING if self.adapters.staging(seq.adapter) else KV_OR_ADAPTER_PAGES
                     break
                 self.past_staging += passed > 0
                 del self._by_key[key]
@@ -284,6 +313,8 @@ class Scheduler:
         finally:  # also when an adapter raises at its admission: those admitted before it leave the queue
             if gone:
                 self.waiting = deque(seq for seq in self.waiting if seq not in gone)
+        if not self.waiting:
+            self.stopped = NO_REQUEST_WAITING
 
     def _running_batch(self) -> RunningBatch:
         """The running batch as the decode-step model reads it (context: every position of each sequence)."""

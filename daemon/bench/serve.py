@@ -479,6 +479,11 @@ def step_time_delta(before: dict | None, after: dict | None) -> dict | None:
                                                      for part, seconds in parts.items()}
             device = totals.get("device_s")
             delta["device_s"] = None if device is None else device - (earlier.get("device_s") or 0)
+        if "empty_slots_by_cause" in totals:  # running slots the steps left empty, by why (a daemon that counts them)
+            earlier_causes = earlier.get("empty_slots_by_cause", {})
+            causes = {cause: count - earlier_causes.get(cause, 0) for cause, count in totals["empty_slots_by_cause"].items()}
+            delta["empty_slots_by_cause"] = {cause: count for cause, count in causes.items() if count}
+            delta["empty_slots"] = sum(delta["empty_slots_by_cause"].values())
         by_kind[kind] = delta
     busy = sum(kind["busy_s"] for kind in by_kind.values())
     floor = sum(kind["floor_s"] for kind in by_kind.values())
@@ -490,6 +495,13 @@ def step_time_delta(before: dict | None, after: dict | None) -> dict | None:
         summary["host_before_launch_s"] = sum(kind["host_before_launch_s"] for kind in by_kind.values())
         devices = [kind["device_s"] for kind in by_kind.values() if kind["device_s"] is not None]
         summary["device_s"] = sum(devices) if devices else None
+    if all("empty_slots_by_cause" in kind for kind in by_kind.values()):
+        causes: dict[str, int] = {}
+        for kind in by_kind.values():
+            for cause, count in kind["empty_slots_by_cause"].items():
+                causes[cause] = causes.get(cause, 0) + count
+        summary["empty_slots"] = sum(causes.values())
+        summary["empty_slots_by_cause"] = causes
     return summary
 
 

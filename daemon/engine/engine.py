@@ -29,7 +29,7 @@ from lorad.daemon.model import quantization
 from lorad.daemon.engine.cold_start import ColdStarts, resolve_cold_start, streaming_availability
 from lorad.daemon.engine.runner import ModelRunner
 from lorad.daemon.engine.kernel_window import KernelWindow
-from lorad.daemon.engine.step_account import StepAccount
+from lorad.daemon.engine.step_account import ENDED_IN_FLIGHT, StepAccount
 from lorad.daemon.engine.step_watch import StepWatch
 from lorad.daemon.engine.step_cost import StepCostModel, measure_device_rates
 from lorad.daemon.engine.step_plan import StepPlan
@@ -47,7 +47,7 @@ from lorad.daemon.engine.tokenizer import Detokenizer, load_tokenizer
 from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded, clip
 from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool
 from lorad.scheduler.admission import AdmissionPolicy, Objectives, OnlinePrefill, make_admission
-from lorad.scheduler.batching import GrowthReserve, Scheduler, Sequence
+from lorad.scheduler.batching import NO_REQUEST_WAITING, GrowthReserve, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -678,7 +678,8 @@ class Engine:
         planned = time.perf_counter()
         self.account.before_forward()
         logits = self.runner.forward(plan)
-        self.account.launched(plan, self.runner.graph_rows, time.perf_counter(), parts=(scheduling, started, planned))
+        self.account.launched(plan, self.runner.graph_rows, time.perf_counter(), parts=(scheduling, started, planned),
+                              empty_slots=self.scheduler.max_running - len(plan.seqs), why_empty=self.scheduler.stopped)
         sampled = plan.sampled
         # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
         self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)
@@ -915,7 +916,8 @@ class Engine:
         plan = self.runner.plan([(seq, 1) for seq in seqs], device_tokens=self._flight_tokens(rows))
         self.account.before_forward()
         logits = self.runner.forward(plan)
-        self.account.launched(plan, self.runner.graph_rows, time.perf_counter())
+        self.account.launched(plan, self.runner.graph_rows, time.perf_counter(), empty_slots=self.scheduler.max_running - len(seqs),
+                              why_empty=ENDED_IN_FLIGHT if self.scheduler.waiting else NO_REQUEST_WAITING)
         following = self._launch_tokens(logits, seqs)
         for seq in seqs:
             seq.num_computed += 1

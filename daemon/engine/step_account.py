@@ -19,6 +19,11 @@ logprobs and copies to the host) and the time it waited for the host.
 Kinds: `decode` (every sequence adds its next token), `prefill` (every sequence is in its prompt), `mixed`
 (prompt rows beside decode rows). A step replayed from a CUDA graph computes its bucket's rows; those past the
 step's own are its padding rows, counted apart (GEMM work on no token, which the floor does not include).
+
+Empty running slots: a step of fewer requests than the running cap leaves slots empty, and a decode step's
+floor is mostly its weights, read the same for any number of rows: a saturated server's steps should be full.
+Each step counts its empty slots under why the engine did not fill them (`EMPTY_CAUSES`: the admission's
+stop, scheduler/batching.py, or rows that ended on the step before it, whose slots the next step fills).
 """
 
 from __future__ import annotations
@@ -33,9 +38,12 @@ import torch
 from lorad.daemon.engine.stats import Histogram
 from lorad.daemon.engine.step_cost import DeviceRates, StepCost, StepCostModel
 from lorad.daemon.engine.step_plan import StepPlan
+from lorad.scheduler.batching import ADMISSION_STOPS
 
 STEP_KINDS = ("decode", "prefill", "mixed")
 HOST_PARTS = ("tokens", "schedule", "plan", "launch")
+ENDED_IN_FLIGHT = "ended_in_flight"  # the requests that ended on the step in flight left, the queue's head joins next
+EMPTY_CAUSES = (*ADMISSION_STOPS, ENDED_IN_FLIGHT)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -53,6 +61,7 @@ class KindTotals:
     flops: int = 0
     host_before_launch_s: float = 0.0
     host_parts_s: dict = field(default_factory=lambda: dict.fromkeys(HOST_PARTS, 0.0))
+    empty_slots: dict = field(default_factory=lambda: dict.fromkeys(EMPTY_CAUSES, 0))  # slot-steps, by cause
     device_s: float | None = None  # None: no device clock (the CPU)
 
     def as_dict(self) -> dict:
@@ -72,6 +81,8 @@ class KindTotals:
             "flops": self.flops,
             "host_before_launch_s": round(self.host_before_launch_s, 6),
             "host_before_launch_by_part_s": {part: round(seconds, 6) for part, seconds in self.host_parts_s.items()},
+            "empty_slots": sum(self.empty_slots.values()),
+            "empty_slots_by_cause": {cause: count for cause, count in self.empty_slots.items() if count},
             "device_s": None if self.device_s is None else round(self.device_s, 6),
         }
 
@@ -86,6 +97,8 @@ class LaunchedStep:
     launched_at: float | None  # host time of the launch; None: not given
     parts: tuple | None  # host times where the scheduling, the plan and the forward's launch began
     span: tuple | None  # (start, end) CUDA events around its forward; None without a device clock
+    empty_slots: int = 0  # running slots the step left empty
+    why_empty: str | None = None  # one of EMPTY_CAUSES where empty_slots > 0
 
 
 class StepAccount:
@@ -122,12 +135,14 @@ class StepAccount:
             self._mark = None
 
     def launched(self, plan: StepPlan, graph_rows: int | None = None, now: float | None = None,
-                 parts: tuple[float, float, float] | None = None) -> None:
+                 parts: tuple[float, float, float] | None = None, empty_slots: int = 0, why_empty: str | None = None) -> None:
         """A step's forward was launched; its time is taken when it lands (FIFO: steps land in launch order).
         graph_rows: the rows its forward computed (a CUDA graph's bucket); None: the step's own (eager).
         now: the host's clock at the launch (for host_before_launch_s); parts: where the scheduling, the plan
         and the forward's launch began on it (HOST_PARTS after `tokens`). After before_forward, its device span
-        ends here."""
+        ends here. empty_slots: the running slots it left empty, why_empty: why (one of EMPTY_CAUSES)."""
+        if empty_slots > 0 and why_empty not in EMPTY_CAUSES:
+            raise ValueError(f"why_empty {why_empty!r} is not one of {EMPTY_CAUSES}")
         counts, starts = plan.counts, plan.starts
         prompt_lens = np.fromiter((seq.prompt_len for seq in plan.seqs), dtype=np.int64, count=len(plan.seqs))
         prompt_tokens = int(np.clip(np.minimum(starts + counts, prompt_lens) - starts, 0, None).sum())
@@ -147,7 +162,8 @@ class StepAccount:
             end = self._new_event()
             end.record()
             span, self._start_event = (self._start_event, end), None
-        self._pending.append(LaunchedStep(kind, rows, padding, prompt_tokens, cost, now, parts, span))
+        self._pending.append(LaunchedStep(kind, rows, padding, prompt_tokens, cost, now, parts, span, max(empty_slots, 0),
+                                          why_empty))
 
     def landed(self, now: float) -> None:
         """The oldest launched step's tokens are on the host: its time and floor are counted."""
@@ -180,6 +196,8 @@ class StepAccount:
             totals.host_before_launch_s += host
             for part, seconds_in in zip(HOST_PARTS, split or ()):
                 totals.host_parts_s[part] += seconds_in
+            if step.empty_slots:
+                totals.empty_slots[step.why_empty] += step.empty_slots
             # Spans are read once their end has passed on the device (without waiting: a prompt chunk's step lands
             # before its device work is done); one stream, so they pass in launch order.
             while self._spans and self._spans[0][2].query():
@@ -215,15 +233,20 @@ class StepAccount:
                 part: round(sum(kind["host_before_launch_by_part_s"][part] for kind in by_kind.values()), 6)
                 for part in HOST_PARTS},
             "device_s": round(sum(device), 6) if device else None,
+            "empty_slots": sum(kind["empty_slots"] for kind in by_kind.values()),
+            "empty_slots_by_cause": {cause: count for cause in EMPTY_CAUSES
+                                     if (count := sum(kind["empty_slots_by_cause"].get(cause, 0) for kind in by_kind.values()))},
             "by_kind": by_kind,
         }
 
     def metrics(self) -> dict:
         """For /metrics: per kind, the step-time histogram and the summed busy time, floor, rows, padding rows,
-        prompt tokens, the host's time before the launches by part and the device's time (None: no device clock)."""
+        prompt tokens, the host's time before the launches by part, the empty running slots by cause and the
+        device's time (None: no device clock)."""
         with self._lock:
             return {kind: {"seconds": self.step_seconds[kind].snapshot(), "busy_s": totals.busy_s,
                            "floor_s": totals.floor_s, "rows": totals.rows, "padding_rows": totals.padding_rows,
                            "prompt_tokens": totals.prompt_tokens, "steps": totals.steps,
-                           "host_parts_s": dict(totals.host_parts_s), "device_s": totals.device_s}
+                           "host_parts_s": dict(totals.host_parts_s), "empty_slots": dict(totals.empty_slots),
+                           "device_s": totals.device_s}
                     for kind, totals in self.totals.items()}

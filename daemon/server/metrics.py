@@ -143,6 +143,12 @@ def render(snapshot: dict) -> str:
     for kind, account in steps.items():
         for part, seconds in account.get("host_parts_s", {}).items():
             out.sample("lorad_step_host_before_launch_seconds_total", {"kind": kind, "part": part}, seconds)
+    out.family("lorad_step_empty_slots_total", "counter",
+               "Running slots engine steps left empty (slot-steps), by kind and cause: no_request_waiting, running_full, "
+               "token_budget, adapter_staging, kv_or_adapter_pages, time_per_token, admission_policy, ended_in_flight.")
+    for kind, account in steps.items():
+        for cause, count in account.get("empty_slots", {}).items():
+            out.sample("lorad_step_empty_slots_total", {"kind": kind, "cause": cause}, count)
     if any(account.get("device_s") is not None for account in steps.values()):  # a device clock (cuda)
         out.family("lorad_step_device_seconds_total", "counter",
                    "Engine steps' forwards on the device's clock, by kind: busy minus device is the device waiting "

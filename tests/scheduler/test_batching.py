@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from lorad.scheduler import batching
 from lorad.scheduler.batching import PASS_STAGING, GrowthReserve, Scheduler, Sequence
 
 TOKENS_PER_BLOCK = 4
@@ -495,3 +496,44 @@ def test_passed_over_sequences_keep_their_places_when_an_adapter_raises_behind_t
     with pytest.raises(RuntimeError):
         scheduler.schedule()
     assert scheduler.blocked is broken and list(scheduler.waiting) == [cold, broken, after]
+
+
+# --- why admission stopped (what keeps the running slots a step leaves empty) ------------------------------
+
+
+def test_the_scheduler_says_why_its_admission_stopped():
+    memory, adapters = FakeMemory(100), FakeAdapters(unavailable={"cold", "full"}, staged={"cold"})
+    scheduler = Scheduler(max_running=3, max_batch_tokens=12, memory=memory, adapters=adapters, pass_staging=1)
+    assert names(scheduler.schedule()) == [] and scheduler.stopped == batching.NO_REQUEST_WAITING
+    first, long = seq("a", 4), seq("b", 20)
+    scheduler.add(first)
+    scheduler.add(long)
+    plan = scheduler.schedule()
+    assert names(plan) == [("a", 4), ("b", 8)] and scheduler.stopped == batching.NO_REQUEST_WAITING
+    run_step(scheduler, plan)
+    scheduler.add(seq("c", 4))
+    plan = scheduler.schedule()  # a decodes, b's next 11 tokens fill the budget: c waits with a slot free
+    assert names(plan) == [("a", 1), ("b", 11)] and scheduler.stopped == batching.TOKEN_BUDGET
+    run_step(scheduler, plan)
+    plan = scheduler.schedule()
+    assert names(plan) == [("a", 1), ("b", 1), ("c", 4)] and scheduler.stopped == batching.NO_REQUEST_WAITING
+    run_step(scheduler, plan)
+    scheduler.add(seq("d", 4))
+    assert names(scheduler.schedule()) == [("a", 1), ("b", 1), ("c", 1)] and scheduler.stopped == batching.RUNNING_FULL
+    # a slot free: the head's adapter stages and is passed over (pass_staging=1), the next one's too: staging
+    scheduler.finish(first)
+    scheduler.waiting.clear()
+    for sequence in (seq("e", 4, "cold"), seq("f", 4, "cold")):
+        scheduler.add(sequence)
+    scheduler.schedule()
+    assert scheduler.stopped == batching.ADAPTER_STAGING and len(scheduler.waiting) == 2
+    scheduler.waiting.clear()
+    scheduler.add(seq("g", 4, "cold"))  # passed over, then nothing behind it: still waiting for the staging
+    scheduler.schedule()
+    assert scheduler.stopped == batching.ADAPTER_STAGING
+    scheduler.waiting.clear()
+    scheduler.add(seq("h", 4, "full"))  # refused, not staging: the pool has no room for it now
+    scheduler.schedule()
+    assert scheduler.stopped == batching.KV_OR_ADAPTER_PAGES
+    assert set(batching.ADMISSION_STOPS) >= {batching.NO_REQUEST_WAITING, batching.TOKEN_BUDGET, batching.RUNNING_FULL,
+                                             batching.ADAPTER_STAGING, batching.KV_OR_ADAPTER_PAGES}

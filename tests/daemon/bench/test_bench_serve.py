@@ -103,6 +103,8 @@ def test_a_sweep_reports_every_point_and_plots_it(capsys, daemon, tmp_path):
         assert 0 < engine["floor_s"] and 0 < engine["busy_s"] and engine["efficiency"] == engine["floor_s"] / engine["busy_s"]
         assert 0 < engine["host_before_launch_s"] < engine["busy_s"] and engine["device_s"] is None  # no device clock on the cpu
         assert engine["preemptions"] == 0  # the demo's KV holds every request
+        if run["max_concurrency"] == 1:  # one request at a time: every other running slot empty, nothing waiting
+            assert engine["empty_slots"] > 0 and set(engine["empty_slots_by_cause"]) == {"no_request_waiting"}
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "max-concurrency" in stdout and "preempted" in stdout and "wrote" in stdout
     # every request met the (loose) objectives at both points: the sweep's goodput is its highest point

@@ -224,3 +224,35 @@ def test_the_engine_counts_the_padding_rows_of_the_graph_each_step_replayed(demo
     engine.generate([GenerationRequest(prompt, "demo-r8", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))])
     kinds = engine.account.snapshot()["by_kind"]
     assert kinds["prefill"]["padding_rows"] == 32 - 5 and kinds["decode"]["padding_rows"] == 2 * (16 - 1)
+
+
+def test_empty_running_slots_are_counted_by_cause(account):
+    talker = Seq(prompt_len=4)
+    account.begin(0.0)
+    account.launched(plan([(talker, 7, 1, True)]), empty_slots=3, why_empty="adapter_staging")
+    account.launched(plan([(talker, 8, 1, True)]), empty_slots=2, why_empty="ended_in_flight")
+    account.launched(plan([(talker, 9, 1, True)]))  # full
+    for now in (1.0, 2.0, 3.0):
+        account.landed(now)
+    snapshot = account.snapshot()
+    assert snapshot["empty_slots"] == 5
+    assert snapshot["empty_slots_by_cause"] == {"adapter_staging": 3, "ended_in_flight": 2}
+    assert snapshot["by_kind"]["decode"]["empty_slots_by_cause"] == {"adapter_staging": 3, "ended_in_flight": 2}
+    assert account.metrics()["decode"]["empty_slots"]["adapter_staging"] == 3
+    with pytest.raises(ValueError, match="why_empty"):  # empty slots need a known cause
+        account.launched(plan([(talker, 10, 1, True)]), empty_slots=1)
+
+
+def test_the_engine_counts_the_slots_its_steps_leave_empty(demo_assets):
+    # Two requests under a cap of 4: each step leaves 2 slots empty with nothing waiting; a third request that
+    # waits behind a long prompt's chunks (the token budget) leaves its slot empty for that cause.
+    engine = make_engine(demo_assets, max_running_requests=4, max_batch_tokens=16)
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine.generate([GenerationRequest(list(range(3, 8)), "demo-r8", greedy),
+                     GenerationRequest(list(range(3, 9)), None, greedy)])
+    snapshot = engine.account.snapshot()
+    steps = sum(kind["steps"] for kind in snapshot["by_kind"].values())
+    assert snapshot["empty_slots_by_cause"] == {"no_request_waiting": 2 * steps}
+    engine.generate([GenerationRequest(list(range(3, 33)), None, greedy), GenerationRequest(list(range(3, 8)), None, greedy)])
+    # the 30-token prompt's first chunk spends the step's 16 tokens: the second request waits, 3 slots empty for it
+    assert engine.account.snapshot()["empty_slots_by_cause"]["token_budget"] == 3

@@ -221,6 +221,8 @@ def test_metrics_move_as_requests_run(demo):
     assert value(after, "lorad_step_prompt_tokens_total", kind="prefill") == 2 * prompt
     assert value(after, "lorad_step_rows_total", kind="decode") == 8
     assert value(after, "lorad_step_padding_rows_total", kind="decode") == 0  # eager on the cpu: no graph bucket
+    # a cap of one running request, one request at a time: no step left a running slot empty
+    assert value(after, "lorad_step_empty_slots_total", kind="decode", cause="no_request_waiting") == 0
     assert 0 < value(after, "lorad_step_floor_seconds_total", kind="decode")
     assert 0 < value(after, "lorad_step_host_before_launch_seconds_total", kind="prefill", part="launch")
     assert "lorad_step_device_seconds_total" not in after  # no device clock on the cpu
