@@ -12,7 +12,7 @@
 # never see each other's modules (python3 -P: the checkout's own lorad/ folder is not on the path). An editable
 # install of lorad on the machine would shadow both folders: run this before `pip install -e .` (the script refuses
 # a baseline that resolves elsewhere). Output: OUTDIR/NAME.json (bench serve), NAME.status.json (/v1/status
-# after the run), NAME.serve.log.
+# after the run), NAME.metrics.txt (/metrics after the run), NAME.serve.log.
 
 set -u
 OUTDIR=${1:?usage: bench/serve_compare.sh OUTDIR [BASELINE_SRC] [-- BENCH_SERVE_ARGS...]}
@@ -77,6 +77,7 @@ serve_and_load() {  # NAME PYTHONPATH SOURCE [SERVE FLAGS of this build alone]
     lorad_current bench serve --socket "$socket" --data-dir "$DATA_DIR" --no-progress "${BENCH_ARGS[@]}" \
         --out "$OUTDIR/$name.json" 2>&1 | tail -8
     curl -sf --unix-socket "$socket" http://localhost/v1/status >"$OUTDIR/$name.status.json"
+    curl -sf --unix-socket "$socket" http://localhost/metrics >"$OUTDIR/$name.metrics.txt"
     kill -INT $daemon
     wait $daemon
     echo "$name: done after $((SECONDS - start)) s"

@@ -383,7 +383,7 @@ class AdapterTable:
         daemon/model/adapters.py) is staged once, and each member's table entry points at it."""
         page = self.pool.page_elems
         needed = self.pages_needed(weights)
-        pages = torch.zeros(needed, page, dtype=self.pool.pages.dtype)
+        pages = torch.empty(needed, page, dtype=self.pool.pages.dtype)  # every row is written (_stage_rows)
         layout, cursor, staged_a = [], 0, {}
         for (layer, proj), (a, b) in sorted(weights.items()):
             chunks_in, chunks_out = self.chunks[proj]
@@ -767,10 +767,11 @@ def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 def _stage_rows(staged: torch.Tensor, cursor: int, rows: torch.Tensor, chunks: int, page: int) -> int:
-    """Write rows [r, d] into staged pages from `cursor`, each row padded to `chunks` whole pages."""
+    """Write rows [r, d] into staged pages from `cursor`, each row padded with zeros to `chunks` whole pages."""
     rank, width = rows.shape
     block = staged[cursor : cursor + rank * chunks].view(rank, chunks * page)
     block[:, :width].copy_(rows)  # the cast to the pool's dtype in the same pass
+    block[:, width:].zero_()
     return cursor + rank * chunks
 
 

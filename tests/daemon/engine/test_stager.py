@@ -1,5 +1,5 @@
-"""daemon/engine/adapter_residency.py's Stager (the background thread that reads and stages cold adapters for
-the engine thread) and LoraResidency's use of it: staged once, stale or failed work left out, and an adapter
+"""daemon/engine/adapter_residency.py's Stager (the background threads that read and stage cold adapters for
+the engine thread, several at once) and LoraResidency's use of it: staged once, stale or failed work left out, and an adapter
 the stager has prepared placed by a prefetch without looking it up again."""
 
 from __future__ import annotations
@@ -38,10 +38,29 @@ def test_each_name_staged_once_while_pending_and_off_the_callers_thread():
     assert stager.pending() == 2
     release.set()
     done = wait_for(stager, 2)
-    assert [(name, result) for name, _, _, result in done] == [("a", ("ADAPTER A", None)), ("b", ("ADAPTER B", None))]
-    assert calls == ["a", "b"] and threads == {"lorad-stager"} and stager.pending() == 0
+    assert sorted((name, result) for name, _, _, result in done) == [("a", ("ADAPTER A", None)), ("b", ("ADAPTER B", None))]
+    assert sorted(calls) == ["a", "b"] and stager.pending() == 0 and stager.staged == 2
+    assert threads and all(name.startswith("lorad-stager-") for name in threads)
     stager.ask("a", 1)  # asked again once done: staged again (e.g. after it left the caches)
     assert [item[:2] for item in wait_for(stager, 1)] == [("a", 1)]
+
+
+def test_several_adapters_stage_at_once():
+    # Each lookup waits until `threads` of them run together: done only if the stager's threads work side by side.
+    threads = 3
+    together = threading.Barrier(threads, timeout=5)
+
+    def lookup(name):
+        together.wait()
+        return name
+
+    stager = Stager(lookup, lambda adapter: (adapter, None), threads=threads)
+    for name in ("a", "b", "c"):
+        stager.ask(name, 0)
+    done = wait_for(stager, threads)
+    assert sorted(name for name, *_ in done) == ["a", "b", "c"]
+    assert all(not isinstance(result, BaseException) for *_, result in done)  # no barrier timed out
+    assert stager.seconds > 0
 
 
 def test_a_failure_is_reported_not_raised():
@@ -130,12 +149,13 @@ def test_a_dropped_stager_is_freed_and_its_thread_ends():
     stager = Stager(lambda name: name, lambda adapter: (adapter, None))
     stager.ask("a", 0)
     wait_for(stager, 1)
-    thread, alive = stager._thread, weakref.ref(stager)
+    threads, alive = list(stager._threads), weakref.ref(stager)
     del stager
     gc.collect()
     assert alive() is None
-    thread.join(5)
-    assert not thread.is_alive()
+    for thread in threads:
+        thread.join(5)
+        assert not thread.is_alive()
 
 
 def test_an_admission_waits_for_the_stager_while_other_rows_run(residency):

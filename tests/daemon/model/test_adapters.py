@@ -416,6 +416,7 @@ REFUSED_ADAPTERS = {
     "integer weights": (replaced("lora_A.weight", torch.zeros(4, HIDDEN, dtype=torch.int8)), {}, r"dtype I8"),
     "NaN": (nan_at("lora_A.weight", float("nan")), {}, r"lora_A.weight holds NaN or Inf"),
     "Inf": (nan_at("lora_B.weight", float("inf")), {}, r"lora_B.weight holds NaN or Inf"),
+    "-Inf": (nan_at("lora_A.weight", float("-inf")), {}, r"lora_A.weight holds NaN or Inf"),
     "A without B": (without("lora_B.weight"), {}, r"q_proj.lora_A.weight has no matching lora_B tensor"),
     "B without A": (without("lora_A.weight"), {}, r"q_proj.lora_B.weight has no matching lora_A tensor"),
     "two adapters in one file": (
