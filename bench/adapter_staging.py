@@ -1,0 +1,141 @@
+"""Where a cold adapter's host work goes, and how it scales with the stager's threads.
+
+The engine's stager (daemon/engine/adapter_residency.py) reads each cold adapter from disk through the registry
+(daemon/model/adapters.py: the PEFT safetensors read, checked and kept in float32), lays it out in pool pages
+(`AdapterTable.stage`, pageable) and copies those into pinned memory. This times each part for a set of PEFT
+adapter folders (the served figures' 7B adapters of ranks 8-64 on q, k, v, o by default), with the files in the
+page cache or dropped from it first (`--cold`), then stages them all with 1, 2, 4 and 8 threads at once, as the
+stager does: the wall time for all, and each part's mean time under that concurrency. `--busy-thread` runs a
+thread that executes Python without pause beside them (as the engine thread does between steps, at worst), with
+the GIL's switch interval `--switch-interval` (Python's default 5 ms; the engine process's, process.py).
+
+    python3 bench/adapter_staging.py [--adapters DIR] [--count 16] [--threads 1,2,4,8] [--cold]
+                                     [--busy-thread] [--switch-interval S] [--out OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from lorad.daemon.bench.report import machine
+from lorad.daemon.model.adapters import load_peft_adapter
+from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec
+from lorad.daemon.model.demo import write_random_adapter
+from lorad.gpu_ops.page_pool import AdapterTable, PagePool, StagedAdapter
+
+PARTS = ("read", "stage", "pin")
+
+
+def drop_page_cache(folder: Path) -> None:
+    """fsync then POSIX_FADV_DONTNEED every file: the next read comes from the disk."""
+    for file in folder.iterdir():
+        descriptor = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
+
+
+def stage_one(folder: Path, spec: ModelSpec, table: AdapterTable, pin: bool) -> dict[str, float]:
+    """One adapter through the stager's parts, each timed (ms)."""
+    started = time.perf_counter()
+    adapter = load_peft_adapter(folder, spec, 64, folder.name)
+    read = time.perf_counter()
+    staged = table.stage(adapter.weights, pin=False)
+    laid_out = time.perf_counter()
+    if pin:
+        StagedAdapter(staged.pages.pin_memory(), staged.layout)
+    pinned = time.perf_counter()
+    return {"read": (read - started) * 1e3, "stage": (laid_out - read) * 1e3, "pin": (pinned - laid_out) * 1e3}
+
+
+def stage_all(folders: list[Path], threads: int, spec: ModelSpec, table: AdapterTable, pin: bool) -> dict:
+    """Every folder staged by `threads` threads taking them in turn: the wall time and each part's mean."""
+    todo, lock, times = list(folders), threading.Lock(), []
+
+    def work():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                folder = todo.pop(0)
+            part = stage_one(folder, spec, table, pin)
+            with lock:
+                times.append(part)
+
+    started = time.perf_counter()
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    wall = time.perf_counter() - started
+    return {"threads": threads, "adapters": len(folders), "wall_ms": round(wall * 1e3, 1),
+            "adapters_per_s": round(len(folders) / wall, 2),
+            "mean_ms": {part: round(sum(t[part] for t in times) / len(times), 1) for part in PARTS}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--adapters", type=Path, help="PEFT adapter folders (default: written here, 7B, ranks 8-64)")
+    parser.add_argument("--count", type=int, default=16, help="adapters to write when --adapters is not given")
+    parser.add_argument("--model-config", default="llama-2-7b")
+    parser.add_argument("--threads", default="1,2,4,8")
+    parser.add_argument("--cold", action="store_true", help="drop the files from the page cache before each pass")
+    parser.add_argument("--busy-thread", action="store_true", help="a thread running Python without pause beside them")
+    parser.add_argument("--switch-interval", type=float, default=sys.getswitchinterval(), help="the GIL's, in seconds")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    sys.setswitchinterval(args.switch_interval)
+
+    spec = ModelSpec.from_hf_config(MODEL_CONFIGS[args.model_config])
+    if args.adapters is None:
+        root = Path(tempfile.mkdtemp(prefix="lorad-staging-"))
+        for index in range(args.count):
+            write_random_adapter(root / f"adapter-{index:04d}", spec, (8, 16, 32, 64)[index % 4], ("q_proj", "k_proj", "v_proj", "o_proj"),
+                                 seed=index)
+        args.adapters = root
+    folders = sorted(path for path in args.adapters.iterdir() if path.is_dir())
+    pin = torch.cuda.is_available()
+    shapes = [spec.projection_shape(p) for p in PROJECTIONS]
+    table = AdapterTable(PagePool(2, spec.page_elems, torch.bfloat16, torch.device("cpu")), 1, spec.num_layers, shapes)
+    stage_all(folders[:2], 1, spec, table, pin)  # warm-up: imports, allocator
+    busy = threading.Event()
+    if args.busy_thread:
+        def spin():
+            total = 0
+            while not busy.is_set():
+                for value in range(1000):
+                    total += value
+
+        threading.Thread(target=spin, daemon=True).start()
+    runs = []
+    for threads in (int(t) for t in args.threads.split(",")):
+        if args.cold:
+            for folder in folders:
+                drop_page_cache(folder)
+        run = stage_all(folders, threads, spec, table, pin)
+        runs.append(run)
+        print(f"threads {threads}: {run['adapters']} adapters in {run['wall_ms']:.0f} ms ({run['adapters_per_s']}/s); "
+              "mean ms " + ", ".join(f"{part} {ms}" for part, ms in run["mean_ms"].items()), flush=True)
+    busy.set()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        device = torch.device("cuda" if pin else "cpu")
+        args.out.write_text(json.dumps({"machine": machine(device), "model_config": args.model_config, "cold": args.cold,
+                                        "busy_thread": args.busy_thread, "switch_interval_s": args.switch_interval,
+                                        "pinned": pin, "torch_threads": torch.get_num_threads(),
+                                        "adapters": [path.name for path in folders], "runs": runs}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
