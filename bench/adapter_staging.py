@@ -5,12 +5,9 @@ The engine's stager (daemon/engine/adapter_residency.py) reads each cold adapter
 (`AdapterTable.stage`, pageable) and copies those into pinned memory. This times each part for a set of PEFT
 adapter folders (the served figures' 7B adapters of ranks 8-64 on q, k, v, o by default), with the files in the
 page cache or dropped from it first (`--cold`), then stages them all with 1, 2, 4 and 8 threads at once, as the
-stager does: the wall time for all, and each part's mean time under that concurrency. `--busy-thread` runs a
-thread that executes Python without pause beside them (as the engine thread does between steps, at worst), with
-the GIL's switch interval `--switch-interval` (Python's default 5 ms; the engine process's, process.py).
+stager does: the wall time for all, and each part's mean time under that concurrency.
 
-    python3 bench/adapter_staging.py [--adapters DIR] [--count 16] [--threads 1,2,4,8] [--cold]
-                                     [--busy-thread] [--switch-interval S] [--out OUT.json]
+    python3 bench/adapter_staging.py [--adapters DIR] [--count 16] [--threads 1,2,4,8] [--cold] [--out OUT.json]
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -91,11 +87,8 @@ def main() -> None:
     parser.add_argument("--model-config", default="llama-2-7b")
     parser.add_argument("--threads", default="1,2,4,8")
     parser.add_argument("--cold", action="store_true", help="drop the files from the page cache before each pass")
-    parser.add_argument("--busy-thread", action="store_true", help="a thread running Python without pause beside them")
-    parser.add_argument("--switch-interval", type=float, default=sys.getswitchinterval(), help="the GIL's, in seconds")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    sys.setswitchinterval(args.switch_interval)
 
     spec = ModelSpec.from_hf_config(MODEL_CONFIGS[args.model_config])
     if args.adapters is None:
@@ -109,15 +102,6 @@ def main() -> None:
     shapes = [spec.projection_shape(p) for p in PROJECTIONS]
     table = AdapterTable(PagePool(2, spec.page_elems, torch.bfloat16, torch.device("cpu")), 1, spec.num_layers, shapes)
     stage_all(folders[:2], 1, spec, table, pin)  # warm-up: imports, allocator
-    busy = threading.Event()
-    if args.busy_thread:
-        def spin():
-            total = 0
-            while not busy.is_set():
-                for value in range(1000):
-                    total += value
-
-        threading.Thread(target=spin, daemon=True).start()
     runs = []
     for threads in (int(t) for t in args.threads.split(",")):
         if args.cold:
@@ -127,12 +111,10 @@ def main() -> None:
         runs.append(run)
         print(f"threads {threads}: {run['adapters']} adapters in {run['wall_ms']:.0f} ms ({run['adapters_per_s']}/s); "
               "mean ms " + ", ".join(f"{part} {ms}" for part, ms in run["mean_ms"].items()), flush=True)
-    busy.set()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         device = torch.device("cuda" if pin else "cpu")
         args.out.write_text(json.dumps({"machine": machine(device), "model_config": args.model_config, "cold": args.cold,
-                                        "busy_thread": args.busy_thread, "switch_interval_s": args.switch_interval,
                                         "pinned": pin, "torch_threads": torch.get_num_threads(),
                                         "adapters": [path.name for path in folders], "runs": runs}, indent=1) + "\n")
 

@@ -30,7 +30,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import sys
 import threading
 from pathlib import Path
 
@@ -48,13 +47,6 @@ MAX_PENDING_OUTPUTS = 1 << 16
 SHED_MESSAGE = ("the API process fell behind reading the engine's outputs; the request was aborted to "
                 "bound the engine's memory")
 _SUBMIT_THREADS = 4
-# The engine process's GIL switch interval (Python's default: 5 ms). Each torch op a stager thread runs gives the GIL
-# up and takes it back, a few thousand times for one adapter; while another thread runs Python (the engine thread
-# between steps, the sender), each take waits up to the interval. Beside a thread that runs Python without pause,
-# a 7B adapter's read and staging took 100x as long as alone at 5 ms and 4x at 0.2 ms (on the CPU); in the saturated
-# Azure-conv run the stager's disk reads took 0.6-0.8 s an adapter where alone they take 0.06 (BENCHMARKS.md,
-# figure 21.1). A shorter interval costs the running thread a switch only where another waits for the GIL.
-ENGINE_SWITCH_INTERVAL_S = 0.0005
 _STOP_TIMEOUT_S = 30.0
 
 
@@ -411,7 +403,6 @@ def _engine_main(config: EngineConfig, inbox, outbox_connection, log_level: int,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s engine_pid={os.getpid()} %(message)s")
-    sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     outbox = _Outbox(outbox_connection, max_pending_outputs)
     # This process is a daemonic child of the API process (it must not outlive it), and multiprocessing
     # refuses children to those; the engine's CPU LoRA workers (cold_start cpu|auto) are its children,
