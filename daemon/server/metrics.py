@@ -137,18 +137,18 @@ def render(snapshot: dict) -> str:
         out.family(name, "counter", help_text)
         for kind, account in steps.items():
             out.sample(name, {"kind": kind}, account[key])
-    out.family("lorad_step_host_before_launch_seconds_total", "counter",
-               "The host's work from the previous step's landing to a step's launch (the device had no step to run), "
-               "by kind and part: tokens (handed back), schedule (admission), plan, launch.")
-    for kind, account in steps.items():
-        for part, seconds in account.get("host_parts_s", {}).items():
-            out.sample("lorad_step_host_before_launch_seconds_total", {"kind": kind, "part": part}, seconds)
-    out.family("lorad_step_empty_slots_total", "counter",
-               "Running slots engine steps left empty (slot-steps), by kind and cause: no_request_waiting, running_full, "
-               "token_budget, adapter_staging, kv_or_adapter_pages, time_per_token, admission_policy, ended_in_flight.")
-    for kind, account in steps.items():
-        for cause, count in account.get("empty_slots", {}).items():
-            out.sample("lorad_step_empty_slots_total", {"kind": kind, "cause": cause}, count)
+    for name, key, label, help_text in (  # by kind and one more label
+        ("lorad_step_host_before_launch_seconds_total", "host_parts_s", "part",
+         "The host's work from the previous step's landing to a step's launch (the device had no step to run), "
+         "by kind and part: tokens (handed back), schedule (admission), plan, launch."),
+        ("lorad_step_empty_slots_total", "empty_slots", "cause",
+         "Running slots engine steps left empty (slot-steps), by kind and cause: no_request_waiting, running_full, "
+         "token_budget, adapter_staging, kv_or_adapter_pages, time_per_token, admission_policy, ended_in_flight."),
+    ):
+        out.family(name, "counter", help_text)
+        for kind, account in steps.items():
+            for value_of, value in account.get(key, {}).items():
+                out.sample(name, {"kind": kind, label: value_of}, value)
     if any(account.get("device_s") is not None for account in steps.values()):  # a device clock (cuda)
         out.family("lorad_step_device_seconds_total", "counter",
                    "Engine steps' forwards on the device's clock, by kind: busy minus device is the device waiting "
