@@ -7,7 +7,8 @@ adapter folders (the served figures' 7B adapters of ranks 8-64 on q, k, v, o by 
 page cache or dropped from it first (`--cold`), then stages them all with 1, 2, 4 and 8 threads at once, as the
 stager does: the wall time for all, and each part's mean time under that concurrency.
 
-    python3 bench/adapter_staging.py [--adapters DIR] [--count 16] [--threads 1,2,4,8] [--cold] [--out OUT.json]
+    python3 bench/adapter_staging.py [--adapters DIR] [--count 16] [--threads 1,2,4,8] [--torch-threads default,1]
+                                     [--cold] [--out OUT.json]
 """
 
 from __future__ import annotations
@@ -54,11 +55,15 @@ def stage_one(folder: Path, spec: ModelSpec, table: AdapterTable, pin: bool) -> 
     return {"read": (read - started) * 1e3, "stage": (laid_out - read) * 1e3, "pin": (pinned - laid_out) * 1e3}
 
 
-def stage_all(folders: list[Path], threads: int, spec: ModelSpec, table: AdapterTable, pin: bool) -> dict:
-    """Every folder staged by `threads` threads taking them in turn: the wall time and each part's mean."""
+def stage_all(folders: list[Path], threads: int, spec: ModelSpec, table: AdapterTable, pin: bool,
+              torch_threads: int | None = None) -> dict:
+    """Every folder staged by `threads` threads taking them in turn: the wall time and each part's mean.
+    torch_threads: each thread's own intra-op threads (None: the process's, each thread a team of that many)."""
     todo, lock, times = list(folders), threading.Lock(), []
 
     def work():
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)  # this thread's OpenMP team only
         while True:
             with lock:
                 if not todo:
@@ -75,7 +80,7 @@ def stage_all(folders: list[Path], threads: int, spec: ModelSpec, table: Adapter
     for worker in workers:
         worker.join()
     wall = time.perf_counter() - started
-    return {"threads": threads, "adapters": len(folders), "wall_ms": round(wall * 1e3, 1),
+    return {"threads": threads, "torch_threads": torch_threads or torch.get_num_threads(), "adapters": len(folders), "wall_ms": round(wall * 1e3, 1),
             "adapters_per_s": round(len(folders) / wall, 2),
             "mean_ms": {part: round(sum(t[part] for t in times) / len(times), 1) for part in PARTS}}
 
@@ -87,6 +92,9 @@ def main() -> None:
     parser.add_argument("--model-config", default="llama-2-7b")
     parser.add_argument("--threads", default="1,2,4,8")
     parser.add_argument("--cold", action="store_true", help="drop the files from the page cache before each pass")
+    parser.add_argument("--torch-threads", default="default",
+                        help="each staging thread's intra-op threads, comma-separated settings to compare (default: "
+                             "the process's; the stager sets its threads to 1)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -103,14 +111,16 @@ def main() -> None:
     table = AdapterTable(PagePool(2, spec.page_elems, torch.bfloat16, torch.device("cpu")), 1, spec.num_layers, shapes)
     stage_all(folders[:2], 1, spec, table, pin)  # warm-up: imports, allocator
     runs = []
-    for threads in (int(t) for t in args.threads.split(",")):
-        if args.cold:
-            for folder in folders:
-                drop_page_cache(folder)
-        run = stage_all(folders, threads, spec, table, pin)
-        runs.append(run)
-        print(f"threads {threads}: {run['adapters']} adapters in {run['wall_ms']:.0f} ms ({run['adapters_per_s']}/s); "
-              "mean ms " + ", ".join(f"{part} {ms}" for part, ms in run["mean_ms"].items()), flush=True)
+    for torch_threads in (None if t == "default" else int(t) for t in args.torch_threads.split(",")):
+        for threads in (int(t) for t in args.threads.split(",")):
+            if args.cold:
+                for folder in folders:
+                    drop_page_cache(folder)
+            run = stage_all(folders, threads, spec, table, pin, torch_threads)
+            runs.append(run)
+            print(f"threads {threads} of {run['torch_threads']} torch threads: {run['adapters']} adapters in "
+                  f"{run['wall_ms']:.0f} ms ({run['adapters_per_s']}/s); mean ms "
+                  + ", ".join(f"{part} {ms}" for part, ms in run["mean_ms"].items()), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         device = torch.device("cuda" if pin else "cpu")
