@@ -35,8 +35,6 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-import torch
-
 from lorad.gpu_ops.page_pool import AdapterTable, LayerwiseLoad, StagedAdapter, StreamedLoad, issue_streamed
 
 PLACEMENTS = ("whole", "layerwise", "stream")
@@ -447,10 +445,7 @@ def _stop_threads(todo: queue.SimpleQueue, threads: int) -> None:
 
 
 def _stage_loop(stager_ref, todo: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
-    """A stager thread: until it is told to stop (None) or its stager is gone. Its torch ops run on this thread
-    alone: with OpenMP each thread that runs a parallel op gets its own team of the process's intra-op threads
-    (one per core), and a team per stager thread beside the engine's oversubscribed the cores."""
-    torch.set_num_threads(1)  # this thread's team only (OpenMP's setting is per thread)
+    """A stager thread: until it is told to stop (None) or its stager is gone."""
     while True:
         item = todo.get()
         stager = stager_ref()
