@@ -538,10 +538,17 @@ def format_table(runs: list[dict], key: str) -> str:
         rows.append(row)
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
-    return "\n".join(lines + ["(times in ms; busy s: the engine's step time in the run, device s: the same steps' "
-                              "forwards on the device's clock (busy - device: the device's work between forwards, sampling and the tokens' "
-                              "copies, and its waits for the host), floor s: their least time on this device from bytes "
-                              "and FLOPs; preempted: running requests preempted for KV and computed again)"])
+    lines.append("(times in ms; busy s: the engine's step time in the run, device s: the same steps' forwards on the "
+                 "device's clock (busy - device: the device's work between forwards, sampling and the tokens' copies, and "
+                 "its waits for the host), floor s: their least time on this device from bytes and FLOPs; preempted: "
+                 "running requests preempted for KV and computed again)")
+    for run in runs:  # a daemon that counts the running slots its steps left empty
+        causes = (run.get("engine") or {}).get("empty_slots_by_cause")
+        if causes:
+            point = run["request_rate"] if key == "request-rate" else run["max_concurrency"]
+            lines.append(f"{key} {point}: empty running slots (slot-steps) by cause: "
+                         + ", ".join(f"{cause} {count}" for cause, count in sorted(causes.items(), key=lambda item: -item[1])))
+    return "\n".join(lines)
 
 
 def _seconds(value: float | None) -> str:

@@ -107,6 +107,7 @@ def test_a_sweep_reports_every_point_and_plots_it(capsys, daemon, tmp_path):
             assert engine["empty_slots"] > 0 and set(engine["empty_slots_by_cause"]) == {"no_request_waiting"}
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "max-concurrency" in stdout and "preempted" in stdout and "wrote" in stdout
+    assert "max-concurrency 1: empty running slots (slot-steps) by cause: no_request_waiting" in stdout
     # every request met the (loose) objectives at both points: the sweep's goodput is its highest point
     assert report["sweep"]["goodput"] == {"share": 0.9, "highest": 4}
     assert "goodput: max-concurrency 4, the highest with >= 90% of the requests at ttft <= 60000 ms, tpot <= 60000 ms" in stdout
