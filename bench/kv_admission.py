@@ -17,11 +17,13 @@ The base model alone (the adapters' bytes are a few percent of a decode step's).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
 import numpy as np
 from lorad.daemon.bench.serve import choose_models
+from lorad.daemon.engine.engine import PREPARE_DEPTH
 from lorad.daemon.engine.step_cost import DeviceRates, SequenceInStep, StepCostModel
 from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec
 from lorad.scheduler.batching import PASS_STAGING, GrowthReserve, Scheduler
@@ -86,24 +88,73 @@ class Staged:
         return name is not None and self.step < self.ready.get(name, 0)
 
 
+class QueuedStaging(Staged):
+    """Adapters staged as the engine's Stager does (daemon/engine/adapter_residency.py): `threads` workers, each
+    adapter on one for `steps` steps, in the order they were asked for; asked for the adapters of the first
+    `depth` queued requests every step (the engine's prepare) and at an admission that has to wait for one. With
+    nothing running an adapter is staged at once (the engine thread stages it itself)."""
+
+    def __init__(self, steps: int, threads: int, depth: int = PREPARE_DEPTH):
+        super().__init__(steps)
+        self.threads, self.depth = threads, depth
+        self.asked: list[str] = []  # not started yet, first asked first
+        self.working: list[int] = []  # the steps at which the busy workers finish
+
+    def prepare(self, waiting) -> None:
+        """A new step: the first queued requests' adapters are asked for, and free workers take the oldest asks."""
+        for seq in itertools.islice(waiting, self.depth):
+            self._ask(seq.adapter)
+        self.working = [done for done in self.working if done > self.step]
+        while self.asked and len(self.working) < self.threads:
+            name = self.asked.pop(0)
+            self.ready[name] = self.step + self.steps
+            self.working.append(self.ready[name])
+
+    def _ask(self, name) -> None:
+        if name is not None and name not in self.ready and name not in self.asked:
+            self.asked.append(name)
+
+    def acquire(self, name, tokens=None) -> bool:
+        if name is None or not self.steps or self.ready.get(name, self.step + 1) <= self.step:
+            return True
+        if not self.running():
+            if name in self.asked:
+                self.asked.remove(name)
+            self.ready[name] = self.step
+            return True
+        self._ask(name)
+        return False
+
+    def staging(self, name) -> bool:
+        return name is not None and (name in self.asked or self.step < self.ready.get(name, 0))
+
+
 def replay(lengths: list[tuple[int, int]], kv_tokens: int, max_running: int, max_batch_tokens: int, reserve: bool,
            cost: StepCostModel, rates: DeviceRates, adapters: list[str | None] | None = None, staging_steps: int = 0,
-           pass_staging: int = PASS_STAGING) -> dict:
-    """adapters: each request's adapter (`enqueue`)."""
-    memory, staged = BoundedKV(kv_tokens), Staged(staging_steps)
+           pass_staging: int = PASS_STAGING, stager_threads: int = 0) -> dict:
+    """adapters: each request's adapter (`enqueue`). stager_threads: adapters staged by that many workers in turn
+    (`QueuedStaging`), each taking staging_steps; 0: each adapter's first request waits staging_steps, whatever
+    else stages (`Staged`)."""
+    memory = BoundedKV(kv_tokens)
+    staged = QueuedStaging(staging_steps, stager_threads) if stager_threads else Staged(staging_steps)
     scheduler = Scheduler(max_running, max_batch_tokens, memory, staged, reserve=GrowthReserve() if reserve else None,
                           pass_staging=pass_staging)
     staged.running = lambda: bool(scheduler.running)
     enqueue(scheduler, lengths, adapters)
     steps = {kind: {"steps": 0, "rows": 0, "floor_s": 0.0} for kind in ("decode", "mixed", "prefill")}
+    empty_slots: dict[str, int] = {}
     decode_rows = []
     prompt_rows = 0
     most_running = 0
     while scheduler.has_work():
         staged.step += 1
+        if stager_threads:
+            staged.prepare(scheduler.waiting)
         batch = scheduler.schedule()
         if not batch:
             raise RuntimeError("the scheduler planned an empty step with work left")
+        if len(batch) < max_running:  # as the engine's account counts them (step_account.py)
+            empty_slots[scheduler.stopped] = empty_slots.get(scheduler.stopped, 0) + max_running - len(batch)
         most_running = max(most_running, len(scheduler.running))
         kind = step_kind(batch)
         step_cost = cost.cost([SequenceInStep(count, seq.num_computed + count, seq.num_computed + count >= seq.num_tokens, None)
@@ -118,7 +169,8 @@ def replay(lengths: list[tuple[int, int]], kv_tokens: int, max_running: int, max
     floor = sum(entry["floor_s"] for entry in steps.values())
     busy = sum(BUSY_OVER_FLOOR[kind] * entry["floor_s"] for kind, entry in steps.items())
     return {"max_running_requests": max_running, "kv_growth_reserve": reserve, "staging_steps": staging_steps,
-            "pass_staging": pass_staging, "admitted_past_staging": scheduler.past_staging, "steps": steps,
+            "stager_threads": stager_threads, "pass_staging": pass_staging, "admitted_past_staging": scheduler.past_staging,
+            "empty_slots_by_cause": empty_slots, "steps": steps,
             "mean_decode_rows": round(float(np.mean(decode_rows)), 1), "most_running": most_running,
             "preemptions": scheduler.preemptions, "prompt_tokens_again": prompt_rows - sum(p for p, _ in lengths),
             "floor_s": floor, "estimated_busy_s": busy, "estimated_output_tok_s": sum(o for _, o in lengths) / busy}
@@ -136,9 +188,13 @@ def main() -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--adapters", type=int, default=100, help="requests spread over N adapters (0: the base model)")
     parser.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of adapter popularity, as bench serve")
-    parser.add_argument("--staging-steps", type=int, default=8,
+    parser.add_argument("--staging-steps", default="8",
                         help="steps an adapter's first request waits for its staging (default 8: ~140 ms of the "
-                             "H100's ~17 ms decode steps; 0: adapters always at hand)")
+                             "H100's ~17 ms decode steps; 0: adapters always at hand), comma-separated")
+    parser.add_argument("--stager-threads", default="0",
+                        help="adapters staged by this many workers in turn, each adapter taking --staging-steps "
+                             "(0: each waits --staging-steps whatever else stages), comma-separated")
+    parser.add_argument("--reserve", choices=("both", "off", "on"), default="both", help="the growth reserve")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -149,25 +205,32 @@ def main() -> None:
     listed = [{"id": "base"}] + [{"id": f"adapter-{index:04d}", "kind": "lora"} for index in range(args.adapters)]
     adapters = (None if args.adapters == 0 else
                 choose_models(listed, args.adapters, args.alpha, len(lengths), np.random.default_rng(0))[0])
-    passing = (0, PASS_STAGING) if args.staging_steps and args.adapters else (PASS_STAGING,)
+    staging_steps = [int(steps) for steps in args.staging_steps.split(",")]
+    passing = (0, PASS_STAGING) if any(staging_steps) and args.adapters else (PASS_STAGING,)
+    reserves = {"both": (False, True), "off": (False,), "on": (True,)}[args.reserve]
     runs = [replay(lengths, args.kv_tokens, int(running), args.max_batch_tokens, reserve, cost, H100, adapters,
-                   args.staging_steps, pass_staging)
-            for running in args.running.split(",") for reserve in (False, True) for pass_staging in passing]
+                   steps, pass_staging, int(threads))
+            for running in args.running.split(",") for reserve in reserves for pass_staging in passing
+            for threads in args.stager_threads.split(",") for steps in staging_steps]
     print(f"{args.dataset}: {len(lengths)} prompts, {args.kv_tokens} KV positions, {args.model_config}, "
-          f"{args.adapters} adapters staged in {args.staging_steps} steps")
-    print(f"{'running':>7} {'reserve':>7} {'pass':>4} {'decode':>6} {'mixed':>5} {'rows/decode':>11} {'most':>4} "
-          f"{'preempted':>9} {'prompt again':>12} {'floor s':>7} {'est. busy s':>11} {'est. tok/s':>10}")
+          f"{args.adapters} adapters")
+    print(f"{'running':>7} {'reserve':>7} {'pass':>4} {'stager':>6} {'staging':>7} {'decode':>6} {'mixed':>5} "
+          f"{'rows/decode':>11} {'most':>4} {'preempted':>9} {'prompt again':>12} {'empty: staging':>14} "
+          f"{'no request':>10} {'floor s':>7} {'est. busy s':>11} {'est. tok/s':>10}")
     for run in runs:
+        empty = run["empty_slots_by_cause"]
         print(f"{run['max_running_requests']:>7} {'on' if run['kv_growth_reserve'] else 'off':>7} {run['pass_staging']:>4} "
+              f"{run['stager_threads'] or '-':>6} {run['staging_steps']:>7} "
               f"{run['steps']['decode']['steps']:>6} {run['steps']['mixed']['steps']:>5} {run['mean_decode_rows']:>11} "
-              f"{run['most_running']:>4} {run['preemptions']:>9} {run['prompt_tokens_again']:>12} {run['floor_s']:>7.2f} "
+              f"{run['most_running']:>4} {run['preemptions']:>9} {run['prompt_tokens_again']:>12} "
+              f"{empty.get('adapter_staging', 0):>14} {empty.get('no_request_waiting', 0):>10} {run['floor_s']:>7.2f} "
               f"{run['estimated_busy_s']:>11.2f} {run['estimated_output_tok_s']:>10.0f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"dataset": args.dataset, "prompts": len(lengths), "kv_tokens": args.kv_tokens,
                                         "kv_bytes": args.kv_bytes, "weight_bytes": args.weight_bytes,
                                         "model_config": args.model_config, "adapters": args.adapters, "alpha": args.alpha,
-                                        "staging_steps": args.staging_steps, "runs": runs}, indent=1) + "\n")
+                                        "runs": runs}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

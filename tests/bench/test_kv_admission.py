@@ -42,3 +42,21 @@ def test_passing_over_staging_adapters_fills_the_batch():
     assert passed["mean_decode_rows"] > held["mean_decode_rows"]
     for run in (held, passed):  # the same work either way
         assert sum(kind["rows"] for kind in run["steps"].values()) == 24 * (8 + 11)
+
+
+def test_adapters_staged_by_fewer_workers_leave_more_slots_empty():
+    """The engine's stager modelled: cold adapters staged in turn by a number of workers, each taking 5 steps. One
+    worker stages them one after another, so requests wait longer for theirs than with four; the replay counts the
+    running slots left empty while they wait, as the engine's account does."""
+    bench = bench_scripts.load("kv_admission")
+    cost = StepCostModel(ModelSpec.from_hf_config(MODEL_CONFIGS["tiny-llama"]), 2, adapter_ranks=lambda name: {})
+    lengths = [(8, 12)] * 24
+    adapters = [f"a{index % 8}" for index in range(24)]  # eight adapters, each cold at first
+    runs = {threads: bench.replay(lengths, kv_tokens=10_000, max_running=8, max_batch_tokens=64, reserve=False, cost=cost,
+                                  rates=DeviceRates(1e12, 1e14), adapters=adapters, staging_steps=5, stager_threads=threads)
+            for threads in (1, 4)}
+    one, four = runs[1]["empty_slots_by_cause"], runs[4]["empty_slots_by_cause"]
+    assert one["adapter_staging"] > four["adapter_staging"] > 0
+    assert runs[1]["steps"]["decode"]["steps"] > runs[4]["steps"]["decode"]["steps"]
+    for run in runs.values():  # the same work either way
+        assert sum(kind["rows"] for kind in run["steps"].values()) == 24 * (8 + 11)
