@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="drop the files from the page cache before each pass")
     parser.add_argument("--torch-threads", default="default",
                         help="each staging thread's intra-op threads, comma-separated settings to compare (default: "
-                             "the process's, which the engine's stager threads use)")
+                             "the process's; the engine's stager threads use 1)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 

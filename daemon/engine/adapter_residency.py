@@ -35,6 +35,8 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
+import torch
+
 from lorad.gpu_ops.page_pool import AdapterTable, LayerwiseLoad, StagedAdapter, StreamedLoad, issue_streamed
 
 PLACEMENTS = ("whole", "layerwise", "stream")
@@ -445,7 +447,12 @@ def _stop_threads(todo: queue.SimpleQueue, threads: int) -> None:
 
 
 def _stage_loop(stager_ref, todo: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
-    """A stager thread: until it is told to stop (None) or its stager is gone."""
+    """A stager thread: until it is told to stop (None) or its stager is gone. Its torch ops run on this thread
+    alone: with OpenMP each thread that runs a parallel op gets its own team of the process's intra-op threads (one
+    per core), so a team per stager thread beside the engine's would oversubscribe the cores, and each of an
+    adapter's thousands of ops would wait for its team's slowest thread. On a loaded 2-core machine one thread each
+    staged 1.12x as fast with four stager threads and 3.8x with one (BENCHMARKS.md, figure 21.1)."""
+    torch.set_num_threads(1)  # this thread's team only (OpenMP's setting is per thread)
     while True:
         item = todo.get()
         stager = stager_ref()

@@ -63,6 +63,16 @@ def test_several_adapters_stage_at_once():
     assert stager.seconds > 0
 
 
+def test_the_stager_threads_run_torch_on_one_thread_each_and_leave_the_callers_setting():
+    before = torch.get_num_threads()
+    seen = []
+    stager = Stager(lambda name: seen.append(torch.get_num_threads()) or name, lambda adapter: (adapter, None), threads=2)
+    for name in ("a", "b"):
+        stager.ask(name, 0)
+    assert len(wait_for(stager, 2)) == 2
+    assert seen == [1, 1] and torch.get_num_threads() == before
+
+
 def test_a_failure_is_reported_not_raised():
     def lookup(name):
         raise ValueError(f"{name} is broken")
