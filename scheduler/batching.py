@@ -190,11 +190,10 @@ class Scheduler:
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
         self.blocked = None
-        self.stopped = TOKEN_BUDGET
         self._held = None
         for seq in list(self.running):
             if budget == 0:
-                return plan
+                break
             if seq not in self.running or seq in ending:  # preempted below to make room for an older one; ends
                 continue
             count = min(seq.num_tokens + (seq in ahead) - seq.num_computed, budget)
