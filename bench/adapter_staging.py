@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import torch
+from lorad.daemon.bench.load import drop_page_cache, flush_files
 from lorad.daemon.bench.report import machine
 from lorad.daemon.model.adapters import load_peft_adapter
 from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec
@@ -29,17 +29,6 @@ from lorad.daemon.model.demo import write_random_adapter
 from lorad.gpu_ops.page_pool import AdapterTable, PagePool, StagedAdapter
 
 PARTS = ("read", "stage", "pin")
-
-
-def drop_page_cache(folder: Path) -> None:
-    """fsync then POSIX_FADV_DONTNEED every file: the next read comes from the disk."""
-    for file in folder.iterdir():
-        descriptor = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(descriptor)
 
 
 def stage_one(folder: Path, spec: ModelSpec, table: AdapterTable, pin: bool) -> dict[str, float]:
@@ -80,8 +69,8 @@ def stage_all(folders: list[Path], threads: int, spec: ModelSpec, table: Adapter
     for worker in workers:
         worker.join()
     wall = time.perf_counter() - started
-    return {"threads": threads, "torch_threads": torch_threads or torch.get_num_threads(), "adapters": len(folders), "wall_ms": round(wall * 1e3, 1),
-            "adapters_per_s": round(len(folders) / wall, 2),
+    return {"threads": threads, "torch_threads": torch_threads or torch.get_num_threads(), "adapters": len(folders),
+            "wall_ms": round(wall * 1e3, 1), "adapters_per_s": round(len(folders) / wall, 2),
             "mean_ms": {part: round(sum(t[part] for t in times) / len(times), 1) for part in PARTS}}
 
 
@@ -113,8 +102,9 @@ def main() -> None:
     runs = []
     for torch_threads in (None if t == "default" else int(t) for t in args.torch_threads.split(",")):
         for threads in (int(t) for t in args.threads.split(",")):
-            if args.cold:
+            if args.cold:  # the next reads come from the disk
                 for folder in folders:
+                    flush_files(folder)
                     drop_page_cache(folder)
             run = stage_all(folders, threads, spec, table, pin, torch_threads)
             runs.append(run)

@@ -85,7 +85,7 @@ def run(args) -> dict:
                 adapter_dir = None
                 if "disk" in tiers:
                     adapter_dir = write_random_adapter(disk_dir / f"{set_name}-r{rank}", spec, rank, TARGET_SETS[set_name], seed=rank)
-                    _flush(adapter_dir)
+                    flush_files(adapter_dir)
 
                 def disk_load(path=adapter_dir):
                     adapter = load_peft_adapter(path, spec, max_rank=max(ranks))
@@ -104,7 +104,7 @@ def run(args) -> dict:
                             table.evict(0)
                             sync(device)
                         if tier == "disk":
-                            _drop_page_cache(adapter_dir)
+                            drop_page_cache(adapter_dir)
                         ms = timed_ms(loads[tier], device)
                         if rep >= args.warmup:
                             times.append(ms)
@@ -159,11 +159,11 @@ def measure_bandwidth(device: torch.device, tiers, disk_dir: Path | None) -> dic
     if "disk" in tiers:
         probe = disk_dir / "bandwidth-probe.bin"
         probe.write_bytes(np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8).tobytes())
-        _flush(probe)
+        flush_files(probe)
         buffer = bytearray(size)
         best = math.inf
         for _ in range(3):
-            _drop_page_cache(probe)
+            drop_page_cache(probe)
             start = time.perf_counter()
             with open(probe, "rb", buffering=0) as file:
                 file.readinto(buffer)
@@ -205,8 +205,8 @@ def _files(path: Path) -> list[Path]:
     return [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
 
 
-def _flush(path: Path) -> None:
-    """fsync, so that the pages are clean and _drop_page_cache can drop them."""
+def flush_files(path: Path) -> None:
+    """fsync, so that the pages are clean and drop_page_cache can drop them."""
     for file in _files(path):
         descriptor = os.open(file, os.O_RDONLY)
         try:
@@ -215,7 +215,7 @@ def _flush(path: Path) -> None:
             os.close(descriptor)
 
 
-def _drop_page_cache(path: Path) -> None:
+def drop_page_cache(path: Path) -> None:
     """Ask the kernel to forget the cached pages of the files (no root needed; clean pages only)."""
     for file in _files(path):
         descriptor = os.open(file, os.O_RDONLY)

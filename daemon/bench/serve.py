@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import math
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -496,12 +497,9 @@ def step_time_delta(before: dict | None, after: dict | None) -> dict | None:
         devices = [kind["device_s"] for kind in by_kind.values() if kind["device_s"] is not None]
         summary["device_s"] = sum(devices) if devices else None
     if all("empty_slots_by_cause" in kind for kind in by_kind.values()):
-        causes: dict[str, int] = {}
-        for kind in by_kind.values():
-            for cause, count in kind["empty_slots_by_cause"].items():
-                causes[cause] = causes.get(cause, 0) + count
+        causes = sum((Counter(kind["empty_slots_by_cause"]) for kind in by_kind.values()), Counter())
         summary["empty_slots"] = sum(causes.values())
-        summary["empty_slots_by_cause"] = causes
+        summary["empty_slots_by_cause"] = dict(causes)
     return summary
 
 
