@@ -96,6 +96,13 @@ class AdmissionDropped(Overloaded):
     type = "admission_dropped"
 
 
+class ServiceUnavailable(LoradError):
+    """A part of the daemon a request needs is down for now (the large-body parser); the next request restarts it."""
+
+    status = 503
+    type = "unavailable_error"
+
+
 class EngineDead(LoradError):
     status = 500
     type = "engine_error"

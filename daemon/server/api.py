@@ -27,6 +27,7 @@ from lorad.errors import (
 )
 from lorad.daemon.server import metrics as metrics_format
 from lorad.daemon.server.admin_gate import AdminGate
+from lorad.daemon.server.body_parser import BodyParser
 from lorad.daemon.server.unix_socket import PeerCredentials, peer_credentials
 from lorad.daemon.engine.chat_template import (TEMPLATE_FILE, TOKENIZER_CONFIG, AdapterTemplates, ChatTemplate,
                                                load_chat_template)
@@ -41,8 +42,8 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20
 # Prompts longer than this are tokenized off the event loop, so one huge prompt does not stall the others.
 _TOKENIZE_INLINE_CHARS = 4096
-_PARSE_INLINE_BYTES = 256 << 10  # bodies larger than this are parsed off the event loop, one at a time:
-_large_bodies = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorad-json")  # so the loop waits for one at most
+_PARSE_INLINE_BYTES = 256 << 10  # bodies larger than this are parsed in the body parser's process, one at a time
+_large_bodies = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorad-json")  # the parser's pipes
 
 ENGINE = web.AppKey("engine", object)
 STARTED = web.AppKey("started", int)
@@ -52,9 +53,10 @@ CHAT = web.AppKey("chat", object)  # the checkpoint's ChatTemplate, or why there
 ADAPTER_CHAT = web.AppKey("adapter_chat", AdapterTemplates)  # adapter folders' own templates
 ADMIN = web.AppKey("admin", AdminGate)  # who may load and unload adapters
 MAX_CHOICES_PER_PROMPT = web.AppKey("max_n", int)  # n's bound (--max-n)
-# Held while a large body is parsed: the next parse is handed to the thread only after the loop has run once, so
-# other requests wait for one parse at most, never for two back to back (the thread would otherwise take the next
-# one from its queue and the interpreter lock with it before the loop got a turn).
+BODY_PARSER = web.AppKey("body_parser", BodyParser)  # the child process that parses large bodies
+# Held while a large body is parsed: the next body is handed to the thread only after the loop has run once, so
+# other requests wait for one result's load at most, never for two back to back (the thread would otherwise take
+# the next one from its queue and the interpreter lock with it before the loop got a turn).
 LARGE_BODY_TURN = web.AppKey("large_body_turn", asyncio.Lock)
 
 
@@ -144,10 +146,9 @@ async def _json_body(request: web.Request):
     try:
         if len(raw) <= _PARSE_INLINE_BYTES:
             return json.loads(raw)
-        # Off the event loop. The parse still holds the interpreter lock while it runs (a 16 MB text prompt
-        # ~40 ms, a million token ids ~60 ms on the CPU box), so other requests wait at most that long.
+        # In another process: only loading its result holds the interpreter lock (body_parser.py has the figures).
         async with request.app[LARGE_BODY_TURN]:
-            parsed = await asyncio.get_running_loop().run_in_executor(_large_bodies, json.loads, raw)
+            parsed = await asyncio.get_running_loop().run_in_executor(_large_bodies, request.app[BODY_PARSER].parse, raw)
             await asyncio.sleep(0)  # the loop's turn, before the next parse takes the lock
         return parsed
     except RecursionError:
@@ -521,6 +522,10 @@ async def _send_event(response: web.StreamResponse, chunk: Chunk | dict) -> None
 # --- the application --------------------------------------------------------------------------------------
 
 
+async def _close_body_parser(app: web.Application) -> None:
+    await asyncio.get_running_loop().run_in_executor(_large_bodies, app[BODY_PARSER].close)
+
+
 async def _abort_in_flight(app: web.Application) -> None:
     # On shutdown every running request is told to finish now, so handlers answer before the loop stops; one
     # whose submit() is still running is aborted by its handler once it returns (SHUTTING_DOWN).
@@ -560,6 +565,7 @@ def create_app(engine, admin: AdminGate | None = None, max_n: int = MAX_N) -> we
     app[ENGINE] = engine
     app[MAX_CHOICES_PER_PROMPT] = max_n
     app[LARGE_BODY_TURN] = asyncio.Lock()
+    app[BODY_PARSER] = BodyParser()
     app[STARTED] = int(time.time())
     app[IN_FLIGHT] = set()
     app[SHUTTING_DOWN] = asyncio.Event()
@@ -575,5 +581,6 @@ def create_app(engine, admin: AdminGate | None = None, max_n: int = MAX_N) -> we
     app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/metrics", metrics)
     app.on_shutdown.append(_abort_in_flight)
+    app.on_cleanup.append(_close_body_parser)
     return app
 

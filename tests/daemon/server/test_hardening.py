@@ -135,8 +135,8 @@ def test_health_answers_while_huge_prompts_are_refused(demo_assets, short_tmp):
         assert max(latencies) < 0.1, latencies
         again = client.completions(model="demo-r8", prompt="The lighthouse", max_tokens=4, temperature=0)
         assert answers[0]["choices"][0]["text"] == again["choices"][0]["text"]
-        # a million token ids: refused by their count, before any is looked at (its JSON parse holds the
-        # interpreter ~60 ms, the one wait other requests may see)
+        # a million token ids: refused by their count, before any is looked at (parsed in the body parser's
+        # process; loading the parsed list holds the daemon's interpreter ~8 ms)
         status, _, payload = raw_request(str(path), "POST", "/v1/completions",
                                          json.dumps({"model": "lorad-demo", "prompt": token_ids}).encode())
         assert status == 400 and json.loads(payload)["error"]["type"] == "context_length_exceeded"

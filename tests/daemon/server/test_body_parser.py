@@ -1,0 +1,80 @@
+"""The large-body parser's child process: the same values and errors as json.loads, and a new child after one dies."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from lorad.daemon.server.body_parser import BodyParser
+from lorad.errors import ServiceUnavailable
+
+
+@pytest.fixture
+def parser():
+    parser = BodyParser()
+    yield parser
+    parser.close()
+
+
+BODIES = [
+    {"model": "m", "prompt": "lighthouse " * 100_000},
+    {"model": "m", "prompt": [[5, 6, 2**40], list(range(50_000))], "seed": 2**64 - 1, "temperature": 0.7},
+    {"messages": [{"role": "user", "content": "ça va? 灯台 🚢"}], "logit_bias": {"50256": -100.0}, "stop": None},
+    [1.5e308, -0.0, True, False, None, "", {}, []],
+    [[[[[[[[[["deep"]]]]]]]]]],
+]
+
+
+@pytest.mark.parametrize("value", BODIES)
+def test_values_are_what_json_loads_gives(parser, value):
+    raw = json.dumps(value).encode()
+    assert parser.parse(raw) == json.loads(raw)
+
+
+def test_non_finite_numbers_parse_as_json_loads_reads_them(parser):
+    parsed = parser.parse(b'[Infinity, -Infinity, NaN]')
+    assert parsed[:2] == [float("inf"), float("-inf")] and parsed[2] != parsed[2]
+
+
+@pytest.mark.parametrize("raw, error, fragment", [
+    (b'{"model": ', ValueError, "Expecting value"),
+    (b'\xff\xfe{}', ValueError, ""),
+    (b'[' + b'1' * 5000 + b']', ValueError, "digits"),  # Python's int string conversion limit
+    (b'[' * 200_000 + b']' * 200_000, RecursionError, ""),
+])
+def test_refusals_are_json_loads_errors(parser, raw, error, fragment):
+    with pytest.raises(error):  # what the thread's json.loads raised, and api.py maps
+        json.loads(raw)
+    with pytest.raises(error) as refused:
+        parser.parse(raw)
+    assert fragment in str(refused.value)
+    assert parser.parse(b'{"after": 1}') == {"after": 1}  # the child lives on
+
+
+def test_a_child_killed_while_idle_is_replaced_at_the_next_body(parser, caplog):
+    assert parser.parse(b'[1]') == [1]
+    first = parser._process
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    assert parser.parse(b'[2]') == [2]
+    assert parser._process.pid != first.pid and "had exited" in caplog.text
+
+
+def test_a_child_that_dies_during_a_body_answers_503_and_the_next_body_starts_a_new_one(parser):
+    # a stand-in child that reads the header and exits without answering
+    parser._process = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.buffer.read(8)"],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    with pytest.raises(ServiceUnavailable, match="exited; retry"):
+        parser.parse(b'[1]')
+    assert parser._process is None
+    assert parser.parse(b'[3]') == [3]
+
+
+def test_close_ends_the_child(parser):
+    parser.parse(b'{}')
+    process = parser._process
+    parser.close()
+    assert process.poll() == 0
