@@ -54,7 +54,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available
     dtype: str = "auto"  # auto: the checkpoint's torch_dtype on cuda, float32 on the cpu
     max_lora_rank: int = 256
-    max_running_requests: int = 64
+    max_running_requests: int | None = None  # None: from the KV cache's capacity (scheduler/batching.py default_max_running)
     max_batch_tokens: int = 2048  # tokens (prefill + decode) in one step
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings, capped at 8192
     max_waiting_requests: int = 1024  # beyond it new requests are refused (503)
@@ -132,7 +132,7 @@ class EngineConfig:
         if not 1 <= self.max_lora_rank <= 1024:
             raise BadRequest(f"max_lora_rank must be in 1..1024, not {self.max_lora_rank}")
         for name in ("max_running_requests", "max_batch_tokens", "max_waiting_requests"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise BadRequest(f"{name} must be positive")
         if self.quantization not in QUANTIZATIONS:
             raise BadRequest(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")

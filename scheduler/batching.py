@@ -64,6 +64,21 @@ class Adapters(Protocol):
 
 PASS_STAGING = 8  # waiting sequences an admission passes over while their adapters are staged
 
+# The running cap by default: one running request for each RUNNING_PER_KV_TOKENS positions the KV cache holds, in
+# multiples of 8, within RUNNING_RANGE. A fixed cap either leaves a large cache idle or runs a small one into
+# preemptions; tied to the capacity, a request of a chat trace's size (the Azure conversations: ~1,000 prompt
+# tokens, ~250 generated) finds its KV at admission. On the H100 with the 7B shape (104,584 positions in bf16) it
+# is 96: served saturated beside 64, the same output tok/s within one build's spread (BENCHMARKS.md, figure 21.1);
+# replayed over a rate sweep, goodput 14 req/s where 64 gives 11 (bench/goodput_replay.py, figure 21.3).
+RUNNING_PER_KV_TOKENS = 1024
+RUNNING_RANGE = (64, 256)
+
+
+def default_max_running(kv_tokens: int) -> int:
+    """The running cap for a KV cache of `kv_tokens` positions, where none is given."""
+    low, high = RUNNING_RANGE
+    return max(low, min(high, kv_tokens // RUNNING_PER_KV_TOKENS // 8 * 8))
+
 # Why the last step's admission stopped (`Scheduler.stopped`): what keeps any running slot it leaves empty.
 NO_REQUEST_WAITING = "no_request_waiting"  # the queue was empty
 RUNNING_FULL = "running_full"  # every running slot was taken

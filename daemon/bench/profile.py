@@ -350,9 +350,11 @@ class Bench:
             from lorad.config import EngineConfig
             from lorad.daemon.engine.prefill_graphs import PrefillGraphs
 
-            defaults = EngineConfig()
+            from lorad.scheduler.batching import RUNNING_RANGE
+
+            defaults = EngineConfig()  # (the running cap: the least a default engine runs, more than any profiled step's)
             self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.table, min(defaults.max_batch_tokens, self.max_tokens),
-                                                defaults.max_running_requests, self.max_model_len, self.max_lora_rank)
+                                                RUNNING_RANGE[0], self.max_model_len, self.max_lora_rank)
             self.prefill_graphs.capture(pool=self.graphs.pool if self.graphs is not None else None)
         return self.prefill_graphs
 

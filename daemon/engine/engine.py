@@ -47,7 +47,9 @@ from lorad.daemon.engine.tokenizer import Detokenizer, load_tokenizer
 from lorad.errors import AdmissionDropped, BadRequest, LoradError, ModelError, ModelNotFound, Overloaded, clip
 from lorad.gpu_ops.page_pool import AdapterTable, BlockList, KVCache, PagePool
 from lorad.scheduler.admission import AdmissionPolicy, Objectives, OnlinePrefill, make_admission
-from lorad.scheduler.batching import NO_REQUEST_WAITING, GrowthReserve, Scheduler, Sequence
+from lorad.scheduler.batching import (
+    NO_REQUEST_WAITING, RUNNING_PER_KV_TOKENS, RUNNING_RANGE, GrowthReserve, Scheduler, Sequence, default_max_running,
+)
 
 log = logging.getLogger(__name__)
 
@@ -190,10 +192,13 @@ class Engine:
                  rates.bandwidth_bytes_per_s / 1e9, rates.flops_per_s / 1e12)
         pages = pool_pages(config, self.spec, self.dtype, self.device)
         if self.tp is not None:
-            pages = self.tp.agree_pages(pages, self.spec.page_elems)
+            pages = self.tp.agree_pages(pages)
         self.pool = PagePool(pages, self.spec.page_elems, self.dtype, self.device)
         self.kv = KVCache(self.pool, self.spec.num_layers, local.num_kv_heads, local.head_dim, self.kv_dtype,
                           self.spec.layer_windows)
+        config = self.config = self.runner.config = self._running_cap(config)
+        if self.tp is not None:
+            self.tp.send_pool(pages, self.spec.page_elems, config.max_running_requests)
         if self.kv.blocks_for(self.max_model_len) * self.kv.pages_per_block > self.pool.capacity:
             raise ModelError(
                 f"the page pool ({self.pool.capacity} pages) cannot hold one sequence of max_model_len="
@@ -443,6 +448,20 @@ class Engine:
         self._api_registrations[name] = str(resolved)
         self._save_registrations()
         return adapter.describe()
+
+    def _running_cap(self, config: EngineConfig) -> EngineConfig:
+        """The config with its running cap: as given, or from the KV cache's capacity (default_max_running)."""
+        capacity = self.kv.capacity_tokens()
+        if config.max_running_requests is not None:
+            self.max_running_from = "config"
+            log.info("max_running_requests=%d (given; the KV cache holds %d positions)", config.max_running_requests, capacity)
+            return config
+        running = default_max_running(capacity)
+        self.max_running_from = "kv_capacity"
+        low, high = RUNNING_RANGE
+        log.info("max_running_requests=%d (from the KV cache's %d positions: one per %d, %d to %d; "
+                 "--max-running-requests sets it)", running, capacity, RUNNING_PER_KV_TOKENS, low, high)
+        return replace(config, max_running_requests=running)
 
     def _under_root(self, path: str) -> tuple[Path, Path]:
         """The adapter folder resolved (symlinks followed: a link out of the roots is outside) and the adapter
@@ -1152,7 +1171,8 @@ def pool_pages(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device
             activations *= 2
             # and their logits: the decode and the prefill graphs' shared buffers (decode_graphs.SharedLogits) and the
             # largest graph's own float32 and model-dtype logits, a temporary of the pool
-            activations += config.max_running_requests * spec.vocab_size * (3 * 4 + element)
+            # (for the largest running cap it may derive where none is given: the pool's size comes first)
+            activations += (config.max_running_requests or RUNNING_RANGE[1]) * spec.vocab_size * (3 * 4 + element)
         budget = int(free * config.gpu_memory_utilization) - activations
     else:
         budget = CPU_POOL_BYTES

@@ -202,14 +202,16 @@ class TensorParallel:
 
         runner.forward = forward_on_every_rank
 
-    def agree_pages(self, pages: int, page_elems: int) -> int:
-        """The pool's pages: the fewest any rank can hold (each worker reported its own after loading), sent to the
-        workers with rank 0's page size; they then build their pools and capture their graphs beside rank 0's."""
+    def agree_pages(self, pages: int) -> int:
+        """The pool's pages: the fewest any rank can hold (each worker reported its own after loading)."""
         reports = [self._receive(rank, "loaded") for rank in range(1, self.size)]
-        pages = min([pages, *(report["pages"] for report in reports)])
+        return min([pages, *(report["pages"] for report in reports)])
+
+    def send_pool(self, pages: int, page_elems: int, max_running: int) -> None:
+        """The agreed pages, rank 0's page size and running cap, to every worker: they then build their pools and
+        capture their graphs beside rank 0's."""
         for connection in self.connections:
-            connection.send(("pool", (pages, page_elems)))
-        return pages
+            connection.send(("pool", (pages, page_elems, max_running)))
 
     def wait_ready(self) -> None:
         self.workers = [self._receive(rank, "ready") for rank in range(1, self.size)]
@@ -445,10 +447,11 @@ class RankWorker:
 
         return pool_pages(self.config, self.spec, self.dtype, self.device)
 
-    def bind(self, pages: int, page_elems: int) -> None:
+    def bind(self, pages: int, page_elems: int, max_running: int) -> None:
         from lorad.daemon.model.checkpoint import PROJECTIONS
         from lorad.gpu_ops.page_pool import AdapterTable, KVCache
 
+        self.config = self.runner.config = dataclasses.replace(self.config, max_running_requests=max_running)  # rank 0's graphs' rows
         local = self.shard.local
         self.pool = _MirrorPool(pages, page_elems, self.dtype, self.device)
         self.kv = KVCache(self.pool, local.num_layers, local.num_kv_heads, local.head_dim)
@@ -548,8 +551,8 @@ def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: st
         tensor_parallel.init_group(rank, config.tensor_parallel_size, device, address)
         worker = RankWorker(rank, config, spec, model_name, model_dir, max_model_len, device)
         connection.send(("loaded", {"pages": worker.pages()}))
-        kind, (pages, page_elems) = connection.recv()
-        worker.bind(pages, page_elems)
+        kind, (pages, page_elems, max_running) = connection.recv()
+        worker.bind(pages, page_elems, max_running)
         connection.send(("ready", worker.describe()))
     except BaseException as error:  # noqa: BLE001 -- rank 0 reports it
         log.exception("tensor parallel rank %d failed to start", rank)

@@ -38,6 +38,8 @@ _ENGINE_FLAG_HELP = {
     "kv_cache_dtype": "auto|fp8: KV pages in the model dtype (auto) or FP8 E4M3 with a scale per layer for K and V "
                       "(twice the tokens in the pool)",
     "max_model_len": "default: the checkpoint's max_position_embeddings, capped at 8192",
+    "max_running_requests": "requests decoding at once (default: one per 1024 positions the KV cache holds, "
+                            "64 to 256; /v1/status and the start-up log say which)",
     "pool_bytes": "unified page pool bytes (K/M/G suffixes accepted)",
     "host_adapter_bytes": "host-memory budget of loaded adapters (K/M/G suffixes accepted)",
     "cold_start": "cached|ondemand|cpu|auto: what a request whose adapter is not in the pool waits for (default: auto "

@@ -537,3 +537,12 @@ def test_the_scheduler_says_why_its_admission_stopped():
     assert scheduler.stopped == batching.KV_OR_ADAPTER_PAGES
     assert set(batching.ADMISSION_STOPS) >= {batching.NO_REQUEST_WAITING, batching.TOKEN_BUDGET, batching.RUNNING_FULL,
                                              batching.ADAPTER_STAGING, batching.KV_OR_ADAPTER_PAGES}
+
+
+def test_the_default_running_cap_follows_the_kv_cache():
+    # one running request a 1024 positions, in multiples of 8, from 64 to 256
+    assert batching.default_max_running(104_584) == 96  # the 7B shape's bf16 cache on an H100
+    assert batching.default_max_running(231_990) == 224  # the same in FP8
+    assert batching.default_max_running(411_428) == 256  # Llama 3 8B's GQA cache: at the top
+    assert batching.default_max_running(20_000) == batching.default_max_running(0) == 64  # small caches keep 64
+    assert batching.default_max_running(80 * 1024 - 1) == 72

@@ -505,3 +505,16 @@ def test_logprobs_come_with_each_generated_token(big_engine):
     for token, entry, logits in zip(result.token_ids, result.logprobs, result.logits):
         assert entry.top[0][0] == token and len(entry.top) == 2
         assert abs(entry.logprob - float(torch.log_softmax(logits, dim=-1)[token])) < 1e-5
+
+
+def test_the_running_cap_follows_the_kv_cache_unless_given(demo_assets):
+    from lorad.scheduler.batching import default_max_running
+
+    derived = make_engine(demo_assets, pages=420_000)
+    capacity = derived.kv.capacity_tokens()
+    assert 64 < derived.config.max_running_requests == default_max_running(capacity) < 256
+    assert derived.scheduler.max_running == derived.config.max_running_requests == derived.runner.config.max_running_requests
+    status = derived.status()
+    assert (status["max_running_requests"], status["max_running_requests_from"]) == (derived.scheduler.max_running, "kv_capacity")
+    given = make_engine(demo_assets, pages=420_000, max_running_requests=5)
+    assert given.scheduler.max_running == 5 and given.status()["max_running_requests_from"] == "config"

@@ -464,7 +464,7 @@ def test_a_worker_stages_hinted_adapters_once_on_its_own_thread(hf_checkpoint, m
                           pool_bytes=1600 * 256)
     worker = RankWorker(1, config, load_spec(checkpoint.model_dir), "llama", str(checkpoint.model_dir), 256,
                         torch.device("cpu"))
-    worker.bind(worker.pages(), worker.spec.page_elems)
+    worker.bind(worker.pages(), worker.spec.page_elems, 8)
     staged_on, stage = [], worker.table.stage
 
     def slow_stage(weights, pin=True):
