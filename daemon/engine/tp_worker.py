@@ -198,6 +198,7 @@ class TensorParallel:
                 # The ranks may now be at different collectives (a timeout, a rank gone, a bug here): no later
                 # step can be trusted, and the engine's step loop would go on to the next one.
                 log.exception("tensor parallel step failed on rank 0: the ranks are out of step; exiting")
+                self._reap()
                 _exit(RANK_DIED_EXIT)
 
         runner.forward = forward_on_every_rank
@@ -355,6 +356,13 @@ class TensorParallel:
         if message[0] != kind:
             raise ModelError(f"tensor parallel rank {rank} sent {message[0]!r} where {kind!r} was expected")
         return message[1]
+
+    def _reap(self) -> None:
+        """Collects the workers that have ended, before the engine process exits: a rank killed mid-step is often
+        seen first as a collective's error here, and left unreaped it would stay a zombie until init reaped it. The
+        live ones end by themselves once this process is gone (exit_with_parent)."""
+        for process in self.processes:
+            process.join(0.1)
 
     def _watch(self) -> None:
         """A worker that exits unasked takes the engine process down: the ranks cannot go on without it, and a
