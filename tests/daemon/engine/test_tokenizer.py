@@ -166,3 +166,40 @@ def test_stop_found_in_one_token():
     assert stopped == 1 and "".join(deltas) == "a"
     deltas, stopped, _ = stream(tokenizer, [0, 1, 0], ("dab",))
     assert stopped == 2 and "".join(deltas) == "abc"
+
+
+def test_encode_gives_the_tokenizers_ids(tokenizer, demo_assets):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    reference = HFTokenizer.from_file(str(demo_assets.model_dir / "tokenizer.json"))
+    rng = random.Random(5)
+    for text in ["", "The lighthouse", *(random_text(rng, 40) for _ in range(20))]:
+        for special in (True, False):
+            assert tokenizer.encode(text, special) == reference.encode(text, add_special_tokens=special).ids
+
+
+def test_a_long_encode_lets_other_threads_run(tokenizer):
+    # another thread keeps its turns while a long prompt is tokenized: the API process's event loop, beside the
+    # thread that tokenizes (encode itself holds the interpreter lock for the whole text)
+    import threading
+    import time
+
+    text = "The lighthouse keeper watched the ships. " * 6000
+    gaps, done = [], threading.Event()
+
+    def tick():
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    started = time.perf_counter()
+    tokenizer.encode(text)
+    took = time.perf_counter() - started
+    done.set()
+    ticker.join()
+    assert took > 0.05 and max(gaps) < took / 2, (took, max(gaps))
