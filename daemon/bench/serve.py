@@ -436,14 +436,17 @@ async def _run(args: argparse.Namespace, goodput: dict[str, float]) -> dict:
     return report
 
 
+STATUS_KEPT = ("preemptions", "max_running_requests", "kv_capacity_tokens")  # /v1/status beside its step_time
+
+
 async def _step_time(client) -> dict | None:
-    """The daemon's account of its steps (/v1/status `step_time`), with its count of preemptions where it gives
-    one; None where there is none (a router, or a daemon that stopped answering)."""
+    """The daemon's account of its steps (/v1/status `step_time`), with its count of preemptions, running cap and KV
+    capacity where it gives them; None where there is none (a router, or a daemon that stopped answering)."""
     try:
         status = await client.status()
         step_time = status.get("step_time")
-        if step_time is not None and "preemptions" in status:
-            step_time = {**step_time, "preemptions": status["preemptions"]}
+        if step_time is not None:
+            step_time = {**step_time, **{key: status[key] for key in STATUS_KEPT if key in status}}
         return step_time
     except (OSError, asyncio.TimeoutError, LoradError):  # the run's own errors say why; its report goes on without them
         return None
@@ -492,6 +495,9 @@ def step_time_delta(before: dict | None, after: dict | None) -> dict | None:
                "device_rates": after["device_rates"], "by_kind": by_kind}
     if "preemptions" in before and "preemptions" in after:  # requests preempted for KV, computed again
         summary["preemptions"] = after["preemptions"] - before["preemptions"]
+    for key in ("max_running_requests", "kv_capacity_tokens"):  # the daemon's batch limits in this run
+        if key in after:
+            summary[key] = after[key]
     if all("host_before_launch_s" in kind for kind in by_kind.values()):
         summary["host_before_launch_s"] = sum(kind["host_before_launch_s"] for kind in by_kind.values())
         devices = [kind["device_s"] for kind in by_kind.values() if kind["device_s"] is not None]
@@ -540,6 +546,10 @@ def format_table(runs: list[dict], key: str) -> str:
                  "device's clock (busy - device: the device's work between forwards, sampling and the tokens' copies, and "
                  "its waits for the host), floor s: their least time on this device from bytes and FLOPs; preempted: "
                  "running requests preempted for KV and computed again)")
+    limits = (runs[-1].get("engine") or {}) if runs else {}
+    if "max_running_requests" in limits:
+        lines.append(f"the daemon: {limits['max_running_requests']} running requests at most, a KV cache of "
+                     f"{limits.get('kv_capacity_tokens', '?')} tokens")
     for run in runs:  # a daemon that counts the running slots its steps left empty
         causes = (run.get("engine") or {}).get("empty_slots_by_cause")
         if causes:

@@ -103,11 +103,13 @@ def test_a_sweep_reports_every_point_and_plots_it(capsys, daemon, tmp_path):
         assert 0 < engine["floor_s"] and 0 < engine["busy_s"] and engine["efficiency"] == engine["floor_s"] / engine["busy_s"]
         assert 0 < engine["host_before_launch_s"] < engine["busy_s"] and engine["device_s"] is None  # no device clock on the cpu
         assert engine["preemptions"] == 0  # the demo's KV holds every request
+        assert engine["max_running_requests"] >= 4 and engine["kv_capacity_tokens"] > 0  # the daemon's limits
         if run["max_concurrency"] == 1:  # one request at a time: every other running slot empty, nothing waiting
             assert engine["empty_slots"] > 0 and set(engine["empty_slots_by_cause"]) == {"no_request_waiting"}
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "max-concurrency" in stdout and "preempted" in stdout and "wrote" in stdout
     assert "max-concurrency 1: empty running slots (slot-steps) by cause: no_request_waiting" in stdout
+    assert f"the daemon: {engine['max_running_requests']} running requests at most, a KV cache of " in stdout
     # every request met the (loose) objectives at both points: the sweep's goodput is its highest point
     assert report["sweep"]["goodput"] == {"share": 0.9, "highest": 4}
     assert "goodput: max-concurrency 4, the highest with >= 90% of the requests at ttft <= 60000 ms, tpot <= 60000 ms" in stdout
