@@ -18,6 +18,7 @@ import time
 import aiohttp
 from aiohttp import web
 from lorad.daemon.server import metrics as metrics_format
+from lorad.daemon.server import body_parser
 from lorad.daemon.server.api import MAX_BODY_BYTES, error_body, error_middleware
 from lorad.daemon.server.schemas import MAX_CHOICES, parse_chat, parse_completion
 from lorad.daemon.router.backends import Backend, InFlightRequest
@@ -28,7 +29,6 @@ from lorad.errors import (
     AdmissionDropped,
     BackendError,
     BadRequest,
-    BodyTooLarge,
     ModelNotFound,
     Overloaded,
 )
@@ -214,11 +214,8 @@ def _prompt_tokens(completion) -> int:
 
 async def _route(request: web.Request, path: str, parse) -> web.StreamResponse:
     router = request.app[ROUTER]
-    raw = await _read_body(request)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise BadRequest(f"the request body is not JSON: {error}") from None
+    raw = await body_parser.read_body(request)
+    body = await body_parser.parse_json(request.app, raw)  # a large one in the parser's process, as the daemon does
     # refused here as a backend would refuse it, but for n: each backend holds its own --max-n
     completion = parse(body, max_n=MAX_CHOICES)
     pool = await router.candidates(completion.model)
@@ -434,17 +431,12 @@ def _tokens_in_event(event: bytes) -> int:
     return sum(len(choice["token_ids"]) if "token_ids" in choice else 1 for choice in chunk.get("choices") or ())
 
 
-async def _read_body(request: web.Request) -> bytes:
-    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-        raise BodyTooLarge(f"request body is larger than {MAX_BODY_BYTES} bytes")
-    return await request.read()  # aiohttp raises 413 past client_max_size
-
-
 def create_app(router: Router) -> web.Application:
     """The router's routes. The caller owns the router: `await router.start()` before serving,
     `await router.stop()` after."""
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[ROUTER] = router
+    body_parser.add_to(app)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/status", status)

@@ -7,9 +7,7 @@ adapter admin routes and Prometheus /metrics, served by aiohttp on a Unix socket
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
-import json
 import logging
 import math
 import os
@@ -27,7 +25,8 @@ from lorad.errors import (
 )
 from lorad.daemon.server import metrics as metrics_format
 from lorad.daemon.server.admin_gate import AdminGate
-from lorad.daemon.server.body_parser import BodyParser
+from lorad.daemon.server import body_parser
+from lorad.daemon.server.body_parser import MAX_BODY_BYTES, json_body
 from lorad.daemon.server.unix_socket import PeerCredentials, peer_credentials
 from lorad.daemon.engine.chat_template import (TEMPLATE_FILE, TOKENIZER_CONFIG, AdapterTemplates, ChatTemplate,
                                                load_chat_template)
@@ -39,11 +38,8 @@ from lorad.daemon.server.schemas import (
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 16 << 20
 # Prompts longer than this are tokenized off the event loop, so one huge prompt does not stall the others.
 _TOKENIZE_INLINE_CHARS = 4096
-_PARSE_INLINE_BYTES = 256 << 10  # bodies larger than this are parsed in the body parser's process, one at a time
-_large_bodies = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorad-json")  # the parser's pipes
 
 ENGINE = web.AppKey("engine", object)
 STARTED = web.AppKey("started", int)
@@ -53,11 +49,6 @@ CHAT = web.AppKey("chat", object)  # the checkpoint's ChatTemplate, or why there
 ADAPTER_CHAT = web.AppKey("adapter_chat", AdapterTemplates)  # adapter folders' own templates
 ADMIN = web.AppKey("admin", AdminGate)  # who may load and unload adapters
 MAX_CHOICES_PER_PROMPT = web.AppKey("max_n", int)  # n's bound (--max-n)
-BODY_PARSER = web.AppKey("body_parser", BodyParser)  # the child process that parses large bodies
-# Held while a large body is parsed: the next body is handed to the thread only after the loop has run once, so
-# other requests wait for one result's load at most, never for two back to back (the thread would otherwise take
-# the next one from its queue and the interpreter lock with it before the loop got a turn).
-LARGE_BODY_TURN = web.AppKey("large_body_turn", asyncio.Lock)
 
 
 # --- errors: the one place a LoradError becomes an HTTP answer ---------------------------------------
@@ -139,24 +130,6 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": metrics_format.CONTENT_TYPE})
 
 
-async def _json_body(request: web.Request):
-    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-        raise BodyTooLarge(f"request body is larger than {MAX_BODY_BYTES} bytes")
-    raw = await request.read()  # aiohttp raises 413 past client_max_size
-    try:
-        if len(raw) <= _PARSE_INLINE_BYTES:
-            return json.loads(raw)
-        # In another process: only loading its result holds the interpreter lock (body_parser.py has the figures).
-        async with request.app[LARGE_BODY_TURN]:
-            parsed = await asyncio.get_running_loop().run_in_executor(_large_bodies, request.app[BODY_PARSER].parse, raw)
-            await asyncio.sleep(0)  # the loop's turn, before the next parse takes the lock
-        return parsed
-    except RecursionError:
-        raise BadRequest("the request body is nested too deeply") from None
-    except ValueError as error:  # not JSON, not UTF-8, or an integer of more digits than Python converts
-        raise BadRequest(f"the request body is not JSON lorad accepts: {str(error)[:200]}") from None
-
-
 # --- adapter admin (vLLM's routes) --------------------------------------------------------------------
 
 
@@ -178,7 +151,7 @@ def parse_admin(body, required: tuple[str, ...]) -> dict[str, str]:
 async def load_lora_adapter(request: web.Request) -> web.Response:
     request.app[ADMIN].check(request)
     engine = request.app[ENGINE]
-    fields = parse_admin(await _json_body(request), ("lora_name", "lora_path"))
+    fields = parse_admin(await json_body(request), ("lora_name", "lora_path"))
     name, path = fields["lora_name"], fields["lora_path"]
     # load_adapter reads and checks the weights from disk: off the event loop.
     description = await asyncio.get_running_loop().run_in_executor(None, engine.load_adapter, name, path)
@@ -191,7 +164,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     request.app[ADMIN].check(request)
     engine = request.app[ENGINE]
-    name = parse_admin(await _json_body(request), ("lora_name",))["lora_name"]
+    name = parse_admin(await json_body(request), ("lora_name",))["lora_name"]
     await asyncio.get_running_loop().run_in_executor(None, engine.unload_adapter, name)
     log.info("adapter unloaded through the API name=%s%s", name, _peer_fields(request))
     return web.json_response({"id": name, "object": "model", "deleted": True})
@@ -209,7 +182,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     engine = request.app[ENGINE]
     peer = peer_credentials(request.transport)  # now: the transport is gone once the client leaves
-    completion = parse_completion(await _json_body(request), request.app[MAX_CHOICES_PER_PROMPT])
+    completion = parse_completion(await json_body(request), request.app[MAX_CHOICES_PER_PROMPT])
     for prompt in completion.prompts:  # a cheap bound before any tokenizing
         if isinstance(prompt, str):
             _check_text_length(len(prompt), engine.max_model_len)
@@ -222,7 +195,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     engine = request.app[ENGINE]
     peer = peer_credentials(request.transport)
-    completion = parse_chat(await _json_body(request), request.app[MAX_CHOICES_PER_PROMPT])
+    completion = parse_chat(await json_body(request), request.app[MAX_CHOICES_PER_PROMPT])
     loop = asyncio.get_running_loop()
     template = None
     if completion.model != engine.model_name:  # an adapter folder may ship its own template
@@ -522,10 +495,6 @@ async def _send_event(response: web.StreamResponse, chunk: Chunk | dict) -> None
 # --- the application --------------------------------------------------------------------------------------
 
 
-async def _close_body_parser(app: web.Application) -> None:
-    await asyncio.get_running_loop().run_in_executor(_large_bodies, app[BODY_PARSER].close)
-
-
 async def _abort_in_flight(app: web.Application) -> None:
     # On shutdown every running request is told to finish now, so handlers answer before the loop stops; one
     # whose submit() is still running is aborted by its handler once it returns (SHUTTING_DOWN).
@@ -564,8 +533,7 @@ def create_app(engine, admin: AdminGate | None = None, max_n: int = MAX_N) -> we
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[MAX_CHOICES_PER_PROMPT] = max_n
-    app[LARGE_BODY_TURN] = asyncio.Lock()
-    app[BODY_PARSER] = BodyParser()
+    body_parser.add_to(app)
     app[STARTED] = int(time.time())
     app[IN_FLIGHT] = set()
     app[SHUTTING_DOWN] = asyncio.Event()
@@ -581,6 +549,5 @@ def create_app(engine, admin: AdminGate | None = None, max_n: int = MAX_N) -> we
     app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/metrics", metrics)
     app.on_shutdown.append(_abort_in_flight)
-    app.on_cleanup.append(_close_body_parser)
     return app
 

@@ -1,4 +1,5 @@
-"""Large JSON request bodies parsed in a child process, so a parse never holds the daemon's interpreter lock.
+"""Request bodies read and parsed as JSON for the daemon's API and the router's: capped in size, small ones parsed
+at once, large ones in a child process, so that a parse never holds the interpreter lock.
 
 json.loads holds the lock for the whole parse (on the CPU box: a 16 MB text prompt ~30 ms, a million token ids
 ~65 ms), and a thread does not help: the event loop and the engine's step thread wait for the parse all the same.
@@ -10,6 +11,9 @@ thread of their own, one body at a time.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import json
 import logging
 import marshal
 import struct
@@ -18,17 +22,65 @@ import sys
 import threading
 from pathlib import Path
 
-from lorad.errors import ServiceUnavailable
+from aiohttp import web
+
+from lorad.errors import BadRequest, BodyTooLarge, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
 CHILD = Path(__file__).with_name("json_child.py")
 HEADER = struct.Struct("<Q")
+MAX_BODY_BYTES = 16 << 20
+PARSE_INLINE_BYTES = 256 << 10  # bodies larger than this are parsed in the child process, one at a time
+_pipes = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorad-json")  # the child's pipes, one body at a time
+
+BODY_PARSER = web.AppKey("body_parser", object)  # the app's BodyParser
+# Held while a large body is parsed: the next body is handed to the thread only after the loop has run once, so
+# other requests wait for one result's load at most, never for two back to back (the thread would otherwise take
+# the next one from its queue and the interpreter lock with it before the loop got a turn).
+LARGE_BODY_TURN = web.AppKey("large_body_turn", asyncio.Lock)
+
+
+def add_to(app: web.Application) -> None:
+    """Gives `app` a body parser (its child starts with the first large body) that ends with the app."""
+    app[BODY_PARSER] = BodyParser()
+    app[LARGE_BODY_TURN] = asyncio.Lock()
+    app.on_cleanup.append(_close)
+
+
+async def _close(app: web.Application) -> None:
+    await asyncio.get_running_loop().run_in_executor(_pipes, app[BODY_PARSER].close)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The body's bytes, refused past MAX_BODY_BYTES before they are read where the client says how many."""
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise BodyTooLarge(f"request body is larger than {MAX_BODY_BYTES} bytes")
+    return await request.read()  # aiohttp raises 413 past client_max_size
+
+
+async def parse_json(app: web.Application, raw: bytes):
+    """The body's JSON value (`app` has add_to's parser); BadRequest for what is not JSON Python reads."""
+    try:
+        if len(raw) <= PARSE_INLINE_BYTES:
+            return json.loads(raw)
+        async with app[LARGE_BODY_TURN]:
+            parsed = await asyncio.get_running_loop().run_in_executor(_pipes, app[BODY_PARSER].parse, raw)
+            await asyncio.sleep(0)  # the loop's turn, before the next parse takes the lock
+        return parsed
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+    except ValueError as error:  # not JSON, not UTF-8, or an integer of more digits than Python converts
+        raise BadRequest(f"the request body is not JSON lorad accepts: {str(error)[:200]}") from None
+
+
+async def json_body(request: web.Request):
+    return await parse_json(request.app, await read_body(request))
 
 
 class BodyParser:
     """One child process, started on first use and again after it dies; `parse` is called from one thread at a
-    time (api.py's large-body executor), the lock only guards against misuse."""
+    time (the pipes' executor), the lock only guards against misuse."""
 
     def __init__(self):
         self._process: subprocess.Popen | None = None

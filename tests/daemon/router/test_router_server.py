@@ -165,6 +165,11 @@ def test_bad_input_is_refused_with_json(router_factory, daemons):
     router = router_factory(daemons, "--policy", "random")
     for body, status, kind in [
         (b"{not json", 400, "invalid_request_error"),
+        (b'{"model": "demo-r4", "prompt": [' + b"1" * 5000 + b"]}", 400, "invalid_request_error"),  # too many digits
+        (b'{"model": "demo-r4", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "invalid_request_error"),
+        # over 256 KiB: parsed in the body parser's process, and refused as the daemon refuses it
+        (b'{"model": "demo-r4", "prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", 400, "invalid_request_error"),
+        (json.dumps({"model": "demo-r4", "prompt": "lighthouse " * 100_000}).encode(), 400, "context_length_exceeded"),
         (b'{"model": "demo-r4", "prompt": "hi", "bogus": 1}', 400, "invalid_request_error"),
         (b'{"model": "demo-r4", "prompt": "hi", "max_tokens": 0}', 400, "invalid_request_error"),
         (b'{"model": "demo-r4", "prompt": "hi", "max_tokens": 500}', 400, "context_length_exceeded"),  # backend's
