@@ -33,7 +33,8 @@ from lorad.daemon.engine.chat_template import (TEMPLATE_FILE, TOKENIZER_CONFIG, 
 from lorad.daemon.engine.request import GenerationRequest, RequestOutput, check_prompt
 from lorad.daemon.server.schemas import (
     MAX_N, AssistantMessage, ChatChoice, ChatChunkChoice, ChatLogprobs, Chunk, Completion, CompletionChoice,
-    CompletionLogprobs, CompletionResponse, Delta, TokenLogprob, TopLogprob, Usage, parse_chat, parse_completion,
+    CompletionLogprobs, CompletionResponse, Delta, TokenLogprob, TopLogprob, Usage, max_body_values, parse_chat,
+    parse_completion,
 )
 
 log = logging.getLogger(__name__)
@@ -533,7 +534,7 @@ def create_app(engine, admin: AdminGate | None = None, max_n: int = MAX_N) -> we
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[MAX_CHOICES_PER_PROMPT] = max_n
-    body_parser.add_to(app)
+    body_parser.add_to(app, max_values=max_body_values(engine.max_model_len))
     app[STARTED] = int(time.time())
     app[IN_FLIGHT] = set()
     app[SHUTTING_DOWN] = asyncio.Event()

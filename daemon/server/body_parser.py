@@ -41,9 +41,10 @@ BODY_PARSER = web.AppKey("body_parser", object)  # the app's BodyParser
 LARGE_BODY_TURN = web.AppKey("large_body_turn", asyncio.Lock)
 
 
-def add_to(app: web.Application) -> None:
-    """Gives `app` a body parser (its child starts with the first large body) that ends with the app."""
-    app[BODY_PARSER] = BodyParser()
+def add_to(app: web.Application, max_values: int = 0) -> None:
+    """Gives `app` a body parser (its child starts with the first large body) that ends with the app. max_values:
+    a large body holding more JSON values is refused by the child, before they reach this process (0: none)."""
+    app[BODY_PARSER] = BodyParser(max_values)
     app[LARGE_BODY_TURN] = asyncio.Lock()
     app.on_cleanup.append(_close)
 
@@ -82,13 +83,15 @@ class BodyParser:
     """One child process, started on first use and again after it dies; `parse` is called from one thread at a
     time (the pipes' executor), the lock only guards against misuse."""
 
-    def __init__(self):
+    def __init__(self, max_values: int = 0):
+        self.max_values = max_values
         self._process: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
     def parse(self, raw: bytes):
-        """The body's JSON value. Raises what json.loads would (RecursionError, ValueError with its message), or
-        ServiceUnavailable if the child died or could not start."""
+        """The body's JSON value. Raises what json.loads would (RecursionError, ValueError with its message),
+        BadRequest for a body of more than max_values values, or ServiceUnavailable if the child died or could not
+        start."""
         with self._lock:
             reply = self._round_trip(raw)
         kind, payload = reply[:1], memoryview(reply)[1:]
@@ -96,6 +99,9 @@ class BodyParser:
             return marshal.loads(payload)
         if kind == b"R":
             raise RecursionError
+        if kind == b"C":
+            raise BadRequest(f"the request body holds more than {self.max_values} JSON values (numbers, strings, "
+                             f"lists and objects): more than a request lorad serves can hold")
         raise ValueError(bytes(payload).decode(errors="replace"))
 
     def _round_trip(self, raw: bytes) -> bytes:
@@ -125,11 +131,10 @@ class BodyParser:
             raise ServiceUnavailable("the process that parses large request bodies exited; retry the request") from None
         return reply
 
-    @staticmethod
-    def _start() -> subprocess.Popen:
+    def _start(self) -> subprocess.Popen:
         try:
-            process = subprocess.Popen([sys.executable, "-I", "-S", str(CHILD)], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, close_fds=True)
+            process = subprocess.Popen([sys.executable, "-I", "-S", str(CHILD), str(self.max_values)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         except OSError as error:
             log.error("JSON parser process could not start: %s", error)
             raise ServiceUnavailable(f"the process that parses large request bodies could not start: {error}") from None

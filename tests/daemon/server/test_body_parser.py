@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from lorad.daemon.server.body_parser import BodyParser
-from lorad.errors import ServiceUnavailable
+from lorad.errors import BadRequest, ServiceUnavailable
 
 
 @pytest.fixture
@@ -78,3 +78,37 @@ def test_close_ends_the_child(parser):
     process = parser._process
     parser.close()
     assert process.poll() == 0
+
+
+def test_a_body_of_more_values_than_the_cap_is_refused_in_the_child():
+    parser = BodyParser(max_values=1000)
+    try:
+        # an object, its two other values, and a list of 996 numbers: 1000, kept
+        body = {"model": "m", "prompt": list(range(996)), "n": 1}
+        assert parser.parse(json.dumps(body).encode()) == body
+        for over in ({"model": "m", "prompt": list(range(997)), "n": 1},
+                     {"messages": [{"role": "user", "content": "x"}] * 400},  # 1 + 1 + 400 x 3
+                     [[[]] * 600] * 2):
+            with pytest.raises(BadRequest, match="more than 1000 JSON values"):
+                parser.parse(json.dumps(over).encode())
+        assert parser.parse(b"[1, 2]") == [1, 2]  # the child lives on
+    finally:
+        parser.close()
+
+
+def test_the_count_stops_past_its_limit():
+    child = json_child()
+    assert child.count_values([1, [2, [3, {"a": 4, "b": [5]}]]], 100) == 10  # 4 lists, 1 object, 5 numbers
+    assert child.count_values(list(range(10_000_000)), 10) == 10_000_001  # one list: counted at once
+    assert child.count_values([[1]] * 1_000_000, 10) <= 12  # stopped, not walked to the end
+
+
+def json_child():
+    import importlib.util
+
+    from lorad.daemon.server import body_parser
+
+    spec = importlib.util.spec_from_file_location("json_child", body_parser.CHILD)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -81,8 +81,11 @@ def post(server, body: bytes) -> tuple[int, dict]:
     (b'{"model": "lorad-demo", "prompt": "hi", "seed": 18446744073709551616}', "seed must be"),
     (b'{"model": "lorad-demo", "prompt": "hi", "temperature": 1e-40}', "temperature"),
     (b'{"model": "lorad-demo", "prompt": "hi", "top_p": 5e-324}', "top_p"),
-    (json.dumps({"model": "lorad-demo", "prompt": "hi", "stop_token_ids": [5] * 5_000_000}).encode(), "at most 256"),
-    (json.dumps({"model": "lorad-demo", "prompt": "hi", "stop": ["x"] * 100_000}).encode(), "at most 16 stop"),
+    (json.dumps({"model": "lorad-demo", "prompt": "hi", "stop_token_ids": [5] * 300}).encode(), "at most 256"),
+    (json.dumps({"model": "lorad-demo", "prompt": "hi", "stop": ["x"] * 20}).encode(), "at most 16 stop"),
+    # more values than any request holds: refused by the parser's process, before they reach the daemon's
+    (json.dumps({"model": "lorad-demo", "prompt": "hi", "stop_token_ids": [5] * 5_000_000}).encode(), "JSON values"),
+    (json.dumps({"model": "lorad-demo", "prompt": "hi", "stop": ["x"] * 1_000_000}).encode(), "JSON values"),
 ])
 def test_bodies_that_were_500s_are_400s(demo, body, fragment):
     server, engine = demo
@@ -135,10 +138,15 @@ def test_health_answers_while_huge_prompts_are_refused(demo_assets, short_tmp):
         assert max(latencies) < 0.1, latencies
         again = client.completions(model="demo-r8", prompt="The lighthouse", max_tokens=4, temperature=0)
         assert answers[0]["choices"][0]["text"] == again["choices"][0]["text"]
-        # a million token ids: refused by their count, before any is looked at (parsed in the body parser's
-        # process; loading the parsed list holds the daemon's interpreter ~8 ms)
+        # a million token ids: more values than a request of this context holds, refused by the body parser's
+        # process without sending them back
         status, _, payload = raw_request(str(path), "POST", "/v1/completions",
                                          json.dumps({"model": "lorad-demo", "prompt": token_ids}).encode())
+        assert status == 400 and "JSON values" in json.loads(payload)["error"]["message"]
+        # as many as fit that count but not the context: refused by their count, before any is looked at
+        too_long = [5] * (client.models()[0]["max_model_len"] + 1)
+        status, _, payload = raw_request(str(path), "POST", "/v1/completions",
+                                         json.dumps({"model": "lorad-demo", "prompt": too_long}).encode())
         assert status == 400 and json.loads(payload)["error"]["type"] == "context_length_exceeded"
     finally:
         stop_daemon(daemon)
