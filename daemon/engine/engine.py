@@ -472,7 +472,7 @@ class Engine:
             if not self._adapter_roots:
                 raise BadRequest("no adapter roots are configured (adapter_roots): loading through the API is off")
             roots = ", ".join(str(root) for root in self._adapter_roots)
-            raise BadRequest(f"{path} is not under an adapter root ({roots})")
+            raise BadRequest(f"{clip(path)} is not under an adapter root ({roots})")
         return resolved, root
 
     def unload_adapter(self, name: str) -> None:

@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lorad.daemon.model.checkpoint import FUSED_MODULES, PROJECTIONS, ModelSpec
-from lorad.errors import AdapterError, NotFound
+from lorad.errors import AdapterError, NotFound, clip
 
 log = logging.getLogger(__name__)
 
@@ -598,10 +598,14 @@ class AdapterRegistry:
         if name in self.reserved_names:
             raise AdapterError(f"adapter name {name!r} is the base model's name")
         directory = Path(path).expanduser().absolute()
-        if not directory.is_dir():
-            raise AdapterError(f"adapter {name!r}: {directory} does not exist or is not a directory")
-        if not (directory / CONFIG_FILE).is_file():
-            raise AdapterError(f"adapter {name!r}: no {CONFIG_FILE} in {directory}")
+        try:
+            if not directory.is_dir():
+                raise AdapterError(f"adapter {name!r}: {clip(str(directory))} does not exist or is not a directory")
+            if not (directory / CONFIG_FILE).is_file():
+                raise AdapterError(f"adapter {name!r}: no {CONFIG_FILE} in {clip(str(directory))}")
+        except OSError as error:  # a name or path longer than the file system takes, a directory we may not read
+            raise AdapterError(f"adapter {name!r}: {clip(str(directory))} does not exist or cannot be read "
+                               f"({error.strerror})") from None
         return _Entry(name, directory)
 
     def _check_free_locked(self, entry: _Entry) -> None:
