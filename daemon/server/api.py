@@ -146,6 +146,11 @@ def parse_admin(body, required: tuple[str, ...]) -> dict[str, str]:
             raise BadRequest(f"{name} is required: a non-empty string")
         if "\0" in body[name]:
             raise BadRequest(f"{name} must not contain NUL characters")
+        if not body[name].isascii():
+            try:
+                body[name].encode()
+            except UnicodeEncodeError:  # JSON's \ud800 escapes: a lone surrogate no path or name can hold
+                raise BadRequest(f"{name} must be valid Unicode text (it holds a lone surrogate)") from None
     return body
 
 

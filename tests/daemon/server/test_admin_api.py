@@ -103,6 +103,7 @@ def test_models_locations(served):
         ("{root}/" + "a" * 300, AdapterError, "does not exist"),  # a name longer than the file system's
         ("{root}/" + "/".join(["a" * 200] * 30), AdapterError, "does not exist"),  # a path longer than PATH_MAX
         ("{root}/nul\0name", BadRequest, "must not contain NUL"),
+        ("{root}/\ud800", BadRequest, "lone surrogate"),
         ("{root}/corrupt", AdapterError, "corrupt or truncated"),
         ("{root}/pickled", AdapterError, "only pickle files (adapter_model.bin)"),
         ("{root}/wrong-shape", AdapterError, "trained for a different base model"),
