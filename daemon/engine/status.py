@@ -28,8 +28,8 @@ def engine_status(engine: Engine) -> dict:
             "kv_cache_dtype": engine.kv_cache["dtype"],
             "kv_cache_scales": engine.kv_cache["scales"],
             "kv_capacity_tokens": engine.kv.capacity_tokens(),
-            # the running cap, and whether it was given ("config") or follows the KV capacity ("kv_capacity")
-            "max_running_requests": engine.config.max_running_requests,
+            # whether the running cap (max_running_requests, below) was given ("config") or follows the KV
+            # capacity ("kv_capacity")
             "max_running_requests_from": engine.max_running_from,
             "pool": engine.pool.occupancy(),
             # the choices of n > 1 requests: KV blocks held by several of them (counted once in pool.kv)
