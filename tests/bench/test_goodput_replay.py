@@ -48,3 +48,22 @@ def test_a_larger_running_cap_lets_a_burst_in():
     assert runs[12]["ttft_ms"]["p99"] < runs[2]["ttft_ms"]["p99"] / 3  # the small cap's last requests waited for slots
     assert runs[12]["tpot_ms"]["p50"] > runs[2]["tpot_ms"]["p50"]  # each step of the larger batch is longer
     assert runs[2]["share_met"] == runs[12]["share_met"] == 1.0  # against loose objectives, both meet them
+
+
+def test_the_command_writes_its_sweep(tmp_path, monkeypatch, capsys):
+    import json
+    import sys
+
+    bench = bench_scripts.load("goodput_replay")
+    out = tmp_path / "sweep.json"
+    monkeypatch.setattr(sys, "argv", ["goodput_replay.py", "--dataset", "random", "--num-prompts", "24", "--input-len", "64",
+                                      "--output-len", "16", "--model-config", "tiny-llama", "--rates", "1,1000",
+                                      "--running", "2,16", "--reserve", "off", "--adapters", "4", "--out", str(out)])
+    bench.main()
+    report = json.loads(out.read_text())
+    assert [config["max_running_requests"] for config in report["configs"]] == [2, 16]
+    for config in report["configs"]:
+        slow, fast = config["points"]
+        assert slow["share_met"] == 1.0 and config["goodput_rate"] in (1.0, 1000.0)
+        assert fast["ttft_ms"]["p99"] >= slow["ttft_ms"]["p99"]  # all at once, some wait
+    assert "goodput:" in capsys.readouterr().out
