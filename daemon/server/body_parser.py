@@ -2,11 +2,12 @@
 at once, large ones in a child process, so that a parse never holds the interpreter lock.
 
 json.loads holds the lock for the whole parse (on the CPU box: a 16 MB text prompt ~30 ms, a million token ids
-~65 ms), and a thread does not help: the event loop and the engine's step thread wait for the parse all the same.
-The child (json_child.py) parses and sends the value back with marshal, whose load is what the daemon still pays:
-~5 ms for the 16 MB prompt, ~8 ms for the million ids. Only bodies of many small containers (a hundred thousand
-chat messages) load about as slowly as they parse. The pipes' reads and writes release the lock; they run on one
-thread of their own, one body at a time.
+~65 ms), and a thread does not help: the event loop (and an engine in the same process) waits for the parse all the
+same. The child (json_child.py) parses and sends the value back with marshal, whose load is what this process still
+pays: ~5 ms for the 16 MB prompt, ~8 ms for the million ids. A body of more values than a request can hold is
+refused in the child (`max_values`), so what comes back is bounded too; bodies of many small containers within it
+(tens of thousands of chat messages) load about as slowly as they parse. The pipes' reads and writes release the
+lock; they run on one thread of their own, one body at a time.
 """
 
 from __future__ import annotations
