@@ -61,6 +61,7 @@ def test_trace_make_azure_records_the_attribution(capsys, tmp_path):
     (["trace"], "required: action"),
     (["trace", "make", "--out", "x.json"], "required: --kind"),
     (["trace", "make", "--kind", "gamma", "--ranks", "8,x", "--out", "x.json"], "comma-separated integers"),
+    (["trace", "make", "--kind", "poisson", "--requests", "50", "--out", "x.json"], "--requests is for the azure kinds"),
     (["simulate", "--trace", "/nonexistent.json"], "cannot read trace"),
     (["simulate", "--trace", "x.json", "--policy", "psychic"], "invalid choice"),
     (["bench", "trace"], "required: --trace"),
