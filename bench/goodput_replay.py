@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 from kv_admission import BUSY_OVER_FLOOR, H100, BoundedKV, QueuedStaging, Staged  # bench/, beside this script
-from lorad.daemon.bench.serve import choose_models
+from lorad.daemon.bench.serve import choose_models, send_times
 from lorad.daemon.engine.step_cost import DeviceRates, SequenceInStep, StepCostModel
 from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec
 from lorad.scheduler.batching import PASS_STAGING, GrowthReserve, Scheduler, Sequence
@@ -33,9 +33,8 @@ TICK_S = 0.0175  # the staging models count in steps: one is this long (a satura
 
 
 def arrivals(count: int, rate: float, seed: int = 0) -> list[float]:
-    """Seconds after the start at which each request goes, as bench serve's send_times draws them."""
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=count)
-    return (np.cumsum(gaps) - gaps[0]).tolist()
+    """Seconds after the start at which each request goes: bench serve's own Poisson draw for `seed`."""
+    return send_times([None] * count, rate, 1.0, np.random.default_rng(seed))
 
 
 def replay(lengths: list[tuple[int, int]], at: list[float], adapters: list[str | None] | None, kv_tokens: int,

@@ -79,6 +79,7 @@ def default_max_running(kv_tokens: int) -> int:
     low, high = RUNNING_RANGE
     return max(low, min(high, kv_tokens // RUNNING_PER_KV_TOKENS // 8 * 8))
 
+
 # Why the last step's admission stopped (`Scheduler.stopped`): what keeps any running slot it leaves empty.
 NO_REQUEST_WAITING = "no_request_waiting"  # the queue was empty
 RUNNING_FULL = "running_full"  # every running slot was taken
