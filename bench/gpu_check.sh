@@ -25,7 +25,8 @@ step() {
     shift 2
     echo "=== $name: $*"
     local start=$SECONDS
-    timeout "$limit" "$@" >"$OUTDIR/$name.log" 2>&1
+    # SIGINT first: pytest then prints its summary (which tests failed, and why) and a script its traceback
+    timeout -s INT -k 30 "$limit" "$@" >"$OUTDIR/$name.log" 2>&1
     local status=$?
     tail -n 25 "$OUTDIR/$name.log"
     echo "=== $name: exit $status after $((SECONDS - start)) s"
