@@ -29,6 +29,7 @@ PERCENTILES = (50, 90, 99)
 PROMPT_TOKEN_RANGE = (16, 256)
 # A request that loses its connection says the daemon is gone or refusing: the run ends with a partial report.
 CONNECTION = "connection"
+WARMUP_PROMPT_TOKENS = 16  # a warm-up request's prompt (--warmup-requests): its adapter's prefill runs once
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,26 @@ async def run_load(client, prompts: list[Prompt], models: list[str], at: list[fl
     return outcomes, loop.time() - start
 
 
+def warmup_models(models: list[str], count: int) -> list[str]:
+    """The `model` of each of `count` warm-up requests: the run's models, the most requested first (ties: the first
+    used first), and round again while `count` is larger."""
+    order = [model for model, _ in Counter(models).most_common()]
+    return [order[index % len(order)] for index in range(count)]
+
+
+async def warm_up(client, prompts: list[Prompt], models: list[str], count: int, max_concurrency: int | None,
+                  sampling: dict | None = None) -> dict:
+    """Sends `count` short requests (a prompt of WARMUP_PROMPT_TOKENS tokens, one output token) over `warmup_models`
+    before the measured run and waits for them: the adapters they name are read from disk and placed now, not in the
+    first point, so every point of a sweep meets the same warm daemon. Counted in no point; -> what they took."""
+    chosen = warmup_models(models, count)
+    short = [Prompt(prompts[index % len(prompts)].token_ids[:WARMUP_PROMPT_TOKENS], 1) for index in range(count)]
+    outcomes, duration = await run_load(client, short, chosen, [0.0] * count, max_concurrency, True, None, sampling)
+    errors = Counter(outcome.error for outcome in outcomes if not outcome.ok)
+    return {"requests": count, "models": len(set(chosen)), "seconds": duration, "failed": sum(errors.values()),
+            "errors": dict(errors)}
+
+
 def summarize(outcomes: list[Outcome], duration_s: float, goodput: dict[str, float]) -> dict:
     """vllm bench serve's metrics: counts, request / output / total token throughput, and TTFT, TPOT, ITL
     and end-to-end latency (mean, median and percentiles, in ms); goodput: completed requests per second
@@ -355,6 +376,10 @@ def add_parser(actions, default_socket: str) -> None:
                        help="each request's temperature (default 0: greedy; the API's own default is 1)")
     serve.add_argument("--top-p", type=float, default=1.0, metavar="P", help="each request's top_p (default 1)")
     serve.add_argument("--top-k", type=int, default=0, metavar="K", help="each request's top_k (default 0: off)")
+    serve.add_argument("--warmup-requests", type=int, default=0, metavar="N",
+                       help="N short requests (one output token) before the run, over its adapters, the most requested "
+                            "first: their loads from disk happen then, not in the first point; counted in no point "
+                            "(default 0)")
     serve.add_argument("--seed", type=int, default=0, metavar="N")
     serve.add_argument("--no-progress", action="store_true", help="no progress bar")
     serve.add_argument("--out", metavar="PATH.json", help="JSON report (and PATH.png: throughput against latency)")
@@ -369,6 +394,8 @@ def run(args: argparse.Namespace) -> int:
         raise BadRequest("--max-concurrency must be at least 1")
     if args.adapters < 0 or args.time_scale <= 0:
         raise BadRequest("--adapters must be >= 0 and --time-scale positive")
+    if args.warmup_requests < 0:
+        raise BadRequest("--warmup-requests must be >= 0")
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise BadRequest(f"--out {args.out}: the directory {Path(args.out).resolve().parent} does not exist")
     if not 0 < args.goodput_share <= 1:
@@ -379,6 +406,10 @@ def run(args: argparse.Namespace) -> int:
     report = asyncio.run(_run(args, goodput))
     if goodput:
         report["sweep"]["goodput"] = sweep_goodput(report, args.goodput_share)
+    warmup = report.get("warmup")
+    if warmup:
+        print(f"warm-up: {warmup['requests']} requests over {warmup['models']} models in {warmup['seconds']:.1f} s"
+              + (f", {warmup['failed']} failed: {warmup['errors']}" if warmup["failed"] else ""))
     print(format_table(report["runs"], report["sweep"]["key"]))
     if goodput and args.sweep:
         best = report["sweep"]["goodput"]["highest"]
@@ -413,6 +444,12 @@ async def _run(args: argparse.Namespace, goodput: dict[str, float]) -> dict:
         dataset["sampling"] = sampling
         report = {"version": 1, "kind": "serve", "socket": args.socket, "dataset": dataset, "models": served,
                   "sweep": {"key": key, "points": [_json_point(p) for p in points]}, "runs": []}
+        if args.warmup_requests:
+            report["warmup"] = await warm_up(client, prompts, models, args.warmup_requests, args.max_concurrency, sampling)
+            lost = sum(count for error, count in report["warmup"]["errors"].items() if error.startswith(CONNECTION))
+            if lost:
+                report["stopped"] = f"{lost} of {args.warmup_requests} warm-up requests lost their connection"
+                return report
         for point in points:
             rate = point if key == "request-rate" else args.request_rate
             concurrency = point if key == "max-concurrency" else args.max_concurrency

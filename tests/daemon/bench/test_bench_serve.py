@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lorad.daemon.bench.serve import Outcome, summarize, sweep_goodput
+from lorad.daemon.bench.serve import Outcome, summarize, sweep_goodput, warmup_models
 from lorad.daemon.server.cli import main
 from lorad.scheduler.workload import AZURE_ATTRIBUTION
 
@@ -115,6 +115,29 @@ def test_a_sweep_reports_every_point_and_plots_it(capsys, daemon, tmp_path):
     assert "goodput: max-concurrency 4, the highest with >= 90% of the requests at ttft <= 60000 ms, tpot <= 60000 ms" in stdout
 
 
+def test_warm_up_requests_go_to_the_most_requested_models_first():
+    models = ["b", "a", "c", "a", "b", "a", "d"]  # a 3, b 2, then c and d once each, c used first
+    assert warmup_models(models, 3) == ["a", "b", "c"]
+    assert warmup_models(models, 6) == ["a", "b", "c", "d", "a", "b"]
+    assert warmup_models(["base"] * 4, 2) == ["base", "base"]
+
+
+def test_warm_up_requests_come_before_the_run_and_count_in_no_point(capsys, daemon, tmp_path):
+    out = tmp_path / "warm.json"
+    code, stdout, err = bench(capsys, "--socket", daemon, "--input-len", 12, "--output-len", 4, "--ignore-eos",
+                              "--num-prompts", 6, "--adapters", 3, "--warmup-requests", 5, "--out", out)
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    warmup = report["warmup"]
+    assert warmup["requests"] == 5 and warmup["failed"] == 0 and warmup["errors"] == {} and warmup["seconds"] > 0
+    assert 1 <= warmup["models"] <= 3
+    assert f"warm-up: 5 requests over {warmup['models']} models in " in stdout
+    run = report["runs"][0]
+    assert run["requests"] == 6 and run["completed"] == 6 and run["total_output_tokens"] == 6 * 4
+    engine = run["engine"]  # the daemon's steps in the run alone: the warm-up's 5 prompts of 12 tokens are not in them
+    assert sum(kind["prompt_tokens"] for kind in engine["by_kind"].values()) == 6 * 12
+
+
 def test_requests_drawn_with_a_temperature(capsys, daemon, tmp_path):
     out = tmp_path / "sampled.json"
     code, _, err = bench(capsys, "--socket", daemon, "--input-len", 10, "--output-len", 5, "--ignore-eos",
@@ -148,6 +171,7 @@ def test_azure_prompts_at_their_own_arrivals(capsys, daemon, tmp_path):
     (["--num-prompts", "0"], "--num-prompts must be at least 1"),
     (["--temperature", "-1"], "--temperature must be from 0 to 100"),
     (["--top-p", "0"], "--top-p above 0 and at most 1"),
+    (["--warmup-requests", "-1"], "--warmup-requests must be >= 0"),
 ])
 def test_bad_flags_are_one_line(capsys, argv, fragment, tmp_path):
     code, _, err = bench(capsys, "--socket", tmp_path / "none.sock", *argv)
