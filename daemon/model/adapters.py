@@ -307,7 +307,8 @@ def _read_weights(
                 _, module_scaling = settings.rank_and_scaling(module)
                 # get_tensor maps the file: copy, so a later rewrite on disk cannot reach a loaded adapter.
                 a = file.get_tensor(a_name).to(torch.float32, copy=True).contiguous()
-                b = (file.get_tensor(b_name).to(torch.float32) * module_scaling).contiguous()
+                b = file.get_tensor(b_name).to(torch.float32, copy=True).contiguous()
+                b.mul_(module_scaling)  # in place: no second float32 copy of B
                 for factor_name, tensor in ((a_name, a), (b_name, b)):
                     if not _all_finite(tensor):
                         raise _Refusal(f"{factor_name} holds NaN or Inf values")
