@@ -446,7 +446,7 @@ async def _run(args: argparse.Namespace, goodput: dict[str, float]) -> dict:
                   "sweep": {"key": key, "points": [_json_point(p) for p in points]}, "runs": []}
         if args.warmup_requests:
             report["warmup"] = await warm_up(client, prompts, models, args.warmup_requests, args.max_concurrency, sampling)
-            lost = sum(count for error, count in report["warmup"]["errors"].items() if error.startswith(CONNECTION))
+            lost = _lost(report["warmup"]["errors"])
             if lost:
                 report["stopped"] = f"{lost} of {args.warmup_requests} warm-up requests lost their connection"
                 return report
@@ -466,14 +466,20 @@ async def _run(args: argparse.Namespace, goodput: dict[str, float]) -> dict:
             summary["engine"] = step_time_delta(before, await _step_time(client))
             summary.update({"request_rate": _json_point(rate), "max_concurrency": concurrency})
             report["runs"].append(summary)
-            lost = sum(count for error, count in summary["errors"].items() if error.startswith(CONNECTION))
+            lost = _lost(summary["errors"])
             if lost:
                 report["stopped"] = f"{lost} of {len(outcomes)} requests lost their connection at {key} {_json_point(point)}"
                 break
     return report
 
 
-STATUS_KEPT = ("preemptions", "max_running_requests", "kv_capacity_tokens")  # /v1/status beside its step_time
+def _lost(errors: dict[str, int]) -> int:
+    """The requests among `errors` (error -> count) that lost their connection: the daemon is gone or refusing."""
+    return sum(count for error, count in errors.items() if error.startswith(CONNECTION))
+
+
+LIMITS = ("max_running_requests", "kv_capacity_tokens")  # the daemon's batch limits, from /v1/status
+STATUS_KEPT = ("preemptions", *LIMITS)  # /v1/status beside its step_time
 
 
 async def _step_time(client) -> dict | None:
@@ -532,7 +538,7 @@ def step_time_delta(before: dict | None, after: dict | None) -> dict | None:
                "device_rates": after["device_rates"], "by_kind": by_kind}
     if "preemptions" in before and "preemptions" in after:  # requests preempted for KV, computed again
         summary["preemptions"] = after["preemptions"] - before["preemptions"]
-    for key in ("max_running_requests", "kv_capacity_tokens"):  # the daemon's batch limits in this run
+    for key in LIMITS:  # the daemon's batch limits in this run
         if key in after:
             summary[key] = after[key]
     if all("host_before_launch_s" in kind for kind in by_kind.values()):

@@ -19,7 +19,8 @@ import aiohttp
 from aiohttp import web
 from lorad.daemon.server import metrics as metrics_format
 from lorad.daemon.server import body_parser
-from lorad.daemon.server.api import MAX_BODY_BYTES, error_body, error_middleware
+from lorad.daemon.server.api import error_body, error_middleware
+from lorad.daemon.server.body_parser import MAX_BODY_BYTES
 from lorad.daemon.server.schemas import MAX_CHOICES, parse_chat, parse_completion
 from lorad.daemon.router.backends import Backend, InFlightRequest
 from lorad.scheduler.router import RouteRequest

@@ -22,17 +22,18 @@ MAX_CHAT_MESSAGES = 1024
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 VALUES_BESIDE_PROMPTS = 65_536  # JSON values a request holds besides its prompts' token ids, at most (generously)
 
-
-def max_body_values(max_model_len: int) -> int:
-    """The most JSON values a body lorad serves can hold: MAX_PROMPTS prompts of token ids that each fit the
-    context, and VALUES_BESIDE_PROMPTS for the rest (up to 1024 chat messages, the stops, the logit bias...)."""
-    return MAX_PROMPTS * max_model_len + VALUES_BESIDE_PROMPTS
 MAX_N = ServerConfig.max_n  # choices per prompt, unless the daemon is given another (--max-n)
 MAX_CHOICES = 256  # prompts x n
 MAX_STOPS = 16  # as SamplingParams holds them
 MAX_TEMPERATURE = 100
 
 _ENGINE = SamplingParams()  # the engine's defaults are the API's
+
+
+def max_body_values(max_model_len: int) -> int:
+    """The most JSON values a body lorad serves can hold: MAX_PROMPTS prompts of token ids that each fit the
+    context, and VALUES_BESIDE_PROMPTS for the rest (up to 1024 chat messages, the stops, the logit bias...)."""
+    return MAX_PROMPTS * max_model_len + VALUES_BESIDE_PROMPTS
 
 
 # --- requests -------------------------------------------------------------------------------------------
