@@ -253,7 +253,7 @@ def test_backend_killed_mid_stream(router_factory, daemons, demo_assets, workdir
         # the rest is served by the survivor, the stream already there included
         assert 1 + sum(1 for _ in survivor_stream) == LONG["max_tokens"]
         for _ in range(3):
-            answer = router.client.completions(model="demo-r4", prompt="hi", max_tokens=2)
+            answer = router.client.completions(model="demo-r4", prompt="hi", max_tokens=2, ignore_eos=True)
             assert answer["choices"][0]["finish_reason"] == "length"
         assert router.client.health()["backends_up"] == 1
         assert router.client.status()["router"]["decisions"][str(doomed_path)] == 1

@@ -130,8 +130,8 @@ def test_a_refused_load_keeps_an_existing_adapter(served, roots):
         client.load_adapter("customer-7", str(root / "corrupt"))
     with pytest.raises(LoradError):
         client.load_adapter("demo-r8", str(root / "good"))  # a name the daemon already serves elsewhere
-    assert client.completions(model="customer-7", prompt="hi", max_tokens=2)["usage"]["completion_tokens"] == 2
-    assert client.completions(model="demo-r8", prompt="hi", max_tokens=2)["usage"]["completion_tokens"] == 2
+    assert client.completions(model="customer-7", prompt="hi", max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
+    assert client.completions(model="demo-r8", prompt="hi", max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
 
 
 @pytest.mark.parametrize(
@@ -204,7 +204,7 @@ def test_unload_while_a_request_streams(served, roots):
         assert time.monotonic() < deadline, "the unloaded adapter kept its pool pages"
         time.sleep(0.01)
     client.load_adapter("customer-7", str(root / "good"))  # and now the name is free again
-    assert client.completions(model="customer-7", prompt="abc", max_tokens=2)["usage"]["completion_tokens"] == 2
+    assert client.completions(model="customer-7", prompt="abc", max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
 
 
 def test_registrations_survive_a_restart(demo_assets, roots, tmp_path):
@@ -247,7 +247,7 @@ def test_concurrent_loads_and_requests(served, roots):
             for round_ in range(3):
                 name = f"churn-{index}"
                 client.load_adapter(name, str(root / "good"))
-                assert client.completions(model=name, prompt="hi", max_tokens=2)["usage"]["completion_tokens"] == 2
+                assert client.completions(model=name, prompt="hi", max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
                 client.unload_adapter(name)
         except Exception as error:  # collected: assertion errors in threads are otherwise lost
             errors.append(error)
@@ -256,7 +256,7 @@ def test_concurrent_loads_and_requests(served, roots):
     for thread in threads:
         thread.start()
     for _ in range(5):
-        assert client.completions(model="demo-r1", prompt="hi", max_tokens=2)["usage"]["completion_tokens"] == 2
+        assert client.completions(model="demo-r1", prompt="hi", max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
     for thread in threads:
         thread.join(60)
     assert not errors, errors

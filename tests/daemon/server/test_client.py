@@ -122,7 +122,7 @@ def test_async_admin_and_metrics(demo_daemon):
         async with AsyncClient(path, timeout=30) as client:
             entry = await client.load_adapter("async-made", str(assets.adapters["demo-r1"]))
             assert entry["rank"] == 1 and entry["id"] == "async-made"
-            answer = await client.completions(model="async-made", prompt="hi", max_tokens=2)
+            answer = await client.completions(model="async-made", prompt="hi", max_tokens=2, ignore_eos=True)
             assert answer["usage"]["completion_tokens"] == 2
             assert "lorad_requests_total" in await client.metrics()
             assert await client.unload_adapter("async-made") == {"id": "async-made", "object": "model", "deleted": True}

@@ -229,9 +229,9 @@ def test_metrics_move_as_requests_run(demo):
     assert 0 < value(after, "lorad_step_busy_seconds_total", kind="decode") == pytest.approx(
         value(after, "lorad_step_seconds_sum", kind="decode"))
 
-    chunks = client.stream_completions(model="demo-r4", prompt="abc", max_tokens=2)
+    chunks = client.stream_completions(model="demo-r4", prompt="abc", max_tokens=2, ignore_eos=True)
     list(chunks)
-    client.completions(model="lorad-demo", prompt="abc", max_tokens=1)
+    client.completions(model="lorad-demo", prompt="abc", max_tokens=1, ignore_eos=True)
     with pytest.raises(ModelNotFound):
         client.completions(model="nope", prompt="abc", max_tokens=1)  # refused: not counted as a request
     later = scrape(server)
