@@ -70,6 +70,7 @@ class LoraResidency:
         # `pageable`), so that a prefetch or an admission need not look the adapter up (maybe on disk) again
         self.stager = Stager(lookup, self._stage_pages) if table.pool.pages.is_cuda else None
         self.prepared: dict[str, object] = {}
+        self._prepared_names: dict[Hashable, set[str]] = {}  # a staged copy's key -> the names in `prepared` using it
         self.generation: dict[str, int] = {}  # bumped when a name is dropped: a staging begun before is stale
         self.staged_off_thread = 0  # adapters the stager staged that the engine thread took
         # cuda: whether an admission whose adapter the stager has not staged yet waits for it (`_defer`): set by the
@@ -218,7 +219,7 @@ class LoraResidency:
             self._keep(name, adapter, staged, pinned)
         elif staged.pages.nbytes <= self.pinned.budget:
             pinned = StagedAdapter(staged.pages.pin_memory(), staged.layout)
-            self.pinned.put(key, adapter.weights, pinned)
+            self._unprepare(self.pinned.put(key, adapter.weights, pinned))
         return (staged, "pageable") if pinned is None else (pinned, "pinned")
 
     def _stage_pages(self, adapter) -> tuple[StagedAdapter, StagedAdapter | None]:
@@ -231,11 +232,34 @@ class LoraResidency:
 
     def _keep(self, name: str, adapter, staged: StagedAdapter, pinned: StagedAdapter | None) -> None:
         key = id(adapter.weights)
-        if key not in self.pageable:
-            self.pageable.put(key, adapter.weights, staged)
-        if pinned is not None and key not in self.pinned:
-            self.pinned.put(key, adapter.weights, pinned)
         self.prepared[name] = adapter
+        self._prepared_names.setdefault(key, set()).add(name)
+        dropped = []
+        if key not in self.pageable:
+            dropped += self.pageable.put(key, adapter.weights, staged)
+        if pinned is not None and key not in self.pinned:
+            dropped += self.pinned.put(key, adapter.weights, pinned)
+        self._unprepare(dropped)
+
+    def _unprepare(self, keys) -> None:
+        """Forgets the prepared adapters of staged copies that have left both tiers: `prepared` would otherwise keep
+        their float32 host copies alive after the caches let them go, however many adapters were ever staged."""
+        for key in keys:
+            if key in self.pinned or key in self.pageable:
+                continue
+            for name in self._prepared_names.pop(key, ()):
+                adapter = self.prepared.get(name)
+                if adapter is not None and id(adapter.weights) == key:
+                    del self.prepared[name]
+
+    def _forget_prepared(self, name: str) -> None:
+        adapter = self.prepared.pop(name, None)
+        if adapter is not None:
+            names = self._prepared_names.get(id(adapter.weights))
+            if names is not None:
+                names.discard(name)
+                if not names:
+                    del self._prepared_names[id(adapter.weights)]
 
     def _absorb(self) -> None:
         """Takes the stager's finished work into the caches (engine thread only): stale ones (their name
@@ -276,7 +300,7 @@ class LoraResidency:
         key = id(adapter.weights)
         if key in self.pinned or key in self.pageable:
             return adapter
-        del self.prepared[name]  # its staged copy left the caches
+        self._forget_prepared(name)  # its staged copy left the caches
         return None
 
     def prepare(self, names) -> None:
@@ -364,7 +388,7 @@ class LoraResidency:
 
     def drop(self, name: str) -> None:
         """Forget an idle adapter's pool copy (it was unregistered or replaced), and its staged copy's name."""
-        self.prepared.pop(name, None)
+        self._forget_prepared(name)
         self.generation[name] = self.generation.get(name, 0) + 1
         if name in self.permanent:
             self.permanent.discard(name)
@@ -493,9 +517,13 @@ class StagedCache:
         self.entries.move_to_end(key)
         return entry[1]
 
-    def put(self, key: Hashable, weights, staged: StagedAdapter) -> None:
+    def put(self, key: Hashable, weights, staged: StagedAdapter) -> list:
+        """-> the keys dropped to make room."""
         self.entries[key] = (weights, staged)
         self.used += staged.pages.nbytes
+        dropped_keys = []
         while self.used > self.budget and len(self.entries) > 1:
-            _, (_, dropped) = self.entries.popitem(last=False)
+            dropped_key, (_, dropped) = self.entries.popitem(last=False)
             self.used -= dropped.pages.nbytes
+            dropped_keys.append(dropped_key)
+        return dropped_keys

@@ -213,3 +213,50 @@ def test_the_engine_defers_while_rows_run_and_not_under_cold_start_cpu():
     assert Engine._defer_unstaged(engine(["a row"], "ondemand"))
     assert not Engine._defer_unstaged(engine([], "auto"))  # nothing else to run: staged on the engine thread
     assert not Engine._defer_unstaged(engine(["a row"], "cpu"))  # its CPU workers start while the adapter loads
+
+
+def test_adapters_whose_staged_copies_left_both_tiers_are_not_kept_alive(residency):
+    """`prepared` hands a staged adapter to its admission without a second lookup; once the caches drop its staged
+    copy it must let the float32 host copy go too, or host memory grows with every adapter ever staged."""
+    import gc
+    import weakref
+
+    class Heavy:
+        def __init__(self, name):
+            self.name = name
+            self.weights = {(0, 0): (torch.zeros(4), torch.zeros(4))}
+
+    alive = {}
+
+    def lookup(name):
+        adapter = Heavy(name)
+        alive[name] = weakref.ref(adapter.weights[(0, 0)][0])
+        return adapter
+
+    residency.lookup = residency.stager.lookup = lookup
+    residency.pageable.budget = residency.pinned.budget = 2 * 32  # two staged copies of 32 bytes in each tier
+    names = [f"a{index}" for index in range(6)]
+    for name in names:
+        residency.prepare([name])
+        settle(residency)
+    gc.collect()
+    assert set(residency.prepared) == {"a4", "a5"} and residency._ready("a5") is not None
+    assert [name for name in names if alive[name]() is not None] == ["a4", "a5"]
+    assert set(residency._prepared_names) == {id(residency.prepared[name].weights) for name in ("a4", "a5")}
+    residency.drop("a4")  # unregistered: forgotten at once
+    assert set(residency.prepared) == {"a5"} and len(residency._prepared_names) == 1
+
+
+def test_a_name_staged_again_keeps_its_new_copy_when_the_old_one_leaves(residency):
+    residency.pageable.budget = residency.pinned.budget = 32  # one staged copy in each tier
+    residency.prepare(["x"])
+    settle(residency)
+    first = residency.prepared["x"]
+    residency.drop("x")  # replaced: its new weights are staged under a new key
+    residency.prepare(["x"])
+    settle(residency)
+    second = residency.prepared["x"]
+    assert second is not first
+    residency.prepare(["y"])  # pushes the newest "x" out of both tiers
+    settle(residency)
+    assert "x" not in residency.prepared and residency._ready("y") is not None
