@@ -2,10 +2,14 @@
 (qkv, o, gate_up, down through cuBLAS: bound by the tensor cores) and the paged decode attention of 64 rows at
 context C (lorad's kernel: bound by HBM); each alone, one after the other on one stream, and on two streams forked
 and joined inside one CUDA graph. Also with the 64 decode rows' own GEMMs on the second stream (two nano-batches).
+With `--carveouts`: the same with the prompt rows' GEMMs through cuBLASLt told to leave that many SMs free
+(`torch._C._set_sm_carveout_experimental`, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, set while the graph is captured), so
+that the attention's programs find SMs of their own while the GEMMs run.
 Times are per layer, from CUDA graphs of LAYERS layers (each layer its own weights and pages, so that each round
 reads HBM).
 
     python3 bench/mixed_overlap.py --out OUT.json
+    python3 bench/mixed_overlap.py --carveouts 16,32,48 --out OUT.json
     python3 bench/mixed_overlap.py --smoke     # tiny shapes on the CPU: checks the script
 """
 
@@ -30,7 +34,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--carveouts", default="", help="SM counts the prompt GEMMs leave free, e.g. 16,32,48 (cuda)")
     args = parser.parse_args()
+    try:
+        carveouts = [int(value) for value in args.carveouts.split(",") if value.strip()]
+    except ValueError:
+        sys.exit(f"--carveouts: integers separated by commas, not {args.carveouts!r}")
     cuda = torch.cuda.is_available()
     if not cuda and not SMOKE:
         sys.exit("no GPU: run with --smoke to check the script on the CPU")
@@ -78,9 +87,35 @@ def main() -> int:
                 prompt(i)
                 torch.cuda.current_stream().wait_stream(side)
 
+            def gemms_first(i):  # the same graph, the GEMMs captured (and so launched) before the attention
+                side.wait_stream(torch.cuda.current_stream())
+                prompt(i)
+                with torch.cuda.stream(side):
+                    attention[i]()
+                torch.cuda.current_stream().wait_stream(side)
+
             entry["two_streams_us"] = timer.graph([lambda i=i: forked(i, False) for i in range(layers)])
             entry["two_streams_with_decode_gemms_us"] = timer.graph([lambda i=i: forked(i, True) for i in range(layers)])
-        print({key: round(value, 1) if isinstance(value, float) else value for key, value in entry.items()}, flush=True)
+            entry["two_streams_gemms_first_us"] = timer.graph([lambda i=i: gemms_first(i) for i in range(layers)])
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            for carveout in carveouts:
+                if not 0 < carveout < sms:
+                    sys.exit(f"--carveouts: {carveout} is not within 1..{sms - 1} (this GPU's SMs)")
+                preferred = torch.backends.cuda.preferred_blas_library()
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+                torch._C._set_sm_carveout_experimental(carveout)
+                try:  # read by cuBLASLt as each GEMM is captured: the graphs keep it
+                    entry[f"carveout_{carveout}"] = {
+                        "gemms_us": timer.graph([lambda i=i: prompt(i) for i in range(layers)]),
+                        "one_stream_us": timer.graph([lambda i=i: (prompt(i), attention[i]()) for i in range(layers)]),
+                        "two_streams_us": timer.graph([lambda i=i: forked(i, False) for i in range(layers)]),
+                        "two_streams_gemms_first_us": timer.graph([lambda i=i: gemms_first(i) for i in range(layers)]),
+                        "two_streams_with_decode_gemms_us": timer.graph([lambda i=i: forked(i, True) for i in range(layers)]),
+                    }
+                finally:
+                    torch._C._set_sm_carveout_experimental(None)
+                    torch.backends.cuda.preferred_blas_library(preferred)
+        print(json.dumps(entry), flush=True)
         results.append(entry)
     if args.out:
         with open(args.out, "w") as out:
