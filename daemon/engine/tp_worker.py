@@ -57,6 +57,7 @@ class Placement:
     name: str
     path: str  # the adapter's directory (MEMORY_ADAPTER: a dummy adapter)
     page_ids: np.ndarray  # int32, rank 0's pages, which every rank uses
+    source: tuple | None = None  # its files as rank 0 read them (LoraAdapter.source)
 
 
 @dataclasses.dataclass
@@ -147,7 +148,7 @@ class TensorParallel:
         self._closing = False
         self._sent: dict[int, object] = {}  # slot -> the AdapterPlacement the workers hold there
         self._blocks = BlockSync()
-        self._paths: dict[str, str] = {}  # adapter name -> the directory its shard was read from
+        self._paths: dict[str, tuple] = {}  # adapter name -> (its directory, its files as read: LoraAdapter.source)
         self._shards: collections.OrderedDict = collections.OrderedDict()  # id(weights) -> (weights, shard)
         self._shard_bytes = 0
         self.runner = None  # rank 0's ModelRunner, once attached (an engine can fail, and close, before it is)
@@ -225,9 +226,9 @@ class TensorParallel:
 
         def sharded(name: str):
             adapter = lookup(name)
-            self.hint(name, adapter.path)
+            self.hint(name, adapter.path, adapter.source)
             with lock:
-                self._paths[name] = adapter.path
+                self._paths[name] = (adapter.path, adapter.source)
                 key = id(adapter.weights)
                 entry = self._shards.get(key)
                 if entry is None or entry[0] is not adapter.weights:
@@ -242,18 +243,18 @@ class TensorParallel:
 
         return sharded
 
-    def hint(self, name: str, path: str) -> None:
+    def hint(self, name: str, path: str, source: tuple | None = None) -> None:
         """Tells the workers that rank 0 is reading an adapter (its stager, ahead of the request's admission, or
         the engine thread), so that each stages its own shard on a thread of its own meanwhile, instead of in the
-        step that places it, which every rank would wait for. Once per adapter and directory."""
-        key = (name, path)
+        step that places it, which every rank would wait for. Once per adapter, directory and files."""
+        key = (name, path, source)
         with self._send_lock:
             if key in self._hinted or self._closing:
                 return
             self._hinted.add(key)
             for connection in self.connections:
                 try:
-                    connection.send(("stage", (name, path)))
+                    connection.send(("stage", key))
                 except (OSError, ValueError):  # a worker gone: _watch ends the engine
                     pass
 
@@ -266,8 +267,10 @@ class TensorParallel:
         placed = []
         if evicted or changed:
             names = {slot: name for name, slot in residency.slots.items()}
-            placed = [Placement(slot, names[slot], self._paths[names[slot]],
-                                np.asarray(placements[slot].page_ids, dtype=np.int32)) for slot in changed]
+            for slot in changed:
+                adapter_path, source = self._paths[names[slot]]
+                placed.append(Placement(slot, names[slot], adapter_path, np.asarray(placements[slot].page_ids, dtype=np.int32),
+                                        source))
             self._sent = dict(placements)
         message = StepMessage.of(plan, evicted, placed, self._blocks.updates(plan), path)
         payload = multiprocessing.reduction.ForkingPickler.dumps(("step", message))  # pickled once for every worker
@@ -475,36 +478,42 @@ class RankWorker:
         for slot in message.evicted:
             self.table.evict(slot)
         for placement in message.placed:
-            self.table.place_at(placement.slot, self._staged(placement.name, placement.path), placement.page_ids)
+            self.table.place_at(placement.slot, self._staged(placement.name, placement.path, placement.source),
+                                placement.page_ids)
         plan = message.plan(self.blocks.apply(message.blocks))
         if message.device_rows is not None:
             plan.device_rows = message.device_rows
             plan.device_tokens = tensor_parallel.broadcast(torch.empty(len(message.device_rows), dtype=torch.long, device=self.device))
         self.runner.forward(plan, message.path)
 
-    def hint(self, name: str, path: str) -> None:
+    def hint(self, name: str, path: str, source: tuple | None = None) -> None:
         """Rank 0 is reading this adapter: its shard is staged on this rank's staging thread meanwhile."""
         if self._hints is None:
             self._hints = queue.SimpleQueue()
             threading.Thread(target=self._stage_hinted, name="lorad-rank-stager", daemon=True).start()
-        self._hints.put((name, path))
+        self._hints.put((name, path, source))
 
     def _stage_hinted(self) -> None:
         while True:
-            name, path = self._hints.get()
+            name, path, source = self._hints.get()
             try:
-                self._staged(name, path)
+                self._staged(name, path, source)
             except Exception:  # noqa: BLE001 -- the step that places it stages it again and fails there
                 log.exception("staging adapter %s ahead failed; the step placing it will try again", name)
 
-    def _staged(self, name: str, path: str):
+    def _staged(self, name: str, path: str, source: tuple | None = None):
         """This rank's shard of an adapter in page layout: read from its directory (or made, for a dummy adapter).
-        Staged by whichever thread asks first (the step's or the staging thread); the other waits for it."""
-        from lorad.daemon.model.adapters import load_peft_adapter
+        Staged by whichever thread asks first (the step's or the staging thread); the other waits for it.
+
+        source: the adapter's files as rank 0 read them (LoraAdapter.source). Keyed by them, so an adapter loaded
+        again under its name and directory with new files is read again; files that differ from rank 0's (changed
+        on disk since it read them, without a new load) raise AdapterError: this rank would compute with other
+        weights than rank 0's."""
+        from lorad.daemon.model.adapters import AdapterError, load_peft_adapter
 
         adapter = self._dummy(name) if path == MEMORY_ADAPTER else None
         # Dummy adapters share a handful of weight sets (as on rank 0, staged once each); a real one is its files.
-        key = (MEMORY_ADAPTER, id(adapter.weights)) if adapter is not None else (name, path)
+        key = (MEMORY_ADAPTER, id(adapter.weights)) if adapter is not None else (name, path, source)
         while True:
             with self._lock:
                 staged = self._adapters.get(key)
@@ -518,9 +527,12 @@ class RankWorker:
         try:
             if adapter is None:
                 adapter = load_peft_adapter(path, self.spec, self.config.max_lora_rank, name=name)
+                if source is not None and adapter.source != source:
+                    raise AdapterError(f"adapter {name!r} ({path}) changed on disk after rank 0 read it: every rank must "
+                                       "read the same files (load it again under its name to serve the new ones)")
             staged = self.table.stage(self.shard.adapter(adapter).weights, pin=False)
             with self._lock:
-                self._adapters.put(key, None, staged)  # keyed by name and path (a dummy's weights live in _dummies)
+                self._adapters.put(key, None, staged)  # keyed by its files (a dummy's weights live in _dummies)
             return staged
         finally:
             with self._lock:

@@ -101,6 +101,9 @@ class LoraAdapter:
     weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
     nbytes: int
     scaling: dict[tuple[int, int], float]  # per module, already folded into B; kept for logs
+    # the directory's files when they were read (name, inode, size, mtime, ctime each); None: made in memory. A
+    # tensor-parallel worker reads its own slices of them and must find what rank 0 read.
+    source: tuple | None = None
 
     def describe(self) -> dict:
         return {
@@ -127,6 +130,7 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, max_rank: int, name: st
     """
     directory = Path(path)
     name = name or directory.name
+    source = _directory_signature(directory)  # before the reads: a file rewritten during them reads as changed
     try:
         weights_path = _adapter_files(directory)
         with _open_confined(directory / CONFIG_FILE, root, MAX_CONFIG_BYTES) as config_file:
@@ -146,6 +150,7 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, max_rank: int, name: st
         weights=weights,
         nbytes=weights_nbytes(weights),
         scaling=scaling,
+        source=source,
     )
     return adapter
 

@@ -486,3 +486,46 @@ def test_a_worker_stages_hinted_adapters_once_on_its_own_thread(hf_checkpoint, m
     assert len(staged_on) == len(adapters) and "lorad-rank-stager" in staged_on
     assert all(worker._staged(name, path) is one for (name, path), one in zip(adapters, taken))
     assert len(staged_on) == len(adapters) and not worker._staging
+
+
+def test_a_worker_reads_an_adapter_loaded_again_with_new_files_and_refuses_files_rank_0_did_not_read(
+        hf_checkpoint, tmp_path):
+    # Rank 0 sends each placement with the adapter's files as it read them (LoraAdapter.source). A worker keyed its
+    # shards by name and directory alone: an adapter unloaded and loaded again from the same directory with new
+    # weights kept its old shard on the other ranks, which then computed with other weights than rank 0's.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from lorad.daemon.engine.tp_worker import RankWorker
+    from lorad.daemon.model.adapters import AdapterError, load_peft_adapter
+
+    checkpoint = hf_checkpoint("llama")
+    config = EngineConfig(model=str(checkpoint.model_dir), device="cpu", dtype="float32", tensor_parallel_size=2,
+                          pool_bytes=1600 * 256)
+    spec = load_spec(checkpoint.model_dir)
+    worker = RankWorker(1, config, spec, "llama", str(checkpoint.model_dir), 256, torch.device("cpu"))
+    worker.bind(worker.pages(), worker.spec.page_elems, 8)
+    directory = tmp_path / "a"
+    shutil.copytree(next(iter(checkpoint.adapters.values())), directory)
+    first = load_peft_adapter(directory, spec, config.max_lora_rank, name="a")
+    assert first.source is not None
+    staged = worker._staged("a", str(directory), first.source)
+    assert worker._staged("a", str(directory), first.source) is staged  # once per files
+
+    weights_file = directory / "adapter_model.safetensors"
+    tensors = load_file(weights_file)
+    time.sleep(0.01)  # a new mtime even on coarse clocks (the inode changes anyway: a new file replaces it)
+    weights_file.unlink()
+    save_file({key: value * 2 for key, value in tensors.items()}, weights_file)
+    second = load_peft_adapter(directory, spec, config.max_lora_rank, name="a")  # rank 0 loads it again
+    assert second.source != first.source
+    restaged = worker._staged("a", str(directory), second.source)
+    assert restaged is not staged and not torch.equal(restaged.pages, staged.pages)
+    expected = worker.table.stage(worker.shard.adapter(second).weights, pin=False)
+    assert torch.equal(restaged.pages, expected.pages)
+
+    worker._adapters.entries.clear()  # the first files' shard left this rank's cache; rank 0 still serves them
+    with pytest.raises(AdapterError, match="changed on disk after rank 0 read it"):
+        worker._staged("a", str(directory), first.source)
+    assert not worker._staging  # a failed staging leaves nothing waiting
