@@ -43,6 +43,7 @@ import logging
 import os
 import statistics
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -139,7 +140,9 @@ class CpuAssist:
         self.outputs = torch.from_numpy(self.pool.output)
         self.error = torch.from_numpy(exchange.error_word)  # int64 [1]: a GPU wait timed out (seq), 0: none
         buffer = exchange.segment.buffer
-        self._stored: OrderedDict[str, tuple[int, int]] = OrderedDict()  # name -> (id(weights), adapter id)
+        # name -> (a weak reference to the LoraAdapter whose weights the store holds, its id in the store). Not the
+        # weights' id: an adapter read again (new files under its name) may get the address of the one freed before.
+        self._stored: OrderedDict[str, tuple[weakref.ref, int]] = OrderedDict()
         self.assisted = 0  # prefills whose LoRA the workers computed
         self.plans = {"tokens": 0, "groups": 0}  # spans (a prompt's rows in a step) planned each way
         self.fallbacks = 0  # requests sent back to the pool path after a failed job
@@ -208,7 +211,7 @@ class CpuAssist:
     def is_staged(self, adapter) -> bool:
         """Whether `stage(adapter)` would find it in the store already (no copy)."""
         entry = self._stored.get(adapter.name)
-        return entry is not None and entry[0] == id(adapter.weights)
+        return entry is not None and entry[0]() is adapter
 
     def calibrate(self, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
                   rank: int = PROFILE_RANK, token_counts: tuple[int, ...] = (16, 128), layers: int = 2,
@@ -269,11 +272,9 @@ class CpuAssist:
     def stage(self, adapter) -> int | None:
         """The adapter's id in the shared store, copying it in if needed (least recently used ones
         make room: no job is in flight between steps). None if it cannot fit."""
-        key = id(adapter.weights)
-        entry = self._stored.get(adapter.name)
-        if entry is not None and entry[0] == key:
+        if self.is_staged(adapter):
             self._stored.move_to_end(adapter.name)
-            return entry[1]
+            return self._stored[adapter.name][1]
         while True:
             try:
                 adapter_id = self.store.put(adapter)
@@ -285,7 +286,7 @@ class CpuAssist:
                     return None
                 self.store.remove(others[0])
                 del self._stored[others[0]]
-        self._stored[adapter.name] = (key, adapter_id)
+        self._stored[adapter.name] = (weakref.ref(adapter), adapter_id)
         self._stored.move_to_end(adapter.name)
         return adapter_id
 

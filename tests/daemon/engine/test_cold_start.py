@@ -312,3 +312,28 @@ def test_keep_off_cores_moves_the_calling_thread_off_the_workers_cores():
     thread.join()
     assert seen == {"before": set(cores), "during": set(cores[1:])}
     assert os.sched_getaffinity(0) == set(cores)
+
+
+def test_an_adapter_read_again_is_copied_to_the_workers_again_even_at_its_old_weights_address(demo_assets, adapters):
+    # The store's copy was matched to an adapter by its weights' id: an adapter read again under its name (new
+    # files) whose weights dict landed where the freed old one was would have its prefill LoRA computed from the old
+    # weights. Here the second adapter's weights are the first's dict with other tensors in it, as such a dict is.
+    engine = make_engine(demo_assets, adapters, cold_start="cpu", cpu_workers=2)
+    try:
+        assist = engine.cold_starts.cpu_assist
+        first = engine.registry.get(adapters[0][0])
+        first_id = assist.stage(first)
+        assert assist.is_staged(first) and assist.stage(first) == first_id
+        weights = first.weights
+        for key, (a, b) in list(weights.items()):
+            weights[key] = (a * 2, b)
+        second = dataclasses.replace(first)
+        assert second.weights is weights and not assist.is_staged(second)
+        second_id = assist.stage(second)
+        assert second_id != first_id and assist.is_staged(second)
+        key, (a, b) = next(iter(weights.items()))
+        stored_a, stored_b = assist.store.get_views(first.name)[key]
+        torch.testing.assert_close(stored_a, a, rtol=0, atol=0)
+        torch.testing.assert_close(stored_b, b.t(), rtol=0, atol=0)
+    finally:
+        engine.close()
