@@ -66,11 +66,8 @@ class LoraResidency:
         # streamed ahead for a queued request (prefetch): name -> (its copy, the tier it comes from); no
         # kernel reads these slots until acquire() moves them to `loading`
         self.ahead: dict[str, tuple[StreamedLoad, str]] = {}
-        # cuda: the background stager, and name -> its LoraAdapter for the adapters staged (in `pinned` or
-        # `pageable`), so that a prefetch or an admission need not look the adapter up (maybe on disk) again
+        # cuda: the background stager, whose staged adapters go into `pinned` and `pageable`
         self.stager = Stager(lookup, self._stage_pages) if table.pool.pages.is_cuda else None
-        self.prepared: dict[str, object] = {}
-        self._prepared_names: dict[Hashable, set[str]] = {}  # a staged copy's key -> the names in `prepared` using it
         self.generation: dict[str, int] = {}  # bumped when a name is dropped: a staging begun before is stale
         self.staged_off_thread = 0  # adapters the stager staged that the engine thread took
         # cuda: whether an admission whose adapter the stager has not staged yet waits for it (`_defer`): set by the
@@ -105,10 +102,9 @@ class LoraResidency:
                     self.metrics.cold_start()
             return True
         self._absorb()
-        adapter = self._ready(name)
-        if adapter is None and self._defer(name):
+        adapter = self.lookup(name)
+        if not self._is_staged(adapter) and self._defer(name):
             return False
-        adapter = adapter or self.lookup(name)
         self.deferred.discard(name)
         slot = self.table.free_slot()
         while slot is None:
@@ -117,7 +113,7 @@ class LoraResidency:
             self._evict_oldest()
             slot = self.table.free_slot()
         started = time.perf_counter()
-        staged, tier = self._staged(name, adapter)
+        staged, tier = self._staged(adapter)
         kind = "whole" if self.placement_for is None else self.placement_for(adapter, tier, tokens)
         while not self._place(name, slot, staged, kind):
             if not self.idle:
@@ -201,25 +197,25 @@ class LoraResidency:
         self.permanent.add(name)
         return True
 
-    def _staged(self, name: str, adapter) -> tuple[StagedAdapter, str]:
+    def _staged(self, adapter) -> tuple[StagedAdapter, str]:
         """The adapter in page layout and the tier its copy comes from. On cuda every adapter staged once
         stays staged in pageable host memory (`pageable`, within `staged_bytes`), and the most recently
         used ones also in pinned memory (`pinned`, within `pinned_bytes`): a cold load is one DMA from
         pinned memory, or one copy from pageable memory (which the driver stages through its own pinned
-        buffers, ~5x slower), never a new staging. Keyed by the weights, which benchmark adapters share."""
+        buffers, ~5x slower), never a new staging. Keyed by `staging_key`."""
         if not self.table.pool.pages.is_cuda:
             return self.table.stage(adapter.weights), "host"
-        key = id(adapter.weights)  # the stager's finished work is absorbed by the callers (acquire, prefetch)
+        key = staging_key(adapter)  # the stager's finished work is absorbed by the callers (acquire, prefetch)
         pinned = self.pinned.get(key)
         if pinned is not None:
             return pinned, "pinned"
         staged = self.pageable.get(key)
         if staged is None:
             staged, pinned = self._stage_pages(adapter)
-            self._keep(name, adapter, staged, pinned)
+            self._keep(adapter, staged, pinned)
         elif staged.pages.nbytes <= self.pinned.budget:
             pinned = StagedAdapter(staged.pages.pin_memory(), staged.layout)
-            self._unprepare(self.pinned.put(key, adapter.weights, pinned))
+            self.pinned.put(key, held_for_key(adapter, key), pinned)
         return (staged, "pageable") if pinned is None else (pinned, "pinned")
 
     def _stage_pages(self, adapter) -> tuple[StagedAdapter, StagedAdapter | None]:
@@ -230,36 +226,17 @@ class LoraResidency:
             return staged, None
         return staged, StagedAdapter(staged.pages.pin_memory(), staged.layout)
 
-    def _keep(self, name: str, adapter, staged: StagedAdapter, pinned: StagedAdapter | None) -> None:
-        key = id(adapter.weights)
-        self.prepared[name] = adapter
-        self._prepared_names.setdefault(key, set()).add(name)
-        dropped = []
+    def _keep(self, adapter, staged: StagedAdapter, pinned: StagedAdapter | None) -> None:
+        key = staging_key(adapter)
         if key not in self.pageable:
-            dropped += self.pageable.put(key, adapter.weights, staged)
+            self.pageable.put(key, held_for_key(adapter, key), staged)
         if pinned is not None and key not in self.pinned:
-            dropped += self.pinned.put(key, adapter.weights, pinned)
-        self._unprepare(dropped)
+            self.pinned.put(key, held_for_key(adapter, key), pinned)
 
-    def _unprepare(self, keys) -> None:
-        """Forgets the prepared adapters of staged copies that have left both tiers: `prepared` would otherwise keep
-        their float32 host copies alive after the caches let them go, however many adapters were ever staged."""
-        for key in keys:
-            if key in self.pinned or key in self.pageable:
-                continue
-            for name in self._prepared_names.pop(key, ()):
-                adapter = self.prepared.get(name)
-                if adapter is not None and id(adapter.weights) == key:
-                    del self.prepared[name]
-
-    def _forget_prepared(self, name: str) -> None:
-        adapter = self.prepared.pop(name, None)
-        if adapter is not None:
-            names = self._prepared_names.get(id(adapter.weights))
-            if names is not None:
-                names.discard(name)
-                if not names:
-                    del self._prepared_names[id(adapter.weights)]
+    def _is_staged(self, adapter) -> bool:
+        """Is the adapter's staged copy in either tier (cuda)?"""
+        key = staging_key(adapter)
+        return key in self.pinned or key in self.pageable
 
     def _absorb(self) -> None:
         """Takes the stager's finished work into the caches (engine thread only): stale ones (their name
@@ -271,7 +248,7 @@ class LoraResidency:
                 log.debug("background staging of adapter %s failed: %s", name, result)
                 self._stage_failed.add(name)
             elif generation == self.generation.get(name, 0):
-                self._keep(name, adapter, *result)
+                self._keep(adapter, *result)
                 self.staged_off_thread += 1
 
     def _defer(self, name: str) -> bool:
@@ -292,17 +269,6 @@ class LoraResidency:
             log.debug("admission waits for the stager adapter=%s", name)
         return True
 
-    def _ready(self, name: str):
-        """The adapter if it is staged (on cuda), else None."""
-        adapter = self.prepared.get(name)
-        if adapter is None:
-            return None
-        key = id(adapter.weights)
-        if key in self.pinned or key in self.pageable:
-            return adapter
-        self._forget_prepared(name)  # its staged copy left the caches
-        return None
-
     def prepare(self, names) -> None:
         """Has the stager read and stage the adapters among `names` that are not staged yet (cuda; a
         no-op elsewhere): those of the first queued requests, while the engine thread runs steps."""
@@ -310,7 +276,7 @@ class LoraResidency:
             return
         self._absorb()
         for name in names:
-            if name is not None and name not in self.slots and self._ready(name) is None:
+            if name is not None and name not in self.slots and not self._is_staged(self.lookup(name)):
                 self.stager.ask(name, self.generation.get(name, 0))
 
     def prefetch(self, name: str, reserve_pages: int, tokens: int | None = None) -> bool:
@@ -326,15 +292,12 @@ class LoraResidency:
         slot = self.table.free_slot()
         if slot is None:
             return False
-        if self.stager is not None:
-            self._absorb()
-            adapter = self._ready(name)
-            if adapter is None:  # not staged yet: the stager does it; the engine thread does not wait
-                self.stager.ask(name, self.generation.get(name, 0))
-                return False
-        else:
-            adapter = self.lookup(name)
-        staged, tier = self._staged(name, adapter)
+        self._absorb()
+        adapter = self.lookup(name)
+        if self.stager is not None and not self._is_staged(adapter):  # the stager stages it; this thread does not wait
+            self.stager.ask(name, self.generation.get(name, 0))
+            return False
+        staged, tier = self._staged(adapter)
         if self.table.pool.num_free - staged.pages.shape[0] < reserve_pages:
             return False
         kind = "whole"
@@ -387,8 +350,7 @@ class LoraResidency:
         return -1 if name is None else self.slots[name]
 
     def drop(self, name: str) -> None:
-        """Forget an idle adapter's pool copy (it was unregistered or replaced), and its staged copy's name."""
-        self._forget_prepared(name)
+        """Forget an idle adapter's pool copy (it was unregistered or replaced); a staging of it begun before is stale."""
         self.generation[name] = self.generation.get(name, 0) + 1
         if name in self.permanent:
             self.permanent.discard(name)
@@ -492,12 +454,28 @@ def _stage_loop(stager_ref, todo: queue.SimpleQueue, done: queue.SimpleQueue) ->
             result = error
         del stager
         done.put((name, generation, adapter, result, time.perf_counter() - started))
+        del adapter, result  # while this thread waits for the next one, it keeps no adapter alive
+
+
+def staging_key(adapter) -> Hashable:
+    """What an adapter's staged copy is cached by. One read from files: by those files (its directory and
+    `LoraAdapter.source`), so the same files stage alike whichever object holds them (read again after the host
+    store let it go, say), new files under the same name are a new key, and the staged copy keeps no float32 host
+    copy alive. One made in memory (the dummy adapters, which share a handful of weight sets; benchmarks): by its
+    weights' identity, which its cache entry keeps unique by holding them (`held_for_key`); such an adapter stays in
+    host memory while registered anyway."""
+    source = getattr(adapter, "source", None)
+    return ("memory", id(adapter.weights)) if source is None else ("files", adapter.path, source)
+
+
+def held_for_key(adapter, key: Hashable):
+    """What a cache entry holds beside the staged copy: the weights for a key that is their id, else nothing."""
+    return adapter.weights if key[0] == "memory" else None
 
 
 class StagedCache:
-    """Staged adapters keyed by their weights' id (a tensor-parallel worker: by name and directory), least recently
-    used dropped first beyond `budget` bytes (the newest always stays). An entry holds the weights too, which keeps
-    their id unique."""
+    """Staged adapters (`staging_key`; a tensor-parallel worker: by name, directory and files), least recently used
+    dropped first beyond `budget` bytes (the newest always stays). An entry may hold what keeps its key unique."""
 
     def __init__(self, budget: int):
         self.budget = budget
@@ -517,13 +495,9 @@ class StagedCache:
         self.entries.move_to_end(key)
         return entry[1]
 
-    def put(self, key: Hashable, weights, staged: StagedAdapter) -> list:
-        """-> the keys dropped to make room."""
-        self.entries[key] = (weights, staged)
+    def put(self, key: Hashable, holds, staged: StagedAdapter) -> None:
+        self.entries[key] = (holds, staged)
         self.used += staged.pages.nbytes
-        dropped_keys = []
         while self.used > self.budget and len(self.entries) > 1:
-            dropped_key, (_, dropped) = self.entries.popitem(last=False)
+            _, (_, dropped) = self.entries.popitem(last=False)
             self.used -= dropped.pages.nbytes
-            dropped_keys.append(dropped_key)
-        return dropped_keys

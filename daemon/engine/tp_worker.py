@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from lorad.config import EngineConfig
-from lorad.daemon.engine.adapter_residency import StagedCache
+from lorad.daemon.engine.adapter_residency import StagedCache, held_for_key, staging_key
 from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.model import tensor_parallel
 from lorad.daemon.model.checkpoint import ModelSpec
@@ -149,7 +149,8 @@ class TensorParallel:
         self._sent: dict[int, object] = {}  # slot -> the AdapterPlacement the workers hold there
         self._blocks = BlockSync()
         self._paths: dict[str, tuple] = {}  # adapter name -> (its directory, its files as read: LoraAdapter.source)
-        self._shards: collections.OrderedDict = collections.OrderedDict()  # id(weights) -> (weights, shard)
+        # staging_key(whole adapter) -> (what keeps that key unique, rank 0's shard)
+        self._shards: collections.OrderedDict = collections.OrderedDict()
         self._shard_bytes = 0
         self.runner = None  # rank 0's ModelRunner, once attached (an engine can fail, and close, before it is)
         self.steps_sent = 0
@@ -219,8 +220,9 @@ class TensorParallel:
         self.workers = [self._receive(rank, "ready") for rank in range(1, self.size)]
 
     def shard_lookup(self, lookup):
-        """The engine's name -> LoraAdapter, as rank 0's shard (what its pool stages). Shards are kept while their
-        whole adapter is (by the weights' identity), within host_adapter_bytes / size."""
+        """The engine's name -> LoraAdapter, as rank 0's shard (what its pool stages). Shards are kept by their whole
+        adapter's files (or, made in memory, its weights' identity: adapter_residency.staging_key), within
+        host_adapter_bytes / size."""
         budget = self.config.host_adapter_bytes // self.size
         lock = threading.Lock()  # the engine thread and the adapter stager's thread both look adapters up
 
@@ -229,10 +231,10 @@ class TensorParallel:
             self.hint(name, adapter.path, adapter.source)
             with lock:
                 self._paths[name] = (adapter.path, adapter.source)
-                key = id(adapter.weights)
+                key = staging_key(adapter)
                 entry = self._shards.get(key)
-                if entry is None or entry[0] is not adapter.weights:
-                    entry = (adapter.weights, self.shard.adapter(adapter))
+                if entry is None:
+                    entry = (held_for_key(adapter, key), self.shard.adapter(adapter))
                     self._shards[key] = entry
                     self._shard_bytes += entry[1].nbytes
                     while self._shard_bytes > budget and len(self._shards) > 1:
@@ -269,8 +271,8 @@ class TensorParallel:
             names = {slot: name for name, slot in residency.slots.items()}
             for slot in changed:
                 adapter_path, source = self._paths[names[slot]]
-                placed.append(Placement(slot, names[slot], adapter_path, np.asarray(placements[slot].page_ids, dtype=np.int32),
-                                        source))
+                page_ids = np.asarray(placements[slot].page_ids, dtype=np.int32)
+                placed.append(Placement(slot, names[slot], adapter_path, page_ids, source))
             self._sent = dict(placements)
         message = StepMessage.of(plan, evicted, placed, self._blocks.updates(plan), path)
         payload = multiprocessing.reduction.ForkingPickler.dumps(("step", message))  # pickled once for every worker

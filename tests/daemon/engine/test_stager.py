@@ -1,6 +1,7 @@
 """daemon/engine/adapter_residency.py's Stager (the background threads that read and stage cold adapters for
-the engine thread, several at once) and LoraResidency's use of it: staged once, stale or failed work left out, and an adapter
-the stager has prepared placed by a prefetch without looking it up again."""
+the engine thread, several at once) and LoraResidency's use of it: staged once, stale or failed work left out, an
+adapter the stager staged placed by a prefetch without staging it again; staged copies keyed by the adapter's files
+(or an in-memory adapter's weights), keeping no float32 host copy of an adapter read from files alive."""
 
 from __future__ import annotations
 
@@ -84,9 +85,11 @@ def test_a_failure_is_reported_not_raised():
 
 
 class FakeAdapter:
-    def __init__(self, name):
-        self.name = name
-        self.weights = {"of": name}
+    """An adapter read from files: `source` stands for them (LoraAdapter.source)."""
+
+    def __init__(self, name, files=0):
+        self.name, self.path, self.source = name, f"/adapters/{name}", (name, files)
+        self.weights = {(0, 0): (torch.zeros(4), torch.zeros(4))}
 
 
 class FakeTable:
@@ -108,23 +111,34 @@ class FakeTable:
         self.placed[slot] = staged
         return True
 
+    def evict(self, slot):
+        del self.placed[slot]
+
 
 @pytest.fixture
 def residency(monkeypatch):
-    looked_up = []
+    """A residency whose lookup is the engine's (the adapters its requests hold: one object per name), recording the
+    adapters read (`reads`) and each staging (`stagings`, by name); `broken`: names whose staging raises."""
+    adapters, reads, stagings, broken = {}, [], [], set()
 
     def lookup(name):
-        looked_up.append(name)
-        return FakeAdapter(name)
+        if name not in adapters:
+            reads.append(name)
+            adapters[name] = FakeAdapter(name)
+        return adapters[name]
 
     residency = LoraResidency(lookup, FakeTable(), pinned_bytes=1 << 20, staged_bytes=1 << 20)
+
     def stage(adapter):  # (pageable, "pinned": the same pages here, no CUDA to pin them with)
-        staged = StagedAdapter(torch.zeros(2, 4), [adapter.name])
+        stagings.append(adapter.name)
+        if adapter.name in broken:
+            raise ValueError(f"adapter {adapter.name} is broken")
+        staged = StagedAdapter(torch.zeros(2, 4), [adapter.name])  # 32 bytes
         return staged, staged
 
     monkeypatch.setattr(residency, "_stage_pages", stage)
     residency.stager.stage = residency._stage_pages
-    residency.looked_up = looked_up
+    residency.adapters, residency.reads, residency.stagings, residency.broken = adapters, reads, stagings, broken
     return residency
 
 
@@ -135,12 +149,12 @@ def settle(residency):
         time.sleep(0.005)
 
 
-def test_a_prefetch_waits_for_nothing_and_places_what_the_stager_prepared(residency):
+def test_a_prefetch_waits_for_nothing_and_places_what_the_stager_staged(residency):
     assert not residency.prefetch("x", reserve_pages=0)  # not staged yet: asked for, not done here
     settle(residency)
-    assert residency.staged_off_thread == 1 and residency.looked_up == ["x"]
+    assert residency.staged_off_thread == 1 and residency.stagings == ["x"]
     assert residency.prefetch("x", reserve_pages=0)
-    assert residency.looked_up == ["x"]  # placed from the prepared copy: no second lookup
+    assert residency.stagings == ["x"] and residency.reads == ["x"]  # placed from the stager's copy
     assert residency.table.placed[0].layout == ["x"]
 
 
@@ -148,7 +162,7 @@ def test_work_for_a_dropped_name_is_left_out(residency):
     residency.prepare(["y"])
     residency.drop("y")  # unregistered (or replaced) while its staging ran
     settle(residency)
-    assert residency._ready("y") is None and residency.staged_off_thread == 0
+    assert not residency._is_staged(residency.lookup("y")) and residency.staged_off_thread == 0
 
 
 def test_a_dropped_stager_is_freed_and_its_thread_ends():
@@ -177,28 +191,20 @@ def test_an_admission_waits_for_the_stager_while_other_rows_run(residency):
     assert residency.admissions_deferred == 1
     settle(residency)
     assert residency.acquire("x", 8)  # staged now: admitted from the stager's copy
-    assert residency.looked_up == ["x"] and residency.slots["x"] == 0 and not residency.deferred
+    assert residency.stagings == ["x"] and residency.slots["x"] == 0 and not residency.deferred
     running[0] = False  # nothing else runs: the engine thread stages it itself, as without a stager
     assert residency.acquire("y", 8)
-    assert residency.looked_up == ["x", "y"] and residency.admissions_deferred == 1
+    assert residency.stagings == ["x", "y"] and residency.admissions_deferred == 1
 
 
 def test_an_adapter_the_stager_failed_on_is_staged_at_admission_and_fails_there(residency):
-    broken = {"z"}
-
-    def lookup(name):
-        residency.looked_up.append(name)
-        if name in broken:
-            raise ValueError(f"adapter {name} is broken")
-        return FakeAdapter(name)
-
-    residency.lookup = residency.stager.lookup = lookup
+    residency.broken.add("z")
     residency.defer_unstaged = lambda: True
     assert not residency.acquire("z", 8)
     settle(residency)
     with pytest.raises(ValueError, match="z is broken"):  # not deferred forever: the request meets the error
         residency.acquire("z", 8)
-    assert residency.looked_up == ["z", "z"]
+    assert residency.stagings == ["z", "z"]
 
 
 def test_the_engine_defers_while_rows_run_and_not_under_cold_start_cpu():
@@ -215,48 +221,44 @@ def test_the_engine_defers_while_rows_run_and_not_under_cold_start_cpu():
     assert not Engine._defer_unstaged(engine(["a row"], "cpu"))  # its CPU workers start while the adapter loads
 
 
-def test_adapters_whose_staged_copies_left_both_tiers_are_not_kept_alive(residency):
-    """`prepared` hands a staged adapter to its admission without a second lookup; once the caches drop its staged
-    copy it must let the float32 host copy go too, or host memory grows with every adapter ever staged."""
+def test_staged_copies_keep_no_host_copy_of_an_adapter_read_from_files(residency):
+    """The host store decides how long an adapter's float32 copy lives: once the engine lets one go (its requests
+    done, the store full), its staged copies must not keep it, however many adapters were staged."""
     import gc
     import weakref
 
-    class Heavy:
-        def __init__(self, name):
-            self.name = name
-            self.weights = {(0, 0): (torch.zeros(4), torch.zeros(4))}
-
-    alive = {}
-
-    def lookup(name):
-        adapter = Heavy(name)
-        alive[name] = weakref.ref(adapter.weights[(0, 0)][0])
-        return adapter
-
-    residency.lookup = residency.stager.lookup = lookup
-    residency.pageable.budget = residency.pinned.budget = 2 * 32  # two staged copies of 32 bytes in each tier
     names = [f"a{index}" for index in range(6)]
     for name in names:
         residency.prepare([name])
         settle(residency)
+    alive = {name: weakref.ref(residency.adapters[name].weights[(0, 0)][0]) for name in names}
+    residency.adapters.clear()
     gc.collect()
-    assert set(residency.prepared) == {"a4", "a5"} and residency._ready("a5") is not None
-    assert [name for name in names if alive[name]() is not None] == ["a4", "a5"]
-    assert set(residency._prepared_names) == {id(residency.prepared[name].weights) for name in ("a4", "a5")}
-    residency.drop("a4")  # unregistered: forgotten at once
-    assert set(residency.prepared) == {"a5"} and len(residency._prepared_names) == 1
+    assert [name for name in names if alive[name]() is not None] == []
+    assert all(holds is None for holds, _ in residency.pageable.entries.values())
+    assert len(residency.pageable) == 6  # 192 bytes, within the budget: all still staged
 
 
-def test_a_name_staged_again_keeps_its_new_copy_when_the_old_one_leaves(residency):
-    residency.pageable.budget = residency.pinned.budget = 32  # one staged copy in each tier
+def test_an_adapter_read_again_from_the_same_files_finds_its_copy_and_new_files_are_staged_again(residency):
     residency.prepare(["x"])
     settle(residency)
-    first = residency.prepared["x"]
-    residency.drop("x")  # replaced: its new weights are staged under a new key
-    residency.prepare(["x"])
-    settle(residency)
-    second = residency.prepared["x"]
-    assert second is not first
-    residency.prepare(["y"])  # pushes the newest "x" out of both tiers
-    settle(residency)
-    assert "x" not in residency.prepared and residency._ready("y") is not None
+    residency.adapters["x"] = FakeAdapter("x")  # read again (another object, other tensors): the same files
+    assert residency._is_staged(residency.lookup("x"))
+    assert residency.acquire("x", 8) and residency.stagings == ["x"]
+    residency.release("x")
+    residency.drop("x")  # replaced: loaded again with new files
+    residency.adapters["x"] = FakeAdapter("x", files=1)
+    assert not residency._is_staged(residency.lookup("x"))
+    assert residency.acquire("x", 8) and residency.stagings == ["x", "x"]
+
+
+def test_an_adapter_made_in_memory_is_keyed_by_its_weights_which_its_copy_holds(residency):
+    shared = FakeAdapter("d0")
+    shared.source = None  # a dummy adapter: no files; two names share one weight set
+    twin = FakeAdapter("d1")
+    twin.source, twin.weights = None, shared.weights
+    residency.adapters.update(d0=shared, d1=twin)
+    assert residency.acquire("d0", 8) and residency.acquire("d1", 8)
+    assert residency.stagings == ["d0"]  # staged once for both
+    (holds, _), = residency.pageable.entries.values()
+    assert holds is shared.weights
