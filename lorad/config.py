@@ -59,6 +59,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings, capped at 8192
     max_waiting_requests: int = 1024  # beyond it new requests are refused (503)
     pool_bytes: int | None = None  # unified page pool; default: 256 MiB on cpu, most of free memory on cuda
+    # cuda: the pool's share of the memory free once the weights are loaded (engine.pool_pages), not of the whole GPU
     gpu_memory_utilization: float = 0.85
     # host-memory budget of loaded adapters, and on cuda of their staged pages (LRU beyond it)
     host_adapter_bytes: int = 8 << 30
