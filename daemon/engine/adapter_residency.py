@@ -15,8 +15,8 @@ request admitted (its adapter, tier and first step's tokens):
 
 On cuda, the host's part of a cold load (reading the adapter from disk, laying it out in pages, pinning it) runs
 on background threads (`Stager`) for the adapters of the first queued requests (`prepare`), so the engine
-thread finds them staged; an adapter admitted before its staging is done is staged on the engine thread, as
-without it.
+thread finds them staged; an adapter admitted before its staging is done waits while other rows run (`_defer`),
+else is staged on the engine thread, once: a staging a stager thread has begun is waited for (`_take_over`).
 
 A queued request's cold adapter may be placed before its admission (`prefetch`, while a step runs): whole,
 or, where its placement would be "stream", streamed ahead. A streamed-ahead copy waits in `ahead` and the
@@ -103,8 +103,10 @@ class LoraResidency:
             return True
         self._absorb()
         adapter = self.lookup(name)
-        if not self._is_staged(adapter) and self._defer(name):
-            return False
+        if not self._is_staged(adapter):
+            if self._defer(name):
+                return False
+            self._take_over(name)
         self.deferred.discard(name)
         slot = self.table.free_slot()
         while slot is None:
@@ -232,6 +234,17 @@ class LoraResidency:
             self.pageable.put(key, held_for_key(adapter, key), staged)
         if pinned is not None and key not in self.pinned:
             self.pinned.put(key, held_for_key(adapter, key), pinned)
+
+    def _take_over(self, name: str) -> None:
+        """An admission that stages its adapter on this thread (nothing else runs): where a stager thread has begun
+        staging it, wait for that instead (it ends no later than a staging begun here, and the two would slow each
+        other down); where it is only queued there, the thread will skip it. An idle server hit by a burst of requests
+        for cold adapters stages them on the stager's threads and this one, each adapter once."""
+        if self.stager is not None and not self.stager.claim(name):
+            if not self.stager.wait(name, STAGER_WAIT_S):
+                log.warning("adapter %s: its staging on the stager's thread took over %.0f s; staged here", name,
+                            STAGER_WAIT_S)
+            self._absorb()
 
     def _is_staged(self, adapter) -> bool:
         """Is the adapter's staged copy in either tier (cuda)?"""
@@ -374,6 +387,7 @@ class LoraResidency:
 
 
 STAGER_THREADS = 4  # the stager's threads, at most one per core the engine may use
+STAGER_WAIT_S = 30.0  # an admission waits this long at most for a staging a stager thread has begun
 
 
 class Stager:
@@ -383,7 +397,10 @@ class Stager:
     reads, casts and copies run in torch and the OS with the GIL released): a saturated server's first requests
     bring dozens of cold adapters at once, and staged one after another they kept running slots empty for seconds
     (BENCHMARKS.md, figure 21.1). The threads hold the stager only weakly while they wait, so an engine that is
-    dropped is freed (its GPU memory with it), and they end."""
+    dropped is freed (its GPU memory with it), and they end.
+
+    An adapter the engine thread must stage now (`claim`) is not staged twice: one a thread has started, the engine
+    waits for (`wait`); one still queued, the threads skip."""
 
     def __init__(self, lookup, stage, threads: int | None = None):
         self.lookup = lookup
@@ -392,6 +409,10 @@ class Stager:
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: set[str] = set()
+        self._lock = threading.Lock()  # _started and _claimed, between the threads and the engine thread
+        self._started: set[str] = set()  # names a thread is staging now
+        self._claimed: set[str] = set()  # pending names the engine thread stages itself: the threads skip them
+        self._early: list[tuple] = []  # results `wait` received, for the next `take`
         self._threads: list[threading.Thread] = []  # started at the first ask
         self.staged = 0  # adapters staged (taken by the engine thread), and the threads' seconds on them
         self.seconds = 0.0
@@ -413,18 +434,54 @@ class Stager:
     def take(self) -> list[tuple[str, int, object, object]]:
         """(name, generation, adapter or None, (pageable, pinned) or the exception) for each one done."""
         done = []
+        items, self._early = self._early, []
         while True:
-            try:
-                name, generation, adapter, result, seconds = self._done.get_nowait()
-            except queue.Empty:
-                return done
+            if not items:
+                try:
+                    items.append(self._done.get_nowait())
+                except queue.Empty:
+                    return done
+            name, generation, adapter, result, seconds = items.pop(0)
             self._pending.discard(name)
+            with self._lock:
+                self._claimed.discard(name)
+            if result is _SKIPPED:  # claimed by the engine thread before a thread reached it
+                continue
             self.staged += 1
             self.seconds += seconds
             done.append((name, generation, adapter, result))
 
+    def claim(self, name: str) -> bool:
+        """The engine thread is about to stage `name` itself. True: no thread has started it (one that reaches it
+        skips it); False: a thread is staging it, which ends no later than a staging begun now would (`wait`)."""
+        with self._lock:
+            if name in self._started:
+                return False
+            if name in self._pending:
+                self._claimed.add(name)
+            return True
+
+    def wait(self, name: str, timeout_s: float) -> bool:
+        """Blocks until the staging of `name` is done (True) or `timeout_s` has passed (False); every result that
+        comes meanwhile goes to the next `take`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                item = self._done.get(timeout=remaining)
+            except queue.Empty:
+                return False
+            self._early.append(item)
+            if item[0] == name:
+                return True
+
     def pending(self) -> int:
         return len(self._pending)
+
+
+_SKIPPED = object()  # a thread's result for a name the engine thread claimed before the thread reached it
 
 
 def _stop_threads(todo: queue.SimpleQueue, threads: int) -> None:
@@ -445,6 +502,14 @@ def _stage_loop(stager_ref, todo: queue.SimpleQueue, done: queue.SimpleQueue) ->
         if item is None or stager is None:
             return
         name, generation = item
+        with stager._lock:
+            skip = name in stager._claimed
+            if not skip:
+                stager._started.add(name)
+        if skip:
+            del stager
+            done.put((name, generation, None, _SKIPPED, 0.0))
+            continue
         adapter = None
         started = time.perf_counter()
         try:
@@ -452,6 +517,8 @@ def _stage_loop(stager_ref, todo: queue.SimpleQueue, done: queue.SimpleQueue) ->
             result = stager.stage(adapter)
         except Exception as error:  # noqa: BLE001 - reported by take(); admission meets it again
             result = error
+        with stager._lock:
+            stager._started.discard(name)
         del stager
         done.put((name, generation, adapter, result, time.perf_counter() - started))
         del adapter, result  # while this thread waits for the next one, it keeps no adapter alive

@@ -118,8 +118,9 @@ class FakeTable:
 @pytest.fixture
 def residency(monkeypatch):
     """A residency whose lookup is the engine's (the adapters its requests hold: one object per name), recording the
-    adapters read (`reads`) and each staging (`stagings`, by name); `broken`: names whose staging raises."""
-    adapters, reads, stagings, broken = {}, [], [], set()
+    adapters read (`reads`) and each staging (`staged_on`: name and thread); `broken`: names whose staging raises;
+    `gate`: an event each staging waits for."""
+    adapters, reads, staged_on, broken = {}, [], [], set()
 
     def lookup(name):
         if name not in adapters:
@@ -130,7 +131,8 @@ def residency(monkeypatch):
     residency = LoraResidency(lookup, FakeTable(), pinned_bytes=1 << 20, staged_bytes=1 << 20)
 
     def stage(adapter):  # (pageable, "pinned": the same pages here, no CUDA to pin them with)
-        stagings.append(adapter.name)
+        staged_on.append((adapter.name, threading.current_thread().name))
+        assert residency.gate.wait(10)
         if adapter.name in broken:
             raise ValueError(f"adapter {adapter.name} is broken")
         staged = StagedAdapter(torch.zeros(2, 4), [adapter.name])  # 32 bytes
@@ -138,8 +140,14 @@ def residency(monkeypatch):
 
     monkeypatch.setattr(residency, "_stage_pages", stage)
     residency.stager.stage = residency._stage_pages
-    residency.adapters, residency.reads, residency.stagings, residency.broken = adapters, reads, stagings, broken
+    residency.adapters, residency.reads, residency.staged_on, residency.broken = adapters, reads, staged_on, broken
+    residency.gate = threading.Event()  # a staging waits for it (set: none waits)
+    residency.gate.set()
     return residency
+
+
+def stagings(residency) -> list[str]:
+    return [name for name, _ in residency.staged_on]
 
 
 def settle(residency):
@@ -152,9 +160,9 @@ def settle(residency):
 def test_a_prefetch_waits_for_nothing_and_places_what_the_stager_staged(residency):
     assert not residency.prefetch("x", reserve_pages=0)  # not staged yet: asked for, not done here
     settle(residency)
-    assert residency.staged_off_thread == 1 and residency.stagings == ["x"]
+    assert residency.staged_off_thread == 1 and stagings(residency) == ["x"]
     assert residency.prefetch("x", reserve_pages=0)
-    assert residency.stagings == ["x"] and residency.reads == ["x"]  # placed from the stager's copy
+    assert stagings(residency) == ["x"] and residency.reads == ["x"]  # placed from the stager's copy
     assert residency.table.placed[0].layout == ["x"]
 
 
@@ -191,10 +199,10 @@ def test_an_admission_waits_for_the_stager_while_other_rows_run(residency):
     assert residency.admissions_deferred == 1
     settle(residency)
     assert residency.acquire("x", 8)  # staged now: admitted from the stager's copy
-    assert residency.stagings == ["x"] and residency.slots["x"] == 0 and not residency.deferred
+    assert stagings(residency) == ["x"] and residency.slots["x"] == 0 and not residency.deferred
     running[0] = False  # nothing else runs: the engine thread stages it itself, as without a stager
     assert residency.acquire("y", 8)
-    assert residency.stagings == ["x", "y"] and residency.admissions_deferred == 1
+    assert stagings(residency) == ["x", "y"] and residency.admissions_deferred == 1
 
 
 def test_an_adapter_the_stager_failed_on_is_staged_at_admission_and_fails_there(residency):
@@ -204,7 +212,7 @@ def test_an_adapter_the_stager_failed_on_is_staged_at_admission_and_fails_there(
     settle(residency)
     with pytest.raises(ValueError, match="z is broken"):  # not deferred forever: the request meets the error
         residency.acquire("z", 8)
-    assert residency.stagings == ["z", "z"]
+    assert stagings(residency) == ["z", "z"]
 
 
 def test_the_engine_defers_while_rows_run_and_not_under_cold_start_cpu():
@@ -244,12 +252,12 @@ def test_an_adapter_read_again_from_the_same_files_finds_its_copy_and_new_files_
     settle(residency)
     residency.adapters["x"] = FakeAdapter("x")  # read again (another object, other tensors): the same files
     assert residency._is_staged(residency.lookup("x"))
-    assert residency.acquire("x", 8) and residency.stagings == ["x"]
+    assert residency.acquire("x", 8) and stagings(residency) == ["x"]
     residency.release("x")
     residency.drop("x")  # replaced: loaded again with new files
     residency.adapters["x"] = FakeAdapter("x", files=1)
     assert not residency._is_staged(residency.lookup("x"))
-    assert residency.acquire("x", 8) and residency.stagings == ["x", "x"]
+    assert residency.acquire("x", 8) and stagings(residency) == ["x", "x"]
 
 
 def test_an_adapter_made_in_memory_is_keyed_by_its_weights_which_its_copy_holds(residency):
@@ -259,6 +267,68 @@ def test_an_adapter_made_in_memory_is_keyed_by_its_weights_which_its_copy_holds(
     twin.source, twin.weights = None, shared.weights
     residency.adapters.update(d0=shared, d1=twin)
     assert residency.acquire("d0", 8) and residency.acquire("d1", 8)
-    assert residency.stagings == ["d0"]  # staged once for both
+    assert stagings(residency) == ["d0"]  # staged once for both
     (holds, _), = residency.pageable.entries.values()
     assert holds is shared.weights
+
+
+def test_a_queued_name_the_engine_thread_claims_is_skipped_and_a_started_one_is_waited_for():
+    gate, calls = threading.Event(), []
+
+    def lookup(name):
+        calls.append(name)
+        assert gate.wait(10)
+        return name
+
+    stager = Stager(lookup, lambda adapter: (adapter, None), threads=1)
+    stager.ask("a", 0)
+    stager.ask("b", 0)  # queued behind "a" on the one thread
+    deadline = time.monotonic() + 10
+    while "a" not in stager._started:
+        assert time.monotonic() < deadline, "the thread never started"
+        time.sleep(0.001)
+    assert not stager.claim("a")  # being staged: wait for it
+    assert stager.claim("b")  # only queued: the engine thread stages it, the thread skips it
+    assert not stager.wait("a", 0.05)  # still at it
+    gate.set()
+    assert stager.wait("a", 10)
+    assert stager.wait("b", 10)  # the thread reached "b" and skipped it: its mark comes through too
+    done = stager.take()
+    assert [name for name, *_ in done] == ["a"] and calls == ["a"]
+    assert stager.pending() == 0 and not stager._claimed and not stager._started
+
+
+def test_an_idle_admission_waits_for_the_staging_a_stager_thread_began_instead_of_staging_it_again(residency):
+    residency.defer_unstaged = lambda: False  # nothing else runs: the admission's adapter is staged now
+    residency.gate.clear()
+    residency.prepare(["x"])
+    deadline = time.monotonic() + 10
+    while "x" not in residency.stager._started:
+        assert time.monotonic() < deadline, "the stager never started"
+        time.sleep(0.001)
+    admitted = []
+    admission = threading.Thread(target=lambda: admitted.append(residency.acquire("x", 8)))
+    admission.start()
+    time.sleep(0.05)
+    assert admission.is_alive()  # waiting for the stager's staging, not staging it again
+    residency.gate.set()
+    admission.join(10)
+    assert admitted == [True] and residency.slots["x"] == 0
+    assert [thread.startswith("lorad-stager-") for _, thread in residency.staged_on] == [True]  # staged once
+
+
+def test_an_idle_admission_takes_over_a_staging_still_queued(residency):
+    residency.stager.threads = 1
+    residency.defer_unstaged = lambda: False
+    residency.gate.clear()
+    residency.prepare(["x", "y"])  # the one thread starts "x"; "y" waits behind it
+    deadline = time.monotonic() + 10
+    while "x" not in residency.stager._started:
+        assert time.monotonic() < deadline, "the stager never started"
+        time.sleep(0.001)
+    residency.adapters["y"] = FakeAdapter("y")
+    residency.gate.set()  # (the admission's own staging must not wait)
+    assert residency.acquire("y", 8)  # staged on this thread at once: not behind "x"
+    settle(residency)
+    assert sorted(stagings(residency)) == ["x", "y"]  # "y" once, by the admission; the thread skipped it
+    assert residency.stager.pending() == 0 and residency.stager.staged == 1
