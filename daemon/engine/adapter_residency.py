@@ -66,8 +66,11 @@ class LoraResidency:
         # streamed ahead for a queued request (prefetch): name -> (its copy, the tier it comes from); no
         # kernel reads these slots until acquire() moves them to `loading`
         self.ahead: dict[str, tuple[StreamedLoad, str]] = {}
-        # cuda: the background stager, whose staged adapters go into `pinned` and `pageable`
+        # cuda: the background stager, whose staged adapters go into `pinned` and `pageable`; and name -> the key of
+        # its last staged copy (`staging_key`), so that `prepare` and `prefetch` learn whether a queued request's
+        # adapter is staged without looking it up (a tensor-parallel lookup shards the adapter on this thread)
         self.stager = Stager(lookup, self._stage_pages) if table.pool.pages.is_cuda else None
+        self._keys: dict[str, Hashable] = {}
         self.generation: dict[str, int] = {}  # bumped when a name is dropped: a staging begun before is stale
         self.staged_off_thread = 0  # adapters the stager staged that the engine thread took
         # cuda: whether an admission whose adapter the stager has not staged yet waits for it (`_defer`): set by the
@@ -115,7 +118,7 @@ class LoraResidency:
             self._evict_oldest()
             slot = self.table.free_slot()
         started = time.perf_counter()
-        staged, tier = self._staged(adapter)
+        staged, tier = self._staged(name, adapter)
         kind = "whole" if self.placement_for is None else self.placement_for(adapter, tier, tokens)
         while not self._place(name, slot, staged, kind):
             if not self.idle:
@@ -199,7 +202,7 @@ class LoraResidency:
         self.permanent.add(name)
         return True
 
-    def _staged(self, adapter) -> tuple[StagedAdapter, str]:
+    def _staged(self, name: str, adapter) -> tuple[StagedAdapter, str]:
         """The adapter in page layout and the tier its copy comes from. On cuda every adapter staged once
         stays staged in pageable host memory (`pageable`, within `staged_bytes`), and the most recently
         used ones also in pinned memory (`pinned`, within `pinned_bytes`): a cold load is one DMA from
@@ -214,7 +217,7 @@ class LoraResidency:
         staged = self.pageable.get(key)
         if staged is None:
             staged, pinned = self._stage_pages(adapter)
-            self._keep(adapter, staged, pinned)
+            self._keep(name, adapter, staged, pinned)
         elif staged.pages.nbytes <= self.pinned.budget:
             pinned = StagedAdapter(staged.pages.pin_memory(), staged.layout)
             self.pinned.put(key, held_for_key(adapter, key), pinned)
@@ -228,8 +231,8 @@ class LoraResidency:
             return staged, None
         return staged, StagedAdapter(staged.pages.pin_memory(), staged.layout)
 
-    def _keep(self, adapter, staged: StagedAdapter, pinned: StagedAdapter | None) -> None:
-        key = staging_key(adapter)
+    def _keep(self, name: str, adapter, staged: StagedAdapter, pinned: StagedAdapter | None) -> None:
+        key = self._keys[name] = staging_key(adapter)
         if key not in self.pageable:
             self.pageable.put(key, held_for_key(adapter, key), staged)
         if pinned is not None and key not in self.pinned:
@@ -248,7 +251,15 @@ class LoraResidency:
 
     def _is_staged(self, adapter) -> bool:
         """Is the adapter's staged copy in either tier (cuda)?"""
-        key = staging_key(adapter)
+        return self._in_tiers(staging_key(adapter))
+
+    def _name_staged(self, name: str) -> bool:
+        """Is the last copy staged under `name` still in either tier? (Without a lookup: its files may have changed
+        since, which the admission's lookup finds.)"""
+        key = self._keys.get(name)
+        return key is not None and self._in_tiers(key)
+
+    def _in_tiers(self, key: Hashable) -> bool:
         return key in self.pinned or key in self.pageable
 
     def _absorb(self) -> None:
@@ -261,7 +272,7 @@ class LoraResidency:
                 log.debug("background staging of adapter %s failed: %s", name, result)
                 self._stage_failed.add(name)
             elif generation == self.generation.get(name, 0):
-                self._keep(adapter, *result)
+                self._keep(name, adapter, *result)
                 self.staged_off_thread += 1
 
     def _defer(self, name: str) -> bool:
@@ -289,7 +300,7 @@ class LoraResidency:
             return
         self._absorb()
         for name in names:
-            if name is not None and name not in self.slots and not self._is_staged(self.lookup(name)):
+            if name is not None and name not in self.slots and not self._name_staged(name):
                 self.stager.ask(name, self.generation.get(name, 0))
 
     def prefetch(self, name: str, reserve_pages: int, tokens: int | None = None) -> bool:
@@ -306,11 +317,14 @@ class LoraResidency:
         if slot is None:
             return False
         self._absorb()
-        adapter = self.lookup(name)
-        if self.stager is not None and not self._is_staged(adapter):  # the stager stages it; this thread does not wait
+        if self.stager is not None and not self._name_staged(name):  # the stager stages it; this thread does not wait
             self.stager.ask(name, self.generation.get(name, 0))
             return False
-        staged, tier = self._staged(adapter)
+        adapter = self.lookup(name)
+        if self.stager is not None and not self._is_staged(adapter):  # its files changed since: staged anew there too
+            self.stager.ask(name, self.generation.get(name, 0))
+            return False
+        staged, tier = self._staged(name, adapter)
         if self.table.pool.num_free - staged.pages.shape[0] < reserve_pages:
             return False
         kind = "whole"
@@ -365,6 +379,7 @@ class LoraResidency:
     def drop(self, name: str) -> None:
         """Forget an idle adapter's pool copy (it was unregistered or replaced); a staging of it begun before is stale."""
         self.generation[name] = self.generation.get(name, 0) + 1
+        self._keys.pop(name, None)
         if name in self.permanent:
             self.permanent.discard(name)
             self.release(name)
@@ -436,12 +451,11 @@ class Stager:
         done = []
         items, self._early = self._early, []
         while True:
-            if not items:
-                try:
-                    items.append(self._done.get_nowait())
-                except queue.Empty:
-                    return done
-            name, generation, adapter, result, seconds = items.pop(0)
+            try:
+                items.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+        for name, generation, adapter, result, seconds in items:
             self._pending.discard(name)
             with self._lock:
                 self._claimed.discard(name)
@@ -450,6 +464,7 @@ class Stager:
             self.staged += 1
             self.seconds += seconds
             done.append((name, generation, adapter, result))
+        return done
 
     def claim(self, name: str) -> bool:
         """The engine thread is about to stage `name` itself. True: no thread has started it (one that reaches it

@@ -332,3 +332,16 @@ def test_an_idle_admission_takes_over_a_staging_still_queued(residency):
     settle(residency)
     assert sorted(stagings(residency)) == ["x", "y"]  # "y" once, by the admission; the thread skipped it
     assert residency.stager.pending() == 0 and residency.stager.staged == 1
+
+
+def test_prepare_asks_by_name_without_looking_adapters_up(residency):
+    # A tensor-parallel lookup shards the adapter: prepare and prefetch run each step on the engine thread, and must
+    # leave the reading (and the sharding) of a queued adapter to the stager's threads.
+    residency.prepare(["x"])
+    settle(residency)
+    lookups = []
+    residency.lookup = lambda name: lookups.append(name) or residency.adapters[name]
+    residency.prepare(["x", "y"])
+    assert not residency.prefetch("y", reserve_pages=0)  # asked of the stager, not looked up here
+    assert lookups == [] and residency.stager.pending() == 1
+    settle(residency)
