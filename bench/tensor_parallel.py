@@ -6,6 +6,9 @@ memory to itself and its own process group):
 - at TP=2, LoRA (--batch distinct rank --rank adapters, all seven projections) against the base model alone;
 - the all-reduces' share of a TP=2 decode step (their kernels' device time on rank 0 per step, from the profiler,
   which sees inside CUDA graph replays; it includes any wait for the other rank);
+- where each throughput case's step goes on rank 0 (`device_ms_per_step`): its kernels' device time by kind (GEMMs,
+  LoRA, attention, the fused norm/RoPE/activation kernels, all-reduces, the rest), the time the GPU is busy in a
+  step and the time it waits for the host;
 - a 70B shape (--big-config, llama-2-70b) at TP=2 in bf16: the batch-1 decode step against its floor, the weight
   bytes a rank reads per step / the HBM bandwidth measured on its GPU (a 1 GiB device copy; on the CPU, the
   engine's own measure), plus the step's all-reduces as measured.
@@ -63,10 +66,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def cases(args) -> list[dict]:
     """The cases run, each in its own process."""
     listed = [
-        {"name": "base_tp1", "model": args.model_config, "size": 1, "batch": args.batch, "lora": False},
+        {"name": "base_tp1", "model": args.model_config, "size": 1, "batch": args.batch, "lora": False,
+         "profile": True},
         {"name": f"base_tp{args.size}", "model": args.model_config, "size": args.size, "batch": args.batch, "lora": False,
          "profile": True},
-        {"name": f"lora_tp{args.size}", "model": args.model_config, "size": args.size, "batch": args.batch, "lora": True},
+        {"name": f"lora_tp{args.size}", "model": args.model_config, "size": args.size, "batch": args.batch, "lora": True,
+         "profile": True},
     ]
     if args.big_config != "none":
         listed.append({"name": f"big_batch1_tp{args.size}", "model": args.big_config, "size": args.size, "batch": 1,
@@ -125,8 +130,14 @@ def run_case(case: dict, args) -> dict:
         result = {**case, "tok_s": batch * args.steps / elapsed, "step_ms": elapsed / args.steps * 1e3,
                   "ops": engine.runner.ops.name, "cuda_graph_steps": engine.runner.graph_steps,
                   "tensor_parallel": engine.status()["tensor_parallel"]}
-        if case.get("profile"):
-            result["all_reduce_ms_per_step"] = all_reduce_ms(engine, cuda)
+        if case.get("profile") and cuda:
+            result["device_ms_per_step"] = device_breakdown(engine)
+            # the timed steps ran without the profiler's host overhead: their wait for the host is this
+            result["device_ms_per_step"]["step_minus_busy"] = round(result["step_ms"] - result["device_ms_per_step"]["busy"], 4)
+            result["all_reduce_ms_per_step"] = result["device_ms_per_step"]["all_reduce"]
+        elif case.get("profile"):
+            result["all_reduce_ms_per_step"] = gloo_all_reduce_ms(engine)
+        if case.get("profile") and case["size"] > 1:
             result["all_reduce_share"] = result["all_reduce_ms_per_step"] / result["step_ms"]
         if case.get("floor"):
             weight_bytes = step_weight_bytes(engine)
@@ -179,24 +190,76 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def all_reduce_ms(engine, cuda: bool, steps: int = 8) -> float:
-    """The all-reduces' time per decode step on rank 0: NCCL's kernels' device time on cuda, gloo's op time on the cpu."""
+# A kernel's kind from its name (the first that matches, lowercased)
+KERNEL_KINDS = (
+    ("all_reduce", ("nccl", "all_reduce", "allreduce")),
+    ("lora", ("bgmv", "mbgm", "lora")),
+    ("attention", ("attention", "attn", "write_kv", "paged", "_decode_kernel", "_combine_kernel", "_prefill_kernel")),
+    ("fused", ("norm", "rope", "silu", "gelu")),
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "matmul", "sm90_", "sm80_")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    for kind, marks in KERNEL_KINDS:
+        if any(mark in lowered for mark in marks):
+            return kind
+    return "other"
+
+
+def device_breakdown(engine, steps: int = 8) -> dict:
+    """Where a decode step goes on this process's GPU (rank 0), from the profiler over `steps` steps, per step in ms:
+    the kernels' device time by kind (KERNEL_KINDS; NCCL's includes any wait for the other rank), `busy` (the union
+    of the kernels' intervals: streams that overlap count once), `span` (first kernel's start to the last one's end)
+    and `idle` (span - busy: the GPU waiting for the host). `top` lists the ten kernels of most time."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
-        if cuda:
-            torch.cuda.synchronize()
-    total_us = 0.0
-    for event in prof.key_averages():
-        key = event.key.lower()
-        if cuda and key.startswith("nccl") and "allreduce" in key.replace("_", ""):
-            total_us += getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        elif not cuda and "allreduce" in key.replace("_", "") and key.startswith("c10d::"):
-            total_us += event.cpu_time_total
+        torch.cuda.synchronize()
+    kernels = [(event.name, event.time_range.start, event.time_range.end)
+               for event in prof.events() if event.device_type == DeviceType.CUDA]
+    return summarize_kernels(kernels, steps)
+
+
+def summarize_kernels(kernels: list[tuple[str, float, float]], steps: int) -> dict:
+    """(name, start us, end us) of every kernel over `steps` steps -> device_breakdown's figures, ms a step."""
+    by_kind: dict[str, float] = {kind: 0.0 for kind, _ in KERNEL_KINDS}
+    by_kind["other"] = 0.0
+    by_name: dict[str, float] = {}
+    for name, start, end in kernels:
+        by_kind[kernel_kind(name)] += end - start
+        by_name[name] = by_name.get(name, 0.0) + end - start
+    busy, reach = 0.0, None
+    for _, start, end in sorted(kernels, key=lambda kernel: kernel[1]):
+        if reach is None or start > reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    span = (max(end for *_, end in kernels) - min(start for _, start, _ in kernels)) if kernels else 0.0
+    per_step = lambda us: round(us / steps / 1e3, 4)  # noqa: E731 (microseconds over the steps -> ms a step)
+    out = {kind: per_step(us) for kind, us in by_kind.items()}
+    out.update({"kernels": per_step(sum(by_kind.values())), "busy": per_step(busy), "span": per_step(span),
+                "idle": per_step(span - busy),
+                "top": [[name[:80], per_step(us)] for name, us in sorted(by_name.items(), key=lambda item: -item[1])[:10]]})
+    return out
+
+
+def gloo_all_reduce_ms(engine, steps: int = 8) -> float:
+    """The all-reduces' time per decode step on rank 0 on the CPU (gloo): the ops' own time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    total_us = sum(event.cpu_time_total for event in prof.key_averages()
+                   if "allreduce" in event.key.lower().replace("_", "") and event.key.lower().startswith("c10d::"))
     return total_us / steps / 1e3
 
 

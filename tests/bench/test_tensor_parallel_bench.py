@@ -52,3 +52,20 @@ def test_dry_run_on_the_cpu(tmp_path, capsys):
     assert cases["base_tp2"]["all_reduce_ms_per_step"] > 0
     assert set(document["summary"]) == {"tp2_over_tp1_decode", "lora_over_base_tp2", "all_reduce_share_of_decode_step",
                                         "big_batch1_over_floor"}
+
+
+def test_a_step_s_kernels_summed_by_kind_with_overlaps_counted_once():
+    bench = bench_scripts.load("tensor_parallel")
+    assert bench.kernel_kind("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "all_reduce"
+    assert bench.kernel_kind("_mbgmv_shrink_kernel") == "lora"
+    assert bench.kernel_kind("_paged_decode_attention_kernel") == bench.kernel_kind("_decode_kernel") == "attention"
+    assert bench.kernel_kind("_fused_add_rms_norm_kernel") == "fused"
+    assert bench.kernel_kind("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NTN") == "gemm"
+    assert bench.kernel_kind("elementwise_kernel") == "other"
+    # two steps: a GEMM 0-100 us overlapping an all-reduce 50-150, a gap to 200, then attention 200-300
+    kernels = [("sm90_xmma_gemm", 0.0, 100.0), ("ncclDevKernel_AllReduce", 50.0, 150.0), ("paged_attention", 200.0, 300.0)]
+    out = bench.summarize_kernels(kernels, steps=2)
+    assert (out["gemm"], out["all_reduce"], out["attention"], out["other"]) == (0.05, 0.05, 0.05, 0.0)
+    assert (out["kernels"], out["busy"], out["span"], out["idle"]) == (0.15, 0.125, 0.15, 0.025)
+    assert out["top"][0][1] == 0.05 and len(out["top"]) == 3
+    assert bench.summarize_kernels([], steps=1)["busy"] == 0.0
