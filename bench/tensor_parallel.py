@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "run last on two H100s read 7%% slower)")
     parser.add_argument("--case-timeout", type=float, default=300.0,
                         help="seconds a case's process may take before it is killed (what it measured is kept)")
+    parser.add_argument("--trace", metavar="DIR",
+                        help="write the profiled steps of each throughput case on rank 0 as a Chrome trace here "
+                             "(CASE.json.gz: the host's ops beside the GPU's kernels)")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # one case, in a child process: JSON on stdout's last line
     args = parser.parse_args(argv)
@@ -129,12 +132,16 @@ def run_case(case: dict, args) -> dict:
         elapsed = time.perf_counter() - started
         result = {**case, "tok_s": batch * args.steps / elapsed, "step_ms": elapsed / args.steps * 1e3,
                   "ops": engine.runner.ops.name, "cuda_graph_steps": engine.runner.graph_steps,
-                  "tensor_parallel": engine.status()["tensor_parallel"]}
+                  "tensor_parallel": engine.status()["tensor_parallel"],
+                  # the engine's own account of its decode steps (the timed ones and those starting the requests)
+                  "decode_account": engine.account.snapshot()["by_kind"]["decode"]}
         if case.get("profile") and cuda:
             result["device_ms_per_step"] = device_breakdown(engine)
             # the timed steps ran without the profiler's host overhead: their wait for the host is this
             result["device_ms_per_step"]["step_minus_busy"] = round(result["step_ms"] - result["device_ms_per_step"]["busy"], 4)
             result["all_reduce_ms_per_step"] = result["device_ms_per_step"]["all_reduce"]
+            if args.trace:
+                write_trace(engine, os.path.join(args.trace, f"{case['name']}.json.gz"))
         elif case.get("profile"):
             result["all_reduce_ms_per_step"] = gloo_all_reduce_ms(engine)
         if case.get("profile") and case["size"] > 1:
@@ -206,6 +213,21 @@ def kernel_kind(name: str) -> str:
         if any(mark in lowered for mark in marks):
             return kind
     return "other"
+
+
+def write_trace(engine, path: str, steps: int = 4) -> None:
+    """`steps` more steps as a Chrome trace at `path` (gzipped where it ends in .gz): the host's Python functions and
+    ops beside the GPU's kernels. Recording the functions slows the host: the trace shows where its time goes, not
+    how long a step takes untraced."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    prof.export_chrome_trace(path)
 
 
 def device_breakdown(engine, steps: int = 8) -> dict:
@@ -306,6 +328,7 @@ def main(argv=None) -> None:
         run_case(json.loads(args.case), args)  # prints its result
         return
     forwarded = [f"--{name}={getattr(args, name)}" for name in ("batch", "rank", "prompt", "steps", "size")]
+    forwarded += [f"--trace={args.trace}"] if args.trace else []
     forwarded += ["--dry-run"] if args.dry_run else []
     runs: dict[str, list[dict]] = {}
     listed = cases(args)
