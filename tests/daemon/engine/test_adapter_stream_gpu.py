@@ -150,6 +150,16 @@ def ahead_budget(monkeypatch, layers: int) -> None:
     monkeypatch.setattr(lora_residency, "issue_streamed", budgeted)
 
 
+def staged_by_the_stager(engine: Engine, names: list[str], timeout_s: float = 30.0) -> None:
+    """Has the engine's stager stage `names` (as `prepare` does for queued requests) and waits until it has."""
+    residency, deadline = engine.residency, time.monotonic() + timeout_s
+    residency.prepare(names)
+    while not all(residency._name_staged(name) for name in names):
+        assert time.monotonic() < deadline, f"the stager did not stage {names} in {timeout_s:.0f} s"
+        time.sleep(0.01)
+        residency.prepare(names)  # takes in what the stager finished
+
+
 def test_queued_cold_adapters_stream_in_ahead_and_give_the_cached_tokens(demo_assets, monkeypatch):
     prompts = PROMPTS + [([30, 31, 32, 33, 34], "demo-r16-mlp")]
     cached = engine_for(demo_assets, cold_start="cached", max_running_requests=1)
@@ -161,6 +171,9 @@ def test_queued_cold_adapters_stream_in_ahead_and_give_the_cached_tokens(demo_as
     try:
         always_stream(engine)
         ahead_budget(monkeypatch, 3)  # layer 0 of both queued adapters, layer 1 of the first (layer-major)
+        # Staged before the run: a prefetch places only what the stager has staged, and on the demo model the first
+        # request lives a few milliseconds, less than the stager thread may take to stage the queued two.
+        staged_by_the_stager(engine, ["demo-r16", "demo-r16-mlp"])
         assert [result.token_ids for result in run(engine, prompts)] == expected
         status = engine.status()
         assert status["cold_streamed_ahead"]["adapters"] == 2 and status["cold_streamed_ahead"]["layers"] == 3
