@@ -1,8 +1,10 @@
 """The sum over 2 GPUs of a [rows, hidden] partial, as a tensor-parallel decode step runs 2 per layer: NCCL's
 all-reduce (what the engine runs, daemon/model/tensor_parallel.py) against torch's one-shot and two-shot
 all-reduces through symmetric memory (each rank's partial copied into a buffer the other maps over NVLink; one
-kernel with a barrier of flags), per call, from replays of a CUDA graph of `--calls` sums in a row (as the step's
-graph holds them; between them a small matmul, so that the ranks drift as a step's kernels make them). Each
+kernel with a barrier of flags); and, up to 256 rows, the sum with the residual add and RMSNorm after it as the
+engine runs it: NCCL then add_rms_norm (`nccl_add_norm_us`) against the fused peer sum (`fused_add_norm_us`,
+gpu_ops/peer_sum.py, all_reduce fused). Per call, from replays of a CUDA graph of `--calls` sums in a row (as the
+step's graph holds them; between them a small matmul, so that the ranks drift as a step's kernels make them). Each
 result checked against the exact sum first.
 
     python3 bench/all_reduce.py --out bench/results/all_reduce_h100x2.json
@@ -61,7 +63,11 @@ def rank_main(rank: int, port: int, args, results: list) -> None:
     paths = {"nccl": tensor_parallel.all_reduce, "one_shot": one_shot, "two_shot": two_shot}
     between = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
     rows_list = [int(r) for r in args.rows.split(",")]
+    peer_sums = {}  # hidden -> the engine's PeerSum (its setup is collective: both ranks make it here)
     for hidden in (int(h) for h in args.hidden.split(",")):
+        peer_sums[hidden] = tensor_parallel.PeerSum(hidden, torch.bfloat16, device)
+        if rank == 0:
+            print(f"hidden {hidden}: {peer_sums[hidden].path}", flush=True)
         for rows in rows_list:
             generator = torch.Generator(device=device).manual_seed(rank * 1000 + rows)
             partial = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16, generator=generator)
@@ -101,11 +107,66 @@ def rank_main(rank: int, port: int, args, results: list) -> None:
                 times.sort()
                 entry[f"{name}_us"] = times[len(times) // 2]
                 del graph
+            if rows <= tensor_parallel.PEER_SUM_MAX_ROWS:
+                entry.update(time_sum_and_norm(args, rank, device, hidden, rows, partial, exact, peer_sums, between))
             results.append(entry)
             if rank == 0:
                 print(json.dumps(entry), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def time_sum_and_norm(args, rank, device, hidden, rows, partial, exact, peer_sums, between) -> dict:
+    """The sum as the engine runs it between a projection and the next norm: NCCL's all-reduce then the fused
+    add_rms_norm kernel, against gpu_ops/peer_sum.py's one kernel (all_reduce fused), each call on the next half
+    of its buffers as the model alternates them. Checked equal (h and the normed rows) first."""
+    import torch.distributed as dist
+
+    from lorad.daemon.model import tensor_parallel
+    from lorad.gpu_ops.fused import add_rms_norm
+
+    fused = peer_sums[hidden]
+    if fused.buffers is None:
+        return {"fused_error": fused.path}
+    generator = torch.Generator(device=device).manual_seed(rows)  # the same h and weight on both ranks
+    h0 = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16, generator=generator)
+    weight = torch.rand(hidden, device=device, dtype=torch.bfloat16, generator=generator) + 0.5
+    calls = {"nccl_add_norm_us": lambda h, half: add_rms_norm(h, tensor_parallel.all_reduce(partial.clone()), weight, 1e-5),
+             "fused_add_norm_us": lambda h, half: fused(h, partial, weight, 1e-5, half)}
+    got = {name: call(h0.clone(), 0) for name, call in calls.items()}
+    for name, (h, x) in got.items():
+        assert torch.equal(h, add_rms_norm(h0.clone(), exact, weight, 1e-5)[0]), (name, rows, hidden)
+    assert torch.equal(got["nccl_add_norm_us"][1], got["fused_add_norm_us"][1]), (rows, hidden)
+    out = {}
+    for name, call in calls.items():
+        h = h0.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for index in range(2):
+                between @ between
+                call(h, (index + 1) % 2)  # the check above used half 0: the next call takes half 1
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for index in range(args.calls):  # an even count: each replay starts on half 1, as the last left off
+                between @ between
+                call(h, (index + 1) % 2)
+        graph.replay()
+        torch.cuda.synchronize()
+        dist.barrier()
+        times = []
+        for _ in range(args.reps):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) * 1e3 / args.calls)
+        times.sort()
+        out[name] = times[len(times) // 2]
+        del graph
+    return out
 
 
 def worker(rank: int, port: int, args) -> None:

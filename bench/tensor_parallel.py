@@ -43,11 +43,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true",
                         help="on the CPU with gloo: tiny-llama, 4 requests, 4 steps (checks the script, times nothing real)")
     parser.add_argument("--only", help="run only these cases (comma-separated names: base_tp1, base_tpN, lora_tpN, "
-                                       "big_batch1_tpN), e.g. to fit a time limit")
+                                       "big_batch1_tpN, and with --all-reduce fused each TP one's *_fused), e.g. to "
+                                       "fit a time limit")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the cases this many times, every other round in reverse order (2: A B C C B A), "
                              "and report each case's median: a case's place in the run moves its figure (a case "
                              "run last on two H100s read 7%% slower)")
+    parser.add_argument("--all-reduce", default="nccl",
+                        help="the TP cases' sums (EngineConfig.all_reduce), comma-separated: nccl, fused; with both, "
+                             "the TP throughput cases run with each (fused ones named *_fused)")
     parser.add_argument("--case-timeout", type=float, default=300.0,
                         help="seconds a case's process may take before it is killed (what it measured is kept)")
     parser.add_argument("--trace", metavar="DIR",
@@ -59,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("batch", "rank", "prompt", "steps", "size", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be positive")
+    args.all_reduces = [value.strip() for value in args.all_reduce.split(",") if value.strip()]
+    if not args.all_reduces or set(args.all_reduces) - {"nccl", "fused"}:
+        parser.error(f"--all-reduce: nccl, fused or both, not {args.all_reduce!r}")
     if args.dry_run:
         args.model_config = "tiny-llama"
         args.big_config = "tiny-llama" if args.big_config != "none" else "none"
@@ -82,6 +89,11 @@ def cases(args) -> list[dict]:
                        # a 70B shard leaves ~12 GB of an 80 GB GPU: fewer prefill graphs and a smaller pool, so the
                        # graphs' own device memory fits beside it (the defaults ran out of memory capturing them)
                        "max_batch_tokens": 512, "gpu_memory_utilization": 0.8})
+    tp_cases = [case for case in listed if case["size"] > 1]  # each with every --all-reduce asked
+    listed = [case for case in listed if case["size"] == 1]
+    for all_reduce in args.all_reduces:
+        suffix = "" if all_reduce == "nccl" else f"_{all_reduce}"
+        listed += [{**case, "name": case["name"] + suffix, "all_reduce": all_reduce} for case in tp_cases]
     if args.only:
         wanted = set(args.only.split(","))
         unknown = wanted - {case["name"] for case in listed}
@@ -120,6 +132,7 @@ def run_case(case: dict, args) -> dict:
         max_batch_tokens=case.get("max_batch_tokens", max(2048, batch * args.prompt)), max_lora_rank=max(64, args.rank),
         max_model_len=2048, tensor_parallel_size=case["size"], pool_bytes=None if cuda else 64 << 20,
         gpu_memory_utilization=case.get("gpu_memory_utilization", EngineConfig.gpu_memory_utilization),
+        all_reduce=case.get("all_reduce", "nccl"),
     ))
     try:
         adapters = [f"dummy-{index}" for index in range(batch)] if case["lora"] else [None] * batch
@@ -199,7 +212,7 @@ def descendants(pid: int) -> list[int]:
 
 # A kernel's kind from its name (the first that matches, lowercased)
 KERNEL_KINDS = (
-    ("all_reduce", ("nccl", "all_reduce", "allreduce")),
+    ("all_reduce", ("nccl", "all_reduce", "allreduce", "peer_sum")),  # the fused peer sum: its add and norm included
     ("lora", ("bgmv", "mbgm", "lora")),
     ("attention", ("attention", "attn", "write_kv", "paged", "_decode_kernel", "_combine_kernel", "_prefill_kernel")),
     ("fused", ("norm", "rope", "silu", "gelu")),
@@ -307,18 +320,22 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def summary(results: dict, args) -> dict:
-    base1, base_n, lora_n = (results.get(name) for name in ("base_tp1", f"base_tp{args.size}", f"lora_tp{args.size}"))
-    base1, base_n, lora_n = (case if case and "tok_s" in case else None for case in (base1, base_n, lora_n))
     out = {}
-    if base1 and base_n:
-        out[f"tp{args.size}_over_tp1_decode"] = base_n["tok_s"] / base1["tok_s"]
-    if base_n and lora_n:
-        out[f"lora_over_base_tp{args.size}"] = lora_n["tok_s"] / base_n["tok_s"]
-    if base_n and "all_reduce_share" in base_n:
-        out["all_reduce_share_of_decode_step"] = base_n["all_reduce_share"]
-    big = results.get(f"big_batch1_tp{args.size}")
-    if big and "over_floor" in big:
-        out["big_batch1_over_floor"] = big["over_floor"]
+    for all_reduce in args.all_reduces:
+        suffix = "" if all_reduce == "nccl" else f"_{all_reduce}"
+        names = ("base_tp1", f"base_tp{args.size}{suffix}", f"lora_tp{args.size}{suffix}")
+        base1, base_n, lora_n = (case if case and "tok_s" in case else None for case in map(results.get, names))
+        if base1 and base_n:
+            out[f"tp{args.size}_over_tp1_decode{suffix}"] = base_n["tok_s"] / base1["tok_s"]
+        if base_n and lora_n:
+            out[f"lora_over_base_tp{args.size}{suffix}"] = lora_n["tok_s"] / base_n["tok_s"]
+        if base_n and "all_reduce_share" in base_n:
+            out[f"all_reduce_share_of_decode_step{suffix}"] = base_n["all_reduce_share"]
+    for all_reduce in args.all_reduces:
+        suffix = "" if all_reduce == "nccl" else f"_{all_reduce}"
+        big = results.get(f"big_batch1_tp{args.size}{suffix}")
+        if big and "over_floor" in big:
+            out[f"big_batch1_over_floor{suffix}"] = big["over_floor"]
     return out
 
 
@@ -327,7 +344,7 @@ def main(argv=None) -> None:
     if args.case:
         run_case(json.loads(args.case), args)  # prints its result
         return
-    forwarded = [f"--{name}={getattr(args, name)}" for name in ("batch", "rank", "prompt", "steps", "size")]
+    forwarded = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ("batch", "rank", "prompt", "steps", "size", "all_reduce")]
     forwarded += [f"--trace={args.trace}"] if args.trace else []
     forwarded += ["--dry-run"] if args.dry_run else []
     runs: dict[str, list[dict]] = {}

@@ -53,6 +53,14 @@ class GemmaModel(LlamaModel):
         h, x = ops.add_rms_norm(h, o, layer.post_norm, eps)
         return h, ops.rms_norm(self.mlp_block(index, layer, x, step, table), layer.mlp_out_norm, eps)
 
+    # Gemma norms each block's output after its sum over the ranks: layer_forward returns the MLP's output summed
+    # and normed, which the residual stream takes as it is.
+    def add_layer_output(self, h: torch.Tensor, down: torch.Tensor, weight: torch.Tensor):
+        return self.ops.add_rms_norm(h, down, weight, self.spec.rms_norm_eps)
+
+    def final_rows(self, h: torch.Tensor, down: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(h[sample_rows] + down[sample_rows], self.norm, self.spec.rms_norm_eps)
+
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.ops.gelu_tanh_mul(gate, up)
 

@@ -69,6 +69,9 @@ class LlamaModel:
         # Tensor parallelism (daemon/model/tensor_parallel.py): o's and down's outputs are partial sums over the
         # ranks, LoRA included; this sums them. The identity on one GPU.
         self.reduce = _whole
+        # Where set (tensor_parallel.PeerSum): (h, partial, norm weight, eps, half) -> the sum, the residual add and
+        # the norm after it in one kernel, (h, normed), or None for rows it does not take (summed by `reduce`).
+        self.reduce_norm = None
 
     def rope_rows(self, positions, counts, lengths):
         """The cos/sin row of each token (Step.positions) from its position: checkpoint.rope_rows."""
@@ -110,10 +113,35 @@ class LlamaModel:
             cos, sin = rotations[layer.rope]
             h, down = self.layer_forward(index, layer, h, x, cos, sin, step, kv_view, table)
             if index + 1 < len(self.layers):  # the residual add, fused into the next layer's input norm
-                h, x = self.ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, self.spec.rms_norm_eps)
-        h = h[step.sample_rows] + down[step.sample_rows]
-        h = self.ops.rms_norm(h, self.norm, self.spec.rms_norm_eps)
-        return self.logits(h)
+                h, x = self.add_layer_output(h, down, self.layers[index + 1].input_norm)
+        return self.logits(self.final_rows(h, down, step.sample_rows))
+
+    def sum_add_rms_norm(self, h: torch.Tensor, partial: torch.Tensor, weight: torch.Tensor, half: int):
+        """h += partial summed over the ranks, -> (h, rms_norm(h)): in one kernel where `reduce_norm` takes the rows
+        (`half`: 0 for o's sums, 1 for down's, so that the calls alternate its buffers), else `reduce`, then the
+        fused add and norm."""
+        eps = self.spec.rms_norm_eps
+        if self.reduce_norm is not None:
+            fused = self.reduce_norm(h, partial, weight, eps, half)
+            if fused is not None:
+                return fused
+        return self.ops.add_rms_norm(h, self.reduce(partial), weight, eps)
+
+    def add_layer_output(self, h: torch.Tensor, down: torch.Tensor, weight: torch.Tensor):
+        """A layer's MLP output (layer_forward's, partial over the ranks) added to the residual stream, -> (h, the
+        next layer's input norm)."""
+        return self.sum_add_rms_norm(h, down, weight, half=1)
+
+    def final_rows(self, h: torch.Tensor, down: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
+        """The last layer's MLP output (partial over the ranks) added to the residual stream, the sampled rows
+        normed by the final norm."""
+        if self.reduce_norm is not None:
+            fused = self.reduce_norm(h, down, self.norm, self.spec.rms_norm_eps, 1)  # every row normed: a decode step's are all sampled
+            if fused is not None:
+                return fused[1][sample_rows]
+        down = self.reduce(down)
+        h = h[sample_rows] + down[sample_rows]
+        return self.ops.rms_norm(h, self.norm, self.spec.rms_norm_eps)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed[input_ids]
@@ -124,14 +152,16 @@ class LlamaModel:
 
     def layer_forward(self, index, layer: Layer, h, x, cos, sin, step: Step, kv_view, table):
         """h: the residual stream into the layer, x: its input norm (computed by the caller, fused
-        with the previous layer's residual add). -> (h after attention, the MLP's output): the caller
-        adds the latter."""
-        o = self.attention_block(index, layer, x, cos, sin, step, kv_view, table)
-        h, x = self.ops.add_rms_norm(h, o, layer.post_norm, self.spec.rms_norm_eps)
-        return h, self.mlp_block(index, layer, x, step, table)
+        with the previous layer's residual add). -> (h after attention, the MLP's output, partial over the
+        tensor-parallel ranks): the caller sums and adds the latter (add_layer_output, final_rows)."""
+        o = self.attention_block(index, layer, x, cos, sin, step, kv_view, table, summed=False)
+        h, x = self.sum_add_rms_norm(h, o, layer.post_norm, half=0)
+        return h, self.mlp_block(index, layer, x, step, table, summed=False)
 
-    def attention_block(self, index, layer: Layer, x, cos, sin, step: Step, kv_view, table) -> torch.Tensor:
-        """qkv, RoPE, the paged KV cache and attention, o: x [T, hidden] -> [T, hidden]."""
+    def attention_block(self, index, layer: Layer, x, cos, sin, step: Step, kv_view, table,
+                        summed: bool = True) -> torch.Tensor:
+        """qkv, RoPE, the paged KV cache and attention, o: x [T, hidden] -> [T, hidden], summed over the
+        tensor-parallel ranks unless `summed` is False."""
         spec, ops, lora = self.spec, self.ops, step.lora
         qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split(self.splits, dim=-1)
@@ -144,10 +174,11 @@ class LlamaModel:
         attended = ops.attention(q, kv_view, index, step.attention, self.scale, layer.window, self.softcap)
         o = ops.linear(attended, layer.o)
         ops.lora(attended, o, index, O, lora, table)
-        return self.reduce(o)
+        return self.reduce(o) if summed else o
 
-    def mlp_block(self, index, layer: Layer, x, step: Step, table) -> torch.Tensor:
-        """gate/up, the gated activation, down: x [T, hidden] -> [T, hidden]."""
+    def mlp_block(self, index, layer: Layer, x, step: Step, table, summed: bool = True) -> torch.Tensor:
+        """gate/up, the gated activation, down: x [T, hidden] -> [T, hidden], summed over the tensor-parallel ranks
+        unless `summed` is False."""
         ops, lora = self.ops, step.lora
         gate_up = ops.linear(x, layer.gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -155,7 +186,7 @@ class LlamaModel:
         act = self.activation(gate, up)
         down = ops.linear(act, layer.down)
         ops.lora(act, down, index, DOWN, lora, table)
-        return self.reduce(down)
+        return self.reduce(down) if summed else down
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_mul(gate, up)

@@ -191,6 +191,98 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+# A decode step's sums go through the fused peer sum up to this many rows (the running cap's top, 256: 2.5 MB of a
+# 13B model's rows); steps with more (prompt rows) sum through NCCL, whose ring moves each byte fewer times.
+PEER_SUM_MAX_ROWS = 256
+
+
+class PeerSum:
+    """LlamaModel.reduce_norm under tensor parallelism on two GPUs (EngineConfig.all_reduce fused): o's and down's
+    partial outputs summed over the two ranks with the residual add and the RMSNorm after them, in one kernel that
+    reads the other GPU's partial from its symmetric memory over NVLink (gpu_ops/peer_sum.py), for steps of up to
+    max_rows rows; None for larger ones, which LlamaModel sums through `all_reduce`.
+
+    Set up only where the process group is NCCL's over two ranks, every rank allocated and mapped the buffers, and
+    a probe summed right on every rank; else `buffers` is None (every sum through NCCL) and `path` says why. Made by
+    every rank at the same point (its setup is collective), after the process group and before any CUDA graph is
+    captured; its launches are captured in the graphs like any kernel's."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device, max_rows: int = PEER_SUM_MAX_ROWS):
+        import torch.distributed as dist
+
+        self.buffers = None
+        backend, size = dist.get_backend(), dist.get_world_size()
+        if backend != "nccl" or size != 2:
+            reason = f"it sums two GPUs' partials (here {size} ranks over {backend})"
+        else:
+            reason = self._set_up(hidden, dtype, device, max_rows)
+        self.path = (f"fused peer sum up to {max_rows} rows, nccl above" if reason is None
+                     else f"{backend} (fused peer sum unavailable: {reason})")
+
+    def _set_up(self, hidden: int, dtype: torch.dtype, device: torch.device, max_rows: int) -> str | None:
+        """None once both ranks hold the buffers and summed a probe right; else why not (the same on both)."""
+        import torch.distributed as dist
+
+        from lorad.gpu_ops.peer_sum import HALVES, PeerBuffers
+
+        rank, reason, buffers = dist.get_rank(), None, None
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            group = dist.group.WORLD.group_name
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.9
+            if enable is not None:
+                enable(group)
+            mine = symm_mem.empty((HALVES, max_rows, hidden), dtype=dtype, device=device)
+            flags = symm_mem.empty((HALVES, max_rows), dtype=torch.int32, device=device)
+            flags.zero_()
+            mapped = symm_mem.rendezvous(mine, group)
+            mapped_flags = symm_mem.rendezvous(flags, group)
+            peer = 1 - rank
+            buffers = PeerBuffers(mine, mapped.get_buffer(peer, tuple(mine.shape), dtype),
+                                  flags, mapped_flags.get_buffer(peer, tuple(flags.shape), torch.int32))
+        except Exception as error:  # no symmetric memory here (an older torch, no peer access, a sandbox's syscalls)
+            reason = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+        if not _agreed(reason is None, device):  # no rank runs the probe's handshake unless both can
+            return reason or "the other rank could not map the buffers"
+        torch.cuda.synchronize(device)
+        dist.barrier()  # both ranks' flags are zero before either raises one
+        self.buffers = buffers
+        try:
+            for half in (0, 1):  # each half once, in the order the model alternates them
+                h = torch.zeros(3, hidden, dtype=dtype, device=device)
+                partial = torch.full((3, hidden), float(rank + 1), dtype=dtype, device=device)
+                weight = torch.ones(hidden, dtype=dtype, device=device)
+                h, _ = self(h, partial, weight, 1e-6, half)
+                if not torch.equal(h, torch.full_like(h, 3.0)):
+                    reason = "its probe summed wrong"
+        except Exception as error:
+            reason = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+        if not _agreed(reason is None, device):
+            self.buffers = None
+            return reason or "the other rank's probe failed"
+        return None
+
+    def __call__(self, h: torch.Tensor, partial: torch.Tensor, weight: torch.Tensor, eps: float,
+                 half: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(h, normed) with h += the sum of both ranks' `partial`; None where the buffers do not take it (the same
+        answer on both ranks: it depends on the step's rows, the model's shape and dtype, which they share)."""
+        if self.buffers is None or not self.buffers.fits(partial) or not partial.is_contiguous() or not h.is_contiguous():
+            return None
+        from lorad.gpu_ops.peer_sum import peer_sum_add_rms_norm
+
+        return peer_sum_add_rms_norm(h, partial, weight, eps, self.buffers, half)
+
+
+def _agreed(ok: bool, device: torch.device) -> bool:
+    """Whether every rank says ok (a collective: every rank asks at the same point)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def broadcast(tensor: torch.Tensor) -> torch.Tensor:
     """Rank 0's `tensor` on every rank, in place."""
     import torch.distributed as dist

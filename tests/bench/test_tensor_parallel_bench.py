@@ -27,6 +27,11 @@ def test_arguments_and_cases():
         bench.cases(bench.parse_args(["--only", "lora_tp4"]))
     with pytest.raises(SystemExit):
         bench.parse_args(["--rounds", "0"])
+    both = bench.cases(bench.parse_args(["--all-reduce", "nccl,fused"]))
+    assert [case["name"] for case in both] == names + ["base_tp2_fused", "lora_tp2_fused", "big_batch1_tp2_fused"]
+    assert [case["all_reduce"] for case in both[1:]] == ["nccl"] * 3 + ["fused"] * 3 and "all_reduce" not in both[0]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--all-reduce", "one-shot"])
 
 
 def test_rounds_report_each_case_s_median_run():

@@ -1,5 +1,5 @@
-"""Compiles the paged attention kernels for the H100 (sm90) on a machine without a GPU, every variant of
-constexprs the engine launches, through Triton's whole pipeline (its bundled ptxas included): the interpreter
+"""Compiles the paged attention kernels and the two-rank peer sum for the H100 (sm90) on a machine without a GPU,
+every variant of constexprs the engine launches, through Triton's whole pipeline (its bundled ptxas included): the interpreter
 that runs the kernels in CI does not apply the compiler's checks (a helper's return types, say), so a kernel
 can pass every CPU test and fail to compile on the GPU. Run by test_compile_sm90.py in a process of its own
 (the interpreter is chosen when a kernel module is imported). Prints one line per variant; exit status 1 if one
@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lorad.gpu_ops import paged_attention
+from lorad.gpu_ops import paged_attention, peer_sum
 
 TARGET = GPUTarget("cuda", 90, 32)
 COMMON = dict(stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_table="i32", qk_scale="fp32", cap_log2="fp32",
@@ -48,14 +48,28 @@ def variants():
         yield f"prefill {name}", paged_attention._prefill_kernel, signature, prefill
 
 
+def peer_sum_variants():
+    """The peer sum in bf16 and float32, Llama's and Gemma's (float32) norm weights, every pointer and stride 16-aligned
+    as the engine's are (its loads of the other rank's row then compile to vectors)."""
+    for dtype, gemma in (("bf16", False), ("bf16", True), ("fp32", False)):
+        signature = dict(partial_ptr=f"*{dtype}", mine_ptr=f"*{dtype}", theirs_ptr=f"*{dtype}", flags_ptr="*i32",
+                         their_flags_ptr="*i32", h_ptr=f"*{dtype}", weight_ptr="*fp32" if gemma else f"*{dtype}",
+                         out_ptr=f"*{dtype}", stride_pt="i32", stride_ht="i32", stride_ot="i32", eps="fp32")
+        constexprs = dict(HIDDEN=5120, BLOCK=8192, SCALE_F32=gemma, TIMEOUT_NS=int(peer_sum.TIMEOUT_S * 1e9))
+        signature.update({key: "constexpr" for key in constexprs})
+        aligned = {(index,): [["tt.divisibility", 16]] for index in range(11)}
+        yield f"peer sum {dtype}{' gemma' if gemma else ''}", peer_sum._peer_sum_add_rms_norm_kernel, signature, constexprs, aligned
+
+
 def main() -> int:
     if type(paged_attention._decode_kernel).__name__ != "JITFunction":
         print("the kernels were decorated for the interpreter (TRITON_INTERPRET is set)", file=sys.stderr)
         return 2
     failed = 0
-    for name, kernel, signature, constexprs in variants():
+    for name, kernel, signature, constexprs, *attrs in [*variants(), *peer_sum_variants()]:
         try:
-            triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=TARGET)
+            source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs[0] if attrs else None)
+            triton.compile(source, target=TARGET)
             print(f"ok      {name}")
         except Exception as error:  # noqa: BLE001 - every variant reported, the first error's text in full
             failed += 1

@@ -1,4 +1,4 @@
-"""The paged attention kernels compile for the H100 (sm90) on a machine without a GPU (sm90_compile.py, in a
+"""The paged attention kernels and the peer sum compile for the H100 (sm90) on a machine without a GPU (sm90_compile.py, in a
 process of its own without Triton's interpreter): CI's kernel tests run them interpreted, which skips the
 compiler's own checks."""
 
@@ -15,11 +15,11 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-def test_paged_attention_kernels_compile_for_sm90(tmp_path):
+def test_the_kernels_compile_for_sm90(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")  # compiled here, not found in a cache from an earlier run
     script = Path(__file__).with_name("sm90_compile.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert done.stdout.count("ok ") >= 20
+    assert done.stdout.count("ok ") >= 20 and done.stdout.count("ok      peer sum") == 3
     shutil.rmtree(tmp_path / "triton", ignore_errors=True)

@@ -59,6 +59,8 @@ def test_config_refuses_a_bad_size_and_cpu_assisted_cold_starts():
         with pytest.raises(BadRequest, match=f"cold_start {cold_start} does not run with tensor_parallel_size > 1"):
             EngineConfig(tensor_parallel_size=2, cold_start=cold_start)
     EngineConfig(tensor_parallel_size=2, cold_start="cached")
+    with pytest.raises(BadRequest, match="all_reduce must be one of nccl, fused, not 'one-shot'"):
+        EngineConfig(all_reduce="one-shot")
 
 
 def test_engine_refuses_a_size_before_starting_any_rank(hf_checkpoint):
@@ -239,7 +241,7 @@ def test_tp2_dummy_weights_and_adapters_run(tmp_path):
     dataclasses.replace(example_profile("mbgmv"), machine={"tensor_parallel_size": 2}).save(profile_path)
     config = EngineConfig(model_config="tiny-llama", dummy_weights=True, dummy_adapters=3, dummy_adapter_rank=4,
                           dummy_adapter_targets=",".join(PROJECTIONS), device="cpu", tensor_parallel_size=2,
-                          cold_start="cached", state_dir=str(tmp_path))
+                          cold_start="cached", state_dir=str(tmp_path), all_reduce="fused")
     engine = Engine(config)
     try:
         results = engine.generate([GenerationRequest(prompt_token_ids=[5, 6, 7], adapter=f"dummy-{index % 3}",
@@ -253,6 +255,9 @@ def test_tp2_dummy_weights_and_adapters_run(tmp_path):
     assert status["lora_kernel_choice"] == f"profile:{profile_path}" and profile_path.name.endswith("-tp2.json")
     assert status["tensor_parallel"]["size"] == 2 and status["tensor_parallel"]["gpus"] == ["cpu", "cpu"]
     assert status["tensor_parallel"]["adapter_pages_each_rank"] > 0
+    # all_reduce fused asked where it cannot run: gloo sums, and says why
+    assert status["tensor_parallel"]["all_reduce"] == "gloo (fused peer sum unavailable: it sums two GPUs' partials " \
+                                                      "(here 2 ranks over gloo))"
     assert 'lorad_tensor_parallel_rank_up{rank="0",device="cpu"} 1' in metrics
     assert 'lorad_tensor_parallel_rank_up{rank="1",device="cpu"} 1' in metrics
 

@@ -40,15 +40,18 @@ def generate(model_dir, adapters: dict, cases, **config):
         engine.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama_tied", "qwen2"])
-def test_tp2_on_two_gpus_equals_tp1_and_hf_peft(arch, hf_checkpoint, hf_reference):
+@pytest.mark.parametrize("arch,all_reduce", [("llama", "nccl"), ("llama_tied", "nccl"), ("qwen2", "nccl"), ("llama", "fused")])
+def test_tp2_on_two_gpus_equals_tp1_and_hf_peft(arch, all_reduce, hf_checkpoint, hf_reference):
     checkpoint = hf_checkpoint(arch)
     cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size)
     config = dict(max_running_requests=4, max_batch_tokens=64, pool_bytes=1600 * 256)
     single, _, _ = generate(checkpoint.model_dir, checkpoint.adapters, cases, **config)
-    split, overlapped, status = generate(checkpoint.model_dir, checkpoint.adapters, cases, tensor_parallel_size=2, **config)
+    split, overlapped, status = generate(checkpoint.model_dir, checkpoint.adapters, cases, tensor_parallel_size=2,
+                                         all_reduce=all_reduce, **config)
     tp = status["tensor_parallel"]
     assert tp["backend"] == "nccl" and tp["gpus"] == ["cuda:0", "cuda:1"]
+    # fused: the decode steps' sums (and the prompt steps' up to its rows) through gpu_ops/peer_sum.py
+    assert tp["all_reduce"] == ("nccl" if all_reduce == "nccl" else "fused peer sum up to 256 rows, nccl above")
     assert status["cuda_graph_steps"] > 0 and status["overlapped_decode_steps"] > 0
     assert status["adapter_evictions"] > 0
     for index, (one, two, three) in enumerate(zip(single, split, overlapped)):
