@@ -13,9 +13,9 @@ Program p of a call on half k:
    program's threads: every thread's copy is visible before the flag is);
 3. waits until the other rank raised flag p of half k here (an acquire), then lowers it;
 4. reads the other rank's row p (bypassing the caches: the same addresses hold an older call's rows), sums it with
-   its own in float32 and rounds the sum to the partial's dtype (NCCL's bf16 sum of two ranks rounds the same
-   exact sum once), adds it to the residual row h (rounded to h's dtype, as add_rms_norm does) and writes h and
-   rms_norm(h).
+   its own in float32 and rounds the sum to the partial's dtype (the exact sum of two bf16 values rounded once,
+   which is what NCCL's sum gives: bench/all_reduce.py checks the two equal on the GPUs), adds it to the residual
+   row h (rounded to h's dtype, as add_rms_norm does) and writes h and rms_norm(h).
 Both ranks add the same two values, so both hold the same sum.
 
 Why two halves and a flag per row suffice: a rank writes half k again two calls later, after its kernel of the
@@ -23,7 +23,7 @@ call between has finished; that kernel waited for the other rank's flags of that
 after its kernel of call k (reading half k) had finished, the kernels of one rank running in stream order. The
 same order keeps a flag's next raise after its lowering.
 
-A rank whose partner never raises its flag (the ranks ran different steps: a bug or a dead rank) waits
+A rank whose partner never raises its flag (the ranks ran different steps: a bug, or a rank hung) waits
 TIMEOUT_S, then traps: the CUDA context fails, the rank's step raises and the engine goes down as it does for a
 NCCL collective's timeout (daemon/engine/tp_worker.py), never a hang.
 """
@@ -45,7 +45,9 @@ except ImportError:  # the CPU engine runs the references only
 
 __all__ = ["PeerBuffers", "peer_sum_add_rms_norm", "peer_sum_add_rms_norm_ref"]
 
-TIMEOUT_S = 30.0  # as the NCCL collectives' timeout (tensor_parallel.COLLECTIVE_TIMEOUT_S)
+# As the NCCL collectives' timeout (daemon/model/tensor_parallel.COLLECTIVE_TIMEOUT_S): long enough for the other
+# rank to compile its kernels at their first launch while this one waits
+TIMEOUT_S = 300.0
 HALVES = 2
 
 
