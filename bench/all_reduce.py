@@ -81,34 +81,9 @@ def rank_main(rank: int, port: int, args, results: list) -> None:
                 got = reduce(partial.clone())
                 assert torch.equal(got, exact), (name, rows, hidden)
                 work = partial.clone()
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):  # warm-up off the capture: cuBLAS's handle, the allocator's blocks
-                    for _ in range(2):
-                        between @ between
-                        reduce(work)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(args.calls):
-                        between @ between
-                        reduce(work)
-                graph.replay()
-                torch.cuda.synchronize()
-                dist.barrier()
-                times = []
-                for _ in range(args.reps):
-                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    begin.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    times.append(begin.elapsed_time(end) * 1e3 / args.calls)
-                times.sort()
-                entry[f"{name}_us"] = times[len(times) // 2]
-                del graph
+                entry[f"{name}_us"] = graph_us(args, between, lambda index: reduce(work))
             if rows <= tensor_parallel.PEER_SUM_MAX_ROWS:
-                entry.update(time_sum_and_norm(args, rank, device, hidden, rows, partial, exact, peer_sums, between))
+                entry.update(time_sum_and_norm(args, device, hidden, rows, partial, exact, peer_sums, between))
             results.append(entry)
             if rank == 0:
                 print(json.dumps(entry), flush=True)
@@ -116,12 +91,10 @@ def rank_main(rank: int, port: int, args, results: list) -> None:
     dist.destroy_process_group()
 
 
-def time_sum_and_norm(args, rank, device, hidden, rows, partial, exact, peer_sums, between) -> dict:
+def time_sum_and_norm(args, device, hidden, rows, partial, exact, peer_sums, between) -> dict:
     """The sum as the engine runs it between a projection and the next norm: NCCL's all-reduce then the fused
     add_rms_norm kernel, against gpu_ops/peer_sum.py's one kernel (all_reduce fused), each call on the next half
     of its buffers as the model alternates them. Checked equal (h and the normed rows) first."""
-    import torch.distributed as dist
-
     from lorad.daemon.model import tensor_parallel
     from lorad.gpu_ops.fused import add_rms_norm
 
@@ -140,33 +113,42 @@ def time_sum_and_norm(args, rank, device, hidden, rows, partial, exact, peer_sum
     out = {}
     for name, call in calls.items():
         h = h0.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for index in range(2):
-                between @ between
-                call(h, (index + 1) % 2)  # the check above used half 0: the next call takes half 1
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for index in range(args.calls):  # an even count: each replay starts on half 1, as the last left off
-                between @ between
-                call(h, (index + 1) % 2)
-        graph.replay()
-        torch.cuda.synchronize()
-        dist.barrier()
-        times = []
-        for _ in range(args.reps):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end) * 1e3 / args.calls)
-        times.sort()
-        out[name] = times[len(times) // 2]
-        del graph
+        # The check above used half 0: call `index` takes half (index + 1) % 2, and an even --calls has each replay
+        # start on half 1, where the one before left off.
+        out[name] = graph_us(args, between, lambda index: call(h, (index + 1) % 2))
     return out
+
+
+def graph_us(args, between: torch.Tensor, launch) -> float:
+    """launch(index) for index 0, 1 as a warm-up, then a CUDA graph of launch(0..calls-1), each after a small
+    matmul, replayed --reps times (both ranks at once) -> the median device time per call in us."""
+    import torch.distributed as dist
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture: cuBLAS's handle, the allocator's blocks
+        for index in range(2):
+            between @ between
+            launch(index)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for index in range(args.calls):
+            between @ between
+            launch(index)
+    graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = []
+    for _ in range(args.reps):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3 / args.calls)
+    times.sort()
+    return times[len(times) // 2]
 
 
 def worker(rank: int, port: int, args) -> None:
