@@ -30,7 +30,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=80, help="sums per graph (a 40-layer model's decode step)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.calls < 2 or args.calls % 2:
+        parser.error("--calls must be even: the fused sums alternate two halves of their buffers")
+    return args
 
 
 def rank_main(rank: int, port: int, args, results: list) -> None:
@@ -81,7 +84,7 @@ def rank_main(rank: int, port: int, args, results: list) -> None:
                 got = reduce(partial.clone())
                 assert torch.equal(got, exact), (name, rows, hidden)
                 work = partial.clone()
-                entry[f"{name}_us"] = graph_us(args, between, lambda index: reduce(work))
+                entry[f"{name}_us"] = graph_us(args, between, lambda: reduce(work))
             if rows <= tensor_parallel.PEER_SUM_MAX_ROWS:
                 entry.update(time_sum_and_norm(args, device, hidden, rows, partial, exact, peer_sums, between))
             results.append(entry)
@@ -94,7 +97,7 @@ def rank_main(rank: int, port: int, args, results: list) -> None:
 def time_sum_and_norm(args, device, hidden, rows, partial, exact, peer_sums, between) -> dict:
     """The sum as the engine runs it between a projection and the next norm: NCCL's all-reduce then the fused
     add_rms_norm kernel, against gpu_ops/peer_sum.py's one kernel (all_reduce fused), each call on the next half
-    of its buffers as the model alternates them. Checked equal (h and the normed rows) first."""
+    of its buffers, as the model alternates them. Checked equal (h and the normed rows) first."""
     from lorad.daemon.model import tensor_parallel
     from lorad.gpu_ops.fused import add_rms_norm
 
@@ -104,38 +107,38 @@ def time_sum_and_norm(args, device, hidden, rows, partial, exact, peer_sums, bet
     generator = torch.Generator(device=device).manual_seed(rows)  # the same h and weight on both ranks
     h0 = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16, generator=generator)
     weight = torch.rand(hidden, device=device, dtype=torch.bfloat16, generator=generator) + 0.5
-    calls = {"nccl_add_norm_us": lambda h, half: add_rms_norm(h, tensor_parallel.all_reduce(partial.clone()), weight, 1e-5),
-             "fused_add_norm_us": lambda h, half: fused(h, partial, weight, 1e-5, half)}
-    got = {name: call(h0.clone(), 0) for name, call in calls.items()}
+    # Each fused call on the half the last one did not take (PeerBuffers.last_half): launched in this order, and a
+    # graph of an even number of them, replayed, leaves off where its first launch takes up again.
+    calls = {"nccl_add_norm_us": lambda h: add_rms_norm(h, tensor_parallel.all_reduce(partial.clone()), weight, 1e-5),
+             "fused_add_norm_us": lambda h: fused(h, partial, weight, 1e-5, 1 - fused.buffers.last_half)}
+    got = {name: call(h0.clone()) for name, call in calls.items()}
     for name, (h, x) in got.items():
         assert torch.equal(h, add_rms_norm(h0.clone(), exact, weight, 1e-5)[0]), (name, rows, hidden)
     assert torch.equal(got["nccl_add_norm_us"][1], got["fused_add_norm_us"][1]), (rows, hidden)
     out = {}
     for name, call in calls.items():
         h = h0.clone()
-        # The check above used half 0: call `index` takes half (index + 1) % 2, and an even --calls has each replay
-        # start on half 1, where the one before left off.
-        out[name] = graph_us(args, between, lambda index: call(h, (index + 1) % 2))
+        out[name] = graph_us(args, between, lambda: call(h))
     return out
 
 
 def graph_us(args, between: torch.Tensor, launch) -> float:
-    """launch(index) for index 0, 1 as a warm-up, then a CUDA graph of launch(0..calls-1), each after a small
-    matmul, replayed --reps times (both ranks at once) -> the median device time per call in us."""
+    """launch() twice as a warm-up, then a CUDA graph of --calls launch(), each after a small matmul, replayed --reps
+    times (both ranks at once) -> the median device time per call in us."""
     import torch.distributed as dist
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up off the capture: cuBLAS's handle, the allocator's blocks
-        for index in range(2):
+        for _ in range(2):
             between @ between
-            launch(index)
+            launch()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for index in range(args.calls):
+        for _ in range(args.calls):
             between @ between
-            launch(index)
+            launch()
     graph.replay()
     torch.cuda.synchronize()
     dist.barrier()

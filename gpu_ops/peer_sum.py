@@ -67,6 +67,7 @@ class PeerBuffers:
     theirs: torch.Tensor
     flags: torch.Tensor
     their_flags: torch.Tensor
+    last_half: int | None = None  # the half the last call launched on: the next must take the other
 
     @property
     def max_rows(self) -> int:
@@ -144,6 +145,9 @@ def peer_sum_add_rms_norm(h: torch.Tensor, partial: torch.Tensor, weight: torch.
         raise ValueError(f"weight must be [{hidden}], got {tuple(weight.shape)}")
     if half not in range(HALVES):
         raise ValueError(f"half must be 0 or 1, got {half}")
+    if half == buffers.last_half:  # the other rank may still be reading this half's rows of the last call
+        raise RuntimeError(f"two peer sums in a row on half {half}: calls must alternate the halves")
+    buffers.last_half = half
     out = torch.empty(tokens, hidden, dtype=h.dtype, device=h.device)
     block = next_power_of_2(hidden)
     _peer_sum_add_rms_norm_kernel[(tokens,)](

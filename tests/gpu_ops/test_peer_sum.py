@@ -85,3 +85,14 @@ def test_what_the_buffers_do_not_take_is_refused(kernels):
         kernels.peer_sum_add_rms_norm(h[:2], partial[:2], weight, 1e-5, a, 2)
     with pytest.raises(ValueError, match="weight must be"):
         kernels.peer_sum_add_rms_norm(h[:2], partial[:2], weight[:3], 1e-5, a, 0)
+
+
+@needs_interpreter
+def test_two_calls_in_a_row_on_one_half_are_refused(kernels):
+    a, b = pair(torch.float32)
+    h, (partial, theirs), weight = inputs(2, torch.float32, seed=1)
+    b.mine[1, :2] = theirs
+    a.flags[1, :2] = 1  # the other rank's side of the first call, on half 1
+    kernels.peer_sum_add_rms_norm(h, partial, weight, 1e-5, a, 1)
+    with pytest.raises(RuntimeError, match="two peer sums in a row on half 1"):
+        kernels.peer_sum_add_rms_norm(h, partial, weight, 1e-5, a, 1)
