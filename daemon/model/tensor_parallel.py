@@ -225,23 +225,26 @@ class PeerSum:
 
         from lorad.gpu_ops.peer_sum import HALVES, PeerBuffers
 
-        rank, reason, buffers = dist.get_rank(), None, None
-        try:
+        rank, reason = dist.get_rank(), None
+        try:  # allocated on both ranks before either waits for the other in the rendezvous
             import torch.distributed._symmetric_memory as symm_mem
 
             group = dist.group.WORLD.group_name
-            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.9
-            if enable is not None:
-                enable(group)
+            if _torch_before(2, 9):  # the group's symmetric memory was opt-in before torch 2.9 (deprecated since)
+                symm_mem.enable_symm_mem_for_group(group)
             mine = symm_mem.empty((HALVES, max_rows, hidden), dtype=dtype, device=device)
             flags = symm_mem.empty((HALVES, max_rows), dtype=torch.int32, device=device)
             flags.zero_()
-            mapped = symm_mem.rendezvous(mine, group)
-            mapped_flags = symm_mem.rendezvous(flags, group)
+        except Exception as error:  # no symmetric memory here (an older torch, no peer access, a sandbox's syscalls)
+            reason = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+        if not _agreed(reason is None, device):
+            return reason or "the other rank could not allocate its buffers"
+        try:
+            mapped, mapped_flags = symm_mem.rendezvous(mine, group), symm_mem.rendezvous(flags, group)
             peer = 1 - rank
             buffers = PeerBuffers(mine, mapped.get_buffer(peer, tuple(mine.shape), dtype),
                                   flags, mapped_flags.get_buffer(peer, tuple(flags.shape), torch.int32))
-        except Exception as error:  # no symmetric memory here (an older torch, no peer access, a sandbox's syscalls)
+        except Exception as error:
             reason = f"{type(error).__name__}: {error}".splitlines()[0][:200]
         if not _agreed(reason is None, device):  # no rank runs the probe's handshake unless both can
             return reason or "the other rank could not map the buffers"
@@ -272,6 +275,10 @@ class PeerSum:
         from lorad.gpu_ops.peer_sum import peer_sum_add_rms_norm
 
         return peer_sum_add_rms_norm(h, partial, weight, eps, self.buffers, half)
+
+
+def _torch_before(major: int, minor: int) -> bool:
+    return tuple(int(part) for part in torch.__version__.split(".")[:2]) < (major, minor)
 
 
 def _agreed(ok: bool, device: torch.device) -> bool:

@@ -21,6 +21,7 @@ from lorad.daemon.engine.kernel_choice import default_profile_path
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 from lorad.daemon.model.adapters import LoraAdapter
 from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec, dummy_weights, load_spec, load_weights
+from lorad.daemon.engine.tp_worker import free_port
 from lorad.daemon.model.tensor_parallel import COLUMN_PARALLEL, Shard, check_size
 from lorad.daemon.server.metrics import render
 from lorad.errors import BadRequest, EngineDead
@@ -534,3 +535,24 @@ def test_a_worker_reads_an_adapter_loaded_again_with_new_files_and_refuses_files
     with pytest.raises(AdapterError, match="changed on disk after rank 0 read it"):
         worker._staged("a", str(directory), first.source)
     assert not worker._staging  # a failed staging leaves nothing waiting
+
+
+def test_a_fused_sum_that_cannot_allocate_its_buffers_leaves_the_sums_to_nccl_and_says_why(monkeypatch):
+    # One process in a gloo group, told it is one of two NCCL ranks: its symmetric memory cannot be had on the CPU,
+    # and the ranks agree on that (a collective) before either waits for the other's buffers.
+    import torch.distributed as dist
+
+    from lorad.daemon.model import tensor_parallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "get_backend", lambda *args: "nccl")
+        monkeypatch.setattr(dist, "get_world_size", lambda *args: 2)
+        agreed = []
+        real_agreed = tensor_parallel._agreed
+        monkeypatch.setattr(tensor_parallel, "_agreed", lambda ok, device: agreed.append(ok) or real_agreed(ok, device))
+        fused = tensor_parallel.PeerSum(64, torch.float32, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert fused.buffers is None and agreed == [False]
+    assert fused.path.startswith("nccl (fused peer sum unavailable: ") and len(fused.path) > 40
