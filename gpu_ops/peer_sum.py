@@ -81,9 +81,8 @@ class PeerBuffers:
 
 if triton is not None:
 
-    @triton.jit
-    def _globaltimer():
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    from lorad.gpu_ops.fused import _store_scaled
+    from lorad.gpu_ops.mbgmm import _globaltimer
 
     @triton.jit
     def _trap():
@@ -124,11 +123,7 @@ if triton is not None:
         tl.store(h_ptr + row * stride_ht + cols, h, mask=ok)
         x = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
-        normed = x * rstd
-        if not SCALE_F32:  # as fused._store_scaled: Llama rounds the normed row before the scale, Gemma does not
-            normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
-        weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_ot + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=ok)
+        _store_scaled(x * rstd, weight_ptr, out_ptr + row * stride_ot, cols, ok, SCALE_F32)
 
 
 def peer_sum_add_rms_norm(h: torch.Tensor, partial: torch.Tensor, weight: torch.Tensor, eps: float,

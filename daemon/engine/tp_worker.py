@@ -153,6 +153,7 @@ class TensorParallel:
         self._shards: collections.OrderedDict = collections.OrderedDict()
         self._shard_bytes = 0
         self.runner = None  # rank 0's ModelRunner, once attached (an engine can fail, and close, before it is)
+        self.all_reduce_path: str | None = None  # how the ranks sum (set_reduce), once attached
         self.steps_sent = 0
         self.send_seconds = 0.0
         self._send_lock = threading.Lock()  # the engine thread's steps and the stager thread's hints share the pipes
@@ -186,7 +187,7 @@ class TensorParallel:
         """Rank 0's model sums o's and down's partial outputs over the ranks, and each step is sent to the
         workers before it runs here."""
         self.runner = runner
-        set_reduce(runner.model, self.config, self.devices[0])
+        self.all_reduce_path = set_reduce(runner.model, self.config, self.devices[0])
         forward = runner.forward
 
         def forward_on_every_rank(plan: StepPlan) -> torch.Tensor:
@@ -291,8 +292,8 @@ class TensorParallel:
         for rank, (process, report) in enumerate(zip(self.processes, self.workers), start=1):
             ranks.append({"rank": rank, "pid": process.pid, "device": report.get("device"), "alive": process.is_alive(),
                           "pool_pages": report.get("pages"), "page_bytes": occupancy["page_bytes"]})
-        path = self.runner.model.all_reduce_path if self.runner is not None else None
-        return {"size": self.size, "backend": self.backend, "all_reduce": path, "gpus": [str(device) for device in self.devices],
+        return {"size": self.size, "backend": self.backend, "all_reduce": self.all_reduce_path,
+                "gpus": [str(device) for device in self.devices],
                 "ranks": ranks, "kv_pages_each_rank": occupancy["kv"], "adapter_pages_each_rank": occupancy["adapter"],
                 "steps_sent": self.steps_sent, "send_ms": round(self.send_seconds * 1e3, 3)}
 
@@ -393,18 +394,19 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def set_reduce(model, config: EngineConfig, device: torch.device) -> None:
-    """How the model sums o's and down's partial outputs over the ranks (config.all_reduce): NCCL's (gloo's)
+def set_reduce(model, config: EngineConfig, device: torch.device) -> str:
+    """Sets how the model sums o's and down's partial outputs over the ranks (config.all_reduce): NCCL's (gloo's)
     all-reduce, and for all_reduce fused the decode steps' sums fused with the add and norm after them
-    (tensor_parallel.PeerSum, whose setup is collective: every rank calls this at the same point).
-    `model.all_reduce_path` says which, for the log and /v1/status."""
-    model.reduce = tensor_parallel.all_reduce
-    model.reduce_norm, model.all_reduce_path = None, "nccl" if device.type == "cuda" else "gloo"
+    (tensor_parallel.PeerSum, whose setup is collective: every rank calls this at the same point). -> which, as
+    logged and in /v1/status."""
+    model.reduce, model.reduce_norm = tensor_parallel.all_reduce, None
+    path = "nccl" if device.type == "cuda" else "gloo"
     if config.all_reduce == "fused":
         fused = tensor_parallel.PeerSum(model.spec.hidden_size, model.embed.dtype, device)
         model.reduce_norm = fused if fused.buffers is not None else None
-        model.all_reduce_path = fused.path
-    log.info("tensor parallel all-reduce: %s", model.all_reduce_path)
+        path = fused.path
+    log.info("tensor parallel all-reduce: %s", path)
+    return path
 
 
 def rank_devices(device: torch.device, size: int) -> list[torch.device]:
@@ -461,7 +463,7 @@ class RankWorker:
         self.runner = ModelRunner(config, local, device, weights, max_model_len, kernel_choice)
         set_reduce(self.runner.model, config, device)  # as rank 0's attach, at the same point among the collectives
         del weights
-        self._adapters = StagedCache(config.host_adapter_bytes)  # (name, path) -> staged shard
+        self._adapters = StagedCache(config.host_adapter_bytes)  # (name, path, source) -> staged shard
         self._staging: dict[tuple, threading.Event] = {}  # keys the staging thread is on (rank 0's hints)
         self._lock = threading.Lock()  # _adapters and _staging: the step's thread and the staging thread
         self._hints = None  # the staging thread's queue, made at the first hint

@@ -11,7 +11,7 @@ import torch
 
 from triton_interpreter import needs_interpreter, interpreted  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
-from lorad.gpu_ops import peer_sum  # noqa: E402
+from lorad.gpu_ops import fused, peer_sum  # noqa: E402
 from lorad.gpu_ops.peer_sum import PeerBuffers, peer_sum_add_rms_norm_ref  # noqa: E402
 
 MAX_ROWS, HIDDEN = 6, 40
@@ -19,7 +19,7 @@ MAX_ROWS, HIDDEN = 6, 40
 
 @pytest.fixture(scope="module")
 def kernels():
-    interpreted(peer_sum._peer_sum_add_rms_norm_kernel, peer_sum)
+    interpreted(peer_sum._peer_sum_add_rms_norm_kernel, fused, peer_sum)  # its norm's store is fused's
     return peer_sum
 
 
