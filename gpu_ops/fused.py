@@ -56,14 +56,21 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < HIDDEN
-        h = tl.load(h_ptr + row * stride_ht + cols, mask=ok, other=0.0).to(tl.float32)
         delta = tl.load(delta_ptr + row * stride_dt + cols, mask=ok, other=0.0).to(tl.float32)
-        # The sum rounded to the residual's dtype, as `h + delta` is, and normalised from that value.
-        h = (h + delta).to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + row * stride_ht + cols, h, mask=ok)
+        _add_norm_row(h_ptr + row * stride_ht, delta, weight_ptr, out_ptr + row * stride_ot, cols, ok, eps, HIDDEN,
+                      SCALE_F32)
+
+    @triton.jit
+    def _add_norm_row(h_row_ptr, delta, weight_ptr, out_row_ptr, cols, ok, eps, HIDDEN: tl.constexpr,
+                      SCALE_F32: tl.constexpr):
+        """h_row += delta (a float32 row) in place, then its RMSNorm stored at out_row_ptr. The sum is rounded to
+        the residual's dtype, as `h + delta` is, and normalised from that value."""
+        h = tl.load(h_row_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        h = (h + delta).to(h_row_ptr.dtype.element_ty)
+        tl.store(h_row_ptr + cols, h, mask=ok)
         x = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
-        _store_scaled(x * rstd, weight_ptr, out_ptr + row * stride_ot, cols, ok, SCALE_F32)
+        _store_scaled(x * rstd, weight_ptr, out_row_ptr, cols, ok, SCALE_F32)
 
     @triton.jit
     def _rope_rows(x_ptr, out_ptr, token, stride_t, stride_h, stride_ot, stride_oh, cos1, cos2, sin1, sin2,

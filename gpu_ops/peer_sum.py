@@ -81,7 +81,7 @@ class PeerBuffers:
 
 if triton is not None:
 
-    from lorad.gpu_ops.fused import _store_scaled
+    from lorad.gpu_ops.fused import _add_norm_row
     from lorad.gpu_ops.mbgmm import _globaltimer
 
     @triton.jit
@@ -118,12 +118,8 @@ if triton is not None:
         tl.debug_barrier()  # no thread reads the other rank's row before the acquire
         theirs = tl.load(theirs_ptr + row * HIDDEN + cols, mask=ok, other=0.0, cache_modifier=".cv")
         summed = (part.to(tl.float32) + theirs.to(tl.float32)).to(partial_ptr.dtype.element_ty).to(tl.float32)
-        h = tl.load(h_ptr + row * stride_ht + cols, mask=ok, other=0.0).to(tl.float32)
-        h = (h + summed).to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + row * stride_ht + cols, h, mask=ok)
-        x = h.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
-        _store_scaled(x * rstd, weight_ptr, out_ptr + row * stride_ot, cols, ok, SCALE_F32)
+        _add_norm_row(h_ptr + row * stride_ht, summed, weight_ptr, out_ptr + row * stride_ot, cols, ok, eps, HIDDEN,
+                      SCALE_F32)
 
 
 def peer_sum_add_rms_norm(h: torch.Tensor, partial: torch.Tensor, weight: torch.Tensor, eps: float,
