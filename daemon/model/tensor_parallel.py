@@ -194,6 +194,12 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 # A decode step's sums go through the fused peer sum up to this many rows (the running cap's top, 256: 2.5 MB of a
 # 13B model's rows); steps with more (prompt rows) sum through NCCL, whose ring moves each byte fewer times.
 PEER_SUM_MAX_ROWS = 256
+# Whether this process has mapped symmetric memory (PeerSum's rendezvous). torch numbers the store exchanges of a
+# rendezvous per process, from zero: a process that mapped buffers for an earlier engine (a test's or a script's
+# rank 0) would wait on other keys than its new workers, which start from zero, with no timeout. A second engine in
+# one process sums through NCCL instead (on two H100s the second fused engine of a process hung in its start: the
+# cause inferred from torch's code, not traced).
+_mapped_in_this_process = False
 
 
 class PeerSum:
@@ -225,7 +231,12 @@ class PeerSum:
 
         from lorad.gpu_ops.peer_sum import HALVES, PeerBuffers
 
+        global _mapped_in_this_process
         rank, reason = dist.get_rank(), None
+        if _mapped_in_this_process:
+            reason = "this process mapped symmetric memory for an earlier engine (its exchanges would not match)"
+        if not _agreed(reason is None, device):
+            return reason or "the other rank mapped symmetric memory for an earlier engine"
         try:  # allocated on both ranks before either waits for the other in the rendezvous
             import torch.distributed._symmetric_memory as symm_mem
 
@@ -239,6 +250,7 @@ class PeerSum:
             reason = f"{type(error).__name__}: {error}".splitlines()[0][:200]
         if not _agreed(reason is None, device):
             return reason or "the other rank could not allocate its buffers"
+        _mapped_in_this_process = True  # from the first exchange on, whatever its outcome
         try:
             mapped, mapped_flags = symm_mem.rendezvous(mine, group), symm_mem.rendezvous(flags, group)
             peer = 1 - rank
