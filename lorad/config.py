@@ -32,8 +32,10 @@ MAX_TENSOR_PARALLEL_SIZE = 64
 # The sum of o's and down's partial outputs over the tensor-parallel ranks: nccl, NCCL's all-reduce (gloo on the cpu);
 # fused, on two GPUs, the decode steps' sums (up to tensor_parallel.PEER_SUM_MAX_ROWS rows) through one kernel that
 # reads the other GPU's partial over NVLink and does the residual add and RMSNorm after it (gpu_ops/peer_sum.py),
-# NCCL for the rest; where it cannot be set up, NCCL for all (the log and /v1/status say which).
-ALL_REDUCES = ("nccl", "fused")
+# NCCL for the rest; where it cannot be set up, NCCL for all (the log and /v1/status say which). auto: fused at
+# tensor_parallel_size 2 on cuda (1.71x TP=1's decode throughput against NCCL's 1.57x, BENCHMARKS.md figure 26.1),
+# nccl elsewhere.
+ALL_REDUCES = ("auto", "nccl", "fused")
 # The base model's projection weights (daemon/model/quantization.py): auto, as the checkpoint holds them (an FP8
 # checkpoint's scales read as they are, else the model dtype); fp8, FP8 E4M3 (a bf16/fp16 checkpoint quantized at
 # load, per output channel); none, the model dtype (an FP8 checkpoint is refused). GPUs need compute capability 8.9.
@@ -126,7 +128,7 @@ class EngineConfig:
     # daemon/engine/tp_worker.py): NCCL on cuda (GPUs cuda:0..N-1), gloo on the cpu (tests). The size must divide the
     # attention heads and the intermediate size, and divide or be a multiple of the KV heads (replicated then).
     tensor_parallel_size: int = 1
-    all_reduce: str = "nccl"  # nccl|fused (see ALL_REDUCES)
+    all_reduce: str = "auto"  # auto|nccl|fused (see ALL_REDUCES)
 
     def __post_init__(self):
         # Values that come from the user (CLI, TOML) are checked here, once.

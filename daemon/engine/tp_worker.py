@@ -394,14 +394,20 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+def all_reduce_asked(config: EngineConfig, device: torch.device) -> str:
+    """config.all_reduce with auto resolved: fused on two GPUs, nccl elsewhere (gloo's sum on the cpu)."""
+    if config.all_reduce != "auto":
+        return config.all_reduce
+    return "fused" if device.type == "cuda" and config.tensor_parallel_size == 2 else "nccl"
+
+
 def set_reduce(model, config: EngineConfig, device: torch.device) -> str:
-    """Sets how the model sums o's and down's partial outputs over the ranks (config.all_reduce): NCCL's (gloo's)
-    all-reduce, and for all_reduce fused the decode steps' sums fused with the add and norm after them
-    (tensor_parallel.PeerSum, whose setup is collective: every rank calls this at the same point). -> which, as
-    logged and in /v1/status."""
+    """Sets how the model sums o's and down's partial outputs over the ranks (all_reduce_asked): NCCL's (gloo's)
+    all-reduce, and for fused the decode steps' sums fused with the add and norm after them (tensor_parallel.PeerSum,
+    whose setup is collective: every rank calls this at the same point). -> which, as logged and in /v1/status."""
     model.reduce, model.reduce_norm = tensor_parallel.all_reduce, None
     path = "nccl" if device.type == "cuda" else "gloo"
-    if config.all_reduce == "fused":
+    if all_reduce_asked(config, device) == "fused":
         fused = tensor_parallel.PeerSum(model.spec.hidden_size, model.embed.dtype, device)
         model.reduce_norm = fused if fused.buffers is not None else None
         path = fused.path

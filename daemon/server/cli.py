@@ -75,10 +75,10 @@ _ENGINE_FLAG_HELP = {
                    "batch whose predicted decode step would break it",
     "tensor_parallel_size": "split the model over N GPUs of this host (one engine process per GPU, NCCL); N divides "
                             "the attention heads and the intermediate size; not with --cold-start cpu|auto",
-    "all_reduce": "nccl|fused: under tensor parallelism, how o's and down's partial outputs are summed over the "
-                  "GPUs (fused, two GPUs only: a decode step's sums in one kernel with the residual add and RMSNorm "
-                  "after them, reading the other GPU's partial over NVLink, NCCL for larger steps; the log and "
-                  "/v1/status say which runs)",
+    "all_reduce": "auto|nccl|fused: under tensor parallelism, how o's and down's partial outputs are summed over "
+                  "the GPUs (fused, two GPUs only: a decode step's sums in one kernel with the residual add and "
+                  "RMSNorm after them, reading the other GPU's partial over NVLink, NCCL for larger steps; auto: fused "
+                  "on two GPUs, nccl on more; the log and /v1/status say which runs)",
     "cluster_max_adapters": "--admission cluster (or early-abort): distinct adapters in the running batch before "
                             "other adapters' requests wait (at most the TTFT objective, else 1 s)",
 }

@@ -60,8 +60,20 @@ def test_config_refuses_a_bad_size_and_cpu_assisted_cold_starts():
         with pytest.raises(BadRequest, match=f"cold_start {cold_start} does not run with tensor_parallel_size > 1"):
             EngineConfig(tensor_parallel_size=2, cold_start=cold_start)
     EngineConfig(tensor_parallel_size=2, cold_start="cached")
-    with pytest.raises(BadRequest, match="all_reduce must be one of nccl, fused, not 'one-shot'"):
+    with pytest.raises(BadRequest, match="all_reduce must be one of auto, nccl, fused, not 'one-shot'"):
         EngineConfig(all_reduce="one-shot")
+
+
+def test_auto_sums_two_gpus_through_the_fused_kernel_and_more_or_the_cpu_through_the_groups_all_reduce():
+    from lorad.daemon.engine.tp_worker import all_reduce_asked
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert EngineConfig().all_reduce == "auto"
+    assert all_reduce_asked(EngineConfig(tensor_parallel_size=2), cuda) == "fused"
+    assert all_reduce_asked(EngineConfig(tensor_parallel_size=4), cuda) == "nccl"
+    assert all_reduce_asked(EngineConfig(tensor_parallel_size=2), cpu) == "nccl"
+    for asked in ("nccl", "fused"):
+        assert all_reduce_asked(EngineConfig(tensor_parallel_size=4, all_reduce=asked), cuda) == asked
 
 
 def test_engine_refuses_a_size_before_starting_any_rank(hf_checkpoint):
@@ -182,6 +194,7 @@ def test_tp2_greedy_tokens_equal_tp1_and_hf_peft(arch, hf_checkpoint, hf_referen
     split, status = generate(checkpoint.model_dir, checkpoint.adapters, cases, tensor_parallel_size=2, **config)
     tp = status["tensor_parallel"]
     assert tp["size"] == 2 and tp["backend"] == "gloo" and [rank["rank"] for rank in tp["ranks"]] == [0, 1]
+    assert tp["all_reduce"] == "gloo"  # all_reduce auto: the fused sum is for two GPUs
     assert all(rank["alive"] and rank["pool_pages"] == status["pool"]["pages"] for rank in tp["ranks"])
     assert status["adapter_evictions"] > 0, "the pool was large enough that no adapter was evicted"
     assert (status["kv_sharing"]["window_pages_freed"] > 0) == (arch == "mistral_window")

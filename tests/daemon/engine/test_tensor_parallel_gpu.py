@@ -40,7 +40,7 @@ def generate(model_dir, adapters: dict, cases, **config):
         engine.close()
 
 
-@pytest.mark.parametrize("arch,all_reduce", [("llama", "nccl"), ("llama_tied", "nccl"), ("qwen2", "nccl"), ("llama", "fused")])
+@pytest.mark.parametrize("arch,all_reduce", [("llama", "nccl"), ("llama_tied", "nccl"), ("qwen2", "nccl"), ("llama", "auto")])
 def test_tp2_on_two_gpus_equals_tp1_and_hf_peft(arch, all_reduce, hf_checkpoint, hf_reference):
     checkpoint = hf_checkpoint(arch)
     cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size)
@@ -50,7 +50,7 @@ def test_tp2_on_two_gpus_equals_tp1_and_hf_peft(arch, all_reduce, hf_checkpoint,
                                          all_reduce=all_reduce, **config)
     tp = status["tensor_parallel"]
     assert tp["backend"] == "nccl" and tp["gpus"] == ["cuda:0", "cuda:1"]
-    # fused: the decode steps' sums (and the prompt steps' up to its rows) through gpu_ops/peer_sum.py
+    # auto on two GPUs is fused: the decode steps' sums (and the prompt steps' up to its rows) through gpu_ops/peer_sum.py
     assert tp["all_reduce"] == ("nccl" if all_reduce == "nccl" else "fused peer sum up to 256 rows, nccl above")
     assert status["cuda_graph_steps"] > 0 and status["overlapped_decode_steps"] > 0
     assert status["adapter_evictions"] > 0
