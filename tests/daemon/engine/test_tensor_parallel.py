@@ -550,9 +550,9 @@ def test_a_worker_reads_an_adapter_loaded_again_with_new_files_and_refuses_files
     assert not worker._staging  # a failed staging leaves nothing waiting
 
 
-def test_a_fused_sum_that_cannot_allocate_its_buffers_leaves_the_sums_to_nccl_and_says_why(monkeypatch):
-    # One process in a gloo group, told it is one of two NCCL ranks: its symmetric memory cannot be had on the CPU,
-    # and the ranks agree on that (a collective) before either waits for the other's buffers.
+def peer_sum_as_one_of_two_nccl_ranks(monkeypatch):
+    """A PeerSum made by one process in a gloo group, told it is one of two NCCL ranks -> (it, what it told the other
+    rank at each agreement)."""
     import torch.distributed as dist
 
     from lorad.daemon.model import tensor_parallel
@@ -564,9 +564,15 @@ def test_a_fused_sum_that_cannot_allocate_its_buffers_leaves_the_sums_to_nccl_an
         agreed = []
         real_agreed = tensor_parallel._agreed
         monkeypatch.setattr(tensor_parallel, "_agreed", lambda ok, device: agreed.append(ok) or real_agreed(ok, device))
-        fused = tensor_parallel.PeerSum(64, torch.float32, torch.device("cpu"))
+        return tensor_parallel.PeerSum(64, torch.float32, torch.device("cpu")), agreed
     finally:
         dist.destroy_process_group()
+
+
+def test_a_fused_sum_that_cannot_allocate_its_buffers_leaves_the_sums_to_nccl_and_says_why(monkeypatch):
+    # Its symmetric memory cannot be had on the CPU, and the ranks agree on that (a collective) before either waits
+    # for the other's buffers.
+    fused, agreed = peer_sum_as_one_of_two_nccl_ranks(monkeypatch)
     assert fused.buffers is None and agreed == [True, False]
     assert fused.path.startswith("nccl (fused peer sum unavailable: ") and len(fused.path) > 40
 
@@ -574,23 +580,13 @@ def test_a_fused_sum_that_cannot_allocate_its_buffers_leaves_the_sums_to_nccl_an
 def test_a_process_that_mapped_symmetric_memory_before_leaves_a_new_engines_sums_to_nccl(monkeypatch):
     # torch numbers a rendezvous's store exchanges per process: rank 0 of a second engine in one process would wait
     # on other keys than its new workers. It says so before it allocates anything, and the ranks agree on it.
-    import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
     from lorad.daemon.model import tensor_parallel
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        monkeypatch.setattr(dist, "get_backend", lambda *args: "nccl")
-        monkeypatch.setattr(dist, "get_world_size", lambda *args: 2)
-        monkeypatch.setattr(tensor_parallel, "_mapped_in_this_process", True)
-        monkeypatch.setattr(symm_mem, "empty", lambda *args, **kwargs: pytest.fail("allocated after an earlier rendezvous"))
-        agreed = []
-        real_agreed = tensor_parallel._agreed
-        monkeypatch.setattr(tensor_parallel, "_agreed", lambda ok, device: agreed.append(ok) or real_agreed(ok, device))
-        fused = tensor_parallel.PeerSum(64, torch.float32, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
+    monkeypatch.setattr(tensor_parallel, "_mapped_in_this_process", True)
+    monkeypatch.setattr(symm_mem, "empty", lambda *args, **kwargs: pytest.fail("allocated after an earlier rendezvous"))
+    fused, agreed = peer_sum_as_one_of_two_nccl_ranks(monkeypatch)
     assert fused.buffers is None and agreed == [False]
     assert fused.path == ("nccl (fused peer sum unavailable: this process mapped symmetric memory for an earlier engine "
                           "(its exchanges would not match))")
