@@ -559,7 +559,17 @@ class AdapterTable:
 
     def _compact(self) -> None:
         """Close the holes evicted adapters left in page_ids: each resident adapter's entries move
-        down and its starts shift by the same amount."""
+        down and its starts shift by the same amount.
+
+        On cuda the moves go on the current stream, behind the steps queued there, which read the entries where they
+        were. The copy stream publishes a placement without waiting for those steps, into index entries past the
+        compacted end, where a moved adapter's entries may have been: from here on it waits for them (a step in
+        flight would read the new adapter's page ids as the moved one's: wrong LoRA for its rows in that step). The
+        moves wait for the publications queued on the copy stream before (a streamed placement's, not joined yet),
+        which write their slot's starts from before the move."""
+        copy = self._copy_stream
+        if copy is not None:
+            torch.cuda.current_stream().wait_stream(copy)
         end = 0
         for slot in sorted(self.placements, key=lambda s: self.placements[s].index_start):
             placement = self.placements[slot]
@@ -574,6 +584,8 @@ class AdapterTable:
                 self._publish(slot, end, placement.index_len)
             end += placement.index_len
         self._index_end = end
+        if copy is not None:
+            copy.wait_stream(torch.cuda.current_stream())
         log.debug("adapter index compacted end=%d", end)
 
 

@@ -334,10 +334,10 @@ def check_reads_back(table: AdapterTable, slot: int, weights: dict) -> None:
             assert table.chunks[proj] == (chunks_in, chunks_out)
             for starts in (table.a_start_host, table.a_start):
                 got_a = gather_rows(pages, table.page_ids, int(starts[slot, layer, proj]), rank_host, chunks_in, fan_in)
-                assert torch.equal(got_a, a)
+                assert torch.equal(got_a.cpu(), a)
             for starts in (table.b_start_host, table.b_start):
                 got_b = gather_rows(pages, table.page_ids, int(starts[slot, layer, proj]), rank_host, chunks_out, fan_out)
-                assert torch.equal(got_b, b.t())
+                assert torch.equal(got_b.cpu(), b.t())
             # DESIGN.md's element formula, on a few random elements of A
             a_start = int(table.a_start_host[slot, layer, proj])
             rng = random.Random(slot * 100 + layer * 10 + proj)
@@ -345,7 +345,7 @@ def check_reads_back(table: AdapterTable, slot: int, weights: dict) -> None:
                 j, k = rng.randrange(rank_host), rng.randrange(fan_in)
                 page_id = int(table.page_ids[a_start + j * chunks_in + k // HIDDEN])
                 assert page_id != SCRATCH_PAGE
-                assert pages[page_id, k % HIDDEN] == a[j, k]
+                assert pages[page_id, k % HIDDEN].item() == a[j, k].item()
 
 
 def test_place_reads_back_with_partial_pages():
@@ -483,6 +483,38 @@ def test_churn_forces_compaction():
         for slot, weights in resident.items():
             check_reads_back(table, slot, weights)
     assert compactions > 0, "the churn never filled the index: make the test place more"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_placement_that_compacts_the_index_leaves_a_step_in_flight_the_entries_it_reads():
+    """A step in flight reads each adapter's index entries where they were when it was queued (here: the device
+    asleep, then a copy of the tables as the step's kernels would read them). A placement made meanwhile (a
+    prefetch) that compacts the index publishes on the table's copy stream, past the compacted end, where the
+    moved adapter's entries were: it must wait for the step, or the step reads the new adapter's pages as the
+    moved one's."""
+    generator = torch.Generator().manual_seed(6)
+    first, second = random_adapter(generator), random_adapter(generator)
+    a, b = pages_of(first), pages_of(second)
+    pool = PagePool(1 + a + b, HIDDEN, torch.float32, torch.device("cuda"))
+    table = AdapterTable(pool, num_slots=4, num_layers=LAYERS, shapes=SHAPES)
+    assert table.place(0, first) and table.place(1, second)  # first's entries at [0, a), second's at [a, a + b)
+    table.evict(0)
+    assert table._index_end + a > len(table.page_ids_host)  # placing first again compacts: second's to [0, b)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(0.2 * 2e9))  # the step in flight, ~0.1 s
+    page_ids, a_start, b_start = table.page_ids.clone(), table.a_start.clone(), table.b_start.clone()
+    assert table.place(2, first)  # into first's old pages; its entries at [b, b + a), over second's old ones
+    torch.cuda.synchronize()
+    assert table.placements[1].index_start == 0
+    for (layer, proj), (weight_a, weight_b) in second.items():
+        fan_in, fan_out = SHAPES[proj]
+        rank, chunks_in, chunks_out = weight_a.shape[0], math.ceil(fan_in / HIDDEN), math.ceil(fan_out / HIDDEN)
+        read_a = gather_rows(pool.pages, page_ids, int(a_start[1, layer, proj]), rank, chunks_in, fan_in)
+        read_b = gather_rows(pool.pages, page_ids, int(b_start[1, layer, proj]), rank, chunks_out, fan_out)
+        assert torch.equal(read_a.cpu(), weight_a) and torch.equal(read_b.cpu(), weight_b.t()), (layer, proj)
+    check_reads_back(table, 1, second)  # and after the step, from where the compaction moved them
+    check_reads_back(table, 2, first)
 
 
 def test_giving_back_more_than_was_taken_is_refused():
