@@ -485,6 +485,33 @@ def test_churn_forces_compaction():
     assert compactions > 0, "the churn never filled the index: make the test place more"
 
 
+class FakeStream:
+    def __init__(self, name: str, calls: list):
+        self.name, self.calls = name, calls
+
+    def wait_stream(self, other) -> None:
+        self.calls.append(f"{self.name} waits for {other.name}")
+
+
+def test_a_compaction_orders_the_copy_stream_after_the_moves_and_the_moves_after_the_copy_stream(monkeypatch):
+    """What the GPU test below checks on the device, as the order of the waits around the moves: the compute stream
+    first waits for what the copy stream had queued, the moves go on it, then the copy stream waits for it."""
+    generator = torch.Generator().manual_seed(6)
+    first, second = random_adapter(generator), random_adapter(generator)
+    table = AdapterTable(make_pool(1 + pages_of(first) + pages_of(second)), num_slots=4, num_layers=LAYERS, shapes=SHAPES)
+    assert table.place(0, first) and table.place(1, second)
+    table.evict(0)
+    calls = []
+    compute = FakeStream("compute", calls)
+    monkeypatch.setattr(table, "_copy_stream", FakeStream("copy", calls))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: compute)
+    publish = table._publish
+    monkeypatch.setattr(table, "_publish", lambda slot, *args: calls.append(f"publish {slot}") or publish(slot, *args))
+    table._record_placement(2, table.stage(first), table.pool.alloc(pages_of(first), "adapter"))
+    assert calls == ["compute waits for copy", "publish 1", "copy waits for compute"]
+    assert table.placements[1].index_start == 0 and table.placements[2].index_start == pages_of(second)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_placement_that_compacts_the_index_leaves_a_step_in_flight_the_entries_it_reads():
