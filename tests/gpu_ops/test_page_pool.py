@@ -528,10 +528,11 @@ def test_a_placement_that_compacts_the_index_leaves_a_step_in_flight_the_entries
     assert table.place(0, first) and table.place(1, second)  # first's entries at [0, a), second's at [a, a + b)
     table.evict(0)
     assert table._index_end + a > len(table.page_ids_host)  # placing first again compacts: second's to [0, b)
+    staged = table.stage(first)  # pinned before the race: no new pinned allocation inside it
     torch.cuda.synchronize()
     torch.cuda._sleep(int(0.2 * 2e9))  # the step in flight, ~0.1 s
     page_ids, a_start, b_start = table.page_ids.clone(), table.a_start.clone(), table.b_start.clone()
-    assert table.place(2, first)  # into first's old pages; its entries at [b, b + a), over second's old ones
+    assert table.place(2, staged)  # into first's old pages; its entries at [b, b + a), over second's old ones
     torch.cuda.synchronize()
     assert table.placements[1].index_start == 0
     for (layer, proj), (weight_a, weight_b) in second.items():
