@@ -86,7 +86,7 @@ def rank_main(rank: int, port: int, args, results: list) -> None:
                 work = partial.clone()
                 entry[f"{name}_us"] = graph_us(args, between, lambda: reduce(work))
             if rows <= tensor_parallel.PEER_SUM_MAX_ROWS:
-                entry.update(time_sum_and_norm(args, device, hidden, rows, partial, exact, peer_sums, between))
+                entry.update(time_sum_and_norm(args, device, peer_sums[hidden], partial, exact, between))
             results.append(entry)
             if rank == 0:
                 print(json.dumps(entry), flush=True)
@@ -94,14 +94,14 @@ def rank_main(rank: int, port: int, args, results: list) -> None:
     dist.destroy_process_group()
 
 
-def time_sum_and_norm(args, device, hidden, rows, partial, exact, peer_sums, between) -> dict:
+def time_sum_and_norm(args, device, fused, partial, exact, between) -> dict:
     """The sum as the engine runs it between a projection and the next norm: NCCL's all-reduce then the fused
     add_rms_norm kernel, against gpu_ops/peer_sum.py's one kernel (all_reduce fused), each call on the next half
     of its buffers, as the model alternates them. Checked equal (h and the normed rows) first."""
     from lorad.daemon.model import tensor_parallel
     from lorad.gpu_ops.fused import add_rms_norm
 
-    fused = peer_sums[hidden]
+    rows, hidden = partial.shape
     if fused.buffers is None:
         return {"fused_error": fused.path}
     generator = torch.Generator(device=device).manual_seed(rows)  # the same h and weight on both ranks

@@ -73,6 +73,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def case_suffix(all_reduce: str) -> str:
+    """What a TP case's name ends in for its --all-reduce: nothing for nccl, _fused for fused."""
+    return "" if all_reduce == "nccl" else f"_{all_reduce}"
+
+
 def cases(args) -> list[dict]:
     """The cases run, each in its own process."""
     listed = [
@@ -92,8 +97,7 @@ def cases(args) -> list[dict]:
     tp_cases = [case for case in listed if case["size"] > 1]  # each with every --all-reduce asked
     listed = [case for case in listed if case["size"] == 1]
     for all_reduce in args.all_reduces:
-        suffix = "" if all_reduce == "nccl" else f"_{all_reduce}"
-        listed += [{**case, "name": case["name"] + suffix, "all_reduce": all_reduce} for case in tp_cases]
+        listed += [{**case, "name": case["name"] + case_suffix(all_reduce), "all_reduce": all_reduce} for case in tp_cases]
     if args.only:
         wanted = set(args.only.split(","))
         unknown = wanted - {case["name"] for case in listed}
@@ -232,15 +236,21 @@ def write_trace(engine, path: str, steps: int = 4) -> None:
     """`steps` more steps as a Chrome trace at `path` (gzipped where it ends in .gz): the host's Python functions and
     ops beside the GPU's kernels. Recording the functions slows the host: the trace shows where its time goes, not
     how long a step takes untraced."""
+    prof = profiled_steps(engine, steps, with_stack=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    prof.export_chrome_trace(path)
+
+
+def profiled_steps(engine, steps: int, **options):
+    """The profiler (host and GPU) over `steps` engine steps, the device's work done."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], **options) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    prof.export_chrome_trace(path)
+    return prof
 
 
 def device_breakdown(engine, steps: int = 8) -> dict:
@@ -248,16 +258,10 @@ def device_breakdown(engine, steps: int = 8) -> dict:
     the kernels' device time by kind (KERNEL_KINDS; NCCL's includes any wait for the other rank), `busy` (the union
     of the kernels' intervals: streams that overlap count once), `span` (first kernel's start to the last one's end)
     and `idle` (span - busy: the GPU waiting for the host). `top` lists the ten kernels of most time."""
-    import torch
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
     kernels = [(event.name, event.time_range.start, event.time_range.end)
-               for event in prof.events() if event.device_type == DeviceType.CUDA]
+               for event in profiled_steps(engine, steps).events() if event.device_type == DeviceType.CUDA]
     return summarize_kernels(kernels, steps)
 
 
@@ -321,8 +325,7 @@ def median_run(runs: list[dict]) -> dict:
 
 def summary(results: dict, args) -> dict:
     out = {}
-    for all_reduce in args.all_reduces:
-        suffix = "" if all_reduce == "nccl" else f"_{all_reduce}"
+    for suffix in map(case_suffix, args.all_reduces):
         names = ("base_tp1", f"base_tp{args.size}{suffix}", f"lora_tp{args.size}{suffix}")
         base1, base_n, lora_n = (case if case and "tok_s" in case else None for case in map(results.get, names))
         if base1 and base_n:
@@ -331,8 +334,6 @@ def summary(results: dict, args) -> dict:
             out[f"lora_over_base_tp{args.size}{suffix}"] = lora_n["tok_s"] / base_n["tok_s"]
         if base_n and "all_reduce_share" in base_n:
             out[f"all_reduce_share_of_decode_step{suffix}"] = base_n["all_reduce_share"]
-    for all_reduce in args.all_reduces:
-        suffix = "" if all_reduce == "nccl" else f"_{all_reduce}"
         big = results.get(f"big_batch1_tp{args.size}{suffix}")
         if big and "over_floor" in big:
             out[f"big_batch1_over_floor{suffix}"] = big["over_floor"]
