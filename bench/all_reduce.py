@@ -9,7 +9,8 @@ result checked against the exact sum first.
 
     python3 bench/all_reduce.py --out bench/results/all_reduce_h100x2.json
 
-Needs 2 GPUs; each rank is a process (spawned). Rank 0 prints one JSON document.
+Needs 2 GPUs; each rank is a process, spawned afresh for each hidden size (a process maps the engine's fused-sum
+buffers once, daemon/model/tensor_parallel.py). Prints one JSON document.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def rank_main(rank: int, port: int, args, results: list) -> None:
+def rank_main(rank: int, port: int, args, hidden: int, results: list) -> None:
     import torch.distributed as dist
     from lorad.daemon.model import tensor_parallel
 
@@ -66,30 +67,28 @@ def rank_main(rank: int, port: int, args, results: list) -> None:
     paths = {"nccl": tensor_parallel.all_reduce, "one_shot": one_shot, "two_shot": two_shot}
     between = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
     rows_list = [int(r) for r in args.rows.split(",")]
-    peer_sums = {}  # hidden -> the engine's PeerSum (its setup is collective: both ranks make it here)
-    for hidden in (int(h) for h in args.hidden.split(",")):
-        peer_sums[hidden] = tensor_parallel.PeerSum(hidden, torch.bfloat16, device)
+    fused = tensor_parallel.PeerSum(hidden, torch.bfloat16, device)  # collective: both ranks make it here
+    if rank == 0:
+        print(f"hidden {hidden}: {fused.path}", flush=True)
+    for rows in rows_list:
+        generator = torch.Generator(device=device).manual_seed(rank * 1000 + rows)
+        partial = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16, generator=generator)
+        others = [torch.empty_like(partial) for _ in range(2)]
+        dist.all_gather(others, partial)
+        exact = (others[0].float() + others[1].float()).to(torch.bfloat16)
+        entry = {"hidden": hidden, "rows": rows, "bytes": partial.nbytes}
+        for name, reduce in paths.items():
+            if name != "nccl" and partial.numel() > buffer.numel():
+                continue
+            got = reduce(partial.clone())
+            assert torch.equal(got, exact), (name, rows, hidden)
+            work = partial.clone()
+            entry[f"{name}_us"] = graph_us(args, between, lambda: reduce(work))
+        if rows <= tensor_parallel.PEER_SUM_MAX_ROWS:
+            entry.update(time_sum_and_norm(args, device, fused, partial, exact, between))
+        results.append(entry)
         if rank == 0:
-            print(f"hidden {hidden}: {peer_sums[hidden].path}", flush=True)
-        for rows in rows_list:
-            generator = torch.Generator(device=device).manual_seed(rank * 1000 + rows)
-            partial = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16, generator=generator)
-            others = [torch.empty_like(partial) for _ in range(2)]
-            dist.all_gather(others, partial)
-            exact = (others[0].float() + others[1].float()).to(torch.bfloat16)
-            entry = {"hidden": hidden, "rows": rows, "bytes": partial.nbytes}
-            for name, reduce in paths.items():
-                if name != "nccl" and partial.numel() > buffer.numel():
-                    continue
-                got = reduce(partial.clone())
-                assert torch.equal(got, exact), (name, rows, hidden)
-                work = partial.clone()
-                entry[f"{name}_us"] = graph_us(args, between, lambda: reduce(work))
-            if rows <= tensor_parallel.PEER_SUM_MAX_ROWS:
-                entry.update(time_sum_and_norm(args, device, peer_sums[hidden], partial, exact, between))
-            results.append(entry)
-            if rank == 0:
-                print(json.dumps(entry), flush=True)
+            print(json.dumps(entry), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -154,30 +153,43 @@ def graph_us(args, between: torch.Tensor, launch) -> float:
     return times[len(times) // 2]
 
 
-def worker(rank: int, port: int, args) -> None:
+def worker(rank: int, port: int, args, hidden: int, path: str) -> None:
     results = []
-    rank_main(rank, port, args, results)
+    rank_main(rank, port, args, hidden, results)
     if rank == 0:
-        document = {"machine": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}", "torch": torch.__version__,
-                    "calls_per_graph": args.calls, "results": results,
-                    "notes": "us: device time per sum, median of graph replays; between sums a 64x64 matmul"}
-        print(json.dumps(document, indent=1), flush=True)
-        if args.out:
-            with open(args.out, "w") as handle:
-                json.dump(document, handle, indent=1)
+        with open(path, "w") as handle:
+            json.dump(results, handle)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench/all_reduce.py needs 2 GPUs")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     started = time.perf_counter()
+    import tempfile
+
     import torch.multiprocessing as mp
 
-    mp.spawn(worker, args=(port, args), nprocs=2, join=True)
+    results = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for hidden in (int(h) for h in args.hidden.split(",")):
+            path = f"{scratch}/{hidden}.json"
+            mp.spawn(worker, args=(free_port(), args, hidden, path), nprocs=2, join=True)
+            with open(path) as handle:
+                results += json.load(handle)
+    document = {"machine": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}", "torch": torch.__version__,
+                "calls_per_graph": args.calls, "results": results,
+                "notes": "us: device time per sum, median of graph replays; between sums a 64x64 matmul"}
+    print(json.dumps(document, indent=1), flush=True)
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(document, handle, indent=1)
     print(f"wall {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
 
