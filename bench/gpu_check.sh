@@ -143,6 +143,11 @@ run_step() {
         --out "$OUTDIR/tensor_parallel_throughput.json" ;;
     tp_70b) step bench_tp_70b 560 python3 bench/tensor_parallel.py --only big_batch1_tp2 --out "$OUTDIR/tensor_parallel_70b.json" ;;
     all_reduce) step bench_all_reduce 120 python3 bench/all_reduce.py --out "$OUTDIR/all_reduce.json" ;;
+    # the TP=2 profile of the 13B shape with the engine's default sums (fused) and with NCCL's: their decode fits
+    profile_tp) step profile_tp 300 python3 -m lorad.daemon.server.cli profile --model-config llama-2-13b \
+        --tensor-parallel-size 2 --out "$OUTDIR/profile_tp2.json" ;;
+    profile_tp_nccl) step profile_tp_nccl 300 python3 -m lorad.daemon.server.cli profile --model-config llama-2-13b \
+        --tensor-parallel-size 2 --all-reduce nccl --out "$OUTDIR/profile_tp2_nccl.json" ;;
     *) echo "unknown step $1"; failed+=("$1") ;;
     esac
 }

@@ -17,7 +17,10 @@ other windows than the one before.
 with its shard of the model (daemon/model/tensor_parallel.py: Shard.local) and the all-reduces of its forward,
 run every measurement in step (same seed, same order), so a timed decode step or prefill is one of the TP
 engine's, its two all-reduces a layer and the wait for the slowest rank included; rank 0's timings are kept.
-The all-reduce alone is timed too, over the steps' token counts, and saved as the profile's `collectives`:
+The ranks sum as the engine would with the same `--all-reduce` (auto: on two GPUs the fused peer sum, with the add
+and norm after it, for steps of up to 256 rows; NCCL's all-reduce otherwise), and the profile records which
+(`machine.all_reduce`); an engine that sums otherwise warns that its predictions may be off.
+NCCL's all-reduce alone is timed too, over the steps' token counts, and saved as the profile's `collectives`:
 what share of a step the ranks spend reducing.
 """
 
@@ -210,10 +213,12 @@ class AdapterBank:
 class Bench:
     """The model, the pool (weight bank + KV region) and the ops of one profiling run. Under tensor parallelism
     `spec` is the rank's shard (Shard.local), `page_elems` the whole model's page (the engine's pool pages), and
-    the model all-reduces o's and down's outputs over the group, as the engine's ranks do."""
+    the model sums o's and down's outputs over the group as the engine's ranks do with `all_reduce` (nccl or fused,
+    auto resolved; a collective: every rank makes its Bench at the same point)."""
 
     def __init__(self, spec: ModelSpec, weights: dict, dtype: torch.dtype, device: torch.device, plan: Plan,
-                 max_lora_rank: int, seed: int, page_elems: int | None = None, tensor_parallel_size: int = 1):
+                 max_lora_rank: int, seed: int, page_elems: int | None = None, tensor_parallel_size: int = 1,
+                 all_reduce: str = "nccl"):
         self.spec, self.dtype, self.device, self.plan = spec, dtype, device, plan
         self.tensor_parallel_size = tensor_parallel_size
         self.max_lora_rank = max_lora_rank
@@ -224,8 +229,11 @@ class Bench:
         self.ops = select_ops(device, self.max_tokens, max_lora_rank, self.choice)
         self.max_model_len = max(max(plan.contexts), max(plan.prefill_tokens)) + 1
         self.model = build_model(spec, weights, self.max_model_len, self.ops)
+        self.all_reduce_path = None  # how the ranks sum (tp_worker.set_reduce), under tensor parallelism
         if tensor_parallel_size > 1:
-            self.model.reduce = tensor_parallel.all_reduce
+            from lorad.daemon.engine.tp_worker import set_reduce
+
+            self.all_reduce_path = set_reduce(self.model, all_reduce, device)
         page = page_elems or spec.page_elems
         page_bytes = page * torch.tensor([], dtype=dtype).element_size()
         bank_pages = max(plan.bank_bytes // page_bytes, max(plan.ranks) * 8)
@@ -572,7 +580,8 @@ def run_profile(spec: ModelSpec, weights: dict, model_name: str, dtype: torch.dt
         raise BadRequest(f"ranks up to {max(plan.ranks)} need max_lora_rank >= {max(plan.ranks)}")
     size = 1 if ranks is None else ranks.size
     started = time.perf_counter()
-    bench = rank_bench(spec, weights, dtype, device, plan, max_lora_rank, seed, 0, size)
+    bench = rank_bench(spec, weights, dtype, device, plan, max_lora_rank, seed, 0, size,
+                       "nccl" if ranks is None else ranks.all_reduce)
     samples = measure(bench, progress)
     if size > 1:
         samples["allreduce"] = measure_collectives(bench, progress)
@@ -586,6 +595,7 @@ def run_profile(spec: ModelSpec, weights: dict, model_name: str, dtype: torch.dt
     }
     if ranks is not None:
         machine["collective_backend"] = ranks.backend
+        machine["all_reduce"] = bench.all_reduce_path
     if device.type == "cuda":
         machine["gpu"] = torch.cuda.get_device_name(device)
     return build_profile(fits, samples, machine), fits
@@ -605,30 +615,31 @@ def rank_weights(spec: ModelSpec, model_dir: str | None, rank: int, size: int, d
 
 
 def rank_bench(spec: ModelSpec, weights: dict, dtype: torch.dtype, device: torch.device, plan: Plan, max_lora_rank: int,
-               seed: int, rank: int, size: int) -> Bench:
-    """The Bench of rank `rank`: its shard of the model on pages of the whole model's size (the engine's pool)."""
+               seed: int, rank: int, size: int, all_reduce: str = "nccl") -> Bench:
+    """The Bench of rank `rank`: its shard of the model on pages of the whole model's size (the engine's pool),
+    summing over the ranks with `all_reduce` (Bench)."""
     local = spec if size == 1 else tensor_parallel.Shard(spec, rank, size).local
     return Bench(local, weights, dtype, device, plan, max_lora_rank, seed, page_elems=spec.page_elems,
-                 tensor_parallel_size=size)
+                 tensor_parallel_size=size, all_reduce=all_reduce)
 
 
 class ProfileRanks:
     """Rank 0's side of a tensor-parallel profile: starts ranks 1..size-1 (`rank_main`, one process each, spawned),
     joins their group, and ends this process if one of them fails (rank 0 would otherwise wait at a collective
-    until its timeout)."""
+    until its timeout). Every rank sums with `all_reduce` (nccl or fused, auto resolved)."""
 
     def __init__(self, size: int, spec: ModelSpec, model_dir: str | None, dtype: torch.dtype, device: torch.device,
-                 plan: Plan, max_lora_rank: int, seed: int):
+                 plan: Plan, max_lora_rank: int, seed: int, all_reduce: str = "nccl"):
         from lorad.daemon.engine.tp_worker import free_port, rank_devices
 
-        self.size, self.devices = size, rank_devices(device, size)
+        self.size, self.devices, self.all_reduce = size, rank_devices(device, size), all_reduce
         self.closing = False  # close() joins the ranks from here on, and judges how they ended
         address = f"tcp://127.0.0.1:{free_port()}"
         context = multiprocessing.get_context("spawn")
         self.processes = [
             context.Process(target=rank_main, name=f"lorad-profile-rank{rank}", daemon=True,
                             args=(rank, size, spec, model_dir, str(dtype).removeprefix("torch."), str(self.devices[rank]),
-                                  plan, max_lora_rank, seed, address, logging.getLogger().getEffectiveLevel()))
+                                  plan, max_lora_rank, seed, address, logging.getLogger().getEffectiveLevel(), all_reduce))
             for rank in range(1, size)]
         for process in self.processes:
             process.start()
@@ -664,7 +675,7 @@ class ProfileRanks:
 
 
 def rank_main(rank: int, size: int, spec: ModelSpec, model_dir: str | None, dtype: str, device: str, plan: Plan,
-              max_lora_rank: int, seed: int, address: str, log_level: int) -> None:
+              max_lora_rank: int, seed: int, address: str, log_level: int, all_reduce: str = "nccl") -> None:
     """Rank `rank` of a tensor-parallel profile: the same measurements as rank 0, in the same order with the same
     seed, so that every forward meets the others' at its all-reduces; its timings are dropped."""
     from lorad.daemon.engine.tp_worker import exit_with_parent
@@ -677,7 +688,7 @@ def rank_main(rank: int, size: int, spec: ModelSpec, model_dir: str | None, dtyp
     torch_dtype = getattr(torch, dtype)
     tensor_parallel.init_group(rank, size, device, address)
     weights = rank_weights(spec, model_dir, rank, size, torch_dtype, device, seed)
-    bench = rank_bench(spec, weights, torch_dtype, device, plan, max_lora_rank, seed, rank, size)
+    bench = rank_bench(spec, weights, torch_dtype, device, plan, max_lora_rank, seed, rank, size, all_reduce)
     del weights
     measure(bench)
     measure_collectives(bench)
@@ -704,6 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="profile an engine spanning N GPUs (lorad serve --tensor-parallel-size N): one process per "
                              "rank, each timing its shard with the all-reduces (NCCL on cuda, gloo on the cpu); the "
                              "profile goes to ...-tpN.json (default: 1)")
+    parser.add_argument("--all-reduce", default="auto", metavar="HOW",
+                        help="how the ranks sum, as lorad serve --all-reduce: auto (fused on two GPUs, nccl "
+                             "elsewhere), nccl, fused (default: auto)")
     parser.add_argument("--quick", action="store_true", help="a few samples of tiny batches: seconds on a CPU (tests)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--state-dir", metavar="DIR", help="the daemon's state_dir: the profile goes there (default: ~/.cache/lorad)")
@@ -728,10 +742,12 @@ def profile_main(argv: list[str]) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     from lorad.daemon.engine.engine import resolve_device, resolve_dtype
+    from lorad.daemon.engine.tp_worker import resolve_all_reduce
 
     from lorad.config import MAX_TENSOR_PARALLEL_SIZE, EngineConfig
 
-    EngineConfig(device=args.device, dtype=args.dtype, max_lora_rank=args.max_lora_rank)  # the engine's checks
+    EngineConfig(device=args.device, dtype=args.dtype, max_lora_rank=args.max_lora_rank,
+                 all_reduce=args.all_reduce)  # the engine's checks
     size = args.tensor_parallel_size
     if not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE:
         raise BadRequest(f"--tensor-parallel-size must be in 1..{MAX_TENSOR_PARALLEL_SIZE}, not {size}")
@@ -747,13 +763,15 @@ def _profile(args: argparse.Namespace) -> int:
     plan = QUICK_PLAN if args.quick else CUDA_PLAN if device.type == "cuda" else CPU_PLAN
     out = Path(args.out) if args.out else default_profile_path(name, device, args.state_dir, size)
     kernels = "the Triton kernels" if device.type == "cuda" else "the torch references of both kernels (one function, bgmv_ref): no GPU"
-    spans = f" x {size} ranks (each its shard, all-reduces included)" if size > 1 else ""
+    all_reduce = resolve_all_reduce(args.all_reduce, size, device)
+    spans = f" x {size} ranks (each its shard, its sums included: {all_reduce} asked)" if size > 1 else ""
     print(f"profiling {name} on {device_tag(device)}{spans} ({str(dtype).removeprefix('torch.')}), timing {kernels}; "
           f"the profile goes to {out}", flush=True)
     if max(plan.ranks) > args.max_lora_rank:  # run_profile's check, before any other rank starts
         raise BadRequest(f"ranks up to {max(plan.ranks)} need --max-lora-rank >= {max(plan.ranks)}")
     model_dir = None if args.model_config else args.model
-    ranks = None if size == 1 else ProfileRanks(size, spec, model_dir, dtype, device, plan, args.max_lora_rank, args.seed)
+    ranks = None if size == 1 else ProfileRanks(size, spec, model_dir, dtype, device, plan, args.max_lora_rank, args.seed,
+                                                all_reduce)
     device = device if ranks is None else ranks.devices[0]
     try:
         weights = rank_weights(spec, model_dir, 0, size, dtype, device, args.seed)
@@ -774,6 +792,8 @@ def _profile(args: argparse.Namespace) -> int:
     summary = {name: {"r2": model.r2, **coefficients(model)} for name, model in fits.items()}
     shown = {"profile": str(out), "machine": profile.machine["device"], "tensor_parallel_size": size,
              "decode_kernel": profile.notes["decode_kernel"], "fits": summary}
+    if size > 1:
+        shown["all_reduce"] = profile.machine["all_reduce"]
     if "collective_share" in profile.notes:  # [min, median, max] over the measured steps
         shown["collective_share"] = profile.notes["collective_share"]
     print(json.dumps(shown, indent=1))

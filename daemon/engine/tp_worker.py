@@ -187,7 +187,8 @@ class TensorParallel:
         """Rank 0's model sums o's and down's partial outputs over the ranks, and each step is sent to the
         workers before it runs here."""
         self.runner = runner
-        self.all_reduce_path = set_reduce(runner.model, self.config, self.devices[0])
+        self.all_reduce_path = set_reduce(runner.model, all_reduce_asked(self.config, self.devices[0]), self.devices[0])
+        check_profile_sums(runner.kernel_choice.profile, self.all_reduce_path)
         forward = runner.forward
 
         def forward_on_every_rank(plan: StepPlan) -> torch.Tensor:
@@ -395,24 +396,44 @@ def _exit(code: int) -> None:
 
 
 def all_reduce_asked(config: EngineConfig, device: torch.device) -> str:
-    """config.all_reduce with auto resolved: fused on two GPUs, nccl elsewhere (gloo's sum on the cpu)."""
-    if config.all_reduce != "auto":
-        return config.all_reduce
-    return "fused" if device.type == "cuda" and config.tensor_parallel_size == 2 else "nccl"
+    """config.all_reduce with auto resolved (resolve_all_reduce)."""
+    return resolve_all_reduce(config.all_reduce, config.tensor_parallel_size, device)
 
 
-def set_reduce(model, config: EngineConfig, device: torch.device) -> str:
-    """Sets how the model sums o's and down's partial outputs over the ranks (all_reduce_asked): NCCL's (gloo's)
-    all-reduce, and for fused the decode steps' sums fused with the add and norm after them (tensor_parallel.PeerSum,
-    whose setup is collective: every rank calls this at the same point). -> which, as logged and in /v1/status."""
+def resolve_all_reduce(asked: str, size: int, device: torch.device) -> str:
+    """An all_reduce setting (config.ALL_REDUCES) with auto resolved: fused on two GPUs, nccl elsewhere (gloo's sum
+    on the cpu)."""
+    if asked != "auto":
+        return asked
+    return "fused" if device.type == "cuda" and size == 2 else "nccl"
+
+
+def set_reduce(model, all_reduce: str, device: torch.device) -> str:
+    """Sets how the model sums o's and down's partial outputs over the ranks (`all_reduce`: nccl or fused, auto
+    resolved): NCCL's (gloo's) all-reduce, and for fused the decode steps' sums fused with the add and norm after
+    them (tensor_parallel.PeerSum, whose setup is collective: every rank calls this at the same point). -> which, as
+    logged and in /v1/status (its first word: fused, nccl or gloo)."""
     model.reduce, model.reduce_norm = tensor_parallel.all_reduce, None
     path = "nccl" if device.type == "cuda" else "gloo"
-    if all_reduce_asked(config, device) == "fused":
+    if all_reduce == "fused":
         fused = tensor_parallel.PeerSum(model.spec.hidden_size, model.embed.dtype, device)
         model.reduce_norm = fused if fused.buffers is not None else None
         path = fused.path
     log.info("tensor parallel all-reduce: %s", path)
     return path
+
+
+def check_profile_sums(profile, path: str) -> None:
+    """Logs a warning where the engine's profile timed its steps with other sums than the engine's (`path`, as
+    set_reduce says it): its decode predictions are then off by the difference (~0.7 ms a 13B step on two H100s
+    between NCCL's and the fused sums). A profile that does not say summed through its collective backend."""
+    if profile is None:
+        return
+    timed = profile.machine.get("all_reduce") or profile.machine.get("collective_backend")
+    if timed is not None and timed.split()[0] != path.split()[0]:
+        log.warning("the profile's steps were timed with %s sums, the engine sums with %s: its decode predictions "
+                    "may be off (measure it again with `lorad profile --all-reduce ...` as the engine runs)",
+                    timed.split()[0], path.split()[0])
 
 
 def rank_devices(device: torch.device, size: int) -> list[torch.device]:
@@ -467,7 +488,7 @@ class RankWorker:
                                                     str(self.dtype).removeprefix("torch."), config.lora_kernel,
                                                     config.tensor_parallel_size)
         self.runner = ModelRunner(config, local, device, weights, max_model_len, kernel_choice)
-        set_reduce(self.runner.model, config, device)  # as rank 0's attach, at the same point among the collectives
+        set_reduce(self.runner.model, all_reduce_asked(config, device), device)  # as rank 0's attach, at the same point
         del weights
         self._adapters = StagedCache(config.host_adapter_bytes)  # (name, path, source) -> staged shard
         self._staging: dict[tuple, threading.Event] = {}  # keys the staging thread is on (rank 0's hints)

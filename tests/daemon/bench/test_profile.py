@@ -62,7 +62,8 @@ def test_quick_cpu_profile_at_tensor_parallel_size_2(tmp_path, capsys):
     assert "x 2 ranks" in out and "| allreduce |" in out and "collective_share" in out
     profile = Profile.load(path)
     assert profile.tensor_parallel_size == 2 and profile.machine["gpus"] == ["cpu", "cpu"]
-    assert profile.machine["collective_backend"] == "gloo"
+    assert profile.machine["collective_backend"] == "gloo" and profile.machine["all_reduce"] == "gloo"
+    assert '"all_reduce": "gloo"' in out
     collectives = profile.collectives
     assert collectives.size == 2 and collectives.calls_per_step == 2 * 2  # two a layer, tiny-llama's 2 layers
     assert collectives.step_seconds(1) > 0 and collectives.step_seconds(0) == 0
@@ -81,9 +82,11 @@ def test_quick_cpu_profile_at_tensor_parallel_size_2(tmp_path, capsys):
     assert ignored.profile is None
     assert ignored.describe().startswith("default:mbgmv (no profile: ignored at ")
     assert "measured at tensor_parallel_size 2, the engine runs 1" in ignored.describe()
-    # A size that does not split the model is refused before any rank starts.
+    # A size that does not split the model, or sums the engine does not know, are refused before any rank starts.
     assert profile_main([*argv, "--tensor-parallel-size", "3"]) == 2
     assert "tensor_parallel_size 3 does not divide" in capsys.readouterr().err
+    assert profile_main([*argv, "--tensor-parallel-size", "2", "--all-reduce", "one-shot"]) == 2
+    assert "all_reduce must be one of auto, nccl, fused, not 'one-shot'" in capsys.readouterr().err
 
 
 def test_a_profile_without_a_size_is_of_one_gpu(tmp_path):

@@ -62,9 +62,10 @@ def test_profile_fits_both_kernels_on_this_gpu():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_profile_at_tensor_parallel_size_2_measures_nccl_all_reduces(tmp_path, capsys):
-    """Two ranks on cuda:0 and cuda:1 (NCCL, the all-reduces inside the decode and prefill CUDA graphs): the
-    profile of the TP=2 engine, at its default path, with a measured all-reduce term and its share of a step."""
+def test_profile_at_tensor_parallel_size_2_measures_the_engines_sums(tmp_path, capsys):
+    """Two ranks on cuda:0 and cuda:1 (their sums inside the decode and prefill CUDA graphs, fused as the engine's on
+    two GPUs): the profile of the TP=2 engine, at its default path, saying which sums it timed, with a measured
+    NCCL all-reduce term and its share of a step."""
     from lorad.daemon.bench.profile import profile_main
     from lorad.daemon.engine.kernel_choice import LoraKernelChoice, default_profile_path
     from lorad.scheduler.perf_model import Profile
@@ -76,6 +77,8 @@ def test_profile_at_tensor_parallel_size_2_measures_nccl_all_reduces(tmp_path, c
     print(capsys.readouterr().out)
     assert profile.tensor_parallel_size == 2 and profile.machine["gpus"] == ["cuda:0", "cuda:1"]
     assert profile.machine["collective_backend"] == "nccl"
+    summed = profile.machine["all_reduce"]  # auto: fused, unless this process mapped symmetric memory before
+    assert summed.startswith("fused peer sum") or "mapped symmetric memory for an earlier engine" in summed, summed
     one_row = profile.collectives.step_seconds(1) / profile.collectives.calls_per_step
     assert 0 < one_row < 1e-3, one_row  # one small all-reduce between two GPUs of one host: microseconds
     assert 0 < profile.notes["collective_share"]["decode"][1] < 1

@@ -7,6 +7,7 @@ ranks run. A rank killed mid-request takes the engine down: every request errors
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import os
 import signal
@@ -74,6 +75,26 @@ def test_auto_sums_two_gpus_through_the_fused_kernel_and_more_or_the_cpu_through
     assert all_reduce_asked(EngineConfig(tensor_parallel_size=2), cpu) == "nccl"
     for asked in ("nccl", "fused"):
         assert all_reduce_asked(EngineConfig(tensor_parallel_size=4, all_reduce=asked), cuda) == asked
+
+
+def test_an_engine_warns_when_its_profile_timed_other_sums(caplog):
+    from lorad.daemon.engine.tp_worker import check_profile_sums
+
+    def warned(machine: dict, path: str) -> bool:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lorad.daemon.engine.tp_worker"):
+            check_profile_sums(dataclasses.replace(example_profile(), machine=machine), path)
+        return "may be off" in caplog.text
+
+    fused, nccl = "fused peer sum up to 256 rows, nccl above", "nccl"
+    assert warned({"all_reduce": nccl}, fused) and warned({"all_reduce": fused}, nccl)
+    assert warned({"all_reduce": fused}, "nccl (fused peer sum unavailable: it sums two GPUs' partials)")
+    assert not warned({"all_reduce": fused}, fused) and not warned({"all_reduce": "gloo"}, "gloo")
+    assert warned({"collective_backend": "nccl"}, fused)  # a profile from before it said: NCCL's sums
+    assert not warned({}, fused)  # nothing said at all
+    caplog.clear()
+    check_profile_sums(None, fused)
+    assert not caplog.text
 
 
 def test_engine_refuses_a_size_before_starting_any_rank(hf_checkpoint):
