@@ -1,6 +1,7 @@
 """Tensor parallelism on two GPUs (NCCL): with the Triton kernels, CUDA graphs (all-reduces captured in them) and
 overlapped decode (the next step's input ids broadcast on the device), TP=2 gives the greedy tokens of TP=1 on the
-same GPUs and of transformers + PEFT, float32, every fixture adapter in one batch, adapters evicted and placed again.
+same GPUs and of transformers + PEFT, float32, every fixture adapter in one batch, adapters evicted and placed again;
+and with planning ahead forced on (off under tensor parallelism until this shows it safe).
 
     pytest -m gpu tests/daemon/engine/test_tensor_parallel_gpu.py
 """
@@ -75,3 +76,36 @@ def test_tp2_13b_shape_serves_64_lora_requests():
         engine.close()
     assert all(len(result.token_ids) == 16 for result in results)
     assert status["cuda_graph_steps"] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_tied", "qwen2"])
+def test_tp2_steps_planned_ahead_on_two_gpus_equal_tp1(arch, hf_checkpoint, monkeypatch):
+    """Planning ahead (a step that admits the queue's head planned and launched while the step before it is in
+    flight) is off under tensor parallelism: forced on here, two running slots for every case at lengths of 3 to 12
+    tokens, adapters evicted and placed again (the index compacted) while steps run, twice over in one engine. Its
+    steps must give TP=1's tokens, with many steps planned ahead, before it may be switched on."""
+    checkpoint = hf_checkpoint(arch)
+    cases = make_cases(list(checkpoint.adapters), checkpoint.vocab_size)
+    limits = [3 + (index * 5) % 10 for index in range(len(cases))]
+    config = dict(max_running_requests=2, max_batch_tokens=64, pool_bytes=1600 * 256)
+
+    def run(**more):
+        engine = Engine(EngineConfig(model=str(checkpoint.model_dir), device="cuda", dtype="float32",
+                                     adapters=tuple((name, str(path)) for name, path in checkpoint.adapters.items()),
+                                     **config, **more))
+        try:
+            passes = [engine.generate([GenerationRequest(prompt_token_ids=list(prompt), adapter=adapter,
+                                                         sampling=SamplingParams(max_tokens=limit, temperature=0, ignore_eos=True))
+                                       for (prompt, adapter), limit in zip(cases, limits)]) for _ in range(2)]
+            return passes, engine.status()
+        finally:
+            engine.close()
+
+    (single, _), status_one = run()
+    monkeypatch.setattr(Engine, "plan_ahead", property(lambda engine: {"on": True, "why": None}))
+    passes, status = run(tensor_parallel_size=2)
+    assert status["planned_ahead_steps"] >= 8, (status["planned_ahead_steps"], status_one["planned_ahead_steps"])
+    assert status["adapter_evictions"] > 0 and status["overlapped_decode_steps"] > 0
+    for number, results in enumerate(passes):
+        for index, (one, two) in enumerate(zip(single, results)):
+            assert two.token_ids == one.token_ids, f"pass {number}, request {index} (adapter {cases[index][1]})"
