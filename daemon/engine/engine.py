@@ -953,8 +953,8 @@ class Engine:
         """Whether a step that admits waiting requests is planned while the step before it is in flight (step()):
         {"on": bool, "why": why not}. With the overlapped decode, on one GPU: with tensor parallelism a tied-embedding
         checkpoint's tokens differed on two GPUs (H200, test_tensor_parallel_gpu.py), so there such a step waits for
-        the tokens in flight, as before (the adapter index's compaction race, since fixed, may have been why: the GPU
-        tests' fixtures plan too few steps ahead to show it)."""
+        the tokens in flight, as before (the adapter index's compaction race, since fixed, may have been why:
+        test_tensor_parallel_gpu.py's test_tp2_steps_planned_ahead_on_two_gpus_equal_tp1 is what would show it)."""
         why = None if self.overlap_decode else "no overlapped decode"
         if why is None and self.tp is not None:
             why = "tensor parallel: tokens differed on two GPUs"
