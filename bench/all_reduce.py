@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
 
@@ -161,12 +160,6 @@ def worker(rank: int, port: int, args, hidden: int, path: str) -> None:
             json.dump(results, handle)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     if torch.cuda.device_count() < 2:
@@ -175,6 +168,7 @@ def main(argv=None) -> None:
     import tempfile
 
     import torch.multiprocessing as mp
+    from lorad.daemon.engine.tp_worker import free_port
 
     results = []
     with tempfile.TemporaryDirectory() as scratch:

@@ -427,13 +427,14 @@ def check_profile_sums(profile, path: str) -> None:
     """Logs a warning where the engine's profile timed its steps with other sums than the engine's (`path`, as
     set_reduce says it): its decode predictions are then off by the difference (~0.7 ms a 13B step on two H100s
     between NCCL's and the fused sums). A profile that does not say summed through its collective backend."""
-    if profile is None:
+    timed = None if profile is None else profile.machine.get("all_reduce") or profile.machine.get("collective_backend")
+    if timed is None:
         return
-    timed = profile.machine.get("all_reduce") or profile.machine.get("collective_backend")
-    if timed is not None and timed.split()[0] != path.split()[0]:
+    timed, summed = timed.split()[0], path.split()[0]  # fused, nccl or gloo
+    if timed != summed:
         log.warning("the profile's steps were timed with %s sums, the engine sums with %s: its decode predictions "
                     "may be off (measure it again with `lorad profile --all-reduce ...` as the engine runs)",
-                    timed.split()[0], path.split()[0])
+                    timed, summed)
 
 
 def rank_devices(device: torch.device, size: int) -> list[torch.device]:
