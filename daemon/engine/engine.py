@@ -951,13 +951,10 @@ class Engine:
     @property
     def plan_ahead(self) -> dict:
         """Whether a step that admits waiting requests is planned while the step before it is in flight (step()):
-        {"on": bool, "why": why not}. With the overlapped decode, on one GPU: with tensor parallelism a tied-embedding
-        checkpoint's tokens differed on two GPUs (H200, test_tensor_parallel_gpu.py), so there such a step waits for
-        the tokens in flight, as before (the adapter index's compaction race, since fixed, may have been why:
-        test_tensor_parallel_gpu.py's test_tp2_steps_planned_ahead_on_two_gpus_equal_tp1 is what would show it)."""
+        {"on": bool, "why": why not}. On wherever the decode overlaps, tensor parallelism included
+        (test_tensor_parallel_gpu.py's test_tp2_steps_planned_ahead_on_two_gpus_equal_tp1 shows its tokens TP=1's on two
+        GPUs, among adapter index compactions)."""
         why = None if self.overlap_decode else "no overlapped decode"
-        if why is None and self.tp is not None:
-            why = "tensor parallel: tokens differed on two GPUs"
         return {"on": why is None, "why": why}
 
     def _flight_tokens(self, rows: list[int]) -> torch.Tensor:
