@@ -79,6 +79,11 @@ run_step() {
     # figure 25.4: the saturated Azure-conv run with FP8 weights + KV against bf16, this commit served twice
     serve_fp8) step serve_fp8 560 env CURRENT_SERVE_ARGS="--quantization fp8 --kv-cache-dtype fp8" \
         bash bench/serve_compare.sh "$OUTDIR/serve_fp8" . ;;
+    # figure 21.1 at the running cap: 64 running (served first) beside the default cap, which follows the KV cache
+    # (96 on the 7B shape), this commit both; the overlapped decode steps, preemptions and adapter evictions of each in
+    # NAME.status.json
+    serve_cap) step serve_cap 560 env BASELINE_SERVE_ARGS="--max-running-requests 64" \
+        bash bench/serve_compare.sh "$OUTDIR/serve_cap" . ;;
     pytest_fp8) step pytest_fp8 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 tests/gpu_ops/test_fp8.py \
         tests/daemon/engine/test_fp8_gpu.py tests/gpu_ops/test_paged_attention.py tests/gpu_ops/test_gemv.py ;;
     engine_decode_plain) step bench_engine_decode_plain 150 python3 bench/engine_decode.py --out "$OUTDIR/engine_decode_plain.json" ;;
