@@ -131,12 +131,12 @@ class QueuedStaging(Staged):
 
 def replay(lengths: list[tuple[int, int]], kv_tokens: int, max_running: int, max_batch_tokens: int, reserve: bool,
            cost: StepCostModel, rates: DeviceRates, adapters: list[str | None] | None = None, staging_steps: int = 0,
-           pass_staging: int = PASS_STAGING, stager_threads: int = 0) -> dict:
+           pass_staging: int = PASS_STAGING, stager_threads: int = 0, prepare_depth: int = PREPARE_DEPTH) -> dict:
     """adapters: each request's adapter (`enqueue`). stager_threads: adapters staged by that many workers in turn
-    (`QueuedStaging`), each taking staging_steps; 0: each adapter's first request waits staging_steps, whatever
-    else stages (`Staged`)."""
+    (`QueuedStaging`), each taking staging_steps, asked for those of the first prepare_depth queued requests each
+    step; 0: each adapter's first request waits staging_steps, whatever else stages (`Staged`)."""
     memory = BoundedKV(kv_tokens)
-    staged = QueuedStaging(staging_steps, stager_threads) if stager_threads else Staged(staging_steps)
+    staged = QueuedStaging(staging_steps, stager_threads, prepare_depth) if stager_threads else Staged(staging_steps)
     scheduler = Scheduler(max_running, max_batch_tokens, memory, staged, reserve=GrowthReserve() if reserve else None,
                           pass_staging=pass_staging)
     staged.running = lambda: bool(scheduler.running)
@@ -169,7 +169,8 @@ def replay(lengths: list[tuple[int, int]], kv_tokens: int, max_running: int, max
     floor = sum(entry["floor_s"] for entry in steps.values())
     busy = sum(BUSY_OVER_FLOOR[kind] * entry["floor_s"] for kind, entry in steps.items())
     return {"max_running_requests": max_running, "kv_growth_reserve": reserve, "staging_steps": staging_steps,
-            "stager_threads": stager_threads, "pass_staging": pass_staging, "admitted_past_staging": scheduler.past_staging,
+            "stager_threads": stager_threads, "prepare_depth": prepare_depth if stager_threads else None,
+            "pass_staging": pass_staging, "admitted_past_staging": scheduler.past_staging,
             "empty_slots_by_cause": empty_slots, "steps": steps,
             "mean_decode_rows": round(float(np.mean(decode_rows)), 1), "most_running": most_running,
             "preemptions": scheduler.preemptions, "prompt_tokens_again": prompt_rows - sum(p for p, _ in lengths),
@@ -194,6 +195,9 @@ def main() -> None:
     parser.add_argument("--stager-threads", default="0",
                         help="adapters staged by this many workers in turn, each adapter taking --staging-steps "
                              "(0: each waits --staging-steps whatever else stages), comma-separated")
+    parser.add_argument("--prepare-depth", default=str(PREPARE_DEPTH),
+                        help="with a stager: the queued requests whose adapters it is asked for each step (the "
+                             f"engine's PREPARE_DEPTH, {PREPARE_DEPTH}), comma-separated")
     parser.add_argument("--reserve", choices=("both", "off", "on"), default="both", help="the growth reserve")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -209,18 +213,19 @@ def main() -> None:
     passing = (0, PASS_STAGING) if any(staging_steps) and args.adapters else (PASS_STAGING,)
     reserves = {"both": (False, True), "off": (False,), "on": (True,)}[args.reserve]
     runs = [replay(lengths, args.kv_tokens, int(running), args.max_batch_tokens, reserve, cost, H100, adapters,
-                   steps, pass_staging, int(threads))
+                   steps, pass_staging, int(threads), int(depth))
             for running in args.running.split(",") for reserve in reserves for pass_staging in passing
-            for threads in args.stager_threads.split(",") for steps in staging_steps]
+            for threads in args.stager_threads.split(",") for steps in staging_steps
+            for depth in (args.prepare_depth.split(",") if int(threads) else (PREPARE_DEPTH,))]
     print(f"{args.dataset}: {len(lengths)} prompts, {args.kv_tokens} KV positions, {args.model_config}, "
           f"{args.adapters} adapters")
-    print(f"{'running':>7} {'reserve':>7} {'pass':>4} {'stager':>6} {'staging':>7} {'decode':>6} {'mixed':>5} "
+    print(f"{'running':>7} {'reserve':>7} {'pass':>4} {'stager':>6} {'depth':>5} {'staging':>7} {'decode':>6} {'mixed':>5} "
           f"{'rows/decode':>11} {'most':>4} {'preempted':>9} {'prompt again':>12} {'empty: staging':>14} "
           f"{'no request':>10} {'floor s':>7} {'est. busy s':>11} {'est. tok/s':>10}")
     for run in runs:
         empty = run["empty_slots_by_cause"]
         print(f"{run['max_running_requests']:>7} {'on' if run['kv_growth_reserve'] else 'off':>7} {run['pass_staging']:>4} "
-              f"{run['stager_threads'] or '-':>6} {run['staging_steps']:>7} "
+              f"{run['stager_threads'] or '-':>6} {run['prepare_depth'] or '-':>5} {run['staging_steps']:>7} "
               f"{run['steps']['decode']['steps']:>6} {run['steps']['mixed']['steps']:>5} {run['mean_decode_rows']:>11} "
               f"{run['most_running']:>4} {run['preemptions']:>9} {run['prompt_tokens_again']:>12} "
               f"{empty.get('adapter_staging', 0):>14} {empty.get('no_request_waiting', 0):>10} {run['floor_s']:>7.2f} "
