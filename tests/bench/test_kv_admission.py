@@ -60,3 +60,19 @@ def test_adapters_staged_by_fewer_workers_leave_more_slots_empty():
     assert runs[1]["steps"]["decode"]["steps"] > runs[4]["steps"]["decode"]["steps"]
     for run in runs.values():  # the same work either way
         assert sum(kind["rows"] for kind in run["steps"].values()) == 24 * (8 + 11)
+
+
+def test_a_stager_asked_deeper_into_the_queue_keeps_its_workers_busy():
+    """Asked for the first queued request's adapter alone, eight workers stage one adapter at a time (besides those
+    an admission waits for); asked for every queued request's, they stage them side by side and fewer slots wait."""
+    bench = bench_scripts.load("kv_admission")
+    cost = StepCostModel(ModelSpec.from_hf_config(MODEL_CONFIGS["tiny-llama"]), 2, adapter_ranks=lambda name: {})
+    lengths = [(8, 12)] * 24
+    adapters = [f"a{index % 8}" for index in range(24)]
+    runs = {depth: bench.replay(lengths, kv_tokens=10_000, max_running=8, max_batch_tokens=64, reserve=False, cost=cost,
+                                rates=DeviceRates(1e12, 1e14), adapters=adapters, staging_steps=5, stager_threads=8,
+                                pass_staging=0, prepare_depth=depth)
+            for depth in (1, 24)}
+    assert runs[1]["prepare_depth"] == 1 and runs[24]["prepare_depth"] == 24
+    shallow, deep = runs[1]["empty_slots_by_cause"], runs[24]["empty_slots_by_cause"]
+    assert shallow["adapter_staging"] > deep["adapter_staging"]
