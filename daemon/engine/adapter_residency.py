@@ -431,11 +431,14 @@ class Stager:
         self._threads: list[threading.Thread] = []  # started at the first ask
         self.staged = 0  # adapters staged (taken by the engine thread), and the threads' seconds on them
         self.seconds = 0.0
+        self.ready_seconds = 0.0  # and the seconds from each one's ask to its take (its wait for a thread included)
+        self._asked_at: dict[str, float] = {}
 
     def ask(self, name: str, generation: int = 0) -> None:
         if name in self._pending:
             return
         self._pending.add(name)
+        self._asked_at[name] = time.perf_counter()
         if not self._threads:
             # Started from the engine thread, after it left the CPU workers' cores (cpu_assist.keep_off_cores): the
             # threads inherit its affinity.
@@ -455,14 +458,17 @@ class Stager:
                 items.append(self._done.get_nowait())
             except queue.Empty:
                 break
+        now = time.perf_counter()
         for name, generation, adapter, result, seconds in items:
             self._pending.discard(name)
+            asked_at = self._asked_at.pop(name, now)
             with self._lock:
                 self._claimed.discard(name)
             if result is _SKIPPED:  # claimed by the engine thread before a thread reached it
                 continue
             self.staged += 1
             self.seconds += seconds
+            self.ready_seconds += now - asked_at
             done.append((name, generation, adapter, result))
         return done
 

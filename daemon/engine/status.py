@@ -41,18 +41,7 @@ def engine_status(engine: Engine) -> dict:
             "adapter_loads": engine.residency.loads,
             "adapter_prefetches": engine.residency.prefetches,
             "adapter_evictions": engine.residency.evictions,
-            # cuda: adapters read and staged on the stager's threads ("off_thread") against those the engine thread had
-            # to stage itself at admission or prefetch, the stager's threads and the mean time one took to read and
-            # stage an adapter, the adapters whose admission waited for the stager while other rows ran
-            # ("admissions_deferred"), and the requests admitted past such a waiting one ("admitted_past_staging");
-            # null where staging is not backgrounded (the CPU)
-            "adapter_staging": None if engine.residency.stager is None else {
-                "off_thread": engine.residency.staged_off_thread, "pending": engine.residency.stager.pending(),
-                "threads": engine.residency.stager.threads,
-                "stage_ms_mean": (round(engine.residency.stager.seconds / engine.residency.stager.staged * 1e3, 1)
-                                  if engine.residency.stager.staged else None),
-                "admissions_deferred": engine.residency.admissions_deferred,
-                "admitted_past_staging": engine.scheduler.past_staging},
+            "adapter_staging": _staging(engine),
             "running": len(engine.scheduler.running),
             "waiting": len(engine.scheduler.waiting) + len(engine._inbox),
             # how long the engine's step now running has run (0 between steps), and the steps that ran past
@@ -172,3 +161,23 @@ def admission_estimate_source(engine: Engine) -> str:
     if engine.online_prefill is not None:
         return engine.online_prefill.describe()
     return f"profile:{engine.kernel_choice.source}"
+
+
+def _staging(engine: Engine) -> dict | None:
+    """cuda: adapters read and staged on the stager's threads ("off_thread") against those the engine thread had to
+    stage itself at admission or prefetch; the stager's threads, the mean time one took to read and stage an adapter
+    ("stage_ms_mean") and the mean from its ask to the engine's take, once a step ("ready_ms_mean": its wait for a
+    free thread included); the adapters whose admission waited for the stager while other rows ran
+    ("admissions_deferred"), and the requests admitted past such a waiting one ("admitted_past_staging"). None where
+    staging is not backgrounded (the CPU)."""
+    stager = engine.residency.stager
+    if stager is None:
+        return None
+
+    def mean_ms(seconds: float) -> float | None:
+        return round(seconds / stager.staged * 1e3, 1) if stager.staged else None
+
+    return {"off_thread": engine.residency.staged_off_thread, "pending": stager.pending(), "threads": stager.threads,
+            "stage_ms_mean": mean_ms(stager.seconds), "ready_ms_mean": mean_ms(stager.ready_seconds),
+            "admissions_deferred": engine.residency.admissions_deferred,
+            "admitted_past_staging": engine.scheduler.past_staging}

@@ -345,3 +345,44 @@ def test_prepare_asks_by_name_without_looking_adapters_up(residency):
     assert not residency.prefetch("y", reserve_pages=0)  # asked of the stager, not looked up here
     assert lookups == [] and residency.stager.pending() == 1
     settle(residency)
+
+
+def test_the_time_from_ask_to_take_counts_the_wait_for_a_thread():
+    # One thread: b waits while a is staged (a's lookup holds until released), so b's ask-to-take time is at least
+    # a's staging time, and the two together exceed the threads' staging seconds.
+    release = threading.Event()
+
+    def lookup(name):
+        if name == "a":
+            release.wait(5)
+        return name
+
+    stager = Stager(lookup, lambda adapter: (adapter, None), threads=1)
+    for name in ("a", "b"):
+        stager.ask(name, 0)
+    time.sleep(0.1)
+    release.set()
+    assert len(wait_for(stager, 2)) == 2
+    assert stager.staged == 2 and stager.seconds >= 0.1
+    assert stager.ready_seconds > stager.seconds
+
+
+def test_status_gives_the_stagers_counts_and_means():
+    from types import SimpleNamespace
+
+    from lorad.daemon.engine.status import _staging
+
+    stager = Stager(lambda name: name, lambda adapter: (adapter, None), threads=2)
+    engine = SimpleNamespace(residency=SimpleNamespace(stager=stager, staged_off_thread=2, admissions_deferred=1),
+                             scheduler=SimpleNamespace(past_staging=3))
+    assert _staging(engine)["stage_ms_mean"] is None and _staging(engine)["ready_ms_mean"] is None
+    for name in ("a", "b"):
+        stager.ask(name, 0)
+    assert len(wait_for(stager, 2)) == 2
+    status = _staging(engine)
+    assert status == {"off_thread": 2, "pending": 0, "threads": 2,
+                      "stage_ms_mean": round(stager.seconds / 2 * 1e3, 1),
+                      "ready_ms_mean": round(stager.ready_seconds / 2 * 1e3, 1),
+                      "admissions_deferred": 1, "admitted_past_staging": 3}
+    assert status["ready_ms_mean"] >= status["stage_ms_mean"]
+    assert _staging(SimpleNamespace(residency=SimpleNamespace(stager=None))) is None
