@@ -41,7 +41,7 @@ def engine_status(engine: Engine) -> dict:
             "adapter_loads": engine.residency.loads,
             "adapter_prefetches": engine.residency.prefetches,
             "adapter_evictions": engine.residency.evictions,
-            "adapter_staging": _staging(engine),
+            "adapter_staging": staging_status(engine),
             "running": len(engine.scheduler.running),
             "waiting": len(engine.scheduler.waiting) + len(engine._inbox),
             # how long the engine's step now running has run (0 between steps), and the steps that ran past
@@ -163,7 +163,7 @@ def admission_estimate_source(engine: Engine) -> str:
     return f"profile:{engine.kernel_choice.source}"
 
 
-def _staging(engine: Engine) -> dict | None:
+def staging_status(engine: Engine) -> dict | None:
     """cuda: adapters read and staged on the stager's threads ("off_thread") against those the engine thread had to
     stage itself at admission or prefetch; the stager's threads, the mean time one took to read and stage an adapter
     ("stage_ms_mean") and the mean from its ask to the engine's take, once a step ("ready_ms_mean": its wait for a

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lorad.daemon.engine.adapter_residency import LoraResidency, Stager
+from lorad.daemon.engine.status import staging_status
 from lorad.gpu_ops.page_pool import StagedAdapter
 
 
@@ -216,8 +218,6 @@ def test_an_adapter_the_stager_failed_on_is_staged_at_admission_and_fails_there(
 
 
 def test_the_engine_defers_while_rows_run_and_not_under_cold_start_cpu():
-    from types import SimpleNamespace
-
     from lorad.daemon.engine.engine import Engine
 
     def engine(running, cold_start):
@@ -368,21 +368,17 @@ def test_the_time_from_ask_to_take_counts_the_wait_for_a_thread():
 
 
 def test_status_gives_the_stagers_counts_and_means():
-    from types import SimpleNamespace
-
-    from lorad.daemon.engine.status import _staging
-
     stager = Stager(lambda name: name, lambda adapter: (adapter, None), threads=2)
     engine = SimpleNamespace(residency=SimpleNamespace(stager=stager, staged_off_thread=2, admissions_deferred=1),
                              scheduler=SimpleNamespace(past_staging=3))
-    assert _staging(engine)["stage_ms_mean"] is None and _staging(engine)["ready_ms_mean"] is None
+    assert staging_status(engine)["stage_ms_mean"] is None and staging_status(engine)["ready_ms_mean"] is None
     for name in ("a", "b"):
         stager.ask(name, 0)
     assert len(wait_for(stager, 2)) == 2
-    status = _staging(engine)
+    status = staging_status(engine)
     assert status == {"off_thread": 2, "pending": 0, "threads": 2,
                       "stage_ms_mean": round(stager.seconds / 2 * 1e3, 1),
                       "ready_ms_mean": round(stager.ready_seconds / 2 * 1e3, 1),
                       "admissions_deferred": 1, "admitted_past_staging": 3}
     assert status["ready_ms_mean"] >= status["stage_ms_mean"]
-    assert _staging(SimpleNamespace(residency=SimpleNamespace(stager=None))) is None
+    assert staging_status(SimpleNamespace(residency=SimpleNamespace(stager=None))) is None
