@@ -198,6 +198,10 @@ def main() -> None:
     parser.add_argument("--prepare-depth", default=str(PREPARE_DEPTH),
                         help="with a stager: the queued requests whose adapters it is asked for each step (the "
                              f"engine's PREPARE_DEPTH, {PREPARE_DEPTH}), comma-separated")
+    parser.add_argument("--pass-staging", default=f"0,{PASS_STAGING}",
+                        help="where adapters stage: the waiting requests an admission may pass over while theirs stage "
+                             f"(0: the queue waits behind the first; the scheduler's PASS_STAGING, {PASS_STAGING}), "
+                             "comma-separated")
     parser.add_argument("--reserve", choices=("both", "off", "on"), default="both", help="the growth reserve")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -210,7 +214,8 @@ def main() -> None:
     adapters = (None if args.adapters == 0 else
                 choose_models(listed, args.adapters, args.alpha, len(lengths), np.random.default_rng(0))[0])
     staging_steps = [int(steps) for steps in args.staging_steps.split(",")]
-    passing = (0, PASS_STAGING) if any(staging_steps) and args.adapters else (PASS_STAGING,)
+    passing = ([int(count) for count in args.pass_staging.split(",")] if any(staging_steps) and args.adapters
+               else (PASS_STAGING,))
     reserves = {"both": (False, True), "off": (False,), "on": (True,)}[args.reserve]
     runs = [replay(lengths, args.kv_tokens, int(running), args.max_batch_tokens, reserve, cost, H100, adapters,
                    steps, pass_staging, int(threads), int(depth))
