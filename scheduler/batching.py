@@ -68,7 +68,8 @@ PASS_STAGING = 8  # waiting sequences an admission passes over while their adapt
 # multiples of 8, within RUNNING_RANGE. A fixed cap either leaves a large cache idle or runs a small one into
 # preemptions; tied to the capacity, a request of a chat trace's size (the Azure conversations: ~1,000 prompt
 # tokens, ~250 generated) finds its KV at admission. On the H100 with the 7B shape (104,584 positions in bf16) it
-# is 96: served saturated beside 64, the same output tok/s within one build's spread (BENCHMARKS.md, figure 21.1);
+# is 96: served saturated beside 64 (7f7418f), the same output tok/s within one build's spread, though the full cache
+# then preempts and takes idle adapters' pages (BENCHMARKS.md, figure 21.1);
 # served over rate sweeps, goodput 12 req/s where 64 gave 11, 13 with every point warm (figure 21.3).
 RUNNING_PER_KV_TOKENS = 1024
 RUNNING_RANGE = (64, 256)
