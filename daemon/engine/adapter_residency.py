@@ -55,6 +55,9 @@ class LoraResidency:
         self.slots: dict[str, int] = {}
         self.pins: dict[str, int] = {}
         self.idle: OrderedDict[str, None] = OrderedDict()  # resident, unpinned, oldest first
+        # -> each adapter the queued requests need, with the place of the first that needs it (the engine's queue,
+        # looked at when an idle adapter must make room: `_evict_idle`); None: none known
+        self.next_use: Callable[[], dict[str, int]] | None = None
         self.permanent: set[str] = set()  # placed by preload (cold_start="cached"): pinned until dropped
         # (name, tier) of the adapters acquire() placed since the engine last cleared it: the requests
         # admitted with them found them cold. tier: "host" (the CPU pool), "pinned" or "pageable".
@@ -112,10 +115,11 @@ class LoraResidency:
             self._take_over(name)
         self.deferred.discard(name)
         slot = self.table.free_slot()
+        uses = None
         while slot is None:
             if not self.idle:
                 return False
-            self._evict_oldest()
+            uses = self._evict_idle(uses)
             slot = self.table.free_slot()
         started = time.perf_counter()
         staged, tier = self._staged(name, adapter)
@@ -123,7 +127,7 @@ class LoraResidency:
         while not self._place(name, slot, staged, kind):
             if not self.idle:
                 return False
-            self._evict_oldest()
+            uses = self._evict_idle(uses)
         self.loads += 1
         self.placed[kind] += 1
         seconds = time.perf_counter() - started
@@ -369,8 +373,9 @@ class LoraResidency:
 
     def reclaim(self, pages: int) -> bool:
         """Evicts idle adapters until `pages` pool pages are free; False if that is not possible."""
+        uses = None
         while self.table.pool.num_free < pages and self.idle:
-            self._evict_oldest()
+            uses = self._evict_idle(uses)
         return self.table.pool.num_free >= pages
 
     def slot(self, name: str | None) -> int:
@@ -387,9 +392,20 @@ class LoraResidency:
             self.idle.pop(name)
             self._evict(name)
 
-    def _evict_oldest(self) -> None:
-        name, _ = self.idle.popitem(last=False)
+    def _evict_idle(self, uses: dict[str, int] | None) -> dict[str, int]:
+        """Evicts one idle adapter: the longest idle of those no queued request needs, else the one whose first
+        queued request comes last (the queue is the future: Belady's choice). With the KV cache full (a saturated
+        server at the default cap), KV growth takes idle adapters' pages step after step, and the oldest idle was
+        often the next one a queued request needed, placed again for it: evicted furthest-needed first, fewer are.
+        uses: next_use()'s answer for this round of evictions (None: asked now) -> the same, for the next one."""
+        if uses is None:
+            uses = self.next_use() if self.next_use is not None else {}
+        name = next((name for name in self.idle if name not in uses), None)
+        if name is None:
+            name = max(self.idle, key=uses.__getitem__)
+        del self.idle[name]
         self._evict(name)
+        return uses
 
     def _evict(self, name: str) -> None:
         self.join([name])  # its copy is ordered before the pages go to another owner

@@ -60,6 +60,7 @@ MAX_DEFAULT_MODEL_LEN = 8192
 CPU_POOL_BYTES = 256 << 20
 ADAPTER_SLOTS = 1024
 PREFETCH_DEPTH = 8  # queued requests whose adapters are loaded ahead, while a step runs
+NEXT_USE_DEPTH = 512  # queued requests looked at when an idle adapter is evicted (the furthest needed goes first)
 PREPARE_DEPTH = 16  # queued requests whose adapters are read and staged ahead on the stager's thread (cuda)
 SAMPLING_FAILED = "sampling failed for this request (its distribution was not valid)"
 CLUSTER_MAX_WAIT_MS = 1000.0  # admission cluster without a TTFT objective: how long another adapter's request waits at most
@@ -267,6 +268,7 @@ class Engine:
                                    admission, objectives, decode=self.tpot_decode,
                                    reserve=GrowthReserve() if config.kv_growth_reserve else None)
         self.residency.defer_unstaged = self._defer_unstaged
+        self.residency.next_use = self._queued_adapters
         self.admission_dropped = 0
 
         self._lock = threading.Condition()
@@ -1001,6 +1003,15 @@ class Engine:
         than the engine thread staging it with the device idle: while other rows run, except under cold_start cpu,
         whose CPU workers compute the request's first layers from its host copy while the adapter loads."""
         return bool(self.scheduler.running) and self.config.cold_start != "cpu"
+
+    def _queued_adapters(self) -> dict[str, int]:
+        """Each adapter the first NEXT_USE_DEPTH waiting requests need -> the place in the queue of the first that
+        needs it (LoraResidency.next_use: which idle adapter makes room for KV or another adapter)."""
+        uses: dict[str, int] = {}
+        for place, seq in enumerate(itertools.islice(self.scheduler.waiting, NEXT_USE_DEPTH)):
+            if seq.adapter is not None:
+                uses.setdefault(seq.adapter, place)
+        return uses
 
     def _running_is_full(self) -> bool:
         """No waiting request can join the next step: every running slot is taken. A saturated server keeps
