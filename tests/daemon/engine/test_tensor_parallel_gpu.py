@@ -22,11 +22,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::FutureWarning
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
 
+def fixture_engine(model_dir, adapters: dict, **config) -> Engine:
+    """A float32 engine on cuda of the fixture checkpoint at `model_dir` with its `adapters`."""
+    return Engine(EngineConfig(model=str(model_dir), adapters=tuple((name, str(path)) for name, path in adapters.items()),
+                               device="cuda", dtype="float32", **config))
+
+
 def generate(model_dir, adapters: dict, cases, **config):
     """The cases' greedy results twice from one engine: keeping their logits (which takes them off the overlapped
     decode path), then without (overlapped) -> (with logits, without, the engine's status)."""
-    engine = Engine(EngineConfig(model=str(model_dir), adapters=tuple((name, str(path)) for name, path in adapters.items()),
-                                 device="cuda", dtype="float32", **config))
+    engine = fixture_engine(model_dir, adapters, **config)
 
     def requests(keep_logits: bool):
         return [GenerationRequest(prompt_token_ids=list(prompt), adapter=adapter, keep_logits=keep_logits,
@@ -90,9 +95,7 @@ def test_tp2_steps_planned_ahead_on_two_gpus_equal_tp1(arch, hf_checkpoint):
     config = dict(max_running_requests=2, max_batch_tokens=64, pool_bytes=1600 * 256)
 
     def run(**more):
-        engine = Engine(EngineConfig(model=str(checkpoint.model_dir), device="cuda", dtype="float32",
-                                     adapters=tuple((name, str(path)) for name, path in checkpoint.adapters.items()),
-                                     **config, **more))
+        engine = fixture_engine(checkpoint.model_dir, checkpoint.adapters, **config, **more)
         try:
             passes = [engine.generate([GenerationRequest(prompt_token_ids=list(prompt), adapter=adapter,
                                                          sampling=SamplingParams(max_tokens=limit, temperature=0, ignore_eos=True))
