@@ -53,6 +53,12 @@ PREFILL_BLOCK_M = 64  # query rows per prefill program; AttentionMeta cuts promp
 # pages (float16 dots) GQA takes 128: 67.7 against 88.5 us at b=64 ctx=1024, 239 against 266 at b=256; MHA stays
 # at 128 (bench/attention.py's decode_*_fp8 sections).
 DECODE_BLOCK_N = {"mha": 128, "gqa": 64, "mha_fp8": 128, "gqa_fp8": 128}
+# Warps and pipeline stages of a decode program (None: Triton's default stages). Over FP8 pages two warps and three
+# stages: on the 7B shape (MHA) 209 against 236 us with four warps at b=64 ctx=1024 (the floor 181), 398 against 448
+# at b=128; Llama 3 8B (GQA) 60 against 67 at b=64, 212 against 238 at b=256; four warps at any stages, and CUDA-core
+# dots, are slower. Over bf16 pages two warps change nothing (within 1%). (bench/fp8_rows.py --attention,
+# bench/results/fp8_rows_h100.json.)
+DECODE_LAUNCH = {"mha": (4, None), "gqa": (4, None), "mha_fp8": (2, 3), "gqa_fp8": (2, 3)}
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in the combine than it saves
 PROGRAMS_PER_SM = 2
@@ -506,7 +512,7 @@ def decode_attention(
     num_seqs: int,
     splits: int = 1,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     mma: bool | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -541,8 +547,11 @@ def decode_attention(
     head_pad = max(16, next_power_of_2(head_dim))
     use_dot = True if mma is None else mma
     kv_fp8 = _kv_fp8(kv_view, kv_scale)
+    kind = ("gqa" if group > 1 else "mha") + ("_fp8" if kv_fp8 else "")
     if block_n is None:
-        block_n = DECODE_BLOCK_N[("gqa" if group > 1 else "mha") + ("_fp8" if kv_fp8 else "")]
+        block_n = DECODE_BLOCK_N[kind]
+    if num_warps is None:
+        num_warps, num_stages = DECODE_LAUNCH[kind][0], num_stages or DECODE_LAUNCH[kind][1]
     group_pad = max(16, next_power_of_2(group)) if use_dot else next_power_of_2(group)
     if splits > 1:
         if workspace is None:

@@ -196,6 +196,23 @@ def test_gemv_fp8_weights_interpreted(k, kernels):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("tokens,width", [(3, 512), (70, 80), (5, 600)], ids=["even_k", "two_row_tiles", "ragged_k"])
+def test_fp8_rows_gemm_interpreted(tokens, width, kernels):
+    """The decode batches' FP8 GEMM: every row and column tile, K in several reads and past the last full one
+    (600 in 256-deep reads), the row and channel scales and the bias, against the same product in float64."""
+    gemm, _, _ = kernels
+    generator = torch.Generator().manual_seed(tokens)
+    rows = torch.randn(tokens, width, generator=generator).mul(40).clamp(-448, 448).to(fp8.FP8)
+    row_scale = torch.rand(tokens, 1, generator=generator) + 0.5
+    weight = fp8.quantize_weight(torch.randn(72, width, generator=generator) * 0.1)  # 72 columns: a partial tile
+    bias = torch.randn(72, generator=generator).bfloat16()
+    got = gemm.fp8_rows_gemm(rows, row_scale, weight, bias, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, 72)
+    expected = (rows.double() * row_scale.double()) @ (weight.weight.double() * weight.scale.double()[:, None]).t()
+    assert relative_error(got, expected + bias.double()) < 4e-3  # bf16 output rounding
+
+
+@needs_interpreter
 def test_write_kv_fp8_interpreted(kernels):
     """The kernel stores exactly what write_kv_ref stores in FP8 pages, and nothing else."""
     _, _, attention_kernels = kernels
@@ -306,15 +323,16 @@ needs_fp8_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or fp8.fp8_unavailable(torch.device("cuda")) is not None,
     reason="needs a GPU with FP8 (compute capability >= 8.9)",
 )
-LLAMA_7B_PROJECTIONS = {"qkv": (4096, 3 * 4096), "o": (4096, 4096), "gate_up": (4096, 2 * 11008), "down": (11008, 4096)}
+LLAMA_7B_PROJECTIONS = {"qkv": (4096, 3 * 4096), "o": (4096, 4096), "gate_up": (4096, 2 * 11008), "down": (11008, 4096),
+                        "down_tp2": (5504, 4096)}  # a rank's half of down at TP=2: K past the last 256-deep read
 
 
 @pytest.mark.gpu
 @needs_fp8_gpu
-@pytest.mark.parametrize("rows", [1, 2, 7, 64, 512])
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 512])
 @pytest.mark.parametrize("projection", list(LLAMA_7B_PROJECTIONS))
 def test_fp8_linear_gpu_against_references(rows, projection, kernels):
-    """fp8_linear (gemv for one row, torch._scaled_mm with per-token scales for more) within float32
+    """fp8_linear (gemv for one row, fp8_rows_gemm up to 64, torch._scaled_mm with per-token scales for more) within float32
     accumulation of the same arithmetic (scaled_mm_ref), and within FP8's tolerance of the dequantized
     reference (the CPU engine's path) and of the bf16 product."""
     gemm, _, _ = kernels

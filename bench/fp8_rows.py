@@ -1,0 +1,137 @@
+"""The FP8 kernels of a decode batch on the GPU, each beside what it replaced, in one run:
+
+1. the projections' GEMM at decode row counts: gpu_ops/fp8_gemm.py's `fp8_rows_gemm` (what `fp8_linear` takes up
+   to ROWS_KERNEL_MAX_ROWS rows) beside torch._scaled_mm with the same per-token and per-channel scales, on the
+   7B projections (q|k|v, o, gate|up, down) at --rows, each against its weight bytes over the measured copy
+   bandwidth; every call reads another copy of the weight (more copies than the L2 holds), so every call reads HBM;
+2. `--attention`: the decode attention over FP8 pages on the 7B shape (MHA) and the Llama 3 8B shape (GQA) at
+   context 1024, with paged_attention.DECODE_LAUNCH's warps and stages beside four warps at Triton's default
+   stages, and bf16 pages beside them, each against its KV bytes' floor;
+3. `--sweep`: the tile grid fp8_rows_gemm's configuration was chosen from (tiles of 16-128 rows by 32-128
+   columns, K 128 or 256 deep, 3-6 stages) at each --rows.
+
+    python3 bench/fp8_rows.py --attention --out bench/results/fp8_rows_h100.json
+
+Needs a GPU with FP8 (compute capability >= 8.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from timing import Timer, copy_bandwidth  # bench/timing.py
+
+from lorad.gpu_ops import fp8_gemm, paged_attention
+from lorad.gpu_ops.fp8 import FP8, Fp8Weight, fp8_unavailable
+
+PROJECTIONS = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}  # (out, in)
+ROTATE_BYTES = 160e6  # the weight copies one timed round reads: past the H100's 50 MB L2
+
+
+def gemm_rows(args, device, timer: Timer, bandwidth: float) -> list:
+    results = []
+    for rows in args.rows:
+        for name, (out_features, in_features) in PROJECTIONS.items():
+            copies = max(2, int(ROTATE_BYTES // (out_features * in_features)) + 1)
+            weights = [Fp8Weight((torch.randn(out_features, in_features, device=device) * 0.05).to(FP8),
+                                 torch.rand(out_features, device=device) * 0.01 + 0.005) for _ in range(copies)]
+            x = torch.randn(rows, in_features, device=device, dtype=torch.bfloat16)
+            quantized, scale = fp8_gemm.quantize_rows(x)
+            floor_us = out_features * in_features / (bandwidth * 1e9) * 1e6
+
+            def scaled_mm(weight):
+                return torch._scaled_mm(quantized, weight.weight.t(), scale_a=scale, scale_b=weight.scale.view(1, -1),
+                                        out_dtype=torch.bfloat16)
+
+            def rows_gemm(weight, config=None):
+                return fp8_gemm.fp8_rows_gemm(quantized, scale, weight, None, torch.bfloat16, config)
+
+            expected = scaled_mm(weights[0]).float()
+            error = float((rows_gemm(weights[0]).float() - expected).norm() / expected.norm())
+            row = {"rows": rows, "proj": name, "floor_us": round(floor_us, 2),
+                   "scaled_mm_us": round(timer.graph([lambda w=w: scaled_mm(w) for w in weights]), 2),
+                   "rows_gemm_us": round(timer.graph([lambda w=w: rows_gemm(w) for w in weights]), 2),
+                   "rows_gemm_config": vars(fp8_gemm.rows_gemm_config(rows, in_features, fp8_gemm._shared_memory(device))),
+                   "relative_difference_vs_scaled_mm": error}
+            row["ratio"] = round(row["rows_gemm_us"] / row["scaled_mm_us"], 3)
+            if args.sweep:
+                sweep = {}
+                for block_m in sorted({max(16, min(128, 1 << (rows - 1).bit_length())), 64}):
+                    for block_n in (32, 64, 128):
+                        for block_k in (128, 256):
+                            for stages in (3, 4, 6):
+                                config = fp8_gemm.RowsGemmConfig(block_m, block_n, block_k, 4, stages)
+                                try:
+                                    sweep[f"{block_m}x{block_n}x{block_k},s{stages}"] = round(timer.graph(
+                                        [lambda w=w, c=config: rows_gemm(w, c) for w in weights], reps=15), 2)
+                                except Exception as exc:  # noqa: BLE001 - a tile that does not fit is data
+                                    sweep[f"{block_m}x{block_n}x{block_k},s{stages}"] = repr(exc)[:120]
+                row["sweep_us"] = sweep
+            print(f"rows {rows} {name}: {({k: v for k, v in row.items() if k != 'sweep_us'})}", flush=True)
+            results.append(row)
+            del weights
+            torch.cuda.empty_cache()
+    return results
+
+
+def attention_launch(device, timer: Timer, bandwidth: float) -> list:
+    from attention import PagedCache, layers_for  # bench/attention.py
+
+    results = []
+    for shape, heads, kv_heads, tokens_per_page, batches in (("llama7b", 32, 32, 1, (64, 128)),
+                                                             ("llama3_8b", 32, 8, 4, (64, 256))):
+        for batch in batches:
+            for pages in ("fp8", "bf16"):
+                shapes = [(1024, 1)] * batch
+                cache = PagedCache(heads, kv_heads, 128, tokens_per_page, shapes, layers_for(2 * batch * 1024 * kv_heads * 128),
+                                   torch.bfloat16, device, seed=batch, kv_fp8=pages == "fp8")
+                kind = ("gqa" if heads > kv_heads else "mha") + ("_fp8" if pages == "fp8" else "")
+                splits = paged_attention.decode_splits(batch, kv_heads, 1024, device)
+                row = {"shape": shape, "batch": batch, "context": 1024, "pages": pages,
+                       "floor_us": round(cache.kv_bytes() / (bandwidth * 1e9) * 1e6, 1),
+                       "launch": list(paged_attention.DECODE_LAUNCH[kind]),
+                       "default_us": round(timer.graph(cache.kernel_calls()), 1),
+                       "four_warps_us": round(timer.graph(cache.kernel_calls(splits=splits, num_warps=4)), 1)}
+                for warps, stages in ((2, 3), (2, 4)):
+                    row[f"warps{warps}_stages{stages}_us"] = round(timer.graph(
+                        cache.kernel_calls(splits=splits, num_warps=warps, num_stages=stages)), 1)
+                print(f"attention {row}", flush=True)
+                results.append(row)
+                del cache
+                torch.cuda.empty_cache()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=lambda text: [int(x) for x in text.split(",")], default=[2, 16, 32, 64, 128])
+    parser.add_argument("--attention", action="store_true", help="also the FP8 decode attention's launch")
+    parser.add_argument("--sweep", action="store_true", help="also the GEMM's tile grid at each --rows")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/fp8_rows.py needs a GPU with FP8 (compute capability >= 8.9); there is none here")
+    device = torch.device("cuda")
+    why = fp8_unavailable(device)
+    if why is not None:
+        sys.exit(f"bench/fp8_rows.py needs a GPU with FP8: {why}")
+    timer = Timer(device, args.reps)
+    bandwidth = copy_bandwidth(device, timer, 1024, reps=20)
+    print(f"device copy bandwidth: {bandwidth:.0f} GB/s", flush=True)
+    report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+              "triton": getattr(fp8_gemm.triton, "__version__", None), "copy_bandwidth_GBps": round(bandwidth, 1),
+              "gemm": gemm_rows(args, device, timer, bandwidth)}
+    if args.attention:
+        report["attention"] = attention_launch(device, timer, bandwidth)
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(report, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
