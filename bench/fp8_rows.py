@@ -55,7 +55,8 @@ def gemm_rows(args, device, timer: Timer, bandwidth: float) -> list:
             row = {"rows": rows, "proj": name, "floor_us": round(floor_us, 2),
                    "scaled_mm_us": round(timer.graph([lambda w=w: scaled_mm(w) for w in weights]), 2),
                    "rows_gemm_us": round(timer.graph([lambda w=w: rows_gemm(w) for w in weights]), 2),
-                   "rows_gemm_config": vars(fp8_gemm.rows_gemm_config(rows, in_features, fp8_gemm._shared_memory(device))),
+                   "rows_gemm_config": vars(fp8_gemm.rows_gemm_config(rows, in_features,
+                                                                      fp8_gemm._shared_memory(device))),
                    "relative_difference_vs_scaled_mm": error}
             row["ratio"] = round(row["rows_gemm_us"] / row["scaled_mm_us"], 3)
             if args.sweep:
@@ -87,8 +88,9 @@ def attention_launch(device, timer: Timer, bandwidth: float) -> list:
         for batch in batches:
             for pages in ("fp8", "bf16"):
                 shapes = [(1024, 1)] * batch
-                cache = PagedCache(heads, kv_heads, 128, tokens_per_page, shapes, layers_for(2 * batch * 1024 * kv_heads * 128),
-                                   torch.bfloat16, device, seed=batch, kv_fp8=pages == "fp8")
+                layers = layers_for(2 * batch * 1024 * kv_heads * 128)
+                cache = PagedCache(heads, kv_heads, 128, tokens_per_page, shapes, layers, torch.bfloat16, device,
+                                   seed=batch, kv_fp8=pages == "fp8")
                 kind = ("gqa" if heads > kv_heads else "mha") + ("_fp8" if pages == "fp8" else "")
                 splits = paged_attention.decode_splits(batch, kv_heads, 1024, device)
                 row = {"shape": shape, "batch": batch, "context": 1024, "pages": pages,

@@ -76,6 +76,9 @@ run_step() {
     # the FP8 figures: FP8 weights + FP8 KV against bf16 on the 7B shape (accuracy, batch-1 floor, 64x1024 decode,
     # KV capacity, LoRA/base), then the FP8 GPU tests
     fp8) step bench_fp8 420 python3 bench/fp8.py --out "$OUTDIR/fp8.json" ;;
+    # the FP8 kernels of decode batches beside what they replaced: the rows GEMM against torch._scaled_mm, the decode
+    # attention's launch over FP8 pages against four warps
+    fp8_rows) step bench_fp8_rows 300 python3 bench/fp8_rows.py --attention --out "$OUTDIR/fp8_rows.json" ;;
     # figure 25.4: the saturated Azure-conv run with FP8 weights + KV against bf16, this commit served twice
     serve_fp8) step serve_fp8 560 env CURRENT_SERVE_ARGS="--quantization fp8 --kv-cache-dtype fp8" \
         bash bench/serve_compare.sh "$OUTDIR/serve_fp8" . ;;

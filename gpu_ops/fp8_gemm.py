@@ -9,14 +9,13 @@
   launch would pad the row to a tile. Its reference is `fp8.scaled_mm_ref` (several rows) or `fp8.fp8_linear_ref`
   (one).
 - `fp8_rows_gemm`: the FP8 GEMM of a decode batch, a Triton kernel: tiles of 64 rows by 64 output columns (16 by
-  32 for up to 16 rows), K read 256 deep through six stages, the FP8 products on the tensor cores, added into float32 every 256 of K (as
-  cuBLAS's accumulation without fast accumulation), the scales and the bias applied once at the end. At these
+  32 for up to 16 rows), K read 256 deep through six stages, the FP8 products on the tensor cores, added into
+  float32 every 256 of K (as cuBLAS's accumulation without fast accumulation), the scales and the bias applied once
+  at the end. At these
   rows a projection is a pass over its weight bytes, and cuBLAS's kernel for them (tiles 128 columns wide)
-  leaves o and down (4096 columns) on 32 programs of the H100's 132 SMs. On the 7B projections at 16-64 rows it
-  takes 0.75-0.81x torch._scaled_mm's time (o 0.65-0.71x, down 0.60-0.68x; `python3 bench/fp8_rows.py`,
-  bench/results/fp8_rows_h100.json); at 128 rows 0.96x, so more rows stay with cuBLAS.
-
-Roofline of one projection: bytes = in * out (FP8) + 4 * out (scales) + the rows; flops = 2 * rows * in * out.
+  leaves o and down (4096 columns) on 32 programs of the H100's 132 SMs. A 7B layer's four projections take
+  0.72-0.86x torch._scaled_mm's time at 2-64 rows (o 0.65-0.77x, down 0.55-0.71x; `python3 bench/fp8_rows.py`,
+  bench/results/fp8_rows_h100.json); at 128 rows 1.31x, so more rows stay with cuBLAS.
 """
 
 from __future__ import annotations
@@ -92,7 +91,8 @@ if triton is not None:
             tl.store(out_ptr + row * stride_out + k0 + offs, q.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rows_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    def _rows_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K,
+                          stride_xm, stride_wn, stride_ym,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                           HAS_BIAS: tl.constexpr):
         """y[m, n] = x_scale[m] * w_scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]): x FP8 [M, K], w FP8 [N, K]
@@ -164,7 +164,8 @@ def fp8_rows_gemm(rows: torch.Tensor, row_scale: torch.Tensor, weight: Fp8Weight
         config = config or rows_gemm_config(tokens, width, _shared_memory(rows.device))
         grid = (cdiv(w.shape[0], config.block_n), cdiv(tokens, config.block_m))
         _rows_gemm_kernel[grid](
-            rows, w, row_scale, weight.scale, bias if bias is not None else weight.scale, out, tokens, w.shape[0], width,
+            rows, w, row_scale, weight.scale, bias if bias is not None else weight.scale, out,
+            tokens, w.shape[0], width,
             rows.stride(0), w.stride(0), out.stride(0), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             BLOCK_K=config.block_k, EVEN_K=width % config.block_k == 0, HAS_BIAS=bias is not None,
             num_warps=config.num_warps, num_stages=config.num_stages,

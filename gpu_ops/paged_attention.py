@@ -54,10 +54,10 @@ PREFILL_BLOCK_M = 64  # query rows per prefill program; AttentionMeta cuts promp
 # at 128 (bench/attention.py's decode_*_fp8 sections).
 DECODE_BLOCK_N = {"mha": 128, "gqa": 64, "mha_fp8": 128, "gqa_fp8": 128}
 # Warps and pipeline stages of a decode program (None: Triton's default stages). Over FP8 pages two warps and three
-# stages: on the 7B shape (MHA) 209 against 236 us with four warps at b=64 ctx=1024 (the floor 181), 398 against 448
-# at b=128; Llama 3 8B (GQA) 60 against 67 at b=64, 212 against 238 at b=256; four warps at any stages, and CUDA-core
-# dots, are slower. Over bf16 pages two warps change nothing (within 1%). (bench/fp8_rows.py --attention,
-# bench/results/fp8_rows_h100.json.)
+# stages, where four warps leave each program too few bytes in flight: on the 7B shape (MHA) 209 against 232 us at
+# b=64 ctx=1024 (the floor 182), 400 against 449 at b=128; Llama 3 8B (GQA) 59 against 67 at b=64, 215 against 241
+# at b=256; CUDA-core dots are slower still. Over bf16 pages two warps change nothing (within 1%).
+# (bench/fp8_rows.py --attention, bench/results/fp8_rows_h100.json.)
 DECODE_LAUNCH = {"mha": (4, None), "gqa": (4, None), "mha_fp8": (2, 3), "gqa_fp8": (2, 3)}
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in the combine than it saves
