@@ -11,11 +11,12 @@
 - `fp8_rows_gemm`: the FP8 GEMM of a decode batch, a Triton kernel: tiles of 64 rows by 64 output columns (16 by
   32 for up to 16 rows), K read 256 deep through six stages, the FP8 products on the tensor cores, added into
   float32 every 256 of K (as cuBLAS's accumulation without fast accumulation), the scales and the bias applied once
-  at the end. At these
-  rows a projection is a pass over its weight bytes, and cuBLAS's kernel for them (tiles 128 columns wide)
-  leaves o and down (4096 columns) on 32 programs of the H100's 132 SMs. A 7B layer's four projections take
-  0.72-0.86x torch._scaled_mm's time at 2-64 rows (o 0.65-0.77x, down 0.55-0.71x; `python3 bench/fp8_rows.py`,
-  bench/results/fp8_rows_h100.json); at 128 rows 1.31x, so more rows stay with cuBLAS.
+  at the end. At these rows a projection is a pass over its weight bytes, and cuBLAS's kernel for them (tiles 128
+  columns wide) leaves o and down (4096 columns) on 32 programs of the H100's 132 SMs. A 7B layer's four
+  projections take 0.72-0.86x torch._scaled_mm's time at 2-64 rows (o 0.65-0.77x, down 0.55-0.71x; `python3
+  bench/fp8_rows.py`, bench/results/fp8_rows_h100.json); at 128 rows 1.31x, so more rows stay with cuBLAS.
+
+Roofline of one projection: bytes = in * out (FP8) + 4 * out (scales) + the rows; flops = 2 * rows * in * out.
 """
 
 from __future__ import annotations
