@@ -184,7 +184,7 @@ def test_a_long_encode_lets_other_threads_run(tokenizer):
     import threading
     import time
 
-    text = "The lighthouse keeper watched the ships. " * 6000
+    text = "The lighthouse keeper watched the ships. " * 24000  # ~0.2-1 s of encoding: long beside a 1 ms tick
     gaps, done = [], threading.Event()
 
     def tick():
