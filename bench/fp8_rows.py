@@ -66,11 +66,12 @@ def gemm_rows(args, device, timer: Timer, bandwidth: float) -> list:
                         for block_k in (128, 256):
                             for stages in (3, 4, 6):
                                 config = fp8_gemm.RowsGemmConfig(block_m, block_n, block_k, 4, stages)
+                                key = f"{block_m}x{block_n}x{block_k},s{stages}"
                                 try:
-                                    sweep[f"{block_m}x{block_n}x{block_k},s{stages}"] = round(timer.graph(
+                                    sweep[key] = round(timer.graph(
                                         [lambda w=w, c=config: rows_gemm(w, c) for w in weights], reps=15), 2)
                                 except Exception as exc:  # noqa: BLE001 - a tile that does not fit is data
-                                    sweep[f"{block_m}x{block_n}x{block_k},s{stages}"] = repr(exc)[:120]
+                                    sweep[key] = repr(exc)[:120]
                 row["sweep_us"] = sweep
             print(f"rows {rows} {name}: {({k: v for k, v in row.items() if k != 'sweep_us'})}", flush=True)
             results.append(row)

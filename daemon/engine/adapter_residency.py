@@ -439,7 +439,7 @@ class Stager:
         self.threads = threads or max(1, min(STAGER_THREADS, len(os.sched_getaffinity(0))))
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: set[str] = set()
+        self._pending: dict[str, float] = {}  # names asked for and not yet taken -> when each was asked
         self._lock = threading.Lock()  # _started and _claimed, between the threads and the engine thread
         self._started: set[str] = set()  # names a thread is staging now
         self._claimed: set[str] = set()  # pending names the engine thread stages itself: the threads skip them
@@ -448,13 +448,11 @@ class Stager:
         self.staged = 0  # adapters staged (taken by the engine thread), and the threads' seconds on them
         self.seconds = 0.0
         self.ready_seconds = 0.0  # and the seconds from each one's ask to its take (its wait for a thread included)
-        self._asked_at: dict[str, float] = {}
 
     def ask(self, name: str, generation: int = 0) -> None:
         if name in self._pending:
             return
-        self._pending.add(name)
-        self._asked_at[name] = time.perf_counter()
+        self._pending[name] = time.perf_counter()
         if not self._threads:
             # Started from the engine thread, after it left the CPU workers' cores (cpu_assist.keep_off_cores): the
             # threads inherit its affinity.
@@ -476,8 +474,7 @@ class Stager:
                 break
         now = time.perf_counter()
         for name, generation, adapter, result, seconds in items:
-            self._pending.discard(name)
-            asked_at = self._asked_at.pop(name, now)
+            asked_at = self._pending.pop(name, now)
             with self._lock:
                 self._claimed.discard(name)
             if result is _SKIPPED:  # claimed by the engine thread before a thread reached it
