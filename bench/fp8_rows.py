@@ -7,9 +7,8 @@
 2. `--attention`: the decode attention over FP8 pages on the 7B shape (MHA) and the Llama 3 8B shape (GQA) at
    context 1024, with paged_attention.DECODE_LAUNCH's warps and stages beside four warps at Triton's default
    stages, and bf16 pages beside them, each against its KV bytes' floor;
-3. `--sweep tiles`: the tile grid fp8_rows_gemm's configuration was chosen from (tiles of 16-128 rows by 32-128
-   columns, K 128 or 256 deep, 3-6 stages) at each --rows; `--sweep stream-k`: its stream-K form (the K reads
-   shared evenly by one or two programs an SM) at 32-128 columns.
+3. `--sweep`: the tile grid fp8_rows_gemm's configuration was chosen from (tiles of 16-128 rows by 32-128
+   columns, K 128 or 256 deep, 3-6 stages) at each --rows.
 
     python3 bench/fp8_rows.py --attention --out bench/results/fp8_rows_h100.json
 
@@ -62,32 +61,23 @@ def gemm_rows(args, device, timer: Timer, bandwidth: float) -> list:
             row["ratio"] = round(row["rows_gemm_us"] / row["scaled_mm_us"], 3)
             if args.sweep:
                 sweep = {}
-                for config in sweep_configs(args.sweep, rows, fp8_gemm.sm_count(device, 0)):
-                    key = f"{config.block_m}x{config.block_n}x{config.block_k},s{config.num_stages}" + (
-                        f",p{config.programs}" if config.programs else "")
-                    try:
-                        sweep[key] = round(timer.graph(
-                            [lambda w=w, c=config: rows_gemm(w, c) for w in weights], reps=15), 2)
-                    except Exception as exc:  # noqa: BLE001 - a tile that does not fit is data
-                        sweep[key] = repr(exc)[:120]
+                for block_m in sorted({max(16, min(128, 1 << (rows - 1).bit_length())), 64}):
+                    for block_n in (32, 64, 128):
+                        for block_k in (128, 256):
+                            for stages in (3, 4, 6):
+                                config = fp8_gemm.RowsGemmConfig(block_m, block_n, block_k, 4, stages)
+                                key = f"{block_m}x{block_n}x{block_k},s{stages}"
+                                try:
+                                    sweep[key] = round(timer.graph(
+                                        [lambda w=w, c=config: rows_gemm(w, c) for w in weights], reps=15), 2)
+                                except Exception as exc:  # noqa: BLE001 - a tile that does not fit is data
+                                    sweep[key] = repr(exc)[:120]
                 row["sweep_us"] = sweep
             print(f"rows {rows} {name}: {({k: v for k, v in row.items() if k != 'sweep_us'})}", flush=True)
             results.append(row)
             del weights
             torch.cuda.empty_cache()
     return results
-
-
-def sweep_configs(kind: str, rows: int, sms: int) -> list:
-    """`tiles`: a program per tile, tiles of 16-128 rows by 32-128 columns, K 128 or 256 deep, 3-6 stages;
-    `stream-k`: the K reads shared by one or two programs an SM, 32-128 columns, 3-6 stages."""
-    block_ms = sorted({max(16, min(128, 1 << (rows - 1).bit_length())), 64})
-    if kind == "tiles":
-        return [fp8_gemm.RowsGemmConfig(m, n, k, 4, stages)
-                for m in block_ms for n in (32, 64, 128) for k in (128, 256) for stages in (3, 4, 6)]
-    block_m = max(16, min(64, 1 << (rows - 1).bit_length()))
-    return [fp8_gemm.RowsGemmConfig(block_m, n, 256, 4, stages, sms * per_sm)
-            for n in (32, 64, 128) for stages, per_sm in ((6, 1), (4, 1), (3, 2)) if n < 128 or stages < 6]
 
 
 def attention_launch(device, timer: Timer, bandwidth: float) -> list:
@@ -123,8 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=lambda text: [int(x) for x in text.split(",")], default=[2, 16, 32, 64, 128])
     parser.add_argument("--attention", action="store_true", help="also the FP8 decode attention's launch")
-    parser.add_argument("--sweep", choices=("tiles", "stream-k"), default=None,
-                        help="also a grid of the GEMM's configurations at each --rows: a program per tile, or stream-K")
+    parser.add_argument("--sweep", action="store_true", help="also the GEMM's tile grid at each --rows")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -28,7 +28,7 @@ import torch
 
 from lorad.gpu_ops import gemv
 from lorad.gpu_ops.fp8 import FP8, Fp8Weight
-from lorad.gpu_ops.launch import cdiv, next_power_of_2, require_triton, sm_count
+from lorad.gpu_ops.launch import cdiv, next_power_of_2, require_triton
 
 try:
     import triton
@@ -48,7 +48,6 @@ class RowsGemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    programs: int = 0  # 0: a program per tile; n > 0: n programs share the tiles' K reads evenly (stream-K)
 
 
 def rows_gemm_config(rows: int, k: int, shared_memory: int) -> RowsGemmConfig:
@@ -122,83 +121,12 @@ if triton is not None:
             acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        _store_tile(acc, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, HAS_BIAS)
-
-    @triton.jit
-    def _store_tile(acc, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
-                    HAS_BIAS: tl.constexpr):
-        """A tile's sums times the row and channel scales (+ the bias), stored in y's dtype."""
         acc = acc * tl.load(x_scale_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
         acc = acc * tl.load(w_scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         out = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def _rows_gemm_stream_k_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, partial_ptr, arrived_ptr,
-                                   M, N, K, stride_xm, stride_wn, stride_ym, SLOTS,
-                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                   EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """_rows_gemm_kernel's product with its K reads shared evenly by the programs (stream-K): the tiles' reads
-        in a row (tile by tile, K in order within a tile), each program a contiguous run of them, so that every
-        program reads the same bytes whatever the number of tiles (a program per tile leaves SMs idle in the last
-        wave: 64 tiles of o on 132 SMs). A tile that one program covers is stored as _rows_gemm_kernel stores it.
-        The programs that share one store their float32 sums in its slots of `partial` ([tiles, SLOTS, BLOCK_M,
-        BLOCK_N], one slot for each, in the order of their runs) and count themselves in `arrived` (zero between
-        calls); the last to arrive adds the slots up in that order (the same bits whichever arrives last), sets the
-        count back to zero and stores the tile. No program waits on another."""
-        pid = tl.program_id(0)
-        programs = tl.num_programs(0)
-        tiles_n = tl.cdiv(N, BLOCK_N)
-        per_tile = tl.cdiv(K, BLOCK_K)
-        total = tiles_n * tl.cdiv(M, BLOCK_M) * per_tile
-        step = pid * total // programs
-        end = (pid + 1) * total // programs
-        offs_k = tl.arange(0, BLOCK_K)
-        slot = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        while step < end:
-            tile = step // per_tile
-            first = step - tile * per_tile
-            last = tl.minimum(per_tile, first + end - step)
-            offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-            offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-            m_ok = offs_m < M
-            n_ok = offs_n < N
-            x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (first * BLOCK_K + offs_k)[None, :]
-            w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (first * BLOCK_K + offs_k)[None, :]
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for read in range(first, last):
-                if EVEN_K:
-                    x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-                else:
-                    k_ok = read * BLOCK_K + offs_k < K
-                    x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                    w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)
-                x_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
-            # the programs whose runs meet this tile: the one holding its first read to the one holding its last
-            # (program p's run starts at p * total // programs, so read r is the last p with that start <= r)
-            begin = tile * per_tile
-            owner = ((begin + 1) * programs + total - 1) // total - 1
-            sharing = ((begin + per_tile) * programs + total - 1) // total - 1 - owner
-            if sharing == 0:
-                _store_tile(acc, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
-                            HAS_BIAS)
-            else:
-                slots = partial_ptr + tile.to(tl.int64) * SLOTS * (BLOCK_M * BLOCK_N) + slot
-                tl.store(slots + (pid - owner) * (BLOCK_M * BLOCK_N), acc)
-                tl.debug_barrier()  # every thread's sums stored before the count says so (a release below)
-                if tl.atomic_add(arrived_ptr + tile, 1, sem="acq_rel") == sharing:
-                    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                    for share in range(0, sharing + 1):  # from the L2, where the other SMs' stores are
-                        acc += tl.load(slots + share * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
-                    tl.store(arrived_ptr + tile, 0)
-                    _store_tile(acc, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok,
-                                stride_ym, HAS_BIAS)
-            step += last - first
 
 
 def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,46 +161,17 @@ def fp8_rows_gemm(rows: torch.Tensor, row_scale: torch.Tensor, weight: Fp8Weight
         raise ValueError(f"fp8_rows_gemm wants rows [T, K] with unit stride along K and a contiguous weight [N, K]; "
                          f"got rows {tuple(rows.shape)} strides {rows.stride()}, weight {tuple(w.shape)}")
     out = torch.empty(tokens, w.shape[0], dtype=out_dtype, device=rows.device)
-    if not tokens:
-        return out
-    config = config or rows_gemm_config(tokens, width, _shared_memory(rows.device))
-    tiles = cdiv(w.shape[0], config.block_n) * cdiv(tokens, config.block_m)
-    shape = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                 EVEN_K=width % config.block_k == 0, HAS_BIAS=bias is not None, num_warps=config.num_warps,
-                 num_stages=config.num_stages)
-    operands = (rows, w, row_scale, weight.scale, bias if bias is not None else weight.scale, out)
-    sizes = (tokens, w.shape[0], width, rows.stride(0), w.stride(0), out.stride(0))
-    if config.programs:
-        reads = cdiv(width, config.block_k)
-        run = tiles * reads // config.programs  # the fewest reads of a program that has any
-        slots = reads if run == 0 else min(reads, (reads - 1) // run + 2)  # the most programs meeting one tile
-        partial, arrived = _stream_k_workspace(rows.device, tiles * slots * config.block_m * config.block_n, tiles)
-        _rows_gemm_stream_k_kernel[(config.programs,)](*operands, partial, arrived, *sizes, slots, **shape)
-    else:
-        _rows_gemm_kernel[(cdiv(w.shape[0], config.block_n), cdiv(tokens, config.block_m))](*operands, *sizes, **shape)
+    if tokens:
+        config = config or rows_gemm_config(tokens, width, _shared_memory(rows.device))
+        grid = (cdiv(w.shape[0], config.block_n), cdiv(tokens, config.block_m))
+        _rows_gemm_kernel[grid](
+            rows, w, row_scale, weight.scale, bias if bias is not None else weight.scale, out,
+            tokens, w.shape[0], width,
+            rows.stride(0), w.stride(0), out.stride(0), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, EVEN_K=width % config.block_k == 0, HAS_BIAS=bias is not None,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
     return out
-
-
-_workspaces: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-
-
-def _stream_k_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stream-K kernel's float32 slots of shared tiles' sums and its int32 arrival counts on `device` (zero
-    between calls: each call leaves them so). One pair a device, grown when a call needs more; the smaller pairs
-    stay allocated, since CUDA graphs captured with them still use them. Calls on one device must not overlap (one
-    stream): they share the pair. Allocated in the warm-up runs before a capture, never in one (its zeroing of the
-    counts would not run)."""
-    held = _workspaces.setdefault(device, [])
-    if held and held[-1][0].numel() >= sums and held[-1][1].numel() >= tiles:
-        return held[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("fp8_rows_gemm's stream-K workspace must grow inside a CUDA graph capture; run the "
-                           "captured function once outside the capture first (as decode_graphs.capture's warm-ups do)")
-    sums = max(sums, held[-1][0].numel() if held else 0)
-    tiles = max(tiles, held[-1][1].numel() if held else 0)
-    held.append((torch.zeros(sums, dtype=torch.float32, device=device),
-                 torch.zeros(tiles, dtype=torch.int32, device=device)))
-    return held[-1]
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

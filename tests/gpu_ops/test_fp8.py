@@ -213,27 +213,6 @@ def test_fp8_rows_gemm_interpreted(tokens, width, kernels):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("tokens,width,programs", [(3, 600, 1), (3, 600, 4), (70, 512, 5), (20, 256, 40)],
-                         ids=["one_program", "shared_ragged_k", "two_row_tiles", "more_programs_than_reads"])
-def test_fp8_rows_gemm_stream_k_interpreted(tokens, width, programs, kernels):
-    """The stream-K form: programs whose runs of K reads cross tiles and share them (4 programs over 3 tiles of 3
-    reads, 5 over 2 x 3 tiles of 2), one program holding everything, and programs with no reads (40 over 6); each
-    result against float64, and a second call equal to the first (the arrival counts left at zero)."""
-    gemm, _, _ = kernels
-    generator = torch.Generator().manual_seed(programs)
-    rows = torch.randn(tokens, width, generator=generator).mul(40).clamp(-448, 448).to(fp8.FP8)
-    row_scale = torch.rand(tokens, 1, generator=generator) + 0.5
-    weight = fp8.quantize_weight(torch.randn(72, width, generator=generator) * 0.1)
-    bias = torch.randn(72, generator=generator).bfloat16()
-    config = gemm.RowsGemmConfig(64 if tokens > 16 else 16, 32, 256, 4, 2, programs)
-    got = gemm.fp8_rows_gemm(rows, row_scale, weight, bias, torch.bfloat16, config)
-    expected = (rows.double() * row_scale.double()) @ (weight.weight.double() * weight.scale.double()[:, None]).t()
-    assert relative_error(got, expected + bias.double()) < 4e-3
-    assert not gemm._workspaces[torch.device("cpu")][-1][1].any()  # the arrival counts
-    assert torch.equal(gemm.fp8_rows_gemm(rows, row_scale, weight, bias, torch.bfloat16, config), got)
-
-
-@needs_interpreter
 def test_write_kv_fp8_interpreted(kernels):
     """The kernel stores exactly what write_kv_ref stores in FP8 pages, and nothing else."""
     _, _, attention_kernels = kernels
@@ -371,41 +350,6 @@ def test_fp8_linear_gpu_against_references(rows, projection, kernels):
     else:  # the gemv keeps x in bf16: only the weight is rounded
         assert relative_error(got, dequantized) < 1e-2
     assert relative_error(got, (x.float() @ weight_bf16.float().t()).double()) < 0.06
-
-
-@pytest.mark.gpu
-@needs_fp8_gpu
-@pytest.mark.parametrize("rows", [2, 16, 64])
-@pytest.mark.parametrize("projection", list(LLAMA_7B_PROJECTIONS))
-def test_fp8_rows_gemm_stream_k_gpu(rows, projection, kernels):
-    """fp8_rows_gemm's stream-K form with one and two programs an SM against torch._scaled_mm, the programs
-    running at once (the interpreter runs them one after another): every tile whole, the arrival counts back at
-    zero, and twenty replays of a CUDA graph bit-equal to the eager call (the sums added in a fixed order)."""
-    gemm, _, _ = kernels
-    in_features, out_features = LLAMA_7B_PROJECTIONS[projection]
-    generator = torch.Generator(device="cuda").manual_seed(rows)
-    x = torch.randn(rows, in_features, device="cuda", generator=generator).bfloat16()
-    weight = fp8.quantize_weight(torch.randn(out_features, in_features, device="cuda", generator=generator) * 0.02)
-    bias = torch.randn(out_features, device="cuda", generator=generator).bfloat16()
-    quantized, scale = gemm.quantize_rows(x)
-    expected = torch._scaled_mm(quantized, weight.weight.t(), scale_a=scale, scale_b=weight.scale.view(1, -1),
-                                out_dtype=torch.float32) + bias.float()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for programs, stages in ((sms, 6), (2 * sms, 3)):
-        config = gemm.RowsGemmConfig(16 if rows <= 16 else 64, 64, 256, 4, stages, programs)
-        eager = gemm.fp8_rows_gemm(quantized, scale, weight, bias, torch.bfloat16, config)
-        assert relative_error(eager, expected.double()) < 4e-3
-        assert not gemm._workspaces[torch.device("cuda", 0)][-1][1].any()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            captured = gemm.fp8_rows_gemm(quantized, scale, weight, bias, torch.bfloat16, config)
-        torch.cuda.current_stream().wait_stream(stream)
-        for _ in range(20):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(captured, eager)
 
 
 @pytest.mark.gpu
