@@ -1,13 +1,15 @@
 """The FP8 kernels of a decode batch on the GPU, each beside what it replaced, in one run:
 
 1. the projections' GEMM at decode row counts: gpu_ops/fp8_gemm.py's `fp8_rows_gemm` (what `fp8_linear` takes up
-   to ROWS_KERNEL_MAX_ROWS rows) beside torch._scaled_mm with the same per-token and per-channel scales, on the
-   7B projections (q|k|v, o, gate|up, down) at --rows, each against its weight bytes over the measured copy
-   bandwidth; every call reads another copy of the weight (more copies than the L2 holds), so every call reads HBM;
+   to ROWS_KERNEL_MAX_ROWS rows) beside torch._scaled_mm with the same per-token and per-channel scales and
+   fp8_linear's accumulation (SCALED_MM_FAST_ACCUM), on the 7B projections (q|k|v, o, gate|up, down) at --rows,
+   each against its weight bytes over the measured copy bandwidth; every call reads another copy of the weight
+   (more copies than the L2 holds), so every call reads HBM;
 2. `--attention`: the decode attention over FP8 pages on the 7B shape (MHA) and the Llama 3 8B shape (GQA) at
    context 1024, with paged_attention.DECODE_LAUNCH's warps and stages beside four warps at Triton's default
    stages, and bf16 pages beside them, each against its KV bytes' floor;
-3. `--sweep`: the tile grid fp8_rows_gemm's configuration was chosen from (tiles of 16-128 rows by 32-128
+3. `--accumulation ROWS`: torch._scaled_mm with and without fast accumulation at those rows (time and error);
+4. `--sweep`: the tile grid fp8_rows_gemm's configuration was chosen from (tiles of 16-128 rows by 32-128
    columns, K 128 or 256 deep, 3-6 stages) at each --rows.
 
     python3 bench/fp8_rows.py --attention --out bench/results/fp8_rows_h100.json
@@ -45,7 +47,7 @@ def gemm_rows(args, device, timer: Timer, bandwidth: float) -> list:
 
             def scaled_mm(weight):
                 return torch._scaled_mm(quantized, weight.weight.t(), scale_a=scale, scale_b=weight.scale.view(1, -1),
-                                        out_dtype=torch.bfloat16)
+                                        out_dtype=torch.bfloat16, use_fast_accum=fp8_gemm.SCALED_MM_FAST_ACCUM)
 
             def rows_gemm(weight, config=None):
                 return fp8_gemm.fp8_rows_gemm(quantized, scale, weight, None, torch.bfloat16, config)
@@ -74,6 +76,36 @@ def gemm_rows(args, device, timer: Timer, bandwidth: float) -> list:
                                     sweep[key] = repr(exc)[:120]
                 row["sweep_us"] = sweep
             print(f"rows {rows} {name}: {({k: v for k, v in row.items() if k != 'sweep_us'})}", flush=True)
+            results.append(row)
+            del weights
+            torch.cuda.empty_cache()
+    return results
+
+
+def fast_accumulation(rows_list: list, device, timer: Timer) -> list:
+    """torch._scaled_mm with and without fast accumulation on the 7B projections at `rows_list` rows: time (each
+    call reading HBM) and relative error against the float64 product of the same FP8 operands and scales."""
+    results = []
+    for rows in rows_list:
+        for name, (out_features, in_features) in PROJECTIONS.items():
+            copies = max(2, int(ROTATE_BYTES // (out_features * in_features)) + 1)
+            weights = [Fp8Weight((torch.randn(out_features, in_features, device=device) * 0.05).to(FP8),
+                                 torch.rand(out_features, device=device) * 0.01 + 0.005) for _ in range(copies)]
+            x = torch.randn(rows, in_features, device=device, dtype=torch.bfloat16)
+            quantized, scale = fp8_gemm.quantize_rows(x)
+
+            def scaled_mm(weight, fast):
+                return torch._scaled_mm(quantized, weight.weight.t(), scale_a=scale, scale_b=weight.scale.view(1, -1),
+                                        out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+            dequantized = weights[0].weight.double() * weights[0].scale.double()[:, None]
+            exact = (quantized.double() * scale.double()) @ dequantized.t()
+            row = {"rows": rows, "proj": name}
+            for fast, key in ((False, "float32"), (True, "fast")):
+                row[f"{key}_error"] = float((scaled_mm(weights[0], fast).double() - exact).norm() / exact.norm())
+                row[f"{key}_us"] = round(timer.graph([lambda w=w, f=fast: scaled_mm(w, f) for w in weights]), 2)
+            row["speedup"] = round(row["float32_us"] / row["fast_us"], 3)
+            print(f"accumulation {row}", flush=True)
             results.append(row)
             del weights
             torch.cuda.empty_cache()
@@ -114,6 +146,8 @@ def main() -> None:
     parser.add_argument("--rows", type=lambda text: [int(x) for x in text.split(",")], default=[2, 16, 32, 64, 128])
     parser.add_argument("--attention", action="store_true", help="also the FP8 decode attention's launch")
     parser.add_argument("--sweep", action="store_true", help="also the GEMM's tile grid at each --rows")
+    parser.add_argument("--accumulation", type=lambda text: [int(x) for x in text.split(",")], default=None,
+                        metavar="ROWS", help="also torch._scaled_mm with and without fast accumulation at these rows")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -129,6 +163,8 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "triton": getattr(fp8_gemm.triton, "__version__", None), "copy_bandwidth_GBps": round(bandwidth, 1),
               "gemm": gemm_rows(args, device, timer, bandwidth)}
+    if args.accumulation:
+        report["accumulation"] = fast_accumulation(args.accumulation, device, timer)
     if args.attention:
         report["attention"] = attention_launch(device, timer, bandwidth)
     if args.out:
