@@ -114,9 +114,9 @@ class TorchOps:
 class TritonOps(TorchOps):
     """The Triton kernels (on the CPU they run only in Triton's interpreter: the tests): gemv for one-row
     projections, paged attention, fused norm / RoPE / SiLU-mul, MBGMV or BGMV for decode LoRA (chosen per
-    step by kernel_choice; MBGMV without one), MBGMM for prefill LoRA. fuse_groups: a decode step's MBGMV takes
-    q, k, v in one launch pair and gate, up in one (where their tiles agree: mbgmv.group_fits). pdl: the decode
-    MBGMV's expand launched early (the caller checks mbgmv.pdl_unavailable)."""
+    step by kernel_choice; MBGMV without one), MBGMM for prefill LoRA. fuse_groups: a decode step's MBGMV, and a mixed
+    step's MBGMV of its decode rows, take q, k, v in one launch pair and gate, up in one (where their tiles agree:
+    mbgmv.group_fits). pdl: the decode MBGMV's expand launched early (the caller checks mbgmv.pdl_unavailable)."""
 
     def __init__(self, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
                  fuse_groups: bool = False, pdl: bool = False):
@@ -191,15 +191,29 @@ class TritonOps(TorchOps):
 
     def lora_group(self, x, fused, outs, layer, first, batch, table):
         """With fuse_groups, a decode step's group in one MBGMV launch pair where the members' tiles agree (none
-        where no member is targeted); otherwise one projection after another."""
-        if self.fuses_groups and batch.decode and batch.max_rank and batch.decode_kernel == "mbgmv" and not batch.cpu_spans:
+        where no member is targeted), and a mixed step's decode rows likewise after MBGMM has taken its prompt rows
+        one projection after another; otherwise one projection after another."""
+        if self.fuses_groups and batch.max_rank and not batch.cpu_spans:
             if batch.untargeted.issuperset(range(first, first + len(outs))):
                 return
-            config = self._mbgmv.group_fits(table, first, len(outs), batch.max_rank, pdl=self.pdl)
-            if config is not None:
-                self._mbgmv.mbgmv_group(x, fused, layer, first, len(outs), batch.row_slot, table, batch.max_rank,
-                                  self.workspace, config=config, pdl=self.pdl)
-                return
+            if batch.decode and batch.decode_kernel == "mbgmv":
+                config = self._mbgmv.group_fits(table, first, len(outs), batch.max_rank, pdl=self.pdl)
+                if config is not None:
+                    self._mbgmv.mbgmv_group(x, fused, layer, first, len(outs), batch.row_slot, table, batch.max_rank,
+                                            self.workspace, config=config, pdl=self.pdl)
+                    return
+            elif not batch.decode and batch.one_row_slot is not None:
+                config = self._mbgmv.group_fits(table, first, len(outs), batch.max_rank)
+                if config is not None:
+                    for member, out in enumerate(outs):
+                        if first + member not in batch.untargeted:
+                            self._mbgmm.lora_prefill(x, out, layer, first + member, batch, table,
+                                                     segments=batch.segments, workspace=self.workspace)
+                    rows = batch.one_row_slot.shape[0]
+                    # no early launch: its shrink reuses the workspace that MBGMM's expand, just before it, reads
+                    self._mbgmv.mbgmv_group(x[:rows], fused[:rows], layer, first, len(outs), batch.one_row_slot, table,
+                                            batch.max_rank, self.workspace, config=config, pdl=False)
+                    return
         super().lora_group(x, fused, outs, layer, first, batch, table)
 
 

@@ -155,6 +155,57 @@ def test_cuda_fused_lora_groups_equal_per_projection(demo_assets):
             torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-3, rtol=1e-3)
 
 
+def test_cuda_mixed_steps_group_their_decode_rows_lora(demo_assets, monkeypatch):
+    """fuse_lora_groups in a mixed step (a prompt joining decode rows, replayed from a prefill graph): MBGMM takes the
+    prompt rows one projection after another, then the decode rows' gate|up LoRA is one MBGMV launch pair; the
+    tokens and logits of one launch pair per projection. Four running slots and staggered lengths, so requests join
+    while others decode."""
+    from lorad.daemon.model.ops import TritonOps
+    from lorad.gpu_ops import mbgmv
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
+    names = [*sorted(demo_assets.adapters), None]
+    inside_mixed, mixed_groups = [False], []
+    lora_group, mbgmv_group = TritonOps.lora_group, mbgmv.mbgmv_group
+
+    def spy_lora_group(self, x, fused, outs, layer, first, batch, table):
+        inside_mixed[0] = not batch.decode and batch.one_row_slot is not None
+        try:
+            return lora_group(self, x, fused, outs, layer, first, batch, table)
+        finally:
+            inside_mixed[0] = False
+
+    def spy_mbgmv_group(*args, **kwargs):
+        if inside_mixed[0]:
+            mixed_groups.append(args[4])  # the members
+        return mbgmv_group(*args, **kwargs)
+
+    monkeypatch.setattr(TritonOps, "lora_group", spy_lora_group)
+    monkeypatch.setattr(mbgmv, "mbgmv_group", spy_mbgmv_group)
+
+    def run(fuse):
+        engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="float32",
+                                     max_running_requests=4, max_lora_rank=64, fuse_lora_groups=fuse))
+        results = engine.generate([
+            GenerationRequest([5 + i, 6, 7] * (1 + i % 3), name, keep_logits=True,
+                              sampling=SamplingParams(max_tokens=3 + i % 5, temperature=0, ignore_eos=True))
+            for i, name in enumerate(names)])
+        status = engine.status()
+        del engine
+        gc.collect()
+        return results, status
+
+    per_projection, _ = run(False)
+    assert not mixed_groups
+    fused, status = run(True)
+    assert status["step_time"]["by_kind"]["mixed"]["steps"] > 0 and status["prefill_cuda_graph_steps"] > 0
+    assert mixed_groups and set(mixed_groups) == {2}, "the mixed steps' decode rows launch gate|up as one group"
+    for a, b in zip(per_projection, fused):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-3, rtol=1e-3)
+
+
 @pytest.mark.parametrize("eager,max_running", [(False, 12), (True, 12), (False, 3)])
 def test_cuda_overlapped_decode_equals_the_cpu(demo_assets, eager, max_running):
     """Overlapped decode (on by default on cuda) through the decode graphs and eager: the CPU's tokens, with
