@@ -36,12 +36,13 @@ try:
 except ImportError:  # the CPU engine runs the references only
     triton = None
 
-__all__ = ["ROWS_KERNEL_MAX_ROWS", "RowsGemmConfig", "fp8_linear", "fp8_rows_gemm", "quantize_rows", "rows_gemm_config"]
+__all__ = ["ROWS_KERNEL_MAX_ROWS", "RowsGemmConfig", "SCALED_MM_FAST_ACCUM", "fp8_linear", "fp8_rows_gemm", "quantize_rows",
+           "rows_gemm_config"]
 
 ROWS_KERNEL_MAX_ROWS = 64  # rows up to which fp8_linear takes fp8_rows_gemm (more: torch._scaled_mm)
 # torch._scaled_mm's products summed in the tensor cores' own FP8 accumulator (fast accumulation), as vLLM's CUTLASS
-# FP8 GEMMs for Hopper do past 64 rows: a 7B layer's projections 1.08x faster at 1152 rows (a mixed step), 1.04-1.10x
-# at 128-2048, for a relative error against the float64 product of 0.0020-0.0028 instead of 0.0017 (the bf16
+# FP8 GEMMs for Hopper do: a 7B layer's projections 1.08x faster at 1152 rows (a mixed step), 1.04-1.10x at
+# 128-2048, for a relative error against the float64 product of 0.0020-0.0028 instead of 0.0017 (the bf16
 # output's rounding), a tenth of the activations' FP8 rounding (bench/results/fp8_fast_accum_h100.json)
 SCALED_MM_FAST_ACCUM = True
 
