@@ -34,15 +34,21 @@ PROJECTIONS = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096)
 ROTATE_BYTES = 160e6  # the weight copies one timed round reads: past the H100's 50 MB L2
 
 
+def projection_case(rows: int, out_features: int, in_features: int, device) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """Random FP8 copies of one projection's weight (more bytes than the L2 holds, so that a round of calls reads
+    HBM) and `rows` random rows quantized per token: (weights, FP8 rows, their scales)."""
+    copies = max(2, int(ROTATE_BYTES // (out_features * in_features)) + 1)
+    weights = [Fp8Weight((torch.randn(out_features, in_features, device=device) * 0.05).to(FP8),
+                         torch.rand(out_features, device=device) * 0.01 + 0.005) for _ in range(copies)]
+    quantized, scale = fp8_gemm.quantize_rows(torch.randn(rows, in_features, device=device, dtype=torch.bfloat16))
+    return weights, quantized, scale
+
+
 def gemm_rows(args, device, timer: Timer, bandwidth: float) -> list:
     results = []
     for rows in args.rows:
         for name, (out_features, in_features) in PROJECTIONS.items():
-            copies = max(2, int(ROTATE_BYTES // (out_features * in_features)) + 1)
-            weights = [Fp8Weight((torch.randn(out_features, in_features, device=device) * 0.05).to(FP8),
-                                 torch.rand(out_features, device=device) * 0.01 + 0.005) for _ in range(copies)]
-            x = torch.randn(rows, in_features, device=device, dtype=torch.bfloat16)
-            quantized, scale = fp8_gemm.quantize_rows(x)
+            weights, quantized, scale = projection_case(rows, out_features, in_features, device)
             floor_us = out_features * in_features / (bandwidth * 1e9) * 1e6
 
             def scaled_mm(weight):
@@ -88,11 +94,7 @@ def fast_accumulation(rows_list: list, device, timer: Timer) -> list:
     results = []
     for rows in rows_list:
         for name, (out_features, in_features) in PROJECTIONS.items():
-            copies = max(2, int(ROTATE_BYTES // (out_features * in_features)) + 1)
-            weights = [Fp8Weight((torch.randn(out_features, in_features, device=device) * 0.05).to(FP8),
-                                 torch.rand(out_features, device=device) * 0.01 + 0.005) for _ in range(copies)]
-            x = torch.randn(rows, in_features, device=device, dtype=torch.bfloat16)
-            quantized, scale = fp8_gemm.quantize_rows(x)
+            weights, quantized, scale = projection_case(rows, out_features, in_features, device)
 
             def scaled_mm(weight, fast):
                 return torch._scaled_mm(quantized, weight.weight.t(), scale_a=scale, scale_b=weight.scale.view(1, -1),
