@@ -479,6 +479,8 @@ def _lost(errors: dict[str, int]) -> int:
 
 
 LIMITS = ("max_running_requests", "kv_capacity_tokens")  # the daemon's batch limits, from /v1/status
+# the step time the device's clock splits (StepAccount): the forwards, the tokens' work after them, the waits before them
+DEVICE_CLOCK_KEYS = ("device_s", "tokens_device_s", "before_forward_s")
 STATUS_KEPT = ("preemptions", *LIMITS)  # /v1/status beside its step_time
 
 
@@ -524,8 +526,10 @@ def step_time_delta(before: dict | None, after: dict | None) -> dict | None:
             earlier_parts = earlier.get("host_before_launch_by_part_s", {})
             delta["host_before_launch_by_part_s"] = {part: seconds - earlier_parts.get(part, 0)
                                                      for part, seconds in parts.items()}
-            device = totals.get("device_s")
-            delta["device_s"] = None if device is None else device - (earlier.get("device_s") or 0)
+            for key in DEVICE_CLOCK_KEYS:  # on the device's clock (None: none; absent: a daemon that does not split it)
+                if key in totals:
+                    value = totals[key]
+                    delta[key] = None if value is None else value - (earlier.get(key) or 0)
         if "empty_slots_by_cause" in totals:  # running slots the steps left empty, by why (a daemon that counts them)
             earlier_causes = earlier.get("empty_slots_by_cause", {})
             causes = {cause: count - earlier_causes.get(cause, 0) for cause, count in totals["empty_slots_by_cause"].items()}
@@ -543,8 +547,10 @@ def step_time_delta(before: dict | None, after: dict | None) -> dict | None:
             summary[key] = after[key]
     if all("host_before_launch_s" in kind for kind in by_kind.values()):
         summary["host_before_launch_s"] = sum(kind["host_before_launch_s"] for kind in by_kind.values())
-        devices = [kind["device_s"] for kind in by_kind.values() if kind["device_s"] is not None]
-        summary["device_s"] = sum(devices) if devices else None
+        for key in DEVICE_CLOCK_KEYS:
+            if all(key in kind for kind in by_kind.values()):
+                values = [kind[key] for kind in by_kind.values() if kind[key] is not None]
+                summary[key] = sum(values) if values else None
     if all("empty_slots_by_cause" in kind for kind in by_kind.values()):
         causes = sum((Counter(kind["empty_slots_by_cause"]) for kind in by_kind.values()), Counter())
         summary["empty_slots"] = sum(causes.values())
@@ -568,7 +574,7 @@ def format_table(runs: list[dict], key: str) -> str:
     header = [key, "done", "failed", "req/s", "out tok/s", "total tok/s"]
     for metric in ("TTFT", "TPOT", "ITL", "E2E"):
         header += [f"{metric} mean", f"{metric} p50", f"{metric} p99"]
-    header += ["goodput req/s", "busy s", "device s", "floor s", "floor/busy", "preempted"]
+    header += ["goodput req/s", "busy s", "device s", "tokens s", "waits s", "floor s", "floor/busy", "preempted"]
     rows = [header]
     for run in runs:
         point = run["request_rate"] if key == "request-rate" else run["max_concurrency"]
@@ -578,16 +584,17 @@ def format_table(runs: list[dict], key: str) -> str:
             row += [_ms(run[metric][stat]) for stat in ("mean", "median", "p99")]
         row.append(f"{run['goodput']['request_goodput']:.2f}" if "goodput" in run else "-")
         engine = run.get("engine")
-        row += ([f"{engine['busy_s']:.2f}", _seconds(engine.get("device_s")), f"{engine['floor_s']:.2f}",
-                 f"{engine['efficiency']:.2f}" if engine["efficiency"] is not None else "-",
+        row += ([f"{engine['busy_s']:.2f}", *(_seconds(engine.get(key)) for key in DEVICE_CLOCK_KEYS),
+                 f"{engine['floor_s']:.2f}", f"{engine['efficiency']:.2f}" if engine["efficiency"] is not None else "-",
                  str(engine["preemptions"]) if "preemptions" in engine else "-"]
-                if engine else ["-"] * 5)
+                if engine else ["-"] * 7)
         rows.append(row)
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     lines.append("(times in ms; busy s: the engine's step time in the run, device s: the same steps' forwards on the "
-                 "device's clock (busy - device: the device's work between forwards, sampling and the tokens' copies, and "
-                 "its waits for the host), floor s: their least time on this device from bytes and FLOPs; preempted: "
+                 "device's clock, tokens s: the device's work on their tokens after each forward (sampling, logprobs, "
+                 "the copies to the host), waits s: the device's time from a step's tokens to the next forward (waiting "
+                 "for the host's launch), floor s: their least time on this device from bytes and FLOPs; preempted: "
                  "running requests preempted for KV and computed again)")
     limits = (runs[-1].get("engine") or {}) if runs else {}
     if "max_running_requests" in limits:

@@ -746,7 +746,8 @@ class Engine:
                         self.sampler_state.fork(first, choice)
         params = [seq.state.request.sampling for seq in sampled]
         processed = self._process_logits(logits, sampled)
-        tokens = sample(logits, params, [seq.state.generator for seq in sampled])  # waits for the device
+        tokens = sample(logits, params, [seq.state.generator for seq in sampled],  # waits for the device
+                        queued=self.account.tokens_queued)
         logprobs = logprobs_of(logits, params, tokens)
         self.account.landed(time.perf_counter())
         redo = self.cold_starts.after_cpu_assist(assisted, self.runner.step_spans) if assisted else set()  # its prefill runs again
@@ -915,6 +916,7 @@ class Engine:
         host = self._token_buffers[self._token_turn][: len(seqs)]
         self._token_turn ^= 1
         host.copy_(chosen, non_blocking=True)
+        self.account.tokens_queued()
         done = None
         if tokens.is_cuda:
             done = torch.cuda.Event()

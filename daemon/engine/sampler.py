@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,15 +52,19 @@ _UNSEEDED = random.Random(int.from_bytes(os.urandom(8), "little"))  # unseeded r
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[Draws | None],
-           histories: list[History | None] | None = None) -> list[int | None]:
+           histories: list[History | None] | None = None, queued: Callable[[], None] | None = None) -> list[int | None]:
     """logits: [N, vocab] float32 -> N token ids; None for a row whose sampling failed (no finite logit: its request
     alone ends with an error, the step's other rows go on). histories: per row, for the rows whose params process
     their logits (the others may be None); the logits of those rows are changed in place. generators as in
-    `choose`; one copy of the tokens to the host."""
+    `choose`; one copy of the tokens to the host. queued: called once the tokens' work is queued on the device,
+    before the host waits for it."""
     if histories is not None:
         with torch.inference_mode():  # the forward's logits are inference tensors: changed in place in this mode
             process_logits(logits, params, histories)
-    out = choose(logits, params, generators).tolist()
+    chosen = choose(logits, params, generators)
+    if queued is not None:
+        queued()
+    out = chosen.tolist()
     failed = [row for row, token in enumerate(out) if token < 0]
     if failed:
         log.warning("sampling failed for %d row(s): no finite logit", len(failed))

@@ -13,8 +13,12 @@ this step's launch (the device had no step of the engine's to run), split by par
 them (HOST_PARTS: the landed tokens handed back, the scheduler's admission, the step's plan, the forward's
 launch), and on cuda
 `device_s`, the step's span on the device's clock (CUDA events before and after its forward: from its first
-kernel to its forward's last). busy - device is the device's work between forwards (the tokens drawn, their
-logprobs and copies to the host) and the time it waited for the host.
+kernel to its forward's last). busy - device is the device's work between forwards and the time it waited for
+the host, which the device's clock splits in two: `tokens_device_s`, from the forward's end to where the step's
+tokens are queued for the host (the sampler's admission, processing, the argmax or draw, logprobs, the copies),
+and `before_forward_s`, from the previous step's tokens to this step's forward: the device waiting for the host
+to launch it (an overlapped step launched late included), or work the host queued between steps. The time
+between a step that idled the engine and the next is nobody's.
 
 Kinds: `decode` (every sequence adds its next token), `prefill` (every sequence is in its prompt), `mixed`
 (prompt rows beside decode rows). A step replayed from a CUDA graph computes its bucket's rows; those past the
@@ -63,6 +67,8 @@ class KindTotals:
     host_parts_s: dict = field(default_factory=lambda: dict.fromkeys(HOST_PARTS, 0.0))
     empty_slots: dict = field(default_factory=lambda: dict.fromkeys(EMPTY_CAUSES, 0))  # slot-steps, by cause
     device_s: float | None = None  # None: no device clock (the CPU)
+    tokens_device_s: float | None = None  # the device's work on the steps' tokens after their forwards
+    before_forward_s: float | None = None  # the device's time from the previous step's tokens to each forward
 
     def as_dict(self) -> dict:
         return {
@@ -84,7 +90,24 @@ class KindTotals:
             "empty_slots": sum(self.empty_slots.values()),
             "empty_slots_by_cause": {cause: count for cause, count in self.empty_slots.items() if count},
             "device_s": None if self.device_s is None else round(self.device_s, 6),
+            "tokens_device_s": None if self.tokens_device_s is None else round(self.tokens_device_s, 6),
+            "before_forward_s": None if self.before_forward_s is None else round(self.before_forward_s, 6),
         }
+
+
+@dataclass(eq=False)
+class DeviceSpan:
+    """A step's events on the device's clock: before and after its forward, and where its tokens were queued for
+    the host (None: not told); after_idle: the engine idled before it (no time before its forward is counted)."""
+
+    kind: str
+    start: object
+    end: object
+    tokens: object = None
+    after_idle: bool = False
+
+    def passed(self) -> bool:
+        return (self.tokens or self.end).query()
 
 
 @dataclass(frozen=True)
@@ -96,7 +119,7 @@ class LaunchedStep:
     cost: StepCost
     launched_at: float | None  # host time of the launch; None: not given
     parts: tuple | None  # host times where the scheduling, the plan and the forward's launch began
-    span: tuple | None  # (start, end) CUDA events around its forward; None without a device clock
+    span: DeviceSpan | None  # its events on the device; None without a device clock
     empty_slots: int = 0  # running slots the step left empty
     why_empty: str | None = None  # one of EMPTY_CAUSES where empty_slots > 0
 
@@ -116,7 +139,9 @@ class StepAccount:
         self.totals = {kind: KindTotals() for kind in STEP_KINDS}
         self.step_seconds = {kind: Histogram(STEP_BUCKETS) for kind in STEP_KINDS}
         self._start_event = None  # recorded by before_forward, taken by the launched step
-        self._spans: deque = deque()  # (kind, start, end) of landed steps whose end the device has not passed yet
+        self._spans: deque[DeviceSpan] = deque()  # of landed steps, until the device has passed them
+        self._after_idle = True  # the next launched step follows an idle engine
+        self._last_passed = None  # the event where the last step read off the device ended (its tokens, or forward)
 
     def before_forward(self) -> None:
         """On cuda: an event on the current stream where the next step's forward begins (its device span's start)."""
@@ -133,6 +158,15 @@ class StepAccount:
         """The step loop waits for work (nothing in flight): the time until it is woken is nobody's."""
         if not self._pending:
             self._mark = None
+            self._after_idle = True
+
+    def tokens_queued(self) -> None:
+        """On cuda: the last launched step's tokens (their draw, logprobs and copies to the host) are queued on the
+        current stream: an event marks where the device is done with the step."""
+        if self.device_clock and self._pending and self._pending[-1].span is not None:
+            event = self._new_event()
+            event.record()
+            self._pending[-1].span.tokens = event
 
     def launched(self, plan: StepPlan, graph_rows: int | None = None, now: float | None = None,
                  parts: tuple[float, float, float] | None = None, empty_slots: int = 0, why_empty: str | None = None) -> None:
@@ -161,7 +195,8 @@ class StepAccount:
         if self._start_event is not None:
             end = self._new_event()
             end.record()
-            span, self._start_event = (self._start_event, end), None
+            span = DeviceSpan(kind, self._start_event, end, after_idle=self._after_idle)
+            self._start_event, self._after_idle = None, False
         self._pending.append(LaunchedStep(kind, rows, padding, prompt_tokens, cost, now, parts, span, max(empty_slots, 0),
                                           why_empty))
 
@@ -178,7 +213,7 @@ class StepAccount:
             bounds = [start, *(min(max(at, start), step.launched_at) for at in step.parts), step.launched_at]
             split = [later - earlier for earlier, later in zip(bounds, bounds[1:])]
         if step.span is not None:
-            self._spans.append((step.kind, *step.span))
+            self._spans.append(step.span)
         memory_s = step.cost.bytes / self.rates.bandwidth_bytes_per_s
         compute_s = step.cost.flops / self.rates.flops_per_s
         with self._lock:
@@ -198,12 +233,20 @@ class StepAccount:
                 totals.host_parts_s[part] += seconds_in
             if step.empty_slots:
                 totals.empty_slots[step.why_empty] += step.empty_slots
-            # Spans are read once their end has passed on the device (without waiting: a prompt chunk's step lands
-            # before its device work is done); one stream, so they pass in launch order.
-            while self._spans and self._spans[0][2].query():
-                kind, begun, ended = self._spans.popleft()
-                self.totals[kind].device_s = (self.totals[kind].device_s or 0.0) + begun.elapsed_time(ended) / 1e3
+            # Spans are read once the device has passed them (without waiting: a prompt chunk's step lands before
+            # its device work is done); one stream, so they pass in launch order.
+            while self._spans and self._spans[0].passed():
+                self._read_span(self._spans.popleft())
             self.step_seconds[step.kind].observe(seconds)
+
+    def _read_span(self, span: DeviceSpan) -> None:
+        totals = self.totals[span.kind]
+        totals.device_s = (totals.device_s or 0.0) + span.start.elapsed_time(span.end) / 1e3
+        if span.tokens is not None:
+            totals.tokens_device_s = (totals.tokens_device_s or 0.0) + span.end.elapsed_time(span.tokens) / 1e3
+        if self._last_passed is not None and not span.after_idle:
+            totals.before_forward_s = (totals.before_forward_s or 0.0) + self._last_passed.elapsed_time(span.start) / 1e3
+        self._last_passed = span.tokens or span.end
 
     def in_flight(self) -> bool:
         """A step was launched whose tokens have not landed."""
@@ -214,6 +257,7 @@ class StepAccount:
         self._pending.clear()
         self._start_event = None
         self._mark = None
+        self._after_idle = True
 
     def snapshot(self) -> dict:
         """For /v1/status: the device's rates, and busy time against the floor, in all and by kind."""
@@ -221,7 +265,11 @@ class StepAccount:
             by_kind = {kind: totals.as_dict() for kind, totals in self.totals.items()}
         busy = sum(kind["busy_s"] for kind in by_kind.values())
         floor = sum(kind["floor_s"] for kind in by_kind.values())
-        device = [kind["device_s"] for kind in by_kind.values() if kind["device_s"] is not None]
+
+        def device_sum(key):
+            values = [kind[key] for kind in by_kind.values() if kind[key] is not None]
+            return round(sum(values), 6) if values else None
+
         return {
             "device_rates": {"hbm_gb_s": round(self.rates.bandwidth_bytes_per_s / 1e9, 1),
                              "gemm_tflop_s": round(self.rates.flops_per_s / 1e12, 2)},
@@ -232,7 +280,9 @@ class StepAccount:
             "host_before_launch_by_part_s": {
                 part: round(sum(kind["host_before_launch_by_part_s"][part] for kind in by_kind.values()), 6)
                 for part in HOST_PARTS},
-            "device_s": round(sum(device), 6) if device else None,
+            "device_s": device_sum("device_s"),
+            "tokens_device_s": device_sum("tokens_device_s"),
+            "before_forward_s": device_sum("before_forward_s"),
             "empty_slots": sum(kind["empty_slots"] for kind in by_kind.values()),
             "empty_slots_by_cause": {cause: count for cause in EMPTY_CAUSES
                                      if (count := sum(kind["empty_slots_by_cause"].get(cause, 0) for kind in by_kind.values()))},
@@ -248,5 +298,6 @@ class StepAccount:
                            "floor_s": totals.floor_s, "rows": totals.rows, "padding_rows": totals.padding_rows,
                            "prompt_tokens": totals.prompt_tokens, "steps": totals.steps,
                            "host_parts_s": dict(totals.host_parts_s), "empty_slots": dict(totals.empty_slots),
-                           "device_s": totals.device_s}
+                           "device_s": totals.device_s, "tokens_device_s": totals.tokens_device_s,
+                           "before_forward_s": totals.before_forward_s}
                     for kind, totals in self.totals.items()}

@@ -151,10 +151,21 @@ def render(snapshot: dict) -> str:
                 out.sample(name, {"kind": kind, label: value_of}, value)
     if any(account.get("device_s") is not None for account in steps.values()):  # a device clock (cuda)
         out.family("lorad_step_device_seconds_total", "counter",
-                   "Engine steps' forwards on the device's clock, by kind: busy minus device is the device waiting "
-                   "for the host.")
+                   "Engine steps' forwards on the device's clock, by kind: busy minus device is the device's work on "
+                   "the tokens and its waits for the host (the two counters below).")
         for kind, account in steps.items():
             out.sample("lorad_step_device_seconds_total", {"kind": kind}, account["device_s"] or 0.0)
+        for name, key, help_text in (
+            ("lorad_step_tokens_device_seconds_total", "tokens_device_s",
+             "The device's work on engine steps' tokens after their forwards (sampling, logprobs, the copies to the "
+             "host), by kind."),
+            ("lorad_step_before_forward_seconds_total", "before_forward_s",
+             "The device's time from the previous step's tokens to a step's forward (waiting for the host's launch), "
+             "by kind."),
+        ):
+            out.family(name, "counter", help_text)
+            for kind, account in steps.items():
+                out.sample(name, {"kind": kind}, account.get(key) or 0.0)
     return out.text()
 
 

@@ -86,6 +86,10 @@ def test_cuda_graphs_equal_eager(demo_assets, dtype):
         for kind in times["by_kind"].values():
             assert (kind["device_s"] is None) == (kind["steps"] == 0) and (kind["device_s"] or 1) > 0
         assert 0 < times["device_s"] <= times["busy_s"]
+        # every step's tokens are queued after its forward, and the waits follow the first step: the three parts
+        # of the device's clock lie end to end within the busy time
+        assert times["tokens_device_s"] > 0 and times["before_forward_s"] >= 0
+        assert times["device_s"] + times["tokens_device_s"] + times["before_forward_s"] <= times["busy_s"]
     for a, b in zip(eager, graphed):
         if dtype == "float32":
             assert a.token_ids == b.token_ids

@@ -158,6 +158,51 @@ def test_device_spans_are_read_once_the_device_has_passed_them(demo_assets):
     assert kinds["decode"]["device_s"] is None and account.snapshot()["device_s"] == pytest.approx(0.5)
 
 
+def test_the_device_clock_splits_the_time_between_forwards_into_tokens_and_waits(demo_assets):
+    """Events: forward start, forward end, tokens queued (each 250 ms after the one before on the fake clock); the
+    tokens' work is end -> tokens, the wait before a forward is the previous tokens (or forward end) -> its start,
+    and nothing is counted across an idle engine."""
+    spec = load_spec(demo_assets.model_dir)
+    account = StepAccount(StepCostModel(spec, 4, adapter_ranks=lambda name: {}), DeviceRates(1e9, 1e9),
+                          device_clock=True, new_event=FakeEvent)
+    FakeEvent.clock, FakeEvent.next_at = 0.0, 0.0
+    talker = Seq(prompt_len=4)
+
+    def decode_step(tokens: bool, at: float):
+        account.before_forward()
+        account.launched(plan([(talker, 7, 1, True)]), now=at)
+        if tokens:
+            account.tokens_queued()
+
+    account.begin(0.0)
+    decode_step(True, 0.0)  # events 0.0, 0.25, 0.5
+    FakeEvent.next_at = 1.0  # the device waits 0.5 for the next launch
+    decode_step(True, 0.1)  # 1.0, 1.25, 1.5
+    FakeEvent.clock = 1.5
+    account.landed(0.2)
+    account.landed(0.3)
+    decode = account.snapshot()["by_kind"]["decode"]
+    assert decode["device_s"] == pytest.approx(0.5) and decode["tokens_device_s"] == pytest.approx(0.5)
+    assert decode["before_forward_s"] == pytest.approx(0.5)  # the first step followed an idle engine: not counted
+    decode_step(False, 0.4)  # 1.75, 2.0; no tokens told: its successor's wait counts from its forward's end
+    decode_step(True, 0.5)  # 2.25, 2.5, 2.75
+    FakeEvent.clock = 2.5
+    account.landed(0.6)
+    account.landed(0.7)
+    assert account.snapshot()["device_s"] == pytest.approx(0.75)  # the last step's tokens are not passed yet
+    account.idle()
+    FakeEvent.next_at = 10.0
+    decode_step(True, 5.0)  # after the idle engine: 10.0, 10.25, 10.5
+    FakeEvent.clock = 10.5
+    account.landed(5.1)
+    snapshot = account.snapshot()
+    decode = snapshot["by_kind"]["decode"]
+    assert decode["device_s"] == pytest.approx(1.25) and decode["tokens_device_s"] == pytest.approx(1.0)
+    assert decode["before_forward_s"] == pytest.approx(0.5 + 0.25 + 0.25)
+    assert snapshot["before_forward_s"] == pytest.approx(1.0) and snapshot["tokens_device_s"] == pytest.approx(1.0)
+    assert snapshot["by_kind"]["prefill"]["tokens_device_s"] is None
+
+
 def test_a_failed_step_leaves_nothing_pending(account):
     account.begin(0.0)
     account.launched(plan([(Seq(prompt_len=1), 5, 1, True)]))

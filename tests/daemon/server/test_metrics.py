@@ -142,6 +142,32 @@ def test_render_parses_and_carries_the_values():
     assert value(families, "lorad_cpu_jobs_native_total") == 0
 
 
+def test_the_device_clocks_split_of_step_time_is_rendered_by_kind(demo_assets):
+    """On cuda the account's device clock: the forwards, the tokens' work after them and the waits before them."""
+    from lorad.daemon.engine.step_account import StepAccount
+    from lorad.daemon.engine.step_cost import DeviceRates, StepCostModel
+    from lorad.daemon.model.checkpoint import load_spec
+    from test_step_account import FakeEvent, Seq, plan
+
+    account = StepAccount(StepCostModel(load_spec(demo_assets.model_dir), 4, adapter_ranks=lambda name: {}),
+                          DeviceRates(1e9, 1e9), device_clock=True, new_event=FakeEvent)
+    FakeEvent.clock, FakeEvent.next_at = 0.0, 0.0
+    account.begin(0.0)
+    for at in (0.0, 1.0):  # two decode steps of a 0.25 s forward and 0.25 s of tokens, the device idle 0.5 s between
+        FakeEvent.next_at = at
+        account.before_forward()
+        account.launched(plan([(Seq(prompt_len=4), 7, 1, True)]), now=at)
+        account.tokens_queued()
+    FakeEvent.clock = 2.0
+    account.landed(0.5)
+    account.landed(1.5)
+    families = parse(render(Metrics().snapshot(**GAUGES, steps=account.metrics())))
+    assert value(families, "lorad_step_device_seconds_total", kind="decode") == pytest.approx(0.5)
+    assert value(families, "lorad_step_tokens_device_seconds_total", kind="decode") == pytest.approx(0.5)
+    assert value(families, "lorad_step_before_forward_seconds_total", kind="decode") == pytest.approx(0.5)
+    assert value(families, "lorad_step_before_forward_seconds_total", kind="mixed") == 0
+
+
 def test_a_bucket_bound_is_inclusive():
     metrics = Metrics()
     metrics.first_token(0.01)
@@ -226,6 +252,7 @@ def test_metrics_move_as_requests_run(demo):
     assert 0 < value(after, "lorad_step_floor_seconds_total", kind="decode")
     assert 0 < value(after, "lorad_step_host_before_launch_seconds_total", kind="prefill", part="launch")
     assert "lorad_step_device_seconds_total" not in after  # no device clock on the cpu
+    assert "lorad_step_before_forward_seconds_total" not in after
     assert 0 < value(after, "lorad_step_busy_seconds_total", kind="decode") == pytest.approx(
         value(after, "lorad_step_seconds_sum", kind="decode"))
 
