@@ -120,6 +120,23 @@ def replay(lengths: list[tuple[int, int]], max_running: int, max_batch_tokens: i
     return steps
 
 
+def chunked_steps(lengths: list[tuple[int, int]], max_running: int, max_batch_tokens: int) -> dict:
+    """The steps with prompt rows, and those among them with a prompt chunk that does not end its prompt (the token
+    budget cut it): such a step samples no token for that row, and the step after it goes on with the prompt from
+    the host (the engine plans it ahead beside the decode rows' tokens in flight; DESIGN.md, "Overlapped decode")."""
+    room = _Unbounded()
+    scheduler = Scheduler(max_running, max_batch_tokens, room, room)
+    enqueue(scheduler, lengths)
+    with_prompt = chunked = 0
+    while scheduler.has_work():
+        batch = scheduler.schedule()
+        if step_kind(batch) != "decode":
+            with_prompt += 1
+            chunked += any(seq.num_computed + count < seq.num_tokens for seq, count in batch)
+        advance(scheduler, batch)
+    return {"steps_with_prompt_rows": with_prompt, "ending_on_a_chunk": chunked}
+
+
 def padding(steps: list[tuple[str, int]], buckets: tuple[int, ...], max_batch_tokens: int) -> dict:
     """Per kind with prompt rows: steps, rows, the buckets' rows and the padding rows among them."""
     largest = [bucket for bucket in buckets if bucket < max_batch_tokens] + [max_batch_tokens]
@@ -159,6 +176,7 @@ def main() -> None:
             "engine, chunks cut to a bucket (what-if)": (TOKEN_BUCKETS, trimmed)}
     result = {"dataset": args.dataset, "prompts": len(lengths), "max_running_requests": args.max_running_requests,
               "max_batch_tokens": args.max_batch_tokens,
+              "chunks": chunked_steps(lengths, args.max_running_requests, args.max_batch_tokens),
               "runs": {name: {"tokens": list(buckets), "steps": len(run), **padding(run, buckets, args.max_batch_tokens)}
                        for name, (buckets, run) in runs.items()}}
     print(f"{args.dataset}: {len(lengths)} prompts, max_running_requests {args.max_running_requests}, "
@@ -173,6 +191,9 @@ def main() -> None:
                       f"{entry['graph_rows']:>10} {entry['padding_rows']:>8} {entry['padding_rows_per_step']:>8} "
                       f"{entry['padding_share']:>6.3f}")
     print(f"engine buckets: {','.join(map(str, TOKEN_BUCKETS))}; other: {','.join(map(str, other))}")
+    chunks = result["chunks"]
+    print(f"steps with prompt rows: {chunks['steps_with_prompt_rows']}, of which {chunks['ending_on_a_chunk']} with a "
+          f"prompt chunk that does not end its prompt")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

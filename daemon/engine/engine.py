@@ -888,13 +888,14 @@ class Engine:
 
     def _overlappable(self, plan: StepPlan, ending: int = 0) -> bool:
         """Is this step's reading of its tokens deferred: a step of every running request (greedy or drawn with a
-        temperature, with penalties, bias, logprobs or not) that samples each of them, a decode step or one whose
-        prompt rows all end their prompts in it (a saturated server's step that admits a request beside the decode
-        rows): the next step, a decode of them all, is launched from its tokens on the device while the host takes
-        them. Requests that keep their logits, and a step whose first choices fork, read the step on the host."""
+        temperature, with penalties, bias, logprobs or not) that samples at least one row: a decode step, or one
+        with prompt rows beside (a saturated server's step that admits requests beside the decode rows, the last
+        prompt perhaps a chunk that does not end it). The next step is launched from its tokens on the device while
+        the host takes them: a decode of them all, or one planned ahead, whose prompt chunks come from the host.
+        Requests that keep their logits, and a step whose first choices fork, read the step on the host."""
         if not self.overlap_decode or plan.assisted or len(plan.seqs) != len(self.scheduler.running) - ending:
             return False
-        if not plan.decode and len(plan.sampled) != len(plan.seqs):  # a prompt chunk that does not end its prompt
+        if not len(plan.sampled):  # prompt chunks alone: no token to wait for, nothing gained
             return False
         return all(not seq.state.request.keep_logits
                    and (seq.state.group is None or not seq.state.group.unforked)  # a fork reads the step's logits
@@ -968,21 +969,26 @@ class Engine:
             return tokens[: len(rows)]
         return tokens[to_device(torch.as_tensor(rows), tokens.device)]
 
-    def _rows_going_on(self) -> dict[Sequence, int] | None:
+    def _rows_going_on(self, chunks: bool = False) -> dict[Sequence, int] | None:
         """When the next step can be planned and launched before the step in flight's tokens are read (the step
         after an overlapped one that admits waiting requests: a mixed step): its rows that go on -> their row in it.
         None (the tokens are read first) when a running request is not in it, none goes on, or one of their KV
         caches cannot grow by the token in flight without a preemption. Rows that end on length in it are left
-        out, as the overlapped decode does."""
+        out, as the overlapped decode does. chunks: a running request amid its prompt (a chunk in flight that does
+        not end it, no token) may be outside it, its KV grown to the prompt's end first (the scheduler then never
+        preempts a request with a row in flight to make room for its next chunk)."""
         flight = self._in_flight
         if not self.overlap_decode:
             return None
         in_flight = set(flight.seqs)
-        if any(seq not in in_flight for seq in self.scheduler.running):
+        amid = [seq for seq in self.scheduler.running if seq not in in_flight]
+        if amid and not (chunks and all(seq.num_computed < seq.num_tokens for seq in amid)):
             return None
         going = {seq: row for row, seq in enumerate(flight.seqs) if not seq.state.finished and not self._ends_on_length(seq)
                  and seq.num_tokens != self.rope_switch}  # a token in flight that crosses it has its cache recomputed
         if not going or not all(self.grow(seq.blocks, seq.num_computed + 1) for seq in going):
+            return None
+        if not all(self.grow(seq.blocks, seq.num_tokens) for seq in amid):
             return None
         return going
 
@@ -993,8 +999,8 @@ class Engine:
     def _plan_ahead_rows(self) -> dict[Sequence, int] | None:
         """_rows_going_on where the step after the one in flight may be planned before its tokens land: every row of
         it goes on or ends on length (a row whose token crosses longrope's switch has its cache computed again, from
-        the landed tokens)."""
-        going = self._rows_going_on()
+        the landed tokens); running requests amid their prompts go on from the host."""
+        going = self._rows_going_on(chunks=True)
         if going is None or any(seq not in going and not seq.state.finished and not self._ends_on_length(seq)
                                 for seq in self._in_flight.seqs):
             return None

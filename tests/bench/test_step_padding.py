@@ -30,6 +30,14 @@ def test_replay_plans_the_steps_the_scheduler_does():
         ("prefill", 512), ("mixed", 89), ("decode", 1)]
 
 
+def test_steps_ending_on_a_prompt_chunk_are_counted():
+    bench = bench_scripts.load("step_padding")
+    # the steps above: the first takes 6 of the second prompt's 10 (a chunk), the next two end every prompt in them
+    assert bench.chunked_steps([(10, 2)] * 3, max_running=2, max_batch_tokens=16) == {
+        "steps_with_prompt_rows": 3, "ending_on_a_chunk": 1}
+    assert bench.chunked_steps([(10, 2)] * 3, max_running=2, max_batch_tokens=32)["ending_on_a_chunk"] == 0
+
+
 def test_padding_counts_the_rows_past_each_step_up_to_its_bucket():
     bench = bench_scripts.load("step_padding")
     steps = [("mixed", 100), ("mixed", 300), ("prefill", 64), ("prefill", 500), ("decode", 2)]

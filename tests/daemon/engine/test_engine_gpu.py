@@ -210,11 +210,13 @@ def test_cuda_mixed_steps_group_their_decode_rows_lora(demo_assets, monkeypatch)
         torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("eager,max_running", [(False, 12), (True, 12), (False, 3)])
-def test_cuda_overlapped_decode_equals_the_cpu(demo_assets, eager, max_running):
+@pytest.mark.parametrize("eager,max_running,budget", [(False, 12, None), (True, 12, None), (False, 3, None), (False, 3, 16),
+                                                      (True, 3, 16)])
+def test_cuda_overlapped_decode_equals_the_cpu(demo_assets, eager, max_running, budget):
     """Overlapped decode (on by default on cuda) through the decode graphs and eager: the CPU's tokens, with
     requests ending on length at different steps and one on a stop token while its next row is in flight;
-    with 3 running slots for 12 requests, the steps overlap while the others wait for a slot."""
+    with 3 running slots for 12 requests, the steps overlap while the others wait for a slot; with a 16-token
+    budget the 40-token prompts go in chunks beside decode rows, steps planned ahead with the chunks from the host."""
     torch.backends.cuda.matmul.allow_tf32 = False
     adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
     names = [None, *sorted(demo_assets.adapters)]
@@ -231,13 +233,16 @@ def test_cuda_overlapped_decode_equals_the_cpu(demo_assets, eager, max_running):
     stop_token = full[1].token_ids[len(full[1].token_ids) // 2]
     cpu = cpu_engine.generate(requests(stop_token))
     engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="float32",
-                                 eager=eager, max_running_requests=max_running, max_lora_rank=64))
+                                 eager=eager, max_running_requests=max_running, max_lora_rank=64,
+                                 **({"max_batch_tokens": budget} if budget else {})))
     assert engine.overlap_decode and engine.status()["overlap_decode"] is True
     gpu = engine.generate(requests(stop_token))
     assert [r.token_ids for r in gpu] == [r.token_ids for r in cpu]
     assert [r.finish_reason for r in gpu] == [r.finish_reason for r in cpu]
     assert cpu[1].finish_reason == "stop"
     assert engine.overlapped_steps > 0 and engine._in_flight is None
+    if budget:
+        assert engine.planned_ahead_steps > 0
     assert engine.pool.occupancy()["kv"] == 0
     del engine
     gc.collect()

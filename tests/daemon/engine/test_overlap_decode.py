@@ -181,10 +181,11 @@ def test_a_step_planned_ahead_is_timed_for_the_prefill_model_from_the_landing_be
 
 
 @pytest.mark.parametrize("case", ["chunked", "sampled", "one_token_prompt"])
-def test_steps_planned_ahead_that_read_their_tokens_at_once(demo_assets, case):
-    """A step planned ahead whose own tokens are read at once (a prompt chunk that does not end its prompt) lands the
-    step in flight first; a row drawn with a temperature is planned ahead like a greedy one; a one-token prompt joins
-    the decode rows as a decode step with some input ids from the host. The plain engine's tokens either way."""
+def test_steps_planned_ahead_beside_prompt_chunks_draws_and_one_token_prompts(demo_assets, case):
+    """A prompt chunk that does not end its prompt, beside decode rows, is planned ahead and its step overlapped, the
+    chunks after it coming from the host; a row drawn with a temperature is planned ahead like a greedy one; a
+    one-token prompt joins the decode rows as a decode step with some input ids from the host. The plain engine's
+    tokens either way."""
     cases = [(prompt, ADAPTERS[i % len(ADAPTERS)]) for i, prompt in enumerate(prompts(4, seed=8, low=5, high=12))]
     config = {"max_running_requests": 2}
     if case == "chunked":
@@ -210,6 +211,32 @@ def test_steps_planned_ahead_that_read_their_tokens_at_once(demo_assets, case):
     plans = [call[0] for call in launched]
     if case == "one_token_prompt":
         assert any(plan.decode and plan.device_tokens is not None and not plan.every_token_on_device for plan in plans)
+    assert engine.pool.occupancy()["kv"] == 0 and not engine.scheduler.has_work() and engine._in_flight is None
+
+
+def test_a_long_prompt_in_chunks_beside_decode_rows_leaves_no_step_read_at_once(demo_assets, plain):
+    """A 40-token prompt admitted in chunks of a 16-token budget beside running requests: each chunk's step samples
+    the decode rows beside it, so it is overlapped and the next planned ahead; no step after the first waits for
+    the tokens of the one before it (which a chunk's step made every step after it do)."""
+    cases = [(prompt, ADAPTERS[i % len(ADAPTERS)]) for i, prompt in enumerate(prompts(3, seed=5, low=4, high=8))]
+    cases.append((prompts(1, seed=6, low=40, high=40)[0], "demo-r4"))
+    reqs = lambda: [GenerationRequest(list(prompt), adapter, SamplingParams(max_tokens=20, **GREEDY))  # noqa: E731
+                    for prompt, adapter in cases]
+    expected = [plain.generate([request])[0].token_ids for request in reqs()]
+    engine = overlapped(make_engine(demo_assets, max_running_requests=4, max_batch_tokens=16))
+    read_first = []  # steps begun with requests running and no step in flight: they waited for its tokens
+    step = engine.step
+
+    def counted_step():
+        if engine._in_flight is None and engine.scheduler.running:
+            read_first.append(engine.steps)
+        step()
+
+    engine.step = counted_step
+    results = engine.generate(reqs())
+    assert [r.token_ids for r in results] == expected
+    assert engine.account.totals["mixed"].steps >= 4  # the long prompt's chunks beside decode rows
+    assert read_first == [], read_first
     assert engine.pool.occupancy()["kv"] == 0 and not engine.scheduler.has_work() and engine._in_flight is None
 
 
