@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -64,6 +65,13 @@ NEXT_USE_DEPTH = 512  # queued requests looked at when an idle adapter is evicte
 PREPARE_DEPTH = 16  # queued requests whose adapters are read and staged ahead on the stager's thread (cuda)
 SAMPLING_FAILED = "sampling failed for this request (its distribution was not valid)"
 CLUSTER_MAX_WAIT_MS = 1000.0  # admission cluster without a TTFT objective: how long another adapter's request waits at most
+# Why a step's tokens were read before its successor was launched (the device idle while the host hands them back and
+# plans the next): the step itself (Engine._read_at_once), or its successor could not be planned ahead of them (a KV
+# cache that cannot grow by the token in flight without a preemption, a row crossing longrope's switch, a running
+# request outside the step in flight)
+NEXT_NOT_PLANNED_AHEAD = "next_not_planned_ahead"
+READ_AT_ONCE = ("adapters_streaming", "cpu_assist", "not_every_running_request", "prompt_chunks_alone", "keeps_logits",
+                "forks", NEXT_NOT_PLANNED_AHEAD)
 
 
 @dataclass(eq=False)
@@ -241,6 +249,7 @@ class Engine:
         self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
         self.overlapped_steps = 0
         self.planned_ahead_steps = 0  # steps planned and launched before the tokens of the step in flight were read
+        self.read_at_once = Counter()  # steps whose tokens were read before the next was launched, by cause (READ_AT_ONCE)
         self.forked_choices = 0  # choices that began from another's prefill (n > 1), its prompt's blocks shared
         # Overlapped decode (step(), _launch_next_decode): only where the device runs behind the host. On the cpu a
         # launch is the computation itself, so reading a step's tokens one step late would only delay them.
@@ -652,6 +661,7 @@ class Engine:
         self.account.begin(time.perf_counter())
         self._take_inbox()
         ahead = None  # the rows of the step in flight that the step planned now takes on from its tokens on the device
+        landed_first = False  # the step in flight was read before this one could be planned
         if self._in_flight is not None:
             if self._launch_next_decode():
                 return
@@ -661,6 +671,7 @@ class Engine:
                 self._prefetch(self._in_flight.done)
             ahead = self._plan_ahead_rows() if self.plan_ahead["on"] else None
             if ahead is None:
+                landed_first = True  # counted below where a step follows
                 self._finish_step_in_flight()
         scheduling = time.perf_counter()
         try:
@@ -680,6 +691,8 @@ class Engine:
                 self._finish(self.scheduler.blocked, "error",
                              error="the request does not fit in the page pool even alone (adapter too large)")
             return
+        if landed_first and self.overlap_decode:
+            self.read_at_once[NEXT_NOT_PLANNED_AHEAD] += 1
         started = time.perf_counter()
         streamed = bool(self.residency.streaming())  # this step ran while adapters streamed in
         if ahead is not None and assisted:  # the CPU workers compute from tokens on the host: the tokens landed first
@@ -705,9 +718,12 @@ class Engine:
         # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
         self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)
         self._admit_to_sampler(sampled)
+        why = self._read_at_once(plan, streamed, ending=len(ending) if ahead is not None else 0)
+        if why is not None and self.overlap_decode:
+            self.read_at_once[why] += 1
         if ahead is not None:
             self.planned_ahead_steps += 1
-            if not streamed and self._overlappable(plan, ending=len(ending)):
+            if why is None:
                 observed = self._prefill_tokens(batch)  # before num_computed moves on
                 for seq, count in batch:
                     seq.num_computed += count
@@ -720,9 +736,8 @@ class Engine:
                 if all(seq.state.finished for seq in following.seqs):  # every row ended on the tokens just landed
                     self._finish_step_in_flight()
                 return
-            # Its tokens are read now (a prompt chunk that does not end its prompt, a row drawn with a temperature, a
-            # step whose adapters stream in, checked when it lands): the step in flight's first. A row whose token just
-            # landed ended its request (a stop token) is dropped.
+            # Its tokens are read now (`why`: prompt chunks alone, adapters streaming in, checked when it lands): the
+            # step in flight's first. A row whose token just landed ended its request (a stop token) is dropped.
             self._finish_step_in_flight()
             started = time.perf_counter()  # where the device turned to it: the prefill model times it from here
             kept = [row for row, seq in enumerate(sampled) if not seq.state.finished]
@@ -730,7 +745,7 @@ class Engine:
                 logits = logits[to_device(torch.as_tensor(kept), logits.device)]
                 sampled = [sampled[row] for row in kept]
             batch = [(seq, count) for seq, count in batch if not seq.state.finished]
-        elif not streamed and self._overlappable(plan):  # its tokens are read by the next step(), after it launches its successor
+        elif why is None:  # its tokens are read by the next step(), after it launches its successor
             observed = None if assisted else self._prefill_tokens(batch)  # before num_computed moves on
             for seq, count in batch:
                 seq.num_computed += count
@@ -886,20 +901,30 @@ class Engine:
     # adapter placement copies on a side stream, so the KV pages of a sequence with a row in a step not landed
     # yet are fenced (`release`), and go out again once the device has passed that step.
 
-    def _overlappable(self, plan: StepPlan, ending: int = 0) -> bool:
-        """Is this step's reading of its tokens deferred: a step of every running request (greedy or drawn with a
-        temperature, with penalties, bias, logprobs or not) that samples at least one row: a decode step, or one
-        with prompt rows beside (a saturated server's step that admits requests beside the decode rows, the last
+    def _read_at_once(self, plan: StepPlan, streamed: bool, ending: int = 0) -> str | None:
+        """None where this step's reading of its tokens is deferred: a step of every running request (greedy or drawn
+        with a temperature, with penalties, bias, logprobs or not) that samples at least one row: a decode step, or
+        one with prompt rows beside (a saturated server's step that admits requests beside the decode rows, the last
         prompt perhaps a chunk that does not end it). The next step is launched from its tokens on the device while
         the host takes them: a decode of them all, or one planned ahead, whose prompt chunks come from the host.
-        Requests that keep their logits, and a step whose first choices fork, read the step on the host."""
-        if not self.overlap_decode or plan.assisted or len(plan.seqs) != len(self.scheduler.running) - ending:
-            return False
+        Otherwise why its tokens are read at once, the device idle until the host launches the next (one of
+        READ_AT_ONCE; counted in /v1/status `steps_read_at_once`)."""
+        if not self.overlap_decode:
+            return "no_overlap"
+        if streamed:  # adapters stream in while it runs: their copies are checked when it lands
+            return "adapters_streaming"
+        if plan.assisted:
+            return "cpu_assist"
+        if len(plan.seqs) != len(self.scheduler.running) - ending:
+            return "not_every_running_request"
         if not len(plan.sampled):  # prompt chunks alone: no token to wait for, nothing gained
-            return False
-        return all(not seq.state.request.keep_logits
-                   and (seq.state.group is None or not seq.state.group.unforked)  # a fork reads the step's logits
-                   for seq in plan.seqs)
+            return "prompt_chunks_alone"
+        for seq in plan.seqs:
+            if seq.state.request.keep_logits:
+                return "keeps_logits"
+            if seq.state.group is not None and seq.state.group.unforked:  # a fork reads the step's logits
+                return "forks"
+        return None
 
     def _launch_tokens(self, logits: torch.Tensor, seqs: list[Sequence],
                        prefill: tuple[int, float] | None = None) -> StepInFlight:

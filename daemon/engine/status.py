@@ -64,6 +64,7 @@ def engine_status(engine: Engine) -> dict:
             "overlapped_decode_steps": engine.overlapped_steps,
             "plan_ahead": engine.plan_ahead,
             "planned_ahead_steps": engine.planned_ahead_steps,
+            "steps_read_at_once": dict(engine.read_at_once),
             "prefill_cuda_graphs": engine.runner.prefill_graphs.tokens_buckets if engine.runner.prefill_graphs is not None else "off",
             "lora_kernel_choice": engine.kernel_choice.describe(),
             # where the profile came from: measured at start, found, given, off, none or failed (with why)

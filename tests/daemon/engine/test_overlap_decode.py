@@ -55,6 +55,7 @@ def test_off_on_the_cpu_by_default_and_said(demo_assets):
     status = engine.status()
     assert status["overlap_decode"] is False and status["overlapped_decode_steps"] == 0
     assert status["plan_ahead"] == {"on": False, "why": "no overlapped decode"} and status["planned_ahead_steps"] == 0
+    assert status["steps_read_at_once"] == {}  # nothing is deferred, so nothing counted as read at once
 
 
 def test_same_tokens_text_and_stream_as_plain_stepping(demo_assets, plain):
@@ -237,6 +238,10 @@ def test_a_long_prompt_in_chunks_beside_decode_rows_leaves_no_step_read_at_once(
     assert [r.token_ids for r in results] == expected
     assert engine.account.totals["mixed"].steps >= 4  # the long prompt's chunks beside decode rows
     assert read_first == [], read_first
+    assert engine.status()["steps_read_at_once"] == {}
+    alone = overlapped(make_engine(demo_assets, max_running_requests=4, max_batch_tokens=16))
+    assert alone.generate(reqs()[-1:])[0].token_ids == expected[-1]
+    assert alone.status()["steps_read_at_once"] == {"prompt_chunks_alone": 2}  # 16 + 16 of its 40 tokens, then 8
     assert engine.pool.occupancy()["kv"] == 0 and not engine.scheduler.has_work() and engine._in_flight is None
 
 
@@ -329,6 +334,8 @@ def test_steps_with_a_request_that_keeps_its_logits_stay_plain(demo_assets, plai
     assert engine.overlapped_steps == 0
     assert results[0].token_ids == plain.generate(requests([cases[0]], 6))[0].token_ids
     assert len(results[1].logits) == 6
+    # the three run together: each of their steps is read at once for the one that keeps its logits
+    assert engine.status()["steps_read_at_once"] == {"keeps_logits": engine.steps} and engine.steps == 6
 
 
 def test_rows_drawn_with_a_temperature_overlap_and_draw_the_plain_engines_tokens(demo_assets, plain):
