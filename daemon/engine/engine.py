@@ -30,7 +30,7 @@ from lorad.daemon.model import quantization
 from lorad.daemon.engine.cold_start import ColdStarts, resolve_cold_start, streaming_availability
 from lorad.daemon.engine.runner import ModelRunner
 from lorad.daemon.engine.kernel_window import KernelWindow
-from lorad.daemon.engine.step_account import ENDED_IN_FLIGHT, StepAccount
+from lorad.daemon.engine.step_account import ENDED_IN_FLIGHT, STEP_LOG_ENV, StepAccount, StepLog
 from lorad.daemon.engine.step_watch import StepWatch
 from lorad.daemon.engine.step_cost import StepCostModel, measure_device_rates
 from lorad.daemon.engine.step_plan import StepPlan
@@ -246,6 +246,12 @@ class Engine:
             self.kernel_window = KernelWindow.from_env() if self.device.type == "cuda" else None
         except ValueError as error:
             raise BadRequest(str(error)) from None
+        try:  # a diagnostic: every step's line (step_account.py)
+            self.account.step_log = StepLog.from_env()
+        except OSError as error:
+            raise BadRequest(f"{STEP_LOG_ENV}: cannot write the step log: {error}") from None
+        if self.account.step_log is not None:
+            log.info("step log: %s", self.account.step_log.path)
         self.kernel_choice.on_choice = self.stats.lora_kernel_chosen
         self.overlapped_steps = 0
         self.planned_ahead_steps = 0  # steps planned and launched before the tokens of the step in flight were read
@@ -601,6 +607,9 @@ class Engine:
         if self.tp is not None:
             self.tp.close()
             self.tp = None
+        if self.account.step_log is not None:
+            self.account.step_log.close()
+            self.account.step_log = None
 
     # ---- Memory protocol for the scheduler: KV growth may evict idle adapters ---------------------
     def grow(self, blocks: list, num_tokens: int) -> bool:
@@ -658,9 +667,11 @@ class Engine:
             self._finish(seq, "abort")
 
     def step(self) -> None:
-        self.account.begin(time.perf_counter())
+        began = time.perf_counter()
+        self.account.begin(began)
         self._take_inbox()
         ahead = None  # the rows of the step in flight that the step planned now takes on from its tokens on the device
+        prefetched = 0.0  # the host's time queueing streamed adapters' copies before this step was planned
         landed_first = False  # the step in flight was read before this one could be planned
         if self._in_flight is not None:
             if self._launch_next_decode():
@@ -669,6 +680,7 @@ class Engine:
                 # The host would only wait for the step in flight: queued requests' cold adapters start
                 # streaming in meanwhile (their copies hold the host until it is done, at most a layer more).
                 self._prefetch(self._in_flight.done)
+                prefetched = time.perf_counter() - began
             ahead = self._plan_ahead_rows() if self.plan_ahead["on"] else None
             if ahead is None:
                 landed_first = True  # counted below where a step follows
@@ -712,8 +724,11 @@ class Engine:
         planned = time.perf_counter()
         self.account.before_forward()
         logits = self.runner.forward(plan)
-        self.account.launched(plan, self.runner.graph_rows, time.perf_counter(), parts=(scheduling, started, planned),
-                              empty_slots=self.scheduler.max_running - len(plan.seqs), why_empty=self.scheduler.stopped)
+        launched = time.perf_counter()
+        self.account.launched(plan, self.runner.graph_rows, launched, parts=(scheduling, started, planned),
+                              empty_slots=self.scheduler.max_running - len(plan.seqs), why_empty=self.scheduler.stopped,
+                              notes={"origin": "after_landing" if ahead is None else "planned_ahead",
+                                     "host_ms": (launched - began) * 1e3, "prefetch_ms": prefetched * 1e3})
         sampled = plan.sampled
         # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
         self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)
@@ -721,6 +736,7 @@ class Engine:
         why = self._read_at_once(plan, streamed, ending=len(ending) if ahead is not None else 0)
         if why is not None and self.overlap_decode:
             self.read_at_once[why] += 1
+            self.account.note(read_at_once=why)
         if ahead is not None:
             self.planned_ahead_steps += 1
             if why is None:
@@ -966,7 +982,8 @@ class Engine:
         self.account.before_forward()
         logits = self.runner.forward(plan)
         self.account.launched(plan, self.runner.graph_rows, time.perf_counter(), empty_slots=self.scheduler.max_running - len(seqs),
-                              why_empty=ENDED_IN_FLIGHT if self.scheduler.waiting else NO_REQUEST_WAITING)
+                              why_empty=ENDED_IN_FLIGHT if self.scheduler.waiting else NO_REQUEST_WAITING,
+                              notes={"origin": "tokens_in_flight"})
         following = self._launch_tokens(logits, seqs)
         for seq in seqs:
             seq.num_computed += 1

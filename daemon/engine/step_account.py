@@ -24,6 +24,11 @@ Kinds: `decode` (every sequence adds its next token), `prefill` (every sequence 
 (prompt rows beside decode rows). A step replayed from a CUDA graph computes its bucket's rows; those past the
 step's own are its padding rows, counted apart (GEMM work on no token, which the floor does not include).
 
+A diagnostic, the steps one by one: `LORAD_STEP_LOG=FILE lorad serve ...` appends a JSON line per step to FILE
+(`StepLog`): its kind, rows, the account's times above for it alone, and the engine's notes on how it was launched
+(from the tokens in flight, planned ahead, or after the host read the step before it) and why its own tokens were
+read at once.
+
 Empty running slots: a step of fewer requests than the running cap leaves slots empty, and a decode step's
 floor is mostly its weights, read the same for any number of rows: a saturated server's steps should be full.
 Each step counts its empty slots under why the engine did not fill them (`EMPTY_CAUSES`: the admission's
@@ -32,7 +37,10 @@ stop, scheduler/batching.py, or rows that ended on the step before it, whose slo
 
 from __future__ import annotations
 
+import json
+import os
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -48,6 +56,7 @@ STEP_KINDS = ("decode", "prefill", "mixed")
 HOST_PARTS = ("tokens", "schedule", "plan", "launch")
 ENDED_IN_FLIGHT = "ended_in_flight"  # the requests that ended on the step in flight left, the queue's head joins next
 EMPTY_CAUSES = (*ADMISSION_STOPS, ENDED_IN_FLIGHT)
+STEP_LOG_ENV = "LORAD_STEP_LOG"
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -105,6 +114,7 @@ class DeviceSpan:
     end: object
     tokens: object = None
     after_idle: bool = False
+    record: dict | None = None  # the step's line for the step log, written once its device times are read
 
     def passed(self) -> bool:
         return (self.tokens or self.end).query()
@@ -122,16 +132,19 @@ class LaunchedStep:
     span: DeviceSpan | None  # its events on the device; None without a device clock
     empty_slots: int = 0  # running slots the step left empty
     why_empty: str | None = None  # one of EMPTY_CAUSES where empty_slots > 0
+    notes: dict = field(default_factory=dict)  # the engine's, for the step log (how it was launched, ...)
 
 
 class StepAccount:
     """Called from the step loop (begin, launched, landed, idle, drop_pending); read from any thread
     (snapshot, metrics)."""
 
-    def __init__(self, cost_model: StepCostModel, rates: DeviceRates, device_clock: bool = False, new_event=None):
+    def __init__(self, cost_model: StepCostModel, rates: DeviceRates, device_clock: bool = False, new_event=None,
+                 step_log: "StepLog | None" = None):
         """device_clock: time each step's forward on the device too (the engine on cuda); new_event: makes the
-        recorded events (default: timing CUDA events on the current stream)."""
+        recorded events (default: timing CUDA events on the current stream); step_log: where each step's line goes."""
         self.cost_model, self.rates, self.device_clock = cost_model, rates, device_clock
+        self.step_log = step_log
         self._new_event = new_event or (lambda: torch.cuda.Event(enable_timing=True))
         self._pending: deque[LaunchedStep] = deque()
         self._mark: float | None = None  # where the next step's time starts; None while idle
@@ -169,12 +182,14 @@ class StepAccount:
             self._pending[-1].span.tokens = event
 
     def launched(self, plan: StepPlan, graph_rows: int | None = None, now: float | None = None,
-                 parts: tuple[float, float, float] | None = None, empty_slots: int = 0, why_empty: str | None = None) -> None:
+                 parts: tuple[float, float, float] | None = None, empty_slots: int = 0, why_empty: str | None = None,
+                 notes: dict | None = None) -> None:
         """A step's forward was launched; its time is taken when it lands (FIFO: steps land in launch order).
         graph_rows: the rows its forward computed (a CUDA graph's bucket); None: the step's own (eager).
         now: the host's clock at the launch (for host_before_launch_s); parts: where the scheduling, the plan
         and the forward's launch began on it (HOST_PARTS after `tokens`). After before_forward, its device span
-        ends here. empty_slots: the running slots it left empty, why_empty: why (one of EMPTY_CAUSES)."""
+        ends here. empty_slots: the running slots it left empty, why_empty: why (one of EMPTY_CAUSES). notes: the
+        engine's, for the step log (`note` adds to them after the launch)."""
         if empty_slots > 0 and why_empty not in EMPTY_CAUSES:
             raise ValueError(f"why_empty {why_empty!r} is not one of {EMPTY_CAUSES}")
         counts, starts = plan.counts, plan.starts
@@ -198,7 +213,12 @@ class StepAccount:
             span = DeviceSpan(kind, self._start_event, end, after_idle=self._after_idle)
             self._start_event, self._after_idle = None, False
         self._pending.append(LaunchedStep(kind, rows, padding, prompt_tokens, cost, now, parts, span, max(empty_slots, 0),
-                                          why_empty))
+                                          why_empty, dict(notes or {})))
+
+    def note(self, **notes) -> None:
+        """Adds to the last launched step's notes (for the step log)."""
+        if self._pending and self.step_log is not None:
+            self._pending[-1].notes.update(notes)
 
     def landed(self, now: float) -> None:
         """The oldest launched step's tokens are on the host: its time and floor are counted."""
@@ -214,6 +234,18 @@ class StepAccount:
             split = [later - earlier for earlier, later in zip(bounds, bounds[1:])]
         if step.span is not None:
             self._spans.append(step.span)
+        if self.step_log is not None:
+            record = {"kind": step.kind, "rows": step.rows, "padding_rows": step.padding_rows,
+                      "prompt_tokens": step.prompt_tokens, "landed_s": now, "busy_ms": seconds * 1e3,
+                      "host_before_launch_ms": host * 1e3,
+                      "host_parts_ms": {part: value * 1e3 for part, value in zip(HOST_PARTS, split or ())},
+                      "floor_ms": max(step.cost.bytes / self.rates.bandwidth_bytes_per_s,
+                                      step.cost.flops / self.rates.flops_per_s) * 1e3,
+                      "empty_slots": step.empty_slots, "why_empty": step.why_empty, **step.notes}
+            if step.span is not None:
+                step.span.record = record  # written with its device times
+            else:
+                self.step_log.write(record)
         memory_s = step.cost.bytes / self.rates.bandwidth_bytes_per_s
         compute_s = step.cost.flops / self.rates.flops_per_s
         with self._lock:
@@ -241,12 +273,18 @@ class StepAccount:
 
     def _read_span(self, span: DeviceSpan) -> None:
         totals = self.totals[span.kind]
-        totals.device_s = (totals.device_s or 0.0) + span.start.elapsed_time(span.end) / 1e3
+        forward_ms = span.start.elapsed_time(span.end)
+        totals.device_s = (totals.device_s or 0.0) + forward_ms / 1e3
+        tokens_ms = wait_ms = None
         if span.tokens is not None:
-            totals.tokens_device_s = (totals.tokens_device_s or 0.0) + span.end.elapsed_time(span.tokens) / 1e3
+            tokens_ms = span.end.elapsed_time(span.tokens)
+            totals.tokens_device_s = (totals.tokens_device_s or 0.0) + tokens_ms / 1e3
         if self._last_passed is not None and not span.after_idle:
-            totals.before_forward_s = (totals.before_forward_s or 0.0) + self._last_passed.elapsed_time(span.start) / 1e3
+            wait_ms = self._last_passed.elapsed_time(span.start)
+            totals.before_forward_s = (totals.before_forward_s or 0.0) + wait_ms / 1e3
         self._last_passed = span.tokens or span.end
+        if span.record is not None and self.step_log is not None:
+            self.step_log.write({**span.record, "forward_ms": forward_ms, "tokens_ms": tokens_ms, "wait_before_ms": wait_ms})
 
     def in_flight(self) -> bool:
         """A step was launched whose tokens have not landed."""
@@ -301,3 +339,25 @@ class StepAccount:
                            "device_s": totals.device_s, "tokens_device_s": totals.tokens_device_s,
                            "before_forward_s": totals.before_forward_s}
                     for kind, totals in self.totals.items()}
+
+
+class StepLog:
+    """The steps one by one, a JSON line each appended to a file (`LORAD_STEP_LOG=FILE`, a diagnostic): what the
+    account sums, per step, with `landed_s` on the host's clock (perf_counter) and, on cuda, `forward_ms`,
+    `tokens_ms` and `wait_before_ms` on the device's (written once the device has passed the step)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = open(path, "a", buffering=1)  # a line at a time: what a killed daemon had logged stays
+        self._file.write(json.dumps({"step_log": 1, "pid": os.getpid(), "started": time.time()}) + "\n")
+
+    @classmethod
+    def from_env(cls) -> "StepLog | None":
+        path = os.environ.get(STEP_LOG_ENV)
+        return cls(path) if path else None
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()

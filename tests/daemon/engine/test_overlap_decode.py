@@ -245,6 +245,41 @@ def test_a_long_prompt_in_chunks_beside_decode_rows_leaves_no_step_read_at_once(
     assert engine.pool.occupancy()["kv"] == 0 and not engine.scheduler.has_work() and engine._in_flight is None
 
 
+def test_the_step_log_has_a_line_per_step_with_how_it_was_launched(demo_assets, plain, tmp_path, monkeypatch):
+    """LORAD_STEP_LOG: a header, then each step's kind, rows, times and the engine's notes: launched from the tokens
+    in flight, planned ahead or after the host read the step before it, and why a step was read at once."""
+    import json
+
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("LORAD_STEP_LOG", str(path))
+    cases = [(prompt, ADAPTERS[i % len(ADAPTERS)]) for i, prompt in enumerate(prompts(6, seed=5, low=4, high=8))]
+    reqs = [GenerationRequest(list(prompt), adapter, SamplingParams(max_tokens=4 + i, **GREEDY)) for i, (prompt, adapter)
+            in enumerate(cases)]
+    reqs.append(GenerationRequest(prompts(1, seed=6, low=40, high=40)[0], "demo-r4", SamplingParams(max_tokens=3, **GREEDY)))
+    engine = overlapped(make_engine(demo_assets, max_running_requests=3, max_batch_tokens=16))
+    engine.generate(reqs)
+    engine.close()
+    header, *lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert header["step_log"] == 1 and len(lines) == engine.steps
+    origins = {line["origin"] for line in lines}
+    assert origins == {"after_landing", "planned_ahead", "tokens_in_flight"}
+    assert sum(line["kind"] == "decode" for line in lines) == engine.account.totals["decode"].steps
+    assert sum(line["rows"] for line in lines) == sum(totals.rows for totals in engine.account.totals.values())
+    read_at_once = [line["read_at_once"] for line in lines if "read_at_once" in line]
+    assert sorted(read_at_once) == sorted(cause for cause, count in engine.read_at_once.items() for _ in range(count))
+    assert all(line["busy_ms"] >= line["host_before_launch_ms"] >= 0 and line["floor_ms"] > 0 for line in lines)
+    assert all("forward_ms" not in line for line in lines)  # no device clock on the cpu
+    assert [line["landed_s"] for line in lines] == sorted(line["landed_s"] for line in lines)
+
+
+def test_a_step_log_that_cannot_be_written_is_a_clear_error(demo_assets, tmp_path, monkeypatch):
+    from lorad.errors import BadRequest
+
+    monkeypatch.setenv("LORAD_STEP_LOG", str(tmp_path / "no" / "such" / "dir" / "steps.jsonl"))
+    with pytest.raises(BadRequest, match="LORAD_STEP_LOG: cannot write the step log"):
+        make_engine(demo_assets)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_queues_give_the_plain_engines_tokens(demo_assets, seed):
     """Fourteen requests of 1-40 prompt tokens and 1-12 output tokens over the base model and five adapters, in a few

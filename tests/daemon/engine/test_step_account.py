@@ -203,6 +203,43 @@ def test_the_device_clock_splits_the_time_between_forwards_into_tokens_and_waits
     assert snapshot["by_kind"]["prefill"]["tokens_device_s"] is None
 
 
+def test_the_step_log_writes_a_step_once_the_device_has_passed_it(demo_assets):
+    from lorad.daemon.engine.step_account import StepLog
+
+    class Lines(StepLog):
+        def __init__(self):
+            self.lines = []
+
+        def write(self, record):
+            self.lines.append(record)
+
+    log = Lines()
+    account = StepAccount(StepCostModel(load_spec(demo_assets.model_dir), 4, adapter_ranks=lambda name: {}),
+                          DeviceRates(1e9, 1e9), device_clock=True, new_event=FakeEvent, step_log=log)
+    FakeEvent.clock, FakeEvent.next_at = 0.0, 0.0
+    account.begin(0.0)
+    for at in (0.0, 1.0):  # forward 0.25, tokens 0.25; the second after the device waited 0.5
+        FakeEvent.next_at = at
+        account.before_forward()
+        account.launched(plan([(Seq(prompt_len=4), 7, 1, True)]), now=at + 0.01, notes={"origin": "planned_ahead"})
+        account.tokens_queued()
+    account.note(read_at_once="keeps_logits")
+    FakeEvent.clock = 0.5
+    account.landed(0.6)
+    account.landed(1.6)
+    assert len(log.lines) == 1  # the second is not passed yet
+    FakeEvent.clock = 2.0  # passed: read with the next landing
+    account.before_forward()
+    account.launched(plan([(Seq(prompt_len=4), 8, 1, True)]), now=2.0)
+    account.landed(2.5)
+    first, second = log.lines[:2]
+    assert first["origin"] == "planned_ahead" and "read_at_once" not in first and first["wait_before_ms"] is None
+    assert first["forward_ms"] == pytest.approx(250) and first["tokens_ms"] == pytest.approx(250)
+    assert second["read_at_once"] == "keeps_logits" and second["wait_before_ms"] == pytest.approx(500)
+    assert first["busy_ms"] == pytest.approx(600) and second["busy_ms"] == pytest.approx(1000)
+    assert second["host_before_launch_ms"] == pytest.approx(410)  # launched at 1.01, the first landed at 0.6
+
+
 def test_a_failed_step_leaves_nothing_pending(account):
     account.begin(0.0)
     account.launched(plan([(Seq(prompt_len=1), 5, 1, True)]))
