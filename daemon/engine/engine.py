@@ -674,7 +674,7 @@ class Engine:
         prefetched = 0.0  # the host's time queueing streamed adapters' copies before this step was planned
         landed_first = False  # the step in flight was read before this one could be planned
         if self._in_flight is not None:
-            if self._launch_next_decode():
+            if self._launch_next_decode(began):
                 return
             if self.scheduler.waiting and self.cold_starts.streaming["on"]:
                 # The host would only wait for the step in flight: queued requests' cold adapters start
@@ -965,11 +965,11 @@ class Engine:
             done.record()
         return StepInFlight(seqs, tokens, host, done, logprobs, prefill)
 
-    def _launch_next_decode(self) -> bool:
+    def _launch_next_decode(self, began: float) -> bool:
         """Launches the decode step after the one in flight from its tokens on the device, then lands the
         one in flight. False (nothing done) when the next step is not that same decode batch: requests
         wait to join it and a running slot is free, or one of its KV caches cannot grow without the
-        scheduler preempting."""
+        scheduler preempting. began: where the step loop's step() began (the step log's host_ms)."""
         if self.scheduler.waiting and not self._running_is_full():
             return False
         going = self._rows_going_on()
@@ -983,7 +983,7 @@ class Engine:
         logits = self.runner.forward(plan)
         self.account.launched(plan, self.runner.graph_rows, time.perf_counter(), empty_slots=self.scheduler.max_running - len(seqs),
                               why_empty=ENDED_IN_FLIGHT if self.scheduler.waiting else NO_REQUEST_WAITING,
-                              notes={"origin": "tokens_in_flight"})
+                              notes={"origin": "tokens_in_flight", "host_ms": (time.perf_counter() - began) * 1e3})
         following = self._launch_tokens(logits, seqs)
         for seq in seqs:
             seq.num_computed += 1

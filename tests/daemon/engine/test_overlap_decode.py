@@ -87,8 +87,8 @@ def test_a_full_running_batch_overlaps_while_others_wait(demo_assets, plain):
     overlaps = []
     step = engine._launch_next_decode
 
-    def watched():
-        launched = step()
+    def watched(began):
+        launched = step(began)
         if launched:
             overlaps.append(len(engine.scheduler.waiting))
         return launched
@@ -269,6 +269,7 @@ def test_the_step_log_has_a_line_per_step_with_how_it_was_launched(demo_assets, 
     assert sorted(read_at_once) == sorted(cause for cause, count in engine.read_at_once.items() for _ in range(count))
     assert all(line["busy_ms"] >= line["host_before_launch_ms"] >= 0 and line["floor_ms"] > 0 for line in lines)
     assert all("forward_ms" not in line for line in lines)  # no device clock on the cpu
+    assert all(line["host_ms"] >= 0 for line in lines)  # the host's time from its step() to its launch
     assert [line["landed_s"] for line in lines] == sorted(line["landed_s"] for line in lines)
 
 
