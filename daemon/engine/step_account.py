@@ -38,6 +38,7 @@ stop, scheduler/batching.py, or rows that ended on the step before it, whose slo
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -56,6 +57,8 @@ STEP_KINDS = ("decode", "prefill", "mixed")
 HOST_PARTS = ("tokens", "schedule", "plan", "launch")
 ENDED_IN_FLIGHT = "ended_in_flight"  # the requests that ended on the step in flight left, the queue's head joins next
 EMPTY_CAUSES = (*ADMISSION_STOPS, ENDED_IN_FLIGHT)
+log = logging.getLogger(__name__)
+
 STEP_LOG_ENV = "LORAD_STEP_LOG"
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
@@ -357,7 +360,19 @@ class StepLog:
         return cls(path) if path else None
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        """One line; a diagnostic never fails a step: a write that fails (a full disk) stops the log, said once."""
+        if self._file is None:
+            return
+        try:
+            self._file.write(json.dumps(record) + "\n")
+        except OSError as error:
+            log.warning("step log %s stopped: %s", self.path, error)
+            self.close()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None

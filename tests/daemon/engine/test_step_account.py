@@ -240,6 +240,30 @@ def test_the_step_log_writes_a_step_once_the_device_has_passed_it(demo_assets):
     assert second["host_before_launch_ms"] == pytest.approx(410)  # launched at 1.01, the first landed at 0.6
 
 
+def test_a_step_log_whose_writes_fail_stops_without_failing_the_step(demo_assets, tmp_path, caplog):
+    from lorad.daemon.engine.step_account import StepLog
+
+    log = StepLog(str(tmp_path / "steps.jsonl"))
+
+    class Full:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            pass
+
+    log._file = Full()
+    account = StepAccount(StepCostModel(load_spec(demo_assets.model_dir), 4, adapter_ranks=lambda name: {}),
+                          DeviceRates(1e9, 1e9), step_log=log)
+    account.begin(0.0)
+    for at in (0.1, 0.2):
+        account.launched(plan([(Seq(prompt_len=4), 7, 1, True)]), now=at)
+        account.landed(at + 0.05)
+    assert account.totals["decode"].steps == 2 and log._file is None
+    assert [record.message for record in caplog.records].count(
+        f"step log {log.path} stopped: [Errno 28] No space left on device") == 1
+
+
 def test_a_failed_step_leaves_nothing_pending(account):
     account.begin(0.0)
     account.launched(plan([(Seq(prompt_len=1), 5, 1, True)]))
