@@ -1,7 +1,7 @@
 """The FP8 kernels of a decode batch on the GPU, each beside what it replaced, in one run:
 
-1. the projections' GEMM at decode row counts: gpu_ops/fp8_gemm.py's `fp8_rows_gemm` (what `fp8_linear` takes up
-   to ROWS_KERNEL_MAX_ROWS rows) beside torch._scaled_mm with the same per-token and per-channel scales and
+1. the projections' GEMM at decode row counts: gpu_ops/fp8_gemm.py's `fp8_rows_gemm` (what `fp8_linear` takes for
+   decode batches: `takes_rows_kernel`) beside torch._scaled_mm with the same per-token and per-channel scales and
    fp8_linear's accumulation (SCALED_MM_FAST_ACCUM), on the 7B projections (q|k|v, o, gate|up, down) at --rows,
    each against its weight bytes over the measured copy bandwidth; every call reads another copy of the weight
    (more copies than the L2 holds), so every call reads HBM;

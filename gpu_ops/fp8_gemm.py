@@ -3,7 +3,8 @@
 - `quantize_rows`: x [T, K] -> FP8 rows and their float32 scales [T, 1], a Triton kernel (each row's amax / 448, or a
   checkpoint's static scale); drop-in for `fp8.quantize_rows_ref`.
 - `fp8_linear`: x @ W^T. The rows quantized per token and multiplied with the row scales and the weight's channel
-  scales (capturable in a CUDA graph): up to `ROWS_KERNEL_MAX_ROWS` rows (decode batches) by `fp8_rows_gemm`, more
+  scales (capturable in a CUDA graph): decode batches by `fp8_rows_gemm` (`takes_rows_kernel`: up to
+  `ROWS_KERNEL_MAX_ROWS` rows, up to `NARROW_MAX_ROWS` for a projection of at most `NARROW_OUT_FEATURES` columns), more
   by `torch._scaled_mm` (rowwise scaling, fast accumulation: `SCALED_MM_FAST_ACCUM`, bf16 output). One row (batch-1
   decode) goes to the gemv kernel instead (gpu_ops/gemv.py with the channel scales): a pass over the FP8 weight
   bytes with x kept in bf16, where a GEMM launch would pad the row to a tile. Its reference is `fp8.scaled_mm_ref`
@@ -14,7 +15,8 @@
   at the end. At these rows a projection is a pass over its weight bytes, and cuBLAS's kernel for them (tiles 128
   columns wide) leaves o and down (4096 columns) on 32 programs of the H100's 132 SMs. A 7B layer's four
   projections take 0.72-0.86x torch._scaled_mm's time at 2-64 rows (o 0.65-0.77x, down 0.55-0.71x; `python3
-  bench/fp8_rows.py`, bench/results/fp8_rows_h100.json); at 128 rows 1.31x, so more rows stay with cuBLAS.
+  bench/fp8_rows.py`, bench/results/fp8_rows_h100.json). At 128 rows it takes 1.6-1.8x cuBLAS's time on q|k|v and
+  gate|up, which stay with cuBLAS there, and 0.77x on o and down (bench/results/fp8_rows_12b89ab_h100.json).
 
 Roofline of one projection: bytes = in * out (FP8) + 4 * out (scales) + the rows; flops = 2 * rows * in * out.
 """
@@ -36,10 +38,16 @@ try:
 except ImportError:  # the CPU engine runs the references only
     triton = None
 
-__all__ = ["ROWS_KERNEL_MAX_ROWS", "RowsGemmConfig", "SCALED_MM_FAST_ACCUM", "fp8_linear", "fp8_rows_gemm", "quantize_rows",
-           "rows_gemm_config"]
+__all__ = ["NARROW_MAX_ROWS", "NARROW_OUT_FEATURES", "ROWS_KERNEL_MAX_ROWS", "RowsGemmConfig", "SCALED_MM_FAST_ACCUM",
+           "fp8_linear", "fp8_rows_gemm", "quantize_rows", "rows_gemm_config", "takes_rows_kernel"]
 
-ROWS_KERNEL_MAX_ROWS = 64  # rows up to which fp8_linear takes fp8_rows_gemm (more: torch._scaled_mm)
+ROWS_KERNEL_MAX_ROWS = 64  # rows up to which fp8_linear takes fp8_rows_gemm for every projection (more: torch._scaled_mm)
+# ... and up to which for a projection of at most NARROW_OUT_FEATURES output columns: at 128 rows the 7B shape's o and
+# down took 11.0 and 24.2 us against cuBLAS's 14.3 and 31.3 (fast accumulation; cuBLAS's tiles 128 columns wide put
+# 4096 columns on 32 of the H100's 132 SMs), where q|k|v and gate|up took 1.6-1.8x cuBLAS's time (`python3
+# bench/fp8_rows.py --rows 2,64,128`, bench/results/fp8_rows_12b89ab_h100.json; past 128 rows not measured)
+NARROW_MAX_ROWS = 128
+NARROW_OUT_FEATURES = 4096
 # torch._scaled_mm's products summed in the tensor cores' own FP8 accumulator (fast accumulation), as vLLM's CUTLASS
 # FP8 GEMMs for Hopper do: a 7B layer's projections 1.08x faster at 1152 rows (a mixed step), 1.04-1.10x at
 # 128-2048, for a relative error against the float64 product of 0.0020-0.0028 instead of 0.0017 (the bf16
@@ -180,15 +188,21 @@ def fp8_rows_gemm(rows: torch.Tensor, row_scale: torch.Tensor, weight: Fp8Weight
     return out
 
 
+def takes_rows_kernel(rows: int, out_features: int) -> bool:
+    """Does fp8_linear multiply `rows` rows by a projection of `out_features` columns with fp8_rows_gemm (else
+    torch._scaled_mm): up to ROWS_KERNEL_MAX_ROWS rows, and up to NARROW_MAX_ROWS for at most NARROW_OUT_FEATURES."""
+    return rows <= ROWS_KERNEL_MAX_ROWS or (rows <= NARROW_MAX_ROWS and out_features <= NARROW_OUT_FEATURES)
+
+
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] @ W^T (+ bias) -> [T, out] in x's dtype, on the GPU: one row through the gemv kernel with the
     channel scales (x in its own dtype: a static activation scale is not needed there), more rows quantized per
-    token and multiplied by fp8_rows_gemm (up to ROWS_KERNEL_MAX_ROWS) or torch._scaled_mm (rowwise scales, fast
+    token and multiplied by fp8_rows_gemm (`takes_rows_kernel`) or torch._scaled_mm (rowwise scales, fast
     accumulation, bf16 out). in and out must be multiples of 16 (torch._scaled_mm; checked at load)."""
     if x.shape[0] <= gemv.GEMV_MAX_ROWS and x.stride(-1) == 1:
         return gemv.gemv(x, weight.weight, bias, scale=weight.scale)
     rows, row_scale = quantize_rows(x if x.stride(-1) == 1 else x.contiguous(), weight.input_scale)
-    if x.shape[0] <= ROWS_KERNEL_MAX_ROWS:
+    if takes_rows_kernel(x.shape[0], weight.weight.shape[0]):
         return fp8_rows_gemm(rows, row_scale, weight, bias, x.dtype)
     out = torch._scaled_mm(rows, weight.weight.t(), scale_a=row_scale, scale_b=weight.scale.view(1, -1),
                            out_dtype=torch.bfloat16, use_fast_accum=SCALED_MM_FAST_ACCUM)

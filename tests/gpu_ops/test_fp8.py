@@ -316,6 +316,32 @@ def test_triton_ops_linear_takes_fp8_weights_interpreted(kernels):
     assert relative_error(many, fp8.scaled_mm_ref(rows.float(), weight, bias.float()).double()) < 1e-2
 
 
+def test_decode_batches_take_the_rows_kernel_up_to_64_rows_and_narrow_projections_up_to_128():
+    from lorad.gpu_ops.fp8_gemm import takes_rows_kernel
+
+    for rows in (2, 64):
+        assert all(takes_rows_kernel(rows, out) for out in (4096, 3 * 4096, 2 * 11008))
+    assert takes_rows_kernel(65, 4096) and takes_rows_kernel(128, 4096) and not takes_rows_kernel(129, 4096)
+    assert not takes_rows_kernel(65, 4097) and not takes_rows_kernel(128, 3 * 4096)
+
+
+@needs_interpreter
+def test_fp8_linear_takes_the_rows_kernel_for_a_narrow_projection_past_64_rows_interpreted(kernels, monkeypatch):
+    """100 rows by a 48-column projection: quantized per token and multiplied by the interpreted rows kernel, not
+    torch._scaled_mm, within float32 accumulation of the same arithmetic."""
+    gemm, _, _ = kernels
+    generator = torch.Generator().manual_seed(9)
+    weight = fp8.quantize_weight(torch.randn(48, 64, generator=generator) * 0.1)
+    exponents = torch.randint(-6, 2, (100,), generator=generator)
+    x = representable((100, 64), exponents, generator)  # the interpreter's conversion to FP8 then exact
+    x[:, 5] = 448 * torch.exp2(exponents.float())  # each row's amax: its scale is its power of two
+    x = x.bfloat16()
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: pytest.fail("took torch._scaled_mm"))
+    got = gemm.fp8_linear(x, weight)
+    assert got.shape == (100, 48) and got.dtype == torch.bfloat16
+    assert relative_error(got, fp8.scaled_mm_ref(x.float(), weight).double()) < 1e-2
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU: torch._scaled_mm and the compiled kernels
 
@@ -329,10 +355,11 @@ LLAMA_7B_PROJECTIONS = {"qkv": (4096, 3 * 4096), "o": (4096, 4096), "gate_up": (
 
 @pytest.mark.gpu
 @needs_fp8_gpu
-@pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 512])
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 128, 129, 512])
 @pytest.mark.parametrize("projection", list(LLAMA_7B_PROJECTIONS))
 def test_fp8_linear_gpu_against_references(rows, projection, kernels):
-    """fp8_linear (gemv for one row, fp8_rows_gemm up to 64, torch._scaled_mm with per-token scales for more) within
+    """fp8_linear (gemv for one row, fp8_rows_gemm up to 64 and up to 128 for o and down, torch._scaled_mm with per-token
+    scales for more) within
     float32 accumulation of the same arithmetic (scaled_mm_ref), and within FP8's tolerance of the dequantized
     reference (the CPU engine's path) and of the bf16 product."""
     gemm, _, _ = kernels
