@@ -87,6 +87,10 @@ run_step() {
     # NAME.status.json
     serve_cap) step serve_cap 560 env BASELINE_SERVE_ARGS="--max-running-requests 64" \
         bash bench/serve_compare.sh "$OUTDIR/serve_cap" . ;;
+    # figure 21.1 served once by this commit at its defaults with the engine's step log, and where the device waited
+    serve_steps) step serve_steps 300 env STEP_LOG=1 bash bench/serve_compare.sh "$OUTDIR/serve_steps" &&
+        step step_log_report 60 python3 bench/step_log_report.py "$OUTDIR/serve_steps/current.steps.jsonl" \
+            --out "$OUTDIR/step_log_report.json" ;;
     pytest_fp8) step pytest_fp8 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 tests/gpu_ops/test_fp8.py \
         tests/daemon/engine/test_fp8_gpu.py tests/gpu_ops/test_paged_attention.py tests/gpu_ops/test_gemv.py ;;
     engine_decode_plain) step bench_engine_decode_plain 150 python3 bench/engine_decode.py --out "$OUTDIR/engine_decode_plain.json" ;;

@@ -6,7 +6,8 @@
 # BASELINE_SRC: a source tree of the baseline commit (`git archive COMMIT | tar -x -C DIR`), served first.
 # Without BENCH_SERVE_ARGS: the saturated Azure conversation run (400 requests, all at once).
 # SERVE_ARGS in the environment: extra `lorad serve` flags for both builds; BASELINE_SERVE_ARGS and
-# CURRENT_SERVE_ARGS: for one build only. One commit's two settings side by side (FP8 against bf16, figure 25.4):
+# CURRENT_SERVE_ARGS: for one build only. STEP_LOG=1: each daemon writes its steps to OUTDIR/NAME.steps.jsonl
+# (LORAD_STEP_LOG; a build before the step log ignores it), which `python3 bench/step_log_report.py` reads. One commit's two settings side by side (FP8 against bf16, figure 25.4):
 #   CURRENT_SERVE_ARGS="--quantization fp8 --kv-cache-dtype fp8" bash bench/serve_compare.sh OUTDIR . The Azure CSVs are read from
 # $DATA_DIR (default ../shared/data). Each build is installed into its own folder (not editable), so the two
 # never see each other's modules (python3 -P: the checkout's own lorad/ folder is not on the path). An editable
@@ -64,7 +65,9 @@ serve_and_load() {  # NAME PYTHONPATH SOURCE [SERVE FLAGS of this build alone]
              "shadows PYTHONPATH: pip uninstall lorad, or run this before installing it)"
         return 1
     fi
-    PYTHONPATH=$path python3 -P -m lorad.daemon.server.cli serve --model-config "$MODEL_CONFIG" --dummy-weights \
+    local step_log=()
+    [ "${STEP_LOG:-0}" = 1 ] && step_log=(env "LORAD_STEP_LOG=$OUTDIR/$name.steps.jsonl")
+    PYTHONPATH=$path "${step_log[@]}" python3 -P -m lorad.daemon.server.cli serve --model-config "$MODEL_CONFIG" --dummy-weights \
         --adapter-dir "$ADAPTERS" --device cuda --socket "$socket" ${SERVE_ARGS:-} "$@" >"$OUTDIR/$name.serve.log" 2>&1 &
     local daemon=$!
     until curl -sf --unix-socket "$socket" http://localhost/health >/dev/null 2>&1; do
