@@ -679,8 +679,9 @@ class Engine:
             if self.scheduler.waiting and self.cold_starts.streaming["on"]:
                 # The host would only wait for the step in flight: queued requests' cold adapters start
                 # streaming in meanwhile (their copies hold the host until it is done, at most a layer more).
+                asked = time.perf_counter()
                 self._prefetch(self._in_flight.done)
-                prefetched = time.perf_counter() - began
+                prefetched = time.perf_counter() - asked
             ahead = self._plan_ahead_rows() if self.plan_ahead["on"] else None
             if ahead is None:
                 landed_first = True  # counted below where a step follows

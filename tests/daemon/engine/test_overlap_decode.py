@@ -270,6 +270,7 @@ def test_the_step_log_has_a_line_per_step_with_how_it_was_launched(demo_assets, 
     assert all(line["busy_ms"] >= line["host_before_launch_ms"] >= 0 and line["floor_ms"] > 0 for line in lines)
     assert all("forward_ms" not in line for line in lines)  # no device clock on the cpu
     assert all(line["host_ms"] >= 0 for line in lines)  # the host's time from its step() to its launch
+    assert all(line.get("prefetch_ms", 0) == 0 for line in lines)  # no cold adapter streams in on the cpu
     assert [line["landed_s"] for line in lines] == sorted(line["landed_s"] for line in lines)
 
 
