@@ -44,6 +44,13 @@ def projection_case(rows: int, out_features: int, in_features: int, device) -> t
     return weights, quantized, scale
 
 
+def scaled_mm(quantized: torch.Tensor, scale: torch.Tensor, weight: Fp8Weight, fast: bool) -> torch.Tensor:
+    """torch._scaled_mm of FP8 rows by an FP8 weight with per-token and per-channel scales, as fp8_linear calls it
+    (`fast`: its fast accumulation)."""
+    return torch._scaled_mm(quantized, weight.weight.t(), scale_a=scale, scale_b=weight.scale.view(1, -1),
+                            out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+
 def gemm_rows(args, device, timer: Timer, bandwidth: float) -> list:
     results = []
     for rows in args.rows:
@@ -51,17 +58,16 @@ def gemm_rows(args, device, timer: Timer, bandwidth: float) -> list:
             weights, quantized, scale = projection_case(rows, out_features, in_features, device)
             floor_us = out_features * in_features / (bandwidth * 1e9) * 1e6
 
-            def scaled_mm(weight):
-                return torch._scaled_mm(quantized, weight.weight.t(), scale_a=scale, scale_b=weight.scale.view(1, -1),
-                                        out_dtype=torch.bfloat16, use_fast_accum=fp8_gemm.SCALED_MM_FAST_ACCUM)
+            def cublas(weight):
+                return scaled_mm(quantized, scale, weight, fp8_gemm.SCALED_MM_FAST_ACCUM)
 
             def rows_gemm(weight, config=None):
                 return fp8_gemm.fp8_rows_gemm(quantized, scale, weight, None, torch.bfloat16, config)
 
-            expected = scaled_mm(weights[0]).float()
+            expected = cublas(weights[0]).float()
             error = float((rows_gemm(weights[0]).float() - expected).norm() / expected.norm())
             row = {"rows": rows, "proj": name, "floor_us": round(floor_us, 2),
-                   "scaled_mm_us": round(timer.graph([lambda w=w: scaled_mm(w) for w in weights]), 2),
+                   "scaled_mm_us": round(timer.graph([lambda w=w: cublas(w) for w in weights]), 2),
                    "rows_gemm_us": round(timer.graph([lambda w=w: rows_gemm(w) for w in weights]), 2),
                    "rows_gemm_config": vars(fp8_gemm.rows_gemm_config(rows, in_features,
                                                                       fp8_gemm._shared_memory(device))),
@@ -96,16 +102,14 @@ def fast_accumulation(rows_list: list, device, timer: Timer) -> list:
         for name, (out_features, in_features) in PROJECTIONS.items():
             weights, quantized, scale = projection_case(rows, out_features, in_features, device)
 
-            def scaled_mm(weight, fast):
-                return torch._scaled_mm(quantized, weight.weight.t(), scale_a=scale, scale_b=weight.scale.view(1, -1),
-                                        out_dtype=torch.bfloat16, use_fast_accum=fast)
-
             dequantized = weights[0].weight.double() * weights[0].scale.double()[:, None]
             exact = (quantized.double() * scale.double()) @ dequantized.t()
             row = {"rows": rows, "proj": name}
             for fast, key in ((False, "float32"), (True, "fast")):
-                row[f"{key}_error"] = float((scaled_mm(weights[0], fast).double() - exact).norm() / exact.norm())
-                row[f"{key}_us"] = round(timer.graph([lambda w=w, f=fast: scaled_mm(w, f) for w in weights]), 2)
+                row[f"{key}_error"] = float((scaled_mm(quantized, scale, weights[0], fast).double() - exact).norm()
+                                            / exact.norm())
+                row[f"{key}_us"] = round(timer.graph([lambda w=w, f=fast: scaled_mm(quantized, scale, w, f)
+                                                      for w in weights]), 2)
             row["speedup"] = round(row["float32_us"] / row["fast_us"], 3)
             print(f"accumulation {row}", flush=True)
             results.append(row)

@@ -94,18 +94,26 @@ def advance(scheduler: Scheduler, batch: list[tuple[Sequence, int]]) -> None:
                 scheduler.finish(seq, completed=True)
 
 
+def scheduled(lengths: list[tuple[int, int]], max_running: int, max_batch_tokens: int):
+    """The engine's Scheduler over the requests, every one waiting from the start, KV and adapters never short: each
+    step's batch, run (`advance`) once the caller is done with it (it may cut the batch's last chunk in place)."""
+    room = _Unbounded()
+    scheduler = Scheduler(max_running, max_batch_tokens, room, room)
+    enqueue(scheduler, lengths)
+    while scheduler.has_work():
+        batch = scheduler.schedule()
+        yield batch
+        advance(scheduler, batch)
+
+
 def replay(lengths: list[tuple[int, int]], max_running: int, max_batch_tokens: int,
            trim_to: tuple[int, ...] | None = None) -> list[tuple[str, int]]:
     """Each step's (kind, rows) as the engine's scheduler plans them, every request waiting from the start.
     Kinds as step_account.py has them: decode, prefill, mixed. trim_to: a what-if the engine does not do, buckets
     the last prompt chunk of a mixed step is cut back to (the bucket below its rows, past 256), its rest left to
     the next step."""
-    room = _Unbounded()
-    scheduler = Scheduler(max_running, max_batch_tokens, room, room)
-    enqueue(scheduler, lengths)
     steps = []
-    while scheduler.has_work():
-        batch = scheduler.schedule()
+    for batch in scheduled(lengths, max_running, max_batch_tokens):
         kind = step_kind(batch)
         rows = sum(count for _, count in batch)
         last, _ = batch[-1]
@@ -116,7 +124,6 @@ def replay(lengths: list[tuple[int, int]], max_running: int, max_batch_tokens: i
                 batch[-1] = (seq, count - (rows - below))
                 rows = below
         steps.append((kind, rows))
-        advance(scheduler, batch)
     return steps
 
 
@@ -124,16 +131,11 @@ def chunked_steps(lengths: list[tuple[int, int]], max_running: int, max_batch_to
     """The steps with prompt rows, and those among them with a prompt chunk that does not end its prompt (the token
     budget cut it): such a step samples no token for that row, and the step after it goes on with the prompt from
     the host (the engine plans it ahead beside the decode rows' tokens in flight; DESIGN.md, "Overlapped decode")."""
-    room = _Unbounded()
-    scheduler = Scheduler(max_running, max_batch_tokens, room, room)
-    enqueue(scheduler, lengths)
     with_prompt = chunked = 0
-    while scheduler.has_work():
-        batch = scheduler.schedule()
+    for batch in scheduled(lengths, max_running, max_batch_tokens):
         if step_kind(batch) != "decode":
             with_prompt += 1
             chunked += any(seq.num_computed + count < seq.num_tokens for seq, count in batch)
-        advance(scheduler, batch)
     return {"steps_with_prompt_rows": with_prompt, "ending_on_a_chunk": chunked}
 
 

@@ -704,7 +704,7 @@ class Engine:
                 self._finish(self.scheduler.blocked, "error",
                              error="the request does not fit in the page pool even alone (adapter too large)")
             return
-        if landed_first and self.overlap_decode:
+        if landed_first:
             self.read_at_once[NEXT_NOT_PLANNED_AHEAD] += 1
         started = time.perf_counter()
         streamed = bool(self.residency.streaming())  # this step ran while adapters streamed in
