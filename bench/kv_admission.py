@@ -131,14 +131,15 @@ class QueuedStaging(Staged):
 
 def replay(lengths: list[tuple[int, int]], kv_tokens: int, max_running: int, max_batch_tokens: int, reserve: bool,
            cost: StepCostModel, rates: DeviceRates, adapters: list[str | None] | None = None, staging_steps: int = 0,
-           pass_staging: int = PASS_STAGING, stager_threads: int = 0, prepare_depth: int = PREPARE_DEPTH) -> dict:
+           pass_staging: int = PASS_STAGING, stager_threads: int = 0, prepare_depth: int = PREPARE_DEPTH,
+           headroom: int = 0) -> dict:
     """adapters: each request's adapter (`enqueue`). stager_threads: adapters staged by that many workers in turn
     (`QueuedStaging`), each taking staging_steps, asked for those of the first prepare_depth queued requests each
     step; 0: each adapter's first request waits staging_steps, whatever else stages (`Staged`)."""
     memory = BoundedKV(kv_tokens)
     staged = QueuedStaging(staging_steps, stager_threads, prepare_depth) if stager_threads else Staged(staging_steps)
     scheduler = Scheduler(max_running, max_batch_tokens, memory, staged, reserve=GrowthReserve() if reserve else None,
-                          pass_staging=pass_staging)
+                          pass_staging=pass_staging, headroom=headroom)
     staged.running = lambda: bool(scheduler.running)
     enqueue(scheduler, lengths, adapters)
     steps = {kind: {"steps": 0, "rows": 0, "floor_s": 0.0} for kind in ("decode", "mixed", "prefill")}
@@ -168,7 +169,8 @@ def replay(lengths: list[tuple[int, int]], kv_tokens: int, max_running: int, max
         advance(scheduler, batch)
     floor = sum(entry["floor_s"] for entry in steps.values())
     busy = sum(BUSY_OVER_FLOOR[kind] * entry["floor_s"] for kind, entry in steps.items())
-    return {"max_running_requests": max_running, "kv_growth_reserve": reserve, "staging_steps": staging_steps,
+    return {"max_running_requests": max_running, "kv_growth_reserve": reserve, "headroom": headroom,
+            "staging_steps": staging_steps,
             "stager_threads": stager_threads, "prepare_depth": prepare_depth if stager_threads else None,
             "pass_staging": pass_staging, "admitted_past_staging": scheduler.past_staging,
             "empty_slots_by_cause": empty_slots, "steps": steps,
@@ -203,6 +205,9 @@ def main() -> None:
                              f"(0: the queue waits behind the first; the scheduler's PASS_STAGING, {PASS_STAGING}), "
                              "comma-separated")
     parser.add_argument("--reserve", choices=("both", "off", "on"), default="both", help="the growth reserve")
+    parser.add_argument("--headroom", default="0",
+                        help="KV positions an admission leaves free for each running sequence (the engine's "
+                             "--kv-admission-headroom), comma-separated")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -218,18 +223,20 @@ def main() -> None:
                else (PASS_STAGING,))
     reserves = {"both": (False, True), "off": (False,), "on": (True,)}[args.reserve]
     runs = [replay(lengths, args.kv_tokens, int(running), args.max_batch_tokens, reserve, cost, H100, adapters,
-                   steps, pass_staging, int(threads), int(depth))
-            for running in args.running.split(",") for reserve in reserves for pass_staging in passing
+                   steps, pass_staging, int(threads), int(depth), int(headroom))
+            for running in args.running.split(",") for reserve in reserves for headroom in args.headroom.split(",")
+            for pass_staging in passing
             for threads in args.stager_threads.split(",") for steps in staging_steps
             for depth in (args.prepare_depth.split(",") if int(threads) else (PREPARE_DEPTH,))]
     print(f"{args.dataset}: {len(lengths)} prompts, {args.kv_tokens} KV positions, {args.model_config}, "
           f"{args.adapters} adapters")
-    print(f"{'running':>7} {'reserve':>7} {'pass':>4} {'stager':>6} {'depth':>5} {'staging':>7} {'decode':>6} {'mixed':>5} "
+    print(f"{'running':>7} {'reserve':>7} {'headroom':>8} {'pass':>4} {'stager':>6} {'depth':>5} {'staging':>7} {'decode':>6} {'mixed':>5} "
           f"{'rows/decode':>11} {'most':>4} {'preempted':>9} {'prompt again':>12} {'empty: staging':>14} "
           f"{'no request':>10} {'floor s':>7} {'est. busy s':>11} {'est. tok/s':>10}")
     for run in runs:
         empty = run["empty_slots_by_cause"]
-        print(f"{run['max_running_requests']:>7} {'on' if run['kv_growth_reserve'] else 'off':>7} {run['pass_staging']:>4} "
+        print(f"{run['max_running_requests']:>7} {'on' if run['kv_growth_reserve'] else 'off':>7} {run['headroom']:>8} "
+              f"{run['pass_staging']:>4} "
               f"{run['stager_threads'] or '-':>6} {run['prepare_depth'] or '-':>5} {run['staging_steps']:>7} "
               f"{run['steps']['decode']['steps']:>6} {run['steps']['mixed']['steps']:>5} {run['mean_decode_rows']:>11} "
               f"{run['most_running']:>4} {run['preemptions']:>9} {run['prompt_tokens_again']:>12} "

@@ -90,6 +90,11 @@ class EngineConfig:
     # a request joins when its prompt's KV is free, as in vLLM, and the newest are preempted (their tokens
     # computed again) when the cache runs short.
     kv_growth_reserve: bool = False
+    # KV positions an admission leaves free for each running request and the one joining (scheduler/batching.py,
+    # Scheduler._kv_allows): without it a saturated cache preempts its newest request as soon as the batch grows, and
+    # that request rejoins as soon as its prompt fits, to be preempted again. 16 (1.5% of the 7B shape's cache at
+    # 96 running) took the Azure-conv replay's preemptions from 56 to 2 (BENCHMARKS.md, figure 21.1). 0: none.
+    kv_admission_headroom: int = 16
     quantization: str = "auto"  # auto|fp8|none (see QUANTIZATIONS)
     kv_cache_dtype: str = "auto"  # auto|fp8 (see KV_CACHE_DTYPES)
     eager: bool = False  # on cuda: no CUDA graphs for decode steps (slower; for comparison and debugging)
@@ -143,6 +148,9 @@ class EngineConfig:
         for name in ("max_running_requests", "max_batch_tokens", "max_waiting_requests"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise BadRequest(f"{name} must be positive")
+        if isinstance(self.kv_admission_headroom, bool) or not isinstance(self.kv_admission_headroom, int) \
+                or not 0 <= self.kv_admission_headroom <= 4096:
+            raise BadRequest(f"kv_admission_headroom must be an integer in 0..4096, not {self.kv_admission_headroom!r}")
         if self.quantization not in QUANTIZATIONS:
             raise BadRequest(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

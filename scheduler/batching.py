@@ -9,9 +9,10 @@ order the admission policy (admission.py) gives: arrival order (FCFS), with earl
 whose adapters are ready: waiting for it would leave running slots empty for the ~100-250 ms a cold adapter
 takes to stage. With a decode-step model and a time-per-token objective, a waiting sequence does not join a
 non-empty running batch whose next decode step, with it, would break the objective
-(admission.decode_step_allows); it waits at the head of the queue. With a growth reserve (`GrowthReserve`), a
-waiting sequence joins only while the KV left would still hold its prompt and the tokens the running ones and it
-are expected to generate, so that a batch does not outgrow the cache. When KV runs out all the same, the newest
+(admission.decode_step_allows); it waits at the head of the queue. With a headroom, a waiting sequence joins only
+while the KV left would hold the rest of its prompt and `headroom` positions more for each running sequence and it;
+with a growth reserve (`GrowthReserve`), the tokens the running ones and it are expected to generate, so that a
+batch does not outgrow the cache. When KV runs out all the same, the newest
 running sequence is preempted: its pages go back (those it shares with the other choices of its request stay
 theirs) and it is recomputed later (prompt plus what it generated so far). The scheduler owns no memory:
 `memory` and `adapters` do, behind the two small protocols below.
@@ -161,7 +162,7 @@ class Scheduler:
     def __init__(self, max_running: int, max_batch_tokens: int, memory: Memory, adapters: Adapters,
                  admission: AdmissionPolicy | None = None, objectives: Objectives | None = None,
                  clock=time.perf_counter, decode: DecodeStepModel | None = None, reserve: GrowthReserve | None = None,
-                 pass_staging: int = PASS_STAGING):
+                 pass_staging: int = PASS_STAGING, headroom: int = 0):
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.memory = memory
@@ -174,6 +175,7 @@ class Scheduler:
         self.tpot_held = 0  # sequences the time-per-token rule held back (each counted once)
         self.preemptions = 0  # running sequences preempted for KV (each time; their tokens are recomputed)
         self.reserve = reserve
+        self.headroom = headroom  # KV positions an admission leaves free for each running sequence (0: none)
         self.pass_staging = pass_staging  # how many waiting sequences whose adapters are being staged may be passed over
         self.past_staging = 0  # sequences admitted past one whose adapter was being staged, for /v1/status
         self._held: int | None = None  # KV positions the running sequences' reserves hold (None: to be summed)
@@ -262,12 +264,16 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, plan: list) -> bool:
         """Moves a waiting sequence into the running batch when its adapter and KV are to be had; else
-        (or when acquiring its adapter raises) it is `blocked`."""
+        (or when acquiring its adapter raises) it is `blocked`. The KV is asked about before the adapter too: one
+        whose KV would not fit is not placed (a placed adapter left idle is the first thing the running sequences'
+        growth evicts, and the next step would place it again)."""
         self.blocked = seq
         count = min(seq.num_tokens - seq.num_computed, budget)
+        if not self._kv_allows(seq):
+            return False
         if not self.adapters.acquire(seq.adapter, count):
             return False
-        if not self._reserve_allows(seq) or not self.memory.grow(seq.blocks, seq.num_computed + count):
+        if not self._kv_allows(seq) or not self.memory.grow(seq.blocks, seq.num_computed + count):
             self.adapters.release(seq.adapter)  # (a forked sequence waits with its blocks)
             return False
         self._held = None
@@ -276,19 +282,29 @@ class Scheduler:
         plan.append((seq, count))
         return True
 
-    def _reserve_allows(self, seq: Sequence) -> bool:
-        """Without a growth reserve, or with nothing running (the first sequence goes in as it would alone): yes.
-        Else: do the KV positions left, once the running sequences' reserves are held, take the blocks `seq` needs
-        for the rest of its prompt and its own reserve? Asked after its adapter was placed (which takes pages);
-        idle adapters' pages count only when the free ones fall short."""
-        if self.reserve is None or not self.running:
-            return True
-        def end(s: Sequence) -> int:  # the positions it is expected to reach
-            return s.num_tokens + self.reserve.tokens(s)
+    def _kv_allows(self, seq: Sequence) -> bool:
+        """Without a growth reserve or a headroom, or with nothing running (the first sequence goes in as it would
+        alone): yes. Else: do the KV positions left hold the blocks `seq` needs for the rest of its prompt, and
 
-        if self._held is None:
-            self._held = sum(self.memory.missing_tokens(s.blocks, end(s)) for s in self.running)
-        need = self._held + self.memory.missing_tokens(seq.blocks, end(seq))
+        - with a growth reserve: the running sequences' reserves and its own;
+        - with a headroom: `headroom` positions more for each running sequence and it?
+
+        The headroom keeps an admission from filling the cache to its last block: a full cache preempts its newest
+        sequence as soon as the running ones grow, and a preempted sequence rejoins as soon as its prompt fits
+        again, to be preempted again a few steps later, its prompt computed each time. Idle adapters' pages count
+        only when the free ones fall short."""
+        if (self.reserve is None and not self.headroom) or not self.running:
+            return True
+        if self.reserve is None:
+            need = self.memory.missing_tokens(seq.blocks, seq.num_tokens)
+        else:
+            def end(s: Sequence) -> int:  # the positions it is expected to reach
+                return s.num_tokens + self.reserve.tokens(s)
+
+            if self._held is None:
+                self._held = sum(self.memory.missing_tokens(s.blocks, end(s)) for s in self.running)
+            need = self._held + self.memory.missing_tokens(seq.blocks, end(seq))
+        need += self.headroom * (len(self.running) + 1)
         return need <= self.memory.free_tokens() or need <= self.memory.reclaimable_tokens()
 
     def _admit_by_policy(self, budget: int, plan: list, ending: int = 0) -> None:

@@ -281,7 +281,8 @@ class Engine:
         admission, objectives = self._admission()
         self.scheduler = Scheduler(config.max_running_requests, config.max_batch_tokens, self, self.residency,
                                    admission, objectives, decode=self.tpot_decode,
-                                   reserve=GrowthReserve() if config.kv_growth_reserve else None)
+                                   reserve=GrowthReserve() if config.kv_growth_reserve else None,
+                                   headroom=config.kv_admission_headroom)
         self.residency.defer_unstaged = self._defer_unstaged
         self.residency.next_use = self._queued_adapters
         self.admission_dropped = 0

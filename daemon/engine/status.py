@@ -54,6 +54,8 @@ def engine_status(engine: Engine) -> dict:
             # their remaining max_tokens held (scheduler/batching.py GrowthReserve)
             "kv_growth_reserve": {"on": False} if (reserve := engine.scheduler.reserve) is None else
                                  {"on": True, "ratio": round(reserve.ratio, 4)},
+            # KV positions an admission leaves free for each running request (scheduler/batching.py)
+            "kv_admission_headroom": engine.scheduler.headroom,
             "steps": engine.steps,
             # each step's wall time against its floor on this device (step_account.py): busy_s, floor_s, efficiency
             "step_time": engine.account.snapshot(),

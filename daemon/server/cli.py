@@ -70,6 +70,9 @@ _ENGINE_FLAG_HELP = {
                          "requests are expected to generate (the share of their max_tokens that finished requests "
                          "used), so that the batch does not outgrow the cache and preempt; without it, it joins when "
                          "its prompt's KV is free",
+    "kv_admission_headroom": "KV positions a request joining the running batch leaves free for each running request "
+                             "and itself (0: none): a full cache preempts its newest request as the batch grows, and "
+                             "that request would rejoin and be preempted again",
     "overlap_decode": "greedy decode steps launched one ahead of the host, from the sampled tokens on the device "
                       "(--no-overlap-decode: each step waits for its tokens first)",
     "slo_tpot_ms": "time-per-output-token objective in ms (0: none); with a profile loaded, no request joins a running "

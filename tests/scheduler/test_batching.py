@@ -423,7 +423,79 @@ def test_growth_reserve_counts_evictable_blocks_only_when_the_free_ones_fall_sho
     scheduler.add(d)
     run_step(scheduler, plan)
     scheduler.schedule()
-    assert d in scheduler.running and memory.reclaim_asks == 1
+    assert d in scheduler.running and memory.reclaim_asks == 2  # once before its adapter is placed, once after
+
+
+# --- the admission headroom ---------------------------------------------------------------------------------
+
+
+def run_to_the_end(scheduler: Scheduler, seqs: list[Sequence]) -> dict[str, int]:
+    """Steps until every sequence generated its max_new_tokens (each then finished, completed) -> each one's
+    preemptions."""
+    for s in seqs:
+        scheduler.add(s)
+    for _ in range(1000):
+        if not scheduler.has_work():
+            break
+        plan = scheduler.schedule()
+        run_step(scheduler, plan)
+        for s, _ in plan:
+            if s.num_generated >= s.max_new_tokens:
+                scheduler.finish(s, completed=True)
+    assert not scheduler.has_work()
+    return {s.request_id: s.preemptions for s in seqs}
+
+
+def test_the_headroom_rule():
+    # 10 blocks of 4 positions; a runs with 17 positions (5 blocks). b's 16-token prompt takes 4 of the 5 free
+    # blocks: it joins without a headroom; with one block's headroom for a and for b it needs 6 and waits.
+    for headroom, joins in ((0, True), (TOKENS_PER_BLOCK, False)):
+        scheduler = Scheduler(max_running=8, max_batch_tokens=100, memory=ReservableMemory(10), adapters=FakeAdapters(),
+                              headroom=headroom)
+        a, b = seq("a", 16), seq("b", 16)
+        scheduler.add(a)
+        run_step(scheduler, scheduler.schedule())
+        scheduler.add(b)
+        plan = scheduler.schedule()
+        assert (("b", 16) in names(plan)) is joins, headroom
+
+
+def test_the_headroom_keeps_a_preempted_sequence_from_rejoining_a_full_cache():
+    # 12 blocks = 48 positions; six 6-token prompts that each generate 20. Without a headroom the cache fills to its
+    # last block: the newest is preempted as the batch grows, rejoins as soon as its prompt fits, and is preempted
+    # again, its tokens computed each time. With two blocks' headroom for each running sequence it joins only where
+    # the batch can grow.
+    def preemptions(headroom: int) -> dict[str, int]:
+        scheduler = Scheduler(max_running=8, max_batch_tokens=100, memory=ReservableMemory(12), adapters=FakeAdapters(),
+                              headroom=headroom)
+        return run_to_the_end(scheduler, [limited(f"s{index}", 6, 20) for index in range(6)])
+
+    without, within = preemptions(0), preemptions(2 * TOKENS_PER_BLOCK)
+    assert max(without.values()) >= 2, without  # preempted again after rejoining
+    assert sum(within.values()) < sum(without.values()) and max(within.values()) <= 1, within
+
+
+def test_no_adapter_is_placed_for_a_sequence_whose_kv_does_not_fit():
+    # a fills the cache but for a block; b's prompt needs two: b's adapter is not even acquired (a placed adapter
+    # left idle is what the running sequences' growth evicts first, to be placed again at the next step)
+    memory, adapters = ReservableMemory(4), FakeAdapters()
+    scheduler = Scheduler(max_running=8, max_batch_tokens=100, memory=memory, adapters=adapters, headroom=1)
+    a, b = limited("a", 12, 4), seq("b", 8, adapter="x")
+    scheduler.add(a)
+    scheduler.add(b)
+    for _ in range(3):
+        run_step(scheduler, scheduler.schedule())
+    assert scheduler.running == [a] and scheduler.blocked is b
+    assert ("acquire", "x") not in adapters.calls
+
+
+def test_without_a_headroom_or_reserve_an_admission_asks_the_memory_nothing_more():
+    # the fakes without free_tokens and reclaimable_tokens still drive a scheduler that has neither
+    scheduler = Scheduler(max_running=8, max_batch_tokens=100, memory=FakeMemory(4), adapters=FakeAdapters())
+    a, b = seq("a", 8), seq("b", 8)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert names(scheduler.schedule()) == [("a", 8), ("b", 8)]
 
 
 # --- passing over sequences whose adapters are being staged ------------------------------------------------

@@ -145,7 +145,7 @@ def test_tiny_pool_preempts_and_greedy_tokens_do_not_change(demo_assets, big_eng
     expected = reference_tokens(big_engine, cases, max_tokens)
     # 2 * 8 * (30 / 2) = 240 pages hold two sequences at full length, and 80 pages of adapters. Admitted by their
     # prompts' KV alone (the default, no growth reserve), the batch outgrows the pool and its newest are preempted.
-    engine = make_engine(demo_assets, pages=200, max_model_len=32)
+    engine = make_engine(demo_assets, pages=200, max_model_len=32, kv_admission_headroom=0)
     preemptions = count_calls(engine.scheduler, "preempt")
     results = engine.generate(requests(cases, max_tokens))
     assert len(preemptions) > 0, "the pool was large enough to run without preemption"
@@ -156,6 +156,21 @@ def test_tiny_pool_preempts_and_greedy_tokens_do_not_change(demo_assets, big_eng
     assert [r.token_ids for r in big_engine.generate(requests(cases, max_tokens))] == expected
 
 
+def test_the_admission_headroom_preempts_less_and_tokens_do_not_change(demo_assets, big_engine):
+    # The tiny pool above, with the default headroom: a request joins only while the pool keeps 16 positions free
+    # for each running one, so the batch grows into room it was left rather than preempting its newest.
+    cases = [(prompt, [None, "demo-r1", "demo-r2"][i % 3]) for i, prompt in enumerate(prompts(6, seed=1, low=8, high=16))]
+    expected = reference_tokens(big_engine, cases, 14)
+    counts = {}
+    for headroom in (0, EngineConfig.kv_admission_headroom):
+        engine = make_engine(demo_assets, pages=200, max_model_len=32, kv_admission_headroom=headroom)
+        results = engine.generate(requests(cases, 14))
+        assert [r.token_ids for r in results] == expected
+        assert engine.status()["kv_admission_headroom"] == headroom and engine.pool.occupancy()["kv"] == 0
+        counts[headroom] = engine.status()["preemptions"]
+    assert counts[EngineConfig.kv_admission_headroom] < counts[0], counts
+
+
 @pytest.mark.parametrize("pages", [200, 320, 400])
 def test_the_growth_reserve_keeps_a_small_pool_from_preempting(demo_assets, big_engine, pages):
     """Pools where admission by the prompts' KV alone preempts (3 or 4 times): with the growth reserve, requests
@@ -163,7 +178,8 @@ def test_the_growth_reserve_keeps_a_small_pool_from_preempting(demo_assets, big_
     tokens are the same."""
     cases = [(prompt, [None, "demo-r1", "demo-r2"][i % 3]) for i, prompt in enumerate(prompts(6, seed=1, low=8, high=16))]
     expected = reference_tokens(big_engine, cases, 14)
-    engine = make_engine(demo_assets, pages=pages, max_model_len=32, kv_growth_reserve=True)
+    engine = make_engine(demo_assets, pages=pages, max_model_len=32, kv_growth_reserve=True,
+                         kv_admission_headroom=0)
     preemptions = count_calls(engine.scheduler, "preempt")
     most_running = []
     schedule = engine.scheduler.schedule
@@ -201,7 +217,7 @@ def test_seeded_sampling_survives_preemption(demo_assets, big_engine):
     expected = [r.token_ids for r in big_engine.generate(seeded(100))]
     assert [r.token_ids for r in big_engine.generate(seeded(100))] == expected
     assert [r.token_ids for r in big_engine.generate(seeded(200))] != expected
-    engine = make_engine(demo_assets, pages=200, max_model_len=32)
+    engine = make_engine(demo_assets, pages=200, max_model_len=32, kv_admission_headroom=0)
     preemptions = count_calls(engine.scheduler, "preempt")
     assert [r.token_ids for r in engine.generate(seeded(100))] == expected
     assert preemptions

@@ -293,7 +293,7 @@ def test_random_queues_give_the_plain_engines_tokens(demo_assets, seed):
     names = [None, "demo-r1", "demo-r2", "demo-r4", "demo-r8", "demo-r16"]
     cases = [(prompt, rng.choice(names), rng.randint(1, 12)) for prompt in prompts(14, seed=seed, low=1, high=40)]
     config = dict(max_running_requests=rng.choice([2, 3, 4]), max_batch_tokens=rng.choice([16, 32, 64]),
-                  pages=rng.choice([300, 600, 4096]))
+                  pages=rng.choice([300, 600, 4096]), kv_admission_headroom=0)
 
     def reqs() -> list[GenerationRequest]:
         return [GenerationRequest(list(prompt), adapter, SamplingParams(max_tokens=limit, **GREEDY))
@@ -341,7 +341,7 @@ def test_arrivals_and_aborts_while_a_step_is_in_flight(demo_assets, plain):
 def test_tiny_pool_preempts_and_tokens_do_not_change(demo_assets, plain):
     cases = [(prompt, [None, "demo-r1", "demo-r2"][i % 3]) for i, prompt in enumerate(prompts(6, seed=1, low=8, high=16))]
     expected = [plain.generate(requests([case], 14))[0].token_ids for case in cases]
-    engine = overlapped(make_engine(demo_assets, pages=200, max_model_len=32))
+    engine = overlapped(make_engine(demo_assets, pages=200, max_model_len=32, kv_admission_headroom=0))
     preemptions = count_calls(engine.scheduler, "preempt")
     results = engine.generate(requests(cases, 14))
     assert preemptions, "the pool was large enough to run without preemption"
@@ -508,7 +508,7 @@ def test_processed_rows_through_preemption_keep_their_tokens(demo_assets, plain)
     cases = [(prompt, [None, "demo-r1", "demo-r2"][i % 3]) for i, prompt in enumerate(prompts(6, seed=1, low=8, high=16))]
     params = SamplingParams(max_tokens=14, **GREEDY, **PROCESSED)
     expected = [plain.generate([GenerationRequest(list(p), a, params)])[0] for p, a in cases]
-    engine = overlapped(make_engine(demo_assets, pages=200, max_model_len=32))
+    engine = overlapped(make_engine(demo_assets, pages=200, max_model_len=32, kv_admission_headroom=0))
     preemptions = count_calls(engine.scheduler, "preempt")
     admitted = count_calls(engine.sampler_state, "admit")
     results = engine.generate([GenerationRequest(list(p), a, params) for p, a in cases])

@@ -233,7 +233,7 @@ def test_tp2_preempted_sequences_stay_in_step(hf_checkpoint, caplog):
     adapters = {name: checkpoint.adapters[name] for name in ("qv-r1", "o-down-r4")}
     cases = [(prompt, [None, "qv-r1", "o-down-r4"][index % 3])
              for index, (prompt, _) in enumerate(make_cases(list(checkpoint.adapters), checkpoint.vocab_size)[:9])]
-    config = dict(max_running_requests=8, pool_bytes=300 * 256, max_model_len=64)
+    config = dict(max_running_requests=8, pool_bytes=300 * 256, max_model_len=64, kv_admission_headroom=0)
     single, _ = generate(checkpoint.model_dir, adapters, cases, **config)
     caplog.clear()
     with caplog.at_level("INFO", logger="lorad.scheduler.batching"):
