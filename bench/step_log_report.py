@@ -7,7 +7,9 @@ device idle was launched late (the host's work for it, `host_ms` from its step()
 a step launched after the host read the step before it waited for that reading, under the cause the step before it
 was read at once (`read_at_once`: adapters streaming in, prompt chunks alone, ...) or, where that step was in flight,
 because this one could not be planned ahead of it (`next_not_planned_ahead`). Printed and written (--out) by kind
-with the steps' busy, forward and tokens times, so the waits can be read against the rest.
+with the steps' busy, forward and tokens times, so the waits can be read against the rest; then where the host's time
+before each launch went (the engine's `host_split_ms` parts, its CPU time, the collector's, the time between step()
+calls and the landing of the step before), by how steps were launched and for those launched late.
 
     python3 bench/step_log_report.py OUTDIR/current.steps.jsonl [--out REPORT.json]
 """
@@ -56,10 +58,30 @@ def wait_cause(step: dict, before: dict | None) -> str:
     return UNTOLD
 
 
+HOST_KEYS = ("host_ms", "host_cpu_ms", "gc_ms", "between_ms", "landing_wait_ms", "landing_take_ms")
+
+
+def host_means(steps: list[dict]) -> dict:
+    """The mean host times of `steps` (HOST_KEYS and each part of host_split_ms), over the steps that have each."""
+    sums: dict[str, list[float]] = defaultdict(list)
+    for step in steps:
+        for key in HOST_KEYS:
+            if step.get(key) is not None:
+                sums[key].append(step[key])
+        for part, value in (step.get("host_split_ms") or {}).items():
+            sums[f"split.{part}"].append(value)
+    return {"steps": len(steps), **{key: round(sum(values) / len(values), 3) for key, values in sums.items()}}
+
+
 def report(steps: list[dict]) -> dict:
     by_kind: dict[str, dict] = defaultdict(lambda: defaultdict(float))
     waits: dict[str, dict] = defaultdict(lambda: {"steps": 0, "wait_ms": 0.0})
+    by_origin: dict[str, list[dict]] = defaultdict(list)
     for index, step in enumerate(steps):
+        if step.get("origin") is not None:
+            by_origin[step["origin"]].append(step)
+        if step.get("wait_before_ms") is not None and wait_cause(step, steps[index - 1] if index else None) == LAUNCHED_LATE:
+            by_origin[LAUNCHED_LATE].append(step)
         kind = by_kind[step["kind"]]
         kind["steps"] += 1
         for key in ("busy_ms", "host_before_launch_ms", "forward_ms", "tokens_ms", "wait_before_ms"):
@@ -75,7 +97,9 @@ def report(steps: list[dict]) -> dict:
             "by_kind": {name: {key: round(value, 3) for key, value in totals.items()} for name, totals in by_kind.items()},
             "waits_by_cause": {cause: {"steps": entry["steps"], "wait_ms": round(entry["wait_ms"], 3),
                                        "mean_ms": round(entry["wait_ms"] / entry["steps"], 3)}
-                               for cause, entry in sorted(waits.items(), key=lambda item: -item[1]["wait_ms"])}}
+                               for cause, entry in sorted(waits.items(), key=lambda item: -item[1]["wait_ms"])},
+            # where the host's time before each launch went, by how the step was launched and for those launched late
+            "host_by_origin": {origin: host_means(group) for origin, group in by_origin.items()}}
 
 
 def main() -> int:
@@ -97,6 +121,11 @@ def main() -> int:
     print("the device's waits before forwards, by what kept the host:")
     for cause, entry in result["waits_by_cause"].items():
         print(f"  {cause:<28} {entry['steps']:>6} steps {entry['wait_ms'] / 1e3:>8.3f} s  ({entry['mean_ms']:.2f} ms each)")
+    if result["host_by_origin"]:
+        print("the host's time before each launch, mean ms (split: from step()'s beginning, part by part):")
+        for origin, means in result["host_by_origin"].items():
+            print(f"  {origin:<17} {means['steps']:>6} steps " + " ".join(
+                f"{key.removesuffix('_ms')}={value:.2f}" for key, value in means.items() if key != "steps"))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

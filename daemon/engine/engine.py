@@ -30,7 +30,7 @@ from lorad.daemon.model import quantization
 from lorad.daemon.engine.cold_start import ColdStarts, resolve_cold_start, streaming_availability
 from lorad.daemon.engine.runner import ModelRunner
 from lorad.daemon.engine.kernel_window import KernelWindow
-from lorad.daemon.engine.step_account import ENDED_IN_FLIGHT, STEP_LOG_ENV, StepAccount, StepLog
+from lorad.daemon.engine.step_account import ENDED_IN_FLIGHT, STEP_LOG_ENV, HostSplit, StepAccount, StepLog
 from lorad.daemon.engine.step_watch import StepWatch
 from lorad.daemon.engine.step_cost import StepCostModel, measure_device_rates
 from lorad.daemon.engine.step_plan import StepPlan
@@ -296,6 +296,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.step_watch = StepWatch()  # how long the step now running has run; a warning when one stalls
+        self._step_ended: float | None = None  # where the step loop's last step() returned (None: it idled since)
         self.steps = 0
         if config.cold_start == "cached":
             self._place_every_adapter()
@@ -550,8 +551,10 @@ class Engine:
         results: dict[str, GenerationResult] = {}
         for request in requests:
             self.submit(request)
+        self._step_ended = None
         while self.scheduler.has_work() or self._inbox:
             self.step()
+            self._step_ended = time.perf_counter()
         for request in requests:
             seq = self._finished.pop(request.request_id)
             result = self._result(seq)
@@ -646,6 +649,7 @@ class Engine:
             with self._lock:
                 while not (self._stopping or self._inbox or self._aborts or self._drops or self.scheduler.has_work()):
                     self.account.idle()
+                    self._step_ended = None
                     self._lock.wait()
                 if self._stopping:
                     break
@@ -662,6 +666,7 @@ class Engine:
                     self._finish(seq, "error", error="internal error in the engine step")
             finally:
                 self.step_watch.end()
+                self._step_ended = time.perf_counter()
         with self._lock:
             inbox, self._inbox = self._inbox, []
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + inbox:
@@ -669,13 +674,15 @@ class Engine:
 
     def step(self) -> None:
         began = time.perf_counter()
+        host = HostSplit(began, self._step_ended)  # the step log's split of the host's work before the launch
         self.account.begin(began)
         self._take_inbox()
+        host.mark("inbox")
         ahead = None  # the rows of the step in flight that the step planned now takes on from its tokens on the device
         prefetched = 0.0  # the host's time queueing streamed adapters' copies before this step was planned
         landed_first = False  # the step in flight was read before this one could be planned
         if self._in_flight is not None:
-            if self._launch_next_decode(began):
+            if self._launch_next_decode(host):
                 return
             if self.scheduler.waiting and self.cold_starts.streaming["on"]:
                 # The host would only wait for the step in flight: queued requests' cold adapters start
@@ -683,10 +690,13 @@ class Engine:
                 asked = time.perf_counter()
                 self._prefetch(self._in_flight.done)
                 prefetched = time.perf_counter() - asked
+                host.mark("prefetch")
             ahead = self._plan_ahead_rows() if self.plan_ahead["on"] else None
+            host.mark("rows")
             if ahead is None:
                 landed_first = True  # counted below where a step follows
                 self._finish_step_in_flight()
+                host.mark("landing")
         scheduling = time.perf_counter()
         try:
             if ahead is None:
@@ -708,6 +718,7 @@ class Engine:
         if landed_first:
             self.read_at_once[NEXT_NOT_PLANNED_AHEAD] += 1
         started = time.perf_counter()
+        host.mark("schedule")
         streamed = bool(self.residency.streaming())  # this step ran while adapters streamed in
         if ahead is not None and assisted:  # the CPU workers compute from tokens on the host: the tokens landed first
             self._finish_step_in_flight()
@@ -724,13 +735,14 @@ class Engine:
             plan = self.runner.plan(batch, device_tokens=self._flight_tokens([ahead[batch[index][0]] for index in rows]),
                                     device_rows=np.asarray(rows, dtype=np.int64))
         planned = time.perf_counter()
+        host.mark("plan")
         self.account.before_forward()
         logits = self.runner.forward(plan)
         launched = time.perf_counter()
         self.account.launched(plan, self.runner.graph_rows, launched, parts=(scheduling, started, planned),
                               empty_slots=self.scheduler.max_running - len(plan.seqs), why_empty=self.scheduler.stopped,
                               notes={"origin": "after_landing" if ahead is None else "planned_ahead",
-                                     "host_ms": (launched - began) * 1e3, "prefetch_ms": prefetched * 1e3})
+                                     "prefetch_ms": prefetched * 1e3, **host.notes(launched)})
         sampled = plan.sampled
         # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
         self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)
@@ -967,25 +979,28 @@ class Engine:
             done.record()
         return StepInFlight(seqs, tokens, host, done, logprobs, prefill)
 
-    def _launch_next_decode(self, began: float) -> bool:
+    def _launch_next_decode(self, host: HostSplit) -> bool:
         """Launches the decode step after the one in flight from its tokens on the device, then lands the
         one in flight. False (nothing done) when the next step is not that same decode batch: requests
         wait to join it and a running slot is free, or one of its KV caches cannot grow without the
-        scheduler preempting. began: where the step loop's step() began (the step log's host_ms)."""
+        scheduler preempting. host: the step log's split of the host's work since step() began."""
         if self.scheduler.waiting and not self._running_is_full():
             return False
         going = self._rows_going_on()
         if going is None:
             return False
+        host.mark("rows")
         seqs, rows = list(going), list(going.values())
         for seq in seqs:
             self.kv.trim(seq.blocks, seq.num_computed)
         plan = self.runner.plan([(seq, 1) for seq in seqs], device_tokens=self._flight_tokens(rows))
+        host.mark("plan")
         self.account.before_forward()
         logits = self.runner.forward(plan)
-        self.account.launched(plan, self.runner.graph_rows, time.perf_counter(), empty_slots=self.scheduler.max_running - len(seqs),
+        launched = time.perf_counter()
+        self.account.launched(plan, self.runner.graph_rows, launched, empty_slots=self.scheduler.max_running - len(seqs),
                               why_empty=ENDED_IN_FLIGHT if self.scheduler.waiting else NO_REQUEST_WAITING,
-                              notes={"origin": "tokens_in_flight", "host_ms": (time.perf_counter() - began) * 1e3})
+                              notes={"origin": "tokens_in_flight", **host.notes(launched)})
         following = self._launch_tokens(logits, seqs)
         for seq in seqs:
             seq.num_computed += 1
@@ -1078,6 +1093,7 @@ class Engine:
     def _finish_step_in_flight(self) -> None:
         """Waits for the step in flight's tokens and hands them to their requests (those still going)."""
         flight, self._in_flight = self._in_flight, None
+        asked = time.perf_counter()
         if flight.done is not None:
             flight.done.synchronize()
         now = time.perf_counter()
@@ -1093,6 +1109,8 @@ class Engine:
                 self._finish(seq, "error", error=SAMPLING_FAILED)
                 continue
             self._take_token(seq, token, now, logprob)
+        # for the step log, on the step launched before this landing (where one was): the device's wait, the tokens' handing
+        self.account.note(landing_wait_ms=(now - asked) * 1e3, landing_take_ms=(time.perf_counter() - now) * 1e3)
 
     def _drop_by_admission(self) -> None:
         """Fails the requests the admission policy dropped this step, each with its reason (503)."""

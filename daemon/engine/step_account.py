@@ -26,8 +26,8 @@ step's own are its padding rows, counted apart (GEMM work on no token, which the
 
 A diagnostic, the steps one by one: `LORAD_STEP_LOG=FILE lorad serve ...` appends a JSON line per step to FILE
 (`StepLog`): its kind, rows, the account's times above for it alone, and the engine's notes on how it was launched
-(from the tokens in flight, planned ahead, or after the host read the step before it) and why its own tokens were
-read at once.
+(from the tokens in flight, planned ahead, or after the host read the step before it), why its own tokens were
+read at once, and where the host's time before its launch went (`HostSplit`).
 
 Empty running slots: a step of fewer requests than the running cap leaves slots empty, and a decode step's
 floor is mostly its weights, read the same for any number of rows: a saturated server's steps should be full.
@@ -37,6 +37,7 @@ stop, scheduler/batching.py, or rows that ended on the step before it, whose slo
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -344,6 +345,71 @@ class StepAccount:
                     for kind, totals in self.totals.items()}
 
 
+class HostSplit:
+    """Where the engine thread's time in one step() went before the step's launch, for the step log: named marks on
+    the host's clock from step()'s beginning (each part: from the mark before it), the thread's own CPU time over
+    the same span (a wall time well above it: the thread waited, for the GIL, a lock or the device), the time from
+    where the step loop's step() before it returned (`between_ms`: its outputs queued for the API process, the
+    loop's own work; absent after an idle engine), and the time Python's garbage collector ran since the last step's
+    launch (`gc_ms`, while a step log is open)."""
+
+    def __init__(self, began: float, previous_end: float | None = None):
+        self.began = began
+        self.previous_end = previous_end
+        self._cpu = time.thread_time()
+        self._marks: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        self._marks.append((name, time.perf_counter()))
+
+    def notes(self, launched: float) -> dict:
+        split, at = {}, self.began
+        for name, when in self._marks:
+            split[name] = round((when - at) * 1e3, 3)
+            at = when
+        split["launch"] = round((launched - at) * 1e3, 3)
+        notes = {"host_ms": (launched - self.began) * 1e3, "host_split_ms": split,
+                 "host_cpu_ms": round((time.thread_time() - self._cpu) * 1e3, 3)}
+        if self.previous_end is not None:
+            notes["between_ms"] = round((self.began - self.previous_end) * 1e3, 3)
+        if _gc_clock.on:
+            notes["gc_ms"] = round(_gc_clock.take() * 1e3, 3)
+        return notes
+
+
+class _GcClock:
+    """The time Python's collector ran (gc.callbacks), summed until `take`; on while a step log is open."""
+
+    def __init__(self):
+        self.on = False
+        self._seconds = 0.0
+        self._started: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self._seconds += time.perf_counter() - self._started
+            self._started = None
+
+    def start(self) -> None:
+        if not self.on:
+            gc.callbacks.append(self)
+            self.on = True
+
+    def stop(self) -> None:
+        if self.on:
+            gc.callbacks.remove(self)
+            self.on = False
+
+    def take(self) -> float:
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
+
+
+_gc_clock = _GcClock()
+
+
 class StepLog:
     """The steps one by one, a JSON line each appended to a file (`LORAD_STEP_LOG=FILE`, a diagnostic): what the
     account sums, per step, with `landed_s` on the host's clock (perf_counter) and, on cuda, `forward_ms`,
@@ -353,6 +419,7 @@ class StepLog:
         self.path = path
         self._file = open(path, "a", buffering=1)  # a line at a time: what a killed daemon had logged stays
         self._file.write(json.dumps({"step_log": 1, "pid": os.getpid(), "started": time.time()}) + "\n")
+        _gc_clock.start()
 
     @classmethod
     def from_env(cls) -> "StepLog | None":
@@ -370,6 +437,7 @@ class StepLog:
             self.close()
 
     def close(self) -> None:
+        _gc_clock.stop()
         if self._file is not None:
             try:
                 self._file.close()

@@ -46,6 +46,22 @@ def test_waits_are_put_down_to_what_kept_the_host(tmp_path):
     assert result["by_kind"]["decode"]["busy_ms"] == 80.0
 
 
+def test_the_hosts_time_is_averaged_by_origin_and_for_the_steps_launched_late():
+    bench = bench_scripts.load("step_log_report")
+    steps = [
+        step("decode", "tokens_in_flight", 0.0, host_ms=2.0, host_cpu_ms=1.5, host_split_ms={"inbox": 0.5, "launch": 1.5}),
+        step("decode", "tokens_in_flight", 3.0, host_ms=10.0, host_cpu_ms=2.5, gc_ms=6.0,
+             host_split_ms={"inbox": 7.0, "launch": 3.0}),  # late: its host time went to the collector
+        step("mixed", "planned_ahead", 0.0, host_ms=4.0, between_ms=1.0, host_split_ms={"schedule": 4.0}),
+    ]
+    host = bench.report(steps)["host_by_origin"]
+    assert host["tokens_in_flight"] == {"steps": 2, "host_ms": 6.0, "host_cpu_ms": 2.0, "gc_ms": 6.0,
+                                        "split.inbox": 3.75, "split.launch": 2.25}  # gc: the one step that has it
+    assert host["launched_late"] == {"steps": 1, "host_ms": 10.0, "host_cpu_ms": 2.5, "gc_ms": 6.0, "split.inbox": 7.0,
+                                     "split.launch": 3.0}
+    assert host["planned_ahead"] == {"steps": 1, "host_ms": 4.0, "between_ms": 1.0, "split.schedule": 4.0}
+
+
 def test_a_line_that_is_not_json_is_named(tmp_path, capsys, monkeypatch):
     bench = bench_scripts.load("step_log_report")
     log = tmp_path / "steps.jsonl"

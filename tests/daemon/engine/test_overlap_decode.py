@@ -270,6 +270,14 @@ def test_the_step_log_has_a_line_per_step_with_how_it_was_launched(demo_assets, 
     assert all(line["busy_ms"] >= line["host_before_launch_ms"] >= 0 and line["floor_ms"] > 0 for line in lines)
     assert all("forward_ms" not in line for line in lines)  # no device clock on the cpu
     assert all(line["host_ms"] >= 0 for line in lines)  # the host's time from its step() to its launch
+    for line in lines:  # split into parts that add up to it, each by where it is marked in step()
+        split = line["host_split_ms"]
+        assert split["launch"] >= 0 and abs(sum(split.values()) - line["host_ms"]) < 0.01, line
+        assert "inbox" in split and ("rows" in split) == (line["origin"] != "after_landing" or "landing" in split)
+        assert line["host_cpu_ms"] >= 0 and line["gc_ms"] >= 0
+    assert sum("between_ms" in line for line in lines) >= len(lines) - 1  # all but the first after an idle engine
+    landings = [line for line in lines if "landing_wait_ms" in line]  # a step launched before its predecessor landed
+    assert landings and all(line["origin"] != "after_landing" and line["landing_take_ms"] >= 0 for line in landings)
     assert all(line.get("prefetch_ms", 0) == 0 for line in lines)  # no cold adapter streams in on the cpu
     assert [line["landed_s"] for line in lines] == sorted(line["landed_s"] for line in lines)
 
