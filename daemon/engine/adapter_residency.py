@@ -40,6 +40,7 @@ import torch
 from lorad.gpu_ops.page_pool import AdapterTable, LayerwiseLoad, StagedAdapter, StreamedLoad, issue_streamed
 
 PLACEMENTS = ("whole", "layerwise", "stream")
+RESIDENCY_WORK = ("lookup", "stage", "pin", "place", "evict")  # LoraResidency.host_s
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,9 @@ class LoraResidency:
         self.prefetches = 0
         self.streamed_ahead = 0  # prefetches streamed ahead
         self.evictions = 0
+        # the engine thread's time in the work that may hold it (the step log's residency_ms, per step): looking
+        # adapters up, staging one here, pinning a pageable copy, placing copies into the pool, evicting
+        self.host_s = dict.fromkeys(RESIDENCY_WORK, 0.0)
 
     def acquire(self, name: str | None, tokens: int | None = None) -> bool:
         """Resident and pinned, or False (not now). `tokens`: the admitted request's first step, for the
@@ -108,7 +112,9 @@ class LoraResidency:
                     self.metrics.cold_start()
             return True
         self._absorb()
+        started = time.perf_counter()
         adapter = self.lookup(name)
+        self.host_s["lookup"] += time.perf_counter() - started
         if not self._is_staged(adapter):
             if self._defer(name):
                 return False
@@ -124,10 +130,13 @@ class LoraResidency:
         started = time.perf_counter()
         staged, tier = self._staged(name, adapter)
         kind = "whole" if self.placement_for is None else self.placement_for(adapter, tier, tokens)
+        placing = time.perf_counter()
         while not self._place(name, slot, staged, kind):
             if not self.idle:
+                self.host_s["place"] += time.perf_counter() - placing
                 return False
             uses = self._evict_idle(uses)
+        self.host_s["place"] += time.perf_counter() - placing
         self.loads += 1
         self.placed[kind] += 1
         seconds = time.perf_counter() - started
@@ -219,12 +228,15 @@ class LoraResidency:
         if pinned is not None:
             return pinned, "pinned"
         staged = self.pageable.get(key)
+        started = time.perf_counter()
         if staged is None:
             staged, pinned = self._stage_pages(adapter)
             self._keep(name, adapter, staged, pinned)
+            self.host_s["stage"] += time.perf_counter() - started
         elif staged.pages.nbytes <= self.pinned.budget:
             pinned = StagedAdapter(staged.pages.pin_memory(), staged.layout)
             self.pinned.put(key, held_for_key(adapter, key), pinned)
+            self.host_s["pin"] += time.perf_counter() - started
         return (staged, "pageable") if pinned is None else (pinned, "pinned")
 
     def _stage_pages(self, adapter) -> tuple[StagedAdapter, StagedAdapter | None]:
@@ -324,7 +336,9 @@ class LoraResidency:
         if self.stager is not None and not self._name_staged(name):  # the stager stages it; this thread does not wait
             self.stager.ask(name, self.generation.get(name, 0))
             return False
+        started = time.perf_counter()
         adapter = self.lookup(name)
+        self.host_s["lookup"] += time.perf_counter() - started
         if self.stager is not None and not self._is_staged(adapter):  # its files changed since: staged anew there too
             self.stager.ask(name, self.generation.get(name, 0))
             return False
@@ -334,15 +348,19 @@ class LoraResidency:
         kind = "whole"
         if tokens is not None and self.placement_for is not None and self.placement_for(adapter, tier, tokens) == "stream":
             kind = "stream"
-        if kind == "stream":
-            load = self.table.place_streamed(slot, staged)
-            if load is None:
+        placing = time.perf_counter()
+        try:
+            if kind == "stream":
+                load = self.table.place_streamed(slot, staged)
+                if load is None:
+                    return False
+                self.ahead[name] = (load, tier)
+                self.streamed_ahead += 1
+                self.placed["stream"] += 1
+            elif not self.table.place(slot, staged):
                 return False
-            self.ahead[name] = (load, tier)
-            self.streamed_ahead += 1
-            self.placed["stream"] += 1
-        elif not self.table.place(slot, staged):
-            return False
+        finally:
+            self.host_s["place"] += time.perf_counter() - placing
         self.loads += 1
         self.prefetches += 1
         self.slots[name] = slot
@@ -408,10 +426,12 @@ class LoraResidency:
         return uses
 
     def _evict(self, name: str) -> None:
+        started = time.perf_counter()
         self.join([name])  # its copy is ordered before the pages go to another owner
         if name in self.ahead:
             self.ahead.pop(name)[0].abandon()
         self.table.evict(self.slots.pop(name))
+        self.host_s["evict"] += time.perf_counter() - started
         del self.pins[name]
         self.evictions += 1
         log.debug("adapter evicted name=%s", name)

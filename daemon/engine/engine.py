@@ -297,6 +297,7 @@ class Engine:
         self._stopping = False
         self.step_watch = StepWatch()  # how long the step now running has run; a warning when one stalls
         self._step_ended: float | None = None  # where the step loop's last step() returned (None: it idled since)
+        self._residency_seen: dict[str, float] = {}  # LoraResidency.host_s at the last step's launch (the step log's)
         self.steps = 0
         if config.cold_start == "cached":
             self._place_every_adapter()
@@ -707,6 +708,7 @@ class Engine:
         except LoradError as error:  # an adapter that broke between submit and admission
             self._finish(self.scheduler.blocked, "error", error=error.message)
             return
+        host.mark("admit")
         self._drop_by_admission()
         self._release_preempted()
         assisted = self.cold_starts.admit(batch)
@@ -718,7 +720,7 @@ class Engine:
         if landed_first:
             self.read_at_once[NEXT_NOT_PLANNED_AHEAD] += 1
         started = time.perf_counter()
-        host.mark("schedule")
+        host.mark("cold_starts")
         streamed = bool(self.residency.streaming())  # this step ran while adapters streamed in
         if ahead is not None and assisted:  # the CPU workers compute from tokens on the host: the tokens landed first
             self._finish_step_in_flight()
@@ -742,7 +744,7 @@ class Engine:
         self.account.launched(plan, self.runner.graph_rows, launched, parts=(scheduling, started, planned),
                               empty_slots=self.scheduler.max_running - len(plan.seqs), why_empty=self.scheduler.stopped,
                               notes={"origin": "after_landing" if ahead is None else "planned_ahead",
-                                     "prefetch_ms": prefetched * 1e3, **host.notes(launched)})
+                                     "prefetch_ms": prefetched * 1e3, **host.notes(launched), **self._residency_notes()})
         sampled = plan.sampled
         # On a GPU the step above is still running: queued requests' adapters are copied meanwhile.
         self._prefetch(_recorded_event() if self.cold_starts.streaming["on"] and self.scheduler.waiting else None)
@@ -1000,7 +1002,7 @@ class Engine:
         launched = time.perf_counter()
         self.account.launched(plan, self.runner.graph_rows, launched, empty_slots=self.scheduler.max_running - len(seqs),
                               why_empty=ENDED_IN_FLIGHT if self.scheduler.waiting else NO_REQUEST_WAITING,
-                              notes={"origin": "tokens_in_flight", **host.notes(launched)})
+                              notes={"origin": "tokens_in_flight", **host.notes(launched), **self._residency_notes()})
         following = self._launch_tokens(logits, seqs)
         for seq in seqs:
             seq.num_computed += 1
@@ -1050,6 +1052,14 @@ class Engine:
         if not all(self.grow(seq.blocks, seq.num_tokens) for seq in amid):
             return None
         return going
+
+    def _residency_notes(self) -> dict:
+        """For the step log: the engine thread's time in the adapters' residency work (LoraResidency.host_s) since the
+        last step's launch, by work, where there was any."""
+        spent = {work: seconds - self._residency_seen.get(work, 0.0) for work, seconds in self.residency.host_s.items()}
+        self._residency_seen = dict(self.residency.host_s)
+        spent = {work: round(seconds * 1e3, 3) for work, seconds in spent.items() if seconds > 0}
+        return {"residency_ms": spent} if spent else {}
 
     def _ending(self, going: dict[Sequence, int]) -> set[Sequence]:
         """The running rows of the step in flight that end on its tokens (on length), and so leave the next step."""

@@ -276,6 +276,9 @@ def test_the_step_log_has_a_line_per_step_with_how_it_was_launched(demo_assets, 
         assert "inbox" in split and ("rows" in split) == (line["origin"] != "after_landing" or "landing" in split)
         assert line["host_cpu_ms"] >= 0 and line["gc_ms"] >= 0
     assert sum("between_ms" in line for line in lines) >= len(lines) - 1  # all but the first after an idle engine
+    assert all(("admit" in line["host_split_ms"]) == (line["origin"] != "tokens_in_flight") for line in lines)
+    residency = [line["residency_ms"] for line in lines if "residency_ms" in line]  # the adapters' placements
+    assert residency and all(set(spent) <= {"lookup", "stage", "pin", "place", "evict"} for spent in residency)
     landings = [line for line in lines if "landing_wait_ms" in line]  # a step launched before its predecessor landed
     assert landings and all(line["origin"] != "after_landing" and line["landing_take_ms"] >= 0 for line in landings)
     assert all(line.get("prefetch_ms", 0) == 0 for line in lines)  # no cold adapter streams in on the cpu
