@@ -62,18 +62,39 @@ class PagePool:
         self._unfence(self.num_free)
         return self._stack[: self._top].copy()
 
-    def alloc(self, count: int, owner: str) -> np.ndarray | None:
+    def alloc(self, count: int, owner: str, ordered: bool = False) -> np.ndarray | None:
         """`count` page ids (int32, ascending), or None (and nothing taken) when fewer are free. Fenced pages are
-        taken once the device has passed their event; when the others are too few it waits for it."""
+        taken once the device has passed their event; when the others are too few it waits for it. ordered: the
+        caller's writes to the pages go on the compute stream, after every step already queued there (KV), so fenced
+        pages are safe for it at once: taken without a wait when the others are too few (a host that plans the next
+        step while one is in flight, with the cache full, would otherwise wait for that step to end)."""
         if count > self._top and self._fenced:
-            self._unfence(count)
-        if count > self._top:
+            self._unfence(0 if ordered else count)
+        if count > self._top + (self._fenced_count if ordered else 0):
             return None
+        short = max(0, count - self._top)
         # ascending (the stack holds descending stretches): a run iff last - first == count - 1
-        taken = np.sort(self._stack[self._top - count : self._top])
-        self._top -= count
+        taken = self._stack[self._top - (count - short) : self._top]
+        self._top -= count - short
+        if short:
+            taken = np.concatenate([taken, self._take_fenced(short)])
         self.used[owner] += count
-        return taken
+        return np.sort(taken)
+
+    def _take_fenced(self, count: int) -> np.ndarray:
+        """`count` fenced page ids, the oldest first, off their batches without waiting (for an ordered caller)."""
+        parts = []
+        while count:
+            event, ids = self._fenced[0]
+            if len(ids) <= count:
+                self._fenced.popleft()
+                parts.append(ids)
+            else:
+                self._fenced[0] = (event, ids[count:])
+                parts.append(ids[:count])
+            count -= len(parts[-1])
+            self._fenced_count -= len(parts[-1])
+        return np.concatenate(parts)
 
     def free(self, page_ids, owner: str, fenced: bool = False) -> None:
         """Gives back ids `alloc` handed out (any sequence of ints). fenced (cuda): a step queued on the current
@@ -165,7 +186,7 @@ class KVCache:
         missing = self.blocks_for(num_tokens) - len(blocks)
         if missing <= 0:
             return True
-        page_ids = self.pool.alloc(missing * self.pages_per_block, "kv")
+        page_ids = self.pool.alloc(missing * self.pages_per_block, "kv", ordered=True)  # written by the steps alone
         if page_ids is None:
             return False
         rows = page_ids.reshape(self.num_layers, 2, missing).transpose(2, 0, 1)

@@ -113,6 +113,27 @@ def test_fenced_pages_go_out_again_only_after_the_device_passed_their_step():
     assert pool.used == {"kv": 9, "adapter": 0}
 
 
+def test_kv_takes_fenced_pages_without_waiting_for_their_step():
+    """KV is written by the steps alone, on the compute stream, after the step that fenced its pages: an ordered
+    alloc takes fenced pages at once when the others are too few, the oldest batch first, part of one if need be,
+    and never more than are free; an adapter's (copied on another stream) still waits for the step."""
+    pool = make_pool(10)
+    pool.fences, pool.new_event = True, FakeEvent
+    FakeEvent.made.clear()
+    first, second = pool.alloc(3, "kv"), pool.alloc(3, "kv")
+    pool.free(first, "kv", fenced=True)
+    pool.free(second, "kv", fenced=True)
+    assert pool.num_free == 9
+    assert pool.alloc(10, "kv", ordered=True) is None and pool.num_free == 9  # nothing taken
+    taken = pool.alloc(5, "kv", ordered=True)  # the 3 never written, then 2 of the oldest fenced batch
+    assert all(event.waited == 0 for event in FakeEvent.made) and list(taken) == sorted(taken.tolist())
+    assert len(set(taken.tolist()) & set(first.tolist())) == 2 and not set(taken.tolist()) & set(second.tolist())
+    assert pool.num_free == 4 and pool.used["kv"] == 5
+    rest = pool.alloc(4, "adapter")  # the fenced ones alone are left: an adapter's copy waits for their steps
+    assert set(rest.tolist()) == (set(first.tolist()) - set(taken.tolist())) | set(second.tolist())
+    assert [event.waited for event in FakeEvent.made] == [1, 1] and pool.num_free == 0
+
+
 def test_fenced_free_is_plain_on_the_cpu():
     pool = make_pool(6)
     ids = pool.alloc(5, "kv")
