@@ -248,6 +248,39 @@ def test_cuda_overlapped_decode_equals_the_cpu(demo_assets, eager, max_running, 
     gc.collect()
 
 
+def test_cuda_tiny_pool_takes_fenced_kv_pages_and_equals_the_cpu(demo_assets, monkeypatch):
+    """A pool so small that the running batch outgrows it (no admission headroom): sequences end and are preempted
+    while steps are in flight, their pages fenced, and the next step's KV takes them without waiting for the step in
+    flight (PagePool.alloc, ordered): the tokens are the CPU's."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
+    names = [None, "demo-r1", "demo-r2"]  # adapters small enough for the pool
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (int(n),), generator=generator).tolist()
+               for n in torch.randint(8, 17, (8,), generator=generator)]
+
+    def requests():
+        return [GenerationRequest(prompt, names[i % len(names)], SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))
+                for i, prompt in enumerate(prompts)]
+
+    def engine_on(device):
+        return Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device=device, dtype="float32",
+                                   pool_bytes=200 * 64 * 4, max_model_len=32, kv_admission_headroom=0))
+
+    cpu = engine_on("cpu").generate(requests())
+    engine = engine_on("cuda")
+    taken = []
+    take_fenced = engine.pool._take_fenced
+    monkeypatch.setattr(engine.pool, "_take_fenced", lambda count: taken.append(count) or take_fenced(count))
+    gpu = engine.generate(requests())
+    assert [r.token_ids for r in gpu] == [r.token_ids for r in cpu]
+    assert engine.status()["preemptions"] > 0 and engine.overlapped_steps > 0
+    assert taken, "no step's KV took fenced pages"
+    assert engine.pool.occupancy()["kv"] == 0
+    del engine
+    gc.collect()
+
+
 @pytest.mark.parametrize("eager", [False, True])
 def test_cuda_forced_bgmv_equals_the_cpu(demo_assets, eager):
     """lora_kernel=bgmv: every decode step pads to its largest rank (BGMV graphs at each rank bucket, or
