@@ -251,16 +251,19 @@ def test_cuda_overlapped_decode_equals_the_cpu(demo_assets, eager, max_running, 
 def test_cuda_tiny_pool_takes_fenced_kv_pages_and_equals_the_cpu(demo_assets, monkeypatch):
     """A pool so small that the running batch outgrows it (no admission headroom): sequences end and are preempted
     while steps are in flight, their pages fenced, and the next step's KV takes them without waiting for the step in
-    flight (PagePool.alloc, ordered): the tokens are the CPU's."""
+    flight (PagePool.alloc, ordered): the tokens are the CPU's. The demo model's steps end before the host looks, so
+    the fences' events say they never passed (query): every fenced page goes out to KV by the ordered path, while the
+    step that may write it can still be on the device, and an adapter's copy waits for the event as ever."""
     torch.backends.cuda.matmul.allow_tf32 = False
     adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
     names = [None, "demo-r1", "demo-r2"]  # adapters small enough for the pool
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (int(n),), generator=generator).tolist()
-               for n in torch.randint(8, 17, (8,), generator=generator)]
+               for n in torch.randint(4, 13, (12,), generator=generator)]
 
-    def requests():
-        return [GenerationRequest(prompt, names[i % len(names)], SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))
+    def requests():  # rows end at different steps, while the next is in flight
+        return [GenerationRequest(prompt, names[i % len(names)], SamplingParams(max_tokens=6 + i % 9, temperature=0,
+                                                                                ignore_eos=True))
                 for i, prompt in enumerate(prompts)]
 
     def engine_on(device):
@@ -269,6 +272,12 @@ def test_cuda_tiny_pool_takes_fenced_kv_pages_and_equals_the_cpu(demo_assets, mo
 
     cpu = engine_on("cpu").generate(requests())
     engine = engine_on("cuda")
+
+    class NeverPassed(torch.cuda.Event):
+        def query(self):
+            return False
+
+    engine.pool.new_event = NeverPassed
     taken = []
     take_fenced = engine.pool._take_fenced
     monkeypatch.setattr(engine.pool, "_take_fenced", lambda count: taken.append(count) or take_fenced(count))

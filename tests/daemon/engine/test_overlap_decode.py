@@ -515,6 +515,40 @@ def test_processed_greedy_rows_overlap_with_the_same_tokens_and_logprobs(demo_as
     assert len(engine.sampler_state) == 0 and engine._in_flight is None  # every slot given back
 
 
+def test_fenced_pages_taken_by_kv_keep_the_tokens(demo_assets, plain):
+    """Pages released while a step is in flight are fenced (an adapter's copy waits for that step); KV takes them at
+    once when the others are too few (PagePool.alloc, ordered). Fences forced on the cpu, their steps never passing:
+    sequences ending and preempted in a tiny pool while steps are in flight give their pages to others' KV, and every
+    request gets the plain engine's tokens; the pool is whole at the end (test_engine_gpu.py has this on cuda)."""
+    class NeverPassed:
+        def record(self):
+            pass
+
+        def query(self):
+            return False
+
+        def synchronize(self):
+            pass
+
+    generator = torch.Generator().manual_seed(3)
+    cases = [(torch.randint(3, 512, (int(n),), generator=generator).tolist(), [None, "demo-r1", "demo-r2"][i % 3])
+             for i, n in enumerate(torch.randint(4, 13, (12,), generator=generator))]
+
+    def reqs():
+        return [GenerationRequest(list(prompt), adapter, SamplingParams(max_tokens=6 + i % 9, **GREEDY))
+                for i, (prompt, adapter) in enumerate(cases)]
+
+    expected = [r.token_ids for r in make_engine(demo_assets, pages=200, max_model_len=32).generate(reqs())]
+    engine = overlapped(make_engine(demo_assets, pages=200, max_model_len=32, kv_admission_headroom=0))
+    engine.pool.fences, engine.pool.new_event = True, NeverPassed
+    taken = []
+    take_fenced = engine.pool._take_fenced
+    engine.pool._take_fenced = lambda count: taken.append(count) or take_fenced(count)
+    assert [r.token_ids for r in engine.generate(reqs())] == expected
+    assert taken and engine.status()["preemptions"] > 0
+    assert engine.pool.occupancy()["kv"] == 0 and engine.pool.num_free == engine.pool.capacity - engine.pool.used["adapter"]
+
+
 def test_processed_rows_through_preemption_keep_their_tokens(demo_assets, plain):
     cases = [(prompt, [None, "demo-r1", "demo-r2"][i % 3]) for i, prompt in enumerate(prompts(6, seed=1, low=8, high=16))]
     params = SamplingParams(max_tokens=14, **GREEDY, **PROCESSED)
