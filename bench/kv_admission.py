@@ -4,7 +4,7 @@ The engine's own Scheduler is replayed over a dataset's prompt and output length
 once, as `lorad bench serve --request-rate inf`; each request generates its output length, as the random-weight
 daemon does) against a KV cache of the capacity the daemon reports (`kv_capacity_tokens` in /v1/status), in
 blocks of one position (the 7B shape's). For each running cap, with and without the growth reserve
-(`--kv-growth-reserve`, scheduler/batching.py): the steps by kind, the mean decode rows a step, the preemptions
+(`--kv-growth-reserve`, scheduler/batching.py) and each KV headroom (`--headroom`): the steps by kind, the mean decode rows a step, the preemptions
 and the prompt tokens computed again, and the summed step floor from the engine's account (step_cost.py: bytes
 over the HBM bandwidth or FLOPs over the GEMM rate, the rates the H100 measured at start-up). The floor is not
 the served time, but it moves with it: on the H100 the served busy time has been 1.24-1.27x the decode steps'
@@ -207,7 +207,8 @@ def main() -> None:
     parser.add_argument("--reserve", choices=("both", "off", "on"), default="both", help="the growth reserve")
     parser.add_argument("--headroom", default="0",
                         help="KV positions an admission leaves free for each running sequence (the engine's "
-                             "--kv-admission-headroom), comma-separated")
+                             "--kv-admission-headroom, 16 by default there; 0 here, as the replays in BENCHMARKS.md "
+                             "were made), comma-separated")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
