@@ -4,12 +4,13 @@ The engine's own Scheduler is replayed over a dataset's prompt and output length
 once, as `lorad bench serve --request-rate inf`; each request generates its output length, as the random-weight
 daemon does) against a KV cache of the capacity the daemon reports (`kv_capacity_tokens` in /v1/status), in
 blocks of one position (the 7B shape's). For each running cap, with and without the growth reserve
-(`--kv-growth-reserve`, scheduler/batching.py) and each KV headroom (`--headroom`): the steps by kind, the mean decode rows a step, the preemptions
-and the prompt tokens computed again, and the summed step floor from the engine's account (step_cost.py: bytes
-over the HBM bandwidth or FLOPs over the GEMM rate, the rates the H100 measured at start-up). The floor is not
-the served time, but it moves with it: on the H100 the served busy time has been 1.24-1.27x the decode steps'
-floor and 2.1x the mixed steps' (BENCHMARKS.md, figure 21.1), and `estimated_busy_s` applies those factors.
-The base model alone (the adapters' bytes are a few percent of a decode step's).
+(`--kv-growth-reserve`, scheduler/batching.py) and each KV headroom (`--headroom`): the steps by kind, the mean
+decode rows a step, the preemptions and the prompt tokens computed again, and the summed step floor from the
+engine's account (step_cost.py: bytes over the HBM bandwidth or FLOPs over the GEMM rate, the rates the H100
+measured at start-up). The floor is not the served time, but it moves with it: on the H100 the served busy time
+has been 1.24-1.27x the decode steps' floor and 2.1x the mixed steps' (BENCHMARKS.md, figure 21.1), and
+`estimated_busy_s` applies those factors. The base model alone (the adapters' bytes are a few percent of a decode
+step's).
 
     python3 bench/kv_admission.py [--num-prompts 400] [--kv-tokens 104584] [--running 64,96,128] [--out OUT.json]
 """
