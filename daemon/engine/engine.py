@@ -675,7 +675,8 @@ class Engine:
 
     def step(self) -> None:
         began = time.perf_counter()
-        host = HostSplit(began, self._step_ended)  # the step log's split of the host's work before the launch
+        # the step log's split of the host's work before the launch (none without a step log)
+        host = HostSplit(began, self._step_ended, on=self.account.step_log is not None)
         self.account.begin(began)
         self._take_inbox()
         host.mark("inbox")
@@ -1055,7 +1056,9 @@ class Engine:
 
     def _residency_notes(self) -> dict:
         """For the step log: the engine thread's time in the adapters' residency work (LoraResidency.host_s) since the
-        last step's launch, by work, where there was any."""
+        last step's launch, by work, where there was any (nothing without a step log)."""
+        if self.account.step_log is None:
+            return {}
         spent = {work: seconds - self._residency_seen.get(work, 0.0) for work, seconds in self.residency.host_s.items()}
         self._residency_seen = dict(self.residency.host_s)
         spent = {work: round(seconds * 1e3, 3) for work, seconds in spent.items() if seconds > 0}

@@ -351,18 +351,22 @@ class HostSplit:
     the same span (a wall time well above it: the thread waited, for the GIL, a lock or the device), the time from
     where the step loop's step() before it returned (`between_ms`: its outputs queued for the API process, the
     loop's own work; absent after an idle engine), and the time Python's garbage collector ran since the last step's
-    launch (`gc_ms`, while a step log is open)."""
+    launch (`gc_ms`, while a step log is open). on: a step log reads it (off: nothing is marked, no notes)."""
 
-    def __init__(self, began: float, previous_end: float | None = None):
+    def __init__(self, began: float, previous_end: float | None = None, on: bool = True):
         self.began = began
         self.previous_end = previous_end
-        self._cpu = time.thread_time()
+        self.on = on
+        self._cpu = time.thread_time() if on else 0.0
         self._marks: list[tuple[str, float]] = []
 
     def mark(self, name: str) -> None:
-        self._marks.append((name, time.perf_counter()))
+        if self.on:
+            self._marks.append((name, time.perf_counter()))
 
     def notes(self, launched: float) -> dict:
+        if not self.on:
+            return {}
         split, at = {}, self.began
         for name, when in self._marks:
             split[name] = round((when - at) * 1e3, 3)
