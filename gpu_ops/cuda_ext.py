@@ -14,6 +14,9 @@ Two paths with one interface:
 Flags are int64 sequence numbers in shared memory (shm/flags.py): a 1-D int64 numpy array or CPU tensor
 view over them, several flags (one per worker) at any stride that is a multiple of 8 bytes.
 `invocation_path()` says which path `copy_and_signal` / `wait_and_add` take for CUDA tensors.
+
+The same extension queues an adapter's page runs (`copy_rows`): one driver call per run from C++, where a
+torch copy per run costs the host several microseconds of Python and dispatch (`rows_copy_path()` says which).
 """
 
 from __future__ import annotations
@@ -464,3 +467,47 @@ def wait_and_add(
     """`fused_wait_and_add` for a CUDA `out` where the extension is usable, else `python_wait_and_add`."""
     path = fused_wait_and_add if _fused_for(out) else python_wait_and_add
     path(out, result, flags, seq, error, timeout_s, stream, skip_if_error)
+
+
+# ---- page runs -----------------------------------------------------------------------------------------
+
+
+def rows_copy_path() -> str:
+    """How the page pool queues an adapter's runs of pages: "cuda-ext" (one driver call per run, `copy_rows`), or
+    "torch: <why the extension cannot be used here>" (one torch copy per run)."""
+    path = invocation_path()
+    return "cuda-ext" if path == "fused-cuda" else "torch: " + path.removeprefix("python: ")
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, runs: np.ndarray, tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """dst[first : first + n] = src[offset : offset + n] for each row (offset, first, n) of `runs` (an int64 array [R, 3]),
+    then tail[0] = tail[1] (a word such as a streamed layer's ready flag, after its pages): one DMA per run, queued on
+    the current stream of dst's device from C++ (`rows_copy_path() == "cuda-ext"`). dst: a CUDA tensor; src: host
+    (pinned, or pageable: then each run returns once the driver has staged it) or CUDA, rows of dst's size and dtype.
+    Nothing waits for the device. Bounds are checked here, before anything is queued."""
+    if dst.dim() != 2 or src.dim() != 2 or not dst.is_contiguous() or not src.is_contiguous():
+        raise ValueError("copy_rows: dst and src must be contiguous 2-D tensors")
+    if src.dtype != dst.dtype or src.shape[1] != dst.shape[1]:
+        raise ValueError(f"copy_rows: src rows {src.dtype} x {src.shape[1]} differ from dst rows {dst.dtype} x {dst.shape[1]}")
+    runs = np.ascontiguousarray(runs, dtype=np.int64)
+    if runs.ndim != 2 or runs.shape[1] != 3:
+        raise ValueError(f"copy_rows: runs must be [R, 3] (offset, first, length), got {runs.shape}")
+    if len(runs):
+        offsets, firsts, lengths = runs[:, 0], runs[:, 1], runs[:, 2]
+        if lengths.min() <= 0 or offsets.min() < 0 or firsts.min() < 0:
+            raise ValueError("copy_rows: runs need offsets and firsts >= 0 and lengths > 0")
+        if (offsets + lengths).max() > src.shape[0] or (firsts + lengths).max() > dst.shape[0]:
+            raise ValueError(f"copy_rows: a run reaches past src ({src.shape[0]} rows) or dst ({dst.shape[0]} rows)")
+    _require_extension()
+    _check_device(dst, "dst")
+    tail_dst = tail_src = tail_bytes = 0
+    if tail is not None:
+        target, source = tail
+        _check_device(target, "tail target")
+        tail_bytes = target.numel() * target.element_size()
+        if not target.is_contiguous() or not source.is_contiguous() or source.numel() * source.element_size() != tail_bytes:
+            raise ValueError("copy_rows: the tail's target and source must be contiguous and of one size")
+        tail_dst, tail_src = target.data_ptr(), source.data_ptr()
+    _ext.copy_rows(dst.device.index, dst.data_ptr(), src.data_ptr(), dst.shape[1] * dst.element_size(), runs.ctypes.data,
+                   len(runs), tail_dst, tail_src, tail_bytes, torch.cuda.current_stream(dst.device).cuda_stream)
+

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from lorad.gpu_ops import cuda_ext
+
 log = logging.getLogger(__name__)
 
 NUM_PROJECTIONS = 7
@@ -380,6 +382,12 @@ class AdapterTable:
         self.stream_error = torch.zeros(1, dtype=torch.int32, device=device)
         self.streaming = False  # enable_streaming(): the kernels are built with the wait
         self._streamer: _Streamer | None = None
+        # how runs of pages are queued on cuda: "cuda-ext" (one driver call per run, from C++), else "torch: why not"
+        self.copy_path = cuda_ext.rows_copy_path() if device.type == "cuda" else "cpu"
+        self.streamed_runs = {"layers": 0, "runs": 0}  # streamed layers queued, and their runs of pages
+        if self.copy_path.startswith("torch"):
+            log.warning("adapter page copies path=%r (one torch copy per run of pages: more host time a placement)",
+                        self.copy_path)
 
     def pages_needed(self, weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]) -> int:
         total, seen = 0, set()
@@ -523,13 +531,13 @@ class AdapterTable:
         with torch.cuda.stream(self._copy_stream):  # every copy here is async: the host goes on
             if not layerwise:
                 if not one_run:
-                    _copy_pages(pages, staged.pages, ids)
+                    _copy_pages(pages, staged.pages, ids, self.copy_path == "cuda-ext")
                 self._publish(slot, start, needed)
                 return LayerwiseLoad(slot, [None] * self.num_layers, _recorded())
             self._publish(slot, start, needed)  # small: every layer's event covers the table rows
             events: list = [None] * self.num_layers
             for layer, (first, last) in _layer_bounds(staged.layout, needed).items():
-                _copy_pages(pages, staged.pages[first:last], ids[first:last])
+                _copy_pages(pages, staged.pages[first:last], ids[first:last], self.copy_path == "cuda-ext")
                 events[layer] = _recorded()
             return LayerwiseLoad(slot, events, _recorded())
 
@@ -685,12 +693,20 @@ class StreamedLoad:
 
     def _send_next(self) -> None:
         """The next layer's pages (staged rows first..last), then ready[slot] = layer + 1, on the current
-        stream; the load ended after its last layer."""
+        stream, by DMA alone; the load ended after its last layer."""
         layer, (first, last) = self.layers[0]
-        pages, source = self.table.pool.pages, self.source.pages
-        for offset, page, length in _runs(self.ids[first:last]):
-            pages[page : page + length].copy_(source[first + offset : first + offset + length], non_blocking=True)
-        self.table._streamer.raise_ready(self.slot, layer + 1)
+        table, source = self.table, self.source.pages
+        runs = _run_array(self.ids[first:last])
+        if table.copy_path == "cuda-ext":
+            runs[:, 0] += first
+            cuda_ext.copy_rows(table.pool.pages, source, runs, tail=table._streamer.ready_word(self.slot, layer + 1))
+        else:
+            pages = table.pool.pages
+            for offset, page, length in runs.tolist():
+                pages[page : page + length].copy_(source[first + offset : first + offset + length], non_blocking=True)
+            table._streamer.raise_ready(self.slot, layer + 1)
+        table.streamed_runs["layers"] += 1
+        table.streamed_runs["runs"] += len(runs)
         self.layers.pop(0)
         if not self.layers:
             self._end(None)
@@ -760,7 +776,11 @@ class _Streamer:
 
     def raise_ready(self, slot: int, value: int) -> None:
         """ready[slot] = value, by a 4-byte DMA on the current stream."""
-        self.table.ready[slot : slot + 1].copy_(self.values[value : value + 1], non_blocking=True)
+        self.table.ready[slot : slot + 1].copy_(*self.ready_word(slot, value)[1:], non_blocking=True)
+
+    def ready_word(self, slot: int, value: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ready[slot], the pinned word holding `value`): the copy that raises it."""
+        return self.table.ready[slot : slot + 1], self.values[value : value + 1]
 
 
 def _recorded():
@@ -769,11 +789,14 @@ def _recorded():
     return event
 
 
-def _copy_pages(pages: torch.Tensor, staged: torch.Tensor, ids: np.ndarray) -> None:
+def _copy_pages(pages: torch.Tensor, staged: torch.Tensor, ids: np.ndarray, by_extension: bool = False) -> None:
     """pages[ids[i]] = staged[i], on the current stream, never waiting on the host: straight DMA from
-    pinned memory per run of consecutive ids, or one copy up and a scatter when the ids are scattered."""
+    pinned memory per run of consecutive ids (queued from C++ where by_extension), or one copy up and a scatter
+    when the ids are scattered."""
     runs = _runs(ids)
-    if len(runs) <= MAX_DIRECT_RUNS:
+    if len(runs) <= MAX_DIRECT_RUNS and by_extension:
+        cuda_ext.copy_rows(pages, staged, np.array(runs, dtype=np.int64).reshape(-1, 3))
+    elif len(runs) <= MAX_DIRECT_RUNS:
         for offset, first, length in runs:
             pages[first : first + length].copy_(staged[offset : offset + length], non_blocking=True)
     else:
@@ -789,6 +812,19 @@ def _layer_bounds(layout: list[tuple[int, int, int, int, int]], total: int) -> d
     layers = sorted(firsts)
     ends = [firsts[layer] for layer in layers[1:]] + [total]
     return {layer: (firsts[layer], end) for layer, end in zip(layers, ends)}
+
+
+def _run_array(ids: np.ndarray) -> np.ndarray:
+    """`_runs` as an int64 array [R, 3] (offset in ids, first page, length)."""
+    if not len(ids):
+        return np.empty((0, 3), dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    runs = np.empty((len(starts), 3), dtype=np.int64)
+    runs[:, 0] = starts
+    runs[:, 1] = ids[starts]
+    runs[:, 2] = np.diff(np.concatenate((starts, [len(ids)])))
+    return runs
 
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:

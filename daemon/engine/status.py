@@ -82,10 +82,15 @@ def engine_status(engine: Engine) -> dict:
             "cpu_assist_invocation": engine.cold_starts.cpu_assist.invocation if engine.cold_starts.cpu_assist is not None else "off",
             "cpu_assist_layerwise": engine.config.layerwise,
             "cold_adapter_streaming": dict(engine.cold_starts.streaming),
+            # how an adapter's runs of pool pages are queued: "cuda-ext" (C++, one driver call a run), "torch: why", "cpu"
+            "adapter_copy_path": engine.table.copy_path,
             "cold_placements": dict(engine.residency.placed),
             "cold_stream_steps": {"steps": engine.cold_starts.stream_steps["steps"],
                                   "wall_ms": round(engine.cold_starts.stream_steps["seconds"] * 1e3, 3),
-                                  "issue_ms": round(engine.residency.issue_seconds * 1e3, 3)},
+                                  "issue_ms": round(engine.residency.issue_seconds * 1e3, 3),
+                                  # every streamed layer, ahead or not: runs of pool pages a layer (one copy each)
+                                  "page_runs_per_layer": round(engine.table.streamed_runs["runs"]
+                                                               / max(1, engine.table.streamed_runs["layers"]), 2)},
             # cold adapters streamed ahead of their request's admission, while the host waited for a step
             "cold_streamed_ahead": {"adapters": engine.residency.streamed_ahead,
                                     "layers": engine.residency.ahead_layers,

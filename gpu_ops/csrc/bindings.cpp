@@ -11,7 +11,7 @@
 namespace py = pybind11;
 
 PYBIND11_MODULE(_lorad_cuda, m) {
-  m.doc() = "lorad's CUDA ops for sync-free CPU LoRA invocation (fused async copy + signal, GPU-side wait + add)";
+  m.doc() = "lorad's CUDA ops: sync-free CPU LoRA invocation (fused async copy + signal, GPU-side wait + add), page runs copied in one call";
   m.attr("DTYPE_FLOAT32") = static_cast<int>(lorad::kFloat32);
   m.attr("DTYPE_FLOAT16") = static_cast<int>(lorad::kFloat16);
   m.attr("DTYPE_BFLOAT16") = static_cast<int>(lorad::kBFloat16);
@@ -37,4 +37,10 @@ PYBIND11_MODULE(_lorad_cuda, m) {
         "One kernel on `stream`: wait on the GPU until every flag >= seq (flag f: seqs[f] when seqs is given), then out[r, c] += result[r, c] (fp32 result "
         "in mapped host memory; strides in elements). After timeout_ns: add nothing, store the missed seq into the "
         "int64 error word if it is 0. skip_if_error: give up at once when the error word is already non-zero. Returns at once.");
+  m.def("copy_rows", &lorad::copy_rows, py::arg("device"), py::arg("dst"), py::arg("src"), py::arg("row_bytes"),
+        py::arg("runs"), py::arg("num_runs"), py::arg("tail_dst"), py::arg("tail_src"), py::arg("tail_bytes"),
+        py::arg("stream"),
+        "One cudaMemcpyAsync on `stream` per int64 triple (src_row, dst_row, rows) at host address `runs` (rows of "
+        "row_bytes bytes, unified addresses), then tail_bytes from tail_src to tail_dst when tail_bytes > 0. "
+        "Returns at once (a pageable source: once the driver has staged it).");
 }

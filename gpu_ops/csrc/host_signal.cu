@@ -438,4 +438,27 @@ void wait_and_add(std::uintptr_t out, std::uintptr_t result, std::int64_t nrows,
   }
 }
 
+void copy_rows(int device, std::uintptr_t dst, std::uintptr_t src, std::int64_t row_bytes, std::uintptr_t runs,
+               std::int64_t num_runs, std::uintptr_t tail_dst, std::uintptr_t tail_src, std::size_t tail_bytes,
+               std::uintptr_t stream_handle) {
+  if (row_bytes <= 0 || num_runs < 0) throw std::invalid_argument("copy_rows: row_bytes must be positive, num_runs >= 0");
+  if (num_runs > 0 && (dst == 0 || src == 0 || runs == 0)) throw std::invalid_argument("copy_rows: null pointer");
+  if (tail_bytes > 0 && (tail_dst == 0 || tail_src == 0)) throw std::invalid_argument("copy_rows: null tail pointer");
+  check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const auto* triples = reinterpret_cast<const std::int64_t*>(runs);
+  auto* to = reinterpret_cast<char*>(dst);
+  const auto* from = reinterpret_cast<const char*>(src);
+  for (std::int64_t i = 0; i < num_runs; ++i) {
+    const std::int64_t src_row = triples[3 * i], dst_row = triples[3 * i + 1], rows = triples[3 * i + 2];
+    check_cuda(cudaMemcpyAsync(to + dst_row * row_bytes, from + src_row * row_bytes,
+                               static_cast<std::size_t>(rows * row_bytes), cudaMemcpyDefault, stream),
+               "copy_rows: cudaMemcpyAsync");
+  }
+  if (tail_bytes > 0)
+    check_cuda(cudaMemcpyAsync(reinterpret_cast<void*>(tail_dst), reinterpret_cast<const void*>(tail_src), tail_bytes,
+                               cudaMemcpyDefault, stream),
+               "copy_rows: cudaMemcpyAsync (tail)");
+}
+
 }  // namespace lorad

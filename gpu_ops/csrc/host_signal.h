@@ -46,4 +46,14 @@ void wait_and_add(std::uintptr_t out, std::uintptr_t result, std::int64_t nrows,
                   std::uintptr_t error, int num_flags, std::int64_t flag_stride, bool skip_if_error,
                   const std::vector<std::int64_t>& seqs);
 
+// Queues one host->device DMA per run on `stream`, the CUDA runtime's current device set to `device` first:
+// for each int64 triple (src_row, dst_row, rows) of the `num_runs` at host address `runs`, rows * row_bytes
+// bytes from src + src_row * row_bytes to dst + dst_row * row_bytes; then, when tail_bytes > 0, tail_bytes from
+// tail_src to tail_dst (a small word such as a streamed layer's ready flag, after its pages). Addresses are
+// unified (pinned or pageable host, device): a pageable source's copy returns once the driver has staged it,
+// as cudaMemcpyAsync does. No kernel, no host synchronisation. The caller checks the bounds.
+void copy_rows(int device, std::uintptr_t dst, std::uintptr_t src, std::int64_t row_bytes, std::uintptr_t runs,
+               std::int64_t num_runs, std::uintptr_t tail_dst, std::uintptr_t tail_src, std::size_t tail_bytes,
+               std::uintptr_t stream);
+
 }  // namespace lorad

@@ -140,7 +140,7 @@ def test_a_copy_that_cannot_be_queued_releases_the_kernels_and_says_why(table, m
     load.make_current_stream_wait()
     x, y, segments = rows_and_segments(table, [0] * ROWS)
     mbgmm.mbgmm(x, y, LAYERS - 1, Q, segments, table)
-    monkeypatch.setattr(page_pool, "_runs", broken)
+    monkeypatch.setattr(page_pool, "_run_array", broken)
     load.issue()
     torch.cuda.synchronize()
     assert "lost" in load.error and table.ready[0].item() == LAYERS and table.stream_error.item() == 0
@@ -190,3 +190,30 @@ def test_an_abandoned_copy_frees_its_slot_for_a_placement_that_does_not_stream(t
     torch.cuda.synchronize()
     assert table.stream_error.item() == 0
     torch.testing.assert_close(y.double().cpu(), truth(x, weights, LAYERS - 1), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("path", ["cuda-ext", "torch"])
+def test_layers_in_many_runs_of_pages_give_the_truth_by_either_copy_path(table, path):
+    """A pool whose free pages are every other one (the KV cache's churn, at its worst): each streamed layer is 64
+    runs of one page, queued from C++ in one call a layer (the default where the extension is usable) or by one
+    torch copy a run, and the kernel still gives the truth."""
+    load_kernels(table)
+    if path == "cuda-ext":
+        assert table.copy_path == "cuda-ext", table.copy_path
+    else:
+        table.copy_path = "torch: chosen by the test"
+    pool = table.pool
+    taken = pool.alloc(pool.num_free, "kv")
+    pool.free(taken[::2], "kv")
+    weights = adapter(10)
+    load = table.place_streamed(0, table.stage(weights, pin=path == "torch"))
+    assert len(page_pool._run_array(load.ids)) == len(load.ids)  # no two pages side by side
+    load.issue()
+    load.make_current_stream_wait()
+    x, y, segments = rows_and_segments(table, [0] * ROWS)
+    mbgmm.mbgmm(x, y, LAYERS - 1, Q, segments, table)
+    torch.cuda.synchronize()
+    assert load.error is None and table.stream_error.item() == 0 and table.ready[0].item() == LAYERS
+    assert table.streamed_runs == {"layers": LAYERS, "runs": len(load.ids)}
+    torch.testing.assert_close(y.double().cpu(), truth(x, weights, LAYERS - 1), atol=2e-2, rtol=2e-2)
+

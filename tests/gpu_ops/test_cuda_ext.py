@@ -126,6 +126,12 @@ def test_without_a_gpu_the_module_imports_and_calls_fail_cleanly():
         ext.copy_and_signal(0, 0, 0, 8, 1, 0, 65, 8)
     with pytest.raises(RuntimeError, match="not usable here"):
         cuda_ext.register_host(np.zeros(16))
+    with pytest.raises(ValueError, match="row_bytes must be positive"):
+        ext.copy_rows(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="null pointer"):
+        ext.copy_rows(0, 0, 0, 8, 0, 1, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="null tail pointer"):
+        ext.copy_rows(0, 8, 8, 8, 8, 0, 0, 8, 4, 0)
 
 
 # ---- python path (CPU, CI) -----------------------------------------------------------------------------
@@ -209,6 +215,28 @@ def test_argument_checks():
         cuda_ext.copy_and_signal(out.t(), result, flags, 1)
     with pytest.raises(TypeError):
         cuda_ext.copy_and_signal(out, result, [0], 1)
+
+
+def test_copy_rows_checks_its_runs_before_anything_is_queued():
+    """The page runs' bounds, shapes and dtypes are refused by name; without a usable extension the call says why
+    and the page pool says which path its copies take."""
+    dst, src = torch.zeros(8, 4), torch.ones(6, 4)
+    for runs, message in ((np.array([[0, 0, 7]]), "reaches past src"), (np.array([[0, 5, 4]]), "reaches past"),
+                          (np.array([[0, 0, 0]]), "lengths > 0"), (np.array([[-1, 0, 1]]), ">= 0"),
+                          (np.array([0, 0, 1]), r"\[R, 3\]")):
+        with pytest.raises(ValueError, match=message):
+            cuda_ext.copy_rows(dst, src, runs)
+    with pytest.raises(ValueError, match="differ"):
+        cuda_ext.copy_rows(dst, src.double(), np.array([[0, 0, 1]]))
+    with pytest.raises(ValueError, match="contiguous 2-D"):
+        cuda_ext.copy_rows(dst.t(), src, np.array([[0, 0, 1]]))
+    path = cuda_ext.rows_copy_path()
+    if not cuda_ext.available():
+        assert path.startswith("torch: ") and path.removeprefix("torch: ") in cuda_ext.invocation_path()
+        with pytest.raises(RuntimeError, match="not usable here"):
+            cuda_ext.copy_rows(dst, src, np.array([[0, 2, 6]]))
+    else:
+        assert path == "cuda-ext"
 
 
 class _RecordingExtension:
@@ -474,3 +502,26 @@ def test_fused_launcher_per_flag_seqs(mapped_exchange):
 @gpu
 def test_invocation_path_on_the_gpu_machine():
     assert cuda_ext.invocation_path() == "fused-cuda"
+
+
+@gpu
+@pytest.mark.parametrize("source", ["pinned", "pageable", "device"])
+def test_copy_rows_copies_each_run_then_the_tail_on_the_current_stream(source):
+    if not cuda_ext.available():
+        pytest.fail(f"the extension is not usable: {cuda_ext.invocation_path()}")
+    src = torch.randn(64, 1024, dtype=torch.bfloat16)
+    src = {"pinned": src.pin_memory(), "pageable": src, "device": src.cuda()}[source]
+    dst = torch.full((128, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")
+    runs = np.array([[0, 100, 5], [5, 3, 1], [6, 40, 30], [36, 7, 28]])
+    flag, word = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.tensor([7], dtype=torch.int32).pin_memory()
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        cuda_ext.copy_rows(dst, src, runs, tail=(flag, word))
+    stream.synchronize()
+    expected = torch.full((128, 1024), float("nan"), dtype=torch.bfloat16)
+    for offset, first, length in runs:
+        expected[first : first + length] = src[offset : offset + length].cpu()
+    torch.testing.assert_close(dst.cpu(), expected, atol=0, rtol=0, equal_nan=True)
+    assert flag.item() == 7
+
