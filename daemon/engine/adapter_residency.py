@@ -239,13 +239,17 @@ class LoraResidency:
             self.host_s["pin"] += time.perf_counter() - started
         return (staged, "pageable") if pinned is None else (pinned, "pinned")
 
-    def _stage_pages(self, adapter) -> tuple[StagedAdapter, StagedAdapter | None]:
+    def _stage_pages(self, adapter, parts: dict | None = None) -> tuple[StagedAdapter, StagedAdapter | None]:
         """(pageable pages, their pinned copy or None when larger than the pinned budget). Reads only the
-        adapter and the table's fixed layout: safe on the stager's thread."""
+        adapter and the table's fixed layout: safe on the stager's thread. parts: gets the seconds of the
+        layout and of the pinning."""
+        started = time.perf_counter()
         staged = self.table.stage(adapter.weights, pin=False)
-        if staged.pages.nbytes > self.pinned.budget:
-            return staged, None
-        return staged, StagedAdapter(staged.pages.pin_memory(), staged.layout)
+        laid_out = time.perf_counter()
+        pinned = None if staged.pages.nbytes > self.pinned.budget else StagedAdapter(staged.pages.pin_memory(), staged.layout)
+        if parts is not None:
+            parts["layout"], parts["pin"] = laid_out - started, time.perf_counter() - laid_out
+        return staged, pinned
 
     def _keep(self, name: str, adapter, staged: StagedAdapter, pinned: StagedAdapter | None) -> None:
         key = self._keys[name] = staging_key(adapter)
@@ -468,6 +472,9 @@ class Stager:
         self.staged = 0  # adapters staged (taken by the engine thread), and the threads' seconds on them
         self.seconds = 0.0
         self.ready_seconds = 0.0  # and the seconds from each one's ask to its take (its wait for a thread included)
+        # the threads' seconds by part (read: the lookup, from disk where it is not in host memory; layout: the page
+        # layout; pin: the pinned copy) and their CPU seconds: wall well above CPU is a thread kept waiting
+        self.part_seconds = {"read": 0.0, "layout": 0.0, "pin": 0.0, "cpu": 0.0}
 
     def ask(self, name: str, generation: int = 0) -> None:
         if name in self._pending:
@@ -493,7 +500,7 @@ class Stager:
             except queue.Empty:
                 break
         now = time.perf_counter()
-        for name, generation, adapter, result, seconds in items:
+        for name, generation, adapter, result, seconds, parts in items:
             asked_at = self._pending.pop(name, now)
             with self._lock:
                 self._claimed.discard(name)
@@ -501,6 +508,8 @@ class Stager:
                 continue
             self.staged += 1
             self.seconds += seconds
+            for part, part_seconds in parts.items():
+                self.part_seconds[part] += part_seconds
             self.ready_seconds += now - asked_at
             done.append((name, generation, adapter, result))
         return done
@@ -562,19 +571,22 @@ def _stage_loop(stager_ref, todo: queue.SimpleQueue, done: queue.SimpleQueue) ->
                 stager._started.add(name)
         if skip:
             del stager
-            done.put((name, generation, None, _SKIPPED, 0.0))
+            done.put((name, generation, None, _SKIPPED, 0.0, {}))
             continue
         adapter = None
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        parts = {}
         try:
             adapter = stager.lookup(name)
-            result = stager.stage(adapter)
+            parts["read"] = time.perf_counter() - started
+            result = stager.stage(adapter, parts)
         except Exception as error:  # noqa: BLE001 - reported by take(); admission meets it again
             result = error
         with stager._lock:
             stager._started.discard(name)
         del stager
-        done.put((name, generation, adapter, result, time.perf_counter() - started))
+        parts["cpu"] = time.thread_time() - cpu_started
+        done.put((name, generation, adapter, result, time.perf_counter() - started, parts))
         del adapter, result  # while this thread waits for the next one, it keeps no adapter alive
 
 

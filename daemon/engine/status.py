@@ -174,8 +174,8 @@ def admission_estimate_source(engine: Engine) -> str:
 def staging_status(engine: Engine) -> dict | None:
     """cuda: adapters read and staged on the stager's threads ("off_thread") against those the engine thread had to
     stage itself at admission or prefetch; the stager's threads, the mean time one took to read and stage an adapter
-    ("stage_ms_mean") and the mean from its ask to the engine's take, once a step ("ready_ms_mean": its wait for a
-    free thread included); the adapters whose admission waited for the stager while other rows ran
+    ("stage_ms_mean"; by part, with the threads' CPU time, in "parts_ms_mean") and the mean from its ask to the engine's
+    take, once a step ("ready_ms_mean": its wait for a free thread included); the adapters whose admission waited for the stager while other rows ran
     ("admissions_deferred"), and the requests admitted past such a waiting one ("admitted_past_staging"). None where
     staging is not backgrounded (the CPU)."""
     stager = engine.residency.stager
@@ -187,5 +187,6 @@ def staging_status(engine: Engine) -> dict | None:
 
     return {"off_thread": engine.residency.staged_off_thread, "pending": stager.pending(), "threads": stager.threads,
             "stage_ms_mean": mean_ms(stager.seconds), "ready_ms_mean": mean_ms(stager.ready_seconds),
+            "parts_ms_mean": {part: mean_ms(seconds) for part, seconds in stager.part_seconds.items()},
             "admissions_deferred": engine.residency.admissions_deferred,
             "admitted_past_staging": engine.scheduler.past_staging}

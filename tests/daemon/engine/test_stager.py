@@ -35,7 +35,7 @@ def test_each_name_staged_once_while_pending_and_off_the_callers_thread():
         threads.add(threading.current_thread().name)
         return f"adapter {name}"
 
-    stager = Stager(lookup, lambda adapter: (adapter.upper(), None))
+    stager = Stager(lookup, lambda adapter, parts: (adapter.upper(), None))
     for name in ("a", "b", "a", "a"):
         stager.ask(name, 0)
     assert stager.pending() == 2
@@ -43,6 +43,8 @@ def test_each_name_staged_once_while_pending_and_off_the_callers_thread():
     done = wait_for(stager, 2)
     assert sorted((name, result) for name, _, _, result in done) == [("a", ("ADAPTER A", None)), ("b", ("ADAPTER B", None))]
     assert sorted(calls) == ["a", "b"] and stager.pending() == 0 and stager.staged == 2
+    assert stager.part_seconds["read"] > 0 and stager.part_seconds["cpu"] >= 0  # the reads waited for `release`
+    assert stager.part_seconds["read"] <= stager.seconds
     assert threads and all(name.startswith("lorad-stager-") for name in threads)
     stager.ask("a", 1)  # asked again once done: staged again (e.g. after it left the caches)
     assert [item[:2] for item in wait_for(stager, 1)] == [("a", 1)]
@@ -57,7 +59,7 @@ def test_several_adapters_stage_at_once():
         together.wait()
         return name
 
-    stager = Stager(lookup, lambda adapter: (adapter, None), threads=threads)
+    stager = Stager(lookup, lambda adapter, parts: (adapter, None), threads=threads)
     for name in ("a", "b", "c"):
         stager.ask(name, 0)
     done = wait_for(stager, threads)
@@ -69,7 +71,7 @@ def test_several_adapters_stage_at_once():
 def test_the_stager_threads_run_torch_on_one_thread_each_and_leave_the_callers_setting():
     before = torch.get_num_threads()
     seen = []
-    stager = Stager(lambda name: seen.append(torch.get_num_threads()) or name, lambda adapter: (adapter, None), threads=2)
+    stager = Stager(lambda name: seen.append(torch.get_num_threads()) or name, lambda adapter, parts: (adapter, None), threads=2)
     for name in ("a", "b"):
         stager.ask(name, 0)
     assert len(wait_for(stager, 2)) == 2
@@ -80,7 +82,7 @@ def test_a_failure_is_reported_not_raised():
     def lookup(name):
         raise ValueError(f"{name} is broken")
 
-    stager = Stager(lookup, lambda adapter: (adapter, None))
+    stager = Stager(lookup, lambda adapter, parts: (adapter, None))
     stager.ask("bad", 0)
     (name, _, adapter, result), = wait_for(stager, 1)
     assert name == "bad" and adapter is None and isinstance(result, ValueError)
@@ -132,7 +134,7 @@ def residency(monkeypatch):
 
     residency = LoraResidency(lookup, FakeTable(), pinned_bytes=1 << 20, staged_bytes=1 << 20)
 
-    def stage(adapter):  # (pageable, "pinned": the same pages here, no CUDA to pin them with)
+    def stage(adapter, parts=None):  # (pageable, "pinned": the same pages here, no CUDA to pin them with)
         staged_on.append((adapter.name, threading.current_thread().name))
         assert residency.gate.wait(10)
         if adapter.name in broken:
@@ -180,7 +182,7 @@ def test_a_dropped_stager_is_freed_and_its_thread_ends():
     import gc
     import weakref
 
-    stager = Stager(lambda name: name, lambda adapter: (adapter, None))
+    stager = Stager(lambda name: name, lambda adapter, parts: (adapter, None))
     stager.ask("a", 0)
     wait_for(stager, 1)
     threads, alive = list(stager._threads), weakref.ref(stager)
@@ -280,7 +282,7 @@ def test_a_queued_name_the_engine_thread_claims_is_skipped_and_a_started_one_is_
         assert gate.wait(10)
         return name
 
-    stager = Stager(lookup, lambda adapter: (adapter, None), threads=1)
+    stager = Stager(lookup, lambda adapter, parts: (adapter, None), threads=1)
     stager.ask("a", 0)
     stager.ask("b", 0)  # queued behind "a" on the one thread
     deadline = time.monotonic() + 10
@@ -357,7 +359,7 @@ def test_the_time_from_ask_to_take_counts_the_wait_for_a_thread():
             release.wait(5)
         return name
 
-    stager = Stager(lookup, lambda adapter: (adapter, None), threads=1)
+    stager = Stager(lookup, lambda adapter, parts: (adapter, None), threads=1)
     for name in ("a", "b"):
         stager.ask(name, 0)
     time.sleep(0.1)
@@ -368,7 +370,8 @@ def test_the_time_from_ask_to_take_counts_the_wait_for_a_thread():
 
 
 def test_status_gives_the_stagers_counts_and_means():
-    stager = Stager(lambda name: name, lambda adapter: (adapter, None), threads=2)
+    stager = Stager(lambda name: name, lambda adapter, parts: parts.update(layout=0.001, pin=0.002) or (adapter, None),
+                    threads=2)
     engine = SimpleNamespace(residency=SimpleNamespace(stager=stager, staged_off_thread=2, admissions_deferred=1),
                              scheduler=SimpleNamespace(past_staging=3))
     assert staging_status(engine)["stage_ms_mean"] is None and staging_status(engine)["ready_ms_mean"] is None
@@ -379,6 +382,8 @@ def test_status_gives_the_stagers_counts_and_means():
     assert status == {"off_thread": 2, "pending": 0, "threads": 2,
                       "stage_ms_mean": round(stager.seconds / 2 * 1e3, 1),
                       "ready_ms_mean": round(stager.ready_seconds / 2 * 1e3, 1),
+                      "parts_ms_mean": {"read": round(stager.part_seconds["read"] / 2 * 1e3, 1), "layout": 1.0, "pin": 2.0,
+                                        "cpu": round(stager.part_seconds["cpu"] / 2 * 1e3, 1)},
                       "admissions_deferred": 1, "admitted_past_staging": 3}
     assert status["ready_ms_mean"] >= status["stage_ms_mean"]
     assert staging_status(SimpleNamespace(residency=SimpleNamespace(stager=None))) is None
