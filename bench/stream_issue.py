@@ -4,8 +4,9 @@ A streamed placement (AdapterTable.place_streamed, then `issue()`) queues each l
 consecutive pool pages, before the forward that waits for them is launched: the host's time here delays that launch.
 Once the KV cache has churned the free list, an adapter's pages come in many runs. This places a 7B rank-64 adapter
 on q, k, v, o (32 layers, 512 pages a layer) into pools whose free pages come in runs of N, and times the host's
-queueing (place_streamed + issue) and the wall time until the copies are done, by the two copy paths: the CUDA
-extension (`cuda_ext.copy_rows`, one call a layer) and a torch copy per run; from pinned and from pageable memory.
+queueing (place_streamed + issue) and the wall time until the copies are done, by the two copy paths: `cuda-ext`, the
+default (a layer in more than page_pool.MAX_DIRECT_RUNS runs queued by the CUDA extension, `cuda_ext.copy_rows`, in one
+call; fewer by a torch copy a run) and `torch` (a torch copy a run, always); from pinned and from pageable memory.
 
     python3 bench/stream_issue.py --out OUT.json        # the GPU
     python3 bench/stream_issue.py --smoke               # the CPU: that it runs (a small model, no streaming)

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 NUM_PROJECTIONS = 7
 SCRATCH_PAGE = 0  # never handed out: padded rows and table entries point here
-MAX_DIRECT_RUNS = 16  # an adapter in at most this many runs of pages is copied run by run
+MAX_DIRECT_RUNS = 16  # an adapter (a streamed layer) in at most this many runs of pages is copied run by run in torch
 # A kernel waiting for a streamed layer (`AdapterTable.ready`) gives up after this long, raises
 # `stream_error` and goes on: a lost copy must fail its requests, never hang the device.
 STREAM_TIMEOUT_NS = 10_000_000_000
@@ -531,13 +531,13 @@ class AdapterTable:
         with torch.cuda.stream(self._copy_stream):  # every copy here is async: the host goes on
             if not layerwise:
                 if not one_run:
-                    _copy_pages(pages, staged.pages, ids, self.copy_path == "cuda-ext")
+                    _copy_pages(pages, staged.pages, ids)
                 self._publish(slot, start, needed)
                 return LayerwiseLoad(slot, [None] * self.num_layers, _recorded())
             self._publish(slot, start, needed)  # small: every layer's event covers the table rows
             events: list = [None] * self.num_layers
             for layer, (first, last) in _layer_bounds(staged.layout, needed).items():
-                _copy_pages(pages, staged.pages[first:last], ids[first:last], self.copy_path == "cuda-ext")
+                _copy_pages(pages, staged.pages[first:last], ids[first:last])
                 events[layer] = _recorded()
             return LayerwiseLoad(slot, events, _recorded())
 
@@ -693,11 +693,13 @@ class StreamedLoad:
 
     def _send_next(self) -> None:
         """The next layer's pages (staged rows first..last), then ready[slot] = layer + 1, on the current
-        stream, by DMA alone; the load ended after its last layer."""
+        stream, by DMA alone (no kernel may run on the streaming stream): past MAX_DIRECT_RUNS runs of pages, queued
+        from C++ in one call where the extension is usable (a torch copy a run costs the host ~10 us); the load ended
+        after its last layer."""
         layer, (first, last) = self.layers[0]
         table, source = self.table, self.source.pages
         runs = _run_array(self.ids[first:last])
-        if table.copy_path == "cuda-ext":
+        if len(runs) > MAX_DIRECT_RUNS and table.copy_path == "cuda-ext":
             runs[:, 0] += first
             cuda_ext.copy_rows(table.pool.pages, source, runs, tail=table._streamer.ready_word(self.slot, layer + 1))
         else:
@@ -789,14 +791,11 @@ def _recorded():
     return event
 
 
-def _copy_pages(pages: torch.Tensor, staged: torch.Tensor, ids: np.ndarray, by_extension: bool = False) -> None:
+def _copy_pages(pages: torch.Tensor, staged: torch.Tensor, ids: np.ndarray) -> None:
     """pages[ids[i]] = staged[i], on the current stream, never waiting on the host: straight DMA from
-    pinned memory per run of consecutive ids (queued from C++ where by_extension), or one copy up and a scatter
-    when the ids are scattered."""
+    pinned memory per run of consecutive ids, or one copy up and a scatter when the ids are scattered."""
     runs = _runs(ids)
-    if len(runs) <= MAX_DIRECT_RUNS and by_extension:
-        cuda_ext.copy_rows(pages, staged, np.array(runs, dtype=np.int64).reshape(-1, 3))
-    elif len(runs) <= MAX_DIRECT_RUNS:
+    if len(runs) <= MAX_DIRECT_RUNS:
         for offset, first, length in runs:
             pages[first : first + length].copy_(staged[offset : offset + length], non_blocking=True)
     else:
