@@ -5,15 +5,19 @@ The engine's stager (daemon/engine/adapter_residency.py) reads each cold adapter
 (`AdapterTable.stage`, pageable) and copies those into pinned memory. This times each part for a set of PEFT
 adapter folders (the served figures' 7B adapters of ranks 8-64 on q, k, v, o by default), with the files in the
 page cache or dropped from it first (`--cold`), then stages them all with 1, 2, 4 and 8 threads at once, as the
-stager does: the wall time for all, and each part's mean time under that concurrency.
+stager does: the wall time for all, and each part's mean time under that concurrency. `--gil-load BUSY:IDLE` runs a
+thread beside them that runs Python for BUSY ms and sleeps IDLE ms, over and over, as the engine thread's host work
+does in the daemon (its steps' host work takes the GIL from the stager's threads); `--baseline FILE` stages with the
+AdapterTable of another commit's gpu_ops/page_pool.py (`git show REV:gpu_ops/page_pool.py > OLD.py`) beside this one.
 
     python3 bench/adapter_staging.py [--adapters DIR] [--count 16] [--threads 1,2,4,8] [--torch-threads default,1]
-                                     [--cold] [--out OUT.json]
+                                     [--gil-load off,10:5] [--baseline OLD.py] [--cold] [--out OUT.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import threading
@@ -27,6 +31,8 @@ from lorad.daemon.model.adapters import load_peft_adapter
 from lorad.daemon.model.checkpoint import MODEL_CONFIGS, PROJECTIONS, ModelSpec
 from lorad.daemon.model.demo import write_random_adapter
 from lorad.gpu_ops.page_pool import AdapterTable, PagePool, StagedAdapter
+
+from timing import load_module_file  # noqa: E402  (bench/timing.py, beside this script)
 
 PARTS = ("read", "stage", "pin")
 
@@ -74,6 +80,30 @@ def stage_all(folders: list[Path], threads: int, spec: ModelSpec, table: Adapter
             "mean_ms": {part: round(sum(t[part] for t in times) / len(times), 1) for part in PARTS}}
 
 
+class GilLoad:
+    """A thread that runs Python for `busy_ms`, then sleeps `idle_ms`, until stopped (with: for a block)."""
+
+    def __init__(self, busy_ms: float, idle_ms: float):
+        self.busy_s, self.idle_s = busy_ms / 1e3, idle_ms / 1e3
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            end, count = time.perf_counter() + self.busy_s, 0
+            while time.perf_counter() < end:
+                count += 1
+            self.stop.wait(self.idle_s)
+
+    def __enter__(self) -> GilLoad:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adapters", type=Path, help="PEFT adapter folders (default: written here, 7B, ranks 8-64)")
@@ -84,6 +114,9 @@ def main() -> None:
     parser.add_argument("--torch-threads", default="default",
                         help="each staging thread's intra-op threads, comma-separated settings to compare (default: "
                              "the process's; the engine's stager threads use 1)")
+    parser.add_argument("--gil-load", default="off",
+                        help="comma-separated settings: off, or BUSY:IDLE (ms) of a thread running Python beside them")
+    parser.add_argument("--baseline", help="another commit's gpu_ops/page_pool.py, whose AdapterTable stages beside this one's")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -97,20 +130,31 @@ def main() -> None:
     folders = sorted(path for path in args.adapters.iterdir() if path.is_dir())
     pin = torch.cuda.is_available()
     shapes = [spec.projection_shape(p) for p in PROJECTIONS]
-    table = AdapterTable(PagePool(2, spec.page_elems, torch.bfloat16, torch.device("cpu")), 1, spec.num_layers, shapes)
-    stage_all(folders[:2], 1, spec, table, pin)  # warm-up: imports, allocator
+    modules = {"current": (AdapterTable, PagePool)}
+    if args.baseline:
+        old = load_module_file(args.baseline, "baseline_page_pool")
+        modules = {"baseline": (old.AdapterTable, old.PagePool), **modules}
+    tables = {name: table_type(pool_type(2, spec.page_elems, torch.bfloat16, torch.device("cpu")), 1, spec.num_layers, shapes)
+              for name, (table_type, pool_type) in modules.items()}
+    for table in tables.values():
+        stage_all(folders[:2], 1, spec, table, pin)  # warm-up: imports, allocator
     runs = []
-    for torch_threads in (None if t == "default" else int(t) for t in args.torch_threads.split(",")):
-        for threads in (int(t) for t in args.threads.split(",")):
-            if args.cold:  # the next reads come from the disk
-                for folder in folders:
-                    flush_files(folder)
-                    drop_page_cache(folder)
-            run = stage_all(folders, threads, spec, table, pin, torch_threads)
-            runs.append(run)
-            print(f"threads {threads} of {run['torch_threads']} torch threads: {run['adapters']} adapters in "
-                  f"{run['wall_ms']:.0f} ms ({run['adapters_per_s']}/s); mean ms "
-                  + ", ".join(f"{part} {ms}" for part, ms in run["mean_ms"].items()), flush=True)
+    for load in args.gil_load.split(","):
+        busy_idle = None if load == "off" else tuple(float(ms) for ms in load.split(":"))
+        for torch_threads in (None if t == "default" else int(t) for t in args.torch_threads.split(",")):
+            for threads in (int(t) for t in args.threads.split(",")):
+                for name, table in tables.items():
+                    if args.cold:  # the next reads come from the disk
+                        for folder in folders:
+                            flush_files(folder)
+                            drop_page_cache(folder)
+                    with GilLoad(*busy_idle) if busy_idle else contextlib.nullcontext():
+                        run = stage_all(folders, threads, spec, table, pin, torch_threads)
+                    run.update(table=name, gil_load=load)
+                    runs.append(run)
+                    print(f"{name}, GIL load {load}, threads {threads} of {run['torch_threads']} torch threads: "
+                          f"{run['adapters']} adapters in {run['wall_ms']:.0f} ms ({run['adapters_per_s']}/s); mean ms "
+                          + ", ".join(f"{part} {ms}" for part, ms in run["mean_ms"].items()), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         device = torch.device("cuda" if pin else "cpu")

@@ -411,17 +411,18 @@ class AdapterTable:
         An A shared by several projections of a layer (the same tensor: a fused module's members,
         daemon/model/adapters.py) is staged once, and each member's table entry points at it."""
         page = self.pool.page_elems
-        needed = self.pages_needed(weights)
-        pages = torch.empty(needed, page, dtype=self.pool.pages.dtype)  # every row is written (_stage_rows)
-        layout, cursor, staged_a = [], 0, {}
+        rows, layout, cursor, staged_a = [], [], 0, {}  # rows: (matrix, chunks) in page order
         for (layer, proj), (a, b) in sorted(weights.items()):
             chunks_in, chunks_out = self.chunks[proj]
             a_offset = staged_a.get(id(a))
             if a_offset is None:
                 a_offset = staged_a[id(a)] = cursor
-                cursor = _stage_rows(pages, cursor, a, chunks_in, page)
+                rows.append((a, chunks_in))
+                cursor += a.shape[0] * chunks_in
             layout.append((layer, proj, a.shape[0], a_offset, cursor))
-            cursor = _stage_rows(pages, cursor, b.t(), chunks_out, page)
+            rows.append((b.t(), chunks_out))
+            cursor += b.shape[1] * chunks_out
+        pages = _stage_rows(rows, cursor, page, self.pool.pages.dtype)
         if pin and self.pool.pages.is_cuda:
             pages = pages.pin_memory()
         return StagedAdapter(pages, layout)
@@ -834,13 +835,22 @@ def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(start), int(ids[start]), int(length)) for start, length in zip(starts, lengths)]
 
 
-def _stage_rows(staged: torch.Tensor, cursor: int, rows: torch.Tensor, chunks: int, page: int) -> int:
-    """Write rows [r, d] into staged pages from `cursor`, each row padded with zeros to `chunks` whole pages."""
-    rank, width = rows.shape
-    block = staged[cursor : cursor + rank * chunks].view(rank, chunks * page)
-    block[:, :width].copy_(rows)  # the cast to the pool's dtype in the same pass
-    block[:, width:].zero_()
-    return cursor + rank * chunks
+def _stage_rows(rows: list[tuple[torch.Tensor, int]], count: int, page: int, dtype: torch.dtype) -> torch.Tensor:
+    """`count` pages of `dtype` holding each matrix [r, d] of `rows` in turn, every row padded with zeros to its
+    `chunks` whole pages. In a handful of torch calls whatever the adapter (one split, one copy of every matrix at
+    once, the cast to the pool's dtype in the same pass): a stager thread takes the GIL for each call, and beside the
+    engine thread's host work the ~6 calls a matrix of one copy each made a rank-64 7B adapter's layout 3.4x slower
+    (BENCHMARKS.md, figure 21.1)."""
+    padded = any(matrix.shape[1] != chunks * page for matrix, chunks in rows)
+    pages = (torch.zeros if padded else torch.empty)(count, page, dtype=dtype)  # empty: every row is written
+    targets = []
+    for block, (matrix, chunks) in zip(pages.split([matrix.shape[0] * chunks for matrix, chunks in rows]), rows):
+        if chunks > 1:  # a row over several pages
+            block = block.view(matrix.shape[0], chunks * page)
+        targets.append(block if matrix.shape[1] == chunks * page else block[:, : matrix.shape[1]])
+    if targets:
+        torch._foreach_copy_(targets, [matrix for matrix, _ in rows])
+    return pages
 
 
 def gather_rows(pages: torch.Tensor, page_ids: torch.Tensor, start: int, rank: int, chunks: int, width: int) -> torch.Tensor:

@@ -408,6 +408,19 @@ def test_staged_rows_are_padded_with_zeros_past_their_width():
     assert padded == 2  # B^T of up and A of down: INTERMEDIATE = 2 pages + 44 elements
 
 
+def test_rows_of_several_whole_pages_stage_without_padding():
+    # A row as wide as two pages exactly (no padding anywhere, so the staging buffer is not cleared first) beside one
+    # of a single page: each lands row by row, in the pool's dtype.
+    generator = torch.Generator().manual_seed(6)
+    table = AdapterTable(make_pool(8), num_slots=2, num_layers=1, shapes=[(2 * HIDDEN, HIDDEN)] + [(HIDDEN, HIDDEN)] * 6)
+    a, b = torch.randn(3, 2 * HIDDEN, generator=generator), torch.randn(HIDDEN, 3, generator=generator)
+    staged = table.stage({(0, 0): (a, b)}, pin=False)
+    (_, _, rank, a_offset, b_offset), = staged.layout
+    assert (rank, a_offset, b_offset, staged.pages.shape[0]) == (3, 0, 6, 9)
+    assert torch.equal(staged.pages[:6].reshape(3, 2 * HIDDEN), a.to(staged.pages.dtype))
+    assert torch.equal(staged.pages[6:], b.t().to(staged.pages.dtype))
+
+
 def test_a_shared_a_is_placed_once_and_read_by_each_member():
     """A fused module's members (Phi-3's qkv_proj as q, k, v) share one A tensor: its pages are staged and placed
     once, every member's a_start points at them, each member's B^T has its own pages."""
