@@ -499,11 +499,13 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, runs: np.ndarray, tail: tupl
         if (offsets + lengths).max() > src.shape[0] or (firsts + lengths).max() > dst.shape[0]:
             raise ValueError(f"copy_rows: a run reaches past src ({src.shape[0]} rows) or dst ({dst.shape[0]} rows)")
     _require_extension()
-    _check_device(dst, "dst")
+    if not dst.is_cuda:
+        raise ValueError("copy_rows: dst must be a CUDA tensor")
     tail_dst = tail_src = tail_bytes = 0
     if tail is not None:
         target, source = tail
-        _check_device(target, "tail target")
+        if target.device != dst.device:
+            raise ValueError(f"copy_rows: the tail's target is on {target.device}, dst on {dst.device}")
         tail_bytes = target.numel() * target.element_size()
         if not target.is_contiguous() or not source.is_contiguous() or source.numel() * source.element_size() != tail_bytes:
             raise ValueError("copy_rows: the tail's target and source must be contiguous and of one size")
