@@ -779,7 +779,8 @@ class _Streamer:
 
     def raise_ready(self, slot: int, value: int) -> None:
         """ready[slot] = value, by a 4-byte DMA on the current stream."""
-        self.table.ready[slot : slot + 1].copy_(*self.ready_word(slot, value)[1:], non_blocking=True)
+        target, word = self.ready_word(slot, value)
+        target.copy_(word, non_blocking=True)
 
     def ready_word(self, slot: int, value: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ready[slot], the pinned word holding `value`): the copy that raises it."""
@@ -815,7 +816,7 @@ def _layer_bounds(layout: list[tuple[int, int, int, int, int]], total: int) -> d
 
 
 def _run_array(ids: np.ndarray) -> np.ndarray:
-    """`_runs` as an int64 array [R, 3] (offset in ids, first page, length)."""
+    """Each run of consecutive page ids as a row (offset in ids, first page, length) of an int64 array [R, 3]."""
     if not len(ids):
         return np.empty((0, 3), dtype=np.int64)
     breaks = np.flatnonzero(np.diff(ids) != 1) + 1
@@ -829,17 +830,14 @@ def _run_array(ids: np.ndarray) -> np.ndarray:
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
     """(offset in ids, first page, length) of each run of consecutive page ids."""
-    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [len(ids)])))
-    return [(int(start), int(ids[start]), int(length)) for start, length in zip(starts, lengths)]
+    return [tuple(run) for run in _run_array(ids).tolist()]
 
 
 def _stage_rows(rows: list[tuple[torch.Tensor, int]], count: int, page: int, dtype: torch.dtype) -> torch.Tensor:
     """`count` pages of `dtype` holding each matrix [r, d] of `rows` in turn, every row padded with zeros to its
-    `chunks` whole pages. In a handful of torch calls whatever the adapter (one split, one copy of every matrix at
-    once, the cast to the pool's dtype in the same pass): a stager thread takes the GIL for each call, and beside the
-    engine thread's host work the ~6 calls a matrix of one copy each made a rank-64 7B adapter's layout 3.4x slower
+    `chunks` whole pages. In few torch calls (one split, a view of each matrix that does not fill whole pages of one
+    row, one copy of them all with the cast to the pool's dtype): a stager thread takes the GIL for each call, and
+    beside the engine thread's host work the ~6 calls a matrix of a copy each made a 7B adapter's layout 3-4x slower
     (BENCHMARKS.md, figure 21.1)."""
     padded = any(matrix.shape[1] != chunks * page for matrix, chunks in rows)
     pages = (torch.zeros if padded else torch.empty)(count, page, dtype=dtype)  # empty: every row is written
