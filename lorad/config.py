@@ -107,6 +107,9 @@ class EngineConfig:
     # every worker all the rows and a chunk of the adapter's columns (needs 2 workers or more).
     cpu_lora_split: str = "auto"
     pinned_host_bytes: int = 4 << 30  # on cuda: adapters staged in pinned host memory (LRU beyond it)
+    # on cuda: the background threads that read and stage cold adapters (daemon/engine/adapter_residency.py,
+    # Stager); 0: min(4, the cores the engine may use)
+    stager_threads: int = 0
     # cold_start cpu|auto: the cold adapter of a request that will be cpu-assisted is copied into the pool layer
     # by layer, and its prefill moves each layer from the CPU workers to the GPU kernels as soon as that layer
     # has arrived (a gpu-wait cold start is copied whole, as under ondemand). On cuda with auto it also allows
@@ -167,6 +170,8 @@ class EngineConfig:
             raise BadRequest(f"cpu_workers must be an integer in 0..256 (0: min(4, cores - 1)), not {self.cpu_workers!r}")
         if self.pinned_host_bytes < 0:
             raise BadRequest(f"pinned_host_bytes must be >= 0, not {self.pinned_host_bytes}")
+        if isinstance(self.stager_threads, bool) or not isinstance(self.stager_threads, int) or not 0 <= self.stager_threads <= 64:
+            raise BadRequest(f"stager_threads must be an integer in 0..64 (0: min(4, cores)), not {self.stager_threads!r}")
         if self.admission not in ADMISSIONS:
             raise BadRequest(f"admission must be one of {', '.join(ADMISSIONS)}, not {self.admission!r}")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 class LoraResidency:
     def __init__(self, lookup, table: AdapterTable, metrics=None, pinned_bytes: int = 4 << 30,
-                 staged_bytes: int = 8 << 30):
+                 staged_bytes: int = 8 << 30, stager_threads: int | None = None):
         self.lookup = lookup  # name -> LoraAdapter (host copy)
         self.table = table
         self.pinned = StagedCache(pinned_bytes)  # cuda: staged adapters in pinned host memory
@@ -73,7 +73,7 @@ class LoraResidency:
         # cuda: the background stager, whose staged adapters go into `pinned` and `pageable`; and name -> the key of
         # its last staged copy (`staging_key`), so that `prepare` and `prefetch` learn whether a queued request's
         # adapter is staged without looking it up (a tensor-parallel lookup shards the adapter on this thread)
-        self.stager = Stager(lookup, self._stage_pages) if table.pool.pages.is_cuda else None
+        self.stager = Stager(lookup, self._stage_pages, stager_threads) if table.pool.pages.is_cuda else None
         self._keys: dict[str, Hashable] = {}
         self.generation: dict[str, int] = {}  # bumped when a name is dropped: a staging begun before is stale
         self.staged_off_thread = 0  # adapters the stager staged that the engine thread took

@@ -270,7 +270,7 @@ class Engine:
         self._logprob_copies = LogprobCopies(config.max_running_requests, pin=self.device.type == "cuda")
         lookup = self._host_adapter if self.tp is None else self.tp.shard_lookup(self._host_adapter)
         self.residency = LoraResidency(lookup, self.table, self.stats, pinned_bytes=config.pinned_host_bytes,
-                                       staged_bytes=config.host_adapter_bytes)
+                                       staged_bytes=config.host_adapter_bytes, stager_threads=config.stager_threads or None)
         self.cold_starts = ColdStarts(config, self.spec, self.device, self.dtype, self.table, self.residency, self.stats,
                                       streaming, held=lambda name: self._held[name].adapter,
                                       fail=lambda seq, reason: self._finish(seq, "error", error=reason))

@@ -270,6 +270,8 @@ def test_auto_keeps_the_workers_hot_only_for_cpu_assisted_cold_starts(demo_asset
     (dict(cpu_workers=-1), "cpu_workers must be an integer in 0..256"),
     (dict(cpu_workers=1.5), "cpu_workers must be an integer"),
     (dict(pinned_host_bytes=-1), "pinned_host_bytes must be >= 0"),
+    (dict(stager_threads=-1), "stager_threads must be an integer in 0..64"),
+    (dict(stager_threads=True), "stager_threads must be an integer"),
 ])
 def test_invalid_settings_are_refused(settings, message):
     with pytest.raises(BadRequest, match=message):

@@ -5,6 +5,7 @@ adapter the stager staged placed by a prefetch without staging it again; staged 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lorad.daemon.engine.adapter_residency import LoraResidency, Stager
+from lorad.daemon.engine.adapter_residency import STAGER_THREADS, LoraResidency, Stager
 from lorad.daemon.engine.status import staging_status
 from lorad.gpu_ops.page_pool import StagedAdapter
 
@@ -387,3 +388,11 @@ def test_status_gives_the_stagers_counts_and_means():
                       "admissions_deferred": 1, "admitted_past_staging": 3}
     assert status["ready_ms_mean"] >= status["stage_ms_mean"]
     assert staging_status(SimpleNamespace(residency=SimpleNamespace(stager=None))) is None
+
+
+def test_the_stagers_threads_are_the_configured_number_or_the_default():
+    table = FakeTable()
+    assert LoraResidency(lambda name: name, table, stager_threads=7).stager.threads == 7
+    default = LoraResidency(lambda name: name, table).stager.threads
+    assert default == max(1, min(STAGER_THREADS, len(os.sched_getaffinity(0))))
+
