@@ -402,6 +402,12 @@ class Engine:
         """A picklable snapshot of the counters and gauges for GET /metrics (daemon/engine/status.py)."""
         return status.metrics_snapshot(self)
 
+    def reads_adapter(self, request: GenerationRequest) -> bool:
+        """Whether `submit(request)` reads its adapter from disk first (a request already holding it does not). Any
+        thread; a stale answer only changes which of the engine process's submit threads take the request."""
+        name = request.adapter
+        return name is not None and name not in self._held and self.registry.on_disk(name)
+
     def submit(self, request: GenerationRequest) -> None:
         """Checks the request and queues it (with its n choices: ChoiceGroup); raises BadRequest, NotFound,
         AdapterError, Overloaded."""

@@ -46,7 +46,8 @@ QUERY_METHODS = frozenset({"models", "adapter_path", "status", "metrics", "load_
 MAX_PENDING_OUTPUTS = 1 << 16
 SHED_MESSAGE = ("the API process fell behind reading the engine's outputs; the request was aborted to "
                 "bound the engine's memory")
-_SUBMIT_THREADS = 4
+_SUBMIT_THREADS = 4  # the submissions whose adapter is in host memory (or that have none), and the calls
+_READ_THREADS = 4  # the submissions that read their adapter from disk first
 _STOP_TIMEOUT_S = 30.0
 
 
@@ -430,7 +431,7 @@ def _engine_main(config: EngineConfig, inbox, outbox_connection, log_level: int,
         server.serve(inbox)
     finally:
         engine.stop()  # aborts what still runs; those outputs are queued before the outbox closes
-        server.pool.shutdown(wait=True, cancel_futures=True)
+        server.close()
         engine.close()  # the CPU LoRA workers and the shared-memory segments
         outbox.close()
         sender.join(_STOP_TIMEOUT_S)
@@ -444,6 +445,10 @@ class _EngineServer:
         self.engine = engine
         self.outbox = outbox
         self.pool = concurrent.futures.ThreadPoolExecutor(_SUBMIT_THREADS, thread_name_prefix="lorad-submit")
+        # A submission that reads its adapter from disk holds its thread for that read (0.1-0.5 s for a 7B adapter
+        # beside a busy engine): on threads of their own, so that a burst of requests for cold adapters never keeps
+        # the requests behind it, whose adapters are in host memory, out of the engine's queue.
+        self.readers = concurrent.futures.ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="lorad-submit-read")
         self._step_outputs: list[RequestOutput] = []
         self._in_step = False
         self._config_adapters = _config_adapters(config.adapters, config.adapter_dirs)
@@ -473,11 +478,17 @@ class _EngineServer:
             if kind == "abort":
                 self.engine.abort(message[1])
             elif kind == "submit":
-                self.pool.submit(self._answer, message[1], self._submit, message[2])
+                pool = self.readers if self.engine.reads_adapter(message[2]) else self.pool
+                pool.submit(self._answer, message[1], self._submit, message[2])
             elif kind == "call":
                 self.pool.submit(self._answer, message[1], self._call, message[2], message[3])
             elif kind == "stop":
                 return
+
+    def close(self) -> None:
+        """Ends the submit threads, letting the submissions under way finish and dropping those not begun."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.readers.shutdown(wait=True, cancel_futures=True)
 
     def _answer(self, call_id: int, function, *args) -> None:
         try:

@@ -582,6 +582,12 @@ class AdapterRegistry:
         )
         return adapter
 
+    def on_disk(self, name: str) -> bool:
+        """Whether `get(name)` would read the adapter from disk now (False for a name not registered)."""
+        with self._lock:
+            entry = self._entries.get(name)
+            return entry is not None and entry.adapter is None
+
     def describe(self, name: str) -> dict:
         """For /v1/models: name, path, location ("disk" or "host"), and rank/targets/nbytes once loaded."""
         with self._lock:

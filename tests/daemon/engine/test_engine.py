@@ -534,3 +534,20 @@ def test_the_running_cap_follows_the_kv_cache_unless_given(demo_assets):
     assert (status["max_running_requests"], status["max_running_requests_from"]) == (derived.scheduler.max_running, "kv_capacity")
     given = make_engine(demo_assets, pages=420_000, max_running_requests=5)
     assert given.scheduler.max_running == 5 and given.status()["max_running_requests_from"] == "config"
+
+
+def test_reads_adapter_says_which_submissions_read_from_disk(demo_assets):
+    """The engine process routes a submission that will read its adapter to threads of their own: it must say so
+    for a registered adapter not yet read, and not for one in host memory, the base model or an unknown name."""
+    engine = make_engine(demo_assets)
+    try:
+        name = sorted(demo_assets.adapters)[0]
+        sampling = SamplingParams(max_tokens=1, temperature=0)
+        cold = GenerationRequest([5, 6, 7], name, sampling)
+        assert engine.reads_adapter(cold)
+        assert not engine.reads_adapter(GenerationRequest([5, 6, 7], None, sampling))
+        assert not engine.reads_adapter(GenerationRequest([5, 6, 7], "no-such-adapter", sampling))
+        engine.generate([cold])
+        assert not engine.reads_adapter(GenerationRequest([5, 6, 7], name, sampling))
+    finally:
+        engine.close()

@@ -524,8 +524,9 @@ def test_register_reads_nothing_until_get(tmp_path):
         "nbytes": None,
         "location": "disk",
     }
+    assert adapters.on_disk("a") and not adapters.on_disk("z")  # z: not registered, nothing to read
     adapter = adapters.get("a")
-    assert adapters.get("a") is adapter
+    assert adapters.get("a") is adapter and not adapters.on_disk("a")
     assert adapters.describe("a") == {**adapter.describe(), "location": "host"}
     assert adapters.host_bytes == adapter.nbytes == adapter_bytes(4)
 
