@@ -47,7 +47,8 @@ MAX_PENDING_OUTPUTS = 1 << 16
 SHED_MESSAGE = ("the API process fell behind reading the engine's outputs; the request was aborted to "
                 "bound the engine's memory")
 _SUBMIT_THREADS = 4  # the submissions whose adapter is in host memory (or that have none), and the calls
-_READ_THREADS = 4  # the submissions that read their adapter from disk first
+_READ_THREADS = 4  # the submissions that read their adapter from disk first, and the calls that read adapters
+_READING_CALLS = frozenset({"load_adapter", "reload_adapters"})
 _STOP_TIMEOUT_S = 30.0
 
 
@@ -481,7 +482,8 @@ class _EngineServer:
                 pool = self.readers if self.engine.reads_adapter(message[2]) else self.pool
                 pool.submit(self._answer, message[1], self._submit, message[2])
             elif kind == "call":
-                self.pool.submit(self._answer, message[1], self._call, message[2], message[3])
+                pool = self.readers if message[2] in _READING_CALLS else self.pool
+                pool.submit(self._answer, message[1], self._call, message[2], message[3])
             elif kind == "stop":
                 return
 

@@ -31,6 +31,10 @@ class SlowReadEngine:
         with self.lock:
             self.queued.append(request.request_id)
 
+    def load_adapter(self, name: str, path: str) -> dict:  # the API's load: a read from disk
+        assert self.release.wait(10)
+        return {"name": name}
+
 
 class Outbox:
     def __init__(self):
@@ -61,11 +65,12 @@ def wait_until(condition, timeout_s: float = 5.0) -> bool:
     return True
 
 
-def test_requests_for_adapters_in_host_memory_pass_those_reading_from_disk():
+def test_requests_for_adapters_in_host_memory_pass_those_reading_from_disk_and_the_apis_loads():
     cold = {f"cold-{i}" for i in range(process._READ_THREADS + 2)}  # more reads than read threads, all held
     engine = SlowReadEngine(cold)
     server = _EngineServer(engine, Outbox(), SimpleNamespace(adapters=(), adapter_dirs=()))
     messages = [("submit", index, request(name, name)) for index, name in enumerate(sorted(cold))]
+    messages += [("call", 50 + index, "load_adapter", (f"new-{index}", "/adapters/new")) for index in range(4)]
     messages += [("submit", 100 + index, request(f"hot-{index}", "hot" if index % 2 else None)) for index in range(8)]
     try:
         server.serve(Inbox(messages))
