@@ -704,9 +704,7 @@ class StreamedLoad:
             runs[:, 0] += first
             cuda_ext.copy_rows(table.pool.pages, source, runs, tail=table._streamer.ready_word(self.slot, layer + 1))
         else:
-            pages = table.pool.pages
-            for offset, page, length in runs.tolist():
-                pages[page : page + length].copy_(source[first + offset : first + offset + length], non_blocking=True)
+            _dma_runs(table.pool.pages, source[first:last], runs.tolist())
             table._streamer.raise_ready(self.slot, layer + 1)
         table.streamed_runs["layers"] += 1
         table.streamed_runs["runs"] += len(runs)
@@ -798,11 +796,17 @@ def _copy_pages(pages: torch.Tensor, staged: torch.Tensor, ids: np.ndarray) -> N
     pinned memory per run of consecutive ids, or one copy up and a scatter when the ids are scattered."""
     runs = _runs(ids)
     if len(runs) <= MAX_DIRECT_RUNS:
-        for offset, first, length in runs:
-            pages[first : first + length].copy_(staged[offset : offset + length], non_blocking=True)
+        _dma_runs(pages, staged, runs)
     else:
         ids_device = torch.from_numpy(ids.astype(np.int64)).pin_memory().to(pages.device, non_blocking=True)
         pages.index_copy_(0, ids_device, staged.to(pages.device, non_blocking=True))
+
+
+def _dma_runs(pages: torch.Tensor, staged: torch.Tensor, runs) -> None:
+    """pages[first : first + length] = staged[offset : offset + length] for each (offset, first, length), one torch copy
+    (a DMA from pinned memory) a run, on the current stream."""
+    for offset, first, length in runs:
+        pages[first : first + length].copy_(staged[offset : offset + length], non_blocking=True)
 
 
 def _layer_bounds(layout: list[tuple[int, int, int, int, int]], total: int) -> dict[int, tuple[int, int]]:

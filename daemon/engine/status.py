@@ -82,7 +82,8 @@ def engine_status(engine: Engine) -> dict:
             "cpu_assist_invocation": engine.cold_starts.cpu_assist.invocation if engine.cold_starts.cpu_assist is not None else "off",
             "cpu_assist_layerwise": engine.config.layerwise,
             "cold_adapter_streaming": dict(engine.cold_starts.streaming),
-            # how an adapter's runs of pool pages are queued: "cuda-ext" (C++, one driver call a run), "torch: why", "cpu"
+            # how a streamed layer's runs of pool pages are queued past 16 of them: "cuda-ext" (one call into the CUDA
+            # extension), "torch: why not" (a torch copy a run), "cpu"
             "adapter_copy_path": engine.table.copy_path,
             "cold_placements": dict(engine.residency.placed),
             "cold_stream_steps": {"steps": engine.cold_starts.stream_steps["steps"],
@@ -175,9 +176,9 @@ def staging_status(engine: Engine) -> dict | None:
     """cuda: adapters read and staged on the stager's threads ("off_thread") against those the engine thread had to
     stage itself at admission or prefetch; the stager's threads, the mean time one took to read and stage an adapter
     ("stage_ms_mean"; by part, with the threads' CPU time, in "parts_ms_mean") and the mean from its ask to the engine's
-    take, once a step ("ready_ms_mean": its wait for a free thread included); the adapters whose admission waited for the stager while other rows ran
-    ("admissions_deferred"), and the requests admitted past such a waiting one ("admitted_past_staging"). None where
-    staging is not backgrounded (the CPU)."""
+    take, once a step ("ready_ms_mean": its wait for a free thread included); the adapters whose admission waited for
+    the stager while other rows ran ("admissions_deferred"), and the requests admitted past such a waiting one
+    ("admitted_past_staging"). None where staging is not backgrounded (the CPU)."""
     stager = engine.residency.stager
     if stager is None:
         return None
