@@ -34,6 +34,7 @@ import threading
 from pathlib import Path
 
 from lorad.config import EngineConfig
+from lorad.daemon.engine.gc_heap import freeze_start_up_heap
 from lorad.daemon.engine.request import GenerationRequest, RequestOutput, deliver
 from lorad.daemon.engine.tokenizer import load_tokenizer
 from lorad.errors import BadRequest, EngineDead, LoradError, NotFound
@@ -419,6 +420,7 @@ def _engine_main(config: EngineConfig, inbox, outbox_connection, log_level: int,
         outbox_connection.send(("failed", _wire_error(error, "the engine failed to start")))
         outbox_connection.close()
         return
+    freeze_start_up_heap("engine process")
     sender = threading.Thread(target=outbox.run, name="lorad-engine-sender", daemon=True)
     sender.start()
     server = _EngineServer(engine, outbox, config)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lorad.daemon.engine.gc_heap import gc_status
 from lorad.gpu_ops import cuda_ext
 from lorad.scheduler.batching import Sequence
 
@@ -57,6 +58,9 @@ def engine_status(engine: Engine) -> dict:
             # KV positions an admission leaves free for each running request (scheduler/batching.py)
             "kv_admission_headroom": engine.scheduler.headroom,
             "steps": engine.steps,
+            # Python's garbage collector: the start-up objects an engine process froze out of it (gc_heap.py; 0
+            # where the engine runs in another program's process) and the collections of each generation
+            "gc": gc_status(),
             # each step's wall time against its floor on this device (step_account.py): busy_s, floor_s, efficiency
             "step_time": engine.account.snapshot(),
             "cuda_graph_steps": engine.runner.graph_steps,

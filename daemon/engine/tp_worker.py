@@ -37,6 +37,7 @@ import torch
 
 from lorad.config import EngineConfig
 from lorad.daemon.engine.adapter_residency import StagedCache, held_for_key, staging_key
+from lorad.daemon.engine.gc_heap import freeze_start_up_heap
 from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.model import tensor_parallel
 from lorad.daemon.model.checkpoint import ModelSpec
@@ -620,6 +621,7 @@ def worker_main(rank: int, config: EngineConfig, spec: ModelSpec, model_name: st
         connection.send(("loaded", {"pages": worker.pages()}))
         kind, (pages, page_elems, max_running) = connection.recv()
         worker.bind(pages, page_elems, max_running)
+        freeze_start_up_heap(f"tensor parallel rank {rank}")
         connection.send(("ready", worker.describe()))
     except BaseException as error:  # noqa: BLE001 -- rank 0 reports it
         log.exception("tensor parallel rank %d failed to start", rank)

@@ -173,6 +173,8 @@ def test_every_choice_crosses_the_pipe_and_an_abort_ends_them_all(engine):
 def test_queries_through_the_generic_call(engine, demo_assets):
     status = engine.status()
     assert status["model"] == "lorad-demo" and status["engine_pid"] == engine.pid
+    # the engine process froze its start-up objects (the model, its tables) out of Python's collections
+    assert status["gc"]["frozen_objects"] > 1000 and len(status["gc"]["collections_by_generation"]) == 3
     names = {entry["id"] for entry in engine.models()}
     assert {"lorad-demo", "demo-r1", "extra", "broken"} <= names
     assert isinstance(engine.metrics(), dict)
