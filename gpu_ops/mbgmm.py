@@ -32,7 +32,7 @@ try:
 except ImportError:
     triton = None
 
-__all__ = ["Segments", "group_fits", "lora_prefill", "mbgmm", "mbgmm_expand", "mbgmm_group", "mbgmm_ref", "mbgmm_shrink"]
+__all__ = ["Segments", "lora_prefill", "mbgmm", "mbgmm_ref", "mbgmm_shrink", "mbgmm_expand"]
 
 BLOCK_K = 128  # shrink's reduction tile along `in` (the H100 sweep's best; BENCHMARKS.md)
 BLOCK_N = 128  # expand's output tile along `out`, at ranks up to EXPAND_TILE_ELEMS / BLOCK_N
@@ -154,27 +154,18 @@ if triton is not None:
             if tl.load(ready_ptr + slot, volatile=True) <= layer:
                 tl.atomic_xchg(error_ptr, 1)
 
-    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'slot_stride', 'table_offset', 'chunks_in', 'rank_blocks', 'num_tiles', 'layer',
-                                   'member_blocks', 'member_stride'])
+    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'slot_stride', 'table_offset', 'chunks_in', 'rank_blocks', 'num_tiles', 'layer'])
     def _mbgmm_shrink_kernel(
         x_ptr, v_ptr, rows_ptr, meta_ptr, num_segments, rank_ptr, a_start_ptr, page_ids_ptr, pages_ptr,
         in_dim, max_rank, num_rows, stride_xt, stride_xk, slot_stride, table_offset, chunks_in, k_per_split, rank_blocks,
-        tiles_ptr, num_tiles, ready_ptr, error_ptr, layer, member_blocks, member_stride,
+        tiles_ptr, num_tiles, ready_ptr, error_ptr, layer,
         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         ALIGNED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TILES: tl.constexpr,
-        STREAM: tl.constexpr, TIMEOUT_NS: tl.constexpr, GROUPED: tl.constexpr,
+        STREAM: tl.constexpr, TIMEOUT_NS: tl.constexpr,
     ):
-        # GROUPED: grid axis 2 also counts the member of a projection group (consecutive projections on one x:
-        # q, k, v or gate, up), member_blocks programs each, with its own table entries and workspace slice
         segment, m0 = _segment_tile(tiles_ptr, num_tiles, BLOCK_M, USE_TILES)
-        task = tl.program_id(2)
-        if GROUPED:
-            member = task // member_blocks
-            task = task % member_blocks
-            v_ptr += member * member_stride
-            table_offset += member
-        split = task // rank_blocks
-        r0 = (task % rank_blocks) * BLOCK_R
+        split = tl.program_id(2) // rank_blocks
+        r0 = (tl.program_id(2) % rank_blocks) * BLOCK_R
         length = tl.load(meta_ptr + 2 * num_segments + segment)
         if m0 >= length:
             return
@@ -209,35 +200,21 @@ if triton is not None:
         v_ptrs = v_ptr + (split * num_rows + t[:, None]) * max_rank + offs_r[None, :]
         tl.store(v_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
 
-    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'splits', 'slot_stride', 'table_offset', 'chunks_out', 'num_tiles', 'n_per_program',
-                                   'n_groups', 'member_stride', 'out_dim1', 'out_dim2', 'chunks_out1', 'chunks_out2', 'col1', 'col2'])
+    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'splits', 'slot_stride', 'table_offset', 'chunks_out', 'num_tiles', 'n_per_program'])
     def _mbgmm_expand_kernel(
         v_ptr, y_ptr, rows_ptr, meta_ptr, num_segments, rank_ptr, b_start_ptr, page_ids_ptr, pages_ptr,
         out_dim, max_rank, num_rows, splits, stride_yt, stride_yn, slot_stride, table_offset, chunks_out,
-        tiles_ptr, num_tiles, n_per_program, n_groups, member_stride, out_dim1, out_dim2, chunks_out1, chunks_out2, col1, col2,
+        tiles_ptr, num_tiles, n_per_program,
         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
         ALIGNED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TILES: tl.constexpr,
-        GROUPED: tl.constexpr,
     ):
         # One program: a row tile of one segment times n_per_program consecutive output tiles. The
         # split sums of v are added once, held at the full rank (BLOCK_R >= max_rank), and the loop over
         # the output tiles pipelines the B^T and y loads of the next tile with this one's dot and store.
-        # GROUPED: grid axis 2 also counts the member of a projection group, n_groups programs each; member 0
-        # writes y's columns from 0 with (out_dim, chunks_out), members 1 and 2 from col1 / col2 with their own.
         segment, m0 = _segment_tile(tiles_ptr, num_tiles, BLOCK_M, USE_TILES)
-        task = tl.program_id(2)
-        if GROUPED:
-            member = task // n_groups
-            task = task % n_groups
-            if member == 1:
-                out_dim, chunks_out, y_ptr = out_dim1, chunks_out1, y_ptr + col1 * stride_yn
-            elif member == 2:
-                out_dim, chunks_out, y_ptr = out_dim2, chunks_out2, y_ptr + col2 * stride_yn
-            v_ptr += member * member_stride
-            table_offset += member
-        n_first = task * n_per_program * BLOCK_N
+        n_first = tl.program_id(2) * n_per_program * BLOCK_N
         length = tl.load(meta_ptr + 2 * num_segments + segment)
-        if (m0 >= length) | (n_first >= out_dim):
+        if m0 >= length:
             return
         slot = tl.load(meta_ptr + segment)
         entry = slot * slot_stride + table_offset
@@ -279,16 +256,14 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, block_r=None, block_k=BLOCK_K, num_warps=4,
-                 num_stages=3, members: int = 1):
+def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, block_r=None, block_k=BLOCK_K, num_warps=4, num_stages=3):
     """v[s, t, :rank] = partial sums over K split s of x[t] @ A^T for every row t of every segment.
 
-    x: [T, in]; v: float32 [splits, T, max_rank] contiguous, or [members, splits, T, max_rank] for `members`
-    consecutive projections from `proj` on this x (each member's partials in its own slice). Grid (segments,
-    max_len / block_m, members * rank blocks * splits); programs past their segment's length or rank return at once.
+    x: [T, in]; v: float32 [splits, T, max_rank] contiguous. Grid (segments, max_len / block_m,
+    rank blocks * splits); programs past their segment's length or rank return at once.
     """
     require_triton("LoRA kernels")
-    splits, num_rows, width = v.shape[-3:]
+    splits, num_rows, width = v.shape
     page, in_dim, chunks_in, slot_stride, offset = paged_operand(table, layer, proj, side=0)
     block_m = block_m or _segments_block_m(segments)
     block_r = block_r or _block_r_shrink(width)
@@ -296,13 +271,13 @@ def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, blo
     k_per_split = cdiv(cdiv(in_dim, splits), block_k) * block_k
     rank_blocks = cdiv(width, block_r)
     grid0, grid1, tiles, num_tiles = _grid_rows(segments, block_m)
-    _mbgmm_shrink_kernel[(grid0, grid1, members * rank_blocks * splits)](
+    _mbgmm_shrink_kernel[(grid0, grid1, rank_blocks * splits)](
         x, v, segments.rows, segments.meta, segments.num_segments, table.rank, table.a_start, table.page_ids, table.pool.pages,
         in_dim, width, num_rows, x.stride(0), x.stride(1), slot_stride, offset, chunks_in, k_per_split, rank_blocks,
-        tiles, num_tiles, table.ready, table.stream_error, layer, rank_blocks * splits, splits * num_rows * width,
+        tiles, num_tiles, table.ready, table.stream_error, layer,
         PAGE=page, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, ALIGNED=aligned,
         PRECISION=_precision(x.dtype), UPCAST=widen_bf16_dots(x.dtype, _mbgmm_shrink_kernel), USE_TILES=segments.tiles is not None,
-        STREAM=table.streaming, TIMEOUT_NS=STREAM_TIMEOUT_NS, GROUPED=members > 1, num_warps=num_warps, num_stages=num_stages,
+        STREAM=table.streaming, TIMEOUT_NS=STREAM_TIMEOUT_NS, num_warps=num_warps, num_stages=num_stages,
     )
 
 
@@ -314,47 +289,35 @@ def expand_tiles(width: int, out_dim: int, page_elems: int) -> tuple[int, int, b
     return block_r, block_n, aligned
 
 
-def expand_groups(segments: Segments, block_m: int, n_tiles: int, device, members: int = 1) -> int:
+def expand_groups(segments: Segments, block_m: int, n_tiles: int, device) -> int:
     """Output tiles a program of the expand loops over: enough programs for EXPAND_PROGRAMS_PER_SM a
-    SM (over the members of a group together), then as many tiles each as that allows (a longer loop re-reads
-    less of v, pipelines more)."""
+    SM, then as many tiles each as that allows (a longer loop re-reads less of v, pipelines more)."""
     want = EXPAND_PROGRAMS_PER_SM * sm_count(device, otherwise=8)
-    groups = min(n_tiles, max(1, cdiv(want, max(1, segments.m_blocks(block_m) * members))))
+    groups = min(n_tiles, max(1, cdiv(want, max(1, segments.m_blocks(block_m)))))
     return cdiv(n_tiles, groups)
 
 
-def mbgmm_expand(v, y, layer, proj, segments: Segments, table, block_m=None, n_per_program=None, num_warps=4, num_stages=3,
-                 members: int = 1):
+def mbgmm_expand(v, y, layer, proj, segments: Segments, table, block_m=None, n_per_program=None, num_warps=4, num_stages=3):
     """y[t] += (sum over splits of v[:, t, :rank]) @ B^T for every row of every segment; other rows
-    untouched. v: float32 [splits, T, max_rank]; y: [T, out], any strides. With `members` consecutive
-    projections from `proj`: v [members, splits, T, max_rank] and y their outputs side by side [T, sum of out]
-    (the fused q|k|v or gate|up GEMM's output). Grid (row tiles, members * output tile groups): each program
-    sums its rows' v once and loops over n_per_program output tiles (`expand_groups` unless given)."""
+    untouched. v: float32 [splits, T, max_rank]; y: [T, out], any strides. Grid (row tiles, output
+    tile groups): each program sums its rows' v once and loops over n_per_program output tiles
+    (`expand_groups` unless given)."""
     require_triton("LoRA kernels")
-    splits, num_rows, width = v.shape[-3:]
+    splits, num_rows, width = v.shape
     page, out_dim, chunks_out, slot_stride, offset = paged_operand(table, layer, proj, side=1)
-    outs = [table.shapes[proj + m][1] for m in range(members)]
-    chunks = [table.chunks[proj + m][1] for m in range(members)]
-    cols = [sum(outs[:m]) for m in range(members)]
     block_m = block_m or _segments_block_m(segments)
-    block_r, block_n, aligned = expand_tiles(width, max(outs), page)  # a tile within a page is one whatever the width
-    n_tiles = cdiv(max(outs), block_n)
-    n_per_program = n_per_program or expand_groups(segments, block_m, n_tiles, y.device, members)
-    n_groups = cdiv(n_tiles, n_per_program)
+    block_r, block_n, aligned = expand_tiles(width, out_dim, page)
+    n_tiles = cdiv(out_dim, block_n)
+    n_per_program = n_per_program or expand_groups(segments, block_m, n_tiles, y.device)
     grid0, grid1, tiles, num_tiles = _grid_rows(segments, block_m)
-    _mbgmm_expand_kernel[(grid0, grid1, members * n_groups)](
+    _mbgmm_expand_kernel[(grid0, grid1, cdiv(n_tiles, n_per_program))](
         v, y, segments.rows, segments.meta, segments.num_segments, table.rank, table.b_start, table.page_ids, table.pool.pages,
         out_dim, width, num_rows, splits, y.stride(0), y.stride(1), slot_stride, offset, chunks_out, tiles, num_tiles,
-        n_per_program, n_groups, splits * num_rows * width, *_after_first(outs), *_after_first(chunks), *_after_first(cols),
+        n_per_program,
         PAGE=page, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, ALIGNED=aligned,
         PRECISION=_precision(table.pool.pages.dtype), UPCAST=widen_bf16_dots(table.pool.pages.dtype, _mbgmm_expand_kernel),
-        USE_TILES=segments.tiles is not None, GROUPED=members > 1, num_warps=num_warps, num_stages=num_stages,
+        USE_TILES=segments.tiles is not None, num_warps=num_warps, num_stages=num_stages,
     )
-
-
-def _after_first(values: list[int]) -> list[int]:
-    """The values of group members 1 and 2 as the expand kernel takes them (member 0's where there are fewer)."""
-    return (values + [values[0]] * 2)[1:3]
 
 
 def mbgmm_splits(segments: Segments, in_dim: int, page_elems: int, device) -> int:
@@ -388,37 +351,6 @@ def mbgmm(x, y, layer, proj, segments: Segments, table, workspace=None):
     v = workspace_view(workspace, splits, num_rows, segments.max_rank, x.device)
     mbgmm_shrink(x, v, layer, proj, segments, table)
     mbgmm_expand(v, y, layer, proj, segments, table)
-
-
-def group_fits(table: AdapterTable, proj: int, members: int) -> bool:
-    """Can `members` consecutive projections from `proj` (q, k, v or gate, up) share one MBGMM launch pair
-    (`mbgmm_group`): one to three of them with the same input size. Their outputs may differ (GQA's k and v): the
-    expand's column tile follows the widest, and a narrower member's programs past its columns return at once."""
-    if not 1 <= members <= 3 or proj + members > len(table.shapes):
-        return False
-    return all(table.shapes[proj + m][0] == table.shapes[proj][0] for m in range(1, members))
-
-
-def mbgmm_group(x, y, layer, proj, members, segments: Segments, table, workspace=None):
-    """`mbgmm` for `members` consecutive projections from `proj` on the same x in one shrink and one expand
-    launch: y is their outputs side by side [T, sum of out] (the fused GEMM's output, any strides). Same result as
-    one `mbgmm` per member on y's column slices; x is read by one launch, and a step's layer launches half the
-    kernels. The members' partials share the workspace, so the shrink splits K at most MAX_SPLITS / members ways.
-    The caller checks `group_fits`."""
-    in_dim, _ = check_operands(x, y[:, : table.shapes[proj][1]], proj, table)
-    if y.shape[1] != sum(table.shapes[proj + m][1] for m in range(members)):
-        raise ValueError(f"y {tuple(y.shape)} is not the {members} projections' outputs side by side")
-    num_rows = x.shape[0]
-    if num_rows == 0 or segments.num_segments == 0 or segments.max_rank <= 0:
-        return
-    if not group_fits(table, proj, members):
-        raise ValueError(f"projections {proj}..{proj + members - 1} cannot share one launch (see group_fits)")
-    splits = mbgmm_splits(segments, in_dim, table.pool.page_elems, x.device)
-    while splits * members > MAX_SPLITS:
-        splits //= 2
-    v = workspace_view(workspace, members * splits, num_rows, segments.max_rank, x.device).view(members, splits, num_rows, -1)
-    mbgmm_shrink(x, v, layer, proj, segments, table, members=members)
-    mbgmm_expand(v, y, layer, proj, segments, table, members=members)
 
 
 def mbgmm_ref(x, y, layer, proj, segments: Segments, table, workspace=None):
