@@ -58,7 +58,7 @@ def wait_cause(step: dict, before: dict | None) -> str:
     return UNTOLD
 
 
-HOST_KEYS = ("host_ms", "host_cpu_ms", "gc_ms", "between_ms", "landing_wait_ms", "landing_take_ms")
+HOST_KEYS = ("host_ms", "host_cpu_ms", "gc_ms", "pin_ms", "between_ms", "landing_wait_ms", "landing_take_ms")
 
 
 def host_means(steps: list[dict]) -> dict:

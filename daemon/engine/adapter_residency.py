@@ -37,6 +37,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from lorad.daemon.engine.step_account import pin_clock
 from lorad.gpu_ops.page_pool import AdapterTable, LayerwiseLoad, StagedAdapter, StreamedLoad, issue_streamed
 
 PLACEMENTS = ("whole", "layerwise", "stream")
@@ -237,6 +238,8 @@ class LoraResidency:
             pinned = StagedAdapter(staged.pages.pin_memory(), staged.layout)
             self.pinned.put(key, held_for_key(adapter, key), pinned)
             self.host_s["pin"] += time.perf_counter() - started
+            if pin_clock.on:
+                pin_clock.add(time.perf_counter() - started)
         return (staged, "pageable") if pinned is None else (pinned, "pinned")
 
     def _stage_pages(self, adapter, parts: dict | None = None) -> tuple[StagedAdapter, StagedAdapter | None]:
@@ -247,8 +250,11 @@ class LoraResidency:
         staged = self.table.stage(adapter.weights, pin=False)
         laid_out = time.perf_counter()
         pinned = None if staged.pages.nbytes > self.pinned.budget else StagedAdapter(staged.pages.pin_memory(), staged.layout)
+        pinning = time.perf_counter() - laid_out
+        if pinned is not None and pin_clock.on:
+            pin_clock.add(pinning)
         if parts is not None:
-            parts["layout"], parts["pin"] = laid_out - started, time.perf_counter() - laid_out
+            parts["layout"], parts["pin"] = laid_out - started, pinning
         return staged, pinned
 
     def _keep(self, name: str, adapter, staged: StagedAdapter, pinned: StagedAdapter | None) -> None:

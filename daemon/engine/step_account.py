@@ -350,8 +350,8 @@ class HostSplit:
     the host's clock from step()'s beginning (each part: from the mark before it), the thread's own CPU time over
     the same span (a wall time well above it: the thread waited, for the GIL, a lock or the device), the time from
     where the step loop's step() before it returned (`between_ms`: its outputs queued for the API process, the
-    loop's own work; absent after an idle engine), and the time Python's garbage collector ran since the last step's
-    launch (`gc_ms`, while a step log is open). on: a step log reads it (off: nothing is marked, no notes)."""
+    loop's own work; absent after an idle engine), and the time Python's garbage collector ran and the time any
+    thread spent pinning staged adapters since the last step's launch (`gc_ms`, `pin_ms`, while a step log is open). on: a step log reads it (off: nothing is marked, no notes)."""
 
     def __init__(self, began: float, previous_end: float | None = None, on: bool = True):
         self.began = began
@@ -378,6 +378,7 @@ class HostSplit:
             notes["between_ms"] = round((self.began - self.previous_end) * 1e3, 3)
         if _gc_clock.on:
             notes["gc_ms"] = round(_gc_clock.take() * 1e3, 3)
+            notes["pin_ms"] = round(pin_clock.take() * 1e3, 3)
         return notes
 
 
@@ -412,6 +413,33 @@ class _GcClock:
 
 
 _gc_clock = _GcClock()
+
+
+class PinClock:
+    """The time any thread spent copying staged adapters into freshly pinned host memory (`pin_memory`: the driver
+    page-locks the new buffer), summed until `take`: the step log's `pin_ms` (while a step log is open; `add` is then
+    called by the adapter residency), to set beside the launches whose host time is far above their CPU time, which
+    may be the engine thread's calls into the driver waiting meanwhile."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._seconds = 0.0
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self._seconds += seconds
+
+    def take(self) -> float:
+        with self._lock:
+            seconds, self._seconds = self._seconds, 0.0
+        return seconds
+
+    @property
+    def on(self) -> bool:
+        return _gc_clock.on
+
+
+pin_clock = PinClock()
 
 
 class StepLog:

@@ -274,7 +274,7 @@ def test_the_step_log_has_a_line_per_step_with_how_it_was_launched(demo_assets, 
         split = line["host_split_ms"]
         assert split["launch"] >= 0 and abs(sum(split.values()) - line["host_ms"]) < 0.01, line
         assert "inbox" in split and ("rows" in split) == (line["origin"] != "after_landing" or "landing" in split)
-        assert line["host_cpu_ms"] >= 0 and line["gc_ms"] >= 0
+        assert line["host_cpu_ms"] >= 0 and line["gc_ms"] >= 0 and line["pin_ms"] == 0  # nothing pinned on the cpu
     assert sum("between_ms" in line for line in lines) >= len(lines) - 1  # all but the first after an idle engine
     assert all(("admit" in line["host_split_ms"]) == (line["origin"] != "tokens_in_flight") for line in lines)
     residency = [line["residency_ms"] for line in lines if "residency_ms" in line]  # the adapters' placements

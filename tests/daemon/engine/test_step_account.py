@@ -362,3 +362,22 @@ def test_the_engine_counts_the_slots_its_steps_leave_empty(demo_assets):
     engine.generate([GenerationRequest(list(range(3, 33)), None, greedy), GenerationRequest(list(range(3, 8)), None, greedy)])
     # the 30-token prompt's first chunk spends the step's 16 tokens: the second request waits, 3 slots empty for it
     assert engine.account.snapshot()["empty_slots_by_cause"]["token_budget"] == 3
+
+
+def test_the_step_log_notes_the_pinning_since_the_last_launch(tmp_path):
+    """pin_ms: the staged adapters' pinning (any thread) summed into the next step's notes, then begun again; nothing
+    counted while no step log is open."""
+    from lorad.daemon.engine.step_account import HostSplit, StepLog, pin_clock
+
+    assert not pin_clock.on
+    log = StepLog(str(tmp_path / "steps.jsonl"))
+    try:
+        assert pin_clock.on
+        pin_clock.take()
+        pin_clock.add(0.004)
+        pin_clock.add(0.0015)
+        assert HostSplit(0.0).notes(0.01)["pin_ms"] == pytest.approx(5.5)
+        assert HostSplit(0.0).notes(0.01)["pin_ms"] == 0
+    finally:
+        log.close()
+    assert not pin_clock.on and "pin_ms" not in HostSplit(0.0).notes(0.01)
