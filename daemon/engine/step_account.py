@@ -351,7 +351,8 @@ class HostSplit:
     the same span (a wall time well above it: the thread waited, for the GIL, a lock or the device), the time from
     where the step loop's step() before it returned (`between_ms`: its outputs queued for the API process, the
     loop's own work; absent after an idle engine), and the time Python's garbage collector ran and the time any
-    thread spent pinning staged adapters since the last step's launch (`gc_ms`, `pin_ms`, while a step log is open). on: a step log reads it (off: nothing is marked, no notes)."""
+    thread spent pinning staged adapters since the last step's launch (`gc_ms`, `pin_ms`, while a step log is open).
+    on: a step log reads it (off: nothing is marked, no notes)."""
 
     def __init__(self, began: float, previous_end: float | None = None, on: bool = True):
         self.began = began
