@@ -229,17 +229,15 @@ class LoraResidency:
         if pinned is not None:
             return pinned, "pinned"
         staged = self.pageable.get(key)
-        started = time.perf_counter()
         if staged is None:
+            started = time.perf_counter()
             staged, pinned = self._stage_pages(adapter)
             self._keep(name, adapter, staged, pinned)
             self.host_s["stage"] += time.perf_counter() - started
         elif staged.pages.nbytes <= self.pinned.budget:
-            pinned = StagedAdapter(staged.pages.pin_memory(), staged.layout)
+            pinned, seconds = _pinned_copy(staged)
             self.pinned.put(key, held_for_key(adapter, key), pinned)
-            self.host_s["pin"] += time.perf_counter() - started
-            if pin_clock.on:
-                pin_clock.add(time.perf_counter() - started)
+            self.host_s["pin"] += seconds
         return (staged, "pageable") if pinned is None else (pinned, "pinned")
 
     def _stage_pages(self, adapter, parts: dict | None = None) -> tuple[StagedAdapter, StagedAdapter | None]:
@@ -249,10 +247,7 @@ class LoraResidency:
         started = time.perf_counter()
         staged = self.table.stage(adapter.weights, pin=False)
         laid_out = time.perf_counter()
-        pinned = None if staged.pages.nbytes > self.pinned.budget else StagedAdapter(staged.pages.pin_memory(), staged.layout)
-        pinning = time.perf_counter() - laid_out
-        if pinned is not None and pin_clock.on:
-            pin_clock.add(pinning)
+        pinned, pinning = (None, 0.0) if staged.pages.nbytes > self.pinned.budget else _pinned_copy(staged)
         if parts is not None:
             parts["layout"], parts["pin"] = laid_out - started, pinning
         return staged, pinned
@@ -449,6 +444,16 @@ class LoraResidency:
 
 STAGER_THREADS = 4  # the stager's threads, at most one per core the engine may use
 STAGER_WAIT_S = 30.0  # an admission waits this long at most for a staging a stager thread has begun
+
+
+def _pinned_copy(staged: StagedAdapter) -> tuple[StagedAdapter, float]:
+    """A staged adapter's pages copied into fresh pinned host memory (any thread), and the seconds that took (also
+    counted by the step log's pin clock)."""
+    started = time.perf_counter()
+    pinned = StagedAdapter(staged.pages.pin_memory(), staged.layout)
+    seconds = time.perf_counter() - started
+    pin_clock.add(seconds)
+    return pinned, seconds
 
 
 class Stager:

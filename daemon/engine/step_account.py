@@ -418,17 +418,19 @@ _gc_clock = _GcClock()
 
 class PinClock:
     """The time any thread spent copying staged adapters into freshly pinned host memory (`pin_memory`: the driver
-    page-locks the new buffer), summed until `take`: the step log's `pin_ms` (while a step log is open; `add` is then
-    called by the adapter residency), to set beside the launches whose host time is far above their CPU time, which
-    may be the engine thread's calls into the driver waiting meanwhile."""
+    page-locks the new buffer), summed until `take`: the step log's `pin_ms`, counted while a step log is open (the
+    adapter residency adds each pinning), to set beside the launches whose host time is far above their CPU time,
+    which may be the engine thread's calls into the driver waiting meanwhile."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._seconds = 0.0
 
     def add(self, seconds: float) -> None:
-        with self._lock:
-            self._seconds += seconds
+        """Counts `seconds` while a step log is open (nothing otherwise)."""
+        if self.on:
+            with self._lock:
+                self._seconds += seconds
 
     def take(self) -> float:
         with self._lock:
