@@ -110,15 +110,15 @@ def test_a_failed_stream_fails_its_request_and_the_engine_goes_on(demo_assets, c
     engine = engine_for(demo_assets, cold_start="auto")
     try:
         always_stream(engine)
-        runs, failures = page_pool._runs, []
+        runs, failures = page_pool._run_array, []
 
-        def lost_once(ids):  # the first layer of the first streamed adapter
+        def lost_once(ids):  # the first layer of the first streamed adapter (`StreamedLoad._send_next`)
             if not failures:
                 failures.append(True)
                 raise RuntimeError("the copy was lost")
             return runs(ids)
 
-        monkeypatch.setattr(page_pool, "_runs", lost_once)
+        monkeypatch.setattr(page_pool, "_run_array", lost_once)
         first, second = run(engine)
         assert failures
         assert first.finish_reason == "error" and first.token_ids == []
