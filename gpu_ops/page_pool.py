@@ -565,6 +565,17 @@ class AdapterTable:
         else:
             self.rank[slot] = 0
 
+    def copy_fence(self) -> list:
+        """Events recorded now (any thread) on each stream that copies from staged adapters (placements, streamed
+        ones), as blocking events: once all have completed, no copy queued before this call reads its source."""
+        fence = []
+        for stream in (self._copy_stream, self._streamer.stream if self._streamer is not None else None):
+            if stream is not None:
+                event = torch.cuda.Event(blocking=True)
+                event.record(stream)
+                fence.append(event)
+        return fence
+
     def untargeted(self, slots) -> frozenset[int]:
         """The projections that none of the adapters in `slots` targets in any layer (host mirrors, no sync)."""
         return untargeted(self.rank_host[np.asarray(slots, dtype=np.int64)])

@@ -106,7 +106,7 @@ class EngineConfig:
     # costs measured at start-up predict faster; tokens, each worker its own rows (CaraServe's split); groups,
     # every worker all the rows and a chunk of the adapter's columns (needs 2 workers or more).
     cpu_lora_split: str = "auto"
-    pinned_host_bytes: int = 4 << 30  # on cuda: adapters staged in pinned host memory (LRU beyond it)
+    pinned_host_bytes: int = 4 << 30  # on cuda: adapters staged in pinned host memory, pinned at start-up (LRU beyond it)
     # on cuda: the background threads that read and stage cold adapters (daemon/engine/adapter_residency.py,
     # Stager); 0: min(4, the cores the engine may use)
     stager_threads: int = 0

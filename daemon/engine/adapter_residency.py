@@ -39,6 +39,7 @@ import torch
 
 from lorad.daemon.engine.step_account import pin_clock
 from lorad.gpu_ops.page_pool import AdapterTable, LayerwiseLoad, StagedAdapter, StreamedLoad, issue_streamed
+from lorad.gpu_ops.pinned_arena import PinnedArena
 
 PLACEMENTS = ("whole", "layerwise", "stream")
 RESIDENCY_WORK = ("lookup", "stage", "pin", "place", "evict")  # LoraResidency.host_s
@@ -51,7 +52,7 @@ class LoraResidency:
                  staged_bytes: int = 8 << 30, stager_threads: int | None = None):
         self.lookup = lookup  # name -> LoraAdapter (host copy)
         self.table = table
-        self.pinned = StagedCache(pinned_bytes)  # cuda: staged adapters in pinned host memory
+        self.pinned = StagedCache(pinned_bytes)  # cuda: staged adapters in pinned host memory (`arena`)
         self.pageable = StagedCache(staged_bytes)  # cuda: every staged adapter, in pageable host memory
         self.metrics = metrics  # daemon/engine/stats.py's Metrics, or None
         self.slots: dict[str, int] = {}
@@ -74,7 +75,10 @@ class LoraResidency:
         # cuda: the background stager, whose staged adapters go into `pinned` and `pageable`; and name -> the key of
         # its last staged copy (`staging_key`), so that `prepare` and `prefetch` learn whether a queued request's
         # adapter is staged without looking it up (a tensor-parallel lookup shards the adapter on this thread)
-        self.stager = Stager(lookup, self._stage_pages, stager_threads) if table.pool.pages.is_cuda else None
+        self.stager = Stager(lookup, self._stage_off_thread, stager_threads) if table.pool.pages.is_cuda else None
+        # cuda: the pinned memory of `pinned`'s entries, pinned once here (gpu_ops/pinned_arena.py)
+        self.arena = _pin_arena(pinned_bytes, table) if table.pool.pages.is_cuda and pinned_bytes > 0 else None
+        self.pinned_misses = 0  # adapters within the pinned budget left pageable: no range of the arena was free
         self._keys: dict[str, Hashable] = {}
         self.generation: dict[str, int] = {}  # bumped when a name is dropped: a staging begun before is stale
         self.staged_off_thread = 0  # adapters the stager staged that the engine thread took
@@ -235,22 +239,52 @@ class LoraResidency:
             self._keep(name, adapter, staged, pinned)
             self.host_s["stage"] += time.perf_counter() - started
         elif staged.pages.nbytes <= self.pinned.budget:
-            pinned, seconds = _pinned_copy(staged)
-            self.pinned.put(key, held_for_key(adapter, key), pinned)
+            pinned, seconds = self._pinned_copy(staged, wait=False)
+            if pinned is not None:
+                self.pinned.put(key, held_for_key(adapter, key), pinned)
             self.host_s["pin"] += seconds
         return (staged, "pageable") if pinned is None else (pinned, "pinned")
 
-    def _stage_pages(self, adapter, parts: dict | None = None) -> tuple[StagedAdapter, StagedAdapter | None]:
+    def _stage_pages(self, adapter, parts: dict | None = None, wait: bool = False) -> tuple[StagedAdapter, StagedAdapter | None]:
         """(pageable pages, their pinned copy or None when larger than the pinned budget). Reads only the
-        adapter and the table's fixed layout: safe on the stager's thread. parts: gets the seconds of the
-        layout and of the pinning."""
+        adapter and the table's fixed layout, and takes pinned memory from the arena: safe on the stager's thread
+        (which may wait there for copies from memory that is being given back). parts: gets the seconds of the layout
+        and of the pinning."""
         started = time.perf_counter()
         staged = self.table.stage(adapter.weights, pin=False)
         laid_out = time.perf_counter()
-        pinned, pinning = (None, 0.0) if staged.pages.nbytes > self.pinned.budget else _pinned_copy(staged)
+        pinned, pinning = self._pinned_copy(staged, wait)
         if parts is not None:
             parts["layout"], parts["pin"] = laid_out - started, pinning
         return staged, pinned
+
+    def _stage_off_thread(self, adapter, parts: dict) -> tuple[StagedAdapter, StagedAdapter | None]:
+        """`_stage_pages` on a stager thread, which may wait for pinned memory."""
+        return self._stage_pages(adapter, parts, wait=True)
+
+    def _pinned_copy(self, staged: StagedAdapter, wait: bool) -> tuple[StagedAdapter | None, float]:
+        """A staged adapter's pages copied into the arena's pinned memory (any thread), or None (not pinned: past
+        the budget, or no range free), and the seconds that took (also counted by the step log's pin clock). Where
+        no range is free, the least recently used pinned entries are dropped: on a stager thread (`wait`: it waits
+        for their copies to the GPU) until one is; on the engine thread only while the budget is exceeded, so that
+        it never waits."""
+        nbytes = staged.pages.nbytes
+        if self.arena is None or nbytes > self.pinned.budget:
+            return None, 0.0
+        started = time.perf_counter()
+        while (buffer := self.arena.alloc(nbytes, wait)) is None:
+            if not (wait or self.pinned.used + nbytes > self.pinned.budget) or not self.pinned.drop_oldest():
+                break
+        pinned = None
+        if buffer is None:
+            self.pinned_misses += 1
+        else:
+            pages = buffer.view(staged.pages.dtype).view(staged.pages.shape)
+            pages.copy_(staged.pages)
+            pinned = StagedAdapter(pages, staged.layout)
+        seconds = time.perf_counter() - started
+        pin_clock.add(seconds)
+        return pinned, seconds
 
     def _keep(self, name: str, adapter, staged: StagedAdapter, pinned: StagedAdapter | None) -> None:
         key = self._keys[name] = staging_key(adapter)
@@ -446,14 +480,14 @@ STAGER_THREADS = 4  # the stager's threads, at most one per core the engine may 
 STAGER_WAIT_S = 30.0  # an admission waits this long at most for a staging a stager thread has begun
 
 
-def _pinned_copy(staged: StagedAdapter) -> tuple[StagedAdapter, float]:
-    """A staged adapter's pages copied into fresh pinned host memory (any thread), and the seconds that took (also
-    counted by the step log's pin clock)."""
-    started = time.perf_counter()
-    pinned = StagedAdapter(staged.pages.pin_memory(), staged.layout)
-    seconds = time.perf_counter() - started
-    pin_clock.add(seconds)
-    return pinned, seconds
+def _pin_arena(capacity: int, table: AdapterTable) -> PinnedArena:
+    try:
+        arena = PinnedArena(capacity, fence=table.copy_fence)
+    except RuntimeError as error:
+        raise RuntimeError(f"could not pin {capacity} bytes of host memory for staged adapters (lower "
+                           f"--pinned-host-bytes): {error}") from error
+    log.info("pinned host memory for staged adapters bytes=%d ms=%.0f", capacity, arena.start_seconds * 1e3)
+    return arena
 
 
 class Stager:
@@ -619,12 +653,14 @@ def held_for_key(adapter, key: Hashable):
 
 class StagedCache:
     """Staged adapters (`staging_key`; a tensor-parallel worker: by name, directory and files), least recently used
-    dropped first beyond `budget` bytes (the newest always stays). An entry may hold what keeps its key unique."""
+    dropped first beyond `budget` bytes (the newest always stays). An entry may hold what keeps its key unique.
+    Thread-safe: a stager thread drops entries to free pinned memory (`drop_oldest`)."""
 
     def __init__(self, budget: int):
         self.budget = budget
         self.used = 0
         self.entries: OrderedDict[Hashable, tuple] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.entries
@@ -633,15 +669,33 @@ class StagedCache:
         return len(self.entries)
 
     def get(self, key: Hashable) -> StagedAdapter | None:
-        entry = self.entries.get(key)
-        if entry is None:
-            return None
-        self.entries.move_to_end(key)
-        return entry[1]
+        with self._lock:
+            entry = self.entries.get(key)
+            if entry is None:
+                return None
+            self.entries.move_to_end(key)
+            return entry[1]
 
     def put(self, key: Hashable, holds, staged: StagedAdapter) -> None:
-        self.entries[key] = (holds, staged)
-        self.used += staged.pages.nbytes
-        while self.used > self.budget and len(self.entries) > 1:
-            _, (_, dropped) = self.entries.popitem(last=False)
-            self.used -= dropped.pages.nbytes
+        dropped = []  # let go outside the lock: a pinned entry's last tensor gives its memory back
+        with self._lock:
+            if key in self.entries:
+                self.used -= self.entries[key][1].pages.nbytes
+            self.entries[key] = (holds, staged)
+            self.entries.move_to_end(key)
+            self.used += staged.pages.nbytes
+            while self.used > self.budget and len(self.entries) > 1:
+                dropped.append(self._pop_oldest())
+
+    def drop_oldest(self) -> bool:
+        """Drops the least recently used entry; False where there is none."""
+        with self._lock:
+            if not self.entries:
+                return False
+            dropped = self._pop_oldest()  # noqa: F841 - let go outside the lock
+        return True
+
+    def _pop_oldest(self) -> tuple:
+        _, entry = self.entries.popitem(last=False)
+        self.used -= entry[1].pages.nbytes
+        return entry

@@ -182,7 +182,9 @@ def staging_status(engine: Engine) -> dict | None:
     ("stage_ms_mean"; by part, with the threads' CPU time, in "parts_ms_mean") and the mean from its ask to the engine's
     take, once a step ("ready_ms_mean": its wait for a free thread included); the adapters whose admission waited for
     the stager while other rows ran ("admissions_deferred"), and the requests admitted past such a waiting one
-    ("admitted_past_staging"). None where staging is not backgrounded (the CPU)."""
+    ("admitted_past_staging"); the pinned memory staged adapters are copied into, pinned once at start-up
+    ("pinned_arena": gpu_ops/pinned_arena.py's stats, with "misses", the adapters left pageable for want of a free
+    range). None where staging is not backgrounded (the CPU)."""
     stager = engine.residency.stager
     if stager is None:
         return None
@@ -194,4 +196,11 @@ def staging_status(engine: Engine) -> dict | None:
             "stage_ms_mean": mean_ms(stager.seconds), "ready_ms_mean": mean_ms(stager.ready_seconds),
             "parts_ms_mean": {part: mean_ms(seconds) for part, seconds in stager.part_seconds.items()},
             "admissions_deferred": engine.residency.admissions_deferred,
-            "admitted_past_staging": engine.scheduler.past_staging}
+            "admitted_past_staging": engine.scheduler.past_staging, "pinned_arena": pinned_arena_status(engine)}
+
+
+def pinned_arena_status(engine: Engine) -> dict | None:
+    arena = engine.residency.arena
+    if arena is None:
+        return None
+    return {**arena.stats(), "misses": engine.residency.pinned_misses}

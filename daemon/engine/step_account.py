@@ -417,10 +417,11 @@ _gc_clock = _GcClock()
 
 
 class PinClock:
-    """The time any thread spent copying staged adapters into freshly pinned host memory (`pin_memory`: the driver
-    page-locks the new buffer), summed until `take`: the step log's `pin_ms`, counted while a step log is open (the
-    adapter residency adds each pinning), to set beside the launches whose host time is far above their CPU time,
-    which may be the engine thread's calls into the driver waiting meanwhile."""
+    """The time any thread spent copying staged adapters into pinned host memory (the adapter residency's arena,
+    waits for a free range included), summed until `take`: the step log's `pin_ms`, counted while a step log is open
+    (the adapter residency adds each pinning), to set beside the launches whose host time is far above their CPU time.
+    When each pinning took fresh memory from the driver (cudaHostAlloc), such launches came with ~45 ms of pinning
+    against ~4 ms beside the steps launched on time (BENCHMARKS.md, figure 21.1)."""
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -47,7 +47,7 @@ _ENGINE_FLAG_HELP = {
     "cpu_workers": "CPU LoRA worker processes for --cold-start cpu|auto (0: min(4, cores - 1))",
     "cpu_lora_split": "auto|tokens|groups: how the CPU workers share an assisted prompt's LoRA: each its own tokens, "
                       "or all the tokens and a chunk of the adapter's columns (auto: from the costs measured at start)",
-    "pinned_host_bytes": "on cuda: adapters kept staged in pinned host memory (K/M/G suffixes accepted)",
+    "pinned_host_bytes": "on cuda: adapters kept staged in pinned host memory, pinned at start-up (K/M/G suffixes accepted)",
     "stager_threads": "on cuda: background threads that read cold adapters and lay them out in pages (0: min(4, cores))",
     "layerwise": "--cold-start cpu|auto: copy a cold adapter layer by layer and move each layer of a "
                  "cpu-assisted prefill to the GPU as soon as it has arrived",

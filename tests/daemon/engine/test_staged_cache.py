@@ -30,3 +30,13 @@ def test_the_newest_stays_even_over_budget_and_a_zero_budget_keeps_one():
     assert "a" in cache and cache.used == 128
     cache.put("b", object(), staged(4))
     assert list(cache.entries) == ["b"] and cache.used == 128
+
+
+def test_drop_oldest_and_a_key_put_again_counted_once():
+    cache = StagedCache(budget=1 << 20)
+    cache.put("a", None, staged(4))
+    cache.put("b", None, staged(4))
+    cache.put("a", None, staged(2))  # replaced, and now the most recent
+    assert cache.used == 192 and list(cache.entries) == ["b", "a"]
+    assert cache.drop_oldest() and list(cache.entries) == ["a"] and cache.used == 64
+    assert cache.drop_oldest() and cache.used == 0 and not cache.drop_oldest()

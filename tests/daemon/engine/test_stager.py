@@ -13,9 +13,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lorad.daemon.engine import adapter_residency
 from lorad.daemon.engine.adapter_residency import STAGER_THREADS, LoraResidency, Stager
 from lorad.daemon.engine.status import staging_status
 from lorad.gpu_ops.page_pool import StagedAdapter
+from lorad.gpu_ops.pinned_arena import ALIGN, PinnedArena
+
+
+@pytest.fixture(autouse=True)
+def unpinned_arena(monkeypatch):
+    """The residency's arena in plain host memory (no CUDA to pin it with here)."""
+    monkeypatch.setattr(adapter_residency, "_pin_arena", lambda capacity, table: PinnedArena(capacity, pin=False))
 
 
 def wait_for(stager: Stager, count: int, timeout: float = 10.0) -> list:
@@ -373,7 +381,7 @@ def test_the_time_from_ask_to_take_counts_the_wait_for_a_thread():
 def test_status_gives_the_stagers_counts_and_means():
     stager = Stager(lambda name: name, lambda adapter, parts: parts.update(layout=0.001, pin=0.002) or (adapter, None),
                     threads=2)
-    engine = SimpleNamespace(residency=SimpleNamespace(stager=stager, staged_off_thread=2, admissions_deferred=1),
+    engine = SimpleNamespace(residency=SimpleNamespace(stager=stager, staged_off_thread=2, admissions_deferred=1, arena=None),
                              scheduler=SimpleNamespace(past_staging=3))
     assert staging_status(engine)["stage_ms_mean"] is None and staging_status(engine)["ready_ms_mean"] is None
     for name in ("a", "b"):
@@ -385,7 +393,7 @@ def test_status_gives_the_stagers_counts_and_means():
                       "ready_ms_mean": round(stager.ready_seconds / 2 * 1e3, 1),
                       "parts_ms_mean": {"read": round(stager.part_seconds["read"] / 2 * 1e3, 1), "layout": 1.0, "pin": 2.0,
                                         "cpu": round(stager.part_seconds["cpu"] / 2 * 1e3, 1)},
-                      "admissions_deferred": 1, "admitted_past_staging": 3}
+                      "admissions_deferred": 1, "admitted_past_staging": 3, "pinned_arena": None}
     assert status["ready_ms_mean"] >= status["stage_ms_mean"]
     assert staging_status(SimpleNamespace(residency=SimpleNamespace(stager=None))) is None
 
@@ -396,3 +404,32 @@ def test_the_stagers_threads_are_the_configured_number_or_the_default():
     default = LoraResidency(lambda name: name, table).stager.threads
     assert default == max(1, min(STAGER_THREADS, len(os.sched_getaffinity(0))))
 
+
+
+def pages(count: int) -> StagedAdapter:
+    """A staged adapter of `count` arena pages (pageable)."""
+    return StagedAdapter(torch.arange(count * ALIGN // 4, dtype=torch.float32).view(count, -1), [])
+
+
+def test_pinned_copies_come_from_the_arena_and_a_full_arena_drops_the_oldest_only_where_that_may_wait():
+    residency = LoraResidency(lambda name: name, FakeTable(), pinned_bytes=3 * ALIGN, staged_bytes=1 << 20)
+    for key in "ab":
+        pinned, _ = residency._pinned_copy(pages(1), wait=False)
+        assert pinned.pages.data_ptr() - residency.arena.memory.data_ptr() in (0, ALIGN)
+        assert torch.equal(pinned.pages, pages(1).pages)
+        residency.pinned.put(key, None, pinned)
+    del pinned
+    untaken = residency.arena.alloc(ALIGN)  # a stager thread's copy the engine thread has not taken yet
+    held = residency.pinned.get("a")  # a placement still copying from "a" ("b" is now the least recently used)
+    # The engine thread: the cache is within its budget, the arena full: left pageable, nothing dropped.
+    assert residency._pinned_copy(pages(1), wait=False)[0] is None
+    assert residency.pinned_misses == 1 and len(residency.pinned) == 2
+    # A stager thread drops the least recently used entries until a range is free: "b" frees one.
+    third, _ = residency._pinned_copy(pages(1), wait=True)
+    assert third is not None and list(residency.pinned.entries) == ["a"]
+    # Two pages: "a" is dropped, but its memory comes back only with `held`.
+    assert residency._pinned_copy(pages(2), wait=True)[0] is None and len(residency.pinned) == 0
+    del held, third
+    assert residency._pinned_copy(pages(2), wait=True)[0] is not None
+    assert residency._pinned_copy(pages(4), wait=True)[0] is None and residency.pinned_misses == 2  # past the budget
+    del untaken
