@@ -692,7 +692,8 @@ class StagedCache:
         with self._lock:
             if not self.entries:
                 return False
-            dropped = self._pop_oldest()  # noqa: F841 - let go outside the lock
+            entry = self._pop_oldest()
+        del entry  # let go outside the lock
         return True
 
     def _pop_oldest(self) -> tuple:
