@@ -20,6 +20,9 @@ from lorad.gpu_ops.page_pool import StagedAdapter
 from lorad.gpu_ops.pinned_arena import ALIGN, PinnedArena
 
 
+PIN_ARENA = adapter_residency._pin_arena
+
+
 @pytest.fixture(autouse=True)
 def unpinned_arena(monkeypatch):
     """The residency's arena in plain host memory (no CUDA to pin it with here)."""
@@ -126,6 +129,9 @@ class FakeTable:
 
     def evict(self, slot):
         del self.placed[slot]
+
+    def copy_fence(self):
+        return []
 
 
 @pytest.fixture
@@ -433,3 +439,15 @@ def test_pinned_copies_come_from_the_arena_and_a_full_arena_drops_the_oldest_onl
     assert residency._pinned_copy(pages(2), wait=True)[0] is not None
     assert residency._pinned_copy(pages(4), wait=True)[0] is None and residency.pinned_misses == 2  # past the budget
     del untaken
+
+
+
+def test_pinned_memory_that_cannot_be_had_stops_the_start_naming_the_flag(monkeypatch):
+    def refused(capacity, pin=True, fence=None):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(adapter_residency, "_pin_arena", PIN_ARENA)  # the real one, PinnedArena refusing
+    monkeypatch.setattr(adapter_residency, "PinnedArena", refused)
+    with pytest.raises(RuntimeError, match=r"could not pin 1048576 bytes .*--pinned-host-bytes.*out of memory"):
+        LoraResidency(lambda name: name, FakeTable(), pinned_bytes=1 << 20)
+    assert LoraResidency(lambda name: name, FakeTable(), pinned_bytes=0).arena is None  # none asked for, none pinned
