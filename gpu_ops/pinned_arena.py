@@ -6,6 +6,9 @@ Azure trace the stager threads pinned ~80 cold adapters (53.6 ms each) in a run'
 thread's steps launched late beside them (BENCHMARKS.md, figure 21.1). From an arena a staged adapter's pinned copy
 is a plain memcpy.
 
+The memory is pinned as blocks whose sizes are powers of two (`segment_sizes`), because torch's pinned allocator rounds
+each block up to one: a 5 GiB budget pinned as one block would pin 8. A range lies within one block.
+
 A range is handed out as a uint8 tensor; it comes back when the last tensor viewing its memory is gone (its storage's
 deleter) and the copies queued from it have run: `fence` gives events recorded on the streams that copy from staged
 adapters at that moment, and the range is reused once they have all completed.
@@ -23,24 +26,27 @@ import numpy as np
 import torch
 
 ALIGN = 4096  # every range starts on a host page
+_SPACING = 1 << 48  # offsets of block i start at i * _SPACING, so that no range or merge crosses blocks
 
 log = logging.getLogger(__name__)
 
 
 class PinnedArena:
-    """`capacity` bytes of host memory, pinned (cudaHostAlloc) unless `pin` is False (tests on the CPU), handed out
-    best fit; `fence() -> events` (anything with `query()`), asked when a range comes back. Thread-safe: stager
-    threads allocate, whichever thread drops a range's last tensor returns it."""
+    """Up to `capacity` bytes of host memory (`segment_sizes`), pinned (cudaHostAlloc) unless `pin` is False (tests on
+    the CPU), handed out best fit; `fence() -> events` (anything with `query()`), asked when a range comes back.
+    Thread-safe: stager threads allocate, whichever thread drops a range's last tensor returns it."""
 
     def __init__(self, capacity: int, pin: bool = True, fence: Callable[[], list] | None = None):
         started = time.perf_counter()
-        self.memory = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+        self.segments = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for size in segment_sizes(capacity)]
         self.start_seconds = time.perf_counter() - started
-        self.capacity = capacity
+        self.capacity = sum(segment.numel() for segment in self.segments)
+        self.largest_range = max((segment.numel() for segment in self.segments), default=0)  # the most one alloc gets
         self.fence = fence
-        self._address = self.memory.data_ptr()
+        self._addresses = [segment.data_ptr() for segment in self.segments]
         self._lock = threading.Lock()
-        self._free: list[tuple[int, int]] = [(0, capacity)] if capacity else []  # (offset, length), by offset
+        # (offset, length), by offset; block i's offsets from i * _SPACING
+        self._free: list[tuple[int, int]] = [(index * _SPACING, segment.numel()) for index, segment in enumerate(self.segments)]
         self._fenced: list[tuple[int, int, list]] = []  # back, waiting for their copies: (offset, length, events)
         self._returned: collections.deque = collections.deque()  # appended by storage deleters, on any thread
         self.used = 0  # bytes handed out and not back yet (fenced ones included)
@@ -76,7 +82,12 @@ class PinnedArena:
             fenced = sum(length for _, length, _ in self._fenced)
         return {"capacity_bytes": self.capacity, "used_bytes": self.used - fenced, "fenced_bytes": fenced,
                 "largest_free_bytes": max(free, default=0), "free_ranges": len(free), "allocations": self.allocations,
-                "failed": self.failed, "pinned": self.memory.is_pinned(), "start_ms": round(self.start_seconds * 1e3, 1)}
+                "failed": self.failed, "segments": len(self.segments),
+                "pinned": all(segment.is_pinned() for segment in self.segments), "start_ms": round(self.start_seconds * 1e3, 1)}
+
+    def address(self, offset: int) -> int:
+        """The host address of an arena offset."""
+        return self._addresses[offset // _SPACING] + offset % _SPACING
 
     def _give_back(self, offset: int, size: int) -> None:
         """A range's last tensor is gone (any thread, maybe inside another call of this arena: no lock here)."""
@@ -137,8 +148,14 @@ class _Range:
 
     def __init__(self, arena: PinnedArena, offset: int, size: int, nbytes: int):
         self.arena, self.offset, self.size = arena, offset, size
-        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (arena._address + offset, False),
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (arena.address(offset), False),
                                     "version": 3}
 
     def __del__(self):
         self.arena._give_back(self.offset, self.size)
+
+
+def segment_sizes(capacity: int) -> list[int]:
+    """The blocks pinned for `capacity` bytes, largest first: its binary digits of ALIGN and above (one block for the
+    default 4 GiB)."""
+    return [1 << bit for bit in reversed(range(capacity.bit_length())) if capacity >> bit & 1 and 1 << bit >= ALIGN]

@@ -269,7 +269,7 @@ class LoraResidency:
         for their copies to the GPU) until one is; on the engine thread only while the budget is exceeded, so that
         it never waits."""
         nbytes = staged.pages.nbytes
-        if self.arena is None or nbytes > self.pinned.budget:
+        if self.arena is None or nbytes > min(self.pinned.budget, self.arena.largest_range):
             return None, 0.0
         started = time.perf_counter()
         while (buffer := self.arena.alloc(nbytes, wait)) is None:
@@ -486,7 +486,8 @@ def _pin_arena(capacity: int, table: AdapterTable) -> PinnedArena:
     except RuntimeError as error:
         raise RuntimeError(f"could not pin {capacity} bytes of host memory for staged adapters (lower "
                            f"--pinned-host-bytes): {error}") from error
-    log.info("pinned host memory for staged adapters bytes=%d ms=%.0f", capacity, arena.start_seconds * 1e3)
+    log.info("pinned host memory for staged adapters bytes=%d blocks=%d ms=%.0f", arena.capacity, len(arena.segments),
+             arena.start_seconds * 1e3)
     return arena
 
 

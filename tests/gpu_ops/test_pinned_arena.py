@@ -1,5 +1,5 @@
 """gpu_ops/pinned_arena.py: ranges handed out best fit, back when their last tensor is gone and their fence has passed,
-merged with their free neighbours; on the GPU, a copy queued from a range finishes before the range is written again."""
+merged with their free neighbours, never across the power-of-two blocks the memory is pinned in; on the GPU, a copy queued from a range finishes before the range is written again."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from lorad.gpu_ops.pinned_arena import ALIGN, PinnedArena
+from lorad.gpu_ops.pinned_arena import ALIGN, PinnedArena, segment_sizes
 
 
 class Fence:
@@ -27,7 +27,7 @@ class Fence:
 
 
 def offset(arena: PinnedArena, tensor: torch.Tensor) -> int:
-    return tensor.data_ptr() - arena.memory.data_ptr()
+    return tensor.data_ptr() - arena.segments[0].data_ptr()
 
 
 def test_ranges_are_disjoint_aligned_and_come_back_with_their_last_view():
@@ -49,16 +49,33 @@ def test_ranges_are_disjoint_aligned_and_come_back_with_their_last_view():
 
 
 def test_best_fit_and_neighbours_merged():
-    arena = PinnedArena(10 * ALIGN, pin=False)
-    blocks = [arena.alloc(size * ALIGN) for size in (3, 1, 2, 1, 3)]  # the arena full
+    arena = PinnedArena(16 * ALIGN, pin=False)
+    blocks = [arena.alloc(size * ALIGN) for size in (5, 1, 4, 1, 5)]  # the arena full
     assert arena.alloc(1) is None and arena.failed == 1
-    hole_three, hole_two = offset(arena, blocks[0]), offset(arena, blocks[2])
-    blocks[0] = blocks[2] = None  # holes of 3 and 2 pages
-    assert offset(arena, arena.alloc(2 * ALIGN)) == hole_two  # the smallest hole that fits (dropped at once)
-    assert offset(arena, arena.alloc(3 * ALIGN)) == hole_three
+    hole_five, hole_four = offset(arena, blocks[0]), offset(arena, blocks[2])
+    blocks[0] = blocks[2] = None  # holes of 5 and 4 pages
+    assert offset(arena, arena.alloc(4 * ALIGN)) == hole_four  # the smallest hole that fits (dropped at once)
+    assert offset(arena, arena.alloc(5 * ALIGN)) == hole_five
     blocks = [None] * 5  # everything back: one range again
     stats = arena.stats()
-    assert stats["free_ranges"] == 1 and stats["largest_free_bytes"] == 10 * ALIGN and stats["used_bytes"] == 0
+    assert stats["free_ranges"] == 1 and stats["largest_free_bytes"] == 16 * ALIGN and stats["used_bytes"] == 0
+
+
+def test_a_budget_is_pinned_as_power_of_two_blocks_and_no_range_crosses_them():
+    """torch's pinned allocator rounds a block up to a power of two: 5 GiB as one block would pin 8."""
+    assert segment_sizes(4 << 30) == [4 << 30]
+    assert segment_sizes((5 << 30) + 100) == [4 << 30, 1 << 30]  # what is below ALIGN is left out
+    arena = PinnedArena(6 * ALIGN + 5, pin=False)
+    assert [segment.numel() for segment in arena.segments] == [4 * ALIGN, 2 * ALIGN]
+    assert arena.capacity == 6 * ALIGN and arena.stats()["segments"] == 2
+    first = arena.alloc(3 * ALIGN)
+    assert arena.alloc(2 * ALIGN) is not None  # the second block whole (dropped at once)
+    assert arena.alloc(3 * ALIGN) is None  # one page left in the first, two in the second: no three in one block
+    small = [arena.alloc(ALIGN) for _ in range(3)]
+    assert all(block is not None for block in small) and arena.alloc(1) is None
+    del first, small
+    stats = arena.stats()
+    assert stats["free_ranges"] == 2 and stats["largest_free_bytes"] == 4 * ALIGN and stats["used_bytes"] == 0
 
 
 def test_a_range_is_reused_only_once_its_fence_has_passed():
@@ -123,7 +140,7 @@ def test_a_copy_queued_from_a_range_finishes_before_the_range_is_written_again()
         return [event]
 
     arena = PinnedArena(64 << 20, fence=fence)
-    assert arena.memory.is_pinned()
+    assert arena.stats()["pinned"]
     source = arena.alloc(64 << 20)
     assert source.is_pinned()
     source.fill_(3)

@@ -418,14 +418,14 @@ def pages(count: int) -> StagedAdapter:
 
 
 def test_pinned_copies_come_from_the_arena_and_a_full_arena_drops_the_oldest_only_where_that_may_wait():
-    residency = LoraResidency(lambda name: name, FakeTable(), pinned_bytes=3 * ALIGN, staged_bytes=1 << 20)
+    residency = LoraResidency(lambda name: name, FakeTable(), pinned_bytes=4 * ALIGN, staged_bytes=1 << 20)
     for key in "ab":
         pinned, _ = residency._pinned_copy(pages(1), wait=False)
-        assert pinned.pages.data_ptr() - residency.arena.memory.data_ptr() in (0, ALIGN)
+        assert pinned.pages.data_ptr() - residency.arena.segments[0].data_ptr() in (0, ALIGN)
         assert torch.equal(pinned.pages, pages(1).pages)
         residency.pinned.put(key, None, pinned)
     del pinned
-    untaken = residency.arena.alloc(ALIGN)  # a stager thread's copy the engine thread has not taken yet
+    untaken = residency.arena.alloc(2 * ALIGN)  # a stager thread's copy the engine thread has not taken yet
     held = residency.pinned.get("a")  # a placement still copying from "a" ("b" is now the least recently used)
     # The engine thread: the cache is within its budget, the arena full: left pageable, nothing dropped.
     assert residency._pinned_copy(pages(1), wait=False)[0] is None
@@ -437,9 +437,15 @@ def test_pinned_copies_come_from_the_arena_and_a_full_arena_drops_the_oldest_onl
     assert residency._pinned_copy(pages(2), wait=True)[0] is None and len(residency.pinned) == 0
     del held, third
     assert residency._pinned_copy(pages(2), wait=True)[0] is not None
-    assert residency._pinned_copy(pages(4), wait=True)[0] is None and residency.pinned_misses == 2  # past the budget
+    assert residency._pinned_copy(pages(5), wait=True)[0] is None and residency.pinned_misses == 2  # past the budget
     del untaken
 
+
+def test_an_adapter_larger_than_any_pinned_block_stays_pageable_and_drops_nothing():
+    residency = LoraResidency(lambda name: name, FakeTable(), pinned_bytes=6 * ALIGN, staged_bytes=1 << 20)  # 4 + 2
+    residency.pinned.put("a", None, residency._pinned_copy(pages(1), wait=False)[0])
+    assert residency._pinned_copy(pages(5), wait=True)[0] is None  # within the budget, but no block holds it
+    assert list(residency.pinned.entries) == ["a"]
 
 
 def test_pinned_memory_that_cannot_be_had_stops_the_start_naming_the_flag(monkeypatch):
