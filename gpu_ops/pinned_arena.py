@@ -16,6 +16,7 @@ adapters at that moment, and the range is reused once they have all completed.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import threading
@@ -129,9 +130,7 @@ class PinnedArena:
     def _insert(self, offset: int, size: int) -> None:
         """A range back into `_free`, merged with the free ranges it touches."""
         free = self._free
-        index = 0
-        while index < len(free) and free[index][0] < offset:
-            index += 1
+        index = bisect.bisect_left(free, (offset,))
         if index < len(free) and offset + size == free[index][0]:
             size += free[index][1]
             del free[index]

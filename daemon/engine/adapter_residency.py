@@ -238,7 +238,7 @@ class LoraResidency:
             staged, pinned = self._stage_pages(adapter)
             self._keep(name, adapter, staged, pinned)
             self.host_s["stage"] += time.perf_counter() - started
-        elif staged.pages.nbytes <= self.pinned.budget:
+        else:
             pinned, seconds = self._pinned_copy(staged, wait=False)
             if pinned is not None:
                 self.pinned.put(key, held_for_key(adapter, key), pinned)
