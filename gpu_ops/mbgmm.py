@@ -32,7 +32,7 @@ try:
 except ImportError:
     triton = None
 
-__all__ = ["Segments", "lora_prefill", "mbgmm", "mbgmm_ref", "mbgmm_shrink", "mbgmm_expand"]
+__all__ = ["Segments", "group_fits", "lora_prefill", "mbgmm", "mbgmm_expand", "mbgmm_group", "mbgmm_ref", "mbgmm_shrink"]
 
 BLOCK_K = 128  # shrink's reduction tile along `in` (the H100 sweep's best; BENCHMARKS.md)
 BLOCK_N = 128  # expand's output tile along `out`, at ranks up to EXPAND_TILE_ELEMS / BLOCK_N
@@ -154,18 +154,31 @@ if triton is not None:
             if tl.load(ready_ptr + slot, volatile=True) <= layer:
                 tl.atomic_xchg(error_ptr, 1)
 
-    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'slot_stride', 'table_offset', 'chunks_in', 'rank_blocks', 'num_tiles', 'layer'])
+    @triton.jit(do_not_specialize=['num_segments', 'num_rows', 'slot_stride', 'table_offset', 'chunks_in', 'rank_blocks', 'num_tiles', 'layer',
+                                   'member_blocks'])
     def _mbgmm_shrink_kernel(
         x_ptr, v_ptr, rows_ptr, meta_ptr, num_segments, rank_ptr, a_start_ptr, page_ids_ptr, pages_ptr,
         in_dim, max_rank, num_rows, stride_xt, stride_xk, slot_stride, table_offset, chunks_in, k_per_split, rank_blocks,
-        tiles_ptr, num_tiles, ready_ptr, error_ptr, layer,
+        tiles_ptr, num_tiles, ready_ptr, error_ptr, layer, member_blocks, v1_ptr, v2_ptr,
         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         ALIGNED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TILES: tl.constexpr,
-        STREAM: tl.constexpr, TIMEOUT_NS: tl.constexpr,
+        STREAM: tl.constexpr, TIMEOUT_NS: tl.constexpr, GROUPED: tl.constexpr,
     ):
+        # GROUPED: grid axis 2 also counts the member of a projection group (consecutive projections on one x:
+        # q, k, v or gate, up), member_blocks programs each, with its own table entries and workspace slice (v1, v2:
+        # pointer arguments, so that the compiler knows them aligned as it knows v)
         segment, m0 = _segment_tile(tiles_ptr, num_tiles, BLOCK_M, USE_TILES)
-        split = tl.program_id(2) // rank_blocks
-        r0 = (tl.program_id(2) % rank_blocks) * BLOCK_R
+        task = tl.program_id(2)
+        if GROUPED:
+            member = task // member_blocks
+            task = task % member_blocks
+            if member == 1:
+                v_ptr = v1_ptr
+            elif member == 2:
+                v_ptr = v2_ptr
+            table_offset += member
+        split = task // rank_blocks
+        r0 = (task % rank_blocks) * BLOCK_R
         length = tl.load(meta_ptr + 2 * num_segments + segment)
         if m0 >= length:
             return
@@ -256,14 +269,16 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, block_r=None, block_k=BLOCK_K, num_warps=4, num_stages=3):
+def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, block_r=None, block_k=BLOCK_K, num_warps=4,
+                 num_stages=3, members: int = 1):
     """v[s, t, :rank] = partial sums over K split s of x[t] @ A^T for every row t of every segment.
 
-    x: [T, in]; v: float32 [splits, T, max_rank] contiguous. Grid (segments, max_len / block_m,
-    rank blocks * splits); programs past their segment's length or rank return at once.
+    x: [T, in]; v: float32 [splits, T, max_rank] contiguous, or [members, splits, T, max_rank] for `members`
+    consecutive projections from `proj` on this x (each member's partials in its own slice). Grid (segments,
+    max_len / block_m, members * rank blocks * splits); programs past their segment's length or rank return at once.
     """
     require_triton("LoRA kernels")
-    splits, num_rows, width = v.shape
+    splits, num_rows, width = v.shape[-3:]
     page, in_dim, chunks_in, slot_stride, offset = paged_operand(table, layer, proj, side=0)
     block_m = block_m or _segments_block_m(segments)
     block_r = block_r or _block_r_shrink(width)
@@ -271,13 +286,13 @@ def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, blo
     k_per_split = cdiv(cdiv(in_dim, splits), block_k) * block_k
     rank_blocks = cdiv(width, block_r)
     grid0, grid1, tiles, num_tiles = _grid_rows(segments, block_m)
-    _mbgmm_shrink_kernel[(grid0, grid1, rank_blocks * splits)](
+    _mbgmm_shrink_kernel[(grid0, grid1, members * rank_blocks * splits)](
         x, v, segments.rows, segments.meta, segments.num_segments, table.rank, table.a_start, table.page_ids, table.pool.pages,
         in_dim, width, num_rows, x.stride(0), x.stride(1), slot_stride, offset, chunks_in, k_per_split, rank_blocks,
-        tiles, num_tiles, table.ready, table.stream_error, layer,
+        tiles, num_tiles, table.ready, table.stream_error, layer, rank_blocks * splits, *_member_slices(v, members),
         PAGE=page, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, ALIGNED=aligned,
         PRECISION=_precision(x.dtype), UPCAST=widen_bf16_dots(x.dtype, _mbgmm_shrink_kernel), USE_TILES=segments.tiles is not None,
-        STREAM=table.streaming, TIMEOUT_NS=STREAM_TIMEOUT_NS, num_warps=num_warps, num_stages=num_stages,
+        STREAM=table.streaming, TIMEOUT_NS=STREAM_TIMEOUT_NS, GROUPED=members > 1, num_warps=num_warps, num_stages=num_stages,
     )
 
 
@@ -320,6 +335,13 @@ def mbgmm_expand(v, y, layer, proj, segments: Segments, table, block_m=None, n_p
     )
 
 
+def _member_slices(v: torch.Tensor, members: int) -> list:
+    """The workspace slices of group members 1 and 2 as the shrink takes them ([members, splits, T, width]; v itself,
+    unread, where there are fewer members)."""
+    slices = [v[m] for m in range(members)] if members > 1 else [v]
+    return (slices + [slices[0]] * 2)[1:3]
+
+
 def mbgmm_splits(segments: Segments, in_dim: int, page_elems: int, device) -> int:
     """Split-K of the shrink: enough programs for the SMs, at most MAX_SPLITS and, past FEW_TILES row
     tiles, at most SPLIT_PARTIALS / width (each split adds a float32 [T, width] partial that the expand
@@ -351,6 +373,41 @@ def mbgmm(x, y, layer, proj, segments: Segments, table, workspace=None):
     v = workspace_view(workspace, splits, num_rows, segments.max_rank, x.device)
     mbgmm_shrink(x, v, layer, proj, segments, table)
     mbgmm_expand(v, y, layer, proj, segments, table)
+
+
+def group_fits(table: AdapterTable, proj: int, members: int) -> bool:
+    """Can `members` consecutive projections from `proj` (q, k, v or gate, up) share one MBGMM shrink launch
+    (`mbgmm_group`): one to three of them with the same input size. Their outputs may differ (GQA's k and v): each
+    member's expand is its own launch."""
+    if not 1 <= members <= 3 or proj + members > len(table.shapes):
+        return False
+    return all(table.shapes[proj + m][0] == table.shapes[proj][0] for m in range(1, members))
+
+
+def mbgmm_group(x, y, layer, proj, members, segments: Segments, table, workspace=None):
+    """`mbgmm` for `members` consecutive projections from `proj` on the same x, their shrinks in one launch (x read
+    by one launch, its programs counted over the members on the grid's third axis), then each member's expand: y is
+    their outputs side by side [T, sum of out] (the fused GEMM's output, any strides). Same result as one `mbgmm` per
+    member on y's column slices. The members' partials share the workspace, so the shrink splits K at most
+    MAX_SPLITS / members ways, and each expand sums as many partials. The caller checks `group_fits`."""
+    in_dim, _ = check_operands(x, y[:, : table.shapes[proj][1]], proj, table)
+    if y.shape[1] != sum(table.shapes[proj + m][1] for m in range(members)):
+        raise ValueError(f"y {tuple(y.shape)} is not the {members} projections' outputs side by side")
+    num_rows = x.shape[0]
+    if num_rows == 0 or segments.num_segments == 0 or segments.max_rank <= 0:
+        return
+    if not group_fits(table, proj, members):
+        raise ValueError(f"projections {proj}..{proj + members - 1} cannot share one launch (see group_fits)")
+    splits = mbgmm_splits(segments, in_dim, table.pool.page_elems, x.device)
+    while splits * members > MAX_SPLITS:
+        splits //= 2
+    v = workspace_view(workspace, members * splits, num_rows, segments.max_rank, x.device).view(members, splits, num_rows, -1)
+    mbgmm_shrink(x, v, layer, proj, segments, table, members=members)
+    col = 0
+    for member in range(members):  # the expand per member: grouped, it took 1.75x as long (BENCHMARKS.md, MBGMM)
+        width = table.shapes[proj + member][1]
+        mbgmm_expand(v[member], y[:, col : col + width], layer, proj + member, segments, table)
+        col += width
 
 
 def mbgmm_ref(x, y, layer, proj, segments: Segments, table, workspace=None):

@@ -55,6 +55,7 @@ class ModelRunner:
         engine holds. On cuda (unless eager) the CUDA graphs are captured here."""
         self.kv, self.table, self.residency, self.cold_starts, self.held = kv, table, residency, cold_starts, held
         self.lora_groups = self._lora_groups()
+        self.prompt_lora_groups = self._prompt_lora_groups()
         config = self.config
         if self.device.type == "cuda" and not config.eager and self.ops.name.startswith("triton"):
             self.graphs = DecodeGraphs(self.model, kv, table, config.max_running_requests, self.max_model_len,
@@ -104,6 +105,20 @@ class ModelRunner:
                   else "per projection"
                   for name, first, members in (("qkv", 0, 3), ("gate_up", 4, 2))}
         log.info("decode lora groups %s", " ".join(f"{name}={how.replace(' ', '-')}" for name, how in groups.items()))
+        return groups
+
+    def _prompt_lora_groups(self) -> dict[str, str]:
+        """How steps with prompt rows launch the MBGMM shrinks of q,k,v and of gate,up (config.fuse_lora_groups): "one
+        shrink launch" where the members share their input (mbgmm.group_fits; each member's expand is its own launch),
+        else "per projection" (a mixed step's also where its decode rows' MBGMV cannot group: decode_lora_groups);
+        logged, in /v1/status."""
+        if not self.ops.fuses_groups:
+            return {"qkv": "per projection", "gate_up": "per projection"}
+        from lorad.gpu_ops.mbgmm import group_fits
+
+        groups = {name: "one shrink launch" if group_fits(self.table, first, members) else "per projection"
+                  for name, first, members in (("qkv", 0, 3), ("gate_up", 4, 2))}
+        log.info("prompt lora groups %s", " ".join(f"{name}={how.replace(' ', '-')}" for name, how in groups.items()))
         return groups
 
     def plan(self, batch: list[tuple[Sequence, int]], assisted: dict | None = None,

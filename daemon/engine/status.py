@@ -76,6 +76,7 @@ def engine_status(engine: Engine) -> dict:
             # where the profile came from: measured at start, found, given, off, none or failed (with why)
             "kernel_profile": dict(engine.kernel_profile),
             "decode_lora_groups": engine.runner.lora_groups,
+            "prompt_lora_groups": engine.runner.prompt_lora_groups,
             "decode_lora_pdl": dict(engine.runner.lora_pdl),
             "lora_kernel_steps": dict(engine.kernel_choice.steps),
             "cold_start": engine.config.cold_start,

@@ -116,13 +116,14 @@ class TritonOps(TorchOps):
     projections, paged attention, fused norm / RoPE / SiLU-mul, MBGMV or BGMV for decode LoRA (chosen per
     step by kernel_choice; MBGMV without one), MBGMM for prefill LoRA. fuse_groups: a decode step's MBGMV, and a mixed
     step's MBGMV of its decode rows, take q, k, v in one launch pair and gate, up in one (where their tiles agree:
-    mbgmv.group_fits). pdl: the decode MBGMV's expand launched early (the caller checks mbgmv.pdl_unavailable)."""
+    mbgmv.group_fits); a step's prompt rows take the MBGMM shrinks of q, k, v in one launch and those of gate, up in
+    one (mbgmm.group_fits). pdl: the decode MBGMV's expand launched early (the caller checks mbgmv.pdl_unavailable)."""
 
     def __init__(self, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
                  fuse_groups: bool = False, pdl: bool = False):
         from lorad.gpu_ops import bgmv, fp8_gemm, fused, gemv, mbgmm, mbgmv, paged_attention
 
-        groups = ",mbgmv-groups:qkv|gate-up" if fuse_groups else ""
+        groups = ",lora-groups:qkv|gate-up(mbgmv,mbgmm-shrink)" if fuse_groups else ""
         groups += ",mbgmv-pdl" if pdl else ""
         super().__init__(f"triton[lora:mbgmv|bgmv+mbgmm{groups},paged-attention,fused-norm-rope-silu-gelu,"
                          f"gemv(rows<={gemv.GEMV_MAX_ROWS})]")
@@ -185,14 +186,15 @@ class TritonOps(TorchOps):
             self._mbgmm.lora_prefill(x, y, layer, proj, batch, table, segments=batch.segments, workspace=self.workspace)
             if batch.one_row_slot is not None:  # a mixed step's decode rows, not in MBGMM's segments
                 rows = batch.one_row_slot.shape[0]
-                # no early launch: this shrink reuses the workspace that MBGMM's expand, just before it, reads
+                # not launched early: beside MBGMM the early expand's tiles took 1.2x as long (BENCHMARKS.md, MBGMM)
                 self._mbgmv.mbgmv(x[:rows], y[:rows], layer, proj, batch.one_row_slot, table, batch.max_rank,
                                   self.workspace, pdl=False)
 
     def lora_group(self, x, fused, outs, layer, first, batch, table):
         """With fuse_groups, a decode step's group in one MBGMV launch pair where the members' tiles agree (none
-        where no member is targeted), and a mixed step's decode rows likewise after MBGMM has taken its prompt rows
-        one projection after another; otherwise one projection after another."""
+        where no member is targeted); a step's prompt rows in one MBGMM shrink launch where the members share their
+        input (mbgmm.group_fits), and a mixed step's decode rows then in one MBGMV launch pair; otherwise one
+        projection after another."""
         if self.fuses_groups and batch.max_rank and not batch.cpu_spans:
             if batch.untargeted.issuperset(range(first, first + len(outs))):
                 return
@@ -202,18 +204,25 @@ class TritonOps(TorchOps):
                     self._mbgmv.mbgmv_group(x, fused, layer, first, len(outs), batch.row_slot, table, batch.max_rank,
                                             self.workspace, config=config, pdl=self.pdl)
                     return
-            elif not batch.decode and batch.one_row_slot is not None:
-                config = self._mbgmv.group_fits(table, first, len(outs), batch.max_rank)
-                if config is not None:
+            elif not batch.decode:
+                members = len(outs)
+                config = None
+                if batch.one_row_slot is not None:
+                    config = self._mbgmv.group_fits(table, first, members, batch.max_rank)
+                    if config is None:
+                        return super().lora_group(x, fused, outs, layer, first, batch, table)
+                if self._mbgmm.group_fits(table, first, members):
+                    self._mbgmm.mbgmm_group(x, fused, layer, first, members, batch.segments, table, self.workspace)
+                else:
                     for member, out in enumerate(outs):
                         if first + member not in batch.untargeted:
                             self._mbgmm.lora_prefill(x, out, layer, first + member, batch, table,
                                                      segments=batch.segments, workspace=self.workspace)
+                if config is not None:
                     rows = batch.one_row_slot.shape[0]
-                    # no early launch: its shrink reuses the workspace that MBGMM's expand, just before it, reads
-                    self._mbgmv.mbgmv_group(x[:rows], fused[:rows], layer, first, len(outs), batch.one_row_slot, table,
-                                            batch.max_rank, self.workspace, config=config, pdl=False)
-                    return
+                    self._mbgmv.mbgmv_group(x[:rows], fused[:rows], layer, first, members, batch.one_row_slot, table,
+                                            batch.max_rank, self.workspace, config=config, pdl=False)  # as above
+                return
         super().lora_group(x, fused, outs, layer, first, batch, table)
 
 

@@ -63,8 +63,8 @@ _ENGINE_FLAG_HELP = {
                  "cannot meet --slo-ttft-ms; cluster caps the running batch's distinct adapters)",
     "slo_ttft_ms": "time-to-first-token objective in ms (0: none; early-abort needs one)",
     "fuse_lora_groups": "on cuda: a decode step's LoRA over q, k, v (and over gate, up) in one launch pair instead "
-                        "of one per projection, and a mixed step's decode rows likewise (--no-fuse-lora-groups: one "
-                        "per projection)",
+                        "of one per projection, a mixed step's decode rows likewise, and a step's prompt rows' "
+                        "shrinks in one launch (--no-fuse-lora-groups: one per projection)",
     "lora_pdl": "auto|on|off: on Hopper and later, a decode step's LoRA expand kernel starts loading its adapter "
                 "weights while the shrink still runs (programmatic dependent launch); auto: on where supported",
     "kv_growth_reserve": "a request joins the running batch only while the KV cache left holds what the running "

@@ -535,9 +535,11 @@ def test_mbgmv_configs_gpu(kernels, gpu_setups):
 # MBGMV over a projection group (q, k, v or gate, up) in one launch pair
 
 
-def check_group(module, setup: Setup, row_slots: list[int], layer: int, proj: int, members: int, seed: int, config=None):
-    """mbgmv_group on the members' outputs side by side (a column slice of a wider buffer) against the
-    float64 truth of each member; base rows and the columns around the group untouched."""
+def check_group(module, setup: Setup, row_slots: list[int], layer: int, proj: int, members: int, seed: int, config=None,
+                tile_list: bool = False):
+    """mbgmv_group, or mbgmm_group when `module` is mbgmm (over the rows' segments, from a tile list as the prefill
+    graphs launch it with tile_list), on the members' outputs side by side (a column slice of a wider buffer)
+    against the float64 truth of each member; base rows and the columns around the group untouched."""
     table, device, dtype = setup.table, setup.device, setup.dtype
     generator = torch.Generator().manual_seed(seed)
     in_dim = table.shapes[proj][0]
@@ -547,10 +549,17 @@ def check_group(module, setup: Setup, row_slots: list[int], layer: int, proj: in
     before = wide.clone()
     y = wide[:, 3 : 3 + sum(outs)]
     max_rank = max(setup.ranks)
-    config = module.group_fits(table, proj, members, max_rank, config)
-    assert config is not None
-    row_slot = torch.tensor(row_slots, dtype=torch.int32, device=device)
-    module.mbgmv_group(x, y, layer, proj, members, row_slot, table, max_rank, config=config)
+    if module is mbgmm:
+        segments = mbgmm.Segments.build(LoraBatch.build(row_slots, device), table)
+        if tile_list:
+            segments = with_tile_list(segments, block_m=16)
+        assert module.group_fits(table, proj, members)
+        module.mbgmm_group(x, y, layer, proj, members, segments, table)
+    else:
+        config = module.group_fits(table, proj, members, max_rank, config)
+        assert config is not None
+        row_slot = torch.tensor(row_slots, dtype=torch.int32, device=device)
+        module.mbgmv_group(x, y, layer, proj, members, row_slot, table, max_rank, config=config)
     expected = before[:, 3 : 3 + sum(outs)].double()
     expected += torch.cat([truth(setup, x, row_slots, layer, proj + m) for m in range(members)], dim=1)
     tolerance = TOLERANCE[dtype] * max(1.0, expected.abs().max().item())
@@ -572,6 +581,48 @@ def test_mbgmv_group_interpreted(dtype, kernels, interpreter_setups):
     check_group(mbgmv_module, setup, row_slots, layer=0, proj=GATE, members=2, seed=2)
     # with the default tiles q (64 wide) and k (16) tile differently: no single launch
     assert mbgmv_module.group_fits(setup.table, Q, 3, max(setup.ranks)) is None
+
+
+def with_tile_list(segments, block_m: int):
+    """The segments with the list of their row tiles of block_m rows, as a prefill graph launches MBGMM over them."""
+    tiles = [(segment, m0) for segment, length in enumerate(segments.lengths) for m0 in range(0, length, block_m)]
+    device = segments.rows.device
+    segments.tiles = torch.tensor(tiles, dtype=torch.int32, device=device).t().contiguous()
+    segments.block_m = block_m
+    return segments
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_mbgmm_group_interpreted(dtype, kernels, interpreter_setups):
+    """MBGMM over q, k, v of a GQA shape (outputs 64, 16, 16: the narrower members' programs past their columns return;
+    slot 4 has no k_proj) and over gate, up, by segments and from a tile list, against each member's truth."""
+    _, _, mbgmm_module = kernels
+    setup = interpreter_setups(64, dtype)
+    row_slots = mixed_rows(list(range(len(INTERPRETER_RANKS))), 40, seed=12)
+    check_group(mbgmm_module, setup, row_slots, layer=1, proj=Q, members=3, seed=1)
+    check_group(mbgmm_module, setup, row_slots, layer=0, proj=GATE, members=2, seed=2, tile_list=True)
+    check_group(mbgmm_module, setup, row_slots, layer=0, proj=K, members=2, seed=3, tile_list=True)
+
+
+def test_mbgmm_group_fits():
+    """Members share one launch pair where they share the input: q, k, v (GQA's narrower k, v too) and gate, up."""
+    pool = PagePool(64, 4096, torch.float32, torch.device("cpu"))
+    llama3 = AdapterTable(pool, 2, 1, model_shapes(4096, 1024, 14336))
+    assert mbgmm.group_fits(llama3, Q, 3) and mbgmm.group_fits(llama3, GATE, 2)
+    assert not mbgmm.group_fits(llama3, UP, 2)  # up and down: inputs of 4096 and 14336
+    assert not mbgmm.group_fits(llama3, DOWN, 2) and not mbgmm.group_fits(llama3, Q, 4)  # past the table; too many
+
+
+@pytest.mark.gpu
+def test_mbgmm_group_gpu(kernels, gpu_setups):
+    _, _, mbgmm_module = kernels
+    setup = gpu_setups(torch.bfloat16)
+    for proj, members in ((Q, 3), (GATE, 2)):
+        rows = gpu_rows("mixed", 64, seed=proj)
+        rows = sorted(rows * 8)  # prompt rows: segments of several rows each
+        check_group(mbgmm_module, setup, rows, 0, proj, members, seed=proj)
+        check_group(mbgmm_module, setup, rows, 0, proj, members, seed=proj + 1, tile_list=True)
 
 
 @pytest.mark.gpu

@@ -160,18 +160,19 @@ def test_cuda_fused_lora_groups_equal_per_projection(demo_assets):
 
 
 def test_cuda_mixed_steps_group_their_decode_rows_lora(demo_assets, monkeypatch):
-    """fuse_lora_groups in a mixed step (a prompt joining decode rows, replayed from a prefill graph): MBGMM takes the
-    prompt rows one projection after another, then the decode rows' gate|up LoRA is one MBGMV launch pair; the
-    tokens and logits of one launch pair per projection. Four running slots and staggered lengths, so requests join
-    while others decode."""
+    """fuse_lora_groups in steps with prompt rows (replayed from prefill graphs): the prompt rows' q|k|v (steps of prompts
+    alone: the demo's q, k, v share their input but their MBGMV tiles differ, so a mixed step takes them per projection)
+    and gate|up LoRA shrinks are one MBGMM launch each, then a mixed step's decode rows' gate|up LoRA is one MBGMV launch
+    pair; the tokens and logits of one launch pair per projection. Four running slots and staggered lengths, so
+    requests join while others decode."""
     from lorad.daemon.model.ops import TritonOps
-    from lorad.gpu_ops import mbgmv
+    from lorad.gpu_ops import mbgmm, mbgmv
 
     torch.backends.cuda.matmul.allow_tf32 = False
     adapters = tuple((n, str(p)) for n, p in demo_assets.adapters.items())
     names = [*sorted(demo_assets.adapters), None]
-    inside_mixed, mixed_groups = [False], []
-    lora_group, mbgmv_group = TritonOps.lora_group, mbgmv.mbgmv_group
+    inside_mixed, mixed_groups, prompt_groups = [False], [], []
+    lora_group, mbgmv_group, mbgmm_group = TritonOps.lora_group, mbgmv.mbgmv_group, mbgmm.mbgmm_group
 
     def spy_lora_group(self, x, fused, outs, layer, first, batch, table):
         inside_mixed[0] = not batch.decode and batch.one_row_slot is not None
@@ -185,8 +186,13 @@ def test_cuda_mixed_steps_group_their_decode_rows_lora(demo_assets, monkeypatch)
             mixed_groups.append(args[4])  # the members
         return mbgmv_group(*args, **kwargs)
 
+    def spy_mbgmm_group(*args, **kwargs):
+        prompt_groups.append((args[4], inside_mixed[0]))  # the members, and whether decode rows share the step
+        return mbgmm_group(*args, **kwargs)
+
     monkeypatch.setattr(TritonOps, "lora_group", spy_lora_group)
     monkeypatch.setattr(mbgmv, "mbgmv_group", spy_mbgmv_group)
+    monkeypatch.setattr(mbgmm, "mbgmm_group", spy_mbgmm_group)
 
     def run(fuse):
         engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="float32",
@@ -201,10 +207,12 @@ def test_cuda_mixed_steps_group_their_decode_rows_lora(demo_assets, monkeypatch)
         return results, status
 
     per_projection, _ = run(False)
-    assert not mixed_groups
+    assert not mixed_groups and not prompt_groups
     fused, status = run(True)
     assert status["step_time"]["by_kind"]["mixed"]["steps"] > 0 and status["prefill_cuda_graph_steps"] > 0
+    assert status["prompt_lora_groups"] == {"qkv": "one shrink launch", "gate_up": "one shrink launch"}
     assert mixed_groups and set(mixed_groups) == {2}, "the mixed steps' decode rows launch gate|up as one group"
+    assert set(prompt_groups) == {(3, False), (2, False), (2, True)}, "prompt rows launch q|k|v and gate|up as groups"
     for a, b in zip(per_projection, fused):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-3, rtol=1e-3)

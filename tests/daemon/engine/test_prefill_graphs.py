@@ -25,6 +25,7 @@ from lorad.gpu_ops.page_pool import SCRATCH_PAGE, AdapterTable, BlockList, KVCac
 from lorad.config import EngineConfig
 
 LAYERS, KV_HEADS, HEAD_DIM = 3, 2, 4
+Q_PROJ = 0  # daemon/model/llama.py's Q
 GATE_PROJ = 4  # daemon/model/llama.py's GATE
 PAGE_BYTES = 64 * 4  # the demo's hidden size, float32
 
@@ -218,7 +219,10 @@ def batch(names, count=8, seed=0):
 
 
 @pytest.mark.skipif(not HAS_TRITON or CUDA, reason="Triton's interpreter on the CPU (a GPU runs the compiled graphs: -m gpu)")
-def test_the_padded_static_steps_give_the_reference_engines_tokens(demo_assets):
+@pytest.mark.parametrize("fuse_groups", [False, True], ids=["per-projection", "groups"])
+def test_the_padded_static_steps_give_the_reference_engines_tokens(demo_assets, fuse_groups):
+    """The prefill graphs' padded inputs and tile lists, replayed eagerly through the Triton ops (with fuse_groups: the
+    prompt rows' q|k|v and gate|up LoRA shrinks in one MBGMM launch each), against the reference engine."""
     from lorad.gpu_ops import bgmv, fused, gemv, mbgmm, mbgmv, paged_attention
 
     interpreted(mbgmm._mbgmm_shrink_kernel, bgmv, mbgmv, mbgmm, paged_attention, fused, gemv)
@@ -230,15 +234,22 @@ def test_the_padded_static_steps_give_the_reference_engines_tokens(demo_assets):
     engine = make_engine(demo_assets)
     graphs = PrefillGraphs(engine.runner.model, engine.kv, engine.table, 64, engine.config.max_running_requests, engine.max_model_len, 64)
     kernels = copy.copy(engine.runner.model)
-    kernels.ops = TritonOps(engine.device, 64, 64)
+    kernels.ops = TritonOps(engine.device, 64, 64, fuse_groups=fuse_groups)
+    groups = []
+    original = mbgmm.mbgmm_group
+    mbgmm.mbgmm_group = lambda *args, **kwargs: (groups.append(args[3]), original(*args, **kwargs))
     replayed = []
     graphs.logits.buffer = torch.empty(graphs.max_seqs, engine.vocab_size)  # every graph's logits in one buffer, as captured
     for key in graphs.plan():
         logits = graphs.logits.buffer[: graphs.buckets[key[0]].seqs]
         graphs.graphs[key] = (EagerReplay(kernels, graphs, key, logits, replayed), logits)
     engine.runner.prefill_graphs = graphs
-    results = engine.generate(batch(names)) + engine.generate(batch([None], count=2, seed=1))
-    engine.close()
+    try:
+        results = engine.generate(batch(names)) + engine.generate(batch([None], count=2, seed=1))
+    finally:
+        mbgmm.mbgmm_group = original
+        engine.close()
+    assert set(groups) == ({Q_PROJ, GATE_PROJ} if fuse_groups else set())
 
     assert engine.runner.prefill_graph_steps > 0 and {kind for _, kind, _ in replayed} == {"none", "lora", "lora+rows"}
     assert {tier for _, kind, tier in replayed if kind != "none"} == {16}  # the demo's ranks: 1 to 16
