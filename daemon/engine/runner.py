@@ -21,7 +21,7 @@ from lorad.daemon.engine.prefill_graphs import PrefillGraphs
 from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.model.checkpoint import ModelSpec
 from lorad.daemon.model.gemma import build_model
-from lorad.daemon.model.llama import Step
+from lorad.daemon.model.llama import GATE, Q, Step
 from lorad.daemon.model.ops import select_ops
 from lorad.errors import BadRequest
 from lorad.gpu_ops.attention import AttentionBatch
@@ -30,6 +30,7 @@ from lorad.gpu_ops.page_pool import AdapterTable, KVCache
 from lorad.scheduler.batching import Sequence
 
 log = logging.getLogger(__name__)
+PROJECTION_GROUPS = (("qkv", Q, 3), ("gate_up", GATE, 2))  # consecutive projections on one input: name, first, members
 
 DECODE_GRAPH, PREFILL_GRAPH, EAGER = "decode_graph", "prefill_graph", "eager"  # ModelRunner.path
 
@@ -103,7 +104,7 @@ class ModelRunner:
 
         groups = {name: "one launch" if group_fits(self.table, first, members, self.config.max_lora_rank, pdl=self.lora_pdl["on"])
                   else "per projection"
-                  for name, first, members in (("qkv", 0, 3), ("gate_up", 4, 2))}
+                  for name, first, members in PROJECTION_GROUPS}
         log.info("decode lora groups %s", " ".join(f"{name}={how.replace(' ', '-')}" for name, how in groups.items()))
         return groups
 
@@ -117,7 +118,7 @@ class ModelRunner:
         from lorad.gpu_ops.mbgmm import group_fits
 
         groups = {name: "one shrink launch" if group_fits(self.table, first, members) else "per projection"
-                  for name, first, members in (("qkv", 0, 3), ("gate_up", 4, 2))}
+                  for name, first, members in PROJECTION_GROUPS}
         log.info("prompt lora groups %s", " ".join(f"{name}={how.replace(' ', '-')}" for name, how in groups.items()))
         return groups
 
