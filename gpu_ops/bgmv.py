@@ -113,6 +113,12 @@ def workspace_view(workspace: torch.Tensor | None, splits: int, num_rows: int, m
     return workspace.as_strided((splits, num_rows, width), (num_rows * width, width, 1))
 
 
+def members_after_first(values: list) -> list:
+    """The values of projection-group members 1 and 2 as the group kernels take them, as separate arguments (member 0's
+    where there are fewer members: the kernels never read them then)."""
+    return (values + [values[0]] * 2)[1:3]
+
+
 def workspace_numel(max_tokens: int, max_rank: int) -> int:
     """Elements of a workspace big enough for any launch of up to max_tokens rows (all LoRA files)."""
     return MAX_SPLITS * max_tokens * cdiv(max_rank, 16) * 16

@@ -15,6 +15,7 @@ from lorad.gpu_ops.bgmv import (
     MAX_SPLITS,
     batch_max_rank,
     check_operands,
+    members_after_first,
     num_splits,
     page_block,
     paged_operand,
@@ -286,10 +287,11 @@ def mbgmm_shrink(x, v, layer, proj, segments: Segments, table, block_m=None, blo
     k_per_split = cdiv(cdiv(in_dim, splits), block_k) * block_k
     rank_blocks = cdiv(width, block_r)
     grid0, grid1, tiles, num_tiles = _grid_rows(segments, block_m)
+    member_slices = list(v) if members > 1 else [v]  # each member's partials, passed as its own pointer argument
     _mbgmm_shrink_kernel[(grid0, grid1, members * rank_blocks * splits)](
         x, v, segments.rows, segments.meta, segments.num_segments, table.rank, table.a_start, table.page_ids, table.pool.pages,
         in_dim, width, num_rows, x.stride(0), x.stride(1), slot_stride, offset, chunks_in, k_per_split, rank_blocks,
-        tiles, num_tiles, table.ready, table.stream_error, layer, rank_blocks * splits, *_member_slices(v, members),
+        tiles, num_tiles, table.ready, table.stream_error, layer, rank_blocks * splits, *members_after_first(member_slices),
         PAGE=page, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, ALIGNED=aligned,
         PRECISION=_precision(x.dtype), UPCAST=widen_bf16_dots(x.dtype, _mbgmm_shrink_kernel), USE_TILES=segments.tiles is not None,
         STREAM=table.streaming, TIMEOUT_NS=STREAM_TIMEOUT_NS, GROUPED=members > 1, num_warps=num_warps, num_stages=num_stages,
@@ -333,13 +335,6 @@ def mbgmm_expand(v, y, layer, proj, segments: Segments, table, block_m=None, n_p
         PRECISION=_precision(table.pool.pages.dtype), UPCAST=widen_bf16_dots(table.pool.pages.dtype, _mbgmm_expand_kernel),
         USE_TILES=segments.tiles is not None, num_warps=num_warps, num_stages=num_stages,
     )
-
-
-def _member_slices(v: torch.Tensor, members: int) -> list:
-    """The workspace slices of group members 1 and 2 as the shrink takes them ([members, splits, T, width]; v itself,
-    unread, where there are fewer members)."""
-    slices = [v[m] for m in range(members)] if members > 1 else [v]
-    return (slices + [slices[0]] * 2)[1:3]
 
 
 def mbgmm_splits(segments: Segments, in_dim: int, page_elems: int, device) -> int:

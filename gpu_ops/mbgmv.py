@@ -21,6 +21,7 @@ import torch
 from lorad.gpu_ops.bgmv import (
     MAX_SPLITS,
     check_operands,
+    members_after_first,
     page_block,
     paged_operand,
     table_offsets,
@@ -296,15 +297,10 @@ def _expand(v, y, layer, proj, row_slot, table, max_rank, config: DecodeConfig, 
     _mbgmv_expand_kernel[(num_rows * n_tiles, members)](
         v, y, row_slot, table.rank, table.b_start, table.page_ids, table.pool.pages,
         outs[0], max_rank, width, num_rows, splits, n_tiles, y.stride(0), y.stride(1), slot_stride, offset, chunks[0],
-        splits * num_rows * width, *_members_after_first(outs), *_members_after_first(chunks), *_members_after_first(cols),
+        splits * num_rows * width, *members_after_first(outs), *members_after_first(chunks), *members_after_first(cols),
         PAGE=page, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=max(2, next_power_of_2(splits)), ALIGNED=aligned,
         GROUPED=members > 1, PDL=pdl, num_warps=config.expand_warps, num_stages=1, **({"launch_pdl": True} if pdl else {}),
     )
-
-
-def _members_after_first(values: list[int]) -> list[int]:
-    """The values of group members 1 and 2 as the expand kernel takes them (member 0's where there are fewer)."""
-    return (values + [values[0]] * 2)[1:3]
 
 
 def mbgmv_shrink(x, v, layer, proj, row_slot, table, max_rank, block_r=8, block_k=1024, num_warps=4):
