@@ -379,12 +379,14 @@ def group_fits(table: AdapterTable, proj: int, members: int) -> bool:
     return all(table.shapes[proj + m][0] == table.shapes[proj][0] for m in range(1, members))
 
 
-def mbgmm_group(x, y, layer, proj, members, segments: Segments, table, workspace=None):
+def mbgmm_group(x, y, layer, proj, members, segments: Segments, table, workspace=None, untargeted: frozenset = frozenset()):
     """`mbgmm` for `members` consecutive projections from `proj` on the same x, their shrinks in one launch (x read
     by one launch, its programs counted over the members on the grid's third axis), then each member's expand: y is
     their outputs side by side [T, sum of out] (the fused GEMM's output, any strides). Same result as one `mbgmm` per
     member on y's column slices. The members' partials share the workspace, so the shrink splits K at most
-    MAX_SPLITS / members ways, and each expand sums as many partials. The caller checks `group_fits`."""
+    MAX_SPLITS / members ways, and each expand sums as many partials. untargeted: projections no segment's adapter
+    targets (`AdapterTable.untargeted`), whose expand is not launched (its programs would all return at once). The
+    caller checks `group_fits`."""
     in_dim, _ = check_operands(x, y[:, : table.shapes[proj][1]], proj, table)
     if y.shape[1] != sum(table.shapes[proj + m][1] for m in range(members)):
         raise ValueError(f"y {tuple(y.shape)} is not the {members} projections' outputs side by side")
@@ -401,7 +403,8 @@ def mbgmm_group(x, y, layer, proj, members, segments: Segments, table, workspace
     col = 0
     for member in range(members):  # the expand per member: grouped, it took 1.75x as long (BENCHMARKS.md, MBGMM)
         width = table.shapes[proj + member][1]
-        mbgmm_expand(v[member], y[:, col : col + width], layer, proj + member, segments, table)
+        if proj + member not in untargeted:
+            mbgmm_expand(v[member], y[:, col : col + width], layer, proj + member, segments, table)
         col += width
 
 

@@ -212,7 +212,8 @@ class TritonOps(TorchOps):
                     if config is None:
                         return super().lora_group(x, fused, outs, layer, first, batch, table)
                 if self._mbgmm.group_fits(table, first, members):
-                    self._mbgmm.mbgmm_group(x, fused, layer, first, members, batch.segments, table, self.workspace)
+                    self._mbgmm.mbgmm_group(x, fused, layer, first, members, batch.segments, table, self.workspace,
+                                            untargeted=batch.untargeted)
                 else:
                     for member, out in enumerate(outs):
                         if first + member not in batch.untargeted:
