@@ -5,7 +5,9 @@ saved where the engine looks for it (daemon/engine/kernel_choice.py: default_pro
 then picks each decode step's LoRA kernel from it.
 
 What is timed is what the engine runs. On cuda: the Triton kernels, launched as the engine's CUDA
-graphs launch them (MBGMV at the configured max_lora_rank, BGMV at the batch's rank bucket), timed
+graphs launch them (through the model's ops: MBGMV at the batch's rank tier, q,k,v and gate,up each in one launch
+pair with the expand launched early where the engine's are (`LoraLaunch`, its fuse_lora_groups and lora_pdl);
+BGMV at the batch's rank bucket, one launch pair a projection), timed
 from replays of CUDA graphs with CUDA events; decode steps are replays of the engine's own decode
 graphs (daemon/engine/decode_graphs.py); prefills are replays of its prefill graphs (daemon/engine/prefill_graphs.py)
 where they fit them, eager forwards beyond. On the CPU: the torch references
@@ -54,12 +56,14 @@ from lorad.daemon.model.checkpoint import (
 )
 from lorad.daemon.server.cli_args import Parser, parse
 from lorad.daemon.engine.step_plan import StepPlan
+from lorad.daemon.engine.decode_graphs import mbgmv_tier
 from lorad.daemon.engine.kernel_choice import (
     LoraKernelChoice,
     default_profile_path,
     device_tag,
     rank_bucket,
 )
+from lorad.daemon.engine.runner import PROJECTION_GROUPS, lora_launch, lora_pdl_state
 from lorad.daemon.model.gemma import build_model
 from lorad.daemon.model.llama import Step
 from lorad.daemon.model.ops import select_ops
@@ -84,6 +88,16 @@ log = logging.getLogger(__name__)
 
 L2_MULTIPLE = 40  # the weight bank is at least this many times a 50 MB L2 (H100) on cuda
 REDUCES_PER_TIMING = 8  # all-reduces timed together (in one CUDA graph on cuda), as a step's run back to back
+
+
+@dataclass(frozen=True)
+class LoraLaunch:
+    """How the profiled engine launches a decode step's LoRA: its fuse_lora_groups and lora_pdl (auto|on|off). The
+    kernel and decode-step samples are timed with these launches, and the profile records what they came to
+    (`machine.lora_launch`), so that an engine launching otherwise knows the profile is not of its steps."""
+
+    fuse_groups: bool = True
+    pdl: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -211,14 +225,15 @@ class AdapterBank:
 
 
 class Bench:
-    """The model, the pool (weight bank + KV region) and the ops of one profiling run. Under tensor parallelism
+    """The model, the pool (weight bank + KV region) and the ops of one profiling run, the ops launching the decode
+    LoRA as the engine's do (`launch`: groups and the early expand). Under tensor parallelism
     `spec` is the rank's shard (Shard.local), `page_elems` the whole model's page (the engine's pool pages), and
     the model sums o's and down's outputs over the group as the engine's ranks do with `all_reduce` (nccl or fused,
     auto resolved; a collective: every rank makes its Bench at the same point)."""
 
     def __init__(self, spec: ModelSpec, weights: dict, dtype: torch.dtype, device: torch.device, plan: Plan,
                  max_lora_rank: int, seed: int, page_elems: int | None = None, tensor_parallel_size: int = 1,
-                 all_reduce: str = "nccl"):
+                 all_reduce: str = "nccl", launch: LoraLaunch = LoraLaunch()):
         self.spec, self.dtype, self.device, self.plan = spec, dtype, device, plan
         self.tensor_parallel_size = tensor_parallel_size
         self.max_lora_rank = max_lora_rank
@@ -226,7 +241,13 @@ class Bench:
         self.clock = Clock(device)
         self.choice = LoraKernelChoice.measuring_ranks(min(plan.ranks), max(plan.ranks))
         self.max_tokens = plan.max_tokens()
-        self.ops = select_ops(device, self.max_tokens, max_lora_rank, self.choice)
+        if device.type == "cuda":  # the Triton kernels are what is timed there, never the references
+            from lorad.gpu_ops.launch import require_triton
+
+            require_triton("LoRA kernels")
+        pdl = lora_pdl_state(launch.pdl, device)["on"]
+        self.ops = select_ops(device, self.max_tokens, max_lora_rank, self.choice, fuse_groups=launch.fuse_groups, pdl=pdl)
+        self.lora_launch = lora_launch(self.ops)
         self.max_model_len = max(max(plan.contexts), max(plan.prefill_tokens)) + 1
         self.model = build_model(spec, weights, self.max_model_len, self.ops)
         self.all_reduce_path = None  # how the ranks sum (tp_worker.set_reduce), under tensor parallelism
@@ -254,38 +275,52 @@ class Bench:
         shapes = [spec.projection_shape(p) for p in PROJECTIONS]
         self.table = AdapterTable(self.pool, slots, spec.num_layers, shapes)
         self.bank = AdapterBank(self.table, 1, bank_pages, self.rng)
-        self.workspace = torch.empty(_workspace_numel(self.max_tokens, max_lora_rank), dtype=torch.float32, device=device)
         self.graphs = None
         self.prefill_graphs = None
 
     # ---- (a) the LoRA kernels -------------------------------------------------------------------
     def launch_rank(self, kernel: str, ranks: list[int]) -> int:
-        """The max rank the engine launches a kernel with: on cuda its graphs' (MBGMV at max_lora_rank,
-        BGMV at the batch's rank bucket), on the CPU the batch's max (eager)."""
+        """The max rank the engine launches a kernel with: on cuda its decode graphs' (MBGMV at the lowest rank tier
+        that holds the batch, BGMV at the batch's rank bucket), on the CPU the batch's max (eager)."""
         if self.device.type != "cuda":
             return max(ranks)
-        return self.max_lora_rank if kernel == "mbgmv" else rank_bucket(max(ranks), self.max_lora_rank)
+        if kernel == "mbgmv":
+            return mbgmv_tier(max(ranks), self.max_lora_rank)
+        return rank_bucket(max(ranks), self.max_lora_rank)
 
     def kernel_seconds(self, kernel: str, ranks: list[int]) -> float:
-        """Seconds of one decode step's LoRA with this kernel: the seven projections of `rounds` layers,
-        each layer on other rows' adapters, timed together, per layer, times the model's layers."""
-        function = _kernel_function(kernel, self.device)
+        """Seconds of one decode step's LoRA with this kernel: the seven projections of `rounds` layers, each layer
+        on other rows' adapters, timed together, per layer, times the model's layers. Launched as a decode step of
+        the engine launches them (the model's ops: q,k,v and gate,up through `lora_group`, so MBGMV takes each group
+        in one launch pair where the engine's does, with its expand launched early where the engine's is)."""
         rows, rounds = len(ranks), self.plan.rounds
         use = self.bank.load(np.tile(np.asarray(ranks), rounds), self.plan.variants)
-        row_slots = [torch.arange(r * rows, (r + 1) * rows, dtype=torch.int32, device=self.device) for r in range(rounds)]
-        operands = []
-        for proj in range(len(PROJECTIONS)):
-            fan_in, fan_out = self.spec.projection_shape(PROJECTIONS[proj])
-            x = torch.randn(rows, fan_in, dtype=self.dtype, device=self.device)
-            y = torch.randn(rows, fan_out, dtype=self.dtype, device=self.device)
-            operands.append((x, y))
         max_rank = self.launch_rank(kernel, ranks)
+        batches = []
+        for round_ in range(rounds):
+            batch = LoraBatch.build(list(range(round_ * rows, (round_ + 1) * rows)), self.device, decode=True)
+            batch.max_rank, batch.decode_kernel = max_rank, kernel
+            batches.append(batch)
+
+        def operands(projections):
+            fan_in = self.spec.projection_shape(PROJECTIONS[projections[0]])[0]
+            widths = [self.spec.projection_shape(PROJECTIONS[proj])[1] for proj in projections]
+            x = torch.randn(rows, fan_in, dtype=self.dtype, device=self.device)
+            y = torch.randn(rows, sum(widths), dtype=self.dtype, device=self.device)
+            return x, y, y.split(widths, dim=-1)
+
+        grouped = {first + member for _, first, members in PROJECTION_GROUPS for member in range(members)}
+        groups = [(first, operands(range(first, first + members))) for _, first, members in PROJECTION_GROUPS]
+        alone = [(proj, operands([proj])) for proj in range(len(PROJECTIONS)) if proj not in grouped]
         layers = self.spec.num_layers
 
         def calls():
-            for round_ in range(rounds):
-                for proj, (x, y) in enumerate(operands):
-                    function(x, y, round_ % layers, proj, row_slots[round_], self.table, max_rank, self.workspace)
+            for round_, batch in enumerate(batches):
+                layer = round_ % layers
+                for first, (x, fused, outs) in groups:
+                    self.ops.lora_group(x, fused, outs, layer, first, batch, self.table)
+                for proj, (x, y, _) in alone:
+                    self.ops.lora(x, y, layer, proj, batch, self.table)
 
         run = _graphed(calls) if self.device.type == "cuda" else calls
         run()  # warm-up (and, on the CPU, the allocator)
@@ -392,24 +427,6 @@ class Bench:
         self.ops.prepare_lora(lora, self.table)
         return Step(torch.tensor(input_ids, dtype=torch.long, device=device), torch.from_numpy(positions_np).to(device),
                     torch.tensor(sample_rows, dtype=torch.long, device=device), attention, lora)
-
-
-def _workspace_numel(max_tokens: int, max_rank: int) -> int:
-    from lorad.gpu_ops.bgmv import workspace_numel
-
-    return workspace_numel(max_tokens, max_rank)
-
-
-def _kernel_function(kernel: str, device: torch.device):
-    """(x, y, layer, proj, row_slot, table, max_rank, workspace): the Triton kernel on cuda, its
-    reference on the CPU."""
-    from lorad.gpu_ops import bgmv, mbgmv
-    from lorad.gpu_ops.launch import require_triton
-
-    if device.type == "cuda":
-        require_triton("LoRA kernels")
-        return {"bgmv": bgmv.bgmv, "mbgmv": mbgmv.mbgmv}[kernel]
-    return bgmv.bgmv_ref
 
 
 def _graphed(calls: Callable[[], None]) -> Callable[[], None]:
@@ -572,16 +589,16 @@ def fit_table(fits: dict, samples: dict) -> str:
 
 def run_profile(spec: ModelSpec, weights: dict, model_name: str, dtype: torch.dtype, device: torch.device, plan: Plan,
                 max_lora_rank: int, seed: int = 0, progress: Callable[[str], None] = lambda line: None,
-                ranks: ProfileRanks | None = None) -> tuple[Profile, dict]:
+                ranks: ProfileRanks | None = None, launch: LoraLaunch = LoraLaunch()) -> tuple[Profile, dict]:
     """Measures and fits; -> (the Profile, the fits by name). spec is the whole model's. With `ranks` (a
     tensor-parallel profile) this process is rank 0 of their group, `weights` its shard, and the other ranks
-    measure beside it."""
+    measure beside it (with the same `launch`). `launch`: how the engine launches a decode step's LoRA."""
     if max(plan.ranks) > max_lora_rank:
         raise BadRequest(f"ranks up to {max(plan.ranks)} need max_lora_rank >= {max(plan.ranks)}")
     size = 1 if ranks is None else ranks.size
     started = time.perf_counter()
     bench = rank_bench(spec, weights, dtype, device, plan, max_lora_rank, seed, 0, size,
-                       "nccl" if ranks is None else ranks.all_reduce)
+                       "nccl" if ranks is None else ranks.all_reduce, launch)
     samples = measure(bench, progress)
     if size > 1:
         samples["allreduce"] = measure_collectives(bench, progress)
@@ -589,7 +606,7 @@ def run_profile(spec: ModelSpec, weights: dict, model_name: str, dtype: torch.dt
     machine = {
         "model": model_name, "device": device_tag(device), "dtype": str(dtype).removeprefix("torch."),
         "kernels": "triton (gpu_ops/bgmv.py, mbgmv.py)" if device.type == "cuda" else "torch references (one function, bgmv_ref)",
-        "ops": bench.ops.name, "max_lora_rank": max_lora_rank, "plan": dataclasses.asdict(plan),
+        "ops": bench.ops.name, "lora_launch": bench.lora_launch, "max_lora_rank": max_lora_rank, "plan": dataclasses.asdict(plan),
         "tensor_parallel_size": size, "gpus": [str(device)] if ranks is None else [str(d) for d in ranks.devices],
         "torch": torch.__version__, "measured": True, "seconds": round(time.perf_counter() - started, 1),
     }
@@ -615,12 +632,12 @@ def rank_weights(spec: ModelSpec, model_dir: str | None, rank: int, size: int, d
 
 
 def rank_bench(spec: ModelSpec, weights: dict, dtype: torch.dtype, device: torch.device, plan: Plan, max_lora_rank: int,
-               seed: int, rank: int, size: int, all_reduce: str = "nccl") -> Bench:
+               seed: int, rank: int, size: int, all_reduce: str = "nccl", launch: LoraLaunch = LoraLaunch()) -> Bench:
     """The Bench of rank `rank`: its shard of the model on pages of the whole model's size (the engine's pool),
-    summing over the ranks with `all_reduce` (Bench)."""
+    summing over the ranks with `all_reduce`, launching the decode LoRA as `launch` says (Bench)."""
     local = spec if size == 1 else tensor_parallel.Shard(spec, rank, size).local
     return Bench(local, weights, dtype, device, plan, max_lora_rank, seed, page_elems=spec.page_elems,
-                 tensor_parallel_size=size, all_reduce=all_reduce)
+                 tensor_parallel_size=size, all_reduce=all_reduce, launch=launch)
 
 
 class ProfileRanks:
@@ -629,7 +646,7 @@ class ProfileRanks:
     until its timeout). Every rank sums with `all_reduce` (nccl or fused, auto resolved)."""
 
     def __init__(self, size: int, spec: ModelSpec, model_dir: str | None, dtype: torch.dtype, device: torch.device,
-                 plan: Plan, max_lora_rank: int, seed: int, all_reduce: str = "nccl"):
+                 plan: Plan, max_lora_rank: int, seed: int, all_reduce: str = "nccl", launch: LoraLaunch = LoraLaunch()):
         from lorad.daemon.engine.tp_worker import free_port, rank_devices
 
         self.size, self.devices, self.all_reduce = size, rank_devices(device, size), all_reduce
@@ -639,7 +656,8 @@ class ProfileRanks:
         self.processes = [
             context.Process(target=rank_main, name=f"lorad-profile-rank{rank}", daemon=True,
                             args=(rank, size, spec, model_dir, str(dtype).removeprefix("torch."), str(self.devices[rank]),
-                                  plan, max_lora_rank, seed, address, logging.getLogger().getEffectiveLevel(), all_reduce))
+                                  plan, max_lora_rank, seed, address, logging.getLogger().getEffectiveLevel(), all_reduce,
+                                  launch))
             for rank in range(1, size)]
         for process in self.processes:
             process.start()
@@ -675,7 +693,8 @@ class ProfileRanks:
 
 
 def rank_main(rank: int, size: int, spec: ModelSpec, model_dir: str | None, dtype: str, device: str, plan: Plan,
-              max_lora_rank: int, seed: int, address: str, log_level: int, all_reduce: str = "nccl") -> None:
+              max_lora_rank: int, seed: int, address: str, log_level: int, all_reduce: str = "nccl",
+              launch: LoraLaunch = LoraLaunch()) -> None:
     """Rank `rank` of a tensor-parallel profile: the same measurements as rank 0, in the same order with the same
     seed, so that every forward meets the others' at its all-reduces; its timings are dropped."""
     from lorad.daemon.engine.tp_worker import exit_with_parent
@@ -688,7 +707,7 @@ def rank_main(rank: int, size: int, spec: ModelSpec, model_dir: str | None, dtyp
     torch_dtype = getattr(torch, dtype)
     tensor_parallel.init_group(rank, size, device, address)
     weights = rank_weights(spec, model_dir, rank, size, torch_dtype, device, seed)
-    bench = rank_bench(spec, weights, torch_dtype, device, plan, max_lora_rank, seed, rank, size, all_reduce)
+    bench = rank_bench(spec, weights, torch_dtype, device, plan, max_lora_rank, seed, rank, size, all_reduce, launch)
     del weights
     measure(bench)
     measure_collectives(bench)
@@ -718,6 +737,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--all-reduce", default="auto", metavar="HOW",
                         help="how the ranks sum, as lorad serve --all-reduce: auto (fused on two GPUs, nccl "
                              "elsewhere), nccl, fused (default: auto)")
+    parser.add_argument("--no-fuse-lora-groups", action="store_true",
+                        help="time a decode step's LoRA as lorad serve --no-fuse-lora-groups launches it: one launch pair "
+                             "per projection (default: q,k,v and gate,up each in one, as lorad serve)")
+    parser.add_argument("--lora-pdl", default="auto", metavar="HOW",
+                        help="as lorad serve --lora-pdl: auto|on|off, the decode MBGMV's expand launched early "
+                             "(default: auto)")
     parser.add_argument("--quick", action="store_true", help="a few samples of tiny batches: seconds on a CPU (tests)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--state-dir", metavar="DIR", help="the daemon's state_dir: the profile goes there (default: ~/.cache/lorad)")
@@ -747,7 +772,8 @@ def _profile(args: argparse.Namespace) -> int:
     from lorad.config import MAX_TENSOR_PARALLEL_SIZE, EngineConfig
 
     EngineConfig(device=args.device, dtype=args.dtype, max_lora_rank=args.max_lora_rank,
-                 all_reduce=args.all_reduce)  # the engine's checks
+                 all_reduce=args.all_reduce, lora_pdl=args.lora_pdl)  # the engine's checks
+    launch = LoraLaunch(fuse_groups=not args.no_fuse_lora_groups, pdl=args.lora_pdl)
     size = args.tensor_parallel_size
     if not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE:
         raise BadRequest(f"--tensor-parallel-size must be in 1..{MAX_TENSOR_PARALLEL_SIZE}, not {size}")
@@ -771,12 +797,12 @@ def _profile(args: argparse.Namespace) -> int:
         raise BadRequest(f"ranks up to {max(plan.ranks)} need --max-lora-rank >= {max(plan.ranks)}")
     model_dir = None if args.model_config else args.model
     ranks = None if size == 1 else ProfileRanks(size, spec, model_dir, dtype, device, plan, args.max_lora_rank, args.seed,
-                                                all_reduce)
+                                                all_reduce, launch)
     device = device if ranks is None else ranks.devices[0]
     try:
         weights = rank_weights(spec, model_dir, 0, size, dtype, device, args.seed)
         profile, fits = run_profile(spec, weights, name, dtype, device, plan, args.max_lora_rank, args.seed,
-                                    progress=lambda line: print("  " + line, flush=True), ranks=ranks)
+                                    progress=lambda line: print("  " + line, flush=True), ranks=ranks, launch=launch)
         del weights
     except BaseException:
         if ranks is not None:

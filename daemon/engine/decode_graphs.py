@@ -44,6 +44,12 @@ RANK_TIERS = (LOW_RANK, 64)  # MBGMV graphs below the configured maximum rank: m
 TARGETS = {"all": frozenset(), "attention": frozenset((GATE, UP, DOWN))}
 
 
+def mbgmv_tier(highest: int, max_rank: int) -> int:
+    """The max rank a decode graph launches MBGMV with for a batch whose highest rank is `highest`: the lowest
+    rank tier below max_rank that holds it (each tier has graphs of its own, `DecodeGraphs.plan`), else max_rank."""
+    return next((tier for tier in RANK_TIERS if highest <= tier < max_rank), max_rank)
+
+
 _warmup_streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -306,11 +312,7 @@ class DecodeGraphs:
             ranks = self.table.rank_host[used]
             unused = untargeted(ranks)
             targets = next(name for name in reversed(TARGETS) if TARGETS[name] <= unused)
-            highest = int(ranks.max())
-            for tier in RANK_TIERS:
-                if highest <= tier and (size, "mbgmv", tier, targets) in self.graphs:
-                    return size, "mbgmv", tier, targets
-            return size, "mbgmv", self.max_rank, targets
+            return size, "mbgmv", mbgmv_tier(int(ranks.max()), self.max_rank), targets
         key = (size, "bgmv", rank_bucket(int(self.table.rank_host[used].max()), self.max_rank), "all")
         if key not in self.graphs:  # bgmv_can_win covers every batch choose() can pick BGMV for
             raise RuntimeError(f"no BGMV graph for bucket {size} at rank {key[2]}: the capture plan missed a case")

@@ -35,6 +35,31 @@ PROJECTION_GROUPS = (("qkv", Q, 3), ("gate_up", GATE, 2))  # consecutive project
 DECODE_GRAPH, PREFILL_GRAPH, EAGER = "decode_graph", "prefill_graph", "eager"  # ModelRunner.path
 
 
+def lora_pdl_state(setting: str, device: torch.device) -> dict:
+    """Whether decode steps on `device` launch the MBGMV expand early under lora_pdl `setting` (auto|on|off):
+    {"on": bool, "why": why it is off, or None}; /v1/status `decode_lora_pdl`. `on` where the device or triton
+    cannot is refused. The engine's runner and `lorad profile` (which times the launches the engine makes) both
+    decide it here."""
+    if setting == "off":
+        return {"on": False, "why": "lora_pdl off"}
+    if device.type != "cuda":
+        reason = f"{device.type}: reference ops"
+    else:
+        from lorad.gpu_ops.mbgmv import pdl_unavailable
+
+        reason = pdl_unavailable(device)
+    if reason is not None and setting == "on":
+        raise BadRequest(f"lora_pdl on cannot run here: {reason}")
+    return {"on": reason is None, "why": reason}
+
+
+def lora_launch(ops) -> dict:
+    """What a decode step's LoRA launches come to with these ops (daemon/model/ops.py): q,k,v and gate,up each in
+    one MBGMV launch pair (fuse_lora_groups), the expand launched early (lora_pdl). `lorad profile` records it with
+    the timings it made so; an engine launching otherwise measures its profile again (start_profile.py)."""
+    return {"fuse_lora_groups": bool(ops.fuses_groups), "lora_pdl": bool(getattr(ops, "pdl", False))}
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, weights: dict[str, torch.Tensor],
                  max_model_len: int, kernel_choice):
@@ -79,21 +104,10 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def _lora_pdl(self) -> dict:
-        """Whether decode steps launch the MBGMV expand early (config.lora_pdl): {"on": bool, "why": why it is off};
-        logged, in /v1/status. lora_pdl on where the device or triton cannot is refused."""
-        wanted = self.config.lora_pdl
-        if wanted == "off":
-            return {"on": False, "why": "lora_pdl off"}
-        if self.device.type != "cuda":
-            reason = f"{self.device.type}: reference ops"
-        else:
-            from lorad.gpu_ops.mbgmv import pdl_unavailable
-
-            reason = pdl_unavailable(self.device)
-        if reason is not None and wanted == "on":
-            raise BadRequest(f"lora_pdl on cannot run here: {reason}")
-        log.info("decode lora pdl=%s", "on" if reason is None else f"off ({reason})")
-        return {"on": reason is None, "why": reason}
+        """Whether decode steps launch the MBGMV expand early (config.lora_pdl): `lora_pdl_state`, logged."""
+        state = lora_pdl_state(self.config.lora_pdl, self.device)
+        log.info("decode lora pdl=%s", "on" if state["on"] else f"off ({state['why']})")
+        return state
 
     def _lora_groups(self) -> dict[str, str]:
         """How decode steps launch the LoRA of q,k,v and of gate,up (config.fuse_lora_groups): "one launch"

@@ -3,13 +3,17 @@ GPU and model is at the default path (kernel_choice.default_profile_path: under 
 base model and tensor-parallel size), the engine process measures one before it loads its own weights and pool, so
 the memory is free: `lorad profile`'s measurement (daemon/bench/profile.py) of the engine's model shape, dtype and
 max_lora_rank, on random weights of that shape (the timings depend on shapes alone). It is saved there, the memory
-given back, and the engine loads it as it would a profile found there; later starts find it. A failure is logged
-and the engine starts without a profile. /v1/status `kernel_profile` says where the engine's profile came from.
+given back, and the engine loads it as it would a profile found there; later starts find it. A profile found there
+whose LoRA launches (`machine.lora_launch`: the decode MBGMV's groups and early expand) are not this engine's timed
+other steps than the engine runs, and is measured again; one written before the profile recorded them counts as
+such. A failure is logged and the engine starts without a profile. /v1/status `kernel_profile` says where the
+engine's profile came from.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import time
@@ -34,8 +38,16 @@ def kernel_choice(config: EngineConfig, spec: ModelSpec, model_name: str, device
     size = config.tensor_parallel_size
     path = default_profile_path(model_name, device, config.state_dir, size)
     origin = None
+    failed = None  # why measuring a stale profile again failed (the engine then loads the stale one)
     if config.profile_path is None and not path.exists():
         origin = measure_at_start(config, spec, model_name, device, dtype, path)
+    elif config.profile_path is None and why_not_measured(config, device) is None:
+        stale = launches_differ(path, config, device)
+        if stale:
+            log.info("kernel profile at %s: %s; measuring it again", path, stale)
+            origin = measure_at_start(config, spec, model_name, device, dtype, path)
+            if origin["origin"] == "failed":
+                origin, failed = None, origin["why"]
     choice = LoraKernelChoice.for_engine(config.profile_path, model_name, device, config.state_dir,
                                          str(dtype).removeprefix("torch."), config.lora_kernel, size)
     if config.profile_path == PROFILE_OFF:
@@ -45,7 +57,41 @@ def kernel_choice(config: EngineConfig, spec: ModelSpec, model_name: str, device
     elif origin is None:
         origin = ({"origin": "found", "path": str(path)} if choice.profile is not None
                   else {"origin": "none", "why": choice.source})  # a profile of another tensor-parallel size
+    if choice.profile is not None and origin["origin"] != "measured at start":
+        stale = launches_differ(Path(config.profile_path or path), config, device)
+        if stale:  # not measured again (a given profile, or none measured at start): its predictions may be off
+            log.warning("kernel profile %s: %s; its kernel choices may be off (`lorad profile` measures it again)",
+                        config.profile_path or path, stale)
+            origin["stale"] = stale
+            if failed:
+                origin["why"] = failed
     return choice, origin
+
+
+def engine_lora_launch(config: EngineConfig, device: torch.device) -> dict:
+    """How this engine's decode steps will launch their LoRA, as `runner.lora_launch` reports it once the ops exist
+    (on cuda, where a profile is measured at start: the Triton ops with the config's groups and early expand)."""
+    from lorad.daemon.engine.runner import lora_pdl_state
+
+    return {"fuse_lora_groups": bool(config.fuse_lora_groups), "lora_pdl": lora_pdl_state(config.lora_pdl, device)["on"]}
+
+
+def launches_differ(path: Path, config: EngineConfig, device: torch.device) -> str | None:
+    """Why the profile at `path` timed other decode LoRA launches than this engine makes (None: the same, or not on
+    cuda, where the engine runs the references whatever the flags). A file that cannot be read is left to the
+    profile's loader, which says what is wrong with it."""
+    if device.type != "cuda":
+        return None
+    try:
+        recorded = json.loads(path.read_text()).get("machine", {}).get("lora_launch")
+    except (OSError, ValueError, AttributeError):
+        return None
+    engine = engine_lora_launch(config, device)
+    if recorded is None:
+        return f"measured before profiles recorded their LoRA launches; this engine launches {engine}"
+    if recorded != engine:
+        return f"measured with LoRA launches {recorded}, this engine launches {engine}"
+    return None
 
 
 def plan_for(device: torch.device):
@@ -115,6 +161,6 @@ def _measure(config: EngineConfig, spec: ModelSpec, model_name: str, device: tor
 
     weights = profile.rank_weights(spec, None, 0, 1, dtype, device, config.seed)
     measured, _ = profile.run_profile(spec, weights, model_name, dtype, device, plan_for(device), config.max_lora_rank,
-                                      config.seed)
+                                      config.seed, launch=profile.LoraLaunch(config.fuse_lora_groups, config.lora_pdl))
     measured.machine["measured_by"] = "lorad serve, before its first start (daemon/engine/start_profile.py)"
     return measured

@@ -18,7 +18,18 @@ from lorad.daemon.engine.kernel_choice import (
     rank_buckets,
 )
 from lorad.daemon.server.metrics import render
-from lorad.daemon.bench.profile import build_profile, fit, profile_main, rank_mixes
+from lorad.daemon.bench.profile import (
+    QUICK_PLAN,
+    Bench,
+    build_profile,
+    fit,
+    profile_main,
+    rank_mixes,
+    rank_weights,
+)
+from lorad.daemon.engine.decode_graphs import mbgmv_tier
+from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec
+from lorad.daemon.model.llama import DOWN, GATE, O, Q
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 from lorad.scheduler.perf_model import BgmvModel, CollectiveModel, MbgmvModel, Profile, example_profile, profile_for
 
@@ -45,6 +56,8 @@ def test_quick_cpu_profile_is_saved_where_the_engine_looks(tmp_path, capsys):
         values = [value for value in dataclasses.asdict(model).values() if not isinstance(value, dict)]
         assert all(math.isfinite(value) for value in values), model
     assert profile.notes["samples"]["kernels"]["bgmv"] and profile.notes["samples"]["prefill"]
+    # The CPU's ops launch one projection at a time, never early: what an engine on the CPU launches.
+    assert profile.machine["lora_launch"] == {"fuse_lora_groups": False, "lora_pdl": False}
     # The engine finds it by default, for this model on this device.
     assert LoraKernelChoice.for_engine(None, "tiny-llama", torch.device("cpu"), str(tmp_path), "float32").profile == profile
 
@@ -239,3 +252,48 @@ def test_engine_discovers_the_default_profile_and_refuses_a_missing_one(demo_ass
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(BadRequest, match="profile"):
         _engine(demo_assets, str(tmp_path / "bad.json"))
+
+
+def test_the_kernel_samples_launch_the_decode_lora_as_the_model_does(monkeypatch):
+    """The kernel samples go through the model's ops as a decode step's forward does: q,k,v and gate,up through
+    lora_group (one launch pair each where the engine's ops fuse them), o and down alone, on decode batches of the
+    kernel timed at its launch rank."""
+    cpu = torch.device("cpu")
+    spec = ModelSpec.from_hf_config(MODEL_CONFIGS["tiny-llama"])
+    bench = Bench(spec, rank_weights(spec, None, 0, 1, torch.float32, cpu, 0), torch.float32, cpu, QUICK_PLAN, 64, 0)
+    calls, inside = [], []
+    group, alone = bench.ops.lora_group, bench.ops.lora
+
+    def record_group(x, fused, outs, layer, first, batch, table):
+        assert sum(out.shape[1] for out in outs) == fused.shape[1] and all(out.data_ptr() >= fused.data_ptr() for out in outs)
+        calls.append(("group", first, len(outs), layer, batch.decode, batch.decode_kernel, batch.max_rank, x.shape[0]))
+        inside.append(True)  # the CPU's ops launch the members one by one, through lora: not the sample's own calls
+        group(x, fused, outs, layer, first, batch, table)
+        inside.pop()
+
+    def record(x, y, layer, proj, batch, table):
+        if not inside:
+            calls.append(("alone", proj, 1, layer, batch.decode, batch.decode_kernel, batch.max_rank, x.shape[0]))
+        alone(x, y, layer, proj, batch, table)
+
+    monkeypatch.setattr(bench.ops, "lora_group", record_group)
+    monkeypatch.setattr(bench.ops, "lora", record)
+    for kernel in ("bgmv", "mbgmv"):
+        calls.clear()
+        seconds = bench.kernel_seconds(kernel, [8, 16, 8])
+        assert seconds > 0 and math.isfinite(seconds)
+        one_replay = calls[: 4 * QUICK_PLAN.rounds]  # the warm-up: every round's layer, four launches a layer
+        assert [(how, first, members) for how, first, members, *_ in one_replay[:4]] == [
+            ("group", Q, 3), ("group", GATE, 2), ("alone", O, 1), ("alone", DOWN, 1)]
+        assert [layer for _, _, _, layer, *_ in one_replay] == [r % spec.num_layers for r in range(QUICK_PLAN.rounds) for _ in range(4)]
+        # decode batches of this kernel, at the batch's max rank (the CPU's launch rank), of the three rows
+        assert {tuple(call[4:]) for call in calls} == {(True, kernel, 16, 3)}
+
+
+def test_mbgmv_launches_at_the_lowest_rank_tier_that_holds_the_batch():
+    """The rank a decode graph (and the profile's kernel samples) launch MBGMV with: the tiers 16 and 64 below
+    max_lora_rank, else max_lora_rank."""
+    assert [mbgmv_tier(highest, 256) for highest in (1, 16, 17, 64, 65, 256)] == [16, 16, 64, 64, 256, 256]
+    assert [mbgmv_tier(highest, 64) for highest in (8, 16, 17, 64)] == [16, 16, 64, 64]
+    assert [mbgmv_tier(highest, 16) for highest in (8, 16)] == [16, 16]
+    assert mbgmv_tier(24, 32) == 32

@@ -148,3 +148,82 @@ def test_a_failed_measurement_leaves_the_engine_up_and_says_why(tmp_path, monkey
     assert any("the engine starts without one" in record.getMessage() for record in caplog.records)
     greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     assert len(engine.generate([GenerationRequest([5, 6, 7], None, greedy)])[0].token_ids) == 3
+
+
+def _saved_profile(path, lora_launch=None):
+    profile = example_profile()
+    if lora_launch is not None:
+        profile.machine["lora_launch"] = lora_launch
+    profile.save(path)
+    return profile
+
+
+def test_a_profile_of_other_lora_launches_is_one_the_engine_does_not_run(tmp_path):
+    """On cuda a profile records how its decode LoRA was launched (groups, the early expand); one that timed other
+    launches than the engine's, or that predates the record, times steps the engine does not run."""
+    config = EngineConfig(lora_pdl="off")  # off: no device is asked whether it could launch early
+    path = tmp_path / "profile.json"
+    _saved_profile(path)
+    assert "measured before profiles recorded their LoRA launches" in start_profile.launches_differ(path, config, CUDA)
+    _saved_profile(path, {"fuse_lora_groups": True, "lora_pdl": False})
+    assert start_profile.launches_differ(path, config, CUDA) is None
+    why = start_profile.launches_differ(path, EngineConfig(lora_pdl="off", fuse_lora_groups=False), CUDA)
+    assert "'fuse_lora_groups': True" in why and "this engine launches {'fuse_lora_groups': False" in why
+    _saved_profile(path)
+    assert start_profile.launches_differ(path, config, CPU) is None  # the CPU's engine runs the references whatever
+    (tmp_path / "broken.json").write_text("{")
+    assert start_profile.launches_differ(tmp_path / "broken.json", config, CUDA) is None  # left to the loader's error
+
+
+def test_a_found_profile_of_other_launches_is_measured_again_or_said_stale(tmp_path, monkeypatch, caplog):
+    """At start on cuda (forced here: the profile's path and loading stubbed, nothing asks the device), a profile
+    at the default path whose launches differ from the engine's is measured again; one that is not measured again
+    (profile_at_start off) is loaded with a warning, and /v1/status `kernel_profile` says why."""
+    path = tmp_path / "profile-tiny-llama-cuda-x.json"
+    monkeypatch.setattr(start_profile, "default_profile_path", lambda *args: path)
+    monkeypatch.setattr(start_profile, "plan_for", lambda device: TINY_PLAN)
+
+    class Loaded:
+        @staticmethod
+        def for_engine(profile_path, *args):
+            from lorad.daemon.engine.kernel_choice import LoraKernelChoice
+
+            return LoraKernelChoice(Profile.load(profile_path or path), str(profile_path or path))
+
+    monkeypatch.setattr(start_profile, "LoraKernelChoice", Loaded)
+    engine_launch = {"fuse_lora_groups": True, "lora_pdl": False}
+    measured = []
+
+    def measure(*args):
+        measured.append(args)
+        profile = example_profile()
+        profile.machine["lora_launch"] = dict(engine_launch)
+        return profile
+
+    monkeypatch.setattr(start_profile, "_measure", measure)
+    caplog.set_level(logging.INFO)
+    config = EngineConfig(lora_pdl="off", profile_at_start=True)
+    _saved_profile(path)  # before profiles recorded their launches
+    choice, origin = start_profile.kernel_choice(config, SEVEN_B, "tiny-llama", CUDA, torch.bfloat16)
+    assert len(measured) == 1 and origin["origin"] == "measured at start" and "stale" not in origin
+    assert Profile.load(path).machine["lora_launch"] == engine_launch == choice.profile.machine["lora_launch"]
+    assert any("measuring it again" in record.getMessage() for record in caplog.records)
+    # The same launches: found, not measured.
+    choice, origin = start_profile.kernel_choice(config, SEVEN_B, "tiny-llama", CUDA, torch.bfloat16)
+    assert len(measured) == 1 and origin == {"origin": "found", "path": str(path)}
+    # Other launches, not measured at start: loaded, and said to be stale.
+    _saved_profile(path, {"fuse_lora_groups": False, "lora_pdl": False})
+    choice, origin = start_profile.kernel_choice(EngineConfig(lora_pdl="off"), SEVEN_B, "tiny-llama", CUDA, torch.bfloat16)
+    assert len(measured) == 1 and origin["origin"] == "found" and "measured with LoRA launches" in origin["stale"]
+    assert choice.profile is not None
+    assert any(record.levelno == logging.WARNING and "its kernel choices may be off" in record.getMessage()
+               for record in caplog.records)
+
+    def fail(*args):
+        raise RuntimeError("out of memory, say")
+
+    # Measured again and failed: the engine loads the stale profile, and says both.
+    monkeypatch.setattr(start_profile, "_measure", fail)
+    choice, origin = start_profile.kernel_choice(config, SEVEN_B, "tiny-llama", CUDA, torch.bfloat16)
+    assert origin["origin"] == "found" and "measured with LoRA launches" in origin["stale"]
+    assert "RuntimeError: out of memory, say" in origin["why"] and choice.profile is not None
