@@ -234,6 +234,8 @@ def main() -> None:
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model_config,
         "ops": engine.runner.ops.name, "cuda_graph_steps": engine.runner.graph_steps, "decode_lora_groups": engine.runner.lora_groups,
         "decode_lora_pdl": engine.runner.lora_pdl,
+        # which decode LoRA kernel the steps ran (a profile at the default path picks it per step), and from what
+        "lora_kernel_choice": engine.kernel_choice.describe(), "lora_kernel_steps": dict(engine.kernel_choice.steps),
         "hbm_copy_GBps": hbm / 1e9, "pinned_h2d_GBps": pinned / 1e9,
         "decode": {"batch": args.batch, "rank": args.rank, "targets": "all seven", "steps": args.steps,
                    "lora_bytes_per_step": lora_bytes, "by_prompt": decode},
