@@ -778,6 +778,7 @@ def _profile(args: argparse.Namespace) -> int:
     if not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE:
         raise BadRequest(f"--tensor-parallel-size must be in 1..{MAX_TENSOR_PARALLEL_SIZE}, not {size}")
     device = resolve_device(args.device)
+    lora_pdl_state(args.lora_pdl, device)  # `on` where the expand cannot launch early: refused before anything is built
     if args.model_config is not None:
         if args.model_config not in MODEL_CONFIGS:
             raise BadRequest(f"unknown model config {args.model_config!r}: one of {', '.join(MODEL_CONFIGS)}")

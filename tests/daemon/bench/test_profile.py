@@ -102,6 +102,17 @@ def test_quick_cpu_profile_at_tensor_parallel_size_2(tmp_path, capsys):
     assert "all_reduce must be one of auto, nccl, fused, not 'one-shot'" in capsys.readouterr().err
 
 
+def test_the_profile_refuses_launches_the_engine_would_refuse(tmp_path, capsys):
+    """--lora-pdl as lorad serve takes it: a value it does not know, or `on` where the expand cannot launch early (the
+    CPU), is refused with the engine's message and exit code 2, before anything is measured."""
+    argv = ["--model-config", "tiny-llama", "--device", "cpu", "--quick", "--state-dir", str(tmp_path)]
+    assert profile_main([*argv, "--lora-pdl", "sometimes"]) == 2
+    assert "lora_pdl must be one of" in capsys.readouterr().err
+    assert profile_main([*argv, "--lora-pdl", "on"]) == 2
+    assert "lora_pdl on cannot run here: cpu: reference ops" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_profile_without_a_size_is_of_one_gpu(tmp_path):
     profile = example_profile()
     assert profile.tensor_parallel_size == 1 and profile.collectives is None
