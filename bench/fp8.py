@@ -85,7 +85,8 @@ def measure_engine(args, quantization: str, kv_cache_dtype: str, hbm: float) -> 
     spec, status = engine.spec, engine.status()
     result = {"quantization": status["quantization"], "kv_cache_dtype": status["kv_cache_dtype"], "ops": status["ops"],
               "build_s": built_s, "kv_capacity_tokens": status["kv_capacity_tokens"],
-              "kv_tokens_per_page": engine.kv.tokens_per_page, "pool_pages": engine.pool.capacity}
+              "kv_tokens_per_page": engine.kv.tokens_per_page, "pool_pages": engine.pool.capacity,
+              "lora_kernel_choice": status["lora_kernel_choice"]}  # a profile at the default path picks the decode kernel
     needed = ADAPTERS * (args.long_prompt + args.steps + 16)
     if status["kv_capacity_tokens"] < needed:  # the decode runs would wait for pages forever
         raise SystemExit(f"{quantization}/{kv_cache_dtype}: the pool holds {status['kv_capacity_tokens']} KV tokens, "
@@ -109,6 +110,7 @@ def measure_engine(args, quantization: str, kv_cache_dtype: str, hbm: float) -> 
         "lora_bytes": lora_bytes, "ratio_at_floor": (weights + kv_bytes) / (weights + kv_bytes + lora_bytes),
     }
     result["graph_steps"] = engine.runner.graph_steps
+    result["lora_kernel_steps"] = dict(engine.kernel_choice.steps)  # decode steps with LoRA rows, by kernel
     engine.close()
     del engine
     gc.collect()

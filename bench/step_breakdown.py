@@ -98,7 +98,7 @@ def main() -> int:
     rates = engine.account.rates
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "args": vars(args),
               "rates": {"hbm_gb_s": rates.bandwidth_bytes_per_s / 1e9, "gemm_tflop_s": rates.flops_per_s / 1e12},
-              "steps": {}}
+              "lora_kernel_choice": engine.kernel_choice.describe(), "steps": {}}
     for kind, rows in steps.items():
         plan = plan_of(rows)
         before = (engine.runner.graph_steps, engine.runner.prefill_graph_steps)
@@ -118,7 +118,10 @@ def main() -> int:
         report["steps"][kind] = {"path": path, "ms": ms, "floor_ms": max(memory_ms, compute_ms), "memory_ms": memory_ms,
                                  "compute_ms": compute_ms, "rows": int(plan.num_tokens), "graph_rows": graph_rows,
                                  "padding_rows": graph_rows - int(plan.num_tokens), "kernels_ms": kernels,
-                                 "graph_key": list(engine.runner.prefill_graphs.last_key) if path == "prefill graph" else None}
+                                 "graph_key": list(engine.runner.prefill_graphs.last_key) if path == "prefill graph" else None,
+                                 # the decode graph replayed: (bucket, LoRA kernel, launch rank, targets); the kernel is
+                                 # the one a profile at the default path picks (report["lora_kernel_choice"])
+                                 "decode_graph_key": list(engine.runner.graphs.last_key) if path == "decode graph" else None}
         print(f"{kind}: {ms:.2f} ms ({path}), floor {max(memory_ms, compute_ms):.2f} ms "
               f"(memory {memory_ms:.2f}, compute {compute_ms:.2f}), {plan.num_tokens} rows in {graph_rows}")
         for name, kernel_ms in list(kernels.items())[:12]:
