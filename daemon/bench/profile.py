@@ -73,8 +73,11 @@ from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import AdapterTable, KVCache, PagePool
 from lorad.scheduler.perf_model import (
     KERNELS,
+    BgmvModel,
     CollectiveModel,
+    MbgmvModel,
     Profile,
+    choose_kernel,
     fit_bgmv,
     fit_collective,
     fit_decode_step,
@@ -526,6 +529,31 @@ def collective_shares(collectives: CollectiveModel, samples: dict, kernel: str) 
             for name, shares in (("decode", decode), ("prefill", prefill))}
 
 
+CLEAR_MARGIN = 0.05  # decode steps of the two kernels this far apart (relative) have a faster one the choice must pick
+
+
+def choice_check(bgmv: BgmvModel, mbgmv: MbgmvModel, decode_samples: dict) -> dict:
+    """Whether the kernel models pick, for the decode steps measured with both kernels (the same ranks and
+    contexts, measured in turn), the kernel whose whole step was faster wherever one was clearly faster
+    (CLEAR_MARGIN): {"clear": pairs with a clearly faster kernel, "agree": of them, those the models pick,
+    "disagree": up to five that they do not, each with its rows, max rank, context tokens, both steps' ms and the
+    pick}. The kernel models are fitted on the LoRA launches alone; a pick against the measured steps says they
+    timed something other than what the steps run."""
+    clear, agree, disagree = 0, 0, []
+    for (ranks, context, bgmv_s), (_, _, mbgmv_s) in zip(decode_samples["bgmv"], decode_samples["mbgmv"]):
+        if not ranks or max(bgmv_s, mbgmv_s) < (1 + CLEAR_MARGIN) * min(bgmv_s, mbgmv_s):
+            continue
+        clear += 1
+        faster = "bgmv" if bgmv_s < mbgmv_s else "mbgmv"
+        picked = choose_kernel(ranks, bgmv, mbgmv)
+        if picked == faster:
+            agree += 1
+        elif len(disagree) < 5:
+            disagree.append({"rows": len(ranks), "max_rank": max(ranks), "context_tokens": context,
+                             "bgmv_ms": round(bgmv_s * 1e3, 3), "mbgmv_ms": round(mbgmv_s * 1e3, 3), "picked": picked})
+    return {"clear": clear, "agree": agree, "disagree": disagree}
+
+
 def build_profile(fits: dict, samples: dict, machine: dict) -> Profile:
     """The Profile the engine and the simulator read. Its one decode-step model is the kernel's that the
     kernel models predict cheaper over the profiled rank mixes (the engine still picks per step); the
@@ -540,6 +568,7 @@ def build_profile(fits: dict, samples: dict, machine: dict) -> Profile:
         "decode_kernel": f"{kernel}: predicted cheaper over the profiled rank mixes "
                          f"({total[kernel] * 1e3:.3f} ms against {total[other] * 1e3:.3f} ms of LoRA in all)",
         f"decode_{other}": other_fit.to_json(),
+        "kernel_choice_check": choice_check(fits["bgmv"], fits["mbgmv"], samples["decode"]),
         "samples": samples,
     }
     if collectives is not None:
@@ -615,7 +644,13 @@ def run_profile(spec: ModelSpec, weights: dict, model_name: str, dtype: torch.dt
         machine["all_reduce"] = bench.all_reduce_path
     if device.type == "cuda":
         machine["gpu"] = torch.cuda.get_device_name(device)
-    return build_profile(fits, samples, machine), fits
+    profile = build_profile(fits, samples, machine)
+    check = profile.notes["kernel_choice_check"]
+    if check["disagree"]:
+        log.warning("the kernel models pick the slower decode LoRA kernel for %d of the %d decode steps measured with a "
+                    "clearly faster one (notes.kernel_choice_check), e.g. %s", check["clear"] - check["agree"],
+                    check["clear"], check["disagree"][0])
+    return profile, fits
 
 
 # ---- tensor parallelism: every rank measures, in step -------------------------------------------------------
@@ -818,7 +853,8 @@ def _profile(args: argparse.Namespace) -> int:
     print()
     summary = {name: {"r2": model.r2, **coefficients(model)} for name, model in fits.items()}
     shown = {"profile": str(out), "machine": profile.machine["device"], "tensor_parallel_size": size,
-             "decode_kernel": profile.notes["decode_kernel"], "fits": summary}
+             "decode_kernel": profile.notes["decode_kernel"], "kernel_choice_check": profile.notes["kernel_choice_check"],
+             "fits": summary}
     if size > 1:
         shown["all_reduce"] = profile.machine["all_reduce"]
     if "collective_share" in profile.notes:  # [min, median, max] over the measured steps

@@ -22,6 +22,7 @@ from lorad.daemon.bench.profile import (
     QUICK_PLAN,
     Bench,
     build_profile,
+    choice_check,
     fit,
     profile_main,
     rank_mixes,
@@ -56,6 +57,8 @@ def test_quick_cpu_profile_is_saved_where_the_engine_looks(tmp_path, capsys):
         values = [value for value in dataclasses.asdict(model).values() if not isinstance(value, dict)]
         assert all(math.isfinite(value) for value in values), model
     assert profile.notes["samples"]["kernels"]["bgmv"] and profile.notes["samples"]["prefill"]
+    check = profile.notes["kernel_choice_check"]  # the models' picks against the decode steps measured with both
+    assert 0 <= check["agree"] <= check["clear"] <= len(profile.notes["samples"]["decode"]["bgmv"])
     # The CPU's ops launch one projection at a time, never early: what an engine on the CPU launches.
     assert profile.machine["lora_launch"] == {"fuse_lora_groups": False, "lora_pdl": False}
     # The engine finds it by default, for this model on this device.
@@ -308,3 +311,17 @@ def test_mbgmv_launches_at_the_lowest_rank_tier_that_holds_the_batch():
     assert [mbgmv_tier(highest, 64) for highest in (8, 16, 17, 64)] == [16, 16, 64, 64]
     assert [mbgmv_tier(highest, 16) for highest in (8, 16)] == [16, 16]
     assert mbgmv_tier(24, 32) == 32
+
+
+def test_the_profile_checks_its_kernel_choice_against_the_steps_it_measured():
+    """notes.kernel_choice_check: where one kernel's whole decode step measured clearly faster (5%), do the kernel
+    models pick it? Kernel models that timed other launches than the steps run (BGMV predicted cheaper while MBGMV's
+    steps are faster) show up there, with the steps they pick wrong."""
+    decode = {"bgmv": [[[16] * 64, 65536, 0.020], [[8, 64], 2048, 0.0100], [[16], 128, 0.0050]],
+              "mbgmv": [[[16] * 64, 65536, 0.015], [[8, 64], 2048, 0.0080], [[16], 128, 0.0051]]}  # the last: a tie
+    right = choice_check(BgmvModel(1.0, 1.0), MbgmvModel(0.0, 0.0), decode)  # MBGMV always cheaper
+    assert right == {"clear": 2, "agree": 2, "disagree": []}
+    wrong = choice_check(BgmvModel(0.0, 0.0), MbgmvModel(1.0, 1.0), decode)  # BGMV always cheaper
+    assert wrong["clear"] == 2 and wrong["agree"] == 0
+    assert wrong["disagree"][0] == {"rows": 64, "max_rank": 16, "context_tokens": 65536, "bgmv_ms": 20.0,
+                                    "mbgmv_ms": 15.0, "picked": "bgmv"}
