@@ -27,7 +27,7 @@ from lorad.daemon.model.checkpoint import ModelSpec
 
 log = logging.getLogger(__name__)
 
-EXPECTED_SECONDS = 40  # the 7B shape on an H100 (bench/results/profile_h100.json: 38.3 s of measuring)
+EXPECTED_SECONDS = 100  # the 7B shape on an H200 (bench/results/profile_h200_engine_launches.json: 97.2 s)
 
 
 def kernel_choice(config: EngineConfig, spec: ModelSpec, model_name: str, device: torch.device,
@@ -130,7 +130,7 @@ def measure_at_start(config: EngineConfig, spec: ModelSpec, model_name: str, dev
     if why is not None:
         log.info("kernel profile: none at %s; not measured at start: %s", path, why)
         return {"origin": "none", "why": f"none at {path}; not measured at start: {why}"}
-    log.info("profiling this GPU for %s on first start (~%d s for a 7B model on an H100); cached at %s",
+    log.info("profiling this GPU for %s on first start (~%d s for a 7B model on an H200); cached at %s",
              model_name, EXPECTED_SECONDS, path)
     started = time.perf_counter()
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")  # another daemon may be reading or writing path
