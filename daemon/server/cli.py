@@ -55,7 +55,7 @@ _ENGINE_FLAG_HELP = {
                     "(default: STATE_DIR or ~/.cache/lorad, /profile-MODEL-DEVICE.json, -tpN.json under tensor parallelism, "
                     "when it exists; off: none, MBGMV)",
     "profile_at_start": "with no profile at the default --profile-path: on cuda, measure one before the model loads "
-                        "(as lorad profile does; about 40 s for a 7B model on an H100) and save it there for the next "
+                        "(as lorad profile does; about 100 s for a 7B model on an H200) and save it there for the next "
                         "starts (default: on; --no-profile-at-start: off)",
     "lora_kernel": "auto|bgmv|mbgmv: the decode steps' LoRA kernel (auto: chosen per step from the profile's models; "
                    "MBGMV without a profile)",
