@@ -122,7 +122,7 @@ class EngineConfig:
     profile_path: str | None = None
     # With profile_path None and no profile at its default path: on cuda at tensor_parallel_size 1 (and max_lora_rank
     # >= 64, the profile's highest rank) the engine measures one before it loads its weights (`lorad profile`'s
-    # measurement, daemon/engine/start_profile.py: about 40 s for a 7B shape on an H100), saves it there and loads
+    # measurement, daemon/engine/start_profile.py: about 100 s for a 7B shape on an H200), saves it there and loads
     # it. Off for engines built directly (tests, benchmarks); `lorad serve` turns it on (SERVE_DEFAULTS).
     profile_at_start: bool = False
     # The decode steps' LoRA kernel: auto (the profile's models choose per step; MBGMV without a profile), or
