@@ -250,7 +250,7 @@ class Bench:
             require_triton("LoRA kernels")
         pdl = lora_pdl_state(launch.pdl, device)["on"]
         self.ops = select_ops(device, self.max_tokens, max_lora_rank, self.choice, fuse_groups=launch.fuse_groups, pdl=pdl)
-        self.lora_launch = lora_launch(self.ops)
+        self.lora_launch = lora_launch(self.ops.fuses_groups, getattr(self.ops, "pdl", False))  # the CPU's ops: neither
         self.max_model_len = max(max(plan.contexts), max(plan.prefill_tokens)) + 1
         self.model = build_model(spec, weights, self.max_model_len, self.ops)
         self.all_reduce_path = None  # how the ranks sum (tp_worker.set_reduce), under tensor parallelism

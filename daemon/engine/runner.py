@@ -53,11 +53,11 @@ def lora_pdl_state(setting: str, device: torch.device) -> dict:
     return {"on": reason is None, "why": reason}
 
 
-def lora_launch(ops) -> dict:
-    """What a decode step's LoRA launches come to with these ops (daemon/model/ops.py): q,k,v and gate,up each in
-    one MBGMV launch pair (fuse_lora_groups), the expand launched early (lora_pdl). `lorad profile` records it with
-    the timings it made so; an engine launching otherwise measures its profile again (start_profile.py)."""
-    return {"fuse_lora_groups": bool(ops.fuses_groups), "lora_pdl": bool(getattr(ops, "pdl", False))}
+def lora_launch(fuse_groups: bool, pdl: bool) -> dict:
+    """How a decode step's LoRA is launched: q,k,v and gate,up each in one MBGMV launch pair (fuse_groups), the expand
+    launched early (pdl). `lorad profile` records it with the timings it made so (from its ops), and an engine whose
+    own (from its config) differs measures its profile again (start_profile.py): one record, compared as it is."""
+    return {"fuse_lora_groups": bool(fuse_groups), "lora_pdl": bool(pdl)}
 
 
 class ModelRunner:

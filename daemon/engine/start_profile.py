@@ -58,7 +58,7 @@ def kernel_choice(config: EngineConfig, spec: ModelSpec, model_name: str, device
         origin = ({"origin": "found", "path": str(path)} if choice.profile is not None
                   else {"origin": "none", "why": choice.source})  # a profile of another tensor-parallel size
     if choice.profile is not None and origin["origin"] != "measured at start":
-        stale = launches_differ(Path(config.profile_path or path), config, device)
+        stale = _launches_differ(choice.profile.machine.get("lora_launch"), config, device)  # as loaded, not read again
         if stale:  # not measured again (a given profile, or none measured at start): its predictions may be off
             log.warning("kernel profile %s: %s; its kernel choices may be off (`lorad profile` measures it again)",
                         config.profile_path or path, stale)
@@ -71,9 +71,9 @@ def kernel_choice(config: EngineConfig, spec: ModelSpec, model_name: str, device
 def engine_lora_launch(config: EngineConfig, device: torch.device) -> dict:
     """How this engine's decode steps will launch their LoRA, as `runner.lora_launch` reports it once the ops exist
     (on cuda, where a profile is measured at start: the Triton ops with the config's groups and early expand)."""
-    from lorad.daemon.engine.runner import lora_pdl_state
+    from lorad.daemon.engine.runner import lora_launch, lora_pdl_state
 
-    return {"fuse_lora_groups": bool(config.fuse_lora_groups), "lora_pdl": lora_pdl_state(config.lora_pdl, device)["on"]}
+    return lora_launch(config.fuse_lora_groups, lora_pdl_state(config.lora_pdl, device)["on"])
 
 
 def launches_differ(path: Path, config: EngineConfig, device: torch.device) -> str | None:
@@ -85,6 +85,13 @@ def launches_differ(path: Path, config: EngineConfig, device: torch.device) -> s
     try:
         recorded = json.loads(path.read_text()).get("machine", {}).get("lora_launch")
     except (OSError, ValueError, AttributeError):
+        return None
+    return _launches_differ(recorded, config, device)
+
+
+def _launches_differ(recorded: dict | None, config: EngineConfig, device: torch.device) -> str | None:
+    """`launches_differ` for a profile's recorded `machine.lora_launch` (None: not recorded)."""
+    if device.type != "cuda":
         return None
     engine = engine_lora_launch(config, device)
     if recorded is None:
