@@ -1,10 +1,11 @@
 """The FP8 kernels of a decode batch on the GPU, each beside what it replaced, in one run:
 
 1. the projections' GEMM at decode row counts: gpu_ops/fp8_gemm.py's `fp8_rows_gemm` (what `fp8_linear` takes for
-   decode batches: `takes_rows_kernel`) beside torch._scaled_mm with the same per-token and per-channel scales and
-   fp8_linear's accumulation (SCALED_MM_FAST_ACCUM), on the 7B projections (q|k|v, o, gate|up, down) at --rows,
-   each against its weight bytes over the measured copy bandwidth; every call reads another copy of the weight
-   (more copies than the L2 holds), so every call reads HBM;
+   decode batches: `takes_rows_kernel`) at its tiles by width and at the one tile it used before, beside
+   torch._scaled_mm with the same per-token and per-channel scales and fp8_linear's accumulation
+   (SCALED_MM_FAST_ACCUM), on the 7B projections (q|k|v, o, gate|up, down) at --rows, each against its weight bytes
+   over the measured copy bandwidth; every call reads another copy of the weight (more copies than the L2 holds),
+   so every call reads HBM;
 2. `--attention`: the decode attention over FP8 pages on the 7B shape (MHA) and the Llama 3 8B shape (GQA) at
    context 1024, with paged_attention.DECODE_LAUNCH's warps and stages beside four warps at Triton's default
    stages, and bf16 pages beside them, each against its KV bytes' floor;
@@ -51,6 +52,15 @@ def scaled_mm(quantized: torch.Tensor, scale: torch.Tensor, weight: Fp8Weight, f
                             out_dtype=torch.bfloat16, use_fast_accum=fast)
 
 
+def one_tile_config(rows: int, k: int, shared_memory: int) -> fp8_gemm.RowsGemmConfig:
+    """The one tile rows_gemm_config gave every projection before it chose by width (its H100 sweep's best): 16 rows
+    by 32 columns up to 16 rows, 64 by 64 past, K 256 deep, six stages; timed beside today's choice."""
+    block_m, block_n = (16, 32) if rows <= 16 else (64, 64)
+    block_k = max(32, min(256, 1 << (k - 1).bit_length()))
+    stages = max(2, min(6, shared_memory // ((block_m + block_n) * block_k) - 1))
+    return fp8_gemm.RowsGemmConfig(block_m, block_n, block_k, 4, stages)
+
+
 def gemm_rows(args, device, timer: Timer, bandwidth: float) -> list:
     results = []
     for rows in args.rows:
@@ -69,10 +79,12 @@ def gemm_rows(args, device, timer: Timer, bandwidth: float) -> list:
             row = {"rows": rows, "proj": name, "floor_us": round(floor_us, 2),
                    "scaled_mm_us": round(timer.graph([lambda w=w: cublas(w) for w in weights]), 2),
                    "rows_gemm_us": round(timer.graph([lambda w=w: rows_gemm(w) for w in weights]), 2),
-                   "rows_gemm_config": vars(fp8_gemm.rows_gemm_config(rows, in_features,
-                                                                      fp8_gemm._shared_memory(device))),
+                   "rows_gemm_config": vars(fp8_gemm.rows_gemm_config(
+                       rows, in_features, out_features, fp8_gemm._shared_memory(device))),
                    "relative_difference_vs_scaled_mm": error}
             row["ratio"] = round(row["rows_gemm_us"] / row["scaled_mm_us"], 3)
+            previous = one_tile_config(rows, in_features, fp8_gemm._shared_memory(device))
+            row["one_tile_us"] = round(timer.graph([lambda w=w: rows_gemm(w, previous) for w in weights]), 2)
             if args.sweep:
                 sweep = {}
                 for block_m in sorted({max(16, min(128, 1 << (rows - 1).bit_length())), 64}):

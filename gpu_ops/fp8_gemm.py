@@ -64,14 +64,28 @@ class RowsGemmConfig:
     num_stages: int
 
 
-def rows_gemm_config(rows: int, k: int, shared_memory: int) -> RowsGemmConfig:
-    """The sweep's best on the 7B projections (H100): tiles of 64 rows by 64 columns, or 16 by 32 for up to 16
-    rows; K 256 deep; six stages, fewer where the device's shared memory per block (`shared_memory`, bytes) holds
-    fewer; K read no deeper than it is (at least 32: one FP8 MMA's depth)."""
-    block_m, block_n = (16, 32) if rows <= 16 else (64, 64)
-    block_k = max(32, min(256, next_power_of_2(k)))
+def rows_gemm_config(rows: int, k: int, n: int, shared_memory: int) -> RowsGemmConfig:
+    """Tiles by the projection's width, chosen from the sweeps of the 7B projections on the H100 and the H200
+    (`python3 bench/fp8_rows.py --sweep`; bench/results/fp8_rows_sweep_h100.json, fp8_rows_sweep_h200.json), each
+    faster on both than the one tile it replaced (64 by 64, K 256 deep, six stages; 16 by 32 up to 16 rows), or within
+    1% (q|k|v at 16 rows on the H200):
+    - at most NARROW_OUT_FEATURES columns (o, down) up to 64 rows: 64 rows by 32 columns, K 256 deep, six stages;
+      on 4096 columns that is 128 programs where 64-column tiles leave half of the SMs idle (at 64 rows o 9.5
+      against 10.8 us on the H100, 9.4 against 10.9 on the H200; down 20.5 against 21.7, 18.7 against 21.5);
+    - wider (q|k|v, gate|up) up to 16 rows: 16 by 64, K 256 deep, three stages (at 16 rows gate|up 36.4 against
+      38.5 us, 27.6 against 31.1);
+    - wider past 16 rows: 64 by 64, K 128 deep, four stages (at 64 rows q|k|v 23.4 against 24.6 us, 19.4 against
+      22.1; gate|up 39.0 against 40.0, 29.7 against 34.8);
+    - o and down past 64 rows (fp8_linear's NARROW_MAX_ROWS): 64 by 64, K 256 deep, six stages.
+    Stages: fewer where the device's shared memory per block (`shared_memory`, bytes) holds fewer; K read no
+    deeper than it is (at least 32: one FP8 MMA's depth)."""
+    if n <= NARROW_OUT_FEATURES:
+        block_m, block_n, block_k, stages = (64, 32, 256, 6) if rows <= 64 else (64, 64, 256, 6)
+    else:
+        block_m, block_n, block_k, stages = (16, 64, 256, 3) if rows <= 16 else (64, 64, 128, 4)
+    block_k = max(32, min(block_k, next_power_of_2(k)))
     stage_bytes = (block_m + block_n) * block_k  # one FP8 byte an element
-    stages = max(2, min(6, shared_memory // stage_bytes - 1))
+    stages = max(2, min(stages, shared_memory // stage_bytes - 1))
     return RowsGemmConfig(block_m, block_n, block_k, 4, stages)
 
 
@@ -176,7 +190,7 @@ def fp8_rows_gemm(rows: torch.Tensor, row_scale: torch.Tensor, weight: Fp8Weight
                          f"got rows {tuple(rows.shape)} strides {rows.stride()}, weight {tuple(w.shape)}")
     out = torch.empty(tokens, w.shape[0], dtype=out_dtype, device=rows.device)
     if tokens:
-        config = config or rows_gemm_config(tokens, width, _shared_memory(rows.device))
+        config = config or rows_gemm_config(tokens, width, w.shape[0], _shared_memory(rows.device))
         grid = (cdiv(w.shape[0], config.block_n), cdiv(tokens, config.block_m))
         _rows_gemm_kernel[grid](
             rows, w, row_scale, weight.scale, bias if bias is not None else weight.scale, out,

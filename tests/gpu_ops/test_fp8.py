@@ -196,18 +196,21 @@ def test_gemv_fp8_weights_interpreted(k, kernels):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("tokens,width", [(3, 512), (70, 80), (5, 600)], ids=["even_k", "two_row_tiles", "ragged_k"])
-def test_fp8_rows_gemm_interpreted(tokens, width, kernels):
-    """The decode batches' FP8 GEMM: every row and column tile, K in several reads and past the last full one
-    (600 in 256-deep reads), the row and channel scales and the bias, against the same product in float64."""
+@pytest.mark.parametrize("tokens,width,columns", [(3, 512, 72), (70, 80, 72), (5, 600, 72), (5, 80, 4112), (20, 300, 4112)],
+                         ids=["even_k", "two_row_tiles", "ragged_k", "wide_few_rows", "wide"])
+def test_fp8_rows_gemm_interpreted(tokens, width, columns, kernels):
+    """The decode batches' FP8 GEMM at each of rows_gemm_config's tiles (72 columns: o and down's narrow tiles, a
+    partial one; 4112: the wide projections' tiles, to 16 rows and past): every row and column tile, K in several
+    reads and past the last full one (600 in 256-deep reads, 300 in 128-deep), the row and channel scales and the
+    bias, against the same product in float64."""
     gemm, _, _ = kernels
     generator = torch.Generator().manual_seed(tokens)
     rows = torch.randn(tokens, width, generator=generator).mul(40).clamp(-448, 448).to(fp8.FP8)
     row_scale = torch.rand(tokens, 1, generator=generator) + 0.5
-    weight = fp8.quantize_weight(torch.randn(72, width, generator=generator) * 0.1)  # 72 columns: a partial tile
-    bias = torch.randn(72, generator=generator).bfloat16()
+    weight = fp8.quantize_weight(torch.randn(columns, width, generator=generator) * 0.1)
+    bias = torch.randn(columns, generator=generator).bfloat16()
     got = gemm.fp8_rows_gemm(rows, row_scale, weight, bias, torch.bfloat16)
-    assert got.dtype == torch.bfloat16 and got.shape == (tokens, 72)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, columns)
     expected = (rows.double() * row_scale.double()) @ (weight.weight.double() * weight.scale.double()[:, None]).t()
     assert relative_error(got, expected + bias.double()) < 4e-3  # bf16 output rounding
 
@@ -254,6 +257,21 @@ def test_attention_fp8_pages_interpreted(layout, dtype, dots, kernels, monkeypat
         assert relative_error(got, truth(case, q, layer, 0.3)) < limit
         reference = paged_attention_ref(q, case.kv_view, layer, case.batch, 0.3, kv_scales=SCALES)
         assert relative_error(got, reference.double()) < limit
+
+
+def test_rows_gemm_config_by_projection_width():
+    """Narrow projections (o, down) in 32-column tiles up to 64 rows, 64 past; wide ones 16 by 64 up to 16 rows, 64 by
+    64 with K 128 deep past; stages cut to what the shared memory holds, K to its depth."""
+    from lorad.gpu_ops.fp8_gemm import RowsGemmConfig, rows_gemm_config
+
+    smem = 227 * 1024
+    assert rows_gemm_config(2, 4096, 4096, smem) == RowsGemmConfig(64, 32, 256, 4, 6)
+    assert rows_gemm_config(64, 11008, 4096, smem) == RowsGemmConfig(64, 32, 256, 4, 6)
+    assert rows_gemm_config(65, 4096, 4096, smem) == RowsGemmConfig(64, 64, 256, 4, 6)
+    assert rows_gemm_config(16, 4096, 12288, smem) == RowsGemmConfig(16, 64, 256, 4, 3)
+    assert rows_gemm_config(17, 4096, 22016, smem) == RowsGemmConfig(64, 64, 128, 4, 4)
+    assert rows_gemm_config(64, 80, 12288, smem).block_k == 128  # K no deeper than it is
+    assert rows_gemm_config(64, 4096, 4096, 100 * 1024).num_stages == 3  # 24 KiB a stage in 100 KiB
 
 
 @needs_interpreter
