@@ -7,13 +7,17 @@
    over the measured copy bandwidth; every call reads another copy of the weight (more copies than the L2 holds),
    so every call reads HBM;
 2. `--attention`: the decode attention over FP8 pages on the 7B shape (MHA) and the Llama 3 8B shape (GQA) at
-   context 1024, with paged_attention.DECODE_LAUNCH's warps and stages beside four warps at Triton's default
-   stages, and bf16 pages beside them, each against its KV bytes' floor;
+   context 1024 (pages of the engine's tokens: twice bf16's in FP8), at this device's launch
+   (paged_attention.decode_launch) beside the H100's, four warps at Triton's default stages, and two warps at three
+   and four stages, and bf16 pages beside them, each against its KV bytes' floor; `--attention-sweep`: also, over
+   FP8 pages, the grid of positions a step (32-256), warps (1-8) and stages (2-4) that DECODE_LAUNCH_BY_GPU's entries
+   were chosen from, and CUDA-core dots;
 3. `--accumulation ROWS`: torch._scaled_mm with and without fast accumulation at those rows (time and error);
 4. `--sweep`: the tile grid fp8_rows_gemm's configuration was chosen from (tiles of 16-128 rows by 32-128
    columns, K 128 or 256 deep, 3-6 stages) at each --rows.
 
     python3 bench/fp8_rows.py --attention --out bench/results/fp8_rows_h100.json
+    python3 bench/fp8_rows.py --rows 16,64,128 --sweep --attention --attention-sweep --out OUT.json   # ~6 min
 
 Needs a GPU with FP8 (compute capability >= 8.9).
 """
@@ -21,6 +25,7 @@ Needs a GPU with FP8 (compute capability >= 8.9).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -130,7 +135,10 @@ def fast_accumulation(rows_list: list, device, timer: Timer) -> list:
     return results
 
 
-def attention_launch(device, timer: Timer, bandwidth: float) -> list:
+def attention_launch(device, timer: Timer, bandwidth: float, sweep: bool) -> list:
+    """The decode attention over FP8 and bf16 pages at this device's launch (paged_attention.decode_launch) beside
+    the H100's (DECODE_BLOCK_N, DECODE_LAUNCH) and other warps and stages; `sweep`: over FP8 pages, the grid of
+    positions a step x warps x stages that DECODE_LAUNCH_BY_GPU's entries were chosen from, and CUDA-core dots."""
     from attention import PagedCache, layers_for  # bench/attention.py
 
     results = []
@@ -140,19 +148,36 @@ def attention_launch(device, timer: Timer, bandwidth: float) -> list:
             for pages in ("fp8", "bf16"):
                 shapes = [(1024, 1)] * batch
                 layers = layers_for(2 * batch * 1024 * kv_heads * 128)
-                cache = PagedCache(heads, kv_heads, 128, tokens_per_page, shapes, layers, torch.bfloat16, device,
+                page_tokens = tokens_per_page * (2 if pages == "fp8" else 1)  # a page holds twice the FP8 tokens
+                cache = PagedCache(heads, kv_heads, 128, page_tokens, shapes, layers, torch.bfloat16, device,
                                    seed=batch, kv_fp8=pages == "fp8")
                 kind = ("gqa" if heads > kv_heads else "mha") + ("_fp8" if pages == "fp8" else "")
                 splits = paged_attention.decode_splits(batch, kv_heads, 1024, device)
-                row = {"shape": shape, "batch": batch, "context": 1024, "pages": pages,
+                h100 = (paged_attention.DECODE_BLOCK_N[kind], *paged_attention.DECODE_LAUNCH[kind])
+                row = {"shape": shape, "batch": batch, "context": 1024, "pages": pages, "tokens_per_page": page_tokens,
                        "floor_us": round(cache.kv_bytes() / (bandwidth * 1e9) * 1e6, 1),
-                       "launch": list(paged_attention.DECODE_LAUNCH[kind]),
+                       "launch": list(paged_attention.decode_launch(kind, device)), "h100_launch": list(h100),
                        "default_us": round(timer.graph(cache.kernel_calls()), 1),
-                       "four_warps_us": round(timer.graph(cache.kernel_calls(splits=splits, num_warps=4)), 1)}
+                       "h100_launch_us": round(timer.graph(cache.kernel_calls(
+                           splits=splits, block_n=h100[0], num_warps=h100[1], num_stages=h100[2])), 1),
+                       "four_warps_us": round(timer.graph(cache.kernel_calls(
+                           splits=splits, block_n=h100[0], num_warps=4)), 1)}
                 for warps, stages in ((2, 3), (2, 4)):
                     row[f"warps{warps}_stages{stages}_us"] = round(timer.graph(
-                        cache.kernel_calls(splits=splits, num_warps=warps, num_stages=stages)), 1)
-                print(f"attention {row}", flush=True)
+                        cache.kernel_calls(splits=splits, block_n=h100[0], num_warps=warps, num_stages=stages)), 1)
+                if sweep and pages == "fp8":
+                    grid = [(n, w, st, True) for n, w, st in itertools.product((32, 64, 128, 256), (1, 2, 4, 8), (2, 3, 4))
+                            if not (n == 256 and w == 1)]
+                    grid += [(n, w, st, False) for n, w, st in itertools.product((16, 32, 64), (2, 4), (2, 3))]
+                    row["sweep_us"] = {}
+                    for n, w, st, mma in grid:
+                        key = f"block_n={n},warps={w},stages={st}{'' if mma else ',cuda_cores'}"
+                        try:
+                            row["sweep_us"][key] = round(timer.graph(cache.kernel_calls(
+                                splits=splits, block_n=n, num_warps=w, num_stages=st, mma=mma), reps=15), 1)
+                        except Exception as exc:  # noqa: BLE001 - a launch that does not fit is data
+                            row["sweep_us"][key] = repr(exc)[:120]
+                print(f"attention {({k: v for k, v in row.items() if k != 'sweep_us'})}", flush=True)
                 results.append(row)
                 del cache
                 torch.cuda.empty_cache()
@@ -163,6 +188,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=lambda text: [int(x) for x in text.split(",")], default=[2, 16, 32, 64, 128])
     parser.add_argument("--attention", action="store_true", help="also the FP8 decode attention's launch")
+    parser.add_argument("--attention-sweep", action="store_true", help="with --attention: its launch grid over FP8 pages")
     parser.add_argument("--sweep", action="store_true", help="also the GEMM's tile grid at each --rows")
     parser.add_argument("--accumulation", type=lambda text: [int(x) for x in text.split(",")], default=None,
                         metavar="ROWS", help="also torch._scaled_mm with and without fast accumulation at these rows")
@@ -184,7 +210,7 @@ def main() -> None:
     if args.accumulation:
         report["accumulation"] = fast_accumulation(args.accumulation, device, timer)
     if args.attention:
-        report["attention"] = attention_launch(device, timer, bandwidth)
+        report["attention"] = attention_launch(device, timer, bandwidth, args.attention_sweep)
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(report, handle, indent=1)

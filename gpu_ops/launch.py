@@ -37,6 +37,15 @@ def sm_count(device: torch.device, otherwise: int) -> int:
     return otherwise
 
 
+@functools.lru_cache(maxsize=None)
+def gpu_name(device: torch.device) -> str:
+    """The device's name as the driver gives it ("NVIDIA H200"); "" on a device that has none (Triton's
+    interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return ""
+
+
 def widen_bf16_dots(dtype: torch.dtype, kernel) -> bool:
     """Whether `kernel` must widen its bf16 dot operands to float32: Triton's CPU interpreter multiplies
     bf16 dot operands as raw bits (triton 3.9), and the operands are exact in fp32. Compiled kernels never

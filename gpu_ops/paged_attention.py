@@ -25,7 +25,7 @@ import torch
 
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.fp8 import FP8
-from lorad.gpu_ops.launch import next_power_of_2, require_triton, sm_count, widen_bf16_dots
+from lorad.gpu_ops.launch import gpu_name, next_power_of_2, require_triton, sm_count, widen_bf16_dots
 
 try:
     import triton
@@ -38,6 +38,7 @@ __all__ = [
     "attention",
     "attention_meta",
     "decode_attention",
+    "decode_launch",
     "decode_splits",
     "prefill_attention",
     "write_kv",
@@ -59,6 +60,15 @@ DECODE_BLOCK_N = {"mha": 128, "gqa": 64, "mha_fp8": 128, "gqa_fp8": 128}
 # at b=256; CUDA-core dots are slower still. Over bf16 pages two warps change nothing (within 1%).
 # (bench/fp8_rows.py --attention, bench/results/fp8_rows_h100.json.)
 DECODE_LAUNCH = {"mha": (4, None), "gqa": (4, None), "mha_fp8": (2, 3), "gqa_fp8": (2, 3)}
+# Where another GPU's sweep chose otherwise, its launches by kind as (block_n, warps, stages), matched on the device's
+# name. The H200 (the H100's SMs beside 1.4x its HBM bandwidth) reads FP8 pages of the 7B shape (MHA) fastest in
+# programs of 64 positions on one warp with four stages: 170.9 against the H100's launch's 194.3 us at b=64 ctx=1024
+# (the floor 131.3), 332.9 against 361.5 at b=128 (`python3 bench/fp8_rows.py --attention`,
+# bench/results/fp8_rows_h200.json; chosen from the grid of `--attention-sweep`, fp8_attention_sweep_h200.json).
+# Llama 3 8B's GQA gained at b=256 (184.1 against 191.7) and lost at b=64 (56.9 against 53.8) with its best there
+# (64 positions, two warps, two stages), so it keeps the H100's launch. Not measured on the H100, whose launches stay
+# as above.
+DECODE_LAUNCH_BY_GPU = {"H200": {"mha_fp8": (64, 1, 4)}}
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in the combine than it saves
 PROGRAMS_PER_SM = 2
@@ -142,6 +152,16 @@ def attention_meta(batch: AttentionBatch, tokens_per_page: int, device) -> Atten
         meta = AttentionMeta.build(batch, tokens_per_page, device)
         batch._paged_meta = meta
     return meta
+
+
+def decode_launch(kind: str, device: torch.device) -> tuple[int, int, int | None]:
+    """(block_n, warps, stages) of a decode launch of `kind` ("mha", "gqa", "mha_fp8", "gqa_fp8") on `device`:
+    DECODE_LAUNCH_BY_GPU's entry for the device where it has one, else DECODE_BLOCK_N's and DECODE_LAUNCH's."""
+    name = gpu_name(device)
+    for gpu, launches in DECODE_LAUNCH_BY_GPU.items():
+        if gpu in name and kind in launches:
+            return launches[kind]
+    return (DECODE_BLOCK_N[kind], *DECODE_LAUNCH[kind])
 
 
 def decode_splits(num_seqs: int, kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -548,10 +568,11 @@ def decode_attention(
     use_dot = True if mma is None else mma
     kv_fp8 = _kv_fp8(kv_view, kv_scale)
     kind = ("gqa" if group > 1 else "mha") + ("_fp8" if kv_fp8 else "")
+    launch = decode_launch(kind, q.device)
     if block_n is None:
-        block_n = DECODE_BLOCK_N[kind]
+        block_n = launch[0]
     if num_warps is None:
-        num_warps, num_stages = DECODE_LAUNCH[kind][0], num_stages or DECODE_LAUNCH[kind][1]
+        num_warps, num_stages = launch[1], num_stages or launch[2]
     group_pad = max(16, next_power_of_2(group)) if use_dot else next_power_of_2(group)
     if splits > 1:
         if workspace is None:

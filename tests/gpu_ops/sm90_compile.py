@@ -32,14 +32,20 @@ def variants():
         f16 = pages == "fp8" and dots == "float16"
         name = f"group={group} pages={pages}{' dots=' + dots if pages == 'fp8' else ''}{' sliding+softcap' if sliding else ''}"
         scalars = dict(UPCAST=False, SLIDING=sliding, SOFTCAP=sliding, KV_FP8=pages == "fp8", F16_DOTS=f16, PRECISION="tf32")
+        decode_kind = ("gqa" if group > 1 else "mha") + ("_fp8" if pages == "fp8" else "")
         for splits in (1, 4):
             decode = dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=128, HEAD_PAD=128, KV_HEADS=kv_heads, TOKENS_PER_PAGE=tpp,
-                          BLOCK_N=paged_attention.DECODE_BLOCK_N[("gqa" if group > 1 else "mha") + ("_fp8" if pages == "fp8" else "")], SPLITS=splits, USE_DOT=True,
+                          BLOCK_N=paged_attention.DECODE_BLOCK_N[decode_kind], SPLITS=splits, USE_DOT=True,
                           **scalars)
             signature = dict(q_ptr="*bf16", kv_ptr=kv, k_table_ptr="*i32", v_table_ptr="*i32", seqs_ptr="*i32",
                              query_start_ptr="*i32", kv_len_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32",
                              part_lse_ptr="*fp32", kv_scale_ptr="*fp32", **COMMON, **{key: "constexpr" for key in decode})
             yield f"decode {name} splits={splits}", paged_attention._decode_kernel, signature, decode
+            h200 = paged_attention.DECODE_LAUNCH_BY_GPU["H200"].get(decode_kind)
+            if h200 is not None and f16 and not sliding:  # the H200's launch over FP8 pages (decode_launch)
+                block_n, warps, stages = h200
+                yield (f"decode {name} splits={splits} H200 launch", paged_attention._decode_kernel, signature,
+                       {**decode, "BLOCK_N": block_n}, None, {"num_warps": warps, "num_stages": stages})
         prefill = dict(GROUP=group, HEAD_DIM=128, HEAD_PAD=128, KV_HEADS=kv_heads, TOKENS_PER_PAGE=tpp,
                        BLOCK_M=paged_attention.PREFILL_BLOCK_M, BLOCK_N=64, **scalars)
         signature = dict(q_ptr="*bf16", kv_ptr=kv, k_table_ptr="*i32", v_table_ptr="*i32", tile_seq_ptr="*i32",
@@ -66,10 +72,11 @@ def main() -> int:
         print("the kernels were decorated for the interpreter (TRITON_INTERPRET is set)", file=sys.stderr)
         return 2
     failed = 0
-    for name, kernel, signature, constexprs, *attrs in [*variants(), *peer_sum_variants()]:
+    for name, kernel, signature, constexprs, *extra in [*variants(), *peer_sum_variants()]:
+        attrs, options = (extra + [None, None])[:2]
         try:
-            source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs[0] if attrs else None)
-            triton.compile(source, target=TARGET)
+            source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+            triton.compile(source, target=TARGET, options=options)
             print(f"ok      {name}")
         except Exception as error:  # noqa: BLE001 - every variant reported, the first error's text in full
             failed += 1

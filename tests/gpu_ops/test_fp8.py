@@ -259,6 +259,42 @@ def test_attention_fp8_pages_interpreted(layout, dtype, dots, kernels, monkeypat
         assert relative_error(got, reference.double()) < limit
 
 
+@needs_interpreter
+def test_attention_fp8_pages_at_the_h200_launch_interpreted(kernels, monkeypatch):
+    """On a device named as the H200 the decode kernel over FP8 pages of an MHA model reads 64 positions a step
+    (DECODE_LAUNCH_BY_GPU): the same results against float64 attention, contexts past one step and ragged."""
+    _, _, attention_kernels = kernels
+    monkeypatch.setattr(attention_kernels, "gpu_name", lambda device: "NVIDIA H200")
+    assert attention_kernels.decode_launch("mha_fp8", torch.device("cpu"))[0] == 64
+    heads, kv_heads, head_dim, tokens_per_page = 4, 4, 16, 2
+    shapes = [(150, 1), (3, 1), (64, 1), (70, 6)]
+    case = fp8_case(heads, kv_heads, head_dim, tokens_per_page, shapes, torch.bfloat16, torch.device("cpu"), SCALES)
+    total = sum(query_len for _, query_len in shapes)
+    q = torch.randn(total, heads, head_dim).bfloat16()
+    got = attention_kernels.attention(q, case.kv_view, 1, case.batch, 0.3, kv_scales=SCALES)
+    assert relative_error(got, truth(case, q, 1, 0.3)) < 2e-2
+
+
+def test_decode_launch_by_gpu():
+    """A GPU with its own entry takes it for the kinds it names; others, and other kinds, the defaults."""
+    from lorad.gpu_ops import paged_attention
+
+    cpu = torch.device("cpu")
+    assert paged_attention.decode_launch("mha_fp8", cpu) == (paged_attention.DECODE_BLOCK_N["mha_fp8"],
+                                                              *paged_attention.DECODE_LAUNCH["mha_fp8"])
+    original = paged_attention.gpu_name
+    try:
+        paged_attention.gpu_name = lambda device: "NVIDIA H200"
+        assert paged_attention.decode_launch("mha_fp8", cpu) == (64, 1, 4)
+        for kind in ("gqa_fp8", "mha"):  # GQA over FP8 pages and bf16 pages: the defaults
+            assert paged_attention.decode_launch(kind, cpu) == (paged_attention.DECODE_BLOCK_N[kind],
+                                                                *paged_attention.DECODE_LAUNCH[kind])
+        paged_attention.gpu_name = lambda device: "NVIDIA H100 80GB HBM3"
+        assert paged_attention.decode_launch("mha_fp8", cpu) == (128, 2, 3)
+    finally:
+        paged_attention.gpu_name = original
+
+
 def test_rows_gemm_config_by_projection_width():
     """Narrow projections (o, down) in 32-column tiles up to 64 rows, 64 past; wide ones 16 by 64 up to 16 rows, 64 by
     64 with K 128 deep past; stages cut to what the shared memory holds, K to its depth."""
