@@ -66,19 +66,19 @@ class RowsGemmConfig:
 
 def rows_gemm_config(rows: int, k: int, n: int, shared_memory: int) -> RowsGemmConfig:
     """Tiles by the projection's width, chosen from the sweeps of the 7B projections on the H100 and the H200
-    (`python3 bench/fp8_rows.py --sweep`; bench/results/fp8_rows_sweep_h100.json, fp8_rows_sweep_h200.json), each
-    faster on both than the one tile it replaced (64 by 64, K 256 deep, six stages; 16 by 32 up to 16 rows), or within
-    1% (q|k|v at 16 rows on the H200):
+    (`python3 bench/fp8_rows.py --sweep`; bench/results/fp8_rows_sweep_h100.json, fp8_rows_sweep_h200.json) where
+    one tile served all before (64 by 64, K 256 deep, six stages; 16 by 32 up to 16 rows):
     - at most NARROW_OUT_FEATURES columns (o, down) up to 64 rows: 64 rows by 32 columns, K 256 deep, six stages;
-      on 4096 columns that is 128 programs where 64-column tiles leave half of the SMs idle (at 64 rows o 9.5
-      against 10.8 us on the H100, 9.4 against 10.9 on the H200; down 20.5 against 21.7, 18.7 against 21.5);
-    - wider (q|k|v, gate|up) up to 16 rows: 16 by 64, K 256 deep, three stages (at 16 rows gate|up 36.4 against
-      38.5 us, 27.6 against 31.1);
-    - wider past 16 rows: 64 by 64, K 128 deep, four stages (at 64 rows q|k|v 23.4 against 24.6 us, 19.4 against
-      22.1; gate|up 39.0 against 40.0, 29.7 against 34.8);
-    - o and down past 64 rows (fp8_linear's NARROW_MAX_ROWS): 64 by 64, K 256 deep, six stages.
-    Stages: fewer where the device's shared memory per block (`shared_memory`, bytes) holds fewer; K read no
-    deeper than it is (at least 32: one FP8 MMA's depth)."""
+      on 4096 columns that is 128 programs where 64-column tiles leave half of the SMs idle;
+    - wider (q|k|v, gate|up) up to 16 rows: 16 by 64, K 256 deep, three stages;
+    - wider past 16 rows: 64 by 64, K 128 deep, four stages;
+    - o and down past 64 rows (fp8_linear's NARROW_MAX_ROWS): 64 by 64, K 256 deep, six stages, as before.
+    Beside the one tile in one run on the H200 (`python3 bench/fp8_rows.py --rows 2,16,64,128`,
+    bench/results/fp8_rows_h200.json) a 7B layer's four projections take 0.93x its time at 2 and 16 rows and 0.86x at
+    64 (73.2 against 84.7 us), every projection faster but q|k|v up to 16 rows (17.6-17.9 against 17.0-17.4 us); on
+    the H100's sweep each is as fast or faster (at 64 rows o 9.5 against 10.8 us, down 20.5 against 21.7, q|k|v 23.4
+    against 24.6, gate|up 39.0 against 40.0). Stages: fewer where the device's shared memory per block
+    (`shared_memory`, bytes) holds fewer; K read no deeper than it is (at least 32: one FP8 MMA's depth)."""
     if n <= NARROW_OUT_FEATURES:
         block_m, block_n, block_k, stages = (64, 32, 256, 6) if rows <= 64 else (64, 64, 256, 6)
     else:
