@@ -7,7 +7,8 @@ shows what `gemv_config` should pick.
     python3 bench/gemv.py --out bench/results/gemv_h100.json
 
 With --fp8, one row over FP8 weights (per-channel scales, gpu_ops/fp8.py) on the 7B projections: the
-default config, the bf16 gemv on the same shapes, and a sweep of the tiles:
+default config, the bf16 gemv on the same shapes, the row quantized and multiplied by the FP8 rows GEMM
+(gpu_ops/fp8_gemm.py, what fp8_linear takes past one row), and a sweep of the tiles:
 
     python3 bench/gemv.py --fp8 --out bench/results/gemv_fp8_h100.json
 """
@@ -113,7 +114,7 @@ def bf16_sweep(device: torch.device, timer: Timer, rows_list: list[int], no_swee
 
 
 def fp8_sweep(device: torch.device, timer: Timer, no_sweep: bool) -> list[dict]:
-    from lorad.gpu_ops import fp8
+    from lorad.gpu_ops import fp8, fp8_gemm
 
     results = []
     for name in ("7b.qkv", "7b.o", "7b.gate_up", "7b.down"):
@@ -137,10 +138,15 @@ def fp8_sweep(device: torch.device, timer: Timer, no_sweep: bool) -> list[dict]:
 
         entry = {"shape": name, "n": n, "k": k, "weight_bytes": nbytes, "bf16_gemv_us": bf16_us,
                  "default": measure(gemv.gemv_config(n, k, 1))}
+        # what fp8_linear does past one row: the row quantized per token, then the FP8 rows GEMM (tensor cores)
+        fp8_weights = [fp8.Fp8Weight(w, quantized.scale) for w in weights]
+        entry["quantized_rows_gemm_us"] = timer.graph([lambda w=w: fp8_gemm.fp8_rows_gemm(
+            *fp8_gemm.quantize_rows(x), w, None, torch.bfloat16) for w in fp8_weights])
         if not no_sweep:
             entry.update(sweep_configs(FP8_SWEEP, measure))
         results.append(entry)
-        line = f"{name:12s} fp8 default {entry['default']['GBps']:6.0f} GB/s ({entry['default']['us']:.1f} us), bf16 gemv {bf16_us:.1f} us"
+        line = (f"{name:12s} fp8 default {entry['default']['GBps']:6.0f} GB/s ({entry['default']['us']:.1f} us), bf16 gemv "
+                f"{bf16_us:.1f} us, row quantized + rows GEMM {entry['quantized_rows_gemm_us']:.1f} us")
         if entry.get("best"):
             line += f"\n    best: {entry['best']['GBps']:6.0f} GB/s {entry['best']['us']:.1f} us {entry['best']['config']}"
         print(line, flush=True)
