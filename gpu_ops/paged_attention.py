@@ -60,14 +60,14 @@ DECODE_BLOCK_N = {"mha": 128, "gqa": 64, "mha_fp8": 128, "gqa_fp8": 128}
 # at b=256; CUDA-core dots are slower still. Over bf16 pages two warps change nothing (within 1%).
 # (bench/fp8_rows.py --attention, bench/results/fp8_rows_h100.json.)
 DECODE_LAUNCH = {"mha": (4, None), "gqa": (4, None), "mha_fp8": (2, 3), "gqa_fp8": (2, 3)}
-# Where another GPU's sweep chose otherwise, its launches by kind as (block_n, warps, stages), matched on the device's
-# name. The H200 (the H100's SMs beside 1.4x its HBM bandwidth) reads FP8 pages of the 7B shape (MHA) fastest in
-# programs of 64 positions on one warp with four stages: 170.9 against the H100's launch's 194.3 us at b=64 ctx=1024
-# (the floor 131.3), 332.9 against 361.5 at b=128 (`python3 bench/fp8_rows.py --attention`,
-# bench/results/fp8_rows_h200.json; chosen from the grid of `--attention-sweep`, fp8_attention_sweep_h200.json).
-# Llama 3 8B's GQA gained at b=256 (184.1 against 191.7) and lost at b=64 (56.9 against 53.8) with its best there
-# (64 positions, two warps, two stages), so it keeps the H100's launch. Not measured on the H100, whose launches stay
-# as above.
+# Where another GPU's sweep chose otherwise, its launches by kind as (block_n, warps, stages), matched on a word of
+# the device's name. The H200 (the H100's SMs beside 1.4x its HBM bandwidth) reads FP8 pages of the 7B shape (MHA)
+# fastest in programs of 64 positions on one warp with four stages: 170.9 against the H100's launch's 194.3 us at b=64
+# ctx=1024 (the floor 131.3), 332.9 against 361.5 at b=128 (`python3 bench/fp8_rows.py --attention`,
+# bench/results/fp8_rows_h200.json; chosen from the grid of `--attention-sweep`, fp8_attention_sweep_h200.json). Llama
+# 3 8B's GQA gained at b=256 (184.1 against 191.7) and lost at b=64 (56.9 against 53.8) with its best there (64
+# positions, two warps, two stages), so it keeps the H100's launch. Not measured on the H100, whose launches stay as
+# above.
 DECODE_LAUNCH_BY_GPU = {"H200": {"mha_fp8": (64, 1, 4)}}
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in the combine than it saves
@@ -157,9 +157,9 @@ def attention_meta(batch: AttentionBatch, tokens_per_page: int, device) -> Atten
 def decode_launch(kind: str, device: torch.device) -> tuple[int, int, int | None]:
     """(block_n, warps, stages) of a decode launch of `kind` ("mha", "gqa", "mha_fp8", "gqa_fp8") on `device`:
     DECODE_LAUNCH_BY_GPU's entry for the device where it has one, else DECODE_BLOCK_N's and DECODE_LAUNCH's."""
-    name = gpu_name(device)
+    words = gpu_name(device).split()  # "NVIDIA H200" and "NVIDIA H200 NVL" are H200s; "NVIDIA GH200 480GB" is not one
     for gpu, launches in DECODE_LAUNCH_BY_GPU.items():
-        if gpu in name and kind in launches:
+        if gpu in words and kind in launches:
             return launches[kind]
     return (DECODE_BLOCK_N[kind], *DECODE_LAUNCH[kind])
 

@@ -289,8 +289,11 @@ def test_decode_launch_by_gpu():
         for kind in ("gqa_fp8", "mha"):  # GQA over FP8 pages and bf16 pages: the defaults
             assert paged_attention.decode_launch(kind, cpu) == (paged_attention.DECODE_BLOCK_N[kind],
                                                                 *paged_attention.DECODE_LAUNCH[kind])
-        paged_attention.gpu_name = lambda device: "NVIDIA H100 80GB HBM3"
-        assert paged_attention.decode_launch("mha_fp8", cpu) == (128, 2, 3)
+        paged_attention.gpu_name = lambda device: "NVIDIA H200 NVL"
+        assert paged_attention.decode_launch("mha_fp8", cpu) == (64, 1, 4)
+        for other in ("NVIDIA H100 80GB HBM3", "NVIDIA GH200 480GB"):  # GH200's GPU is an H100 beside a Grace CPU
+            paged_attention.gpu_name = lambda device, name=other: name
+            assert paged_attention.decode_launch("mha_fp8", cpu) == (128, 2, 3)
     finally:
         paged_attention.gpu_name = original
 
