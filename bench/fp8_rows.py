@@ -35,6 +35,7 @@ from timing import Timer, copy_bandwidth  # bench/timing.py
 
 from lorad.gpu_ops import fp8_gemm, paged_attention
 from lorad.gpu_ops.fp8 import FP8, Fp8Weight, fp8_unavailable
+from lorad.gpu_ops.launch import next_power_of_2
 
 PROJECTIONS = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}  # (out, in)
 ROTATE_BYTES = 160e6  # the weight copies one timed round reads: past the H100's 50 MB L2
@@ -61,7 +62,7 @@ def one_tile_config(rows: int, k: int, shared_memory: int) -> fp8_gemm.RowsGemmC
     """The one tile rows_gemm_config gave every projection before it chose by width (its H100 sweep's best): 16 rows
     by 32 columns up to 16 rows, 64 by 64 past, K 256 deep, six stages; timed beside today's choice."""
     block_m, block_n = (16, 32) if rows <= 16 else (64, 64)
-    block_k = max(32, min(256, 1 << (k - 1).bit_length()))
+    block_k = max(32, min(256, next_power_of_2(k)))
     stages = max(2, min(6, shared_memory // ((block_m + block_n) * block_k) - 1))
     return fp8_gemm.RowsGemmConfig(block_m, block_n, block_k, 4, stages)
 

@@ -275,27 +275,23 @@ def test_attention_fp8_pages_at_the_h200_launch_interpreted(kernels, monkeypatch
     assert relative_error(got, truth(case, q, 1, 0.3)) < 2e-2
 
 
-def test_decode_launch_by_gpu():
+def test_decode_launch_by_gpu(monkeypatch):
     """A GPU with its own entry takes it for the kinds it names; others, and other kinds, the defaults."""
     from lorad.gpu_ops import paged_attention
 
     cpu = torch.device("cpu")
     assert paged_attention.decode_launch("mha_fp8", cpu) == (paged_attention.DECODE_BLOCK_N["mha_fp8"],
                                                               *paged_attention.DECODE_LAUNCH["mha_fp8"])
-    original = paged_attention.gpu_name
-    try:
-        paged_attention.gpu_name = lambda device: "NVIDIA H200"
-        assert paged_attention.decode_launch("mha_fp8", cpu) == (64, 1, 4)
-        for kind in ("gqa_fp8", "mha"):  # GQA over FP8 pages and bf16 pages: the defaults
-            assert paged_attention.decode_launch(kind, cpu) == (paged_attention.DECODE_BLOCK_N[kind],
-                                                                *paged_attention.DECODE_LAUNCH[kind])
-        paged_attention.gpu_name = lambda device: "NVIDIA H200 NVL"
-        assert paged_attention.decode_launch("mha_fp8", cpu) == (64, 1, 4)
-        for other in ("NVIDIA H100 80GB HBM3", "NVIDIA GH200 480GB"):  # GH200's GPU is an H100 beside a Grace CPU
-            paged_attention.gpu_name = lambda device, name=other: name
-            assert paged_attention.decode_launch("mha_fp8", cpu) == (128, 2, 3)
-    finally:
-        paged_attention.gpu_name = original
+    monkeypatch.setattr(paged_attention, "gpu_name", lambda device: "NVIDIA H200")
+    assert paged_attention.decode_launch("mha_fp8", cpu) == (64, 1, 4)
+    for kind in ("gqa_fp8", "mha"):  # GQA over FP8 pages and bf16 pages: the defaults
+        assert paged_attention.decode_launch(kind, cpu) == (paged_attention.DECODE_BLOCK_N[kind],
+                                                            *paged_attention.DECODE_LAUNCH[kind])
+    monkeypatch.setattr(paged_attention, "gpu_name", lambda device: "NVIDIA H200 NVL")
+    assert paged_attention.decode_launch("mha_fp8", cpu) == (64, 1, 4)
+    for other in ("NVIDIA H100 80GB HBM3", "NVIDIA GH200 480GB"):  # GH200's GPU is an H100 beside a Grace CPU
+        monkeypatch.setattr(paged_attention, "gpu_name", lambda device, name=other: name)
+        assert paged_attention.decode_launch("mha_fp8", cpu) == (128, 2, 3)
 
 
 def test_rows_gemm_config_by_projection_width():
