@@ -208,14 +208,23 @@ def takes_rows_kernel(rows: int, out_features: int) -> bool:
     return rows <= ROWS_KERNEL_MAX_ROWS or (rows <= NARROW_MAX_ROWS and out_features <= NARROW_OUT_FEATURES)
 
 
-def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
+               quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, in] @ W^T (+ bias) -> [T, out] in x's dtype, on the GPU: one row through the gemv kernel with the
     channel scales (x in its own dtype: a static activation scale is not needed there), more rows quantized per
     token and multiplied by fp8_rows_gemm (`takes_rows_kernel`) or torch._scaled_mm (rowwise scales, fast
-    accumulation, bf16 out). in and out must be multiples of 16 (torch._scaled_mm; checked at load)."""
+    accumulation, bf16 out). in and out must be multiples of 16 (torch._scaled_mm; checked at load).
+    quantized: x's rows already quantized with the weight's activation scale (FP8 [T, in], float32 [T, 1]), as
+    the `*_fp8` kernels of gpu_ops/fused.py write them beside x; then no quantization is launched here."""
     if x.shape[0] <= gemv.GEMV_MAX_ROWS and x.stride(-1) == 1:
         return gemv.gemv(x, weight.weight, bias, scale=weight.scale)
-    rows, row_scale = quantize_rows(x if x.stride(-1) == 1 else x.contiguous(), weight.input_scale)
+    if quantized is not None:
+        rows, row_scale = quantized
+        if rows.shape != x.shape or rows.dtype != FP8 or row_scale.shape != (x.shape[0], 1):
+            raise ValueError(f"quantized rows {tuple(rows.shape)} {rows.dtype} and scales {tuple(row_scale.shape)} "
+                             f"do not match x {tuple(x.shape)}")
+    else:
+        rows, row_scale = quantize_rows(x if x.stride(-1) == 1 else x.contiguous(), weight.input_scale)
     if takes_rows_kernel(x.shape[0], weight.weight.shape[0]):
         return fp8_rows_gemm(rows, row_scale, weight, bias, x.dtype)
     out = torch._scaled_mm(rows, weight.weight.t(), scale_a=row_scale, scale_b=weight.scale.view(1, -1),

@@ -3,6 +3,13 @@ RoPE on q and k together, SiLU(gate) * up and Gemma's GELU(gate) * up (tanh GELU
 intermediate tensors) by one pass over the rows; the references are `rms_norm_ref` and
 `add_rms_norm_ref` (gpu_ops/norm.py), `rope_qk_ref` (from apply_rope_ref in gpu_ops/rope.py) and
 `silu_mul_ref`, `gelu_tanh_mul_ref`. All are memory-bound: one read and one write of each row.
+
+The `*_fp8` forms of the norms also quantize the rows they write for the FP8 GEMM that reads them (q|k|v's,
+gate|up's; gpu_ops/fp8_gemm.py) in the same pass, from the registers that hold the row: each row over its amax / 448
+(or a checkpoint's static scale), what `fp8.quantize_rows_ref` gives for the rows stored, where a quantization
+launch of its own read them again (references: `rms_norm_fp8_ref`, `add_rms_norm_fp8_ref`). The gated activations
+have no such form: at decode batches a program per row (the amax wants the whole row) left half of the SMs idle,
+and SiLU * up with the quantization in one kernel took longer than the two launches it replaced (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -10,7 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lorad.gpu_ops.fp8 import FP8, quantize_rows_ref
 from lorad.gpu_ops.launch import cdiv, next_power_of_2, require_triton
+from lorad.gpu_ops.norm import add_rms_norm_ref, rms_norm_ref
 from lorad.gpu_ops.rope import apply_rope_ref
 
 try:
@@ -19,8 +28,8 @@ try:
 except ImportError:  # the CPU engine runs the references only
     triton = None
 
-__all__ = ["add_rms_norm", "gelu_tanh_mul", "gelu_tanh_mul_ref", "rms_norm", "rope_qk", "rope_qk_ref", "silu_mul",
-           "silu_mul_ref"]
+__all__ = ["add_rms_norm", "add_rms_norm_fp8", "add_rms_norm_fp8_ref", "gelu_tanh_mul", "gelu_tanh_mul_ref", "rms_norm",
+           "rms_norm_fp8", "rms_norm_fp8_ref", "rope_qk", "rope_qk_ref", "silu_mul", "silu_mul_ref"]
 
 SILU_BLOCK = 1024
 
@@ -33,12 +42,48 @@ if triton is not None:
 
     @triton.jit
     def _store_scaled(normed, weight_ptr, out_row_ptr, cols, ok, SCALE_F32: tl.constexpr):
-        """The float32 normed row times the weight, stored. Llama (a weight of the row's dtype): the normed row is
-        rounded to that dtype before the scale; Gemma (SCALE_F32, a float32 weight): scaled in float32, rounded once."""
+        """The float32 normed row times the weight, stored; -> the stored row in float32. Llama (a weight of the
+        row's dtype): the normed row is rounded to that dtype before the scale; Gemma (SCALE_F32, a float32 weight):
+        scaled in float32, rounded once."""
         if not SCALE_F32:
             normed = normed.to(out_row_ptr.dtype.element_ty).to(tl.float32)
         weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_row_ptr + cols, (normed * weight).to(out_row_ptr.dtype.element_ty), mask=ok)
+        stored = (normed * weight).to(out_row_ptr.dtype.element_ty)
+        tl.store(out_row_ptr + cols, stored, mask=ok)
+        return stored.to(tl.float32)
+
+    @triton.jit
+    def _row_scale(amax, static_ptr, STATIC: tl.constexpr):
+        """A row's FP8 scale: its amax / 448, or the static scale."""
+        if STATIC:
+            return tl.load(static_ptr)
+        return tl.maximum(amax, 1e-12) / 448.0  # fp8.MIN_AMAX, fp8.FP8_MAX
+
+    @triton.jit
+    def _store_fp8(values, scale, rows_row_ptr, cols, ok):
+        """values (float32) over the row's scale, saturated to +-448, stored as FP8."""
+        quantized = tl.minimum(tl.maximum(values / scale, -448.0), 448.0)
+        tl.store(rows_row_ptr + cols, quantized.to(rows_row_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _norm_fp8_kernel(h_ptr, delta_ptr, weight_ptr, out_ptr, rows_ptr, scale_ptr, static_ptr, stride_ht, stride_dt,
+                         stride_ot, stride_rt, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SCALE_F32: tl.constexpr,
+                         ADD: tl.constexpr, STATIC: tl.constexpr):
+        """rms_norm (ADD false: h is x) or add_rms_norm, the stored rows then quantized to FP8 from registers."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < HIDDEN
+        if ADD:
+            delta = tl.load(delta_ptr + row * stride_dt + cols, mask=ok, other=0.0).to(tl.float32)
+            stored = _add_norm_row(h_ptr + row * stride_ht, delta, weight_ptr, out_ptr + row * stride_ot, cols, ok, eps,
+                                   HIDDEN, SCALE_F32)
+        else:
+            x = tl.load(h_ptr + row * stride_ht + cols, mask=ok, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
+            stored = _store_scaled(x * rstd, weight_ptr, out_ptr + row * stride_ot, cols, ok, SCALE_F32)
+        scale = _row_scale(tl.max(tl.where(ok, tl.abs(stored), 0.0), axis=0), static_ptr, STATIC)
+        tl.store(scale_ptr + row, scale)
+        _store_fp8(stored, scale, rows_ptr + row * stride_rt, cols, ok)
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_xt, stride_ot, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
@@ -63,14 +108,14 @@ if triton is not None:
     @triton.jit
     def _add_norm_row(h_row_ptr, delta, weight_ptr, out_row_ptr, cols, ok, eps, HIDDEN: tl.constexpr,
                       SCALE_F32: tl.constexpr):
-        """h_row += delta (a float32 row) in place, then its RMSNorm stored at out_row_ptr. The sum is rounded to
-        the residual's dtype, as `h + delta` is, and normalised from that value."""
+        """h_row += delta (a float32 row) in place, then its RMSNorm stored at out_row_ptr; -> the stored norm in
+        float32. The sum is rounded to the residual's dtype, as `h + delta` is, and normalised from that value."""
         h = tl.load(h_row_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         h = (h + delta).to(h_row_ptr.dtype.element_ty)
         tl.store(h_row_ptr + cols, h, mask=ok)
         x = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
-        _store_scaled(x * rstd, weight_ptr, out_row_ptr, cols, ok, SCALE_F32)
+        return _store_scaled(x * rstd, weight_ptr, out_row_ptr, cols, ok, SCALE_F32)
 
     @triton.jit
     def _rope_rows(x_ptr, out_ptr, token, stride_t, stride_h, stride_ot, stride_oh, cos1, cos2, sin1, sin2,
@@ -172,6 +217,59 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
                                         HIDDEN=hidden, BLOCK=block, SCALE_F32=weight.dtype == torch.float32,
                                         num_warps=_warps(block))
     return h, out
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, static_scale: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rms_norm, and its rows quantized for an FP8 GEMM in the same pass: -> (normed [T, hidden] of x's dtype, FP8
+    [T, hidden], float32 scales [T, 1]); the last two are fp8.quantize_rows_ref(normed, static_scale). Bytes: those
+    of rms_norm plus T * hidden (the FP8 rows)."""
+    require_triton("fused kernels")
+    _rows(x, "x")
+    return _norm_fp8(x, None, weight, eps, static_scale)
+
+
+def add_rms_norm_fp8(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                     static_scale: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """add_rms_norm, and its normed rows quantized for an FP8 GEMM in the same pass: -> (h, normed, FP8 [T, hidden],
+    float32 scales [T, 1]); the last two are fp8.quantize_rows_ref(normed, static_scale). Bytes: those of
+    add_rms_norm plus T * hidden."""
+    require_triton("fused kernels")
+    _rows(h, "h")
+    _rows(delta, "delta")
+    if delta.shape != h.shape or delta.dtype != h.dtype:
+        raise ValueError(f"delta {tuple(delta.shape)} {delta.dtype} must match h {tuple(h.shape)} {h.dtype}")
+    return (h, *_norm_fp8(h, delta, weight, eps, static_scale))
+
+
+def _norm_fp8(x, delta, weight, eps, static_scale):
+    tokens, hidden = x.shape
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must be [{hidden}], got {tuple(weight.shape)}")
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    rows = torch.empty(tokens, hidden, dtype=FP8, device=x.device)
+    scale = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
+    if tokens:
+        block = next_power_of_2(hidden)
+        _norm_fp8_kernel[(tokens,)](
+            x, delta if delta is not None else x, weight, out, rows, scale,
+            static_scale if static_scale is not None else scale, x.stride(0),
+            delta.stride(0) if delta is not None else 0, out.stride(0), rows.stride(0), eps, HIDDEN=hidden, BLOCK=block,
+            SCALE_F32=weight.dtype == torch.float32, ADD=delta is not None, STATIC=static_scale is not None,
+            num_warps=_warps(block),
+        )
+    return out, rows, scale
+
+
+def rms_norm_fp8_ref(x, weight, eps, static_scale=None):
+    normed = rms_norm_ref(x, weight, eps)
+    return (normed, *quantize_rows_ref(normed, static_scale))
+
+
+def add_rms_norm_fp8_ref(h, delta, weight, eps, static_scale=None):
+    h, normed = add_rms_norm_ref(h, delta, weight, eps)
+    return (h, normed, *quantize_rows_ref(normed, static_scale))
 
 
 def rope_qk(

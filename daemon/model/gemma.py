@@ -50,13 +50,13 @@ class GemmaModel(LlamaModel):
     def layer_forward(self, index, layer: GemmaLayer, h, x, cos, sin, step, kv_view, table):
         ops, eps = self.ops, self.spec.rms_norm_eps
         o = ops.rms_norm(self.attention_block(index, layer, x, cos, sin, step, kv_view, table), layer.attention_out_norm, eps)
-        h, x = ops.add_rms_norm(h, o, layer.post_norm, eps)
+        h, x = ops.add_rms_norm(h, o, layer.post_norm, eps, feeds=layer.gate_up)
         return h, ops.rms_norm(self.mlp_block(index, layer, x, step, table), layer.mlp_out_norm, eps)
 
     # Gemma norms each block's output after its sum over the ranks: layer_forward returns the MLP's output summed
     # and normed, which the residual stream takes as it is.
-    def add_layer_output(self, h: torch.Tensor, down: torch.Tensor, weight: torch.Tensor):
-        return self.ops.add_rms_norm(h, down, weight, self.spec.rms_norm_eps)
+    def add_layer_output(self, h: torch.Tensor, down: torch.Tensor, following: GemmaLayer):
+        return self.ops.add_rms_norm(h, down, following.input_norm, self.spec.rms_norm_eps, feeds=following.qkv)
 
     def final_rows(self, h: torch.Tensor, down: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(h[sample_rows] + down[sample_rows], self.norm, self.spec.rms_norm_eps)

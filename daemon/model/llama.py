@@ -108,29 +108,29 @@ class LlamaModel:
         """-> logits [len(sample_rows), vocab] float32."""
         h = self.embed_tokens(step.input_ids)
         rotations = [(cos[step.positions], sin[step.positions]) for cos, sin in self.rotations]
-        x = self.ops.rms_norm(h, self.layers[0].input_norm, self.spec.rms_norm_eps)
+        x = self.ops.rms_norm(h, self.layers[0].input_norm, self.spec.rms_norm_eps, feeds=self.layers[0].qkv)
         for index, layer in enumerate(self.layers):
             cos, sin = rotations[layer.rope]
             h, down = self.layer_forward(index, layer, h, x, cos, sin, step, kv_view, table)
             if index + 1 < len(self.layers):  # the residual add, fused into the next layer's input norm
-                h, x = self.add_layer_output(h, down, self.layers[index + 1].input_norm)
+                h, x = self.add_layer_output(h, down, self.layers[index + 1])
         return self.logits(self.final_rows(h, down, step.sample_rows))
 
-    def sum_add_rms_norm(self, h: torch.Tensor, partial: torch.Tensor, weight: torch.Tensor, half: int):
+    def sum_add_rms_norm(self, h: torch.Tensor, partial: torch.Tensor, weight: torch.Tensor, half: int, feeds=None):
         """h += partial summed over the ranks, -> (h, rms_norm(h)): in one kernel where `reduce_norm` takes the rows
         (`half`: 0 for o's sums, 1 for down's, so that the calls alternate its buffers), else `reduce`, then the
-        fused add and norm."""
+        fused add and norm. feeds: the projection that reads the normed rows (ops.py)."""
         eps = self.spec.rms_norm_eps
         if self.reduce_norm is not None:
             fused = self.reduce_norm(h, partial, weight, eps, half)
             if fused is not None:
                 return fused
-        return self.ops.add_rms_norm(h, self.reduce(partial), weight, eps)
+        return self.ops.add_rms_norm(h, self.reduce(partial), weight, eps, feeds=feeds)
 
-    def add_layer_output(self, h: torch.Tensor, down: torch.Tensor, weight: torch.Tensor):
+    def add_layer_output(self, h: torch.Tensor, down: torch.Tensor, following: Layer):
         """A layer's MLP output (layer_forward's, partial over the ranks) added to the residual stream, -> (h, the
-        next layer's input norm)."""
-        return self.sum_add_rms_norm(h, down, weight, half=1)
+        following layer's input norm)."""
+        return self.sum_add_rms_norm(h, down, following.input_norm, half=1, feeds=following.qkv)
 
     def final_rows(self, h: torch.Tensor, down: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
         """The last layer's MLP output (partial over the ranks) added to the residual stream, the sampled rows
@@ -155,7 +155,7 @@ class LlamaModel:
         with the previous layer's residual add). -> (h after attention, the MLP's output, partial over the
         tensor-parallel ranks): the caller sums and adds the latter (add_layer_output, final_rows)."""
         o = self.attention_block(index, layer, x, cos, sin, step, kv_view, table, summed=False)
-        h, x = self.sum_add_rms_norm(h, o, layer.post_norm, half=0)
+        h, x = self.sum_add_rms_norm(h, o, layer.post_norm, half=0, feeds=layer.gate_up)
         return h, self.mlp_block(index, layer, x, step, table, summed=False)
 
     def attention_block(self, index, layer: Layer, x, cos, sin, step: Step, kv_view, table,

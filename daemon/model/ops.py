@@ -4,6 +4,11 @@ CPU engine, and any device where the kernels cannot run), and `TritonOps`, the T
 The kernel modules are imported when a set is made, not with this module: the tests set Triton's interpreter
 up before any kernel is decorated.
 
+The norms take `feeds`, the weight of the projection that reads their output: with an FP8 weight, TritonOps
+quantizes the rows for its GEMM in the same kernel (gpu_ops/fused.py's `*_fp8`) and `linear` takes them for that
+weight and that tensor, where it would quantize them in a launch of its own; the references ignore it (their FP8
+GEMM dequantizes the weight instead).
+
 LoRA enters through `lora(x, y, layer, proj, batch, table)` per projection and `lora_group` for q, k, v and
 gate, up, whose outputs lie side by side in one fused GEMM's output. Rows that the CPU workers compute for a
 cold adapter (`batch.cpu_spans`) are handed to `batch.cpu_assist`, which runs the pool path for a layer that
@@ -50,10 +55,11 @@ class TorchOps:
             return self._fp8.fp8_linear_ref(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def rms_norm(self, x, weight, eps):
+    def rms_norm(self, x, weight, eps, feeds=None):
+        """feeds: the projection weight that reads the output (the module's docstring)."""
         return self._norm.rms_norm_ref(x, weight, eps)
 
-    def add_rms_norm(self, h, delta, weight, eps):
+    def add_rms_norm(self, h, delta, weight, eps, feeds=None):
         """h += delta, then (h, rms_norm(h)): the residual add fused into the norm after it."""
         return self._norm.add_rms_norm_ref(h, delta, weight, eps)
 
@@ -133,20 +139,40 @@ class TritonOps(TorchOps):
         self.fuses_groups, self.pdl = fuse_groups, pdl
         self.workspace = torch.empty(bgmv.workspace_numel(max_batch_tokens, max_lora_rank), dtype=torch.float32,
                                      device=device)
+        # (x, the FP8 weight it feeds, x's rows quantized for it): left by a norm, taken by linear
+        self._quantized = None
 
     fp8_gemm = GPU_GEMM
 
     def linear(self, x, weight, bias=None):
         if isinstance(weight, Fp8Weight):
-            return self._fp8_gemm.fp8_linear(x, weight, bias)
+            quantized = None
+            if self._quantized is not None and self._quantized[0] is x and self._quantized[1] is weight:
+                quantized, self._quantized = self._quantized[2], None
+            return self._fp8_gemm.fp8_linear(x, weight, bias, quantized)
         if 0 < x.shape[0] <= self._gemv.GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous():  # 0: a step that samples no row
             return self._gemv.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def rms_norm(self, x, weight, eps):
+    def _quantizes_for(self, feeds, tokens: int) -> bool:
+        """Whether the kernel writing the input of `feeds` quantizes its rows too: an FP8 weight, and more rows than
+        the gemv takes (which reads x in its own dtype)."""
+        return isinstance(feeds, Fp8Weight) and tokens > self._gemv.GEMV_MAX_ROWS
+
+    def _keep_quantized(self, x, feeds, rows, scale):
+        self._quantized = (x, feeds, (rows, scale))
+        return x
+
+    def rms_norm(self, x, weight, eps, feeds=None):
+        if self._quantizes_for(feeds, x.shape[0]):
+            normed, rows, scale = self._fused.rms_norm_fp8(x, weight, eps, feeds.input_scale)
+            return self._keep_quantized(normed, feeds, rows, scale)
         return self._fused.rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, h, delta, weight, eps):
+    def add_rms_norm(self, h, delta, weight, eps, feeds=None):
+        if self._quantizes_for(feeds, h.shape[0]):
+            h, normed, rows, scale = self._fused.add_rms_norm_fp8(h, delta, weight, eps, feeds.input_scale)
+            return h, self._keep_quantized(normed, feeds, rows, scale)
         return self._fused.add_rms_norm(h, delta, weight, eps)
 
     def rope_qk(self, q, k, cos, sin):

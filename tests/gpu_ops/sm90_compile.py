@@ -1,4 +1,4 @@
-"""Compiles the paged attention kernels and the two-rank peer sum for the H100 (sm90) on a machine without a GPU,
+"""Compiles the paged attention kernels, the two-rank peer sum and the norms that quantize their rows for FP8 for the H100 (sm90) on a machine without a GPU,
 every variant of constexprs the engine launches, through Triton's whole pipeline (its bundled ptxas included): the interpreter
 that runs the kernels in CI does not apply the compiler's checks (a helper's return types, say), so a kernel
 can pass every CPU test and fail to compile on the GPU. Run by test_compile_sm90.py in a process of its own
@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lorad.gpu_ops import paged_attention, peer_sum
+from lorad.gpu_ops import fused, paged_attention, peer_sum
 
 TARGET = GPUTarget("cuda", 90, 32)
 COMMON = dict(stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_table="i32", qk_scale="fp32", cap_log2="fp32",
@@ -67,12 +67,25 @@ def peer_sum_variants():
         yield f"peer sum {dtype}{' gemma' if gemma else ''}", peer_sum._peer_sum_add_rms_norm_kernel, signature, constexprs, aligned
 
 
+def fused_fp8_variants():
+    """The norms (plain and with the residual add; Llama's and Gemma's weights) that quantize their rows, with dynamic
+    and static scales."""
+    for add, gemma, static in itertools.product((False, True), repeat=3):
+        signature = dict(h_ptr="*bf16", delta_ptr="*bf16", weight_ptr="*fp32" if gemma else "*bf16", out_ptr="*bf16",
+                         rows_ptr="*fp8e4nv", scale_ptr="*fp32", static_ptr="*fp32", stride_ht="i32", stride_dt="i32",
+                         stride_ot="i32", stride_rt="i32", eps="fp32")
+        constexprs = dict(HIDDEN=4096, BLOCK=4096, SCALE_F32=gemma, ADD=add, STATIC=static)
+        signature.update({key: "constexpr" for key in constexprs})
+        yield (f"norm fp8{' add' if add else ''}{' gemma' if gemma else ''}{' static' if static else ''}",
+               fused._norm_fp8_kernel, signature, constexprs, None, {"num_warps": fused._warps(4096)})
+
+
 def main() -> int:
     if type(paged_attention._decode_kernel).__name__ != "JITFunction":
         print("the kernels were decorated for the interpreter (TRITON_INTERPRET is set)", file=sys.stderr)
         return 2
     failed = 0
-    for name, kernel, signature, constexprs, *extra in [*variants(), *peer_sum_variants()]:
+    for name, kernel, signature, constexprs, *extra in [*variants(), *peer_sum_variants(), *fused_fp8_variants()]:
         attrs, options = (extra + [None, None])[:2]
         try:
             source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)

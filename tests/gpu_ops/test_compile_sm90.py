@@ -1,4 +1,4 @@
-"""The paged attention kernels and the peer sum compile for the H100 (sm90) on a machine without a GPU (sm90_compile.py, in a
+"""The paged attention kernels, the peer sum and the norms that quantize their rows for FP8 compile for the H100 (sm90) on a machine without a GPU (sm90_compile.py, in a
 process of its own without Triton's interpreter): CI's kernel tests run them interpreted, which skips the
 compiler's own checks."""
 
@@ -22,4 +22,5 @@ def test_the_kernels_compile_for_sm90(tmp_path):
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert done.stdout.count("ok ") >= 20 and done.stdout.count("ok      peer sum") == 3
+    assert done.stdout.count("ok      norm fp8") == 8
     shutil.rmtree(tmp_path / "triton", ignore_errors=True)

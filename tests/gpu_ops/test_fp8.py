@@ -4,7 +4,8 @@ the FP8 KV pages written and read by the paged attention kernels, against refere
 - the quantizers' error bounds, Fp8Weight's fusion and the KV conversions (CPU, CI);
 - the FP8 KV reference write/read against float64 attention over the stored values (CPU, CI);
 - the Triton kernels (gpu_ops/fp8_gemm.py's row quantization, the gemv over FP8 weights, KV write, decode and prefill attention over
-  FP8 pages) in Triton's interpreter, which converts float8e4nv as torch does (CPU, CI, when triton imports);
+  FP8 pages; the norms of gpu_ops/fused.py that quantize the rows they write) in Triton's
+  interpreter, which converts float8e4nv as torch does (CPU, CI, when triton imports);
 - the compiled kernels and torch._scaled_mm on the GPU (`pytest -m gpu`, compute capability >= 8.9).
 """
 
@@ -15,7 +16,7 @@ import torch
 
 from triton_interpreter import interpreted, needs_interpreter  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
-from lorad.gpu_ops import fp8, fp8_gemm, gemv, paged_attention  # noqa: E402
+from lorad.gpu_ops import fp8, fp8_gemm, fused, gemv, paged_attention  # noqa: E402
 from lorad.gpu_ops.attention import paged_attention_ref, write_kv_ref  # noqa: E402
 from test_paged_attention import MIXED, build_case, relative_error, truth  # noqa: E402
 
@@ -25,7 +26,7 @@ E4M3_SUBNORMAL_STEP = 2.0**-9  # the spacing below the smallest normal (2^-6), i
 
 @pytest.fixture(scope="module")
 def kernels():
-    interpreted(fp8_gemm._quantize_rows_kernel, gemv, fp8_gemm, paged_attention)
+    interpreted(fp8_gemm._quantize_rows_kernel, gemv, fp8_gemm, paged_attention, fused)
     return fp8_gemm, gemv, paged_attention
 
 
@@ -369,6 +370,72 @@ def test_triton_ops_linear_takes_fp8_weights_interpreted(kernels):
     assert relative_error(many, fp8.scaled_mm_ref(rows.float(), weight, bias.float()).double()) < 1e-2
 
 
+def check_norms_fp8(tokens, hidden, dtype, device, static, gemma=False, seed=0):
+    """rms_norm_fp8 and add_rms_norm_fp8: their normed rows (and h) the plain kernels' to the bit, their FP8 rows and
+    scales those of fp8_gemm.quantize_rows on the normed rows (the same kernels' arithmetic in two launches), and the
+    references' where the conversions round as torch does (compiled)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, hidden, device=device, generator=generator).to(dtype) * 3
+    delta = torch.randn(tokens, hidden, device=device, generator=generator).to(dtype)
+    weight = torch.randn(hidden, device=device, generator=generator).to(torch.float32 if gemma else dtype)
+    static_scale = torch.tensor([0.004], device=device) if static else None  # values past 1.79 saturate
+    normed, rows, scale = fused.rms_norm_fp8(x, weight, 1e-5, static_scale)
+    assert torch.equal(normed, fused.rms_norm(x, weight, 1e-5))
+    outputs = [(normed, rows, scale)]
+    h = x.clone()
+    h_out, normed, rows, scale = fused.add_rms_norm_fp8(h, delta, weight, 1e-5, static_scale)
+    plain_h, plain = fused.add_rms_norm(x.clone(), delta, weight, 1e-5)
+    assert h_out is h and torch.equal(h, plain_h) and torch.equal(normed, plain)
+    outputs.append((normed, rows, scale))
+    for normed, rows, scale in outputs:
+        expected_rows, expected_scale = fp8_gemm.quantize_rows(normed, static_scale)
+        assert torch.equal(scale, expected_scale)
+        assert torch.equal(rows.view(torch.uint8), expected_rows.view(torch.uint8))
+        if device == "cuda":
+            reference_rows, reference_scale = fp8.quantize_rows_ref(normed, static_scale)
+            assert torch.equal(scale, reference_scale) and torch.equal(rows.view(torch.uint8), reference_rows.view(torch.uint8))
+    if static:
+        assert (rows.float().abs() == 448).any()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+def test_norms_quantizing_their_rows_interpreted(static, gemma, kernels):
+    check_norms_fp8(5, 96, torch.bfloat16, "cpu", static, gemma, seed=int(static) + 2 * int(gemma))
+
+
+@needs_interpreter
+def test_triton_ops_linear_takes_the_rows_its_input_kernel_quantized_interpreted(kernels, monkeypatch):
+    """A norm told which FP8 weight reads its output quantizes the rows for it, and linear takes them for
+    that weight and that tensor only, launching no quantization of its own; the product is the unfused path's to the
+    bit. One row (the gemv, x in bf16) quantizes nothing."""
+    from lorad.daemon.model import ops as ops_module
+
+    generator = torch.Generator().manual_seed(12)
+    quantized = fp8.quantize_weight(torch.randn(48, 64, generator=generator) * 0.1)
+    weight = ops_module.Fp8Weight(quantized.weight, quantized.scale)  # the class ops.py dispatches on
+    other = ops_module.Fp8Weight(quantized.weight.clone(), quantized.scale.clone())
+    h = torch.randn(5, 64, generator=generator).bfloat16()
+    delta = torch.randn(5, 64, generator=generator).bfloat16()
+    norm_weight = torch.randn(64, generator=generator).bfloat16()
+    ops = ops_module.TritonOps(torch.device("cpu"), 64, 16)
+    unfused = ops.linear(fused.add_rms_norm(h.clone(), delta, norm_weight, 1e-5)[1], weight)
+    _, x = ops.add_rms_norm(h.clone(), delta, norm_weight, 1e-5, feeds=weight)
+    quantize_rows = fp8_gemm.quantize_rows
+    monkeypatch.setattr(fp8_gemm, "quantize_rows", lambda *args: pytest.fail("quantized the rows again"))
+    assert torch.equal(ops.linear(x, weight), unfused)
+    monkeypatch.setattr(fp8_gemm, "quantize_rows", quantize_rows)
+    _, x = ops.add_rms_norm(h.clone(), delta, norm_weight, 1e-5, feeds=weight)
+    taken = []
+    monkeypatch.setattr(fp8_gemm, "quantize_rows", lambda *args: taken.append(1) or quantize_rows(*args))
+    assert torch.equal(ops.linear(x, other), unfused) and taken  # another weight: quantized by linear itself
+    assert torch.equal(ops.linear(x.clone(), weight), unfused) and len(taken) == 2  # another tensor: likewise
+    monkeypatch.setattr(fused, "rms_norm_fp8", lambda *args: pytest.fail("quantized a row the gemv reads"))
+    one = ops.rms_norm(h[:1], norm_weight, 1e-5, feeds=weight)
+    assert torch.equal(ops.linear(one, weight), ops.linear(fused.rms_norm(h[:1], norm_weight, 1e-5), weight))
+
+
 def test_decode_batches_take_the_rows_kernel_up_to_64_rows_and_narrow_projections_up_to_128():
     from lorad.gpu_ops.fp8_gemm import takes_rows_kernel
 
@@ -430,6 +497,17 @@ def test_fp8_linear_gpu_against_references(rows, projection, kernels):
     else:  # the gemv keeps x in bf16: only the weight is rounded
         assert relative_error(got, dequantized) < 1e-2
     assert relative_error(got, (x.float() @ weight_bf16.float().t()).double()) < 0.06
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("tokens", [2, 64, 1152])
+def test_norms_quantizing_their_rows_gpu(tokens, static, kernels):
+    """The compiled norms with their rows quantized on the 7B and Gemma 2 9B shapes: the plain kernels' outputs to the
+    bit, the FP8 rows and scales quantize_rows_ref's of them (the hardware rounds to nearest even, as torch does)."""
+    check_norms_fp8(tokens, 4096, torch.bfloat16, "cuda", static, seed=tokens)
+    check_norms_fp8(tokens, 3584, torch.bfloat16, "cuda", static, gemma=True, seed=tokens + 1)
 
 
 @pytest.mark.gpu

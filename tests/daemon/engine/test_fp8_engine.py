@@ -9,6 +9,8 @@ import logging
 import pytest
 import torch
 
+from triton_interpreter import CUDA, HAS_TRITON, interpreted  # before the kernel modules: sets TRITON_INTERPRET without a GPU
+
 from lorad.config import EngineConfig
 from lorad.daemon.engine.engine import Engine
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
@@ -137,3 +139,43 @@ def test_the_flags_map_onto_the_config(monkeypatch):
     assert cli.main(["serve", "--demo", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]) == 0
     assert seen == {"demo": True, "quantization": "fp8", "kv_cache_dtype": "fp8"}
     assert EngineConfig(**seen).quantization == "fp8"
+
+
+@pytest.mark.skipif(not HAS_TRITON or CUDA, reason="Triton's interpreter on the CPU (a GPU runs the compiled kernels: -m gpu)")
+def test_rows_quantized_by_the_norms_and_activations_give_the_unfused_logits(demo_assets, monkeypatch):
+    """FP8 weights through the Triton ops (the interpreter): the input norms and the post-attention norms quantize the
+    rows for the FP8 GEMM that reads them (q|k|v, gate|up), and the tokens and logits equal, to the bit, those of the
+    same ops quantizing in launches of their own (the same arithmetic, in one pass fewer)."""
+    from lorad.daemon.model.ops import TritonOps
+    from lorad.gpu_ops import bgmv, fp8_gemm, fused, gemv, mbgmm, mbgmv, paged_attention
+
+    interpreted(fused._norm_fp8_kernel, bgmv, mbgmv, mbgmm, paged_attention, fused, gemv, fp8_gemm)
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    adapters = [None, *sorted(demo_assets.adapters)][:3]
+
+    def run(quantizing: bool):
+        engine = make_engine(demo_assets, quantization="fp8", max_running_requests=4)
+        ops = engine.runner.ops = engine.runner.model.ops = TritonOps(engine.device, 128, 64)
+        if not quantizing:
+            monkeypatch.setattr(ops, "_quantizes_for", lambda feeds, tokens: False)
+        requests = [GenerationRequest(torch.randint(3, 512, (9 + 5 * i,), generator=torch.Generator().manual_seed(i)).tolist(),
+                                      adapters[i % len(adapters)], greedy, keep_logits=True) for i in range(3)]
+        try:
+            return engine.generate(requests)
+        finally:
+            engine.close()
+
+    launched = {"fused": 0, "rows": 0}
+    for name in ("rms_norm_fp8", "add_rms_norm_fp8"):
+        original = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *args, _original=original: launched.__setitem__("fused", launched["fused"] + 1) or _original(*args))
+    quantize_rows = fp8_gemm.quantize_rows
+    monkeypatch.setattr(fp8_gemm, "quantize_rows", lambda *args: launched.__setitem__("rows", launched["rows"] + 1) or quantize_rows(*args))
+    fused_results = run(True)
+    assert launched["fused"] > 0 and launched["rows"] > 0  # o's and down's inputs are quantized by linear
+    rows_alone = launched["rows"]
+    unfused = run(False)
+    assert launched["rows"] - rows_alone == 2 * rows_alone  # without the fused norms: q|k|v's and gate|up's inputs too
+    for got, want in zip(fused_results, unfused):
+        assert got.token_ids == want.token_ids
+        assert torch.equal(torch.stack(got.logits), torch.stack(want.logits))
