@@ -371,29 +371,40 @@ def test_triton_ops_linear_takes_fp8_weights_interpreted(kernels):
 
 
 def check_norms_fp8(tokens, hidden, dtype, device, static, gemma=False, seed=0):
-    """rms_norm_fp8 and add_rms_norm_fp8: their normed rows (and h) the plain kernels' to the bit, their FP8 rows and
-    scales those of fp8_gemm.quantize_rows on the normed rows (the same kernels' arithmetic in two launches), and the
-    references' where the conversions round as torch does (compiled)."""
+    """rms_norm_fp8 and add_rms_norm_fp8: h the plain kernel's to the bit, the normed rows the plain kernels' (to the
+    bit in the interpreter; compiled, within one rounding: Triton may lay the row out otherwise for the FP8 stores,
+    and sum its squares in another order), their FP8 rows and scales those of fp8_gemm.quantize_rows on the normed
+    rows (the same arithmetic in two launches), and (compiled) within E4M3's rounding of the normed rows, saturated
+    at 448."""
     generator = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tokens, hidden, device=device, generator=generator).to(dtype) * 3
     delta = torch.randn(tokens, hidden, device=device, generator=generator).to(dtype)
     weight = torch.randn(hidden, device=device, generator=generator).to(torch.float32 if gemma else dtype)
     static_scale = torch.tensor([0.004], device=device) if static else None  # values past 1.79 saturate
+
+    def same_norm(got, plain):
+        if device == "cpu":
+            assert torch.equal(got, plain)
+        else:
+            torch.testing.assert_close(got, plain, rtol=2.0**-7, atol=0)
+
     normed, rows, scale = fused.rms_norm_fp8(x, weight, 1e-5, static_scale)
-    assert torch.equal(normed, fused.rms_norm(x, weight, 1e-5))
+    same_norm(normed, fused.rms_norm(x, weight, 1e-5))
     outputs = [(normed, rows, scale)]
     h = x.clone()
     h_out, normed, rows, scale = fused.add_rms_norm_fp8(h, delta, weight, 1e-5, static_scale)
     plain_h, plain = fused.add_rms_norm(x.clone(), delta, weight, 1e-5)
-    assert h_out is h and torch.equal(h, plain_h) and torch.equal(normed, plain)
+    assert h_out is h and torch.equal(h, plain_h)
+    same_norm(normed, plain)
     outputs.append((normed, rows, scale))
     for normed, rows, scale in outputs:
         expected_rows, expected_scale = fp8_gemm.quantize_rows(normed, static_scale)
         assert torch.equal(scale, expected_scale)
         assert torch.equal(rows.view(torch.uint8), expected_rows.view(torch.uint8))
-        if device == "cuda":
-            reference_rows, reference_scale = fp8.quantize_rows_ref(normed, static_scale)
-            assert torch.equal(scale, reference_scale) and torch.equal(rows.view(torch.uint8), reference_rows.view(torch.uint8))
+        torch.testing.assert_close(scale, fp8.quantize_rows_ref(normed, static_scale)[1], rtol=1e-6, atol=0)
+        if device == "cuda":  # the interpreter's conversion to E4M3 does not round to nearest (`representable`)
+            target = torch.minimum(torch.maximum(normed.float(), -448 * scale), 448 * scale)  # saturated
+            assert ((rows.float() * scale - target).abs() <= rounding_bound(target, scale)).all()
     if static:
         assert (rows.float().abs() == 448).any()
 
