@@ -7,7 +7,9 @@
   `ROWS_KERNEL_MAX_ROWS` rows, up to `NARROW_MAX_ROWS` for a projection of at most `NARROW_OUT_FEATURES` columns), more
   by `torch._scaled_mm` (rowwise scaling, fast accumulation: `SCALED_MM_FAST_ACCUM`, bf16 output). One row (batch-1
   decode) goes to the gemv kernel instead (gpu_ops/gemv.py with the channel scales): a pass over the FP8 weight
-  bytes with x kept in bf16, where a GEMM launch would pad the row to a tile. Its reference is `fp8.scaled_mm_ref`
+  bytes with x kept in bf16, where a GEMM launch would pad the row to a tile; but on the GPUs of
+  `ONE_ROW_ROWS_KERNEL_GPUS` a projection wider than `NARROW_OUT_FEATURES` takes the rows kernel at one row too
+  (`takes_gemv`). The rows may come quantized already, by the norm that wrote them (gpu_ops/fused.py). Its reference is `fp8.scaled_mm_ref`
   (several rows) or `fp8.fp8_linear_ref` (one).
 - `fp8_rows_gemm`: the FP8 GEMM of a decode batch, a Triton kernel: tiles of 64 rows by 64 output columns (16 by
   32 for up to 16 rows), K read 256 deep through six stages, the FP8 products on the tensor cores, added into
@@ -30,7 +32,7 @@ import torch
 
 from lorad.gpu_ops import gemv
 from lorad.gpu_ops.fp8 import FP8, Fp8Weight
-from lorad.gpu_ops.launch import cdiv, next_power_of_2, require_triton
+from lorad.gpu_ops.launch import cdiv, gpu_name, next_power_of_2, require_triton
 
 try:
     import triton
@@ -38,8 +40,9 @@ try:
 except ImportError:  # the CPU engine runs the references only
     triton = None
 
-__all__ = ["NARROW_MAX_ROWS", "NARROW_OUT_FEATURES", "ROWS_KERNEL_MAX_ROWS", "RowsGemmConfig", "SCALED_MM_FAST_ACCUM",
-           "fp8_linear", "fp8_rows_gemm", "quantize_rows", "rows_gemm_config", "takes_rows_kernel"]
+__all__ = ["NARROW_MAX_ROWS", "NARROW_OUT_FEATURES", "ONE_ROW_ROWS_KERNEL_GPUS", "ROWS_KERNEL_MAX_ROWS", "RowsGemmConfig",
+           "SCALED_MM_FAST_ACCUM", "fp8_linear", "fp8_rows_gemm", "quantize_rows", "rows_gemm_config", "takes_gemv",
+           "takes_rows_kernel"]
 
 ROWS_KERNEL_MAX_ROWS = 64  # rows up to which fp8_linear takes fp8_rows_gemm for every projection (more: torch._scaled_mm)
 # ... and up to which for a projection of at most NARROW_OUT_FEATURES output columns: at 128 rows the 7B shape's o and
@@ -53,6 +56,12 @@ NARROW_OUT_FEATURES = 4096
 # 128-2048, for a relative error against the float64 product of 0.0020-0.0028 instead of 0.0017 (the bf16
 # output's rounding), a tenth of the activations' FP8 rounding (bench/results/fp8_fast_accum_h100.json)
 SCALED_MM_FAST_ACCUM = True
+# GPUs (a word of the device's name) on which one row of a projection wider than NARROW_OUT_FEATURES (q|k|v, gate|up)
+# goes to the rows kernel, quantized, instead of the gemv: on one H200 the 7B shape's q|k|v took 18.5 us and gate|up
+# 27.1 that way (the row's quantization launched apart; the norm before them now writes it) against the gemv's 19.3 and
+# 31.8, where o and down are even or the gemv's (`python3 bench/gemv.py --fp8`, bench/results/gemv_fp8_h200.json). On
+# the H100 the gemv is the faster on all four (gemv_fp8_h100.json).
+ONE_ROW_ROWS_KERNEL_GPUS = ("H200",)
 
 
 @dataclass(frozen=True)
@@ -202,6 +211,19 @@ def fp8_rows_gemm(rows: torch.Tensor, row_scale: torch.Tensor, weight: Fp8Weight
     return out
 
 
+def takes_gemv(rows: int, out_features: int, device: torch.device) -> bool:
+    """Does fp8_linear multiply `rows` rows by a projection of `out_features` columns with the gemv (x in its own
+    dtype, not quantized): up to gemv.GEMV_MAX_ROWS rows, but for a projection wider than NARROW_OUT_FEATURES on a GPU
+    of ONE_ROW_ROWS_KERNEL_GPUS."""
+    return rows <= gemv.GEMV_MAX_ROWS and (out_features <= NARROW_OUT_FEATURES or not _one_row_rows_kernel(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _one_row_rows_kernel(device: torch.device) -> bool:
+    words = gpu_name(device).split()  # "NVIDIA H200" and "NVIDIA H200 NVL" are H200s; "NVIDIA GH200 480GB" is not one
+    return any(gpu in words for gpu in ONE_ROW_ROWS_KERNEL_GPUS)
+
+
 def takes_rows_kernel(rows: int, out_features: int) -> bool:
     """Does fp8_linear multiply `rows` rows by a projection of `out_features` columns with fp8_rows_gemm (else
     torch._scaled_mm): up to ROWS_KERNEL_MAX_ROWS rows, and up to NARROW_MAX_ROWS for at most NARROW_OUT_FEATURES."""
@@ -211,12 +233,12 @@ def takes_rows_kernel(rows: int, out_features: int) -> bool:
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
                quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, in] @ W^T (+ bias) -> [T, out] in x's dtype, on the GPU: one row through the gemv kernel with the
-    channel scales (x in its own dtype: a static activation scale is not needed there), more rows quantized per
+    channel scales (x in its own dtype: a static activation scale is not needed there; `takes_gemv`), more rows quantized per
     token and multiplied by fp8_rows_gemm (`takes_rows_kernel`) or torch._scaled_mm (rowwise scales, fast
     accumulation, bf16 out). in and out must be multiples of 16 (torch._scaled_mm; checked at load).
     quantized: x's rows already quantized with the weight's activation scale (FP8 [T, in], float32 [T, 1]), as
     the `*_fp8` kernels of gpu_ops/fused.py write them beside x; then no quantization is launched here."""
-    if x.shape[0] <= gemv.GEMV_MAX_ROWS and x.stride(-1) == 1:
+    if takes_gemv(x.shape[0], weight.weight.shape[0], x.device) and x.stride(-1) == 1:
         return gemv.gemv(x, weight.weight, bias, scale=weight.scale)
     if quantized is not None:
         rows, row_scale = quantized

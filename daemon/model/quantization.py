@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 REFERENCE_GEMM = "fp8 weights dequantized per GEMM (reference path)"
 GPU_GEMM = ("activations quantized per token (triton); 2-64 rows: triton fp8 GEMM, more: torch._scaled_mm; "
-            "one row: gemv over the fp8 weights")
+            "one row: gemv over the fp8 weights (on an H200, q|k|v and gate|up: the triton fp8 GEMM)")
 _PROJECTION_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "k_scale", "v_scale", "output_scale")
 

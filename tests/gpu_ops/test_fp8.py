@@ -295,6 +295,51 @@ def test_decode_launch_by_gpu(monkeypatch):
         assert paged_attention.decode_launch("mha_fp8", cpu) == (128, 2, 3)
 
 
+def test_one_row_takes_the_gemv_but_wide_projections_on_an_h200(monkeypatch):
+    cpu = torch.device("cpu")
+    for name, wide_gemv in (("", True), ("NVIDIA H100 80GB HBM3", True), ("NVIDIA GH200 480GB", True),
+                            ("NVIDIA H200", False), ("NVIDIA H200 NVL", False)):
+        monkeypatch.setattr(fp8_gemm, "gpu_name", lambda device, name=name: name)
+        fp8_gemm._one_row_rows_kernel.cache_clear()
+        assert fp8_gemm.takes_gemv(1, 4096, cpu)  # o, down: the gemv everywhere
+        assert fp8_gemm.takes_gemv(1, 3 * 4096, cpu) == wide_gemv
+        assert not fp8_gemm.takes_gemv(2, 4096, cpu)
+    fp8_gemm._one_row_rows_kernel.cache_clear()
+
+
+@needs_interpreter
+def test_one_row_of_a_wide_projection_on_an_h200_is_quantized_by_its_norm_interpreted(kernels, monkeypatch):
+    """On an H200 one row of q|k|v is quantized by the input norm and multiplied by the rows kernel (no gemv, no
+    quantization launch), within the bf16 output's rounding of the product of its FP8 row and weight; a narrow
+    projection's row still takes the gemv."""
+    from lorad.daemon.model import ops as ops_module
+
+    gemm, gemv_module, _ = kernels
+    monkeypatch.setattr(gemm, "gpu_name", lambda device: "NVIDIA H200")
+    gemm._one_row_rows_kernel.cache_clear()
+    generator = torch.Generator().manual_seed(13)
+    quantized = fp8.quantize_weight(torch.randn(4160, 64, generator=generator) * 0.1)  # wider than 4096 columns
+    wide = ops_module.Fp8Weight(quantized.weight, quantized.scale)
+    x = torch.randn(1, 64, generator=generator).bfloat16()
+    norm_weight = torch.randn(64, generator=generator).bfloat16()
+    ops = ops_module.TritonOps(torch.device("cpu"), 64, 16)
+    gemv_call = gemv_module.gemv
+    try:
+        monkeypatch.setattr(gemm.gemv, "gemv", lambda *args, **kwargs: pytest.fail("took the gemv"))
+        monkeypatch.setattr(gemm, "quantize_rows", lambda *args: pytest.fail("quantized the row again"))
+        normed = ops.rms_norm(x, norm_weight, 1e-5, feeds=wide)
+        got = ops.linear(normed, wide)
+        assert got.shape == (1, 4160)
+        rows, scale = fused.rms_norm_fp8(x, norm_weight, 1e-5)[1:]  # the interpreter's E4M3 rounding: compare its rows
+        expected = (rows.double() * scale.double()) @ (wide.weight.double() * wide.scale.double()[:, None]).t()
+        assert relative_error(got, expected) < 4e-3  # bf16 output rounding
+        monkeypatch.setattr(gemm.gemv, "gemv", gemv_call)
+        narrow = ops_module.Fp8Weight(quantized.weight[:48].contiguous(), quantized.scale[:48].contiguous())
+        assert relative_error(ops.linear(normed, narrow), fp8.fp8_linear_ref(normed.float(), narrow).double()) < 1e-2
+    finally:
+        gemm._one_row_rows_kernel.cache_clear()
+
+
 def test_rows_gemm_config_by_projection_width():
     """Narrow projections (o, down) in 32-column tiles up to 64 rows, 64 past; wide ones 16 by 64 up to 16 rows, 64 by
     64 with K 128 deep past; stages cut to what the shared memory holds, K to its depth."""
@@ -489,7 +534,7 @@ LLAMA_7B_PROJECTIONS = {"qkv": (4096, 3 * 4096), "o": (4096, 4096), "gate_up": (
 @pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 128, 129, 512])
 @pytest.mark.parametrize("projection", list(LLAMA_7B_PROJECTIONS))
 def test_fp8_linear_gpu_against_references(rows, projection, kernels):
-    """fp8_linear (gemv for one row, fp8_rows_gemm up to 64 and up to 128 for o and down, torch._scaled_mm with per-token
+    """fp8_linear (gemv for one row but q|k|v and gate|up on an H200, fp8_rows_gemm up to 64 and up to 128 for o and down, torch._scaled_mm with per-token
     scales for more) within
     float32 accumulation of the same arithmetic (scaled_mm_ref), and within FP8's tolerance of the dequantized
     reference (the CPU engine's path) and of the bf16 product."""
@@ -502,7 +547,7 @@ def test_fp8_linear_gpu_against_references(rows, projection, kernels):
     got = gemm.fp8_linear(x, weight)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     dequantized = fp8.fp8_linear_ref(x.float(), weight).double()
-    if rows > 1:
+    if not gemm.takes_gemv(rows, out_features, x.device):
         assert relative_error(got, fp8.scaled_mm_ref(x.float(), weight).double()) < 1e-2
         assert relative_error(got, dequantized) < 0.05
     else:  # the gemv keeps x in bf16: only the weight is rounded
