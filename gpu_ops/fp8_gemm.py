@@ -9,8 +9,8 @@
   decode) goes to the gemv kernel instead (gpu_ops/gemv.py with the channel scales): a pass over the FP8 weight
   bytes with x kept in bf16, where a GEMM launch would pad the row to a tile; but on the GPUs of
   `ONE_ROW_ROWS_KERNEL_GPUS` a projection wider than `NARROW_OUT_FEATURES` takes the rows kernel at one row too
-  (`takes_gemv`). The rows may come quantized already, by the norm that wrote them (gpu_ops/fused.py). Its reference is `fp8.scaled_mm_ref`
-  (several rows) or `fp8.fp8_linear_ref` (one).
+  (`takes_gemv`). The rows may come quantized already, by the norm that wrote them (gpu_ops/fused.py). Its
+  reference is `fp8.scaled_mm_ref` (several rows) or `fp8.fp8_linear_ref` (one).
 - `fp8_rows_gemm`: the FP8 GEMM of a decode batch, a Triton kernel: tiles of 64 rows by 64 output columns (16 by
   32 for up to 16 rows), K read 256 deep through six stages, the FP8 products on the tensor cores, added into
   float32 every 256 of K (as cuBLAS's accumulation without fast accumulation), the scales and the bias applied once
@@ -233,9 +233,9 @@ def takes_rows_kernel(rows: int, out_features: int) -> bool:
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
                quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, in] @ W^T (+ bias) -> [T, out] in x's dtype, on the GPU: one row through the gemv kernel with the
-    channel scales (x in its own dtype: a static activation scale is not needed there; `takes_gemv`), more rows quantized per
-    token and multiplied by fp8_rows_gemm (`takes_rows_kernel`) or torch._scaled_mm (rowwise scales, fast
-    accumulation, bf16 out). in and out must be multiples of 16 (torch._scaled_mm; checked at load).
+    channel scales (x in its own dtype: a static activation scale is not needed there; `takes_gemv`), more rows
+    quantized per token and multiplied by fp8_rows_gemm (`takes_rows_kernel`) or torch._scaled_mm (rowwise scales,
+    fast accumulation, bf16 out). in and out must be multiples of 16 (torch._scaled_mm; checked at load).
     quantized: x's rows already quantized with the weight's activation scale (FP8 [T, in], float32 [T, 1]), as
     the `*_fp8` kernels of gpu_ops/fused.py write them beside x; then no quantization is launched here."""
     if takes_gemv(x.shape[0], weight.weight.shape[0], x.device) and x.stride(-1) == 1:

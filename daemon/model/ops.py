@@ -157,7 +157,8 @@ class TritonOps(TorchOps):
     def _quantizes_for(self, feeds, tokens: int) -> bool:
         """Whether the kernel writing the input of `feeds` quantizes its rows too: an FP8 weight whose GEMM takes
         quantized rows (not the gemv, which reads x in its own dtype)."""
-        return isinstance(feeds, Fp8Weight) and not self._fp8_gemm.takes_gemv(tokens, feeds.weight.shape[0], feeds.device)
+        return (isinstance(feeds, Fp8Weight)
+                and not self._fp8_gemm.takes_gemv(tokens, feeds.weight.shape[0], feeds.device))
 
     def _keep_quantized(self, x, feeds, rows, scale):
         self._quantized = (x, feeds, (rows, scale))

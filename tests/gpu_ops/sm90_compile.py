@@ -1,5 +1,5 @@
-"""Compiles the paged attention kernels, the two-rank peer sum and the norms that quantize their rows for FP8 for the H100 (sm90) on a machine without a GPU,
-every variant of constexprs the engine launches, through Triton's whole pipeline (its bundled ptxas included): the interpreter
+"""Compiles the paged attention kernels, the two-rank peer sum and the norms that quantize their rows for FP8 for
+the H100 (sm90) on a machine without a GPU, every variant of constexprs the engine launches, through Triton's whole pipeline (its bundled ptxas included): the interpreter
 that runs the kernels in CI does not apply the compiler's checks (a helper's return types, say), so a kernel
 can pass every CPU test and fail to compile on the GPU. Run by test_compile_sm90.py in a process of its own
 (the interpreter is chosen when a kernel module is imported). Prints one line per variant; exit status 1 if one

@@ -166,11 +166,16 @@ def test_rows_quantized_by_the_norms_and_activations_give_the_unfused_logits(dem
             engine.close()
 
     launched = {"fused": 0, "rows": 0}
+
+    def counted(kind, function):
+        def call(*args):
+            launched[kind] += 1
+            return function(*args)
+        return call
+
     for name in ("rms_norm_fp8", "add_rms_norm_fp8"):
-        original = getattr(fused, name)
-        monkeypatch.setattr(fused, name, lambda *args, _original=original: launched.__setitem__("fused", launched["fused"] + 1) or _original(*args))
-    quantize_rows = fp8_gemm.quantize_rows
-    monkeypatch.setattr(fp8_gemm, "quantize_rows", lambda *args: launched.__setitem__("rows", launched["rows"] + 1) or quantize_rows(*args))
+        monkeypatch.setattr(fused, name, counted("fused", getattr(fused, name)))
+    monkeypatch.setattr(fp8_gemm, "quantize_rows", counted("rows", fp8_gemm.quantize_rows))
     fused_results = run(True)
     assert launched["fused"] > 0 and launched["rows"] > 0  # o's and down's inputs are quantized by linear
     rows_alone = launched["rows"]
