@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lorad.daemon.model.quantization import GPU_GEMM, REFERENCE_GEMM
+from lorad.daemon.model.quantization import GPU_GEMM, GPU_GEMM_WIDE_ONE_ROW, REFERENCE_GEMM
 from lorad.gpu_ops.fp8 import Fp8Weight
 from lorad.gpu_ops.lora import LoraBatch, apply_lora_ref
 from lorad.gpu_ops.page_pool import AdapterTable
@@ -141,8 +141,8 @@ class TritonOps(TorchOps):
                                      device=device)
         # (x, the FP8 weight it feeds, x's rows quantized for it): left by a norm, taken by linear
         self._quantized = None
-
-    fp8_gemm = GPU_GEMM
+        wide_one_row_gemv = fp8_gemm.takes_gemv(1, fp8_gemm.NARROW_OUT_FEATURES + 1, device)
+        self.fp8_gemm = GPU_GEMM if wide_one_row_gemv else GPU_GEMM_WIDE_ONE_ROW
 
     def linear(self, x, weight, bias=None):
         if isinstance(weight, Fp8Weight):

@@ -32,8 +32,11 @@ from lorad.gpu_ops.fp8 import FP8, Fp8Weight, fp8_unavailable, quantize_weight
 log = logging.getLogger(__name__)
 
 REFERENCE_GEMM = "fp8 weights dequantized per GEMM (reference path)"
-GPU_GEMM = ("activations quantized per token (triton); 2-64 rows: triton fp8 GEMM, more: torch._scaled_mm; "
-            "one row: gemv over the fp8 weights (on an H200, q|k|v and gate|up: the triton fp8 GEMM)")
+_GPU_ROWS = ("activations quantized per token (triton; q|k|v's and gate|up's by the norm before them); 2-64 rows: "
+             "triton fp8 GEMM, more: torch._scaled_mm; one row: ")
+GPU_GEMM = _GPU_ROWS + "gemv over the fp8 weights"
+# where one row of q|k|v and gate|up takes the triton GEMM (gpu_ops/fp8_gemm.py's takes_gemv: an H200)
+GPU_GEMM_WIDE_ONE_ROW = _GPU_ROWS + "gemv over the fp8 weights for o and down, triton fp8 GEMM for q|k|v and gate|up"
 _PROJECTION_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "k_scale", "v_scale", "output_scale")
 

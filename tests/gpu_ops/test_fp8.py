@@ -296,6 +296,10 @@ def test_decode_launch_by_gpu(monkeypatch):
 
 
 def test_one_row_takes_the_gemv_but_wide_projections_on_an_h200(monkeypatch):
+    """takes_gemv by the device's name, and what the Triton ops then say of their FP8 GEMM (/v1/status)."""
+    from lorad.daemon.model import ops as ops_module
+    from lorad.daemon.model.quantization import GPU_GEMM, GPU_GEMM_WIDE_ONE_ROW
+
     cpu = torch.device("cpu")
     for name, wide_gemv in (("", True), ("NVIDIA H100 80GB HBM3", True), ("NVIDIA GH200 480GB", True),
                             ("NVIDIA H200", False), ("NVIDIA H200 NVL", False)):
@@ -304,6 +308,7 @@ def test_one_row_takes_the_gemv_but_wide_projections_on_an_h200(monkeypatch):
         assert fp8_gemm.takes_gemv(1, 4096, cpu)  # o, down: the gemv everywhere
         assert fp8_gemm.takes_gemv(1, 3 * 4096, cpu) == wide_gemv
         assert not fp8_gemm.takes_gemv(2, 4096, cpu)
+        assert ops_module.TritonOps(cpu, 64, 16).fp8_gemm == (GPU_GEMM if wide_gemv else GPU_GEMM_WIDE_ONE_ROW)
     fp8_gemm._one_row_rows_kernel.cache_clear()
 
 

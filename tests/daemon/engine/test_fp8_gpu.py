@@ -15,7 +15,8 @@ import torch
 from lorad.config import EngineConfig
 from lorad.daemon.engine.engine import Engine
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
-from lorad.daemon.model.quantization import GPU_GEMM
+from lorad.daemon.model.quantization import GPU_GEMM, GPU_GEMM_WIDE_ONE_ROW
+from lorad.gpu_ops import fp8_gemm
 from lorad.gpu_ops.fp8 import fp8_unavailable
 
 pytestmark = [
@@ -96,7 +97,9 @@ def _kl(a, b) -> float:
 def test_fp8_engine_status_and_graphs(model_dir):
     engine = _engine(model_dir, "cuda", "bfloat16", quantization="fp8", kv_cache_dtype="fp8")
     status = engine.status()
-    assert status["quantization"]["gemm"] == GPU_GEMM and status["kv_cache_dtype"] == "fp8_e4m3"
+    wide_one_row_gemv = fp8_gemm.takes_gemv(1, fp8_gemm.NARROW_OUT_FEATURES + 1, torch.device("cuda"))
+    assert status["quantization"]["gemm"] == (GPU_GEMM if wide_one_row_gemv else GPU_GEMM_WIDE_ONE_ROW)
+    assert status["kv_cache_dtype"] == "fp8_e4m3"
     assert engine.runner.graphs is not None and engine.runner.prefill_graphs is not None
     engine.generate(_requests(16, 8))
     assert engine.runner.graph_steps > 0 and engine.runner.prefill_graph_steps > 0
