@@ -32,7 +32,7 @@ import torch
 
 from lorad.gpu_ops import gemv
 from lorad.gpu_ops.fp8 import FP8, Fp8Weight
-from lorad.gpu_ops.launch import cdiv, gpu_name, next_power_of_2, require_triton
+from lorad.gpu_ops.launch import cdiv, named_gpu, next_power_of_2, require_triton
 
 try:
     import triton
@@ -215,13 +215,8 @@ def takes_gemv(rows: int, out_features: int, device: torch.device) -> bool:
     """Does fp8_linear multiply `rows` rows by a projection of `out_features` columns with the gemv (x in its own
     dtype, not quantized): up to gemv.GEMV_MAX_ROWS rows, but for a projection wider than NARROW_OUT_FEATURES on a GPU
     of ONE_ROW_ROWS_KERNEL_GPUS."""
-    return rows <= gemv.GEMV_MAX_ROWS and (out_features <= NARROW_OUT_FEATURES or not _one_row_rows_kernel(device))
-
-
-@functools.lru_cache(maxsize=None)
-def _one_row_rows_kernel(device: torch.device) -> bool:
-    words = gpu_name(device).split()  # "NVIDIA H200" and "NVIDIA H200 NVL" are H200s; "NVIDIA GH200 480GB" is not one
-    return any(gpu in words for gpu in ONE_ROW_ROWS_KERNEL_GPUS)
+    return rows <= gemv.GEMV_MAX_ROWS and (out_features <= NARROW_OUT_FEATURES
+                                           or named_gpu(device, ONE_ROW_ROWS_KERNEL_GPUS) is None)
 
 
 def takes_rows_kernel(rows: int, out_features: int) -> bool:

@@ -184,11 +184,8 @@ def _rows(x: torch.Tensor, name: str) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Drop-in for `rms_norm_ref`: x [T, hidden] (rows may be strided), weight [hidden] -> [T, hidden] of
     x's dtype. One program per row. Bytes: 2 * T * hidden * element size (+ the weight, cached)."""
-    require_triton("fused kernels")
-    _rows(x, "x")
+    _norm_inputs(x, weight)
     tokens, hidden = x.shape
-    if weight.shape != (hidden,):
-        raise ValueError(f"weight must be [{hidden}], got {tuple(weight.shape)}")
     if out is None:
         out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens:
@@ -202,14 +199,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     """Drop-in for `add_rms_norm_ref`: h += delta (in place, h [T, hidden] contiguous rows), then
     -> (h, rms_norm(h)). One program per row. Bytes: 4 * T * hidden * element size (read h and delta,
     write h and the normed rows)."""
-    require_triton("fused kernels")
-    _rows(h, "h")
-    _rows(delta, "delta")
+    _norm_inputs(h, weight, delta)
     tokens, hidden = h.shape
-    if delta.shape != h.shape or delta.dtype != h.dtype:
-        raise ValueError(f"delta {tuple(delta.shape)} {delta.dtype} must match h {tuple(h.shape)} {h.dtype}")
-    if weight.shape != (hidden,):
-        raise ValueError(f"weight must be [{hidden}], got {tuple(weight.shape)}")
     out = torch.empty(tokens, hidden, dtype=h.dtype, device=h.device)
     if tokens:
         block = next_power_of_2(hidden)
@@ -224,8 +215,7 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, static_scale
     """rms_norm, and its rows quantized for an FP8 GEMM in the same pass: -> (normed [T, hidden] of x's dtype, FP8
     [T, hidden], float32 scales [T, 1]); the last two are fp8.quantize_rows_ref(normed, static_scale). Bytes: those
     of rms_norm plus T * hidden (the FP8 rows)."""
-    require_triton("fused kernels")
-    _rows(x, "x")
+    _norm_inputs(x, weight)
     return _norm_fp8(x, None, weight, eps, static_scale)
 
 
@@ -235,18 +225,24 @@ def add_rms_norm_fp8(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     """add_rms_norm, and its normed rows quantized for an FP8 GEMM in the same pass: -> (h, normed, FP8 [T, hidden],
     float32 scales [T, 1]); the last two are fp8.quantize_rows_ref(normed, static_scale). Bytes: those of
     add_rms_norm plus T * hidden."""
-    require_triton("fused kernels")
-    _rows(h, "h")
-    _rows(delta, "delta")
-    if delta.shape != h.shape or delta.dtype != h.dtype:
-        raise ValueError(f"delta {tuple(delta.shape)} {delta.dtype} must match h {tuple(h.shape)} {h.dtype}")
+    _norm_inputs(h, weight, delta)
     return (h, *_norm_fp8(h, delta, weight, eps, static_scale))
+
+
+def _norm_inputs(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> None:
+    """The norms' checks: rows of unit stride, a weight [hidden], and delta (the residual add's) like x."""
+    require_triton("fused kernels")
+    _rows(x, "h" if delta is not None else "x")
+    if delta is not None:
+        _rows(delta, "delta")
+        if delta.shape != x.shape or delta.dtype != x.dtype:
+            raise ValueError(f"delta {tuple(delta.shape)} {delta.dtype} must match h {tuple(x.shape)} {x.dtype}")
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"weight must be [{x.shape[1]}], got {tuple(weight.shape)}")
 
 
 def _norm_fp8(x, delta, weight, eps, static_scale):
     tokens, hidden = x.shape
-    if weight.shape != (hidden,):
-        raise ValueError(f"weight must be [{hidden}], got {tuple(weight.shape)}")
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     rows = torch.empty(tokens, hidden, dtype=FP8, device=x.device)
     scale = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)

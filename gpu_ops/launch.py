@@ -46,6 +46,14 @@ def gpu_name(device: torch.device) -> str:
     return ""
 
 
+def named_gpu(device: torch.device, gpus) -> str | None:
+    """The first of `gpus` (names such as "H200") that is a word of the device's name, or None: "NVIDIA H200" and
+    "NVIDIA H200 NVL" are H200s; "NVIDIA GH200 480GB" (an H100 beside a Grace CPU) is not one. What per-GPU launch
+    tables are looked up by."""
+    words = gpu_name(device).split()
+    return next((gpu for gpu in gpus if gpu in words), None)
+
+
 def widen_bf16_dots(dtype: torch.dtype, kernel) -> bool:
     """Whether `kernel` must widen its bf16 dot operands to float32: Triton's CPU interpreter multiplies
     bf16 dot operands as raw bits (triton 3.9), and the operands are exact in fp32. Compiled kernels never

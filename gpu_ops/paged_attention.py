@@ -25,7 +25,7 @@ import torch
 
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.fp8 import FP8
-from lorad.gpu_ops.launch import gpu_name, next_power_of_2, require_triton, sm_count, widen_bf16_dots
+from lorad.gpu_ops.launch import named_gpu, next_power_of_2, require_triton, sm_count, widen_bf16_dots
 
 try:
     import triton
@@ -157,11 +157,8 @@ def attention_meta(batch: AttentionBatch, tokens_per_page: int, device) -> Atten
 def decode_launch(kind: str, device: torch.device) -> tuple[int, int, int | None]:
     """(block_n, warps, stages) of a decode launch of `kind` ("mha", "gqa", "mha_fp8", "gqa_fp8") on `device`:
     DECODE_LAUNCH_BY_GPU's entry for the device where it has one, else DECODE_BLOCK_N's and DECODE_LAUNCH's."""
-    words = gpu_name(device).split()  # "NVIDIA H200" and "NVIDIA H200 NVL" are H200s; "NVIDIA GH200 480GB" is not one
-    for gpu, launches in DECODE_LAUNCH_BY_GPU.items():
-        if gpu in words and kind in launches:
-            return launches[kind]
-    return (DECODE_BLOCK_N[kind], *DECODE_LAUNCH[kind])
+    launch = DECODE_LAUNCH_BY_GPU.get(named_gpu(device, DECODE_LAUNCH_BY_GPU), {}).get(kind)
+    return launch if launch is not None else (DECODE_BLOCK_N[kind], *DECODE_LAUNCH[kind])
 
 
 def decode_splits(num_seqs: int, kv_heads: int, max_context: int, device: torch.device) -> int:

@@ -16,7 +16,7 @@ import torch
 
 from triton_interpreter import interpreted, needs_interpreter  # before the kernel modules: sets TRITON_INTERPRET without a GPU
 
-from lorad.gpu_ops import fp8, fp8_gemm, fused, gemv, paged_attention  # noqa: E402
+from lorad.gpu_ops import fp8, fp8_gemm, fused, gemv, launch, paged_attention  # noqa: E402
 from lorad.gpu_ops.attention import paged_attention_ref, write_kv_ref  # noqa: E402
 from test_paged_attention import MIXED, build_case, relative_error, truth  # noqa: E402
 
@@ -265,7 +265,7 @@ def test_attention_fp8_pages_at_the_h200_launch_interpreted(kernels, monkeypatch
     """On a device named as the H200 the decode kernel over FP8 pages of an MHA model reads 64 positions a step
     (DECODE_LAUNCH_BY_GPU): the same results against float64 attention, contexts past one step and ragged."""
     _, _, attention_kernels = kernels
-    monkeypatch.setattr(attention_kernels, "gpu_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(launch, "gpu_name", lambda device: "NVIDIA H200")
     assert attention_kernels.decode_launch("mha_fp8", torch.device("cpu"))[0] == 64
     heads, kv_heads, head_dim, tokens_per_page = 4, 4, 16, 2
     shapes = [(150, 1), (3, 1), (64, 1), (70, 6)]
@@ -283,15 +283,15 @@ def test_decode_launch_by_gpu(monkeypatch):
     cpu = torch.device("cpu")
     assert paged_attention.decode_launch("mha_fp8", cpu) == (paged_attention.DECODE_BLOCK_N["mha_fp8"],
                                                               *paged_attention.DECODE_LAUNCH["mha_fp8"])
-    monkeypatch.setattr(paged_attention, "gpu_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(launch, "gpu_name", lambda device: "NVIDIA H200")
     assert paged_attention.decode_launch("mha_fp8", cpu) == (64, 1, 4)
     for kind in ("gqa_fp8", "mha"):  # GQA over FP8 pages and bf16 pages: the defaults
         assert paged_attention.decode_launch(kind, cpu) == (paged_attention.DECODE_BLOCK_N[kind],
                                                             *paged_attention.DECODE_LAUNCH[kind])
-    monkeypatch.setattr(paged_attention, "gpu_name", lambda device: "NVIDIA H200 NVL")
+    monkeypatch.setattr(launch, "gpu_name", lambda device: "NVIDIA H200 NVL")
     assert paged_attention.decode_launch("mha_fp8", cpu) == (64, 1, 4)
     for other in ("NVIDIA H100 80GB HBM3", "NVIDIA GH200 480GB"):  # GH200's GPU is an H100 beside a Grace CPU
-        monkeypatch.setattr(paged_attention, "gpu_name", lambda device, name=other: name)
+        monkeypatch.setattr(launch, "gpu_name", lambda device, name=other: name)
         assert paged_attention.decode_launch("mha_fp8", cpu) == (128, 2, 3)
 
 
@@ -303,13 +303,11 @@ def test_one_row_takes_the_gemv_but_wide_projections_on_an_h200(monkeypatch):
     cpu = torch.device("cpu")
     for name, wide_gemv in (("", True), ("NVIDIA H100 80GB HBM3", True), ("NVIDIA GH200 480GB", True),
                             ("NVIDIA H200", False), ("NVIDIA H200 NVL", False)):
-        monkeypatch.setattr(fp8_gemm, "gpu_name", lambda device, name=name: name)
-        fp8_gemm._one_row_rows_kernel.cache_clear()
+        monkeypatch.setattr(launch, "gpu_name", lambda device, name=name: name)
         assert fp8_gemm.takes_gemv(1, 4096, cpu)  # o, down: the gemv everywhere
         assert fp8_gemm.takes_gemv(1, 3 * 4096, cpu) == wide_gemv
         assert not fp8_gemm.takes_gemv(2, 4096, cpu)
         assert ops_module.TritonOps(cpu, 64, 16).fp8_gemm == (GPU_GEMM if wide_gemv else GPU_GEMM_WIDE_ONE_ROW)
-    fp8_gemm._one_row_rows_kernel.cache_clear()
 
 
 @needs_interpreter
@@ -320,8 +318,7 @@ def test_one_row_of_a_wide_projection_on_an_h200_is_quantized_by_its_norm_interp
     from lorad.daemon.model import ops as ops_module
 
     gemm, gemv_module, _ = kernels
-    monkeypatch.setattr(gemm, "gpu_name", lambda device: "NVIDIA H200")
-    gemm._one_row_rows_kernel.cache_clear()
+    monkeypatch.setattr(launch, "gpu_name", lambda device: "NVIDIA H200")
     generator = torch.Generator().manual_seed(13)
     quantized = fp8.quantize_weight(torch.randn(4160, 64, generator=generator) * 0.1)  # wider than 4096 columns
     wide = ops_module.Fp8Weight(quantized.weight, quantized.scale)
@@ -329,20 +326,17 @@ def test_one_row_of_a_wide_projection_on_an_h200_is_quantized_by_its_norm_interp
     norm_weight = torch.randn(64, generator=generator).bfloat16()
     ops = ops_module.TritonOps(torch.device("cpu"), 64, 16)
     gemv_call = gemv_module.gemv
-    try:
-        monkeypatch.setattr(gemm.gemv, "gemv", lambda *args, **kwargs: pytest.fail("took the gemv"))
-        monkeypatch.setattr(gemm, "quantize_rows", lambda *args: pytest.fail("quantized the row again"))
-        normed = ops.rms_norm(x, norm_weight, 1e-5, feeds=wide)
-        got = ops.linear(normed, wide)
-        assert got.shape == (1, 4160)
-        rows, scale = fused.rms_norm_fp8(x, norm_weight, 1e-5)[1:]  # the interpreter's E4M3 rounding: compare its rows
-        expected = (rows.double() * scale.double()) @ (wide.weight.double() * wide.scale.double()[:, None]).t()
-        assert relative_error(got, expected) < 4e-3  # bf16 output rounding
-        monkeypatch.setattr(gemm.gemv, "gemv", gemv_call)
-        narrow = ops_module.Fp8Weight(quantized.weight[:48].contiguous(), quantized.scale[:48].contiguous())
-        assert relative_error(ops.linear(normed, narrow), fp8.fp8_linear_ref(normed.float(), narrow).double()) < 1e-2
-    finally:
-        gemm._one_row_rows_kernel.cache_clear()
+    monkeypatch.setattr(gemm.gemv, "gemv", lambda *args, **kwargs: pytest.fail("took the gemv"))
+    monkeypatch.setattr(gemm, "quantize_rows", lambda *args: pytest.fail("quantized the row again"))
+    normed = ops.rms_norm(x, norm_weight, 1e-5, feeds=wide)
+    got = ops.linear(normed, wide)
+    assert got.shape == (1, 4160)
+    rows, scale = fused.rms_norm_fp8(x, norm_weight, 1e-5)[1:]  # the interpreter's E4M3 rounding: compare its rows
+    expected = (rows.double() * scale.double()) @ (wide.weight.double() * wide.scale.double()[:, None]).t()
+    assert relative_error(got, expected) < 4e-3  # bf16 output rounding
+    monkeypatch.setattr(gemm.gemv, "gemv", gemv_call)
+    narrow = ops_module.Fp8Weight(quantized.weight[:48].contiguous(), quantized.scale[:48].contiguous())
+    assert relative_error(ops.linear(normed, narrow), fp8.fp8_linear_ref(normed.float(), narrow).double()) < 1e-2
 
 
 def test_rows_gemm_config_by_projection_width():
