@@ -208,6 +208,8 @@ def main() -> None:
     spec = engine.spec
     lora_bytes = args.batch * spec.num_layers * args.rank * 2 * sum(sum(spec.projection_shape(p)) for p in PROJECTIONS)
     decode = []
+    # Warm-up: an engine's first run of its adapters took 1.1-1.2x the runs after it (bench/fp8.py's 25.3 on an H200)
+    decode_rate(engine, [f"dummy-{i}" for i in range(args.batch)], args.prompts[0], 8)
     for prompt in args.prompts:
         base_rate, base_ms = decode_rate(engine, [None] * args.batch, prompt, args.steps)
         lora_rate, lora_ms = decode_rate(engine, [f"dummy-{i}" for i in range(args.batch)], prompt, args.steps)
