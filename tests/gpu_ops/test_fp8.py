@@ -533,10 +533,10 @@ LLAMA_7B_PROJECTIONS = {"qkv": (4096, 3 * 4096), "o": (4096, 4096), "gate_up": (
 @pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 128, 129, 512])
 @pytest.mark.parametrize("projection", list(LLAMA_7B_PROJECTIONS))
 def test_fp8_linear_gpu_against_references(rows, projection, kernels):
-    """fp8_linear (gemv for one row but q|k|v and gate|up on an H200, fp8_rows_gemm up to 64 and up to 128 for o and down, torch._scaled_mm with per-token
-    scales for more) within
-    float32 accumulation of the same arithmetic (scaled_mm_ref), and within FP8's tolerance of the dequantized
-    reference (the CPU engine's path) and of the bf16 product."""
+    """fp8_linear (gemv for one row but q|k|v and gate|up on an H200, fp8_rows_gemm up to 64 and up to 128 for o
+    and down, torch._scaled_mm with per-token scales for more) within float32 accumulation of the same arithmetic
+    (scaled_mm_ref), and within FP8's tolerance of the dequantized reference (the CPU engine's path) and of the bf16
+    product."""
     gemm, _, _ = kernels
     in_features, out_features = LLAMA_7B_PROJECTIONS[projection]
     generator = torch.Generator(device="cuda").manual_seed(rows)
