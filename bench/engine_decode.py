@@ -46,16 +46,21 @@ def median_ms(fn, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def start_decoding(engine: Engine, adapters: list[str | None], prompt_len: int, max_tokens: int, sampling: dict | None = None) -> list[GenerationRequest]:
-    """len(adapters) requests of random prompts, prefilled and 3 decode steps in: from here every step decodes.
-    sampling: SamplingParams fields beside greedy's (None: plain greedy). The adapters are placed in the pool first:
-    admitted cold, their requests would join one by one while the stager stages each (the engine runs the others'
-    steps meanwhile), and the first could end before the last joins."""
+def start_decoding(engine: Engine, adapters: list[str | None], prompt_len: int, decode_steps: int, sampling: dict | None = None) -> list[GenerationRequest]:
+    """len(adapters) requests of random prompts, prefilled and 3 decode steps in: from here each of the next
+    `decode_steps` steps decodes them all. Their max_tokens covers the steps their admission takes too (at most
+    max_batch_tokens prompt and decode tokens a step), so the first admitted cannot end while later steps are
+    timed and shrink the batch. sampling: SamplingParams fields beside greedy's (None: plain greedy). The adapters
+    are placed in the pool first: admitted cold, their requests would join one by one while the stager stages each
+    (the engine runs the others' steps meanwhile)."""
     for name in set(adapters) - {None}:
         if not engine.residency.preload(name):
             raise RuntimeError(f"adapter {name} does not fit in the pool")
+    budget = max(1, engine.config.max_batch_tokens - len(adapters))  # prompt tokens a step, beside the decode rows
+    join_steps = -(-len(adapters) * prompt_len // budget) + 4
     generator = torch.Generator().manual_seed(len(adapters))
-    sampling = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=max_tokens, ignore_eos=True)
+    sampling = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=join_steps + 4 + decode_steps,
+                              ignore_eos=True)
     requests = [
         GenerationRequest(torch.randint(0, engine.vocab_size, (prompt_len,), generator=generator).tolist(), adapter=a, sampling=sampling)
         for a in adapters
@@ -66,7 +71,7 @@ def start_decoding(engine: Engine, adapters: list[str | None], prompt_len: int, 
     while len(engine.scheduler.running) < len(requests) or any(s.num_generated == 0 for s in engine.scheduler.running):
         engine.step()
         steps += 1
-        if steps > max_tokens:  # a request ended before the last one joined: no step would decode them all
+        if steps > join_steps:  # the first admitted would end before `decode_steps` more steps of them all
             raise RuntimeError(f"{len(engine.scheduler.running)} of {len(requests)} requests running after {steps} steps")
     for _ in range(3):  # warm
         engine.step()
@@ -75,13 +80,15 @@ def start_decoding(engine: Engine, adapters: list[str | None], prompt_len: int, 
 
 def decode_rate(engine: Engine, adapters: list[str | None], prompt_len: int, steps: int, sampling: dict | None = None) -> tuple[float, float]:
     """(tokens/s, ms per step) over `steps` decode steps of len(adapters) running requests."""
-    requests = start_decoding(engine, adapters, prompt_len, steps + 8, sampling)
+    requests = start_decoding(engine, adapters, prompt_len, steps, sampling)
     torch.cuda.synchronize()
     started = time.perf_counter()
     for _ in range(steps):
         engine.step()
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
+    if len(engine.scheduler.running) < len(requests):  # a step timed with fewer rows than the figure says
+        raise RuntimeError(f"{len(requests) - len(engine.scheduler.running)} of {len(requests)} requests ended during the timed steps")
     for request in requests:
         engine.abort(request.request_id)
     engine.step()
@@ -95,7 +102,7 @@ def step_breakdown(engine: Engine, adapters: list[str | None], prompt_len: int, 
     and the kernels of a few steps by device time (torch.profiler sees inside graph replays)."""
     import lorad.daemon.engine.engine as engine_module
 
-    requests = start_decoding(engine, adapters, prompt_len, steps + 64)
+    requests = start_decoding(engine, adapters, prompt_len, steps + 61)
     phases = {"forward": [], "sample": [], "step": []}
     forward, sample = engine.runner.forward, engine_module.sample
 
@@ -208,8 +215,6 @@ def main() -> None:
     spec = engine.spec
     lora_bytes = args.batch * spec.num_layers * args.rank * 2 * sum(sum(spec.projection_shape(p)) for p in PROJECTIONS)
     decode = []
-    # Warm-up: an engine's first run of its adapters took 1.1-1.2x the runs after it (bench/fp8.py's 25.3 on an H200)
-    decode_rate(engine, [f"dummy-{i}" for i in range(args.batch)], args.prompts[0], 8)
     for prompt in args.prompts:
         base_rate, base_ms = decode_rate(engine, [None] * args.batch, prompt, args.steps)
         lora_rate, lora_ms = decode_rate(engine, [f"dummy-{i}" for i in range(args.batch)], prompt, args.steps)

@@ -97,9 +97,6 @@ def measure_engine(args, quantization: str, kv_cache_dtype: str, hbm: float) -> 
     floor_ms = weights / hbm * 1e3
     result["batch1"] = {"step_ms": single_ms, "weight_bytes": weights, "floor_ms": floor_ms, "over_floor": single_ms / floor_ms}
     adapters = [f"dummy-{i}" for i in range(ADAPTERS)]
-    # Warm-up: an engine's first run of 64 adapters took 1.1-1.2x the runs after it (BENCHMARKS.md, 25.3 on the H200),
-    # and 25.3 compares two engines' runs.
-    decode_rate(engine, adapters, args.long_prompt, 8)
     rate, step_ms = decode_rate(engine, adapters, args.long_prompt, args.steps)
     result["decode_64x1024"] = {"prompt": args.long_prompt, "lora_tok_s": rate, "lora_step_ms": step_ms}
     base_rate, base_ms = decode_rate(engine, [None] * ADAPTERS, args.ratio_prompt, args.steps)
