@@ -32,11 +32,13 @@ import torch
 
 from lorad.gpu_ops import gemv
 from lorad.gpu_ops.fp8 import FP8, Fp8Weight
-from lorad.gpu_ops.launch import cdiv, named_gpu, next_power_of_2, require_triton
+from lorad.gpu_ops.launch import cdiv, early_options, launching_early, named_gpu, next_power_of_2, require_triton
 
 try:
     import triton
     import triton.language as tl
+
+    from lorad.gpu_ops.launch import let_dependents_start, wait_for_previous
 except ImportError:  # the CPU engine runs the references only
     triton = None
 
@@ -108,11 +110,13 @@ if triton is not None:
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, static_ptr, K, stride_x, stride_out,
-                              STATIC: tl.constexpr, BLOCK: tl.constexpr):
+                              STATIC: tl.constexpr, BLOCK: tl.constexpr, EARLY: tl.constexpr):
         """One program per row: its amax (a first pass over the row, skipped with a static scale), then the
-        row over its scale, saturated, in FP8."""
+        row over its scale, saturated, in FP8. EARLY: launched early (gpu_ops/launch.py), as the GEMM below."""
+        let_dependents_start(EARLY)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
+        wait_for_previous(EARLY)
         if STATIC:
             scale = tl.load(static_ptr)
         else:
@@ -132,10 +136,11 @@ if triton is not None:
     def _rows_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K,
                           stride_xm, stride_wn, stride_ym,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                          HAS_BIAS: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, EARLY: tl.constexpr):
         """y[m, n] = x_scale[m] * w_scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]): x FP8 [M, K], w FP8 [N, K]
         row-major (K-major: the tensor cores' FP8 operand order). A program per tile of BLOCK_M rows by BLOCK_N
         columns over the whole of K, the column tiles first (the programs that run together share x's rows)."""
+        let_dependents_start(EARLY)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -146,6 +151,7 @@ if triton is not None:
         x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
         w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        wait_for_previous(EARLY)
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
@@ -178,9 +184,11 @@ def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> 
     scale = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
     if tokens:
         block = min(4096, next_power_of_2(width))
+        early = launching_early()
         _quantize_rows_kernel[(tokens,)](
             x, out, scale, static_scale if static_scale is not None else scale, width, x.stride(0), out.stride(0),
-            STATIC=static_scale is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8,
+            STATIC=static_scale is not None, BLOCK=block, EARLY=early, num_warps=4 if block <= 1024 else 8,
+            **early_options(early),
         )
     return out, scale
 
@@ -201,12 +209,13 @@ def fp8_rows_gemm(rows: torch.Tensor, row_scale: torch.Tensor, weight: Fp8Weight
     if tokens:
         config = config or rows_gemm_config(tokens, width, w.shape[0], _shared_memory(rows.device))
         grid = (cdiv(w.shape[0], config.block_n), cdiv(tokens, config.block_m))
+        early = launching_early()
         _rows_gemm_kernel[grid](
             rows, w, row_scale, weight.scale, bias if bias is not None else weight.scale, out,
             tokens, w.shape[0], width,
             rows.stride(0), w.stride(0), out.stride(0), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k, EVEN_K=width % config.block_k == 0, HAS_BIAS=bias is not None,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            BLOCK_K=config.block_k, EVEN_K=width % config.block_k == 0, HAS_BIAS=bias is not None, EARLY=early,
+            num_warps=config.num_warps, num_stages=config.num_stages, **early_options(early),
         )
     return out
 

@@ -18,13 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from lorad.gpu_ops.fp8 import FP8, quantize_rows_ref
-from lorad.gpu_ops.launch import cdiv, next_power_of_2, require_triton
+from lorad.gpu_ops.launch import cdiv, early_options, launching_early, next_power_of_2, require_triton
 from lorad.gpu_ops.norm import add_rms_norm_ref, rms_norm_ref
 from lorad.gpu_ops.rope import apply_rope_ref
 
 try:
     import triton
     import triton.language as tl
+
+    from lorad.gpu_ops.launch import let_dependents_start, wait_for_previous
 except ImportError:  # the CPU engine runs the references only
     triton = None
 
@@ -68,11 +70,14 @@ if triton is not None:
     @triton.jit
     def _norm_fp8_kernel(h_ptr, delta_ptr, weight_ptr, out_ptr, rows_ptr, scale_ptr, static_ptr, stride_ht, stride_dt,
                          stride_ot, stride_rt, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SCALE_F32: tl.constexpr,
-                         ADD: tl.constexpr, STATIC: tl.constexpr):
-        """rms_norm (ADD false: h is x) or add_rms_norm, the stored rows then quantized to FP8 from registers."""
+                         ADD: tl.constexpr, STATIC: tl.constexpr, EARLY: tl.constexpr):
+        """rms_norm (ADD false: h is x) or add_rms_norm, the stored rows then quantized to FP8 from registers.
+        EARLY: launched early (gpu_ops/launch.py), as every kernel here."""
+        let_dependents_start(EARLY)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < HIDDEN
+        wait_for_previous(EARLY)
         if ADD:
             delta = tl.load(delta_ptr + row * stride_dt + cols, mask=ok, other=0.0).to(tl.float32)
             stored = _add_norm_row(h_ptr + row * stride_ht, delta, weight_ptr, out_ptr + row * stride_ot, cols, ok, eps,
@@ -87,20 +92,24 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_xt, stride_ot, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
-                         SCALE_F32: tl.constexpr):
+                         SCALE_F32: tl.constexpr, EARLY: tl.constexpr):
+        let_dependents_start(EARLY)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < HIDDEN
+        wait_for_previous(EARLY)
         x = tl.load(x_ptr + row * stride_xt + cols, mask=ok, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
         _store_scaled(x * rstd, weight_ptr, out_ptr + row * stride_ot, cols, ok, SCALE_F32)
 
     @triton.jit
     def _add_rms_norm_kernel(h_ptr, delta_ptr, weight_ptr, out_ptr, stride_ht, stride_dt, stride_ot, eps,
-                             HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SCALE_F32: tl.constexpr):
+                             HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SCALE_F32: tl.constexpr, EARLY: tl.constexpr):
+        let_dependents_start(EARLY)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < HIDDEN
+        wait_for_previous(EARLY)
         delta = tl.load(delta_ptr + row * stride_dt + cols, mask=ok, other=0.0).to(tl.float32)
         _add_norm_row(h_ptr + row * stride_ht, delta, weight_ptr, out_ptr + row * stride_ot, cols, ok, eps, HIDDEN,
                       SCALE_F32)
@@ -135,9 +144,11 @@ if triton is not None:
         q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, positions_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos,
         HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-        HALF: tl.constexpr, HALF_PAD: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr, HAS_POSITIONS: tl.constexpr, EARLY: tl.constexpr,
     ):
+        let_dependents_start(EARLY)
         token = tl.program_id(0).to(tl.int64)
+        wait_for_previous(EARLY)
         if HAS_POSITIONS:
             position = tl.load(positions_ptr + token).to(tl.int64)
         else:
@@ -153,20 +164,26 @@ if triton is not None:
         _rope_rows(k_ptr, k_out_ptr, token, stride_kt, stride_kh, stride_kot, stride_koh, cos1, cos2, sin1, sin2, KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD)
 
     @triton.jit
-    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gt, stride_ut, stride_ot, width, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gt, stride_ut, stride_ot, width, BLOCK: tl.constexpr,
+                  EARLY: tl.constexpr):
+        let_dependents_start(EARLY)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < width
+        wait_for_previous(EARLY)
         gate = tl.load(gate_ptr + row * stride_gt + cols, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(up_ptr + row * stride_ut + cols, mask=ok, other=0.0).to(tl.float32)
         act = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + row * stride_ot + cols, act.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _gelu_tanh_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gt, stride_ut, stride_ot, width, BLOCK: tl.constexpr):
+    def _gelu_tanh_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gt, stride_ut, stride_ot, width, BLOCK: tl.constexpr,
+                       EARLY: tl.constexpr):
+        let_dependents_start(EARLY)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < width
+        wait_for_previous(EARLY)
         gate = tl.load(gate_ptr + row * stride_gt + cols, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(up_ptr + row * stride_ut + cols, mask=ok, other=0.0).to(tl.float32)
         # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(z) = 1 - 2 / (1 + e^(2z)): exact at both ends
@@ -190,8 +207,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
         out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens:
         block = next_power_of_2(hidden)
+        early = launching_early()
         _rms_norm_kernel[(tokens,)](x, weight, out, x.stride(0), out.stride(0), eps, HIDDEN=hidden, BLOCK=block,
-                                    SCALE_F32=weight.dtype == torch.float32, num_warps=_warps(block))
+                                    SCALE_F32=weight.dtype == torch.float32, EARLY=early, num_warps=_warps(block),
+                                    **early_options(early))
     return out
 
 
@@ -204,9 +223,10 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     out = torch.empty(tokens, hidden, dtype=h.dtype, device=h.device)
     if tokens:
         block = next_power_of_2(hidden)
+        early = launching_early()
         _add_rms_norm_kernel[(tokens,)](h, delta, weight, out, h.stride(0), delta.stride(0), out.stride(0), eps,
                                         HIDDEN=hidden, BLOCK=block, SCALE_F32=weight.dtype == torch.float32,
-                                        num_warps=_warps(block))
+                                        EARLY=early, num_warps=_warps(block), **early_options(early))
     return h, out
 
 
@@ -248,12 +268,13 @@ def _norm_fp8(x, delta, weight, eps, static_scale):
     scale = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
     if tokens:
         block = next_power_of_2(hidden)
+        early = launching_early()
         _norm_fp8_kernel[(tokens,)](
             x, delta if delta is not None else x, weight, out, rows, scale,
             static_scale if static_scale is not None else scale, x.stride(0),
             delta.stride(0) if delta is not None else 0, out.stride(0), rows.stride(0), eps, HIDDEN=hidden, BLOCK=block,
             SCALE_F32=weight.dtype == torch.float32, ADD=delta is not None, STATIC=static_scale is not None,
-            num_warps=_warps(block),
+            EARLY=early, num_warps=_warps(block), **early_options(early),
         )
     return out, rows, scale
 
@@ -308,13 +329,14 @@ def rope_qk(
         q_out, k_out = q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
     if tokens:
         half = rotary // 2
+        early = launching_early()
         _rope_qk_kernel[(tokens,)](
             q, k, q_out, k_out, cos, sin, positions if positions is not None else cos,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
             k_out.stride(0), k_out.stride(1), cos.stride(0),
             HEADS=heads, HEADS_PAD=next_power_of_2(heads), KV_HEADS=kv_heads, KV_HEADS_PAD=next_power_of_2(kv_heads),
-            HALF=half, HALF_PAD=next_power_of_2(half), HAS_POSITIONS=positions is not None,
-            num_warps=_warps(next_power_of_2(heads) * next_power_of_2(half)),
+            HALF=half, HALF_PAD=next_power_of_2(half), HAS_POSITIONS=positions is not None, EARLY=early,
+            num_warps=_warps(next_power_of_2(heads) * next_power_of_2(half)), **early_options(early),
         )
     return q_out, k_out
 
@@ -354,7 +376,9 @@ def _gated(kernel, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | Non
         out = torch.empty(tokens, width, dtype=gate.dtype, device=gate.device)
     if tokens:
         grid = (tokens, cdiv(width, SILU_BLOCK))
-        kernel[grid](gate, up, out, gate.stride(0), up.stride(0), out.stride(0), width, BLOCK=SILU_BLOCK, num_warps=4)
+        early = launching_early()
+        kernel[grid](gate, up, out, gate.stride(0), up.stride(0), out.stride(0), width, BLOCK=SILU_BLOCK, EARLY=early,
+                     num_warps=4, **early_options(early))
     return out
 
 

@@ -27,7 +27,7 @@ from lorad.gpu_ops.bgmv import (
     table_offsets,
     workspace_view,
 )
-from lorad.gpu_ops.launch import cdiv, next_power_of_2, require_triton
+from lorad.gpu_ops.launch import cdiv, early_options, launching_early, next_power_of_2, pdl_unavailable, require_triton
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import AdapterTable
 
@@ -94,24 +94,6 @@ TUNED_PDL = {
 }
 
 
-def pdl_unavailable(device: torch.device) -> str | None:
-    """Why programmatic dependent launch cannot be used on `device`, or None when it can."""
-    if triton is None:
-        return "triton is not installed"
-    if device.type != "cuda":
-        return f"{device.type} is not a CUDA device"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        return f"compute capability {major}.{minor} < 9.0"
-    if gdc_wait is None:
-        return f"triton {triton.__version__} has no grid dependency control"
-    from triton.backends.nvidia.compiler import CUDAOptions
-
-    if "launch_pdl" not in CUDAOptions.__dataclass_fields__:
-        return f"triton {triton.__version__} cannot launch with PDL"
-    return None
-
-
 def nearest_shape(shapes, in_dim: int, out_dim: int) -> tuple[int, int]:
     """The tuned shape closest to (in_dim, out_dim) in log scale on both sides: another model's gate/up
     (4096 -> 14336) takes the 7B gate/up tiles, its down the 7B down tiles."""
@@ -144,13 +126,14 @@ if triton is not None:
         in_dim, max_rank, width, num_rows, splits, rank_blocks, k_per_split,
         stride_xt, stride_xk, slot_stride, table_offset, chunks_in, member_stride,
         PAGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, ALIGNED: tl.constexpr,
-        GROUPED: tl.constexpr, PDL: tl.constexpr,
+        GROUPED: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
     ):
         """Program (row, r0, split; member): v[member][split, row, r0:r0 + BLOCK_R] = x[row, K range] @
         A[r0:r0 + BLOCK_R, K range]^T, the K range being K_TILES tiles of BLOCK_K from split * k_per_split.
         GROUPED: grid axis 1 is the member of a projection group (consecutive projections on one x: q, k, v
         or gate, up), each with its own table entries and its own workspace slice member_stride apart.
-        PDL: the expand may launch as soon as every shrink program has started."""
+        PDL: the expand may launch as soon as every shrink program has started. EARLY: this kernel was launched early
+        (gpu_ops/launch.py): every program waits for the kernel before it, past the table's reads."""
         if PDL:
             gdc_launch_dependents()
         task = tl.program_id(0)
@@ -166,6 +149,8 @@ if triton is not None:
         entry = tl.maximum(slot, 0) * slot_stride + table_offset
         rank = tl.minimum(tl.load(rank_ptr + entry), max_rank)
         a_start = tl.load(a_start_ptr + entry)
+        if EARLY:
+            gdc_wait()
         if (slot >= 0) & (r0 < rank):
             rows = r0 + tl.arange(0, BLOCK_R)
             r_ok = rows < rank
@@ -200,14 +185,17 @@ if triton is not None:
         out_dim, max_rank, width, num_rows, splits, n_tiles, stride_yt, stride_yn, slot_stride, table_offset, chunks_out,
         member_stride, out_dim1, out_dim2, chunks_out1, chunks_out2, col1, col2,
         PAGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ALIGNED: tl.constexpr,
-        GROUPED: tl.constexpr, PDL: tl.constexpr,
+        GROUPED: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
     ):
         """Program (row, n0; member): y[row, col + n0:col + n0 + BLOCK_N] += (sum over splits of
         v[member][:, row, :rank]) @ B^T[:rank, n0:n0 + BLOCK_N]; no atomics, each (row, column tile) has one
         owner. GROUPED: grid axis 1 is the member of a projection group (see the shrink); member 0 writes
         columns from 0 with (out_dim, chunks_out), members 1 and 2 from col1 / col2 with their own.
         PDL: launched while the shrink still runs; the first rank block of B (the bulk of the bytes) is loaded
-        before waiting for the shrink to complete, the partials and y after."""
+        before waiting for the shrink to complete, the partials and y after. EARLY: in a step launched early
+        (gpu_ops/launch.py), where the kernel after this one may start at once."""
+        if EARLY:
+            gdc_launch_dependents()
         task = tl.program_id(0)
         if GROUPED:
             member = tl.program_id(1)
@@ -273,12 +261,13 @@ def _shrink(x, v, layer, proj, row_slot, table, max_rank, config: DecodeConfig, 
     page, in_dim, chunks_in, slot_stride, offset = paged_operand(table, layer, proj, side=0)
     _, k_per_split, block_k, aligned = _shrink_plan(page, in_dim, splits, config)
     rank_blocks = cdiv(max_rank, config.shrink_r)
+    early = launching_early()
     _mbgmv_shrink_kernel[(num_rows * rank_blocks * splits, members)](
         x, v, row_slot, table.rank, table.a_start, table.page_ids, table.pool.pages,
         in_dim, max_rank, width, num_rows, splits, rank_blocks, k_per_split,
         x.stride(0), x.stride(1), slot_stride, offset, chunks_in, splits * num_rows * width,
         PAGE=page, BLOCK_R=config.shrink_r, BLOCK_K=block_k, K_TILES=k_per_split // block_k, ALIGNED=aligned,
-        GROUPED=members > 1, PDL=pdl, num_warps=config.num_warps, num_stages=1,
+        GROUPED=members > 1, PDL=pdl or early, EARLY=early, num_warps=config.num_warps, num_stages=1, **early_options(early),
     )
 
 
@@ -294,12 +283,14 @@ def _expand(v, y, layer, proj, row_slot, table, max_rank, config: DecodeConfig, 
     block_n, aligned = page_block(page, outs[0], config.block_n)
     block_r = min(config.expand_r, max(16, next_power_of_2(max_rank)))
     n_tiles = cdiv(max(outs), block_n)
+    early = launching_early()
+    pdl = pdl or early  # the expand launched early waits as it does behind the shrink
     _mbgmv_expand_kernel[(num_rows * n_tiles, members)](
         v, y, row_slot, table.rank, table.b_start, table.page_ids, table.pool.pages,
         outs[0], max_rank, width, num_rows, splits, n_tiles, y.stride(0), y.stride(1), slot_stride, offset, chunks[0],
         splits * num_rows * width, *members_after_first(outs), *members_after_first(chunks), *members_after_first(cols),
         PAGE=page, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=max(2, next_power_of_2(splits)), ALIGNED=aligned,
-        GROUPED=members > 1, PDL=pdl, num_warps=config.expand_warps, num_stages=1, **({"launch_pdl": True} if pdl else {}),
+        GROUPED=members > 1, PDL=pdl, EARLY=early, num_warps=config.expand_warps, num_stages=1, **early_options(pdl),
     )
 
 

@@ -25,11 +25,14 @@ import torch
 
 from lorad.gpu_ops.attention import AttentionBatch
 from lorad.gpu_ops.fp8 import FP8
-from lorad.gpu_ops.launch import named_gpu, next_power_of_2, require_triton, sm_count, widen_bf16_dots
+from lorad.gpu_ops.launch import (early_options, launching_early, named_gpu, next_power_of_2, require_triton, sm_count,
+                                  widen_bf16_dots)
 
 try:
     import triton
     import triton.language as tl
+
+    from lorad.gpu_ops.launch import let_dependents_start, wait_for_previous
 except ImportError:  # the CPU engine runs the references only
     triton = None
 
@@ -243,11 +246,13 @@ if triton is not None:
     @triton.jit
     def _write_kv_kernel(
         k_ptr, v_ptr, kv_ptr, dest_k_ptr, dest_v_ptr, dest_offset_ptr, kv_scale_ptr, stride_kt, stride_vt,
-        ROW: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, KV_FP8: tl.constexpr,
+        ROW: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, KV_FP8: tl.constexpr, EARLY: tl.constexpr,
     ):
+        let_dependents_start(EARLY)  # EARLY: launched early (gpu_ops/launch.py), as the decode kernels below
         token = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < ROW
+        wait_for_previous(EARLY)
         offset = tl.load(dest_offset_ptr + token)
         k_page = tl.load(dest_k_ptr + token)
         v_page = tl.load(dest_v_ptr + token)
@@ -267,8 +272,9 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         KV_HEADS: tl.constexpr, TOKENS_PER_PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, F16_DOTS: tl.constexpr,
+        SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, F16_DOTS: tl.constexpr, EARLY: tl.constexpr,
     ):
+        let_dependents_start(EARLY)
         kv_head = tl.program_id(0)  # head-major: the programs that run together read the same sequences' pages
         index = tl.program_id(1)
         split = tl.program_id(2)
@@ -288,6 +294,7 @@ if triton is not None:
         g_ok = offs_g < GROUP
         d_ok = offs_d < HEAD_DIM
         heads = kv_head * GROUP + offs_g
+        wait_for_previous(EARLY)  # q and this step's K and V: the kernels before wrote them
         q_ptrs = q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
         q = _query_operand(tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0), UPCAST, F16_DOTS)
         table_row = seq.to(tl.int64) * stride_table
@@ -340,10 +347,12 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(
         part_out_ptr, part_lse_ptr, seqs_ptr, query_start_ptr, out_ptr, stride_ot,
-        HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS: tl.constexpr,
+        HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS: tl.constexpr, EARLY: tl.constexpr,
     ):
+        let_dependents_start(EARLY)
         index = tl.program_id(0)
         head = tl.program_id(1)
+        wait_for_previous(EARLY)
         row = tl.load(query_start_ptr + tl.load(seqs_ptr + index))
         offs_s = tl.arange(0, SPLITS)
         offs_d = tl.arange(0, HEAD_PAD)
@@ -498,11 +507,13 @@ def write_kv(kv_view: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor
     k = k if k.stride(2) == 1 and k.stride(1) == head_dim else k.contiguous()
     v = v if v.stride(2) == 1 and v.stride(1) == head_dim else v.contiguous()
     dest = batch.dest_pages[layer]
+    dest_k, dest_v = dest[0].contiguous(), dest[1].contiguous()
+    early = launching_early()
     _write_kv_kernel[(tokens,)](
-        k, v, kv_view, dest[0].contiguous(), dest[1].contiguous(), batch.dest_offsets,
+        k, v, kv_view, dest_k, dest_v, batch.dest_offsets,
         kv_scales[layer] if kv_fp8 else k, k.stride(0), v.stride(0),
         ROW=row, PAGE=tokens_per_page * row, BLOCK=next_power_of_2(row), num_warps=4 if row <= 2048 else 8,
-        KV_FP8=kv_fp8,
+        KV_FP8=kv_fp8, EARLY=early, **early_options(early),
     )
 
 
@@ -579,18 +590,20 @@ def decode_attention(
             part_out, part_lse = workspace
     else:
         part_out = part_lse = out  # unused
+    early = launching_early()
     _decode_kernel[(kv_heads, num_seqs, splits)](
         q, kv_view, k_table, v_table, seqs, query_start, kv_len, out, part_out, part_lse, kv_scale if kv_fp8 else q,
         q.stride(0), q.stride(1), out.stride(0), k_table.stride(0), **_score_args(scale, window, softcap),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_PAD=head_pad, KV_HEADS=kv_heads,
         TOKENS_PER_PAGE=tokens_per_page, BLOCK_N=block_n, SPLITS=splits, USE_DOT=use_dot,
-        KV_FP8=kv_fp8, num_warps=num_warps, **_dot_args(q.dtype, kv_fp8, fp8_dots),
-        **({} if num_stages is None else {"num_stages": num_stages}),
+        KV_FP8=kv_fp8, EARLY=early, num_warps=num_warps, **_dot_args(q.dtype, kv_fp8, fp8_dots),
+        **({} if num_stages is None else {"num_stages": num_stages}), **early_options(early),
     )
     if splits > 1:
         _combine_kernel[(num_seqs, heads)](
             part_out, part_lse, seqs, query_start, out, out.stride(0),
-            HEADS=heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS=splits, num_warps=4,
+            HEADS=heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS=splits, EARLY=early, num_warps=4,
+            **early_options(early),
         )
 
 

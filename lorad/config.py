@@ -80,6 +80,10 @@ class EngineConfig:
     # the H100 beside off (bench/engine_decode.py, BENCHMARKS.md): LoRA decode steps of 64 distinct rank-16
     # adapters 3-4% shorter (0.82-0.83x the base model's throughput -> 0.86x at prompt 512), the same tokens.
     lora_pdl: str = "auto"
+    # on cuda (Hopper and later): a decode step's kernels (gpu_ops/launch.py: the norms, RoPE, the KV write, the
+    # attention, the FP8 rows quantization and GEMM, MBGMV) are launched early, each while the kernel before it still
+    # runs, and wait for it on the device (LORA_PDL's choices; auto: on where supported).
+    decode_pdl: str = "auto"
     # Greedy decode steps run one ahead of the host (daemon/engine/engine.py, overlapped decode): the next step is
     # launched from the device's sampled tokens before the host reads them, so the host's bookkeeping
     # hides behind the device's work. Off: every step waits for its tokens before the next is launched.
@@ -164,6 +168,8 @@ class EngineConfig:
             raise BadRequest(f"lora_kernel must be one of {', '.join(LORA_KERNELS)}, not {self.lora_kernel!r}")
         if self.lora_pdl not in LORA_PDL:
             raise BadRequest(f"lora_pdl must be one of {', '.join(LORA_PDL)}, not {self.lora_pdl!r}")
+        if self.decode_pdl not in LORA_PDL:
+            raise BadRequest(f"decode_pdl must be one of {', '.join(LORA_PDL)}, not {self.decode_pdl!r}")
         if self.cpu_lora_split not in CPU_LORA_SPLITS:
             raise BadRequest(f"cpu_lora_split must be one of {', '.join(CPU_LORA_SPLITS)}, not {self.cpu_lora_split!r}")
         if isinstance(self.cpu_workers, bool) or not isinstance(self.cpu_workers, int) or not 0 <= self.cpu_workers <= 256:

@@ -35,21 +35,21 @@ PROJECTION_GROUPS = (("qkv", Q, 3), ("gate_up", GATE, 2))  # consecutive project
 DECODE_GRAPH, PREFILL_GRAPH, EAGER = "decode_graph", "prefill_graph", "eager"  # ModelRunner.path
 
 
-def lora_pdl_state(setting: str, device: torch.device) -> dict:
+def lora_pdl_state(setting: str, device: torch.device, name: str = "lora_pdl") -> dict:
     """Whether decode steps on `device` launch the MBGMV expand early under lora_pdl `setting` (auto|on|off):
     {"on": bool, "why": why it is off, or None}; /v1/status `decode_lora_pdl`. `on` where the device or triton
     cannot is refused. The engine's runner and `lorad profile` (which times the launches the engine makes) both
-    decide it here."""
+    decide it here; and, `name` decode_pdl, whether a decode step's kernels are launched early (`decode_pdl`)."""
     if setting == "off":
-        return {"on": False, "why": "lora_pdl off"}
+        return {"on": False, "why": f"{name} off"}
     if device.type != "cuda":
         reason = f"{device.type}: reference ops"
     else:
-        from lorad.gpu_ops.mbgmv import pdl_unavailable
+        from lorad.gpu_ops.launch import pdl_unavailable
 
         reason = pdl_unavailable(device)
     if reason is not None and setting == "on":
-        raise BadRequest(f"lora_pdl on cannot run here: {reason}")
+        raise BadRequest(f"{name} on cannot run here: {reason}")
     return {"on": reason is None, "why": reason}
 
 
@@ -66,8 +66,11 @@ class ModelRunner:
         self.config, self.spec, self.device, self.max_model_len = config, spec, device, max_model_len
         self.kernel_choice = kernel_choice
         self.lora_pdl = self._lora_pdl()
+        self.decode_pdl = lora_pdl_state(config.decode_pdl, device, "decode_pdl")
+        log.info("decode pdl=%s", "on" if self.decode_pdl["on"] else f"off ({self.decode_pdl['why']})")
         self.ops = select_ops(device, config.max_batch_tokens, config.max_lora_rank, kernel_choice,
-                              fuse_groups=config.fuse_lora_groups, pdl=self.lora_pdl["on"])
+                              fuse_groups=config.fuse_lora_groups, pdl=self.lora_pdl["on"],
+                              decode_pdl=self.decode_pdl["on"])
         self.model = build_model(spec, weights, max_model_len, self.ops)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None

@@ -78,6 +78,7 @@ def engine_status(engine: Engine) -> dict:
             "decode_lora_groups": engine.runner.lora_groups,
             "prompt_lora_groups": engine.runner.prompt_lora_groups,
             "decode_lora_pdl": dict(engine.runner.lora_pdl),
+            "decode_pdl": dict(engine.runner.decode_pdl),  # a decode step's kernels launched early
             "lora_kernel_steps": dict(engine.kernel_choice.steps),
             "cold_start": engine.config.cold_start,
             "cold_start_reason": engine.cold_start_reason,  # set, or the default for this device and why

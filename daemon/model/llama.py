@@ -106,6 +106,10 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, step: Step, kv_view: torch.Tensor, table) -> torch.Tensor:
         """-> logits [len(sample_rows), vocab] float32."""
+        with self.ops.launches(step.lora.decode):
+            return self._forward(step, kv_view, table)
+
+    def _forward(self, step: Step, kv_view: torch.Tensor, table) -> torch.Tensor:
         h = self.embed_tokens(step.input_ids)
         rotations = [(cos[step.positions], sin[step.positions]) for cos, sin in self.rotations]
         x = self.ops.rms_norm(h, self.layers[0].input_norm, self.spec.rms_norm_eps, feeds=self.layers[0].qkv)

@@ -9,6 +9,9 @@ quantizes the rows for its GEMM in the same kernel (gpu_ops/fused.py's `*_fp8`) 
 weight and that tensor, where it would quantize them in a launch of its own; the references ignore it (their FP8
 GEMM dequantizes the weight instead).
 
+`launches(decode)` is the context a step's forward runs in: with decode_pdl, a decode step's kernels are launched
+early (gpu_ops/launch.py).
+
 LoRA enters through `lora(x, y, layer, proj, batch, table)` per projection and `lora_group` for q, k, v and
 gate, up, whose outputs lie side by side in one fused GEMM's output. Rows that the CPU workers compute for a
 cold adapter (`batch.cpu_spans`) are handed to `batch.cpu_assist`, which runs the pool path for a layer that
@@ -16,6 +19,8 @@ has arrived.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +52,10 @@ class TorchOps:
             from lorad.gpu_ops import bgmv
 
             self._bgmv_ref, self._batch_max_rank = bgmv.bgmv_ref, bgmv.batch_max_rank
+
+    def launches(self, decode: bool):
+        """The context a step's forward runs in (decode: a decode step's): here nothing changes."""
+        return contextlib.nullcontext()
 
     # The base model's ops.
     def linear(self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -123,26 +132,33 @@ class TritonOps(TorchOps):
     step by kernel_choice; MBGMV without one), MBGMM for prefill LoRA. fuse_groups: a decode step's MBGMV, and a mixed
     step's MBGMV of its decode rows, take q, k, v in one launch pair and gate, up in one (where their tiles agree:
     mbgmv.group_fits); a step's prompt rows take the MBGMM shrinks of q, k, v in one launch and those of gate, up in
-    one (mbgmm.group_fits). pdl: the decode MBGMV's expand launched early (the caller checks mbgmv.pdl_unavailable)."""
+    one (mbgmm.group_fits). pdl: the decode MBGMV's expand launched early (the caller checks launch.pdl_unavailable);
+    decode_pdl: every kernel of a decode step that can be, launched early (`launches`)."""
 
     def __init__(self, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
-                 fuse_groups: bool = False, pdl: bool = False):
-        from lorad.gpu_ops import bgmv, fp8_gemm, fused, gemv, mbgmm, mbgmv, paged_attention
+                 fuse_groups: bool = False, pdl: bool = False, decode_pdl: bool = False):
+        from lorad.gpu_ops import bgmv, fp8_gemm, fused, gemv, launch, mbgmm, mbgmv, paged_attention
 
         groups = ",lora-groups:qkv|gate-up(mbgmv,mbgmm-shrink)" if fuse_groups else ""
         groups += ",mbgmv-pdl" if pdl else ""
+        groups += ",decode-pdl" if decode_pdl else ""
         super().__init__(f"triton[lora:mbgmv|bgmv+mbgmm{groups},paged-attention,fused-norm-rope-silu-gelu,"
                          f"gemv(rows<={gemv.GEMV_MAX_ROWS})]")
         self.decode_choice = kernel_choice
         self._fused, self._paged_attention, self._gemv = fused, paged_attention, gemv
         self._bgmv, self._mbgmv, self._mbgmm, self._fp8_gemm = bgmv, mbgmv, mbgmm, fp8_gemm
-        self.fuses_groups, self.pdl = fuse_groups, pdl
+        self.fuses_groups, self.pdl, self.decode_pdl = fuse_groups, pdl, decode_pdl
+        self._launch = launch
         self.workspace = torch.empty(bgmv.workspace_numel(max_batch_tokens, max_lora_rank), dtype=torch.float32,
                                      device=device)
         # (x, the FP8 weight it feeds, x's rows quantized for it): left by a norm, taken by linear
         self._quantized = None
         wide_one_row_gemv = fp8_gemm.takes_gemv(1, fp8_gemm.NARROW_OUT_FEATURES + 1, device)
         self.fp8_gemm = GPU_GEMM if wide_one_row_gemv else GPU_GEMM_WIDE_ONE_ROW
+
+    def launches(self, decode: bool):
+        """A decode step's kernels launched early with decode_pdl; any other step's as before."""
+        return self._launch.early_launch(decode and self.decode_pdl)
 
     def linear(self, x, weight, bias=None):
         if isinstance(weight, Fp8Weight):
@@ -266,7 +282,7 @@ def row_ranks(batch: LoraBatch, table: AdapterTable) -> list[int]:
 
 
 def select_ops(device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
-               fuse_groups: bool = False, pdl: bool = False) -> TorchOps:
+               fuse_groups: bool = False, pdl: bool = False, decode_pdl: bool = False) -> TorchOps:
     """TritonOps on cuda where Triton works; TorchOps elsewhere, named with the reason on a GPU."""
     if device.type != "cuda":
         return TorchOps(kernel_choice=kernel_choice)
@@ -276,4 +292,4 @@ def select_ops(device: torch.device, max_batch_tokens: int, max_lora_rank: int, 
         require_triton("LoRA kernels")
     except (ImportError, RuntimeError) as error:
         return TorchOps(f"torch-reference (triton unavailable: {error})", kernel_choice)
-    return TritonOps(device, max_batch_tokens, max_lora_rank, kernel_choice, fuse_groups, pdl)
+    return TritonOps(device, max_batch_tokens, max_lora_rank, kernel_choice, fuse_groups, pdl, decode_pdl)

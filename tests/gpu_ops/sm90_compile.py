@@ -1,5 +1,7 @@
 """Compiles the paged attention kernels, the two-rank peer sum and the norms that quantize their rows for FP8 for
-the H100 (sm90) on a machine without a GPU, every variant of constexprs the engine launches, through Triton's whole pipeline (its bundled ptxas included): the interpreter
+the H100 (sm90) on a machine without a GPU, every variant of constexprs the engine launches, and every kernel of a
+decode step launched early (gpu_ops/launch.py: grid dependency control, a path the interpreter never takes),
+through Triton's whole pipeline (its bundled ptxas included): the interpreter
 that runs the kernels in CI does not apply the compiler's checks (a helper's return types, say), so a kernel
 can pass every CPU test and fail to compile on the GPU. Run by test_compile_sm90.py in a process of its own
 (the interpreter is chosen when a kernel module is imported). Prints one line per variant; exit status 1 if one
@@ -14,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lorad.gpu_ops import fused, paged_attention, peer_sum
+from lorad.gpu_ops import fp8_gemm, fused, mbgmv, paged_attention, peer_sum
 
 TARGET = GPUTarget("cuda", 90, 32)
 COMMON = dict(stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_table="i32", qk_scale="fp32", cap_log2="fp32",
@@ -36,7 +38,7 @@ def variants():
         for splits in (1, 4):
             decode = dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=128, HEAD_PAD=128, KV_HEADS=kv_heads, TOKENS_PER_PAGE=tpp,
                           BLOCK_N=paged_attention.DECODE_BLOCK_N[decode_kind], SPLITS=splits, USE_DOT=True,
-                          **scalars)
+                          EARLY=not sliding, **scalars)
             signature = dict(q_ptr="*bf16", kv_ptr=kv, k_table_ptr="*i32", v_table_ptr="*i32", seqs_ptr="*i32",
                              query_start_ptr="*i32", kv_len_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32",
                              part_lse_ptr="*fp32", kv_scale_ptr="*fp32", **COMMON, **{key: "constexpr" for key in decode})
@@ -74,10 +76,76 @@ def fused_fp8_variants():
         signature = dict(h_ptr="*bf16", delta_ptr="*bf16", weight_ptr="*fp32" if gemma else "*bf16", out_ptr="*bf16",
                          rows_ptr="*fp8e4nv", scale_ptr="*fp32", static_ptr="*fp32", stride_ht="i32", stride_dt="i32",
                          stride_ot="i32", stride_rt="i32", eps="fp32")
-        constexprs = dict(HIDDEN=4096, BLOCK=4096, SCALE_F32=gemma, ADD=add, STATIC=static)
+        constexprs = dict(HIDDEN=4096, BLOCK=4096, SCALE_F32=gemma, ADD=add, STATIC=static, EARLY=add)
         signature.update({key: "constexpr" for key in constexprs})
         yield (f"norm fp8{' add' if add else ''}{' gemma' if gemma else ''}{' static' if static else ''}",
                fused._norm_fp8_kernel, signature, constexprs, None, {"num_warps": fused._warps(4096)})
+
+
+def early_variants():
+    """The kernels of a decode step launched early that the variants above do not cover, each with EARLY on (the
+    paged decode attention above has it on without a window, the FP8 norms with the residual add)."""
+    aligned = {(index,): [["tt.divisibility", 16]] for index in range(6)}
+    norm = dict(HIDDEN=4096, BLOCK=4096, SCALE_F32=False, EARLY=True)
+    yield ("early rms norm", fused._rms_norm_kernel,
+           dict(x_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16", stride_xt="i32", stride_ot="i32", eps="fp32",
+                **{key: "constexpr" for key in norm}), norm, None, {"num_warps": fused._warps(4096)})
+    yield ("early add rms norm", fused._add_rms_norm_kernel,
+           dict(h_ptr="*bf16", delta_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16", stride_ht="i32", stride_dt="i32",
+                stride_ot="i32", eps="fp32", **{key: "constexpr" for key in norm}), norm, None,
+           {"num_warps": fused._warps(4096)})
+    rope = dict(HEADS=32, HEADS_PAD=32, KV_HEADS=8, KV_HEADS_PAD=8, HALF=64, HALF_PAD=64, HAS_POSITIONS=False, EARLY=True)
+    yield ("early rope", fused._rope_qk_kernel,
+           dict(q_ptr="*bf16", k_ptr="*bf16", q_out_ptr="*bf16", k_out_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16",
+                positions_ptr="*i64", **{f"stride_{name}": "i32" for name in ("qt", "qh", "kt", "kh", "qot", "qoh", "kot",
+                                                                                "koh", "cos")},
+                **{key: "constexpr" for key in rope}), rope, None, {"num_warps": 4})
+    for kernel in (fused._silu_mul_kernel, fused._gelu_tanh_mul_kernel):
+        gated = dict(BLOCK=fused.SILU_BLOCK, EARLY=True)
+        yield (f"early {kernel.__name__}", kernel,
+               dict(gate_ptr="*bf16", up_ptr="*bf16", out_ptr="*bf16", stride_gt="i32", stride_ut="i32", stride_ot="i32",
+                    width="i32", **{key: "constexpr" for key in gated}), gated, None, {"num_warps": 4})
+    quantize = dict(STATIC=False, BLOCK=4096, EARLY=True)
+    yield ("early quantize rows", fp8_gemm._quantize_rows_kernel,
+           dict(x_ptr="*bf16", out_ptr="*fp8e4nv", scale_ptr="*fp32", static_ptr="*fp32", K="i32", stride_x="i32",
+                stride_out="i32", **{key: "constexpr" for key in quantize}), quantize, aligned, {"num_warps": 8})
+    config = fp8_gemm.rows_gemm_config(64, 4096, 12288, 228 * 1024)
+    rows = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=True, HAS_BIAS=False,
+                EARLY=True)
+    yield ("early fp8 rows gemm", fp8_gemm._rows_gemm_kernel,
+           dict(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", x_scale_ptr="*fp32", w_scale_ptr="*fp32", bias_ptr="*fp32",
+                y_ptr="*bf16", M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_ym="i32",
+                **{key: "constexpr" for key in rows}), rows, aligned,
+           {"num_warps": config.num_warps, "num_stages": config.num_stages})
+    write = dict(ROW=4096, PAGE=8192, BLOCK=4096, KV_FP8=True, EARLY=True)
+    yield ("early write kv", paged_attention._write_kv_kernel,
+           dict(k_ptr="*bf16", v_ptr="*bf16", kv_ptr="*fp8e4nv", dest_k_ptr="*i32", dest_v_ptr="*i32",
+                dest_offset_ptr="*i32", kv_scale_ptr="*fp32", stride_kt="i32", stride_vt="i32",
+                **{key: "constexpr" for key in write}), write, None, {"num_warps": 8})
+    combine = dict(HEADS=32, HEAD_DIM=128, HEAD_PAD=128, SPLITS=4, EARLY=True)
+    yield ("early combine", paged_attention._combine_kernel,
+           dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", seqs_ptr="*i32", query_start_ptr="*i32", out_ptr="*bf16",
+                stride_ot="i32", **{key: "constexpr" for key in combine}), combine, None, {"num_warps": 4})
+    config = mbgmv.decode_config(4096, 4096, 16, pdl=True)
+    shrink = dict(PAGE=4096, BLOCK_R=config.shrink_r, BLOCK_K=config.block_k, K_TILES=1, ALIGNED=True, GROUPED=True,
+                  PDL=True, EARLY=True)
+    ints = ("in_dim", "max_rank", "width", "num_rows", "splits", "rank_blocks", "k_per_split", "stride_xt", "stride_xk",
+            "slot_stride", "table_offset", "chunks_in", "member_stride")
+    yield ("early mbgmv shrink", mbgmv._mbgmv_shrink_kernel,
+           dict(x_ptr="*bf16", v_ptr="*fp32", row_slot_ptr="*i32", rank_ptr="*i32", a_start_ptr="*i32",
+                page_ids_ptr="*i32", pages_ptr="*bf16", **{name: "i32" for name in ints},
+                **{key: "constexpr" for key in shrink}), shrink, None,
+           {"num_warps": config.num_warps, "num_stages": 1})
+    expand = dict(PAGE=4096, BLOCK_R=config.expand_r, BLOCK_N=config.block_n, SPLITS=2, ALIGNED=True, GROUPED=True,
+                  PDL=True, EARLY=True)
+    ints = ("out_dim", "max_rank", "width", "num_rows", "splits", "n_tiles", "stride_yt", "stride_yn", "slot_stride",
+            "table_offset", "chunks_out", "member_stride", "out_dim1", "out_dim2", "chunks_out1", "chunks_out2", "col1",
+            "col2")
+    yield ("early mbgmv expand", mbgmv._mbgmv_expand_kernel,
+           dict(v_ptr="*fp32", y_ptr="*bf16", row_slot_ptr="*i32", rank_ptr="*i32", b_start_ptr="*i32",
+                page_ids_ptr="*i32", pages_ptr="*bf16", **{name: "i32" for name in ints},
+                **{key: "constexpr" for key in expand}), expand, None,
+           {"num_warps": config.expand_warps, "num_stages": 1, "launch_pdl": True})
 
 
 def main() -> int:
@@ -85,7 +153,8 @@ def main() -> int:
         print("the kernels were decorated for the interpreter (TRITON_INTERPRET is set)", file=sys.stderr)
         return 2
     failed = 0
-    for name, kernel, signature, constexprs, *extra in [*variants(), *peer_sum_variants(), *fused_fp8_variants()]:
+    for name, kernel, signature, constexprs, *extra in [*variants(), *peer_sum_variants(), *fused_fp8_variants(),
+                                                        *early_variants()]:
         attrs, options = (extra + [None, None])[:2]
         try:
             source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)

@@ -466,6 +466,37 @@ def test_lora_pdl_is_off_on_the_cpu_and_said(demo_assets):
         make_engine(demo_assets, lora_pdl="always")
 
 
+def test_each_forward_runs_in_its_steps_launch_context(demo_assets, monkeypatch):
+    """The model enters ops.launches(decode) around every forward: a decode step's (where TritonOps with decode_pdl
+    launches early) and the prompt's steps apart."""
+    import contextlib
+
+    engine = make_engine(demo_assets)
+    seen = []
+
+    def launches(decode):
+        seen.append(decode)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(engine.runner.ops, "launches", launches)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.generate([GenerationRequest([5, 6, 7], None, greedy)])
+    assert seen[0] is False and seen[1:] and all(seen[1:]), seen
+
+
+def test_decode_pdl_is_off_on_the_cpu_and_said(demo_assets):
+    """decode_pdl (a decode step's kernels launched early) likewise: off on the CPU with the reason, refused where
+    asked for and impossible, an unknown value too."""
+    status = make_engine(demo_assets).status()
+    assert status["decode_pdl"] == {"on": False, "why": "cpu: reference ops"}
+    assert "decode-pdl" not in status["ops"]
+    assert make_engine(demo_assets, decode_pdl="off").status()["decode_pdl"] == {"on": False, "why": "decode_pdl off"}
+    with pytest.raises(BadRequest, match="decode_pdl on cannot run here: cpu"):
+        make_engine(demo_assets, decode_pdl="on")
+    with pytest.raises(BadRequest, match="decode_pdl must be one of auto, on, off"):
+        make_engine(demo_assets, decode_pdl="always")
+
+
 def test_adapter_streaming_is_off_on_the_cpu_and_said(demo_assets):
     """gpu-stream needs the device-side wait of the Triton kernels: on the CPU auto never streams, and
     says why; the other modes never stream at all."""

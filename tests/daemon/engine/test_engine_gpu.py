@@ -321,6 +321,46 @@ def test_cuda_forced_bgmv_equals_the_cpu(demo_assets, eager):
             torch.testing.assert_close(x, y, atol=2e-4, rtol=2e-4)
 
 
+def test_cuda_decode_pdl_gives_the_same_tokens(demo_assets):
+    """decode_pdl: every kernel of a decode step that can be launched early, each waiting for the one before it on
+    the device, gives the tokens and logits of stream order to the bit, through the decode graphs and eagerly, with
+    several rows and with one; /v1/status says so."""
+    from lorad.gpu_ops.launch import pdl_unavailable
+
+    reason = pdl_unavailable(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def run(setting, eager):
+        many = _one_request_per_adapter(demo_assets, eager=eager, decode_pdl=setting)
+        one = _one_request(demo_assets, eager=eager, decode_pdl=setting)
+        return many, one
+
+    (plain, status), plain_one = run("off", eager=False)
+    assert status["decode_pdl"] == {"on": False, "why": "decode_pdl off"} and "decode-pdl" not in status["ops"]
+    for eager in (False, True):
+        (early, status), early_one = run("auto", eager)
+        assert status["decode_pdl"] == {"on": True, "why": None} and "decode-pdl" in status["ops"]
+        assert (status["cuda_graph_steps"] > 0) != eager
+        for a, b in zip([*plain, plain_one], [*early, early_one]):
+            assert a.token_ids == b.token_ids
+            x, y = torch.stack(a.logits), torch.stack(b.logits)
+            assert torch.equal(x, y), f"logits differ by up to {float((x - y).abs().max()):.3g} (steps {(x != y).any(-1).nonzero().flatten().tolist()})"
+
+
+def _one_request(demo_assets, **config):
+    """One greedy float32 request with the first demo adapter on a fresh cuda engine: one-row decode steps."""
+    name = sorted(demo_assets.adapters)[0]
+    engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=((name, str(demo_assets.adapters[name])),),
+                                 device="cuda", dtype="float32", max_running_requests=4, max_lora_rank=64, **config))
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    result = engine.generate([GenerationRequest([9, 6, 7], name, greedy, keep_logits=True)])[0]
+    del engine
+    gc.collect()
+    return result
+
+
 def test_cuda_lora_pdl_gives_the_same_tokens(demo_assets):
     """lora_pdl: the decode MBGMV's expand launched early gives the tokens and logits of plain stream order,
     through the decode graphs and eagerly; /v1/status says which launch runs."""
@@ -331,8 +371,8 @@ def test_cuda_lora_pdl_gives_the_same_tokens(demo_assets):
         pytest.skip(reason)
     torch.backends.cuda.matmul.allow_tf32 = False
 
-    def run(pdl, eager):
-        return _one_request_per_adapter(demo_assets, eager=eager, lora_pdl=pdl)
+    def run(pdl, eager):  # the expand alone launched early: the step's other kernels in stream order
+        return _one_request_per_adapter(demo_assets, eager=eager, lora_pdl=pdl, decode_pdl="off")
 
     plain, status = run("off", eager=False)
     assert status["decode_lora_pdl"] == {"on": False, "why": "lora_pdl off"} and "mbgmv-pdl" not in status["ops"]

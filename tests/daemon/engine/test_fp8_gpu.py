@@ -123,3 +123,23 @@ def test_fp8_against_bf16_and_graphs_against_eager(model_dir):
     # the graphs pad their rows to a bucket (another GEMM tile choice): the same tokens but for near ties
     assert _agreement(graphs, eager) >= 0.95
     assert _kl(graphs, eager) < 1e-3
+
+
+def test_fp8_decode_pdl_gives_the_same_tokens(model_dir):
+    """decode_pdl: the FP8 decode step's kernels (the norms that quantize their rows, the rows GEMM, the FP8-page
+    attention, MBGMV) launched early give the tokens and logits of stream order to the bit, in graphs of several rows
+    and of one."""
+    from lorad.gpu_ops.launch import pdl_unavailable
+
+    reason = pdl_unavailable(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    for count in (24, 1):
+        plain = _run(_engine(model_dir, "cuda", "bfloat16", quantization="fp8", kv_cache_dtype="fp8", decode_pdl="off"),
+                     count, max_tokens=12)
+        early = _run(_engine(model_dir, "cuda", "bfloat16", quantization="fp8", kv_cache_dtype="fp8", decode_pdl="on"),
+                     count, max_tokens=12)
+        for a, b in zip(plain, early):
+            assert a.token_ids == b.token_ids
+            x, y = torch.stack(a.logits), torch.stack(b.logits)
+            assert torch.equal(x, y), f"logits differ by up to {float((x - y).abs().max()):.3g} (steps {(x != y).any(-1).nonzero().flatten().tolist()})"
