@@ -133,6 +133,8 @@ def _one_request_per_adapter(demo_assets, **config):
     engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=adapters, device="cuda", dtype="float32",
                                  max_running_requests=12, max_lora_rank=64, **config))
     names = [*sorted(demo_assets.adapters), None]
+    for name in names[:-1]:  # placed first: no request's prefill waits for its copy or runs on the CPU workers
+        assert engine.residency.preload(name)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     results = engine.generate([GenerationRequest([5 + i, 6, 7], name, greedy, keep_logits=True) for i, name in enumerate(names)])
     status = engine.status()
@@ -354,6 +356,7 @@ def _one_request(demo_assets, **config):
     name = sorted(demo_assets.adapters)[0]
     engine = Engine(EngineConfig(model=str(demo_assets.model_dir), adapters=((name, str(demo_assets.adapters[name])),),
                                  device="cuda", dtype="float32", max_running_requests=4, max_lora_rank=64, **config))
+    assert engine.residency.preload(name)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     result = engine.generate([GenerationRequest([9, 6, 7], name, greedy, keep_logits=True)])[0]
     del engine
