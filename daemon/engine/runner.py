@@ -25,6 +25,7 @@ from lorad.daemon.model.llama import GATE, Q, Step
 from lorad.daemon.model.ops import select_ops
 from lorad.errors import BadRequest
 from lorad.gpu_ops.attention import AttentionBatch
+from lorad.gpu_ops.fp8 import Fp8Weight
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import AdapterTable, KVCache
 from lorad.scheduler.batching import Sequence
@@ -53,6 +54,20 @@ def lora_pdl_state(setting: str, device: torch.device, name: str = "lora_pdl") -
     return {"on": reason is None, "why": reason}
 
 
+# decode_pdl auto with FP8 weights launches early only the decode steps of this many rows: on an H200 the FP8 7B step
+# of 1 row took 0.95x with it, those of 16 and 64 rows 1.03x and 1.02x (bf16's 0.97-0.99x at 1, 16 and 64 rows;
+# bench/decode_pdl.py, BENCHMARKS.md).
+DECODE_PDL_FP8_ROWS = 1
+
+
+def decode_pdl_state(setting: str, device: torch.device, fp8: bool) -> dict:
+    """Whether a decode step's kernels are launched early (decode_pdl `setting`): `lora_pdl_state`'s answer and
+    max_rows, the most rows of a step that does (None: any; auto with FP8 weights: DECODE_PDL_FP8_ROWS)."""
+    state = lora_pdl_state(setting, device, "decode_pdl")
+    state["max_rows"] = DECODE_PDL_FP8_ROWS if state["on"] and fp8 and setting == "auto" else None
+    return state
+
+
 def lora_launch(fuse_groups: bool, pdl: bool) -> dict:
     """How a decode step's LoRA is launched: q,k,v and gate,up each in one MBGMV launch pair (fuse_groups), the expand
     launched early (pdl). `lorad profile` records it with the timings it made so (from its ops), and an engine whose
@@ -66,11 +81,14 @@ class ModelRunner:
         self.config, self.spec, self.device, self.max_model_len = config, spec, device, max_model_len
         self.kernel_choice = kernel_choice
         self.lora_pdl = self._lora_pdl()
-        self.decode_pdl = lora_pdl_state(config.decode_pdl, device, "decode_pdl")
-        log.info("decode pdl=%s", "on" if self.decode_pdl["on"] else f"off ({self.decode_pdl['why']})")
+        fp8 = any(isinstance(weight, Fp8Weight) for weight in weights.values())
+        self.decode_pdl = decode_pdl_state(config.decode_pdl, device, fp8)
+        pdl = self.decode_pdl
+        log.info("decode pdl=%s", f"off ({pdl['why']})" if not pdl["on"] else
+                 "on" if pdl["max_rows"] is None else f"on in steps of at most {pdl['max_rows']} rows (FP8 weights)")
         self.ops = select_ops(device, config.max_batch_tokens, config.max_lora_rank, kernel_choice,
                               fuse_groups=config.fuse_lora_groups, pdl=self.lora_pdl["on"],
-                              decode_pdl=self.decode_pdl["on"])
+                              decode_pdl=pdl["on"], decode_pdl_rows=pdl["max_rows"])
         self.model = build_model(spec, weights, max_model_len, self.ops)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None

@@ -106,7 +106,7 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, step: Step, kv_view: torch.Tensor, table) -> torch.Tensor:
         """-> logits [len(sample_rows), vocab] float32."""
-        with self.ops.launches(step.lora.decode):
+        with self.ops.launches(step.lora.decode, len(step.input_ids)):
             return self._forward(step, kv_view, table)
 
     def _forward(self, step: Step, kv_view: torch.Tensor, table) -> torch.Tensor:

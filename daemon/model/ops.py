@@ -9,8 +9,8 @@ quantizes the rows for its GEMM in the same kernel (gpu_ops/fused.py's `*_fp8`) 
 weight and that tensor, where it would quantize them in a launch of its own; the references ignore it (their FP8
 GEMM dequantizes the weight instead).
 
-`launches(decode)` is the context a step's forward runs in: with decode_pdl, a decode step's kernels are launched
-early (gpu_ops/launch.py).
+`launches(decode, rows)` is the context a step's forward runs in: with decode_pdl, a decode step's kernels are
+launched early (gpu_ops/launch.py).
 
 LoRA enters through `lora(x, y, layer, proj, batch, table)` per projection and `lora_group` for q, k, v and
 gate, up, whose outputs lie side by side in one fused GEMM's output. Rows that the CPU workers compute for a
@@ -53,8 +53,8 @@ class TorchOps:
 
             self._bgmv_ref, self._batch_max_rank = bgmv.bgmv_ref, bgmv.batch_max_rank
 
-    def launches(self, decode: bool):
-        """The context a step's forward runs in (decode: a decode step's): here nothing changes."""
+    def launches(self, decode: bool, rows: int):
+        """The context a step's forward runs in (decode: a decode step's, of `rows` rows): here nothing changes."""
         return contextlib.nullcontext()
 
     # The base model's ops.
@@ -133,10 +133,12 @@ class TritonOps(TorchOps):
     step's MBGMV of its decode rows, take q, k, v in one launch pair and gate, up in one (where their tiles agree:
     mbgmv.group_fits); a step's prompt rows take the MBGMM shrinks of q, k, v in one launch and those of gate, up in
     one (mbgmm.group_fits). pdl: the decode MBGMV's expand launched early (the caller checks launch.pdl_unavailable);
-    decode_pdl: every kernel of a decode step that can be, launched early (`launches`)."""
+    decode_pdl: every kernel of a decode step that can be, launched early (`launches`), in steps of at most
+    decode_pdl_rows rows (None: any)."""
 
     def __init__(self, device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
-                 fuse_groups: bool = False, pdl: bool = False, decode_pdl: bool = False):
+                 fuse_groups: bool = False, pdl: bool = False, decode_pdl: bool = False,
+                 decode_pdl_rows: int | None = None):
         from lorad.gpu_ops import bgmv, fp8_gemm, fused, gemv, launch, mbgmm, mbgmv, paged_attention
 
         groups = ",lora-groups:qkv|gate-up(mbgmv,mbgmm-shrink)" if fuse_groups else ""
@@ -147,7 +149,7 @@ class TritonOps(TorchOps):
         self.decode_choice = kernel_choice
         self._fused, self._paged_attention, self._gemv = fused, paged_attention, gemv
         self._bgmv, self._mbgmv, self._mbgmm, self._fp8_gemm = bgmv, mbgmv, mbgmm, fp8_gemm
-        self.fuses_groups, self.pdl, self.decode_pdl = fuse_groups, pdl, decode_pdl
+        self.fuses_groups, self.pdl, self.decode_pdl, self.decode_pdl_rows = fuse_groups, pdl, decode_pdl, decode_pdl_rows
         self._launch = launch
         self.workspace = torch.empty(bgmv.workspace_numel(max_batch_tokens, max_lora_rank), dtype=torch.float32,
                                      device=device)
@@ -156,9 +158,11 @@ class TritonOps(TorchOps):
         wide_one_row_gemv = fp8_gemm.takes_gemv(1, fp8_gemm.NARROW_OUT_FEATURES + 1, device)
         self.fp8_gemm = GPU_GEMM if wide_one_row_gemv else GPU_GEMM_WIDE_ONE_ROW
 
-    def launches(self, decode: bool):
-        """A decode step's kernels launched early with decode_pdl; any other step's as before."""
-        return self._launch.early_launch(decode and self.decode_pdl)
+    def launches(self, decode: bool, rows: int):
+        """A decode step's kernels launched early with decode_pdl (up to decode_pdl_rows rows); any other step's as
+        before."""
+        fits = self.decode_pdl_rows is None or rows <= self.decode_pdl_rows
+        return self._launch.early_launch(decode and self.decode_pdl and fits)
 
     def linear(self, x, weight, bias=None):
         if isinstance(weight, Fp8Weight):
@@ -282,7 +286,8 @@ def row_ranks(batch: LoraBatch, table: AdapterTable) -> list[int]:
 
 
 def select_ops(device: torch.device, max_batch_tokens: int, max_lora_rank: int, kernel_choice=None,
-               fuse_groups: bool = False, pdl: bool = False, decode_pdl: bool = False) -> TorchOps:
+               fuse_groups: bool = False, pdl: bool = False, decode_pdl: bool = False,
+               decode_pdl_rows: int | None = None) -> TorchOps:
     """TritonOps on cuda where Triton works; TorchOps elsewhere, named with the reason on a GPU."""
     if device.type != "cuda":
         return TorchOps(kernel_choice=kernel_choice)
@@ -292,4 +297,5 @@ def select_ops(device: torch.device, max_batch_tokens: int, max_lora_rank: int, 
         require_triton("LoRA kernels")
     except (ImportError, RuntimeError) as error:
         return TorchOps(f"torch-reference (triton unavailable: {error})", kernel_choice)
-    return TritonOps(device, max_batch_tokens, max_lora_rank, kernel_choice, fuse_groups, pdl, decode_pdl)
+    return TritonOps(device, max_batch_tokens, max_lora_rank, kernel_choice, fuse_groups, pdl, decode_pdl,
+                     decode_pdl_rows)

@@ -474,27 +474,51 @@ def test_each_forward_runs_in_its_steps_launch_context(demo_assets, monkeypatch)
     engine = make_engine(demo_assets)
     seen = []
 
-    def launches(decode):
-        seen.append(decode)
+    def launches(decode, rows):
+        seen.append((decode, rows))
         return contextlib.nullcontext()
 
     monkeypatch.setattr(engine.runner.ops, "launches", launches)
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     engine.generate([GenerationRequest([5, 6, 7], None, greedy)])
-    assert seen[0] is False and seen[1:] and all(seen[1:]), seen
+    assert seen[0] == (False, 3) and seen[1:] and all(seen[1:]), seen
+    assert all(rows == 1 for _, rows in seen[1:]), seen
 
 
 def test_decode_pdl_is_off_on_the_cpu_and_said(demo_assets):
     """decode_pdl (a decode step's kernels launched early) likewise: off on the CPU with the reason, refused where
     asked for and impossible, an unknown value too."""
     status = make_engine(demo_assets).status()
-    assert status["decode_pdl"] == {"on": False, "why": "cpu: reference ops"}
+    assert status["decode_pdl"] == {"on": False, "why": "cpu: reference ops", "max_rows": None}
     assert "decode-pdl" not in status["ops"]
-    assert make_engine(demo_assets, decode_pdl="off").status()["decode_pdl"] == {"on": False, "why": "decode_pdl off"}
+    off = {"on": False, "why": "decode_pdl off", "max_rows": None}
+    assert make_engine(demo_assets, decode_pdl="off").status()["decode_pdl"] == off
     with pytest.raises(BadRequest, match="decode_pdl on cannot run here: cpu"):
         make_engine(demo_assets, decode_pdl="on")
     with pytest.raises(BadRequest, match="decode_pdl must be one of auto, on, off"):
         make_engine(demo_assets, decode_pdl="always")
+
+
+def test_decode_pdl_auto_keeps_fp8_steps_of_more_rows_in_stream_order(monkeypatch):
+    """Where it can run, auto launches every decode step early, but with FP8 weights only the steps of one row (its
+    steps of 16 and 64 rows measured longer with it); on launches them all; TritonOps launches by that."""
+    from lorad.daemon.engine import runner
+    from lorad.daemon.model.ops import TorchOps, TritonOps
+    from lorad.gpu_ops import launch
+
+    monkeypatch.setattr(launch, "pdl_unavailable", lambda device: None)
+    cuda = torch.device("cuda")
+    assert runner.decode_pdl_state("auto", cuda, fp8=False) == {"on": True, "why": None, "max_rows": None}
+    assert runner.decode_pdl_state("auto", cuda, fp8=True) == {"on": True, "why": None, "max_rows": 1}
+    assert runner.decode_pdl_state("on", cuda, fp8=True) == {"on": True, "why": None, "max_rows": None}
+    assert runner.decode_pdl_state("off", cuda, fp8=True) == {"on": False, "why": "decode_pdl off", "max_rows": None}
+    ops = TorchOps()  # with TritonOps' fields: its launches, without the GPU its constructor builds for
+    ops._launch, ops.decode_pdl = launch, True
+    for max_rows, decode, rows, early in ((1, True, 1, True), (1, True, 16, False), (1, False, 1, False),
+                                          (None, True, 64, True)):
+        ops.decode_pdl_rows = max_rows
+        with TritonOps.launches(ops, decode, rows):
+            assert launch.launching_early() == early, (max_rows, decode, rows)
 
 
 def test_adapter_streaming_is_off_on_the_cpu_and_said(demo_assets):

@@ -342,10 +342,10 @@ def test_cuda_decode_pdl_gives_the_same_tokens(demo_assets):
         return many, one
 
     (plain, status), plain_one = run("off", eager=False)
-    assert status["decode_pdl"] == {"on": False, "why": "decode_pdl off"} and "decode-pdl" not in status["ops"]
+    assert status["decode_pdl"] == {"on": False, "why": "decode_pdl off", "max_rows": None} and "decode-pdl" not in status["ops"]
     for eager in (False, True):
         (early, status), early_one = run("auto", eager)
-        assert status["decode_pdl"] == {"on": True, "why": None} and "decode-pdl" in status["ops"]
+        assert status["decode_pdl"] == {"on": True, "why": None, "max_rows": None} and "decode-pdl" in status["ops"]
         assert (status["cuda_graph_steps"] > 0) != eager
         for a, b in zip([*plain, plain_one], [*early, early_one]):
             assert a.token_ids == b.token_ids

@@ -131,8 +131,8 @@ def test_fp8_against_bf16_and_graphs_against_eager(model_dir):
 
 def test_fp8_decode_pdl_gives_the_same_tokens(model_dir):
     """decode_pdl: the FP8 decode step's kernels (the norms that quantize their rows, the rows GEMM, the FP8-page
-    attention, MBGMV) launched early give the tokens and logits of stream order to the bit, in graphs of several rows
-    and of one."""
+    attention, MBGMV) launched early (decode_pdl on) give the tokens and logits of stream order to the bit, in graphs
+    of several rows and of one; auto launches only the steps of one row early (DECODE_PDL_FP8_ROWS)."""
     from lorad.gpu_ops.launch import pdl_unavailable
 
     reason = pdl_unavailable(torch.device("cuda"))
@@ -152,3 +152,5 @@ def test_fp8_decode_pdl_gives_the_same_tokens(model_dir):
             assert a.token_ids == b.token_ids
             x, y = torch.stack(a.logits), torch.stack(b.logits)
             assert torch.equal(x, y), f"logits differ by up to {float((x - y).abs().max()):.3g} (steps {(x != y).any(-1).nonzero().flatten().tolist()})"
+    auto = _engine(model_dir, "cuda", "bfloat16", quantization="fp8", kv_cache_dtype="fp8")
+    assert auto.status()["decode_pdl"] == {"on": True, "why": None, "max_rows": 1}
