@@ -68,7 +68,8 @@ _ENGINE_FLAG_HELP = {
     "lora_pdl": "auto|on|off: on Hopper and later, a decode step's LoRA expand kernel starts loading its adapter "
                 "weights while the shrink still runs (programmatic dependent launch); auto: on where supported",
     "decode_pdl": "auto|on|off: on Hopper and later, each kernel of a decode step is launched while the one before it "
-                  "still runs and waits for it on the device (programmatic dependent launch); auto: on where supported",
+                  "still runs and waits for it on the device (programmatic dependent launch); auto: on where supported (with FP8 "
+                  "weights: in one-row steps)",
     "kv_growth_reserve": "a request joins the running batch only while the KV cache left holds what the running "
                          "requests are expected to generate (the share of their max_tokens that finished requests "
                          "used), so that the batch does not outgrow the cache and preempt; without it, it joins when "
