@@ -97,8 +97,8 @@ run_step() {
     engine_decode_plain) step bench_engine_decode_plain 150 python3 bench/engine_decode.py --out "$OUTDIR/engine_decode_plain.json" ;;
     pytest_pdl) step pytest_pdl 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu_ops/test_lora_kernels.py \
         -k "pdl or mbgmv_group_gpu or no_host_sync" tests/daemon/engine/test_engine_gpu.py::test_cuda_lora_pdl_gives_the_same_tokens ;;
-    # decode_pdl (the branch next/decode-pdl): its GPU tests, whose failures print by how much the logits differ and
-    # whose FP8 test first compares two engines in stream order; then the step with and without it, FP8 and bf16
+    # decode_pdl (a decode step's kernels launched early): its GPU tests, whose failures print by how much the logits
+    # differ and whose FP8 test first compares two engines in stream order; then the step with and without it, FP8 and bf16
     decode_pdl) step pytest_decode_pdl 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k decode_pdl \
             tests/daemon/engine/test_fp8_gpu.py tests/daemon/engine/test_engine_gpu.py
         step bench_decode_pdl_fp8 200 bash -c "cd bench && python3 decode_pdl.py --quantization fp8 --kv-cache-dtype fp8 \
