@@ -165,7 +165,7 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gt, stride_ut, stride_ot, width, BLOCK: tl.constexpr,
-                  EARLY: tl.constexpr):
+                         EARLY: tl.constexpr):
         let_dependents_start(EARLY)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -178,7 +178,7 @@ if triton is not None:
 
     @triton.jit
     def _gelu_tanh_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gt, stride_ut, stride_ot, width, BLOCK: tl.constexpr,
-                       EARLY: tl.constexpr):
+                              EARLY: tl.constexpr):
         let_dependents_start(EARLY)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
