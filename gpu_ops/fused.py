@@ -84,8 +84,7 @@ if triton is not None:
                                    HIDDEN, SCALE_F32)
         else:
             x = tl.load(h_ptr + row * stride_ht + cols, mask=ok, other=0.0).to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
-            stored = _store_scaled(x * rstd, weight_ptr, out_ptr + row * stride_ot, cols, ok, SCALE_F32)
+            stored = _norm_row(x, weight_ptr, out_ptr + row * stride_ot, cols, ok, eps, HIDDEN, SCALE_F32)
         scale = _row_scale(tl.max(tl.where(ok, tl.abs(stored), 0.0), axis=0), static_ptr, STATIC)
         tl.store(scale_ptr + row, scale)
         _store_fp8(stored, scale, rows_ptr + row * stride_rt, cols, ok)
@@ -99,8 +98,7 @@ if triton is not None:
         ok = cols < HIDDEN
         wait_for_previous(EARLY)
         x = tl.load(x_ptr + row * stride_xt + cols, mask=ok, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
-        _store_scaled(x * rstd, weight_ptr, out_ptr + row * stride_ot, cols, ok, SCALE_F32)
+        _norm_row(x, weight_ptr, out_ptr + row * stride_ot, cols, ok, eps, HIDDEN, SCALE_F32)
 
     @triton.jit
     def _add_rms_norm_kernel(h_ptr, delta_ptr, weight_ptr, out_ptr, stride_ht, stride_dt, stride_ot, eps,
@@ -122,7 +120,11 @@ if triton is not None:
         h = tl.load(h_row_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         h = (h + delta).to(h_row_ptr.dtype.element_ty)
         tl.store(h_row_ptr + cols, h, mask=ok)
-        x = h.to(tl.float32)
+        return _norm_row(h.to(tl.float32), weight_ptr, out_row_ptr, cols, ok, eps, HIDDEN, SCALE_F32)
+
+    @triton.jit
+    def _norm_row(x, weight_ptr, out_row_ptr, cols, ok, eps, HIDDEN: tl.constexpr, SCALE_F32: tl.constexpr):
+        """x (a float32 row) normalised by its RMS and stored at out_row_ptr; -> the stored norm in float32."""
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
         return _store_scaled(x * rstd, weight_ptr, out_row_ptr, cols, ok, SCALE_F32)
 

@@ -36,11 +36,7 @@ try:
     import triton.language as tl
 
     from lorad.gpu_ops.bgmv import page_pointers
-
-    try:  # programmatic dependent launch (Hopper and later; `pdl_unavailable` says where it is off)
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    except ImportError:  # an older triton: the kernels never take their PDL branches
-        gdc_launch_dependents = gdc_wait = None
+    from lorad.gpu_ops.launch import let_dependents_start, wait_for_previous
 except ImportError:
     triton = None
 
@@ -134,8 +130,7 @@ if triton is not None:
         or gate, up), each with its own table entries and its own workspace slice member_stride apart.
         PDL: the expand may launch as soon as every shrink program has started. EARLY: this kernel was launched early
         (gpu_ops/launch.py): every program waits for the kernel before it, past the table's reads."""
-        if PDL:
-            gdc_launch_dependents()
+        let_dependents_start(PDL)
         task = tl.program_id(0)
         if GROUPED:
             member = tl.program_id(1)
@@ -149,8 +144,7 @@ if triton is not None:
         entry = tl.maximum(slot, 0) * slot_stride + table_offset
         rank = tl.minimum(tl.load(rank_ptr + entry), max_rank)
         a_start = tl.load(a_start_ptr + entry)
-        if EARLY:
-            gdc_wait()
+        wait_for_previous(EARLY)
         if (slot >= 0) & (r0 < rank):
             rows = r0 + tl.arange(0, BLOCK_R)
             r_ok = rows < rank
@@ -194,8 +188,7 @@ if triton is not None:
         PDL: launched while the shrink still runs; the first rank block of B (the bulk of the bytes) is loaded
         before waiting for the shrink to complete, the partials and y after. EARLY: in a step launched early
         (gpu_ops/launch.py), where the kernel after this one may start at once."""
-        if EARLY:
-            gdc_launch_dependents()
+        let_dependents_start(EARLY)
         task = tl.program_id(0)
         if GROUPED:
             member = tl.program_id(1)
@@ -219,7 +212,7 @@ if triton is not None:
             r_ok = (rows < rank) & work
             ptrs = page_pointers(pages_ptr, page_ids_ptr, b_start + rows * chunks_out, r_ok, n0, offs_n, out_dim, PAGE, ALIGNED)
             b = tl.load(ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0, eviction_policy="evict_first")
-            gdc_wait()
+            wait_for_previous(PDL)
         if work:
             if not PDL:
                 offs_n = tl.arange(0, BLOCK_N)
