@@ -6,7 +6,6 @@ the median of --rounds runs of --steps steps.
 
     python3 bench/decode_pdl.py --out OUT.json                                              # bf16
     python3 bench/decode_pdl.py --quantization fp8 --kv-cache-dtype fp8 --out OUT.json      # FP8 weights and KV
-    python3 bench/decode_pdl.py --gemv-early ...    # a third engine: `on` with the one-row gemv launched early too
 """
 
 from __future__ import annotations
@@ -23,27 +22,24 @@ from engine_decode import decode_rate  # bench/engine_decode.py, beside this scr
 from lorad.config import EngineConfig
 from lorad.daemon.engine.engine import Engine
 from lorad.daemon.model.checkpoint import PROJECTIONS
-from lorad.gpu_ops import gemv
 
 ADAPTERS = 64
 
 
-def measure(args, setting: str, gemv_early: bool = False) -> dict:
-    gemv.EARLY_LAUNCH = gemv_early  # read when a step's kernels are launched (its graph captured)
+def measure(args, setting: str) -> dict:
     engine = Engine(EngineConfig(
         model_config=args.model_config, dummy_weights=True, dummy_adapters=ADAPTERS, dummy_adapter_rank=16,
         dummy_adapter_targets=",".join(PROJECTIONS), device="cuda", dtype="bfloat16", max_running_requests=ADAPTERS,
         max_batch_tokens=8192, max_lora_rank=64, max_model_len=2048, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, decode_pdl=setting))
     status = engine.status()
-    result = {"decode_pdl": status["decode_pdl"], "ops": status["ops"], "gemv_early": gemv_early}
+    result = {"decode_pdl": status["decode_pdl"], "ops": status["ops"]}
     for rows in (1, 16, ADAPTERS):
         adapters = [None] if rows == 1 else [f"dummy-{i}" for i in range(rows)]
         runs = [decode_rate(engine, adapters, args.prompt if rows == 1 else args.long_prompt, args.steps)[1]
                 for _ in range(args.rounds)]
         result[f"rows{rows}_ms"], result[f"rows{rows}_runs_ms"] = statistics.median(runs), runs
     del engine
-    gemv.EARLY_LAUNCH = False
     gc.collect()
     torch.cuda.empty_cache()
     print(json.dumps(result), flush=True)
@@ -59,8 +55,6 @@ def main() -> None:
     parser.add_argument("--long-prompt", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--gemv-early", action="store_true",
-                        help="a third engine, `on` with the one-row gemv launched early too (gemv.EARLY_LAUNCH)")
     parser.add_argument("--out")
     args = parser.parse_args()
     report = {"machine": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
@@ -68,11 +62,6 @@ def main() -> None:
     report["on"] = measure(args, "on")
     for rows in (1, 16, ADAPTERS):
         report[f"rows{rows}_on_over_off"] = report["on"][f"rows{rows}_ms"] / report["off"][f"rows{rows}_ms"]
-    if args.gemv_early:
-        report["on_gemv_early"] = measure(args, "on", gemv_early=True)
-        report["rows1_gemv_early_over_on"] = report["on_gemv_early"]["rows1_ms"] / report["on"]["rows1_ms"]
-        print(f"1 row, the gemv launched early too: {report['on']['rows1_ms']:.3f} -> "
-              f"{report['on_gemv_early']['rows1_ms']:.3f} ms ({report['rows1_gemv_early_over_on']:.3f}x)")
     print("; ".join(f"{rows} rows {report['off'][f'rows{rows}_ms']:.3f} -> {report['on'][f'rows{rows}_ms']:.3f} ms "
                     f"({report[f'rows{rows}_on_over_off']:.3f}x)" for rows in (1, 16, ADAPTERS)))
     if args.out:

@@ -20,13 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lorad.gpu_ops.launch import cdiv, early_options, launching_early, next_power_of_2, require_triton
+from lorad.gpu_ops.launch import cdiv, next_power_of_2, require_triton
 
 try:
     import triton
     import triton.language as tl
-
-    from lorad.gpu_ops.launch import let_dependents_start, wait_for_previous
 except ImportError:  # the CPU engine runs the reference only
     triton = None
 
@@ -34,9 +32,6 @@ __all__ = ["GEMV_MAX_ROWS", "KERNEL_MAX_ROWS", "GemvConfig", "gemv", "gemv_confi
 
 GEMV_MAX_ROWS = 1  # rows (tokens) up to which TritonOps.linear takes this kernel on cuda: where it beat cuBLAS
 KERNEL_MAX_ROWS = 4
-# Whether a launch inside `launch.early_launch(True)` launches the gemv early, its first weight tile read before it
-# waits for the kernel before it (the weights are written by no kernel of a step).
-EARLY_LAUNCH = False
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,9 +57,7 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
                      M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr, EARLY: tl.constexpr):
-        """EARLY: launched early (gpu_ops/launch.py); the first BLOCK_K of each weight row is read before the wait."""
-        let_dependents_start(EARLY)
+                     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
@@ -74,15 +67,7 @@ if triton is not None:
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
         x_rows = x_ptr + offs_m[:, None] * stride_xm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        start = 0
-        if EARLY:
-            k_ok = offs_k < K
-            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            wait_for_previous(EARLY)
-            x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
-            start = BLOCK_K
-        for k0 in range(start, K, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             k = k0 + offs_k
             if EVEN_K:
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
@@ -119,11 +104,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (cdiv(n, config.block_n),)
-    early = EARLY_LAUNCH and launching_early()
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, out, n, k,
         x.stride(0), weight.stride(0), out.stride(0), M=m, BLOCK_M=next_power_of_2(m), BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, EVEN_K=k % config.block_k == 0,
-        EARLY=early, num_warps=config.num_warps, **early_options(early),
+        BLOCK_K=config.block_k, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, EVEN_K=k % config.block_k == 0, num_warps=config.num_warps,
     )
     return out

@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lorad.gpu_ops import fp8_gemm, fused, gemv, mbgmv, paged_attention, peer_sum
+from lorad.gpu_ops import fp8_gemm, fused, mbgmv, paged_attention, peer_sum
 
 TARGET = GPUTarget("cuda", 90, 32)
 COMMON = dict(stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_table="i32", qk_scale="fp32", cap_log2="fp32",
@@ -117,14 +117,6 @@ def early_variants():
                 y_ptr="*bf16", M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_ym="i32",
                 **{key: "constexpr" for key in rows}), rows, aligned,
            {"num_warps": config.num_warps, "num_stages": config.num_stages})
-    for weight in ("bf16", "fp8e4nv"):  # the one-row gemv: bf16 weights, and FP8 with their channel scales
-        config = gemv.gemv_config(4096, 4096, 1 if weight == "fp8e4nv" else 2)
-        one_row = dict(M=1, BLOCK_M=1, BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_BIAS=False,
-                       HAS_SCALE=weight == "fp8e4nv", EVEN_K=True, EARLY=True)
-        yield (f"early gemv {weight}", gemv._gemv_kernel,
-               dict(x_ptr="*bf16", w_ptr=f"*{weight}", bias_ptr=f"*{weight}", scale_ptr="*fp32", y_ptr="*bf16", N="i32",
-                    K="i32", stride_xm="i32", stride_wn="i32", stride_ym="i32", **{key: "constexpr" for key in one_row}),
-               one_row, aligned, {"num_warps": config.num_warps, "launch_pdl": True})
     write = dict(ROW=4096, PAGE=8192, BLOCK=4096, KV_FP8=True, EARLY=True)
     yield ("early write kv", paged_attention._write_kv_kernel,
            dict(k_ptr="*bf16", v_ptr="*bf16", kv_ptr="*fp8e4nv", dest_k_ptr="*i32", dest_v_ptr="*i32",

@@ -354,26 +354,6 @@ def test_cuda_decode_pdl_gives_the_same_tokens(demo_assets):
             assert torch.equal(x, y), f"logits differ by up to {float((x - y).abs().max()):.3g} (decode steps {(x != y).any(-1).nonzero().flatten().tolist()})"
 
 
-def test_cuda_gemv_launched_early_gives_the_same_tokens(demo_assets, monkeypatch):
-    """The one-row gemv launched early too (gemv.EARLY_LAUNCH), its first weight tile read before its wait: one-row
-    decode steps give the tokens and logits of stream order to the bit, through the decode graphs and eagerly."""
-    from lorad.gpu_ops import gemv
-    from lorad.gpu_ops.launch import pdl_unavailable
-
-    reason = pdl_unavailable(torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(reason)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    plain = _one_request(demo_assets, decode_pdl="off")
-    monkeypatch.setattr(gemv, "EARLY_LAUNCH", True)
-    for eager in (False, True):
-        early = _one_request(demo_assets, eager=eager, decode_pdl="on")
-        assert plain.token_ids == early.token_ids
-        torch.testing.assert_close(plain.logits[0], early.logits[0], atol=1e-5, rtol=1e-5)
-        x, y = torch.stack(plain.logits[1:]), torch.stack(early.logits[1:])
-        assert torch.equal(x, y), f"logits differ by up to {float((x - y).abs().max()):.3g}"
-
-
 def _one_request(demo_assets, **config):
     """One greedy float32 request with the first demo adapter on a fresh cuda engine: one-row decode steps."""
     name = sorted(demo_assets.adapters)[0]
