@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from lora_kernels import build_table  # noqa: E402
 from timing import Timer, copy_bandwidth  # noqa: E402
 
-from lorad.gpu_ops import bgmv, mbgmm, mbgmv  # noqa: E402
+from lorad.gpu_ops import bgmv, launch, mbgmm, mbgmv  # noqa: E402
 from lorad.gpu_ops.lora import LoraBatch  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def main() -> int:
     shapes = ((64, 128),) if smoke else ((4096, 4096), (4096, 11008), (11008, 4096))
     rng = np.random.default_rng(0)
     weights = 1 / np.arange(1, adapters + 1)
-    pdl_off = mbgmv.pdl_unavailable(device)  # the expand launched early (the engine's default on Hopper)
+    pdl_off = launch.pdl_unavailable(device)  # the expand launched early (the engine's default on Hopper)
     out = {"device": "cpu (smoke)" if smoke else torch.cuda.get_device_name(), "bandwidth_GBps": bandwidth,
            "mbgmv_pdl": pdl_off or "timed", "cases": []}
     for sharing in ("zipf", "distinct"):

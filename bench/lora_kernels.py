@@ -34,7 +34,7 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lorad.gpu_ops import bgmv, mbgmm, mbgmv  # noqa: E402
+from lorad.gpu_ops import bgmv, launch, mbgmm, mbgmv  # noqa: E402
 from timing import Timer, copy_bandwidth, load_module_file  # noqa: E402  (bench/timing.py, beside this script)
 from lorad.gpu_ops.lora import LoraBatch, apply_lora_ref  # noqa: E402
 from lorad.gpu_ops.page_pool import AdapterTable, PagePool  # noqa: E402
@@ -116,7 +116,7 @@ def decode_methods(case: DecodeCase, baseline) -> dict:
     methods = {
         "mbgmv": lambda x, y, layer: mbgmv.lora_decode(x, y, layer, Q, batch, table, max_rank=max_rank, workspace=workspace),
     }
-    if mbgmv.pdl_unavailable(case.xs[0].device) is None:  # the expand launched early, as the engine does on Hopper
+    if launch.pdl_unavailable(case.xs[0].device) is None:  # the expand launched early, as the engine does on Hopper
         methods["mbgmv_pdl"] = lambda x, y, layer: mbgmv.lora_decode(x, y, layer, Q, batch, table, max_rank=max_rank,
                                                                       workspace=workspace, pdl=True)
         if max_rank < ENGINE_MAX_RANK:  # the same rows launched at the engine's default maximum rank, as a graph captured for it

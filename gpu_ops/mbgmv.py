@@ -27,7 +27,7 @@ from lorad.gpu_ops.bgmv import (
     table_offsets,
     workspace_view,
 )
-from lorad.gpu_ops.launch import cdiv, early_options, launching_early, next_power_of_2, pdl_unavailable, require_triton
+from lorad.gpu_ops.launch import cdiv, early_options, launching_early, next_power_of_2, require_triton
 from lorad.gpu_ops.lora import LoraBatch
 from lorad.gpu_ops.page_pool import AdapterTable
 
@@ -41,7 +41,7 @@ except ImportError:
     triton = None
 
 __all__ = ["DecodeConfig", "decode_config", "group_fits", "lora_decode", "mbgmv",
-           "mbgmv_expand", "mbgmv_group", "mbgmv_shrink", "pdl_unavailable"]
+           "mbgmv_expand", "mbgmv_group", "mbgmv_shrink"]
 
 
 @dataclass(frozen=True)
@@ -317,7 +317,7 @@ def mbgmv(x, y, layer, proj, row_slot, table, max_rank, workspace=None, *, confi
     rank in the batch (the workspace width; `bgmv.batch_max_rank` or the configured max); workspace: optional
     float32 buffer of >= workspace_numel(T, max_rank) elements, reused across calls; config: tiles
     (default: `decode_config` for the shape); pdl: launch the expand early (Hopper and later: the caller
-    checks `pdl_unavailable`).
+    checks `launch.pdl_unavailable`).
     Roofline: bytes = e*(sum_t r_t*(in+out) + T*(in+2*out)) + small; flops = 2*sum_t r_t*(in+out).
     """
     in_dim, out_dim = check_operands(x, y, proj, table, row_slot)

@@ -60,7 +60,7 @@ def test_profile_fits_both_kernels_on_this_gpu():
     assert fits["bgmv"].r2 >= 0.9 and fits["mbgmv"].r2 >= 0.9, {name: model.r2 for name, model in fits.items()}
     assert profile.machine["kernels"].startswith("triton")
     # timed as the engine launches them at its defaults: the groups in one launch pair, the expand early on Hopper
-    from lorad.gpu_ops.mbgmv import pdl_unavailable
+    from lorad.gpu_ops.launch import pdl_unavailable
 
     assert profile.machine["lora_launch"] == {"fuse_lora_groups": True, "lora_pdl": pdl_unavailable(device) is None}
     # and so its kernel models pick the faster kernel wherever one decode step measured clearly faster

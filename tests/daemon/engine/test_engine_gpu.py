@@ -370,7 +370,7 @@ def _one_request(demo_assets, **config):
 def test_cuda_lora_pdl_gives_the_same_tokens(demo_assets):
     """lora_pdl: the decode MBGMV's expand launched early gives the tokens and logits of plain stream order,
     through the decode graphs and eagerly; /v1/status says which launch runs."""
-    from lorad.gpu_ops.mbgmv import pdl_unavailable
+    from lorad.gpu_ops.launch import pdl_unavailable
 
     reason = pdl_unavailable(torch.device("cuda"))
     if reason is not None:
