@@ -23,6 +23,7 @@ from triton_interpreter import needs_interpreter, interpreted  # before the kern
 
 from lorad.daemon.engine.decode_graphs import capture  # noqa: E402
 from lorad.gpu_ops import bgmv, mbgmm, mbgmv  # noqa: E402
+from lorad.gpu_ops.launch import pdl_unavailable  # noqa: E402
 from lorad.gpu_ops.lora import LoraBatch, apply_lora_ref  # noqa: E402
 from lorad.gpu_ops.page_pool import AdapterTable, PagePool  # noqa: E402
 
@@ -641,7 +642,7 @@ def test_mbgmv_pdl_gpu(ranks, kernels, gpu_setups):
     with the same tiles, for y and for the kernel after the expand that reads it (a race with the GEMM or the
     shrink would show as a difference). up-to-64 and low (ranks <= 16): the tiles decode_config gives with PDL."""
     _, mbgmv_module, _ = kernels
-    reason = mbgmv_module.pdl_unavailable(torch.device("cuda"))
+    reason = pdl_unavailable(torch.device("cuda"))
     if reason is not None:
         pytest.skip(reason)
     setup = gpu_setups(torch.bfloat16)
