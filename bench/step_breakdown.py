@@ -113,17 +113,19 @@ def main() -> int:
                 "prefill graph" if engine.runner.prefill_graph_steps > before[1] else "eager")
         cost = engine.account.cost_model.cost([SequenceInStep(len(t), s + len(t), True, a) for t, s, a, _, _ in rows])
         memory_ms, compute_ms = cost.bytes / rates.bandwidth_bytes_per_s * 1e3, cost.flops / rates.flops_per_s * 1e3
+        serial_ms = cost.serial_floor_s(rates.bandwidth_bytes_per_s, rates.flops_per_s) * 1e3
         kernels = kernel_times(run) if cuda else {}
         graph_rows = engine.runner.graph_rows or int(plan.num_tokens)  # None: eager, its own rows
         report["steps"][kind] = {"path": path, "ms": ms, "floor_ms": max(memory_ms, compute_ms), "memory_ms": memory_ms,
-                                 "compute_ms": compute_ms, "rows": int(plan.num_tokens), "graph_rows": graph_rows,
+                                 "compute_ms": compute_ms, "serial_floor_ms": serial_ms, "rows": int(plan.num_tokens), "graph_rows": graph_rows,
                                  "padding_rows": graph_rows - int(plan.num_tokens), "kernels_ms": kernels,
                                  "graph_key": list(engine.runner.prefill_graphs.last_key) if path == "prefill graph" else None,
                                  # the decode graph replayed: (bucket, LoRA kernel, launch rank, targets); the kernel is
                                  # the one a profile at the default path picks (report["lora_kernel_choice"])
                                  "decode_graph_key": list(engine.runner.graphs.last_key) if path == "decode graph" else None}
         print(f"{kind}: {ms:.2f} ms ({path}), floor {max(memory_ms, compute_ms):.2f} ms "
-              f"(memory {memory_ms:.2f}, compute {compute_ms:.2f}), {plan.num_tokens} rows in {graph_rows}")
+              f"(memory {memory_ms:.2f}, compute {compute_ms:.2f}; serial {serial_ms:.2f}), {plan.num_tokens} rows in "
+              f"{graph_rows}")
         for name, kernel_ms in list(kernels.items())[:12]:
             print(f"    {kernel_ms:8.3f} ms  {name}")
     engine.close()

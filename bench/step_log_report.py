@@ -7,7 +7,9 @@ device idle was launched late (the host's work for it, `host_ms` from its step()
 a step launched after the host read the step before it waited for that reading, under the cause the step before it
 was read at once (`read_at_once`: adapters streaming in, prompt chunks alone, ...) or, where that step was in flight,
 because this one could not be planned ahead of it (`next_not_planned_ahead`). Printed and written (--out) by kind
-with the steps' busy, forward and tokens times, so the waits can be read against the rest; then where the host's time
+with the steps' busy, forward and tokens times and their floors (the floor, and the serial floor with each step's
+projections, attention and LoRA one after the other; 0 in a log from before the serial floor), so the waits can be
+read against the rest; then where the host's time
 before each launch went (the engine's `host_split_ms` parts, its CPU time, the collector's, the time between step()
 calls and the landing of the step before), by how steps were launched and for those launched late.
 
@@ -84,7 +86,8 @@ def report(steps: list[dict]) -> dict:
             by_origin[LAUNCHED_LATE].append(step)
         kind = by_kind[step["kind"]]
         kind["steps"] += 1
-        for key in ("busy_ms", "host_before_launch_ms", "forward_ms", "tokens_ms", "wait_before_ms"):
+        for key in ("busy_ms", "host_before_launch_ms", "forward_ms", "tokens_ms", "wait_before_ms", "floor_ms",
+                    "serial_floor_ms"):
             kind[key] += step.get(key) or 0.0
         wait = step.get("wait_before_ms")
         if wait is None:
@@ -114,10 +117,12 @@ def main() -> int:
         return 2
     result = report(steps)
     print(f"{args.log}: {result['steps']} steps" + ("" if result["device_clock"] else " (no device clock: no waits)"))
-    print(f"{'kind':<8} {'steps':>6} {'busy s':>8} {'forward s':>9} {'tokens s':>8} {'waits s':>8}")
+    print(f"{'kind':<8} {'steps':>6} {'busy s':>8} {'forward s':>9} {'tokens s':>8} {'waits s':>8} {'floor s':>8} "
+          f"{'serial floor s':>14}")
     for name, totals in result["by_kind"].items():
         print(f"{name:<8} {int(totals['steps']):>6} {totals['busy_ms'] / 1e3:>8.2f} {totals['forward_ms'] / 1e3:>9.2f} "
-              f"{totals['tokens_ms'] / 1e3:>8.2f} {totals['wait_before_ms'] / 1e3:>8.2f}")
+              f"{totals['tokens_ms'] / 1e3:>8.2f} {totals['wait_before_ms'] / 1e3:>8.2f} {totals['floor_ms'] / 1e3:>8.2f} "
+              f"{totals['serial_floor_ms'] / 1e3:>14.2f}")
     print("the device's waits before forwards, by what kept the host:")
     for cause, entry in result["waits_by_cause"].items():
         print(f"  {cause:<28} {entry['steps']:>6} steps {entry['wait_ms'] / 1e3:>8.3f} s  ({entry['mean_ms']:.2f} ms each)")

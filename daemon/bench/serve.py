@@ -517,6 +517,8 @@ def step_time_delta(before: dict | None, after: dict | None) -> dict | None:
         delta = {key: totals[key] - earlier.get(key, 0) for key in ("steps", "busy_s", "floor_s", "rows", "prompt_tokens")}
         delta["efficiency"] = delta["floor_s"] / delta["busy_s"] if delta["busy_s"] > 0 else None
         delta["mean_step_ms"] = delta["busy_s"] / delta["steps"] * 1e3 if delta["steps"] else None
+        if "serial_floor_s" in totals:  # the floor with each step's phases one after the other (a daemon that counts it)
+            delta["serial_floor_s"] = totals["serial_floor_s"] - earlier.get("serial_floor_s", 0)
         if "padding_rows" in totals:  # CUDA-graph bucket rows past the steps' own (a daemon that counts them)
             delta["padding_rows"] = totals["padding_rows"] - earlier.get("padding_rows", 0)
             delta["padding_rows_per_step"] = delta["padding_rows"] / delta["steps"] if delta["steps"] else None
@@ -540,6 +542,8 @@ def step_time_delta(before: dict | None, after: dict | None) -> dict | None:
     floor = sum(kind["floor_s"] for kind in by_kind.values())
     summary = {"busy_s": busy, "floor_s": floor, "efficiency": floor / busy if busy > 0 else None,
                "device_rates": after["device_rates"], "by_kind": by_kind}
+    if all("serial_floor_s" in kind for kind in by_kind.values()):
+        summary["serial_floor_s"] = sum(kind["serial_floor_s"] for kind in by_kind.values())
     if "preemptions" in before and "preemptions" in after:  # requests preempted for KV, computed again
         summary["preemptions"] = after["preemptions"] - before["preemptions"]
     for key in LIMITS:  # the daemon's batch limits in this run
@@ -574,7 +578,8 @@ def format_table(runs: list[dict], key: str) -> str:
     header = [key, "done", "failed", "req/s", "out tok/s", "total tok/s"]
     for metric in ("TTFT", "TPOT", "ITL", "E2E"):
         header += [f"{metric} mean", f"{metric} p50", f"{metric} p99"]
-    header += ["goodput req/s", "busy s", "device s", "tokens s", "waits s", "floor s", "floor/busy", "preempted"]
+    header += ["goodput req/s", "busy s", "device s", "tokens s", "waits s", "floor s", "floor/busy", "serial floor s",
+               "preempted"]
     rows = [header]
     for run in runs:
         point = run["request_rate"] if key == "request-rate" else run["max_concurrency"]
@@ -586,15 +591,16 @@ def format_table(runs: list[dict], key: str) -> str:
         engine = run.get("engine")
         row += ([f"{engine['busy_s']:.2f}", *(_seconds(engine.get(key)) for key in DEVICE_CLOCK_KEYS),
                  f"{engine['floor_s']:.2f}", f"{engine['efficiency']:.2f}" if engine["efficiency"] is not None else "-",
-                 str(engine["preemptions"]) if "preemptions" in engine else "-"]
-                if engine else ["-"] * 7)
+                 _seconds(engine.get("serial_floor_s")), str(engine["preemptions"]) if "preemptions" in engine else "-"]
+                if engine else ["-"] * 8)
         rows.append(row)
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     lines.append("(times in ms; busy s: the engine's step time in the run, device s: the same steps' forwards on the "
                  "device's clock, tokens s: the device's work on their tokens after each forward (sampling, logprobs, "
                  "the copies to the host), waits s: the device's time from a step's tokens to the next forward (waiting "
-                 "for the host's launch), floor s: their least time on this device from bytes and FLOPs; preempted: "
+                 "for the host's launch), floor s: their least time on this device from bytes and FLOPs, serial floor "
+                 "s: the same with each step's projections, attention and LoRA one after the other; preempted: "
                  "running requests preempted for KV and computed again)")
     limits = (runs[-1].get("engine") or {}) if runs else {}
     if "max_running_requests" in limits:

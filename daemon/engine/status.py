@@ -61,7 +61,8 @@ def engine_status(engine: Engine) -> dict:
             # Python's garbage collector: the start-up objects an engine process froze out of it (gc_heap.py; 0
             # where the engine runs in another program's process) and the collections of each generation
             "gc": gc_status(),
-            # each step's wall time against its floor on this device (step_account.py): busy_s, floor_s, efficiency
+            # each step's wall time against its floor on this device (step_account.py): busy_s, floor_s, efficiency,
+            # serial_floor_s (the floor with each step's phases one after the other)
             "step_time": engine.account.snapshot(),
             "cuda_graph_steps": engine.runner.graph_steps,
             "cuda_graphs": engine.runner.graphs.buckets if engine.runner.graphs is not None else "off",

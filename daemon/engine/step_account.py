@@ -69,6 +69,7 @@ class KindTotals:
     steps: int = 0
     busy_s: float = 0.0
     floor_s: float = 0.0
+    serial_floor_s: float = 0.0  # the floor with each step's phases one after the other (StepCost.serial_floor_s)
     memory_s: float = 0.0  # bytes / bandwidth, summed
     compute_s: float = 0.0  # FLOPs / GEMM rate, summed
     rows: int = 0
@@ -89,6 +90,7 @@ class KindTotals:
             "busy_s": round(self.busy_s, 6),
             "floor_s": round(self.floor_s, 6),
             "efficiency": round(self.floor_s / self.busy_s, 4) if self.busy_s else None,
+            "serial_floor_s": round(self.serial_floor_s, 6),
             "memory_floor_s": round(self.memory_s, 6),
             "compute_floor_s": round(self.compute_s, 6),
             "mean_step_ms": round(self.busy_s / self.steps * 1e3, 3) if self.steps else None,
@@ -238,6 +240,7 @@ class StepAccount:
             split = [later - earlier for earlier, later in zip(bounds, bounds[1:])]
         if step.span is not None:
             self._spans.append(step.span)
+        serial_s = step.cost.serial_floor_s(self.rates.bandwidth_bytes_per_s, self.rates.flops_per_s)
         if self.step_log is not None:
             record = {"kind": step.kind, "rows": step.rows, "padding_rows": step.padding_rows,
                       "prompt_tokens": step.prompt_tokens, "landed_s": now, "busy_ms": seconds * 1e3,
@@ -245,6 +248,7 @@ class StepAccount:
                       "host_parts_ms": {part: value * 1e3 for part, value in zip(HOST_PARTS, split or ())},
                       "floor_ms": max(step.cost.bytes / self.rates.bandwidth_bytes_per_s,
                                       step.cost.flops / self.rates.flops_per_s) * 1e3,
+                      "serial_floor_ms": serial_s * 1e3,
                       "empty_slots": step.empty_slots, "why_empty": step.why_empty, **step.notes}
             if step.span is not None:
                 step.span.record = record  # written with its device times
@@ -257,6 +261,7 @@ class StepAccount:
             totals.steps += 1
             totals.busy_s += seconds
             totals.floor_s += max(memory_s, compute_s)
+            totals.serial_floor_s += serial_s
             totals.memory_s += memory_s
             totals.compute_s += compute_s
             totals.rows += step.rows
@@ -307,6 +312,7 @@ class StepAccount:
             by_kind = {kind: totals.as_dict() for kind, totals in self.totals.items()}
         busy = sum(kind["busy_s"] for kind in by_kind.values())
         floor = sum(kind["floor_s"] for kind in by_kind.values())
+        serial = sum(kind["serial_floor_s"] for kind in by_kind.values())
 
         def device_sum(key):
             values = [kind[key] for kind in by_kind.values() if kind[key] is not None]
@@ -318,6 +324,7 @@ class StepAccount:
             "busy_s": round(busy, 6),
             "floor_s": round(floor, 6),
             "efficiency": round(floor / busy, 4) if busy else None,
+            "serial_floor_s": round(serial, 6),
             "host_before_launch_s": round(sum(kind["host_before_launch_s"] for kind in by_kind.values()), 6),
             "host_before_launch_by_part_s": {
                 part: round(sum(kind["host_before_launch_by_part_s"][part] for kind in by_kind.values()), 6)
@@ -337,7 +344,7 @@ class StepAccount:
         device's time (None: no device clock)."""
         with self._lock:
             return {kind: {"seconds": self.step_seconds[kind].snapshot(), "busy_s": totals.busy_s,
-                           "floor_s": totals.floor_s, "rows": totals.rows, "padding_rows": totals.padding_rows,
+                           "floor_s": totals.floor_s, "serial_floor_s": totals.serial_floor_s, "rows": totals.rows, "padding_rows": totals.padding_rows,
                            "prompt_tokens": totals.prompt_tokens, "steps": totals.steps,
                            "host_parts_s": dict(totals.host_parts_s), "empty_slots": dict(totals.empty_slots),
                            "device_s": totals.device_s, "tokens_device_s": totals.tokens_device_s,

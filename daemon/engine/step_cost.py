@@ -7,6 +7,13 @@ sliding-window layer only the positions some new row sees: the last new_tokens +
 new tokens' K and V, and reads the A and B rows of every adapter in it once per targeted projection. Its
 FLOPs are 2 per weight per row for the projections (the LM head for sampled rows only), attention's QK^T and
 PV over each row's causal context (or window), and each adapter row's shrink and expand.
+
+Two floors follow. The floor (`floor_s`) lets the step's reads and its arithmetic overlap in full: a mixed step's
+prompt GEMMs, bound by the tensor cores, would hide its decode rows' KV reads, bound by HBM. The serial floor
+(`serial_floor_s`) takes the step's three phases one after the other, as its kernels run them: the projections
+(the weights read, their FLOPs), attention (the KV read, its FLOPs) and LoRA (the adapters' rows, their FLOPs),
+each bound by memory or compute. Busy time over the serial floor is what the kernels lose to their own floors;
+the serial floor over the floor is what running the phases one after the other costs.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ class StepCost:
     weight_bytes: int
     kv_bytes: int
     adapter_bytes: int
-    flops: int
+    flops: int  # all of the step's: the projections', attention's and LoRA's
+    attention_flops: int = 0  # of which QK^T and PV
+    adapter_flops: int = 0  # of which the adapters' shrinks and expands
 
     @property
     def bytes(self) -> int:
@@ -33,6 +42,14 @@ class StepCost:
     def floor_s(self, bandwidth_bytes_per_s: float, flops_per_s: float) -> float:
         """The least time the step can take: bound by memory or by compute, whichever is slower."""
         return max(self.bytes / bandwidth_bytes_per_s, self.flops / flops_per_s)
+
+    def serial_floor_s(self, bandwidth_bytes_per_s: float, flops_per_s: float) -> float:
+        """The least time with its phases one after the other: the projections, attention and LoRA, each bound
+        by its own bytes or its own FLOPs, whichever is slower (never below floor_s)."""
+        projection_flops = self.flops - self.attention_flops - self.adapter_flops
+        return sum(max(moved / bandwidth_bytes_per_s, computed / flops_per_s) for moved, computed in (
+            (self.weight_bytes, projection_flops), (self.kv_bytes, self.attention_flops),
+            (self.adapter_bytes, self.adapter_flops)))
 
 
 @dataclass(frozen=True)
@@ -91,14 +108,15 @@ class StepCostModel:
             kv += layers * int((np.minimum(contexts, new_tokens + window - 1) + new_tokens).sum())
             pairs += layers * int((_window_pairs(contexts, window) - _window_pairs(contexts - new_tokens, window)).sum())
         kv *= self.kv_per_token
-        flops += 4 * spec.q_size * pairs  # QK^T and PV, 2 FLOPs per multiply-add
-        adapter_elements = 0
+        attention_flops = 4 * spec.q_size * pairs  # QK^T and PV, 2 FLOPs per multiply-add
+        adapter_elements = adapter_flops = 0
         for name, count in adapter_rows.items():
             elements = self._adapter_size(name)
             adapter_elements += elements
-            flops += 2 * count * elements  # shrink x @ A^T and expand @ B^T: rank * (in + out) per row
+            adapter_flops += 2 * count * elements  # shrink x @ A^T and expand @ B^T: rank * (in + out) per row
         return StepCost(projections * self.weight_bytes + weights * self.dtype_bytes, kv * self.kv_bytes,
-                        adapter_elements * self.dtype_bytes, flops)
+                        adapter_elements * self.dtype_bytes, flops + attention_flops + adapter_flops,
+                        attention_flops, adapter_flops)
 
     def _adapter_size(self, name: str) -> int:
         """Elements of an adapter's A and B over every (layer, projection) it targets: sum of rank * (in + out)."""

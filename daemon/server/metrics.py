@@ -129,6 +129,10 @@ def render(snapshot: dict) -> str:
         ("lorad_step_floor_seconds_total", "floor_s",
          "The least time the same steps could take on this device: bytes / HBM bandwidth or FLOPs / GEMM rate, "
          "the slower, measured at start-up. Floor over busy is the engine's efficiency."),
+        ("lorad_step_serial_floor_seconds_total", "serial_floor_s",
+         "The same steps' least time with each step's phases one after the other: the projections, attention and "
+         "LoRA, each bound by its own bytes or FLOPs. Above the floor where a step's GEMMs (compute) and attention "
+         "(memory) cannot hide each other, as in a mixed step."),
         ("lorad_step_rows_total", "rows", "Token rows computed by engine steps, by kind."),
         ("lorad_step_padding_rows_total", "padding_rows",
          "Rows of CUDA-graph token buckets past the steps' own rows (computed for no token), by kind."),

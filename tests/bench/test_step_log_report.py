@@ -44,6 +44,7 @@ def test_waits_are_put_down_to_what_kept_the_host(tmp_path):
                                               "launched_late", "queued"]  # the largest first
     assert result["by_kind"]["mixed"]["steps"] == 3 and result["by_kind"]["mixed"]["wait_before_ms"] == 6.0
     assert result["by_kind"]["decode"]["busy_ms"] == 80.0
+    assert result["by_kind"]["decode"]["floor_ms"] == 0.0  # a log without floors (written by hand, or before them)
 
 
 def test_the_hosts_time_is_averaged_by_origin_and_for_the_steps_launched_late():
@@ -85,3 +86,5 @@ def test_the_cpu_engines_step_log_reads_without_a_device_clock(demo_assets, tmp_
     result = bench.report(bench.read_steps(log))
     assert result["steps"] == engine.steps == 4 and not result["device_clock"] and result["waits_by_cause"] == {}
     assert result["by_kind"]["prefill"]["steps"] == 1 and result["by_kind"]["decode"]["steps"] == 3
+    for kind in result["by_kind"].values():  # the engine's floors, summed by kind
+        assert kind["serial_floor_ms"] >= kind["floor_ms"] > 0

@@ -66,6 +66,8 @@ def test_the_runs_step_time_is_the_daemons_after_less_before_with_its_device_clo
     def status(busy, device, tokens, waits, with_clock=True):
         kind = {"steps": 10, "busy_s": busy, "floor_s": 1.0, "rows": 10, "prompt_tokens": 0, "host_before_launch_s": 0.1,
                 "host_before_launch_by_part_s": {"tokens": 0.1}}
+        if with_clock:  # (a daemon without the clock predates the serial floor too)
+            kind["serial_floor_s"] = 1.5 * busy
         if with_clock:
             kind.update(device_s=device, tokens_device_s=tokens, before_forward_s=waits)
         return {"by_kind": {"decode": kind}, "device_rates": {}}
@@ -77,12 +79,13 @@ def test_the_runs_step_time_is_the_daemons_after_less_before_with_its_device_clo
     assert step_time_delta(status(0, None, None, None), status(1.0, None, None, None))["tokens_device_s"] is None
     older = step_time_delta(status(2.0, 0, 0, 0, False), status(5.0, 0, 0, 0, False))  # a daemon without the clock
     assert "device_s" not in older and "before_forward_s" not in older["by_kind"]["decode"]
+    assert engine["serial_floor_s"] == pytest.approx(4.5) and "serial_floor_s" not in older
     run = {"request_rate": 1.0, "completed": 1, "failed": 0, "request_throughput": 1.0, "output_throughput": 1.0,
            "total_token_throughput": 1.0, "engine": {**engine, "preemptions": 0},
            **{metric: dict.fromkeys(("mean", "median", "p99"), 1.0) for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}}
     header, row = format_table([run], "request-rate").splitlines()[:2]
-    assert "busy s device s tokens s waits s floor s" in " ".join(header.split())
-    assert row.split()[-7:-3] == ["3.00", "2.50", "0.30", "0.20"]  # busy, device, tokens, waits
+    assert "busy s device s tokens s waits s floor s floor/busy serial floor s preempted" in " ".join(header.split())
+    assert row.split()[-8:] == ["3.00", "2.50", "0.30", "0.20", "0.00", "0.00", "4.50", "0"]  # floor: 1.0 less 1.0
 
 
 def test_a_sweeps_goodput_is_its_highest_point_with_the_share_met():
@@ -124,6 +127,7 @@ def test_a_sweep_reports_every_point_and_plots_it(capsys, daemon, tmp_path):
         assert sum(kind["rows"] for kind in engine["by_kind"].values()) == 8 * (12 + 6 - 1)
         assert sum(kind["padding_rows"] for kind in engine["by_kind"].values()) == 0  # eager on the cpu
         assert 0 < engine["floor_s"] and 0 < engine["busy_s"] and engine["efficiency"] == engine["floor_s"] / engine["busy_s"]
+        assert engine["serial_floor_s"] >= engine["floor_s"]
         assert 0 < engine["host_before_launch_s"] < engine["busy_s"] and engine["device_s"] is None  # no device clock on the cpu
         assert engine["tokens_device_s"] is None and engine["before_forward_s"] is None
         assert engine["preemptions"] == 0  # the demo's KV holds every request

@@ -238,6 +238,7 @@ def test_the_step_log_writes_a_step_once_the_device_has_passed_it(demo_assets):
     assert second["read_at_once"] == "keeps_logits" and second["wait_before_ms"] == pytest.approx(500)
     assert first["busy_ms"] == pytest.approx(600) and second["busy_ms"] == pytest.approx(1000)
     assert second["host_before_launch_ms"] == pytest.approx(410)  # launched at 1.01, the first landed at 0.6
+    assert first["serial_floor_ms"] >= first["floor_ms"] > 0
 
 
 def test_a_step_log_whose_writes_fail_stops_without_failing_the_step(demo_assets, tmp_path, caplog):
@@ -292,6 +293,10 @@ def test_the_engine_accounts_every_step_it_runs(demo_assets):
     assert prefill.adapter_bytes == 4 * 10240  # demo-r8: its q, k, v A and B rows, float32 (test_step_cost.py)
     assert status["busy_s"] > 0 and status["floor_s"] > 0 and 0 < status["efficiency"]
     rates = engine.account.rates  # (status rounds them: a busy cpu's GEMM rate can show as 0.00 TFLOP/s)
+    serial = [cost.serial_floor_s(rates.bandwidth_bytes_per_s, rates.flops_per_s) for cost in (prefill, *decodes)]
+    assert kinds["prefill"]["serial_floor_s"] == pytest.approx(serial[0], abs=1e-6)
+    assert kinds["decode"]["serial_floor_s"] == pytest.approx(serial[1] + serial[2], abs=1e-6)
+    assert status["serial_floor_s"] == pytest.approx(sum(serial), abs=1e-5) and status["serial_floor_s"] >= status["floor_s"]
     assert rates.bandwidth_bytes_per_s > 0 and rates.flops_per_s > 0 and status["device_rates"]["hbm_gb_s"] >= 0
     assert 0 < status["host_before_launch_s"] < status["busy_s"] and status["device_s"] is None
     # the step loop gives each step's parts: they split the host's time before the launches

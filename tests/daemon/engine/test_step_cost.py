@@ -29,12 +29,14 @@ def test_a_mixed_step_by_hand(model):
     weights = 4 * layer + (4 * 2 * 64 + 64) + 6 * 64 + 512 * 64  # layers, norms, 6 embedding rows, LM head
     kv = (5 + 5) * 2 * 4 * 32 + (10 + 1) * 2 * 4 * 32  # context read plus new tokens written, K and V, 4 layers
     adapter = 4 * 8 * ((64 + 64) + (64 + 32) + (64 + 32))  # rank 8: A [8, in] and B [out, 8] of q, k, v
+    attention = 4 * 4 * 64 * (15 + 10)  # 1+2+3+4+5 and 10 query-key pairs, 4 layers, 64 q dims
+    lora = 2 * 5 * adapter  # shrink and expand for the adapter's 5 rows
     flops = (2 * 6 * 4 * layer  # the projections, 6 rows
              + 2 * 2 * 512 * 64  # the LM head for 2 sampled rows
-             + 4 * 4 * 64 * (15 + 10)  # attention: 1+2+3+4+5 and 10 query-key pairs, 4 layers, 64 q dims
-             + 2 * 5 * adapter)  # shrink and expand for the adapter's 5 rows
-    assert cost == StepCost(weight_bytes=4 * weights, kv_bytes=4 * kv, adapter_bytes=4 * adapter, flops=flops)
-    assert (weights, kv, adapter, flops) == (214976, 5376, 10240, 2434048)
+             + attention + lora)
+    assert cost == StepCost(weight_bytes=4 * weights, kv_bytes=4 * kv, adapter_bytes=4 * adapter, flops=flops,
+                            attention_flops=attention, adapter_flops=lora)
+    assert (weights, kv, adapter, flops, attention, lora) == (214976, 5376, 10240, 2434048, 25600, 102400)
 
 
 def test_a_decode_only_step_reads_no_head_without_samples_and_counts_each_adapter_once(model):
@@ -49,6 +51,19 @@ def test_the_floor_is_the_slower_of_memory_and_compute():
     assert cost.bytes == 1000
     assert cost.floor_s(bandwidth_bytes_per_s=100.0, flops_per_s=1000.0) == 10.0  # memory: 10 s against 4 s
     assert cost.floor_s(bandwidth_bytes_per_s=1000.0, flops_per_s=100.0) == 40.0  # compute
+
+
+def test_the_serial_floor_adds_up_the_phases_each_at_its_own_bound():
+    # projections: 600 bytes, 2000 FLOPs; attention: 300 bytes, 1500 FLOPs; LoRA: 100 bytes, 500 FLOPs
+    cost = StepCost(weight_bytes=600, kv_bytes=300, adapter_bytes=100, flops=4000, attention_flops=1500, adapter_flops=500)
+    # at 100 B/s and 100 FLOP/s: 20 (compute) + 15 (compute) + 5 (compute); the floor: 40 s of compute
+    assert cost.serial_floor_s(100.0, 100.0) == 40.0 == cost.floor_s(100.0, 100.0)
+    # at 100 B/s and 500 FLOP/s: projections 6 (memory), attention 3 (memory), LoRA 1 (memory): 10, as the floor
+    assert cost.serial_floor_s(100.0, 500.0) == 10.0 == cost.floor_s(100.0, 500.0)
+    # a mixed step: the prompt rows' projections bound by compute, the decode rows' KV read by memory
+    mixed = StepCost(weight_bytes=100, kv_bytes=900, adapter_bytes=0, flops=3000)
+    assert mixed.floor_s(100.0, 100.0) == 30.0  # the FLOPs hide the KV read
+    assert mixed.serial_floor_s(100.0, 100.0) == 30.0 + 9.0  # not where the phases run one after the other
 
 
 def test_the_device_rates_are_measured():

@@ -250,6 +250,8 @@ def test_metrics_move_as_requests_run(demo):
     # a cap of one running request, one request at a time: no step left a running slot empty
     assert value(after, "lorad_step_empty_slots_total", kind="decode", cause="no_request_waiting") == 0
     assert 0 < value(after, "lorad_step_floor_seconds_total", kind="decode")
+    for kind in ("prefill", "decode"):  # never below the floor
+        assert value(after, "lorad_step_serial_floor_seconds_total", kind=kind) >= value(after, "lorad_step_floor_seconds_total", kind=kind)
     assert 0 < value(after, "lorad_step_host_before_launch_seconds_total", kind="prefill", part="launch")
     assert "lorad_step_device_seconds_total" not in after  # no device clock on the cpu
     assert "lorad_step_before_forward_seconds_total" not in after
