@@ -240,22 +240,21 @@ class StepAccount:
             split = [later - earlier for earlier, later in zip(bounds, bounds[1:])]
         if step.span is not None:
             self._spans.append(step.span)
+        memory_s = step.cost.bytes / self.rates.bandwidth_bytes_per_s
+        compute_s = step.cost.flops / self.rates.flops_per_s
         serial_s = step.cost.serial_floor_s(self.rates.bandwidth_bytes_per_s, self.rates.flops_per_s)
         if self.step_log is not None:
             record = {"kind": step.kind, "rows": step.rows, "padding_rows": step.padding_rows,
                       "prompt_tokens": step.prompt_tokens, "landed_s": now, "busy_ms": seconds * 1e3,
                       "host_before_launch_ms": host * 1e3,
                       "host_parts_ms": {part: value * 1e3 for part, value in zip(HOST_PARTS, split or ())},
-                      "floor_ms": max(step.cost.bytes / self.rates.bandwidth_bytes_per_s,
-                                      step.cost.flops / self.rates.flops_per_s) * 1e3,
+                      "floor_ms": max(memory_s, compute_s) * 1e3,
                       "serial_floor_ms": serial_s * 1e3,
                       "empty_slots": step.empty_slots, "why_empty": step.why_empty, **step.notes}
             if step.span is not None:
                 step.span.record = record  # written with its device times
             else:
                 self.step_log.write(record)
-        memory_s = step.cost.bytes / self.rates.bandwidth_bytes_per_s
-        compute_s = step.cost.flops / self.rates.flops_per_s
         with self._lock:
             totals = self.totals[step.kind]
             totals.steps += 1

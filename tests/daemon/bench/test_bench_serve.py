@@ -67,9 +67,7 @@ def test_the_runs_step_time_is_the_daemons_after_less_before_with_its_device_clo
         kind = {"steps": 10, "busy_s": busy, "floor_s": 1.0, "rows": 10, "prompt_tokens": 0, "host_before_launch_s": 0.1,
                 "host_before_launch_by_part_s": {"tokens": 0.1}}
         if with_clock:  # (a daemon without the clock predates the serial floor too)
-            kind["serial_floor_s"] = 1.5 * busy
-        if with_clock:
-            kind.update(device_s=device, tokens_device_s=tokens, before_forward_s=waits)
+            kind.update(device_s=device, tokens_device_s=tokens, before_forward_s=waits, serial_floor_s=1.5 * busy)
         return {"by_kind": {"decode": kind}, "device_rates": {}}
 
     engine = step_time_delta(status(2.0, 1.5, 0.2, 0.1), status(5.0, 4.0, 0.5, 0.3))
