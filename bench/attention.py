@@ -257,12 +257,44 @@ def decode_bench(args, device, timer: Timer, bandwidth: float, shape_name: str, 
     return results
 
 
-def prefill_bench(args, device, timer: Timer, cases) -> list:
-    """cases: (name, [(kv_len, query_len)]) on the 7B shape."""
-    heads, head_dim = 32, 128
+# The prefill launches swept beside the default: (tile_m, block_n, warps, stages; None: Triton's default).
+PREFILL_SWEEP = [(64, 64, 4, None), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4),
+                 (128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 3)]
+
+
+def prefill_sweep(cache: "PagedCache", timer: Timer, flops: float, device) -> dict:
+    """The prefill kernel alone over the cache's prompt rows, at each launch of PREFILL_SWEEP (its tiles cut to the
+    launch's tile_m): us, TFLOP/s and the prompt rows' relative error against the float64 reference, or the error of a
+    launch that does not compile."""
+    table = cache.batch.block_table
+    prompt = torch.cat([torch.arange(start, start + length) for start, length in
+                        zip(cache.batch.query_start, cache.batch.query_len) if length > 1]).to(device)
+    pages = cache.kv_view.double() if cache.kv_scales is None else cache.kv_view
+    expected = paged_attention_ref(cache.q[0].double(), pages, 0, cache.batch, cache.scale,
+                                   kv_scales=None if cache.kv_scales is None else cache.kv_scales.double())[prompt]
+    sweep = {}
+    for tile_m, block_n, warps, stages in PREFILL_SWEEP:
+        key = f"tile_m={tile_m},block_n={block_n},warps={warps},stages={stages}"
+        meta = paged_attention.AttentionMeta.build(cache.batch, cache.kv_view.shape[1], device, tile_m=tile_m)
+        options = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+        try:
+            us = timer.graph([lambda: paged_attention.prefill_attention(
+                cache.q[0], cache.kv_view, table[0, 0], table[0, 1], meta, cache.out, cache.scale,
+                kv_scale=cache.layer_scale(0), **options)], reps=20)
+            error = float((cache.out[prompt].double() - expected).norm() / expected.norm())
+            sweep[key] = {"us": round(us, 1), "TFLOPs": round(flops / (us * 1e-6) / 1e12, 1), "relative_error": error}
+        except Exception as error:  # noqa: BLE001 - a launch that does not compile is data
+            sweep[key] = repr(error)[:200]
+    return sweep
+
+
+def prefill_bench(args, device, timer: Timer, cases, heads=32, kv_heads=32, tokens_per_page=1, sweep=False) -> list:
+    """cases: (name, [(kv_len, query_len)]) on the 7B shape (or `heads` over `kv_heads` of 128); `sweep`: each case's
+    prefill launches swept (prefill_sweep), over bf16 pages and FP8 pages (twice the tokens a page)."""
+    head_dim = 128
     results = []
     for name, shapes in cases:
-        cache = PagedCache(heads, heads, head_dim, 1, shapes, 1, args.dtype, device)
+        cache = PagedCache(heads, kv_heads, head_dim, tokens_per_page, shapes, 1, args.dtype, device)
         kernel = timer.graph(cache.kernel_calls())
         reference = timer.eager([cache.reference_call()], reps=10)
         # SDPA on K/V already contiguous per sequence (no gather): the unpaged lower bound.
@@ -279,11 +311,21 @@ def prefill_bench(args, device, timer: Timer, cases) -> list:
                 contiguous.append(lambda q=q, k=k, v=v, mask=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
         sdpa = timer.eager([lambda: [c() for c in contiguous]], reps=10)
         flops = sum(4 * heads * head_dim * (q * (kv - q) + q * (q + 1) / 2) for kv, q in shapes)
+        prompt_flops = sum(4 * heads * head_dim * (q * (kv - q) + q * (q + 1) / 2) for kv, q in shapes if q > 1)
         row = {
-            "case": name, "shapes": shapes, "kernel_us": round(kernel, 1), "reference_eager_us": round(reference, 1),
-            "sdpa_contiguous_eager_us": round(sdpa, 1), "kernel_TFLOPs": round(flops / (kernel * 1e-6) / 1e12, 1),
-            "relative_error_vs_fp64_ref": cache.error(),
+            "case": name, "heads": heads, "kv_heads": kv_heads, "tokens_per_page": tokens_per_page,
+            "shapes": shapes if len(shapes) <= 8 else f"{len(shapes)} sequences", "kernel_us": round(kernel, 1),
+            "reference_eager_us": round(reference, 1), "sdpa_contiguous_eager_us": round(sdpa, 1),
+            "kernel_TFLOPs": round(flops / (kernel * 1e-6) / 1e12, 1), "relative_error_vs_fp64_ref": cache.error(),
         }
+        if sweep:
+            row["sweep_bf16"] = prefill_sweep(cache, timer, prompt_flops, device)
+            print(f"  sweep bf16 pages: {row['sweep_bf16']}", flush=True)
+            # FP8 pages as the engine lays them out: a page of the same bytes holds twice the tokens
+            fp8 = PagedCache(heads, kv_heads, head_dim, 2 * tokens_per_page, shapes, 1, args.dtype, device, kv_fp8=True)
+            row["sweep_fp8"] = prefill_sweep(fp8, timer, prompt_flops, device)
+            print(f"  sweep fp8 pages: {row['sweep_fp8']}", flush=True)
+            del fp8
         print(f"prefill {name:28s}: kernel {kernel:9.1f} us ({row['kernel_TFLOPs']} TFLOP/s), reference {reference:9.1f} us, "
               f"SDPA contiguous {sdpa:9.1f} us, err {row['relative_error_vs_fp64_ref']}", flush=True)
         results.append(row)
@@ -379,7 +421,8 @@ def main() -> None:
         sections = [
             ("decode_7b", lambda: decode_bench(args, device, timer, bandwidth, "tiny", 4, 4, 16, 1, [1, 3], [40], sweep_at={(3, 40)})),
             ("decode_gqa", lambda: decode_bench(args, device, timer, bandwidth, "tiny gqa", 4, 2, 16, 2, [3], [40], sweep_at={(3, 40)})),
-            ("prefill", lambda: prefill_bench(args, device, timer, [("fresh 20", [(20, 20)]), ("chunk 5 on 30", [(35, 5)])])),
+            ("prefill", lambda: prefill_bench(args, device, timer, [("fresh 20", [(20, 20)]), ("chunk 5 on 30", [(35, 5)])],
+                                              heads=4, kv_heads=4, sweep=True)),
             ("fused", lambda: fused_bench(args, device, timer, bandwidth, [3])),
             ("write_kv", lambda: write_kv_bench(args, device, timer, 3)),
             ("decode_window", lambda: decode_bench(args, device, timer, bandwidth, "tiny", 4, 2, 16, 1, [1, 3], [40], window=16,
@@ -393,6 +436,14 @@ def main() -> None:
                 ("fresh 1x2048", [(2048, 2048)]), ("fresh 4x512", [(512, 512)] * 4),
                 ("chunk 512 on 1536 cached", [(2048, 512)]), ("mixed 63 decodes ctx1024 + 512", [(1024, 1)] * 63 + [(512, 512)]),
             ])),
+            # the launches of the prompt tiles, at the prompts of a mixed step of the Azure conversation trace
+            ("prefill_sweep", lambda: prefill_bench(args, device, timer, [
+                ("fresh 1x2048", [(2048, 2048)]), ("fresh 1x1536", [(1536, 1536)]), ("fresh 4x512", [(512, 512)] * 4),
+                ("chunk 512 on 1536 cached", [(2048, 512)]), ("fresh 3x500 + chunk 536 on 800", [(500, 500)] * 3 + [(1336, 536)]),
+            ], sweep=True)),
+            ("prefill_sweep_llama3_8b", lambda: prefill_bench(args, device, timer, [
+                ("fresh 1x2048", [(2048, 2048)]), ("chunk 512 on 1536 cached", [(2048, 512)]),
+            ], kv_heads=8, tokens_per_page=4, sweep=True)),
             ("fused", lambda: fused_bench(args, device, timer, bandwidth, [64, 2048])),
             ("write_kv", lambda: write_kv_bench(args, device, timer, 256)),
             ("decode_llama3_8b", lambda: decode_bench(args, device, timer, bandwidth, "llama3_8b", 32, 8, 128, 4, [1, 64, 256], [2048])),

@@ -48,7 +48,11 @@ __all__ = [
 ]
 
 LOG2E = 1.4426950408889634
-PREFILL_BLOCK_M = 64  # query rows per prefill program; AttentionMeta cuts prompts into tiles of this
+# Query rows per prefill program, where AttentionMeta cuts prompts into tiles of this by default; the launch takes blocks
+# of 64 positions on four warps. Swept on one H200 at the prompts of a mixed step (`python3 bench/attention.py --only
+# prefill_sweep,prefill_sweep_llama3_8b`: tiles of 64 and 128 rows, blocks of 64 and 128, 4 and 8 warps, 2-4 stages;
+# bench/results/attention_prefill_sweep_h200.json), no launch is faster on the 7B shape's bf16 pages by more than 5%.
+PREFILL_BLOCK_M = 64
 # Context positions per step of the decode loop, and whether its dot products run on tensor cores (tl.dot on
 # the query group padded to 16 rows; for MHA 15 of them are padding). The H100 sweep (bench/attention.py,
 # BENCHMARKS.md) on the 7B MHA shape, 1 token a page: tensor cores at block_n 128 take b=64 ctx=2048 to
@@ -98,6 +102,8 @@ class AttentionMeta:
     step's point at a padding sequence of no context: 1, which stores nothing for them), or None: chosen per step.
     side_stream: a CUDA stream the decode launch runs on beside the prefill launch (a prefill graph's, where a
     mixed step's decode rows need not wait for its prompt tiles, nor few of them leave the GPU idle), or None.
+    tile_m: the query rows of a prefill tile (the tile_row entries step by it), which the prefill launch takes as its
+    BLOCK_M.
     """
 
     seq_info: torch.Tensor
@@ -109,6 +115,7 @@ class AttentionMeta:
     max_context: int
     decode_splits: int | None = None
     side_stream: object = None
+    tile_m: int = PREFILL_BLOCK_M
 
     @property
     def query_start(self) -> torch.Tensor:
@@ -123,14 +130,14 @@ class AttentionMeta:
         return self.seq_info[2]
 
     @staticmethod
-    def build(batch: AttentionBatch, tokens_per_page: int, device) -> "AttentionMeta":
-        """One host-to-device copy of a few int32 rows."""
+    def build(batch: AttentionBatch, tokens_per_page: int, device, tile_m: int = PREFILL_BLOCK_M) -> "AttentionMeta":
+        """One host-to-device copy of a few int32 rows; prompts cut into tiles of `tile_m` query rows."""
         num_seqs = len(batch.query_len)
         decode = [seq for seq, length in enumerate(batch.query_len) if length == 1]
         tile_seq, tile_row = [], []
         for seq, length in enumerate(batch.query_len):
             if length > 1:
-                for row in range(0, length, PREFILL_BLOCK_M):
+                for row in range(0, length, tile_m):
                     tile_seq.append(seq)
                     tile_row.append(row)
         packed = torch.tensor(
@@ -145,6 +152,7 @@ class AttentionMeta:
             num_decode=len(decode),
             num_tiles=len(tile_seq),
             max_context=batch.block_table.shape[-1] * tokens_per_page,
+            tile_m=tile_m,
         )
 
 
@@ -626,8 +634,8 @@ def prefill_attention(
 ) -> None:
     """Causal attention for the prefill tiles of `meta` (query rows of sequences with query_len > 1
     over all their cached positions, or the last `window` of each row's, the rows' own K/V already
-    written). Grid (num_tiles, heads); query tiles of PREFILL_BLOCK_M rows. Shapes, window and softcap as
-    in `decode_attention`."""
+    written). Grid (num_tiles, heads); query tiles of meta.tile_m rows. Shapes, window and softcap as in
+    `decode_attention`."""
     require_triton("paged attention kernels")
     heads, kv_heads, head_dim, tokens_per_page = _check_q(q, kv_view)
     if meta.num_tiles == 0:
@@ -642,7 +650,7 @@ def prefill_attention(
         kv_scale if kv_fp8 else q,
         q.stride(0), q.stride(1), out.stride(0), k_table.stride(0), **_score_args(scale, window, softcap),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, KV_HEADS=kv_heads,
-        TOKENS_PER_PAGE=tokens_per_page, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=block_n,
+        TOKENS_PER_PAGE=tokens_per_page, BLOCK_M=meta.tile_m, BLOCK_N=block_n,
         KV_FP8=kv_fp8, num_warps=num_warps, **_dot_args(q.dtype, kv_fp8, fp8_dots), **extra,
     )
 

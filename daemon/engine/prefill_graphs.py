@@ -266,7 +266,7 @@ class PrefillGraphs:
         attention._paged_meta = AttentionMeta(
             seq_info=bucket.seq_info, decode_seqs=bucket.decode_seqs, tile_seq=bucket.tile_seq, tile_row=bucket.tile_row,
             num_decode=seqs, num_tiles=bucket.tiles, max_context=self.max_blocks * self.kv.tokens_per_page,
-            decode_splits=1, side_stream=self.side_stream,
+            decode_splits=1, side_stream=self.side_stream, tile_m=bucket.tile_m,
         )
         lora = LoraBatch(row_slot=bucket.row_slot, slot_rows=[])
         if kind == "lora+rows":

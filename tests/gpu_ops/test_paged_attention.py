@@ -310,6 +310,30 @@ def test_decode_interpreted_splits(splits, layout, mma, kernels):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("tile_m,block_n", [(64, 64), (64, 128), (128, 64), (128, 128)])
+@pytest.mark.parametrize("window", [None, 16])
+def test_prefill_interpreted_tiles(tile_m, block_n, window, kernels):
+    """The prompt rows through prefill tiles of 64 and 128 rows (the meta's tile_m, as bench/attention.py sweeps them)
+    and blocks of 64 and 128 positions: prompts shorter and longer than a tile, fresh and over a cached prefix, a
+    partial last tile; with and without a window."""
+    heads, kv_heads, head_dim, tokens_per_page = LAYOUTS["gqa4_tpp4"]
+    shapes = [(200, 150), (7, 7), (300, 70), (9, 1)]
+    case = build_case(heads, kv_heads, head_dim, tokens_per_page, shapes, torch.bfloat16, torch.device("cpu"), seed=tile_m)
+    meta = kernels.AttentionMeta.build(case.batch, tokens_per_page, "cpu", tile_m=tile_m)
+    assert meta.tile_m == tile_m and meta.tile_row.tolist() == [row for length in (150, 7, 70) for row in range(0, length, tile_m)]
+    q = (2 * torch.randn(sum(length for _, length in shapes), heads, head_dim)).bfloat16()
+    out = torch.full((q.shape[0], heads * head_dim), float("nan"), dtype=torch.bfloat16)
+    table = case.batch.block_table
+    if window is not None:
+        poison(case, unseen_positions(shapes, window))
+    kernels.prefill_attention(q, case.kv_view, table[1, 0], table[1, 1], meta, out, head_dim**-0.5, window=window,
+                              block_n=block_n)
+    prompt_rows = slice(0, 227)  # the three prompts; the decode row (227) is the decode kernel's
+    assert relative_error(out[prompt_rows], truth(case, q, 1, head_dim**-0.5, window)[prompt_rows]) < 2e-2
+    assert torch.isnan(out[227]).all()
+
+
+@needs_interpreter
 def test_attention_interpreted_strided_q_and_decode_only(kernels):
     """q as a view of a fused qkv output (row stride > heads * head_dim); a decode-only batch."""
     heads, kv_heads, head_dim = 4, 2, 16
