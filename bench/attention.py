@@ -164,7 +164,8 @@ def decode_fp8_bench(args, device, timer: Timer, bandwidth: float, shape_name: s
                      contexts) -> list:
     """Decode attention over FP8 pages (--kv-cache-dtype fp8) beside the same batch over bf16 pages, each against
     its own bytes' floor: the kernel with each choice of dot operands (paged_attention.FP8_KV_DOTS), a few tiles,
-    and the prefill kernel on the same rows (one-row query tiles, as a prefill graph runs a mixed step's decode rows)."""
+    and the prefill kernel on the same rows (one-row query tiles, as a prefill graph runs a mixed step's decode rows).
+    `tpp`: the bf16 pages' tokens a page; FP8 pages hold twice as many, as the engine lays them out."""
     results = []
     for context in contexts:
         for batch in batches:
@@ -172,8 +173,8 @@ def decode_fp8_bench(args, device, timer: Timer, bandwidth: float, shape_name: s
             layers = layers_for(2 * batch * context * kv_heads * head_dim) if not SMOKE else 1
             row = {"shape": shape_name, "batch": batch, "context": context, "layers_rotated": layers}
             for pages in ("bf16", "fp8"):
-                cache = PagedCache(heads, kv_heads, head_dim, tpp, shapes, layers, args.dtype, device, seed=batch,
-                                   kv_fp8=pages == "fp8")
+                cache = PagedCache(heads, kv_heads, head_dim, tpp * (2 if pages == "fp8" else 1), shapes, layers, args.dtype,
+                                   device, seed=batch, kv_fp8=pages == "fp8")
                 floor_us = cache.kv_bytes() / (bandwidth * 1e9) * 1e6
                 splits = paged_attention.decode_splits(batch, kv_heads, context, device)
                 default_n = paged_attention.DECODE_BLOCK_N["gqa" if heads > kv_heads else "mha"]  # bf16's: the sweep's centre

@@ -59,7 +59,8 @@ PREFILL_BLOCK_M = 64
 # 717 us against 980 us on CUDA cores at their best block_n (32), i.e. to the copy floor; b=64 ctx=512 192 vs
 # 275 us; b=1 ctx=2048 19.3 vs 23.7 us. GQA (8 kv heads, 4 tokens a page): 64, at 94-99% of the floor. Over FP8
 # pages (float16 dots) GQA takes 128: 67.7 against 88.5 us at b=64 ctx=1024, 239 against 266 at b=256; MHA stays
-# at 128 (bench/attention.py's decode_*_fp8 sections).
+# at 128 (bench/attention.py's decode_*_fp8 sections, their FP8 pages then holding as many tokens as bf16's, where the
+# engine's hold twice as many; the launches below were measured in the engine's layout).
 DECODE_BLOCK_N = {"mha": 128, "gqa": 64, "mha_fp8": 128, "gqa_fp8": 128}
 # Warps and pipeline stages of a decode program (None: Triton's default stages). Over FP8 pages two warps and three
 # stages, where four warps leave each program too few bytes in flight: on the 7B shape (MHA) 209 against 232 us at
