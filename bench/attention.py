@@ -282,8 +282,8 @@ def prefill_sweep(cache: "PagedCache", timer: Timer, flops: float, device) -> di
             us = timer.graph([lambda: paged_attention.prefill_attention(
                 cache.q[0], cache.kv_view, table[0, 0], table[0, 1], meta, cache.out, cache.scale,
                 kv_scale=cache.layer_scale(0), **options)], reps=20)
-            error = float((cache.out[prompt].double() - expected).norm() / expected.norm())
-            sweep[key] = {"us": round(us, 1), "TFLOPs": round(flops / (us * 1e-6) / 1e12, 1), "relative_error": error}
+            relative = float((cache.out[prompt].double() - expected).norm() / expected.norm())
+            sweep[key] = {"us": round(us, 1), "TFLOPs": round(flops / (us * 1e-6) / 1e12, 1), "relative_error": relative}
         except Exception as error:  # noqa: BLE001 - a launch that does not compile is data
             sweep[key] = repr(error)[:200]
     return sweep
@@ -311,8 +311,10 @@ def prefill_bench(args, device, timer: Timer, cases, heads=32, kv_heads=32, toke
                 mask = torch.arange(kv_len, device=device)[None, :] <= torch.arange(kv_len - query_len, kv_len, device=device)[:, None]
                 contiguous.append(lambda q=q, k=k, v=v, mask=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
         sdpa = timer.eager([lambda: [c() for c in contiguous]], reps=10)
-        flops = sum(4 * heads * head_dim * (q * (kv - q) + q * (q + 1) / 2) for kv, q in shapes)
-        prompt_flops = sum(4 * heads * head_dim * (q * (kv - q) + q * (q + 1) / 2) for kv, q in shapes if q > 1)
+        # each new row's scores and P @ V over the positions it sees: its cached prefix and itself and the rows before it
+        per_shape = [(q, 4 * heads * head_dim * (q * (kv - q) + q * (q + 1) / 2)) for kv, q in shapes]
+        flops = sum(count for _, count in per_shape)
+        prompt_flops = sum(count for q, count in per_shape if q > 1)
         row = {
             "case": name, "heads": heads, "kv_heads": kv_heads, "tokens_per_page": tokens_per_page,
             "shapes": shapes if len(shapes) <= 8 else f"{len(shapes)} sequences", "kernel_us": round(kernel, 1),
