@@ -46,6 +46,12 @@ from lorad.gpu_ops.rope import rope_cache  # noqa: E402
 ROTATE_BYTES = 256 << 20
 
 
+def page_tokens(tokens_per_page: int, kv_fp8: bool) -> int:
+    """The tokens a page holds as the engine lays pages out, given the bf16 pages' `tokens_per_page`: a page of the
+    same bytes holds twice as many FP8 rows (KVCache in gpu_ops/page_pool.py: page bytes // row bytes)."""
+    return tokens_per_page * (2 if kv_fp8 else 1)
+
+
 class PagedCache:
     """A pool of random K/V pages for `layers` layers of `shapes` [(kv_len, query_len)], each block's
     pages drawn at random from the whole pool."""
@@ -173,7 +179,7 @@ def decode_fp8_bench(args, device, timer: Timer, bandwidth: float, shape_name: s
             layers = layers_for(2 * batch * context * kv_heads * head_dim) if not SMOKE else 1
             row = {"shape": shape_name, "batch": batch, "context": context, "layers_rotated": layers}
             for pages in ("bf16", "fp8"):
-                cache = PagedCache(heads, kv_heads, head_dim, tpp * (2 if pages == "fp8" else 1), shapes, layers, args.dtype,
+                cache = PagedCache(heads, kv_heads, head_dim, page_tokens(tpp, pages == "fp8"), shapes, layers, args.dtype,
                                    device, seed=batch, kv_fp8=pages == "fp8")
                 floor_us = cache.kv_bytes() / (bandwidth * 1e9) * 1e6
                 splits = paged_attention.decode_splits(batch, kv_heads, context, device)
@@ -324,8 +330,8 @@ def prefill_bench(args, device, timer: Timer, cases, heads=32, kv_heads=32, toke
         if sweep:
             row["sweep_bf16"] = prefill_sweep(cache, timer, prompt_flops, device)
             print(f"  sweep bf16 pages: {row['sweep_bf16']}", flush=True)
-            # FP8 pages as the engine lays them out: a page of the same bytes holds twice the tokens
-            fp8 = PagedCache(heads, kv_heads, head_dim, 2 * tokens_per_page, shapes, 1, args.dtype, device, kv_fp8=True)
+            fp8 = PagedCache(heads, kv_heads, head_dim, page_tokens(tokens_per_page, True), shapes, 1, args.dtype, device,
+                             kv_fp8=True)
             row["sweep_fp8"] = prefill_sweep(fp8, timer, prompt_flops, device)
             print(f"  sweep fp8 pages: {row['sweep_fp8']}", flush=True)
             del fp8

@@ -140,7 +140,7 @@ def attention_launch(device, timer: Timer, bandwidth: float, sweep: bool) -> lis
     """The decode attention over FP8 and bf16 pages at this device's launch (paged_attention.decode_launch) beside
     the H100's (DECODE_BLOCK_N, DECODE_LAUNCH) and other warps and stages; `sweep`: over FP8 pages, the grid of
     positions a step x warps x stages that DECODE_LAUNCH_BY_GPU's entries were chosen from, and CUDA-core dots."""
-    from attention import PagedCache, layers_for  # bench/attention.py
+    from attention import PagedCache, layers_for, page_tokens  # bench/attention.py
 
     results = []
     for shape, heads, kv_heads, tokens_per_page, batches in (("llama7b", 32, 32, 1, (64, 128)),
@@ -149,13 +149,13 @@ def attention_launch(device, timer: Timer, bandwidth: float, sweep: bool) -> lis
             for pages in ("fp8", "bf16"):
                 shapes = [(1024, 1)] * batch
                 layers = layers_for(2 * batch * 1024 * kv_heads * 128)
-                page_tokens = tokens_per_page * (2 if pages == "fp8" else 1)  # a page holds twice the FP8 tokens
-                cache = PagedCache(heads, kv_heads, 128, page_tokens, shapes, layers, torch.bfloat16, device,
+                tokens = page_tokens(tokens_per_page, pages == "fp8")
+                cache = PagedCache(heads, kv_heads, 128, tokens, shapes, layers, torch.bfloat16, device,
                                    seed=batch, kv_fp8=pages == "fp8")
                 kind = ("gqa" if heads > kv_heads else "mha") + ("_fp8" if pages == "fp8" else "")
                 splits = paged_attention.decode_splits(batch, kv_heads, 1024, device)
                 h100 = (paged_attention.DECODE_BLOCK_N[kind], *paged_attention.DECODE_LAUNCH[kind])
-                row = {"shape": shape, "batch": batch, "context": 1024, "pages": pages, "tokens_per_page": page_tokens,
+                row = {"shape": shape, "batch": batch, "context": 1024, "pages": pages, "tokens_per_page": tokens,
                        "floor_us": round(cache.kv_bytes() / (bandwidth * 1e9) * 1e6, 1),
                        "launch": list(paged_attention.decode_launch(kind, device)), "h100_launch": list(h100),
                        "default_us": round(timer.graph(cache.kernel_calls()), 1),

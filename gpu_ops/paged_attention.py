@@ -51,7 +51,8 @@ LOG2E = 1.4426950408889634
 # Query rows per prefill program, where AttentionMeta cuts prompts into tiles of this by default; the launch takes blocks
 # of 64 positions on four warps. Swept on one H200 at the prompts of a mixed step (`python3 bench/attention.py --only
 # prefill_sweep,prefill_sweep_llama3_8b`: tiles of 64 and 128 rows, blocks of 64 and 128, 4 and 8 warps, 2-4 stages;
-# bench/results/attention_prefill_sweep_h200.json), no launch is faster on the 7B shape's bf16 pages by more than 5%.
+# bench/results/attention_prefill_sweep_h200.json), no launch is faster on fresh prompts by more than 4%; 128-row tiles
+# gain only on chunks over a long cached prefix (0.79-0.93x), and lose up to 1.16x on fresh prompts.
 PREFILL_BLOCK_M = 64
 # Context positions per step of the decode loop, and whether its dot products run on tensor cores (tl.dot on
 # the query group padded to 16 rows; for MHA 15 of them are padding). The H100 sweep (bench/attention.py,

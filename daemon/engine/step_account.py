@@ -343,7 +343,8 @@ class StepAccount:
         device's time (None: no device clock)."""
         with self._lock:
             return {kind: {"seconds": self.step_seconds[kind].snapshot(), "busy_s": totals.busy_s,
-                           "floor_s": totals.floor_s, "serial_floor_s": totals.serial_floor_s, "rows": totals.rows, "padding_rows": totals.padding_rows,
+                           "floor_s": totals.floor_s, "serial_floor_s": totals.serial_floor_s, "rows": totals.rows,
+                           "padding_rows": totals.padding_rows,
                            "prompt_tokens": totals.prompt_tokens, "steps": totals.steps,
                            "host_parts_s": dict(totals.host_parts_s), "empty_slots": dict(totals.empty_slots),
                            "device_s": totals.device_s, "tokens_device_s": totals.tokens_device_s,
