@@ -133,12 +133,21 @@ def workspace_numel(max_tokens: int, max_rank: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def page_pointers(pages_ptr, page_ids_ptr, row_index, row_ok, k0, offs, dim, PAGE: tl.constexpr, ALIGNED: tl.constexpr):
+    def page_pointers(pages_ptr, page_ids_ptr, row_index, row_ok, k0, offs, dim, PAGE: tl.constexpr, ALIGNED: tl.constexpr,
+                      WIDE: tl.constexpr):
         """Pointers [ROWS, BLOCK] to elements k0 + offs of the paged rows whose first page-table entry is
-        row_index [ROWS] (entry = start + j * chunks). ALIGNED: the tile lies inside one page."""
+        row_index [ROWS] (entry = start + j * chunks). ALIGNED: the tile lies inside one page. WIDE (with ALIGNED):
+        tell the compiler that the tile starts a multiple of 16 elements into its page (k0 steps by a tile width of
+        at least 16, page_block). Triton 3.6 (the GPU machine's) does not see that through `k0 % PAGE` and loads the
+        tile one element at a time; told, 16 bytes at a time. The shrinks and MBGMM's expand pass True. MBGMV's
+        expand, which sums its tile over the rank rows on CUDA cores, took longer with wide loads (BENCHMARKS.md,
+        "The LoRA kernels' page loads"), and BGMV's, which sums the same way, was not measured: both pass False."""
         if ALIGNED:
             page = tl.load(page_ids_ptr + row_index + k0 // PAGE, mask=row_ok, other=0).to(tl.int64)
-            inner = k0 % PAGE + offs
+            if WIDE:
+                inner = tl.multiple_of(k0 % PAGE, 16) + offs
+            else:
+                inner = k0 % PAGE + offs
             return pages_ptr + page[:, None] * PAGE + inner[None, :]
         else:
             k = k0 + offs
@@ -171,7 +180,7 @@ if triton is not None:
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k_ok = (k0 + offs_k) < k_hi
             xk = tl.load(x_row + (k0 + offs_k) * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-            ptrs = page_pointers(pages_ptr, page_ids_ptr, row_index, r_ok, k0, offs_k, in_dim, PAGE, ALIGNED)
+            ptrs = page_pointers(pages_ptr, page_ids_ptr, row_index, r_ok, k0, offs_k, in_dim, PAGE, ALIGNED, True)
             a = tl.load(ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.sum(a.to(tl.float32) * xk[None, :], axis=1)
         # Padded: every column up to max_rank is written (zeros past the row's rank).
@@ -202,7 +211,7 @@ if triton is not None:
         for split in range(0, splits):
             v_row = v_ptr + (split * num_rows + row).to(tl.int64) * max_rank
             v += tl.load(v_row + offs_r, mask=offs_r < max_rank, other=0.0)
-        ptrs = page_pointers(pages_ptr, page_ids_ptr, b_start + offs_r * chunks_out, r_ok, n0, offs_n, out_dim, PAGE, ALIGNED)
+        ptrs = page_pointers(pages_ptr, page_ids_ptr, b_start + offs_r * chunks_out, r_ok, n0, offs_n, out_dim, PAGE, ALIGNED, False)
         b = tl.load(ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
         delta = tl.sum(b.to(tl.float32) * v[:, None], axis=0)
         y_ptrs = y_ptr + row.to(tl.int64) * stride_yt + (n0 + offs_n) * stride_yn

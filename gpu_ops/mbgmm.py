@@ -205,7 +205,7 @@ if triton is not None:
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k_ok = (k0 + offs_k) < k_hi
             x = tl.load(x_ptr + t[:, None] * stride_xt + (k0 + offs_k)[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            ptrs = page_pointers(pages_ptr, page_ids_ptr, row_index, r_ok, k0, offs_k, in_dim, PAGE, ALIGNED)
+            ptrs = page_pointers(pages_ptr, page_ids_ptr, row_index, r_ok, k0, offs_k, in_dim, PAGE, ALIGNED, True)
             a = tl.load(ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # [R, K]
             if UPCAST:
                 x = x.to(tl.float32)
@@ -254,7 +254,7 @@ if triton is not None:
         n_last = tl.minimum(n_first + n_per_program * BLOCK_N, out_dim)
         for n0 in range(n_first, n_last, BLOCK_N):
             n_ok = (n0 + offs_n) < out_dim
-            ptrs = page_pointers(pages_ptr, page_ids_ptr, b_rows, r_ok, n0, offs_n, out_dim, PAGE, ALIGNED)
+            ptrs = page_pointers(pages_ptr, page_ids_ptr, b_rows, r_ok, n0, offs_n, out_dim, PAGE, ALIGNED, True)
             b = tl.load(ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [R, N]
             y_ptrs = y_ptr + t[:, None] * stride_yt + (n0 + offs_n)[None, :] * stride_yn
             y_mask = m_ok[:, None] & n_ok[None, :]

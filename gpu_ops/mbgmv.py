@@ -158,7 +158,7 @@ if triton is not None:
                 k0 = k_lo + tile * BLOCK_K
                 k_ok = (k0 + offs_k) < k_hi
                 xk = tl.load(x_row + (k0 + offs_k) * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-                ptrs = page_pointers(pages_ptr, page_ids_ptr, row_index, r_ok, k0, offs_k, in_dim, PAGE, ALIGNED)
+                ptrs = page_pointers(pages_ptr, page_ids_ptr, row_index, r_ok, k0, offs_k, in_dim, PAGE, ALIGNED, True)
                 a = tl.load(ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
                 acc += tl.sum(a.to(tl.float32) * xk[None, :], axis=1)
             # An empty K range still stores its zeros: the expand sums every split.
@@ -210,7 +210,7 @@ if triton is not None:
             n_ok = ((n0 + offs_n) < out_dim) & work
             rows = tl.arange(0, BLOCK_R)
             r_ok = (rows < rank) & work
-            ptrs = page_pointers(pages_ptr, page_ids_ptr, b_start + rows * chunks_out, r_ok, n0, offs_n, out_dim, PAGE, ALIGNED)
+            ptrs = page_pointers(pages_ptr, page_ids_ptr, b_start + rows * chunks_out, r_ok, n0, offs_n, out_dim, PAGE, ALIGNED, False)
             b = tl.load(ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0, eviction_policy="evict_first")
             wait_for_previous(PDL)
         if work:
@@ -220,7 +220,7 @@ if triton is not None:
                 rows = tl.arange(0, BLOCK_R)
                 r_ok = rows < rank
                 # The first rank block (the whole rank up to BLOCK_R), y and the partials: all independent.
-                ptrs = page_pointers(pages_ptr, page_ids_ptr, b_start + rows * chunks_out, r_ok, n0, offs_n, out_dim, PAGE, ALIGNED)
+                ptrs = page_pointers(pages_ptr, page_ids_ptr, b_start + rows * chunks_out, r_ok, n0, offs_n, out_dim, PAGE, ALIGNED, False)
                 b = tl.load(ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0, eviction_policy="evict_first")
             y_ptrs = y_ptr + row.to(tl.int64) * stride_yt + (n0 + offs_n) * stride_yn
             y = tl.load(y_ptrs, mask=n_ok, other=0.0)
@@ -229,7 +229,7 @@ if triton is not None:
             for r0 in range(BLOCK_R, rank, BLOCK_R):  # ranks past BLOCK_R (> 64 by default)
                 rows = r0 + tl.arange(0, BLOCK_R)
                 r_ok = rows < rank
-                ptrs = page_pointers(pages_ptr, page_ids_ptr, b_start + rows * chunks_out, r_ok, n0, offs_n, out_dim, PAGE, ALIGNED)
+                ptrs = page_pointers(pages_ptr, page_ids_ptr, b_start + rows * chunks_out, r_ok, n0, offs_n, out_dim, PAGE, ALIGNED, False)
                 b = tl.load(ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0, eviction_policy="evict_first")
                 v = _row_partials(v_ptr, row, rows, r_ok, width, num_rows, splits, SPLITS)
                 delta += tl.sum(b.to(tl.float32) * v[:, None], axis=0)

@@ -5,18 +5,24 @@ through Triton's whole pipeline (its bundled ptxas included): the interpreter
 that runs the kernels in CI does not apply the compiler's checks (a helper's return types, say), so a kernel
 can pass every CPU test and fail to compile on the GPU. Run by test_compile_sm90.py in a process of its own
 (the interpreter is chosen when a kernel module is imported). Prints one line per variant; exit status 1 if one
-fails."""
+fails.
+Then the LoRA kernels whose adapter pages the compiler must read 16 bytes at a time (`page_pointers(..., WIDE=True)`),
+specialised as the JIT specialises the engine's calls on the 7B shape: each line says whether the compiled kernel
+holds any 2-byte global load. Under Triton 3.6 (the GPU machine's) they fail without WIDE's hint; Triton 3.9 (CI's)
+sees the alignment on its own, so there this check catches only what else would narrow the loads (a mask whose
+width the compiler cannot bound, as MBGMV's expand has with its group members' widths unspecialised)."""
 
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lorad.gpu_ops import fp8_gemm, fused, mbgmv, paged_attention, peer_sum
+from lorad.gpu_ops import bgmv, fp8_gemm, fused, mbgmm, mbgmv, paged_attention, peer_sum
 
 TARGET = GPUTarget("cuda", 90, 32)
 COMMON = dict(stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_table="i32", qk_scale="fp32", cap_log2="fp32",
@@ -148,6 +154,60 @@ def early_variants():
            {"num_warps": config.expand_warps, "num_stages": 1, "launch_pdl": True})
 
 
+def as_the_jit_specialises(kernel, pointers: dict, constexprs: dict, values: dict):
+    """(signature, constexprs, attrs) of `kernel` for a call with these pointer types and integer values, as Triton's
+    JIT compiles it: an integer argument equal to 1 becomes a constant, one divisible by 16 is known to be (both unless
+    the kernel does not specialise it), every pointer is 16-byte aligned (the engine's tensors are)."""
+    signature, attrs, constants = {}, {}, dict(constexprs)
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif name in kernel.do_not_specialize or (values[name] != 1 and values[name] % 16):
+            signature[name] = "i32"
+        elif values[name] == 1:
+            signature[name], constants[name] = "constexpr", 1
+        else:
+            signature[name] = "i32"
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constants, attrs
+
+
+# The LoRA kernels' arguments for a call on the 7B shape (4096 -> 4096, rank 16, pages of 4096 elements, a fused
+# q|k|v output 12288 wide): pointer types, and the integers the JIT specialises on
+LORA_POINTERS = dict(rank_ptr="*i32", a_start_ptr="*i32", b_start_ptr="*i32", page_ids_ptr="*i32", pages_ptr="*bf16",
+                     row_slot_ptr="*i32", rows_ptr="*i32", meta_ptr="*i32", tiles_ptr="*i32", ready_ptr="*i32",
+                     error_ptr="*i32", x_ptr="*bf16", y_ptr="*bf16", v_ptr="*fp32", v1_ptr="*fp32", v2_ptr="*fp32")
+LORA_INTS = dict(in_dim=4096, out_dim=4096, max_rank=16, width=16, num_rows=64, splits=2, rank_blocks=2, k_per_split=2048,
+                 stride_xt=12288, stride_xk=1, stride_yt=12288, stride_yn=1, slot_stride=224, table_offset=3, chunks_in=1,
+                 chunks_out=1, member_stride=2048, num_segments=8, num_tiles=40, layer=3, member_blocks=32, n_per_program=4)
+
+
+def lora_wide_load_variants():
+    """(name, kernel, constexprs, options): the shrinks (MBGMV's, grouped and launched early; MBGMM's over a prefill
+    graph's tile list; BGMV's) and MBGMM's expand."""
+    config = mbgmv.decode_config(4096, 4096, 16, pdl=True)
+    shrink = dict(PAGE=4096, BLOCK_R=config.shrink_r, BLOCK_K=config.block_k, K_TILES=1, ALIGNED=True, GROUPED=True,
+                  PDL=True, EARLY=True)
+    yield "mbgmv shrink", mbgmv._mbgmv_shrink_kernel, shrink, {"num_warps": config.num_warps, "num_stages": 1}
+    common = dict(PAGE=4096, BLOCK_M=mbgmm.GRAPH_BLOCK_M, BLOCK_R=16, ALIGNED=True, PRECISION="tf32", UPCAST=False,
+                  USE_TILES=True)
+    yield ("mbgmm shrink", mbgmm._mbgmm_shrink_kernel,
+           dict(common, BLOCK_K=mbgmm.BLOCK_K, STREAM=False, TIMEOUT_NS=1, GROUPED=True), {"num_warps": 4, "num_stages": 3})
+    yield "mbgmm expand", mbgmm._mbgmm_expand_kernel, dict(common, BLOCK_N=mbgmm.BLOCK_N), {"num_warps": 4, "num_stages": 3}
+    yield "bgmv shrink", bgmv._bgmv_shrink_kernel, dict(PAGE=4096, BLOCK_R=16, BLOCK_K=256, ALIGNED=True), {"num_warps": 4}
+
+
+def narrow_loads(kernel, constexprs: dict, options: dict) -> int:
+    """The 2-byte global loads of `kernel` compiled for sm90 as the JIT compiles it for a call with LORA_INTS."""
+    signature, constants, attrs = as_the_jit_specialises(kernel, LORA_POINTERS, constexprs, LORA_INTS)
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs), target=TARGET,
+                              options=options)
+    return len(re.findall(r"ld\.global[\w:.]*\.b16\b", compiled.asm["ptx"]))
+
+
 def main() -> int:
     if type(paged_attention._decode_kernel).__name__ != "JITFunction":
         print("the kernels were decorated for the interpreter (TRITON_INTERPRET is set)", file=sys.stderr)
@@ -163,6 +223,16 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001 - every variant reported, the first error's text in full
             failed += 1
             print(f"FAILED  {name}: {str(error)[:4000]}")
+    for name, kernel, constexprs, options in lora_wide_load_variants():
+        try:
+            narrow = narrow_loads(kernel, constexprs, options)
+        except Exception as error:  # noqa: BLE001
+            narrow = f"not compiled: {str(error)[:4000]}"
+        if narrow == 0:
+            print(f"ok      lora wide loads {name}")
+        else:
+            failed += 1
+            print(f"FAILED  lora wide loads {name}: {narrow} 2-byte global loads")
     return 1 if failed else 0
 
 
