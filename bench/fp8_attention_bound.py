@@ -10,8 +10,15 @@ launches and checked against the reference or the kernel:
 - `prefetch`: the next block's K and V loaded into registers before this block's math (at the H200's launch the
   compiled loop reads each block through a single shared-memory buffer, so a program's loads do not overlap its math), a copy of the kernel's loop for MHA without a window or splits, beside the kernel.
 
+- `profile fp8|bf16`: no timing; the kernel over FP8 (or bf16) pages at b=64 called five times, at the device's
+  launch, for Nsight Compute to take the fourth.
+
     python3 -P bench/fp8_attention_bound.py widening cvt OUT.json
     python3 -P bench/fp8_attention_bound.py prefetch OUT.json
+    ncu --kernel-name regex:_decode_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+        --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+        --section MemoryWorkloadAnalysis --section InstructionStats --page details \
+        python3 -P bench/fp8_attention_bound.py profile fp8
 """
 
 from __future__ import annotations
@@ -209,8 +216,21 @@ def prefetch(device, timer: Timer, bandwidth: float) -> list:
     return rows
 
 
+def profile(pages: str, device) -> None:
+    """Five calls of the kernel over one layer of `pages` at b=64, context 1024 (for ncu; no timing)."""
+    cache = PagedCache(32, 32, 128, 2 if pages == "fp8" else 1, [(1024, 1)] * 64, 1, torch.bfloat16, device, seed=1,
+                       kv_fp8=pages == "fp8")
+    call = cache.kernel_calls(splits=1)[0]
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     device = torch.device("cuda")
+    if sys.argv[1] == "profile":
+        profile(sys.argv[2], device)
+        return
     timer = Timer(device, 30)
     bandwidth = copy_bandwidth(device, timer, 1024)
     if sys.argv[1] == "widening":
