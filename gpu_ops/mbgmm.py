@@ -224,7 +224,8 @@ if triton is not None:
     ):
         # One program: a row tile of one segment times n_per_program consecutive output tiles. The
         # split sums of v are added once, held at the full rank (BLOCK_R >= max_rank), and the loop over
-        # the output tiles pipelines the B^T and y loads of the next tile with this one's dot and store.
+        # the output tiles copies the next tiles' B^T asynchronously while this one's dot and store run (Triton 3.6
+        # does so only with page_pointers' WIDE); y, which no dot takes, is loaded when its tile comes.
         segment, m0 = _segment_tile(tiles_ptr, num_tiles, BLOCK_M, USE_TILES)
         n_first = tl.program_id(2) * n_per_program * BLOCK_N
         length = tl.load(meta_ptr + 2 * num_segments + segment)
