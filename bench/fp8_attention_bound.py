@@ -231,10 +231,8 @@ def prefetch(device, timer: Timer, bandwidth: float) -> list:
 
 
 def profile(pages: str, device) -> None:
-    """Five calls of the kernel over one layer of `pages` at b=64, context 1024 (for ncu; no timing)."""
-    cache = PagedCache(32, 32, 128, 2 if pages == "fp8" else 1, [(1024, 1)] * 64, 1, torch.bfloat16, device, seed=1,
-                       kv_fp8=pages == "fp8")
-    call = cache.kernel_calls(splits=1)[0]
+    """Five calls of the kernel over layer 0 of `pages` at b=64, context 1024 (for ncu; no timing)."""
+    call = fp8_cache(64, device, pages).kernel_calls(splits=1)[0]
     for _ in range(5):
         call()
     torch.cuda.synchronize()
