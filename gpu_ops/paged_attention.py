@@ -407,6 +407,13 @@ if triton is not None:
         if KV_FP8:  # as in the decode kernel
             qk_scale = qk_scale * tl.load(kv_scale_ptr)
             v_scale = tl.load(kv_scale_ptr + 1)
+        # The scores stay in the dot's units and m with them; the scale goes into the exponents, one fused multiply-add
+        # an element where scaling them first took a multiply and a subtract. It is positive, so the row maxima commute
+        # with it (floored so that a masked score, -inf, times it is never NaN). Capped scores are in base 2 already.
+        if SOFTCAP:
+            exp_scale = 1.0
+        else:
+            exp_scale = tl.maximum(qk_scale, 1e-30)
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
@@ -427,17 +434,21 @@ if triton is not None:
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            scores = _log2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, cap_log2, SOFTCAP)
-            visible = (positions[None, :] <= query_pos[:, None]) & n_ok[None, :]
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            if SOFTCAP:
+                scores = _log2_scores(scores, qk_scale, cap_log2, SOFTCAP)
+            # Causal. A stored row's own position lies below hi, so the positions it sees are all read (n_ok); a row
+            # past query_len may see positions past hi, whose K and V read as 0: finite, never stored.
+            visible = positions[None, :] <= query_pos[:, None]
             if SLIDING:
                 visible = visible & (positions[None, :] > query_pos[:, None] - window)
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
-            shift = m_new
+            shift = m_new * exp_scale
             if SLIDING:  # a row that has seen nothing yet: exp2(-inf - 0) = 0 rather than exp2(-inf + inf)
-                shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - shift)
-            p = tl.exp2(scores - shift[:, None])
+                shift = tl.where(m_new == float("-inf"), 0.0, shift)
+            alpha = tl.exp2(m * exp_scale - shift)
+            p = tl.exp2(scores * exp_scale - shift[:, None])
             l = l * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(_as_operand(p, q_ptr, UPCAST, F16_DOTS), v, input_precision=PRECISION)
             m = m_new

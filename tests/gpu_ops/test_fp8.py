@@ -276,6 +276,22 @@ def test_attention_fp8_pages_at_the_h200_launch_interpreted(kernels, monkeypatch
     assert relative_error(got, truth(case, q, 1, 0.3)) < 2e-2
 
 
+@needs_interpreter
+def test_prefill_fp8_pages_k_scale_zero_interpreted(kernels):
+    """A layer whose K scale is 0 (its stored K all read as 0): every row attends evenly over what it sees, as the
+    reference does. The prefill kernel multiplies its scale into the exponents, after the causal mask's -inf: without
+    its floor on the scale that product is NaN."""
+    _, _, attention_kernels = kernels
+    shapes = [(20, 20), (37, 9)]
+    scales = torch.tensor([[0.0, 0.3], [0.0, 0.3]])
+    case = fp8_case(4, 2, 16, 2, shapes, torch.bfloat16, torch.device("cpu"), scales)
+    q = torch.randn(29, 4, 16).bfloat16()
+    got = attention_kernels.attention(q, case.kv_view, 1, case.batch, 0.3, kv_scales=scales)
+    assert torch.isfinite(got.float()).all()
+    reference = paged_attention_ref(q, case.kv_view, 1, case.batch, 0.3, kv_scales=scales)
+    assert relative_error(got, reference.double()) < 2e-2
+
+
 def test_decode_launch_by_gpu(monkeypatch):
     """A GPU with its own entry takes it for the kinds it names; others, and other kinds, the defaults."""
     from lorad.gpu_ops import paged_attention
