@@ -269,9 +269,9 @@ PREFILL_SWEEP = [(64, 64, 4, None), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 8,
                  (128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 3)]
 
 
-def prefill_sweep(cache: "PagedCache", timer: Timer, flops: float, device) -> dict:
-    """The prefill kernel alone over the cache's prompt rows, at each launch of PREFILL_SWEEP (its tiles cut to the
-    launch's tile_m): us, TFLOP/s and the prompt rows' relative error against the float64 reference, or the error of a
+def prefill_sweep(cache: "PagedCache", timer: Timer, flops: float, device, launches=None) -> dict:
+    """The prefill kernel alone over the cache's prompt rows, at each launch (tile_m, block_n, warps, stages) of
+    `launches`, PREFILL_SWEEP by default (its tiles cut to the launch's tile_m): us, TFLOP/s and the prompt rows' relative error against the float64 reference, or the error of a
     launch that does not compile."""
     table = cache.batch.block_table
     prompt = torch.cat([torch.arange(start, start + length) for start, length in
@@ -280,7 +280,7 @@ def prefill_sweep(cache: "PagedCache", timer: Timer, flops: float, device) -> di
     expected = paged_attention_ref(cache.q[0].double(), pages, 0, cache.batch, cache.scale,
                                    kv_scales=None if cache.kv_scales is None else cache.kv_scales.double())[prompt]
     sweep = {}
-    for tile_m, block_n, warps, stages in PREFILL_SWEEP:
+    for tile_m, block_n, warps, stages in launches or PREFILL_SWEEP:
         key = f"tile_m={tile_m},block_n={block_n},warps={warps},stages={stages}"
         meta = paged_attention.AttentionMeta.build(cache.batch, cache.kv_view.shape[1], device, tile_m=tile_m)
         options = dict(block_n=block_n, num_warps=warps, num_stages=stages)

@@ -85,7 +85,9 @@ def _widen_asm(k, v, q_ptr, F16_DOTS: tl.constexpr):
 def _widen_split_join(k, v, q_ptr, F16_DOTS: tl.constexpr):
     # exact, the hardware conversion as in the kernel; then V's columns split in pairs and joined back, the same tile.
     # Compiled by Triton 3.6 the dot then takes V's operand layout from float16 (ldmatrix.trans) instead of reading
-    # its bytes one at a time out of shared memory: 30-36% fewer instructions a loop iteration at every launch.
+    # its bytes one at a time out of shared memory: 30-36% fewer instructions a loop iteration at every launch. Yet on
+    # an H200 it takes 1.32-1.93x as long (BENCHMARKS.md): the float16 V's round trip through shared memory takes a
+    # program's shared memory from 21 to 39 KB, so at most 5 one-warp programs share an SM, where 8 did.
     k, v = k.to(tl.float16), v.to(tl.float16)
     even, odd = tl.split(tl.reshape(v, [v.shape[0], v.shape[1] // 2, 2]))
     return k, tl.reshape(tl.join(even, odd), [v.shape[0], v.shape[1]])
