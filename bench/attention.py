@@ -271,8 +271,8 @@ PREFILL_SWEEP = [(64, 64, 4, None), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 8,
 
 def prefill_sweep(cache: "PagedCache", timer: Timer, flops: float, device, launches=None) -> dict:
     """The prefill kernel alone over the cache's prompt rows, at each launch (tile_m, block_n, warps, stages) of
-    `launches`, PREFILL_SWEEP by default (its tiles cut to the launch's tile_m): us, TFLOP/s and the prompt rows' relative error against the float64 reference, or the error of a
-    launch that does not compile."""
+    `launches`, PREFILL_SWEEP by default (its tiles cut to the launch's tile_m): us, TFLOP/s and the prompt rows'
+    relative error against the float64 reference, or the error of a launch that does not compile."""
     table = cache.batch.block_table
     prompt = torch.cat([torch.arange(start, start + length) for start, length in
                         zip(cache.batch.query_start, cache.batch.query_len) if length > 1]).to(device)
