@@ -1,0 +1,269 @@
+"""FP8 weights and KV pages against bf16 on a trained model: figure 25.1's accuracy check where the next-token
+distributions are not flat. No trained checkpoint can be downloaded on these machines, and on random weights the
+top logits lie so close that any rounding swaps them; so `train` makes one on the CPU: a small Llama
+(transformers) and LoRA adapters (PEFT), trained on Python's own standard library source (the interpreter's,
+PSF licence), whose held-out files give the prompts. It writes beside them the same shape with random weights
+and random adapters of the same names, the contrast.
+
+`compare` serves each checkpoint in lorad twice, bf16 and then `--quantization fp8 --kv-cache-dtype fp8`, and
+reports over the held-out prompts (each with one of the adapters, in turn): the share whose greedy first
+token is the same, the mean KL divergence of the next-token distributions (bf16's against FP8's), and what makes
+the check meaningful or not, the distributions' own margins (bf16's top-1 probability, its top-1 minus top-2
+logit). On cuda that is the FP8 GEMMs with per-token activation scales and the FP8 attention kernels; on the CPU
+the reference path (weights dequantized per GEMM, activations not quantized): a check of the script, not of FP8.
+
+    python3 bench/fp8_trained.py train DIR                 # the CPU (2 cores): ~20 minutes; --smoke: seconds
+    python3 bench/fp8_trained.py compare DIR --out OUT.json [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import sys
+import sysconfig
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lorad.daemon.model.checkpoint import PROJECTIONS, ModelSpec, dummy_weights
+from lorad.daemon.model.demo import write_random_adapter
+
+VOCAB = 1024
+SEQ = 256
+PROMPTS = 256
+# Each adapter is trained on one package of the standard library; the prompts of its turn come from that
+# package's held-out files, those of no adapter from the rest's.
+ADAPTER_PACKAGES = {"asyncio": 8, "email": 16, "unittest": 32, "idlelib": 64}  # package: rank
+
+
+def config_json() -> dict:
+    """The 7B shape's proportions (MHA, head_dim 64, SiLU MLP) at a size the CPU trains in minutes."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 768,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64,
+        "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
+        "max_position_embeddings": 1024, "vocab_size": VOCAB, "tie_word_embeddings": False, "attention_bias": False,
+        "mlp_bias": False, "torch_dtype": "float32", "bos_token_id": 0, "eos_token_id": 1, "initializer_range": 0.02,
+        "use_cache": False,
+    }
+
+
+def corpus_files() -> dict[str, list[Path]]:
+    """The standard library's .py files (tests left out), split into held-in and held-out (one in ten, by a
+    hash of the path), each side keyed by package ("" for the rest)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    split: dict[str, list[Path]] = {}
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if relative.parts[0] in ("test", "site-packages", "lib2to3") or "tests" in relative.parts:
+            continue
+        package = relative.parts[0] if relative.parts[0] in ADAPTER_PACKAGES else ""
+        side = "held_out" if zlib.crc32(str(relative).encode()) % 10 == 0 else "held_in"
+        split.setdefault(f"{side}:{package}", []).append(path)
+    return split
+
+
+def read_text(paths: list[Path], limit: int | None = None) -> str:
+    """The files joined, cut at `limit` characters (the smoke run's)."""
+    text = "\n".join(path.read_text(encoding="utf-8", errors="replace") for path in paths)
+    return text[:limit] if limit else text
+
+
+def build_tokenizer(text: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>", "<unk>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    return tokenizer
+
+
+def batches(ids: torch.Tensor, batch: int, generator: torch.Generator):
+    while True:
+        starts = torch.randint(0, ids.numel() - SEQ - 1, (batch,), generator=generator)
+        yield torch.stack([ids[s: s + SEQ] for s in starts.tolist()])
+
+
+def fit(model, ids: torch.Tensor, steps: int, lr: float, batch: int, seed: int, label: str) -> dict:
+    """AdamW over `steps` batches of random windows of ids, the rate warmed up over 20 steps and then
+    cosine-decayed (to a twentieth)."""
+    generator = torch.Generator().manual_seed(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    started, losses = time.perf_counter(), []
+    model.train()
+    for step, tokens in zip(range(steps), batches(ids, batch, generator)):
+        scale = min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr * max(scale, 0.05)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if (step + 1) % 50 == 0:
+            print(f"{label}: step {step + 1}/{steps} loss {sum(losses[-50:]) / 50:.3f}", flush=True)
+    return {"steps": steps, "seconds": time.perf_counter() - started, "final_loss": sum(losses[-10:]) / len(losses[-10:])}
+
+
+@torch.no_grad()
+def held_out_loss(model, ids: torch.Tensor, windows: int = 16) -> float:
+    """The mean next-token loss (nats) over `windows` random windows of held-out tokens."""
+    model.eval()
+    tokens = next(batches(ids, windows, torch.Generator().manual_seed(7)))
+    return float(model(input_ids=tokens, labels=tokens).loss)
+
+
+def train(args) -> int:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    out = Path(args.dir)
+    files = corpus_files()
+    limit = 256 << 10 if args.smoke else None
+    base_text = read_text(files.get("held_in:", []), limit)
+    tokenizer = build_tokenizer(base_text[: 8 << 20])
+    encode = lambda text: torch.tensor(tokenizer.encode(text).ids, dtype=torch.long)  # noqa: E731
+    base_ids = encode(base_text)
+    print(f"corpus: {len(base_text) / 1e6:.1f} MB, {base_ids.numel() / 1e6:.2f}M tokens", flush=True)
+
+    config = config_json()
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    base_steps, adapter_steps = (10, 10) if args.smoke else (args.steps, args.adapter_steps)
+    report = {"config": config, "base": fit(model, base_ids, base_steps, 3e-3, 16, 0, "base")}
+    held_out_ids = encode(read_text(files.get("held_out:", []), limit))
+    report["base"]["held_out_loss"] = held_out_loss(model, held_out_ids)
+    model_dir = out / "trained"
+    model.save_pretrained(model_dir, safe_serialization=True)
+    for name in ("config.json",):  # transformers' own writes a newer layout; lorad reads the plain keys
+        (model_dir / name).write_text(json.dumps(config, indent=1))
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+
+    report["adapters"] = {}
+    for index, (package, rank) in enumerate(ADAPTER_PACKAGES.items()):
+        lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(PROJECTIONS), lora_dropout=0.0)
+        wrapped = get_peft_model(model, lora)
+        ids = encode(read_text(files[f"held_in:{package}"], limit))
+        report["adapters"][package] = fit(wrapped, ids, adapter_steps, 2e-3, 8, 1 + index, package)
+        report["adapters"][package]["held_out_loss"] = held_out_loss(
+            wrapped, encode(read_text(files[f"held_out:{package}"], limit)))
+        wrapped.save_pretrained(model_dir / "adapters" / package)
+        model = wrapped.unload()  # the base weights back, untouched by the adapter's training
+
+    # The same shape with random weights (as figure 25.1's 7B model) and random adapters (`lorad demo adapters`),
+    # of the same names: the contrast.
+    spec = ModelSpec.from_hf_config(config)
+    random_dir = out / "random"
+    random_dir.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    weights = dummy_weights(spec, torch.float32, torch.device("cpu"))  # what --dummy-weights draws
+    save_file(weights, str(random_dir / "model.safetensors"), metadata={"format": "pt"})
+    (random_dir / "config.json").write_text(json.dumps(config, indent=1))
+    for index, (package, rank) in enumerate(ADAPTER_PACKAGES.items()):
+        write_random_adapter(random_dir / "adapters" / package, spec, rank, PROJECTIONS, seed=index)
+
+    # Prompts: windows of 16 to 256 tokens of the held-out files of each adapter's package, the adapters in turn.
+    rng = random.Random(11)
+    names = list(ADAPTER_PACKAGES)
+    held_out = {package: encode(read_text(files[f"held_out:{package}"], limit)) for package in names}
+    prompts = []
+    for i in range(PROMPTS):
+        adapter = names[i % len(names)]
+        ids = held_out[adapter]
+        length = rng.randint(16, 256)
+        start = rng.randrange(0, ids.numel() - length)
+        prompts.append({"adapter": adapter, "ids": ids[start: start + length].tolist()})
+    (out / "prompts.json").write_text(json.dumps(prompts))
+    (out / "train.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=1))
+    return 0
+
+
+def first_tokens(engine, prompts: list[dict]) -> tuple[list[int], torch.Tensor]:
+    from lorad.daemon.engine.request import GenerationRequest, SamplingParams
+
+    greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    results = engine.generate([GenerationRequest(p["ids"], p["adapter"], greedy, keep_logits=True) for p in prompts])
+    return [r.token_ids[0] for r in results], torch.stack([r.logits[0].float().cpu() for r in results])
+
+
+def serve_both(model_dir: Path, prompts: list[dict], device: str) -> dict:
+    from lorad.config import EngineConfig
+    from lorad.daemon.engine.engine import Engine
+
+    outputs = {}
+    for quantization, kv_cache_dtype in (("none", "auto"), ("fp8", "fp8")):
+        engine = Engine(EngineConfig(
+            model=str(model_dir), adapter_dirs=(str(model_dir / "adapters"),), device=device, dtype="bfloat16",
+            max_model_len=1024, max_running_requests=64, max_lora_rank=64, quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype))
+        status = engine.status()
+        outputs[quantization] = (first_tokens(engine, prompts), status["quantization"], status["kv_cache_dtype"])
+        engine.close()
+        del engine
+        gc.collect()
+    bf16_tokens, bf16_logits = outputs["none"][0]
+    fp8_tokens, fp8_logits = outputs["fp8"][0]
+    log_p, log_q = F.log_softmax(bf16_logits, -1), F.log_softmax(fp8_logits, -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    top2 = bf16_logits.topk(2, dim=-1).values
+    agree = [a == b for a, b in zip(bf16_tokens, fp8_tokens)]
+    with_adapter = [i for i, p in enumerate(prompts) if p["adapter"] is not None]
+    return {
+        "prompts": len(prompts), "first_token_agreement": sum(agree) / len(agree),
+        "first_token_agreement_with_adapters": sum(agree[i] for i in with_adapter) / len(with_adapter),
+        "mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
+        "bf16_top1_probability_mean": float(log_p.exp().max(-1).values.mean()),
+        "bf16_top1_minus_top2_logit_median": float((top2[:, 0] - top2[:, 1]).median()),
+        "fp8_status": {"quantization": outputs["fp8"][1], "kv_cache_dtype": outputs["fp8"][2]},
+    }
+
+
+def compare(args) -> int:
+    root = Path(args.dir)
+    prompts = json.loads((root / "prompts.json").read_text())[: args.prompts]
+    report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (reference path)",
+              "torch": torch.__version__, "train": json.loads((root / "train.json").read_text())}
+    for kind in ("trained", "random"):
+        report[kind] = serve_both(root / kind, prompts, args.device)
+        print(kind, json.dumps(report[kind]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    train_parser = commands.add_parser("train", help="train the model and adapters on the CPU, write DIR")
+    train_parser.add_argument("dir")
+    train_parser.add_argument("--steps", type=int, default=600, help="the base model's, 16 windows of 256 tokens each")
+    train_parser.add_argument("--adapter-steps", type=int, default=250, help="each adapter's, 8 windows each")
+    train_parser.add_argument("--smoke", action="store_true", help="a small corpus and 10 steps each: checks the script")
+    compare_parser = commands.add_parser("compare", help="bf16 against FP8 weights + KV on DIR's two models")
+    compare_parser.add_argument("dir")
+    compare_parser.add_argument("--device", default="cuda")
+    compare_parser.add_argument("--prompts", type=int, default=PROMPTS)
+    compare_parser.add_argument("--out")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    return train(args) if args.command == "train" else compare(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
