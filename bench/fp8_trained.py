@@ -5,11 +5,12 @@ top logits lie so close that any rounding swaps them; so `train` makes one on th
 PSF licence), whose held-out files give the prompts. It writes beside them the same shape with random weights
 and random adapters of the same names, the contrast.
 
-`compare` serves each checkpoint in lorad twice, bf16 and then `--quantization fp8 --kv-cache-dtype fp8`, and
-reports over the held-out prompts (each with one of the adapters, in turn): the share whose greedy first
-token is the same, the mean KL divergence of the next-token distributions (bf16's against FP8's), and what makes
-the check meaningful or not, the distributions' own margins (bf16's top-1 probability, its top-1 minus top-2
-logit). On cuda that is the FP8 GEMMs with per-token activation scales and the FP8 attention kernels; on the CPU
+`compare` serves each checkpoint in lorad three times, float32, bf16 and `--quantization fp8 --kv-cache-dtype fp8`
+(bf16 activations), and reports over the held-out prompts (each with one of the adapters, in turn): the share
+whose greedy first token is the same, the mean KL divergence of the next-token distributions, FP8 against bf16
+(the figure) and each against float32 (what bf16's own rounding does to the same prompts: the baseline); the
+margins where the tokens differ; and the distributions' own (bf16's top-1 probability, its top-1 minus top-2
+logit), which make the check meaningful or not. On cuda that is the FP8 GEMMs with per-token activation scales and the FP8 attention kernels; on the CPU
 the reference path (weights dequantized per GEMM, activations not quantized): a check of the script, not of FP8.
 
     python3 bench/fp8_trained.py train DIR                 # the CPU (2 cores): ~20 minutes; --smoke: seconds
@@ -202,35 +203,50 @@ def first_tokens(engine, prompts: list[dict]) -> tuple[list[int], torch.Tensor]:
     return [r.token_ids[0] for r in results], torch.stack([r.logits[0].float().cpu() for r in results])
 
 
-def serve_both(model_dir: Path, prompts: list[dict], device: str) -> dict:
+# (name, dtype, quantization, kv_cache_dtype): float32 is the reference both others round away from
+ENGINES = (("float32", "float32", "none", "auto"), ("bf16", "bfloat16", "none", "auto"),
+           ("fp8", "bfloat16", "fp8", "fp8"))
+
+
+def agreement(reference: tuple[list[int], torch.Tensor], other: tuple[list[int], torch.Tensor]) -> dict:
+    """How `other`'s greedy first tokens and next-token distributions follow `reference`'s: the share of equal
+    tokens, the KL divergence (reference || other), and the reference's top-1 minus top-2 logit where they differ."""
+    (tokens, logits), (other_tokens, other_logits) = reference, other
+    log_p, log_q = F.log_softmax(logits, -1), F.log_softmax(other_logits, -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    top2 = logits.topk(2, dim=-1).values
+    flips = [i for i, (a, b) in enumerate(zip(tokens, other_tokens)) if a != b]
+    return {"first_token_agreement": 1 - len(flips) / len(tokens), "mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
+            "flips_reference_margin": sorted(round(float(top2[i, 0] - top2[i, 1]), 4) for i in flips)}
+
+
+def serve_all(model_dir: Path, prompts: list[dict], device: str) -> dict:
+    """The prompts' first tokens from each of ENGINES on model_dir, one engine at a time; FP8 against bf16 (the
+    figure), and each against float32 (how far bf16's own rounding moves them)."""
     from lorad.config import EngineConfig
     from lorad.daemon.engine.engine import Engine
 
-    outputs = {}
-    for quantization, kv_cache_dtype in (("none", "auto"), ("fp8", "fp8")):
+    outputs, status = {}, {}
+    for name, dtype, quantization, kv_cache_dtype in ENGINES:
         engine = Engine(EngineConfig(
-            model=str(model_dir), adapter_dirs=(str(model_dir / "adapters"),), device=device, dtype="bfloat16",
+            model=str(model_dir), adapter_dirs=(str(model_dir / "adapters"),), device=device, dtype=dtype,
             max_model_len=1024, max_running_requests=64, max_lora_rank=64, quantization=quantization,
             kv_cache_dtype=kv_cache_dtype))
-        status = engine.status()
-        outputs[quantization] = (first_tokens(engine, prompts), status["quantization"], status["kv_cache_dtype"])
+        status[name] = {key: engine.status()[key] for key in ("quantization", "kv_cache_dtype")}
+        outputs[name] = first_tokens(engine, prompts)
         engine.close()
         del engine
         gc.collect()
-    bf16_tokens, bf16_logits = outputs["none"][0]
-    fp8_tokens, fp8_logits = outputs["fp8"][0]
-    log_p, log_q = F.log_softmax(bf16_logits, -1), F.log_softmax(fp8_logits, -1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    bf16_logits = outputs["bf16"][1]
     top2 = bf16_logits.topk(2, dim=-1).values
-    agree = [a == b for a, b in zip(bf16_tokens, fp8_tokens)]
-    with_adapter = [i for i, p in enumerate(prompts) if p["adapter"] is not None]
     return {
-        "prompts": len(prompts), "first_token_agreement": sum(agree) / len(agree),
-        "first_token_agreement_with_adapters": sum(agree[i] for i in with_adapter) / len(with_adapter),
-        "mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
-        "bf16_top1_probability_mean": float(log_p.exp().max(-1).values.mean()),
+        "prompts": len(prompts), "with_adapters": sum(p["adapter"] is not None for p in prompts),
+        "fp8_vs_bf16": agreement(outputs["bf16"], outputs["fp8"]),
+        "bf16_vs_float32": agreement(outputs["float32"], outputs["bf16"]),
+        "fp8_vs_float32": agreement(outputs["float32"], outputs["fp8"]),
+        "bf16_top1_probability_mean": float(F.softmax(bf16_logits, -1).max(-1).values.mean()),
         "bf16_top1_minus_top2_logit_median": float((top2[:, 0] - top2[:, 1]).median()),
-        "fp8_status": {"quantization": outputs["fp8"][1], "kv_cache_dtype": outputs["fp8"][2]},
+        "fp8_status": status["fp8"],
     }
 
 
@@ -240,7 +256,7 @@ def compare(args) -> int:
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (reference path)",
               "torch": torch.__version__, "train": json.loads((root / "train.json").read_text())}
     for kind in ("trained", "random"):
-        report[kind] = serve_both(root / kind, prompts, args.device)
+        report[kind] = serve_all(root / kind, prompts, args.device)
         print(kind, json.dumps(report[kind]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

@@ -34,10 +34,28 @@ def test_train_then_compare_on_the_cpu(tmp_path, monkeypatch):
     report = json.loads(out.read_text())
     for kind in ("trained", "random"):
         result = report[kind]
-        assert result["prompts"] == 10
-        assert 0.0 <= result["first_token_agreement"] <= 1.0
-        assert 0.0 <= result["mean_kl"] <= result["max_kl"]
+        assert result["prompts"] == result["with_adapters"] == 10
+        for pair in ("fp8_vs_bf16", "bf16_vs_float32", "fp8_vs_float32"):
+            figures = result[pair]
+            assert 0.0 <= figures["first_token_agreement"] <= 1.0
+            assert 0.0 <= figures["mean_kl"] <= figures["max_kl"]
+            flips = round((1 - figures["first_token_agreement"]) * 10)
+            assert len(figures["flips_reference_margin"]) == flips
         assert 0.0 < result["bf16_top1_probability_mean"] <= 1.0
         assert result["fp8_status"]["quantization"]["method"] == "fp8"
         assert "reference path" in result["fp8_status"]["quantization"]["gemm"]
         assert result["fp8_status"]["kv_cache_dtype"] == "fp8_e4m3"
+
+
+def test_agreement_counts_the_flips_and_their_margins():
+    import torch
+
+    fp8_trained = load("fp8_trained")
+    logits = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.5]])
+    same = fp8_trained.agreement(([0, 1], logits), ([0, 1], logits))
+    assert same["first_token_agreement"] == 1.0 and same["max_kl"] == pytest.approx(0.0, abs=1e-7)
+    assert same["flips_reference_margin"] == []
+    moved = fp8_trained.agreement(([0, 1], logits), ([0, 2], torch.tensor([[3.0, 1.0, 0.0], [0.0, 1.5, 2.0]])))
+    assert moved["first_token_agreement"] == 0.5
+    assert moved["flips_reference_margin"] == [0.5]
+    assert moved["mean_kl"] > 0
