@@ -45,7 +45,7 @@ ADAPTER_PACKAGES = {"asyncio": 8, "email": 16, "unittest": 32, "idlelib": 64}  #
 
 
 def config_json() -> dict:
-    """The 7B shape's proportions (MHA, head_dim 64, SiLU MLP) at a size the CPU trains in minutes."""
+    """Multi-head attention and a SiLU MLP, as the 7B shape has, at a size the CPU trains in minutes."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 768,
         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64,
