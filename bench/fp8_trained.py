@@ -5,16 +5,17 @@ top logits lie so close that any rounding swaps them; so `train` makes one on th
 PSF licence), whose held-out files give the prompts. It writes beside them the same shape with random weights
 and random adapters of the same names, the contrast.
 
-`compare` serves each checkpoint in lorad three times, float32, bf16 and `--quantization fp8 --kv-cache-dtype fp8`
-(bf16 activations), and reports over the held-out prompts (each with one of the adapters, in turn): the share
-whose greedy first token is the same, the mean KL divergence of the next-token distributions, FP8 against bf16
-(the figure) and each against float32 (what bf16's own rounding does to the same prompts: the baseline); the
-margins where the tokens differ; and the distributions' own (bf16's top-1 probability, its top-1 minus top-2
-logit), which make the check meaningful or not. On cuda that is the FP8 GEMMs with per-token activation scales and the FP8 attention kernels; on the CPU
-the reference path (weights dequantized per GEMM, activations not quantized): a check of the script, not of FP8.
+`compare` serves each checkpoint in lorad in float32, in bf16, with `--quantization fp8 --kv-cache-dtype fp8` (bf16
+activations) and with each of the two alone. Over the held-out prompts (each with one of the adapters, in turn) it
+reports the share whose greedy first token is the same and the mean KL divergence of the next-token distributions:
+FP8 against bf16 (the figure), each against float32 (what bf16's own rounding does to the same prompts: the
+baseline), and FP8 weights alone and the FP8 KV cache alone against bf16; the margins where the tokens differ; and
+the distributions' own (bf16's top-1 probability, its top-1 minus top-2 logit), which make the check meaningful or
+not. On cuda that is the FP8 GEMMs with per-token activation scales and the FP8 attention kernels; on the CPU the
+reference path (weights dequantized per GEMM, activations not quantized): a check of the script, not of FP8.
 
     python3 bench/fp8_trained.py train DIR                 # the CPU (2 cores): ~20 minutes; --smoke: seconds
-    python3 bench/fp8_trained.py compare DIR --out OUT.json [--device cpu]
+    python3 bench/fp8_trained.py compare DIR --out OUT.json [--device cpu] [--models trained]
 """
 
 from __future__ import annotations
@@ -204,8 +205,10 @@ def first_tokens(engine, prompts: list[dict]) -> tuple[list[int], torch.Tensor]:
 
 
 # (name, dtype, quantization, kv_cache_dtype): float32 is the reference both others round away from
+# FP8 weights alone and the FP8 KV cache alone: which of the two moves the distributions
 ENGINES = (("float32", "float32", "none", "auto"), ("bf16", "bfloat16", "none", "auto"),
-           ("fp8", "bfloat16", "fp8", "fp8"))
+           ("fp8", "bfloat16", "fp8", "fp8"), ("fp8_weights", "bfloat16", "fp8", "auto"),
+           ("fp8_kv", "bfloat16", "none", "fp8"))
 
 
 def agreement(reference: tuple[list[int], torch.Tensor], other: tuple[list[int], torch.Tensor]) -> dict:
@@ -244,6 +247,8 @@ def serve_all(model_dir: Path, prompts: list[dict], device: str) -> dict:
         "fp8_vs_bf16": agreement(outputs["bf16"], outputs["fp8"]),
         "bf16_vs_float32": agreement(outputs["float32"], outputs["bf16"]),
         "fp8_vs_float32": agreement(outputs["float32"], outputs["fp8"]),
+        "fp8_weights_vs_bf16": agreement(outputs["bf16"], outputs["fp8_weights"]),
+        "fp8_kv_vs_bf16": agreement(outputs["bf16"], outputs["fp8_kv"]),
         "bf16_top1_probability_mean": float(F.softmax(bf16_logits, -1).max(-1).values.mean()),
         "bf16_top1_minus_top2_logit_median": float((top2[:, 0] - top2[:, 1]).median()),
         "fp8_status": status["fp8"],
@@ -255,7 +260,7 @@ def compare(args) -> int:
     prompts = json.loads((root / "prompts.json").read_text())[: args.prompts]
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (reference path)",
               "torch": torch.__version__, "train": json.loads((root / "train.json").read_text())}
-    for kind in ("trained", "random"):
+    for kind in args.models.split(","):
         report[kind] = serve_all(root / kind, prompts, args.device)
         print(kind, json.dumps(report[kind]), flush=True)
     if args.out:
@@ -275,6 +280,7 @@ def main() -> int:
     compare_parser.add_argument("dir")
     compare_parser.add_argument("--device", default="cuda")
     compare_parser.add_argument("--prompts", type=int, default=PROMPTS)
+    compare_parser.add_argument("--models", default="trained,random", choices=("trained,random", "trained", "random"))
     compare_parser.add_argument("--out")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))

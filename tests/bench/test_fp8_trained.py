@@ -35,7 +35,7 @@ def test_train_then_compare_on_the_cpu(tmp_path, monkeypatch):
     for kind in ("trained", "random"):
         result = report[kind]
         assert result["prompts"] == result["with_adapters"] == 10
-        for pair in ("fp8_vs_bf16", "bf16_vs_float32", "fp8_vs_float32"):
+        for pair in ("fp8_vs_bf16", "bf16_vs_float32", "fp8_vs_float32", "fp8_weights_vs_bf16", "fp8_kv_vs_bf16"):
             figures = result[pair]
             assert 0.0 <= figures["first_token_agreement"] <= 1.0
             assert 0.0 <= figures["mean_kl"] <= figures["max_kl"]
