@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from lorad.daemon.model.checkpoint import PROJECTIONS, ModelSpec, dummy_weights
 from lorad.daemon.model.demo import write_random_adapter
@@ -41,7 +42,7 @@ VOCAB = 1024
 SEQ = 256
 PROMPTS = 256
 # Each adapter is trained on one package of the standard library; the prompts of its turn come from that
-# package's held-out files, those of no adapter from the rest's.
+# package's held-out files. The base model is trained on the rest.
 ADAPTER_PACKAGES = {"asyncio": 8, "email": 16, "unittest": 32, "idlelib": 64}  # package: rank
 
 
@@ -149,8 +150,8 @@ def train(args) -> int:
     report["base"]["held_out_loss"] = held_out_loss(model, held_out_ids)
     model_dir = out / "trained"
     model.save_pretrained(model_dir, safe_serialization=True)
-    for name in ("config.json",):  # transformers' own writes a newer layout; lorad reads the plain keys
-        (model_dir / name).write_text(json.dumps(config, indent=1))
+    # the keys above, as the demo's and the tests' checkpoints carry them, over transformers' rewrite of them
+    (model_dir / "config.json").write_text(json.dumps(config, indent=1))
     tokenizer.save(str(model_dir / "tokenizer.json"))
     (model_dir / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
@@ -171,8 +172,6 @@ def train(args) -> int:
     spec = ModelSpec.from_hf_config(config)
     random_dir = out / "random"
     random_dir.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
-
     weights = dummy_weights(spec, torch.float32, torch.device("cpu"))  # what --dummy-weights draws
     save_file(weights, str(random_dir / "model.safetensors"), metadata={"format": "pt"})
     (random_dir / "config.json").write_text(json.dumps(config, indent=1))
@@ -276,14 +275,13 @@ def main() -> int:
     train_parser.add_argument("--steps", type=int, default=600, help="the base model's, 16 windows of 256 tokens each")
     train_parser.add_argument("--adapter-steps", type=int, default=250, help="each adapter's, 8 windows each")
     train_parser.add_argument("--smoke", action="store_true", help="a small corpus and 10 steps each: checks the script")
-    compare_parser = commands.add_parser("compare", help="bf16 against FP8 weights + KV on DIR's two models")
+    compare_parser = commands.add_parser("compare", help="serve DIR's models in float32, bf16 and FP8")
     compare_parser.add_argument("dir")
     compare_parser.add_argument("--device", default="cuda")
     compare_parser.add_argument("--prompts", type=int, default=PROMPTS)
     compare_parser.add_argument("--models", default="trained,random", choices=("trained,random", "trained", "random"))
     compare_parser.add_argument("--out")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     return train(args) if args.command == "train" else compare(args)
 
 
