@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from lorad.daemon.model.checkpoint import PROJECTIONS, ModelSpec, dummy_weights
-from lorad.daemon.model.demo import write_random_adapter
+from lorad.daemon.model.demo import build_tokenizer, write_random_adapter
 
 VOCAB = 1024
 SEQ = 256
@@ -77,18 +77,6 @@ def read_text(paths: list[Path], limit: int | None = None) -> str:
     """The files joined, cut at `limit` characters (the smoke run's)."""
     text = "\n".join(path.read_text(encoding="utf-8", errors="replace") for path in paths)
     return text[:limit] if limit else text
-
-
-def build_tokenizer(text: str):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>", "<unk>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
-    return tokenizer
 
 
 def batches(ids: torch.Tensor, batch: int, generator: torch.Generator):
@@ -137,7 +125,7 @@ def train(args) -> int:
     files = corpus_files()
     limit = 256 << 10 if args.smoke else None
     base_text = read_text(files.get("held_in:", []), limit)
-    tokenizer = build_tokenizer(base_text[: 8 << 20])
+    tokenizer = build_tokenizer(base_text[: 8 << 20], VOCAB)
     encode = lambda text: torch.tensor(tokenizer.encode(text).ids, dtype=torch.long)  # noqa: E731
     base_ids = encode(base_text)
     print(f"corpus: {len(base_text) / 1e6:.1f} MB, {base_ids.numel() / 1e6:.2f}M tokens", flush=True)
@@ -156,14 +144,14 @@ def train(args) -> int:
     (model_dir / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
 
+    held_out = {package: encode(read_text(files[f"held_out:{package}"], limit)) for package in ADAPTER_PACKAGES}
     report["adapters"] = {}
     for index, (package, rank) in enumerate(ADAPTER_PACKAGES.items()):
         lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(PROJECTIONS), lora_dropout=0.0)
         wrapped = get_peft_model(model, lora)
         ids = encode(read_text(files[f"held_in:{package}"], limit))
         report["adapters"][package] = fit(wrapped, ids, adapter_steps, 2e-3, 8, 1 + index, package)
-        report["adapters"][package]["held_out_loss"] = held_out_loss(
-            wrapped, encode(read_text(files[f"held_out:{package}"], limit)))
+        report["adapters"][package]["held_out_loss"] = held_out_loss(wrapped, held_out[package])
         wrapped.save_pretrained(model_dir / "adapters" / package)
         model = wrapped.unload()  # the base weights back, untouched by the adapter's training
 
@@ -181,7 +169,6 @@ def train(args) -> int:
     # Prompts: windows of 16 to 256 tokens of the held-out files of each adapter's package, the adapters in turn.
     rng = random.Random(11)
     names = list(ADAPTER_PACKAGES)
-    held_out = {package: encode(read_text(files[f"held_out:{package}"], limit)) for package in names}
     prompts = []
     for i in range(PROMPTS):
         adapter = names[i % len(names)]

@@ -222,22 +222,23 @@ def _write_json(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
-def build_tokenizer():
-    """A byte-level BPE (vocab ~512) trained on CORPUS: every UTF-8 string round-trips through
-    encode and decode. Special tokens <s>=0, </s>=1, <unk>=2; the post-processor adds no BOS."""
+def build_tokenizer(corpus: str = CORPUS, vocab_size: int = TOKENIZER_VOCAB):
+    """A byte-level BPE (vocab ~vocab_size) trained on `corpus`, by default the demo's CORPUS: every UTF-8
+    string round-trips through encode and decode. Special tokens <s>=0, </s>=1, <unk>=2; the post-processor
+    adds no BOS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
+        vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         min_frequency=2,
         show_progress=False,
     )
-    tokenizer.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
+    tokenizer.train_from_iterator(corpus.splitlines(keepends=True), trainer=trainer)
     return tokenizer
 
 
