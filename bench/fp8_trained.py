@@ -14,8 +14,16 @@ the distributions' own (bf16's top-1 probability, its top-1 minus top-2 logit), 
 not. On cuda that is the FP8 GEMMs with per-token activation scales and the FP8 attention kernels; on the CPU the
 reference path (weights dequantized per GEMM, activations not quantized): a check of the script, not of FP8.
 
+`rounding` asks which scales could do better. It runs the trained model in transformers + PEFT in bf16 on the CPU
+and rounds to E4M3 at one place or several: the weights (a scale per output channel, lorad's), the GEMMs' inputs (a
+scale per token, lorad's; the adapters read them unrounded, as in lorad), K and V as the pages hold them (after
+RoPE; at scale 1.0, lorad's without checkpoint scales, or at each layer's max over these very prompts / 448, the
+best a calibration could find), and everything with a scale per 16 elements instead. Against the same model
+unrounded it reports what `compare` does.
+
     python3 bench/fp8_trained.py train DIR                 # the CPU (2 cores): ~20 minutes; --smoke: seconds
     python3 bench/fp8_trained.py compare DIR --out OUT.json [--device cpu] [--models trained]
+    python3 bench/fp8_trained.py rounding DIR --out OUT.json   # the CPU: ~3 minutes
 """
 
 from __future__ import annotations
@@ -241,6 +249,98 @@ def serve_all(model_dir: Path, prompts: list[dict], device: str) -> dict:
     }
 
 
+E4M3_MAX = 448.0
+# (name, weights, activations, kv): where E4M3 rounding is simulated, and at what scale ("channel": one per output
+# channel; "token": one per row; "group": one per 16 elements; kv "one": 1.0, "calibrated": per layer)
+ROUNDINGS = (("weights", "channel", None, None), ("activations", None, "token", None),
+             ("weights_activations", "channel", "token", None), ("kv_scale_one", None, None, "one"),
+             ("kv_calibrated", None, None, "calibrated"), ("all_kv_scale_one", "channel", "token", "one"),
+             ("all_kv_calibrated", "channel", "token", "calibrated"), ("all_groups_of_16", "group", "group", "group"))
+GROUP = 16
+
+
+def round_e4m3(x: torch.Tensor, scale) -> torch.Tensor:
+    """x rounded to E4M3 at `scale` (a number or a tensor broadcast over x), back in x's dtype."""
+    scaled = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX)
+    return (scaled.to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
+def round_scaled(x: torch.Tensor, per: str) -> torch.Tensor:
+    """x rounded to E4M3 with a scale per last-dim row ("channel", "token") or per 16 of its elements ("group"),
+    each its block's max / 448."""
+    blocks = x.unflatten(-1, (-1, GROUP)) if per == "group" else x
+    scale = blocks.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
+    return round_e4m3(blocks, scale).flatten(-2) if per == "group" else round_e4m3(blocks, scale)
+
+
+def rounding(args) -> int:
+    from peft import PeftModel
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    root = Path(args.dir)
+    prompts = json.loads((root / "prompts.json").read_text())[: args.prompts]
+    model_dir = root / "trained"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    names = sorted({p["adapter"] for p in prompts})
+    model = PeftModel.from_pretrained(model, model_dir / "adapters" / names[0], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(model_dir / "adapters" / name, adapter_name=name)
+    model.eval()
+    place = {"weights": None, "activations": None, "kv": None}
+    kv_max: dict[tuple[int, int], float] = {}
+    kv_scales: dict[tuple[int, int], float] = {}
+
+    def attention(module, query, key, value, *rest, **kwargs):
+        layer = module.layer_idx
+        for column, tensor in enumerate((key, value)):
+            kv_max[layer, column] = max(kv_max.get((layer, column), 0.0), float(tensor.abs().amax()))
+        if place["kv"] == "group":
+            key, value = round_scaled(key, "group"), round_scaled(value, "group")
+        elif place["kv"] is not None:
+            key, value = (round_e4m3(t, 1.0 if place["kv"] == "one" else kv_scales[layer, column])
+                          for column, t in enumerate((key, value)))
+        return sdpa_attention_forward(module, query, key, value, *rest, **kwargs)
+
+    AttentionInterface.register("e4m3_kv", attention)
+    model.base_model.model.set_attn_implementation("e4m3_kv")
+    # the projections under the adapters: PEFT's LoRA layers call base_layer(x) and add the adapter's own x @ A @ B
+    bases = [module.base_layer for module in model.modules() if hasattr(module, "base_layer")]
+    original = {id(base): base.weight.detach().clone() for base in bases}
+    rounded = {per: {id(base): round_scaled(original[id(base)], per) for base in bases} for per in ("channel", "group")}
+
+    def round_input(module, inputs):
+        if place["activations"] is not None:
+            return (round_scaled(inputs[0], place["activations"]),)
+
+    for base in bases:
+        base.register_forward_pre_hook(round_input)
+
+    @torch.no_grad()
+    def run() -> tuple[list[int], torch.Tensor]:
+        for base in bases:
+            base.weight.copy_(rounded[place["weights"]][id(base)] if place["weights"] else original[id(base)])
+        tokens, logits = [], []
+        for prompt in prompts:
+            model.set_adapter(prompt["adapter"])
+            last = model(input_ids=torch.tensor([prompt["ids"]])).logits[0, -1].float()
+            tokens.append(int(last.argmax()))
+            logits.append(last)
+        return tokens, torch.stack(logits)
+
+    reference = run()  # unrounded; it also finds each layer's K and V max over the prompts
+    kv_scales.update({key: value / E4M3_MAX for key, value in kv_max.items()})
+    report = {"prompts": len(prompts), "model": str(model_dir), "kv_max": {f"{layer}.{'kv'[column]}": round(value, 3)
+                                                                          for (layer, column), value in kv_max.items()}}
+    for name, weights, activations, kv in ROUNDINGS:
+        place.update(weights=weights, activations=activations, kv=kv)
+        report[name] = agreement(reference, run())
+        print(name, json.dumps(report[name]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
 def compare(args) -> int:
     root = Path(args.dir)
     prompts = json.loads((root / "prompts.json").read_text())[: args.prompts]
@@ -268,8 +368,12 @@ def main() -> int:
     compare_parser.add_argument("--prompts", type=int, default=PROMPTS)
     compare_parser.add_argument("--models", default="trained,random", choices=("trained,random", "trained", "random"))
     compare_parser.add_argument("--out")
+    rounding_parser = commands.add_parser("rounding", help="E4M3 rounding at each place and scale, on the CPU")
+    rounding_parser.add_argument("dir")
+    rounding_parser.add_argument("--prompts", type=int, default=PROMPTS)
+    rounding_parser.add_argument("--out")
     args = parser.parse_args()
-    return train(args) if args.command == "train" else compare(args)
+    return {"train": train, "compare": compare, "rounding": rounding}[args.command](args)
 
 
 if __name__ == "__main__":

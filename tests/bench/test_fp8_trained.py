@@ -1,5 +1,6 @@
-"""bench/fp8_trained.py on the CPU: the smoke run trains, writes both checkpoints and the prompts, and compare serves
-them in float32, bf16 and FP8 (the reference path) and reports the agreements; `agreement` counts flips by hand."""
+"""bench/fp8_trained.py on the CPU: the smoke run trains, writes both checkpoints and the prompts, compare serves them
+in float32, bf16 and FP8 (the reference path) and reports the agreements, and rounding reports each place's; `agreement`
+counts flips by hand, and the E4M3 rounding's scales are checked by hand."""
 
 from __future__ import annotations
 
@@ -46,6 +47,18 @@ def test_train_then_compare_on_the_cpu(tmp_path, monkeypatch):
         assert "reference path" in result["fp8_status"]["quantization"]["gemm"]
         assert result["fp8_status"]["kv_cache_dtype"] == "fp8_e4m3"
 
+    out = tmp_path / "rounding.json"
+    monkeypatch.setattr(sys, "argv", ["fp8_trained.py", "rounding", str(tmp_path), "--prompts", "6", "--out", str(out)])
+    assert fp8_trained.main() == 0
+    report = json.loads(out.read_text())
+    assert report["prompts"] == 6
+    layers = json.loads((tmp_path / "trained" / "config.json").read_text())["num_hidden_layers"]
+    assert sorted(report["kv_max"]) == sorted(f"{layer}.{kv}" for layer in range(layers) for kv in "kv")
+    assert all(value > 0 for value in report["kv_max"].values())
+    for name, *_ in fp8_trained.ROUNDINGS:
+        assert 0.0 <= report[name]["first_token_agreement"] <= 1.0
+        assert report[name]["mean_kl"] > 0  # every place rounds something
+
 
 def test_agreement_counts_the_flips_and_their_margins():
     import torch
@@ -59,3 +72,21 @@ def test_agreement_counts_the_flips_and_their_margins():
     assert moved["first_token_agreement"] == 0.5
     assert moved["flips_reference_margin"] == [0.5]
     assert moved["mean_kl"] > 0
+
+
+def test_e4m3_rounding_scales_each_block_to_its_max():
+    import torch
+
+    fp8_trained = load("fp8_trained")
+    x = torch.tensor([[1.0, -3.0, 0.5, 2.0] * 8, [100.0] + [1e-4] * 31])
+    for per in ("channel", "group"):
+        rounded = fp8_trained.round_scaled(x, per)
+        assert rounded.shape == x.shape
+        # each block's max maps to 448, which E4M3 holds exactly
+        assert rounded.abs().amax(-1).tolist() == pytest.approx(x.abs().amax(-1).tolist())
+        assert torch.allclose(rounded[0], x[0], rtol=2 ** -4)
+    # one scale for the whole row: 1e-4 next to 100 falls below half E4M3's smallest step (2^-9 * 100 / 448): lost
+    assert fp8_trained.round_scaled(x, "channel")[1, 1:].abs().max() == 0
+    # a scale per 16 elements keeps the second group's 1e-4, its max, exactly
+    assert fp8_trained.round_scaled(x, "group")[1, 16:].tolist() == pytest.approx([1e-4] * 16)
+    assert fp8_trained.round_e4m3(torch.tensor([1000.0, -1000.0]), 1.0).tolist() == [448.0, -448.0]
