@@ -251,7 +251,7 @@ def serve_all(model_dir: Path, prompts: list[dict], device: str) -> dict:
 
 E4M3_MAX = 448.0
 # (name, weights, activations, kv): where E4M3 rounding is simulated, and at what scale ("channel": one per output
-# channel; "token": one per row; "group": one per 16 elements; kv "one": 1.0, "calibrated": per layer)
+# channel; "token": one per row; "group": one per 16 elements; kv also "one": 1.0, "calibrated": one per layer)
 ROUNDINGS = (("weights", "channel", None, None), ("activations", None, "token", None),
              ("weights_activations", "channel", "token", None), ("kv_scale_one", None, None, "one"),
              ("kv_calibrated", None, None, "calibrated"), ("all_kv_scale_one", "channel", "token", "one"),
@@ -293,8 +293,9 @@ def rounding(args) -> int:
 
     def attention(module, query, key, value, *rest, **kwargs):
         layer = module.layer_idx
-        for column, tensor in enumerate((key, value)):
-            kv_max[layer, column] = max(kv_max.get((layer, column), 0.0), float(tensor.abs().amax()))
+        if not kv_scales:  # the unrounded run: each layer's K and V max
+            for column, tensor in enumerate((key, value)):
+                kv_max[layer, column] = max(kv_max.get((layer, column), 0.0), float(tensor.abs().amax()))
         if place["kv"] == "group":
             key, value = round_scaled(key, "group"), round_scaled(value, "group")
         elif place["kv"] is not None:
@@ -330,7 +331,7 @@ def rounding(args) -> int:
 
     reference = run()  # unrounded; it also finds each layer's K and V max over the prompts
     kv_scales.update({key: value / E4M3_MAX for key, value in kv_max.items()})
-    report = {"prompts": len(prompts), "model": str(model_dir), "kv_max": {f"{layer}.{'kv'[column]}": round(value, 3)
+    report = {"prompts": len(prompts), "model": model_dir.name, "kv_max": {f"{layer}.{'kv'[column]}": round(value, 3)
                                                                           for (layer, column), value in kv_max.items()}}
     for name, weights, activations, kv in ROUNDINGS:
         place.update(weights=weights, activations=activations, kv=kv)
