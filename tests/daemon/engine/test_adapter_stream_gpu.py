@@ -97,9 +97,13 @@ def test_streamed_cold_starts_give_the_cached_tokens(demo_assets, cached_tokens,
 def test_streamed_cold_starts_with_one_hardware_queue():
     """The same with CUDA_DEVICE_MAX_CONNECTIONS=1 (in a process of its own: it is read when CUDA starts), so the
     compute and streaming streams share one in-order hardware queue: a forward launched before the copies it waits
-    for would hold them behind it until each layer's wait timed out. The child runs only the test above."""
+    for would hold them behind it until each layer's wait timed out. The child runs only the test above, with this
+    interpreter's -P where it has it: from the repository root, the source folder lorad/ would shadow an installed
+    lorad."""
     test = f"{Path(__file__).resolve()}::test_streamed_cold_starts_give_the_cached_tokens"
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", test],
+    safe_path = ["-P"] if sys.flags.safe_path else []
+    child = subprocess.run([sys.executable, *safe_path, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                            test],
                            env=dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1"), capture_output=True, text=True,
                            timeout=600, cwd=Path(__file__).resolve().parents[3])
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
