@@ -45,11 +45,13 @@ class StepCost:
 
     def serial_floor_s(self, bandwidth_bytes_per_s: float, flops_per_s: float) -> float:
         """The least time with its phases one after the other: the projections, attention and LoRA, each bound
-        by its own bytes or its own FLOPs, whichever is slower (never below floor_s)."""
+        by its own bytes or its own FLOPs, whichever is slower; never below floor_s (where every phase is bound
+        by memory the two are equal but for rounding, which max settles)."""
         projection_flops = self.flops - self.attention_flops - self.adapter_flops
-        return sum(max(moved / bandwidth_bytes_per_s, computed / flops_per_s) for moved, computed in (
+        phases = sum(max(moved / bandwidth_bytes_per_s, computed / flops_per_s) for moved, computed in (
             (self.weight_bytes, projection_flops), (self.kv_bytes, self.attention_flops),
             (self.adapter_bytes, self.adapter_flops)))
+        return max(phases, self.floor_s(bandwidth_bytes_per_s, flops_per_s))
 
 
 @dataclass(frozen=True)

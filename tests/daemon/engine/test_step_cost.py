@@ -64,6 +64,11 @@ def test_the_serial_floor_adds_up_the_phases_each_at_its_own_bound():
     mixed = StepCost(weight_bytes=100, kv_bytes=900, adapter_bytes=0, flops=3000)
     assert mixed.floor_s(100.0, 100.0) == 30.0  # the FLOPs hide the KV read
     assert mixed.serial_floor_s(100.0, 100.0) == 30.0 + 9.0  # not where the phases run one after the other
+    # every phase bound by memory: the phases' quotients summed round below the whole's quotient here, and the serial
+    # floor still does not fall below the floor
+    bound = StepCost(weight_bytes=273878288, kv_bytes=126614243, adapter_bytes=531969375, flops=0)
+    assert sum(part / 3.35e12 for part in (273878288, 126614243, 531969375)) < bound.floor_s(3.35e12, 1e15)
+    assert bound.serial_floor_s(3.35e12, 1e15) == bound.floor_s(3.35e12, 1e15)
 
 
 def test_the_device_rates_are_measured():
