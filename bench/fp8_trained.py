@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 
 from lorad.daemon.model.checkpoint import PROJECTIONS, ModelSpec, dummy_weights
 from lorad.daemon.model.demo import build_tokenizer, write_random_adapter
+from lorad.gpu_ops import fp8
 
 VOCAB = 1024
 SEQ = 256
@@ -249,7 +250,6 @@ def serve_all(model_dir: Path, prompts: list[dict], device: str) -> dict:
     }
 
 
-E4M3_MAX = 448.0
 # (name, weights, activations, kv): where E4M3 rounding is simulated, and at what scale ("channel": one per output
 # channel; "token": one per row; "group": one per 16 elements; kv also "one": 1.0, "calibrated": one per layer)
 ROUNDINGS = (("weights", "channel", None, None), ("activations", None, "token", None),
@@ -260,17 +260,16 @@ GROUP = 16
 
 
 def round_e4m3(x: torch.Tensor, scale) -> torch.Tensor:
-    """x rounded to E4M3 at `scale` (a number or a tensor broadcast over x), back in x's dtype."""
-    scaled = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX)
-    return (scaled.to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+    """x rounded to E4M3 at one scale, as the KV write stores K and V (gpu_ops.fp8.to_kv), read back in x's dtype."""
+    return fp8.from_kv(fp8.to_kv(x, scale), scale, x.dtype)
 
 
 def round_scaled(x: torch.Tensor, per: str) -> torch.Tensor:
-    """x rounded to E4M3 with a scale per last-dim row ("channel", "token") or per 16 of its elements ("group"),
-    each its block's max / 448."""
-    blocks = x.unflatten(-1, (-1, GROUP)) if per == "group" else x
-    scale = blocks.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
-    return round_e4m3(blocks, scale).flatten(-2) if per == "group" else round_e4m3(blocks, scale)
+    """x rounded to E4M3 with a scale per row of its last dim ("channel", "token": gpu_ops.fp8.quantize_rows_ref,
+    as the FP8 GEMM scales its weights' rows and its input rows) or per 16 of its elements ("group"), each its
+    block's max / 448; back in x's dtype."""
+    rows, scale = fp8.quantize_rows_ref(x.reshape(-1, GROUP if per == "group" else x.shape[-1]))
+    return (rows.float() * scale).reshape(x.shape).to(x.dtype)
 
 
 def rounding(args) -> int:
@@ -330,7 +329,7 @@ def rounding(args) -> int:
         return tokens, torch.stack(logits)
 
     reference = run()  # unrounded; it also finds each layer's K and V max over the prompts
-    kv_scales.update({key: value / E4M3_MAX for key, value in kv_max.items()})
+    kv_scales.update({key: value / fp8.FP8_MAX for key, value in kv_max.items()})
     report = {"prompts": len(prompts), "model": model_dir.name, "kv_max": {f"{layer}.{'kv'[column]}": round(value, 3)
                                                                           for (layer, column), value in kv_max.items()}}
     for name, weights, activations, kv in ROUNDINGS:
