@@ -23,7 +23,7 @@ unrounded it reports what `compare` does.
 
     python3 bench/fp8_trained.py train DIR                 # the CPU (2 cores): ~20 minutes; --smoke: seconds
     python3 bench/fp8_trained.py compare DIR --out OUT.json [--device cpu] [--models trained]
-    python3 bench/fp8_trained.py rounding DIR --out OUT.json   # the CPU: ~3 minutes
+    python3 bench/fp8_trained.py rounding DIR --out OUT.json   # the CPU (2 cores): ~1 minute
 """
 
 from __future__ import annotations
