@@ -4,32 +4,15 @@ FLOPs of its steps against the step cost model worked out by hand in test_step_c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import pytest
 
 from lorad.daemon.engine.request import GenerationRequest, SamplingParams
 from lorad.daemon.engine.step_account import StepAccount
 from lorad.daemon.engine.step_cost import DeviceRates, SequenceInStep, StepCostModel
-from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.model.checkpoint import load_spec
 
+from step_fakes import FakeEvent, Seq, plan
 from test_engine import make_engine
-
-
-@dataclass(eq=False)
-class Seq:
-    prompt_len: int
-    adapter: str | None = None
-
-
-def plan(rows: list[tuple[Seq, int, int, bool]]) -> StepPlan:
-    """rows: (sequence, first position, new tokens, sampled)."""
-    return StepPlan([np.zeros(count, dtype=np.int64) for _, _, count, _ in rows],
-                    np.array([start for _, start, _, _ in rows]), np.full(len(rows), -1),
-                    [np.zeros((1, 1, 2), dtype=np.int32) for _ in rows], np.array([sampled for *_, sampled in rows]),
-                    seqs=[seq for seq, *_ in rows])
 
 
 @pytest.fixture
@@ -116,26 +99,6 @@ def test_host_time_before_each_launch_is_told_apart(account):
     parts = totals["host_before_launch_by_part_s"]
     assert parts == pytest.approx({"tokens": 0.01, "schedule": 0.03, "plan": 0.04, "launch": 0.02})
     assert totals["by_kind"]["decode"]["host_before_launch_by_part_s"] == parts
-
-
-class FakeEvent:
-    """A CUDA event on a fake device clock: `clock` is where the device is, `at` where the event was recorded."""
-    clock = 0.0
-    next_at = 0.0
-
-    def __init__(self):
-        self.at = None
-
-    def record(self):
-        self.at = FakeEvent.next_at
-        FakeEvent.next_at += 0.25  # each event recorded 250 ms of device time after the one before
-
-    def query(self):
-        return self.at <= FakeEvent.clock
-
-    def elapsed_time(self, end):
-        assert self.query() and end.query(), "read before the device passed it"
-        return (end.at - self.at) * 1e3
 
 
 def test_device_spans_are_read_once_the_device_has_passed_them(demo_assets):

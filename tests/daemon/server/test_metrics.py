@@ -24,7 +24,7 @@ from daemon_harness import raw_request, serve_engine
 
 _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 _SAMPLE = re.compile(rf"^({_NAME})(?:\{{(.*)\}})? (\S+)$")
-_LABEL = re.compile(rf'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*(,|$)')
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*(,|$)')
 _SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("",), "gauge": ("",)}
 
 
@@ -147,7 +147,7 @@ def test_the_device_clocks_split_of_step_time_is_rendered_by_kind(demo_assets):
     from lorad.daemon.engine.step_account import StepAccount
     from lorad.daemon.engine.step_cost import DeviceRates, StepCostModel
     from lorad.daemon.model.checkpoint import load_spec
-    from test_step_account import FakeEvent, Seq, plan
+    from step_fakes import FakeEvent, Seq, plan
 
     account = StepAccount(StepCostModel(load_spec(demo_assets.model_dir), 4, adapter_ranks=lambda name: {}),
                           DeviceRates(1e9, 1e9), device_clock=True, new_event=FakeEvent)
