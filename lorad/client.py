@@ -10,6 +10,7 @@ import http.client
 import json
 import socket
 from typing import AsyncIterator, Iterator
+from urllib.parse import quote
 
 from lorad.config import ServerConfig
 from lorad.errors import (
@@ -60,6 +61,12 @@ def _stream_chunk(line: bytes) -> dict | None:
     return chunk
 
 
+def model_path(name: str) -> str:
+    """GET /v1/models/{name}'s path: the name percent-encoded, its slashes kept (the route takes the rest of the
+    path)."""
+    return "/v1/models/" + quote(name, safe="/")
+
+
 class _Done(Exception):
     pass
 
@@ -98,6 +105,10 @@ class Client:
     def models(self) -> list[dict]:
         """The base model first, then each adapter (the `data` of GET /v1/models)."""
         return self._json("GET", "/v1/models")["data"]
+
+    def model(self, name: str) -> dict:
+        """One /v1/models entry by its id; ModelNotFound when the daemon serves no such model."""
+        return self._json("GET", model_path(name))
 
     def status(self) -> dict:
         """The engine's state: device, dtype, page-pool occupancy, resident adapters, queue lengths."""
@@ -209,6 +220,9 @@ class AsyncClient:
 
     async def models(self) -> list[dict]:
         return (await self._json("GET", "/v1/models"))["data"]
+
+    async def model(self, name: str) -> dict:
+        return await self._json("GET", model_path(name))
 
     async def status(self) -> dict:
         return await self._json("GET", "/v1/status")

@@ -156,10 +156,9 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "backends_up": up, "backends": len(router.backends)})
 
 
-async def models(request: web.Request) -> web.Response:
+def model_entries(router: Router) -> list[dict]:
     """The union of the models of the backends that are up, each once (the first backend's entry), with
-    `backends`: the sockets that serve it."""
-    router = request.app[ROUTER]
+    `backends`: the sockets that serve it; the base models first."""
     entries: dict[str, dict] = {}
     for backend in router.backends:
         if not backend.up:
@@ -168,8 +167,20 @@ async def models(request: web.Request) -> web.Response:
             merged = entries.setdefault(entry["id"], {**entry, "backends": []})
             merged["backends"].append(backend.socket_path)
     # The base models first: clients (lorad bench trace) take the first entry for the base.
-    data = sorted(entries.values(), key=lambda entry: entry.get("kind") != "base")
-    return web.json_response({"object": "list", "data": data})
+    return sorted(entries.values(), key=lambda entry: entry.get("kind") != "base")
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": model_entries(request.app[ROUTER])})
+
+
+async def model(request: web.Request) -> web.Response:
+    """One entry of /v1/models by its id (the openai client's `models.retrieve`)."""
+    wanted = request.match_info["model"]
+    for entry in model_entries(request.app[ROUTER]):
+        if entry["id"] == wanted:
+            return web.json_response(entry)
+    raise ModelNotFound(f"the model {clip(wanted)} does not exist on any backend (GET /v1/models lists them)")
 
 
 async def status(request: web.Request) -> web.Response:
@@ -440,6 +451,7 @@ def create_app(router: Router) -> web.Application:
     body_parser.add_to(app)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)  # adapter names may hold slashes
     app.router.add_get("/v1/status", status)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/completions", completions)

@@ -1,7 +1,8 @@
-"""The daemon's HTTP face: an OpenAI-compatible subset (/v1/completions, /v1/chat/completions, /v1/models, /health), vLLM's
-adapter admin routes and Prometheus /metrics, served by aiohttp on a Unix socket. A request is checked
-(its body by schemas.py, its prompt against the model here), handed to the engine, and the engine's outputs
-(called from its step thread) hop onto the event loop through one asyncio.Queue per request.
+"""The daemon's HTTP face: an OpenAI-compatible subset (/v1/completions, /v1/chat/completions, /v1/models and
+/v1/models/{model}, /health), vLLM's adapter admin routes and Prometheus /metrics, served by aiohttp on a Unix
+socket. A request is checked (its body by schemas.py, its prompt against the model here), handed to the engine,
+and the engine's outputs (called from its step thread) hop onto the event loop through one asyncio.Queue per
+request.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from aiohttp import web
 from pydantic_core import to_json
 
 from lorad.errors import (
-    AdmissionDropped, BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, ModelError, NotFound, Overloaded,
-    PromptTooLong,
+    AdmissionDropped, BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, ModelError, ModelNotFound, NotFound,
+    Overloaded, PromptTooLong, clip,
 )
 from lorad.daemon.server import metrics as metrics_format
 from lorad.daemon.server.admin_gate import AdminGate
@@ -105,7 +106,8 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-async def models(request: web.Request) -> web.Response:
+async def model_entries(request: web.Request) -> list[dict]:
+    """The base model and every registered adapter as OpenAI model objects, with lorad's own fields."""
     created = request.app[STARTED]
     data = []
     # Engine calls that may block (locks, or a round trip when the engine runs in its own process) run
@@ -117,7 +119,20 @@ async def models(request: web.Request) -> web.Response:
             {"id": entry["id"], "object": "model", "created": created, "owned_by": "lorad",
              "parent": entry.get("parent"), "max_model_len": request.app[ENGINE].max_model_len, **extra}
         )
-    return web.json_response({"object": "list", "data": data})
+    return data
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": await model_entries(request)})
+
+
+async def model(request: web.Request) -> web.Response:
+    """One entry of /v1/models by its id (the openai client's `models.retrieve`)."""
+    wanted = request.match_info["model"]
+    for entry in await model_entries(request):
+        if entry["id"] == wanted:
+            return web.json_response(entry)
+    raise ModelNotFound(f"the model {clip(wanted)} does not exist (GET /v1/models lists the base model and adapters)")
 
 
 async def status(request: web.Request) -> web.Response:
@@ -548,6 +563,7 @@ def create_app(engine, admin: AdminGate | None = None, max_n: int = MAX_N) -> we
     app[ADMIN] = admin or AdminGate(os.geteuid())  # the daemon's user and root
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)  # adapter names may hold slashes
     app.router.add_get("/v1/status", status)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

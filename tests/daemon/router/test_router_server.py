@@ -145,6 +145,9 @@ def test_streaming_and_plain_answers_match_a_backend(router_factory, daemons):
     models = router.client.models()
     assert models[0]["id"] == "lorad-demo" and models[0]["backends"] == daemons
     assert {m["id"] for m in models} >= {"demo-r1", "demo-r4", "demo-r16", "demo-r64"}
+    assert router.client.model("demo-r4") == next(m for m in models if m["id"] == "demo-r4")
+    with pytest.raises(ModelNotFound, match="'no-such-adapter' does not exist on any backend"):
+        router.client.model("no-such-adapter")
     assert "lorad_router_decisions_total" in router.client.metrics()
 
 

@@ -203,6 +203,20 @@ def test_models(client):
     assert all(entry["max_model_len"] == 128 for entry in models)  # as vLLM lists it: clients size prompts by it
 
 
+def test_model_by_id(client, engine):
+    """GET /v1/models/{id} (the openai client's models.retrieve): the entry /v1/models lists, or 404 naming it."""
+    listed = {entry["id"]: entry for entry in client.models()}
+    assert client.model("sql") == listed["sql"] and client.model("fake-base") == listed["fake-base"]
+    with pytest.raises(ModelNotFound, match="the model 'nope' does not exist"):
+        client.model("nope")
+    # an adapter loaded under a name with a slash, a space and a percent sign
+    named = {"id": "team/sql 100%", "parent": "fake-base", "kind": "lora", "rank": 8}
+    engine.models = lambda: FakeEngine.models(engine) + [named]
+    assert client.model("team/sql 100%")["id"] == "team/sql 100%"
+    with pytest.raises(ModelNotFound, match="'team/sql'"):
+        client.model("team/sql")
+
+
 def test_status(client):
     assert client.status() == {"model": "fake-base", "running": 0}
 

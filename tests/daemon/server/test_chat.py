@@ -173,6 +173,16 @@ def test_chat_with_the_openai_client(openai_client, demo_daemon):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
+def test_models_with_the_openai_client(openai_client):
+    openai = pytest.importorskip("openai")
+    listed = [model.id for model in openai_client.models.list()]
+    assert listed[0] == "lorad-demo" and "demo-r8" in listed
+    model = openai_client.models.retrieve("demo-r8")
+    assert model.id == "demo-r8" and model.object == "model" and model.owned_by == "lorad"
+    with pytest.raises(openai.NotFoundError, match="'nope' does not exist"):
+        openai_client.models.retrieve("nope")
+
+
 def test_the_openai_clients_errors(openai_client):
     import openai
 
