@@ -33,6 +33,7 @@ def test_async_routes(server):
         async with AsyncClient(server.path, timeout=10) as client:
             assert await client.health() == {"status": "ok"}
             assert [m["id"] for m in await client.models()][:2] == ["fake-base", "sql"]
+            assert (await client.model("sql"))["rank"] == 8
             assert await client.status() == {"model": "fake-base", "running": 0}
             answer = await client.completions(model="sql", prompt="hello", max_tokens=3)
             assert answer["choices"][0]["text"] == "hel" and answer["usage"]["completion_tokens"] == 3
@@ -54,6 +55,8 @@ def test_async_typed_errors(server, engine):
                 await client.completions(model="nope", prompt="hi")
             assert caught.value.status == 404 and caught.value.type == "model_not_found"
             assert "'nope'" in caught.value.message
+            with pytest.raises(ModelNotFound, match="'nope'"):
+                await client.model("nope")
             with pytest.raises(BadRequest, match="max_tokens"):
                 await client.completions(model="fake-base", prompt="hi", max_tokens=0)
             with pytest.raises(BadRequest, match="max_tokens"):
