@@ -6,8 +6,9 @@ context 512/2048, and at the unequal contexts of a replayed Azure conversation t
 (`--data-dir`); the Llama-3-8B shape (8 kv heads, 4 tokens per page) and Gemma 2 9B's (16 heads, 8 kv
 heads of 256, 1 token per page, capped scores) on a local layer (window 4096) and a global one. Each time is set against
 the bytes floor: the K and V bytes the call must read over the device-to-device copy bandwidth measured
-in the same run. Prefill: the Triton kernel vs the reference (gather + SDPA per sequence) and vs SDPA
-on K/V already contiguous (what a flash kernel does without paging).
+in the same run. Prefill: the Triton kernel vs the reference (gather + SDPA per sequence), vs SDPA on K/V
+already contiguous, and (section prefill_flash) vs torch's flash attention on contiguous K/V, every prompt in
+one call (`varlen_attn`): what a flash kernel does without paging.
 
     python3 bench/attention.py --out bench/results/attention.json
     python3 bench/attention.py --smoke   # tiny shapes on the CPU (Triton interpreter): checks the script
@@ -295,6 +296,45 @@ def prefill_sweep(cache: "PagedCache", timer: Timer, flops: float, device, launc
     return sweep
 
 
+def flash_varlen_call(q, shapes, kv_heads: int, scale: float):
+    """torch's flash attention over the prompts' K/V laid out contiguously, all sequences in one call
+    (`torch.nn.attention.varlen.varlen_attn`, causal from the bottom right: a chunk's rows see its cached prefix):
+    what a flash kernel does without paging. (None, why) where this torch has no such call."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as error:
+        return None, f"unavailable: {error}"
+    if q.device.type != "cuda":
+        return None, "unavailable: flash attention needs cuda"
+    kv_lens = [kv for kv, _ in shapes]
+    k = torch.randn(sum(kv_lens), kv_heads, q.shape[2], dtype=q.dtype, device=q.device)
+    v = torch.randn_like(k)
+    rows = torch.tensor([0] + [query for _, query in shapes], device=q.device).cumsum(0).to(torch.int32)
+    positions = torch.tensor([0] + kv_lens, device=q.device).cumsum(0).to(torch.int32)
+    queries = q[: int(rows[-1])]
+    common = dict(scale=scale)
+    if kv_heads != q.shape[1]:
+        common["enable_gqa"] = True
+    longest_q, longest_k = max(query for _, query in shapes), max(kv_lens)
+    attempts = [dict(window_size=(-1, 0)), dict(is_causal=True)]  # torch 2.12+ / torch 2.10-2.11
+    for causal in attempts:
+        call = lambda causal=causal: varlen_attn(queries, k, v, rows, positions, longest_q, longest_k, **common, **causal)
+        try:
+            out = call()
+        except TypeError:
+            continue
+        # the last sequence's rows against SDPA with the mask the engine applies (each row sees its prefix)
+        kv_len, query_len = shapes[-1]
+        last_k = k[int(positions[-2]):].transpose(0, 1).float().repeat_interleave(q.shape[1] // kv_heads, 0)
+        last_v = v[int(positions[-2]):].transpose(0, 1).float().repeat_interleave(q.shape[1] // kv_heads, 0)
+        seen = torch.arange(kv_len, device=q.device)[None, :] <= torch.arange(kv_len - query_len, kv_len, device=q.device)[:, None]
+        expected = F.scaled_dot_product_attention(queries[int(rows[-2]):].transpose(0, 1).float(), last_k, last_v,
+                                                  attn_mask=seen, scale=scale).transpose(0, 1)
+        error = float((out[int(rows[-2]):].float() - expected).norm() / expected.norm())
+        return call, f"{next(iter(causal))}, relative error {error:.1e} against the masked reference"
+    return None, "unavailable: varlen_attn takes neither window_size nor is_causal"
+
+
 def prefill_bench(args, device, timer: Timer, cases, heads=32, kv_heads=32, tokens_per_page=1, sweep=False) -> list:
     """cases: (name, [(kv_len, query_len)]) on the 7B shape (or `heads` over `kv_heads` of 128); `sweep`: each case's
     prefill launches swept (prefill_sweep), over bf16 pages and FP8 pages (twice the tokens a page)."""
@@ -327,6 +367,15 @@ def prefill_bench(args, device, timer: Timer, cases, heads=32, kv_heads=32, toke
             "reference_eager_us": round(reference, 1), "sdpa_contiguous_eager_us": round(sdpa, 1),
             "kernel_TFLOPs": round(flops / (kernel * 1e-6) / 1e12, 1), "relative_error_vs_fp64_ref": cache.error(),
         }
+        if all(query > 1 for _, query in shapes):  # prompts only: flash attention on their K/V laid out contiguously
+            flash, how = flash_varlen_call(cache.q[0], shapes, kv_heads, cache.scale)
+            row["flash_varlen_causal_by"] = how
+            if flash is not None:
+                us = timer.graph([flash])
+                row["flash_varlen_contiguous_us"] = round(us, 1)
+                row["flash_varlen_TFLOPs"] = round(flops / (us * 1e-6) / 1e12, 1)
+                print(f"  flash varlen (contiguous K/V, {how}): {us:9.1f} us ({row['flash_varlen_TFLOPs']} TFLOP/s)",
+                      flush=True)
         if sweep:
             row["sweep_bf16"] = prefill_sweep(cache, timer, prompt_flops, device)
             print(f"  sweep bf16 pages: {row['sweep_bf16']}", flush=True)
@@ -450,6 +499,14 @@ def main() -> None:
                 ("fresh 1x2048", [(2048, 2048)]), ("fresh 1x1536", [(1536, 1536)]), ("fresh 4x512", [(512, 512)] * 4),
                 ("chunk 512 on 1536 cached", [(2048, 512)]), ("fresh 3x500 + chunk 536 on 800", [(500, 500)] * 3 + [(1336, 536)]),
             ], sweep=True)),
+            # the same prompts, the Triton kernel beside torch's flash attention on contiguous K/V (no sweep)
+            ("prefill_flash", lambda: prefill_bench(args, device, timer, [
+                ("fresh 1x2048", [(2048, 2048)]), ("fresh 1x1536", [(1536, 1536)]), ("fresh 4x512", [(512, 512)] * 4),
+                ("chunk 512 on 1536 cached", [(2048, 512)]), ("fresh 3x500 + chunk 536 on 800", [(500, 500)] * 3 + [(1336, 536)]),
+            ])),
+            ("prefill_flash_llama3_8b", lambda: prefill_bench(args, device, timer, [
+                ("fresh 1x2048", [(2048, 2048)]), ("fresh 4x512", [(512, 512)] * 4), ("chunk 512 on 1536 cached", [(2048, 512)]),
+            ], kv_heads=8, tokens_per_page=4)),
             ("prefill_sweep_llama3_8b", lambda: prefill_bench(args, device, timer, [
                 ("fresh 1x2048", [(2048, 2048)]), ("chunk 512 on 1536 cached", [(2048, 512)]),
             ], kv_heads=8, tokens_per_page=4, sweep=True)),
