@@ -316,12 +316,13 @@ def flash_varlen_call(q, shapes, kv_heads: int, scale: float):
     if kv_heads != q.shape[1]:
         common["enable_gqa"] = True
     longest_q, longest_k = max(query for _, query in shapes), max(kv_lens)
-    attempts = [dict(window_size=(-1, 0)), dict(is_causal=True)]  # torch 2.12+ / torch 2.10-2.11
-    for causal in attempts:
+    refusals = []
+    for causal in (dict(window_size=(-1, 0)), dict(is_causal=True)):  # the keyword differs between torch versions
         call = lambda causal=causal: varlen_attn(queries, k, v, rows, positions, longest_q, longest_k, **common, **causal)
         try:
             out = call()
-        except TypeError:
+        except TypeError as error:  # this torch's varlen_attn lacks the keyword (or enable_gqa)
+            refusals.append(str(error))
             continue
         # the last sequence's rows against SDPA with the mask the engine applies (each row sees its prefix)
         kv_len, query_len = shapes[-1]
@@ -332,7 +333,7 @@ def flash_varlen_call(q, shapes, kv_heads: int, scale: float):
                                                   attn_mask=seen, scale=scale).transpose(0, 1)
         error = float((out[int(rows[-2]):].float() - expected).norm() / expected.norm())
         return call, f"{next(iter(causal))}, relative error {error:.1e} against the masked reference"
-    return None, "unavailable: varlen_attn takes neither window_size nor is_causal"
+    return None, "unavailable: " + "; ".join(refusals)
 
 
 def prefill_bench(args, device, timer: Timer, cases, heads=32, kv_heads=32, tokens_per_page=1, sweep=False) -> list:
