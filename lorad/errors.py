@@ -55,6 +55,11 @@ class ModelNotFound(NotFound):
 
     type = "model_not_found"
 
+    @classmethod
+    def named(cls, model, where: str = "(GET /v1/models lists the base model and adapters)") -> "ModelNotFound":
+        """The refusal of `model`, worded once for every place that refuses it; `where` says where to look."""
+        return cls(f"the model {clip(model)} does not exist {where}")
+
 
 class MethodNotAllowed(LoradError):
     status = 405

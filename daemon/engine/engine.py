@@ -415,9 +415,7 @@ class Engine:
         check_prompt(prompt, request.sampling, self.vocab_size, self.max_model_len)
         if request.adapter is not None:
             if request.adapter not in self.registry:
-                raise ModelNotFound(
-                    f"the model {clip(request.adapter)} does not exist (GET /v1/models lists the base model and adapters)"
-                )
+                raise ModelNotFound.named(request.adapter)
             adapter = self._read_adapter(request.adapter)  # read now, in the caller's thread: errors go to the caller
         n = request.n
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:

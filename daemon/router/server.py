@@ -26,7 +26,6 @@ from lorad.daemon.router.backends import Backend, InFlightRequest
 from lorad.scheduler.router import RouteRequest
 
 from lorad.errors import (
-    clip,
     AdmissionDropped,
     BackendError,
     BadRequest,
@@ -37,6 +36,7 @@ from lorad.errors import (
 log = logging.getLogger(__name__)
 
 ROUTER = web.AppKey("router", object)
+NOT_ON_ANY_BACKEND = "on any backend (GET /v1/models lists them)"  # where the router refuses an unknown model
 BYTES_PER_TOKEN = 4  # text prompts: the router has no tokenizer, so their length is estimated (BPE, English)
 MODELS_REFRESH_MIN_S = 1.0  # an unknown model re-reads the backends' /v1/models at most this often
 _DONE = b"data: [DONE]"
@@ -101,7 +101,7 @@ class Router:
         if down:
             reasons = "; ".join(f"{b.socket_path}: {b.down_reason}" for b in down)
             raise Overloaded(f"every backend serving {model!r} is down ({reasons})")
-        raise ModelNotFound(f"the model {clip(model)} does not exist on any backend (GET /v1/models lists them)")
+        raise ModelNotFound.named(model, NOT_ON_ANY_BACKEND)
 
     def rank(self, model: str, pool: list[Backend]) -> int:
         """The adapter's rank as the backends list it (or its adapter_config.json declares it). Unknown:
@@ -180,7 +180,7 @@ async def model(request: web.Request) -> web.Response:
     for entry in model_entries(request.app[ROUTER]):
         if entry["id"] == wanted:
             return web.json_response(entry)
-    raise ModelNotFound(f"the model {clip(wanted)} does not exist on any backend (GET /v1/models lists them)")
+    raise ModelNotFound.named(wanted, NOT_ON_ANY_BACKEND)
 
 
 async def status(request: web.Request) -> web.Response:

@@ -22,7 +22,7 @@ from pydantic_core import to_json
 
 from lorad.errors import (
     AdmissionDropped, BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, ModelError, ModelNotFound, NotFound,
-    Overloaded, PromptTooLong, clip,
+    Overloaded, PromptTooLong,
 )
 from lorad.daemon.server import metrics as metrics_format
 from lorad.daemon.server.admin_gate import AdminGate
@@ -132,7 +132,7 @@ async def model(request: web.Request) -> web.Response:
     for entry in await model_entries(request):
         if entry["id"] == wanted:
             return web.json_response(entry)
-    raise ModelNotFound(f"the model {clip(wanted)} does not exist (GET /v1/models lists the base model and adapters)")
+    raise ModelNotFound.named(wanted)
 
 
 async def status(request: web.Request) -> web.Response:
