@@ -5,6 +5,7 @@ as a real process (stale socket removed, 0660, health, completions, clean exit o
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import stat
@@ -65,6 +66,23 @@ def test_help_exits_0(capsys):
     code, out, _ = run_main(capsys, "serve", "--help")
     assert code == 0 and "--max-lora-rank" in out and "(default: 256)" in out and "--adapter NAME=DIR" in out
     assert "--profile-at-start, --no-profile-at-start" in out and "auto on cuda" in " ".join(out.split())
+
+
+def test_readme_names_every_serve_flag():
+    """A user finds the flags in README.md: every `lorad serve` flag is named there (most in its flag table, the
+    benchmarks', FP8's and the TCP listener's in their own sections)."""
+    import argparse
+    from pathlib import Path
+
+    from lorad.daemon.server.cli import build_parser
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    commands = next(action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction))
+    flags = {flag for action in commands.choices["serve"]._actions for flag in action.option_strings
+             if flag.startswith("--") and flag != "--help"}
+    assert len(flags) > 40
+    missing = sorted(flag for flag in flags if re.search(re.escape(flag) + r"(?![\w-])", readme) is None)
+    assert not missing, f"README.md does not name these lorad serve flags: {missing}"
 
 
 def test_flags_map_onto_the_config(monkeypatch):
