@@ -153,9 +153,15 @@ class EngineConfig:
             raise BadRequest(f"device must be one of {', '.join(DEVICES)} or cuda:N, not {self.device!r}")
         if not 1 <= self.max_lora_rank <= 1024:
             raise BadRequest(f"max_lora_rank must be in 1..1024, not {self.max_lora_rank}")
-        for name in ("max_running_requests", "max_batch_tokens", "max_waiting_requests"):
+        for name in ("max_running_requests", "max_batch_tokens", "max_waiting_requests", "max_model_len", "pool_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise BadRequest(f"{name} must be positive")
+                raise BadRequest(f"{name} must be positive, not {getattr(self, name)}")
+        for name in ("host_adapter_bytes", "dummy_adapters"):
+            if getattr(self, name) < 0:
+                raise BadRequest(f"{name} must be >= 0, not {getattr(self, name)}")
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
+                or not 0 < self.gpu_memory_utilization <= 1:
+            raise BadRequest(f"gpu_memory_utilization must be a share in (0, 1], not {self.gpu_memory_utilization!r}")
         if isinstance(self.kv_admission_headroom, bool) or not isinstance(self.kv_admission_headroom, int) \
                 or not 0 <= self.kv_admission_headroom <= 4096:
             raise BadRequest(f"kv_admission_headroom must be an integer in 0..4096, not {self.kv_admission_headroom!r}")
@@ -239,6 +245,9 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise BadRequest(f"{name} must be a number of seconds > 0, not {value!r}")
+        value = self.shutdown_grace_s
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise BadRequest(f"shutdown_grace_s must be a number of seconds >= 0, not {value!r}")
 
 
 @dataclass(frozen=True)

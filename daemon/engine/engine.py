@@ -151,7 +151,10 @@ class Engine:
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = self.spec.vocab_size
-        self.max_model_len = min(config.max_model_len or min(self.spec.max_position_embeddings, MAX_DEFAULT_MODEL_LEN), self.spec.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > self.spec.max_position_embeddings:
+            raise ModelError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{self.spec.max_position_embeddings}: serve at most {self.spec.max_position_embeddings} tokens")
+        self.max_model_len = config.max_model_len or min(self.spec.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
         self.max_model_len = within_sliding_window(self.spec, self.max_model_len, config.max_model_len)
         self.rope_switch = longrope_switch(self.spec, self.max_model_len)  # None, or where a cache is recomputed
         if self.rope_switch is not None:

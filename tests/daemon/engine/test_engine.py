@@ -453,6 +453,15 @@ def test_pool_too_small_for_one_sequence_is_refused(demo_assets):
     assert len(result.token_ids) == 12
 
 
+def test_max_model_len_past_the_checkpoints_context_is_refused(demo_assets):
+    from lorad.errors import ModelError
+
+    with pytest.raises(ModelError, match="max_model_len=4096 exceeds the model's max_position_embeddings=2048"):
+        make_engine(demo_assets, max_model_len=4096)
+    assert make_engine(demo_assets, pages=9000, max_model_len=2048).max_model_len == 2048
+    assert make_engine(demo_assets, pages=9000, max_model_len=None).max_model_len == 2048  # unset: the checkpoint's
+
+
 def test_lora_pdl_is_off_on_the_cpu_and_said(demo_assets):
     """Programmatic dependent launch is a Hopper feature: auto turns it off on the CPU and says why; on where it
     cannot run is refused, an unknown value too."""
