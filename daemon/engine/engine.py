@@ -383,14 +383,17 @@ class Engine:
         log.info("cold_start=cached adapters_placed=%d pool_free_pages=%d", len(names), self.pool.num_free)
 
     def models(self) -> list[dict]:
-        resident = set(self.residency.slots)
-        entries = [{"id": self.model_name, "parent": None, "kind": "base"}]
-        for name in self.registry.names():
-            info = self.registry.describe(name)
-            if name in resident:
-                info["location"] = "gpu" if self.device.type == "cuda" else "pool"
-            entries.append({"id": name, "parent": self.model_name, "kind": "lora", **info})
-        return entries
+        """The base model and every registered adapter (GET /v1/models)."""
+        base = {"id": self.model_name, "parent": None, "kind": "base"}
+        return [base] + [self.adapter_entry(name) for name in self.registry.names()]
+
+    def adapter_entry(self, name: str) -> dict:
+        """A registered adapter's /v1/models fields: where it is now (disk, host, or the pool: "gpu" on cuda), and
+        its rank, targets and size once read."""
+        info = self.registry.describe(name)
+        if name in self.residency.slots:
+            info["location"] = "gpu" if self.device.type == "cuda" else "pool"
+        return {"id": name, "parent": self.model_name, "kind": "lora", **info}
 
     def adapter_path(self, name: str) -> str | None:
         """The directory of a registered adapter (for its own chat template); None for an unknown name."""
@@ -474,7 +477,7 @@ class Engine:
             raise
         self._api_registrations[name] = str(resolved)
         self._save_registrations()
-        return adapter.describe()
+        return self.adapter_entry(adapter.name)
 
     def _running_cap(self, config: EngineConfig) -> EngineConfig:
         """The config with its running cap: as given, or from the KV cache's capacity (default_max_running)."""

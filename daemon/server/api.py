@@ -108,18 +108,17 @@ async def health(request: web.Request) -> web.Response:
 
 async def model_entries(request: web.Request) -> list[dict]:
     """The base model and every registered adapter as OpenAI model objects, with lorad's own fields."""
-    created = request.app[STARTED]
-    data = []
     # Engine calls that may block (locks, or a round trip when the engine runs in its own process) run
     # off the event loop, so streams keep flowing meanwhile.
     entries = await asyncio.get_running_loop().run_in_executor(None, request.app[ENGINE].models)
-    for entry in entries:
-        extra = {key: value for key, value in entry.items() if key not in ("id", "parent")}
-        data.append(
-            {"id": entry["id"], "object": "model", "created": created, "owned_by": "lorad",
-             "parent": entry.get("parent"), "max_model_len": request.app[ENGINE].max_model_len, **extra}
-        )
-    return data
+    return [openai_model(request.app, entry) for entry in entries]
+
+
+def openai_model(app: web.Application, entry: dict) -> dict:
+    """An engine's model entry (Engine.models) as an OpenAI model object, with lorad's own fields."""
+    extra = {key: value for key, value in entry.items() if key not in ("id", "parent")}
+    return {"id": entry["id"], "object": "model", "created": app[STARTED], "owned_by": "lorad",
+            "parent": entry.get("parent"), "max_model_len": app[ENGINE].max_model_len, **extra}
 
 
 async def models(request: web.Request) -> web.Response:
@@ -175,11 +174,9 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     fields = parse_admin(await json_body(request), ("lora_name", "lora_path"))
     name, path = fields["lora_name"], fields["lora_path"]
     # load_adapter reads and checks the weights from disk: off the event loop.
-    description = await asyncio.get_running_loop().run_in_executor(None, engine.load_adapter, name, path)
+    entry = await asyncio.get_running_loop().run_in_executor(None, engine.load_adapter, name, path)
     log.info("adapter loaded through the API name=%s path=%s%s", name, path, _peer_fields(request))
-    entry = {"id": name, "object": "model", "created": request.app[STARTED], "owned_by": "lorad",
-             "parent": engine.model_name, "kind": "lora", "location": "host", **description}
-    return web.json_response(entry)
+    return web.json_response(openai_model(request.app, entry))
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:

@@ -75,7 +75,8 @@ def test_load_then_serve(served, roots):
     assert entry["rank"] == 8 and entry["targets"] == ["q_proj", "k_proj", "v_proj"]
     assert entry["nbytes"] > 0 and entry["location"] == "host" and entry["path"] == str(root / "good")
     listed = {m["id"]: m for m in client.models()}["customer-7"]
-    assert (listed["rank"], listed["location"]) == (8, "host")
+    assert listed == entry  # the answer is the adapter's /v1/models entry, max_model_len included
+    assert (listed["rank"], listed["location"], listed["max_model_len"]) == (8, "host", engine.max_model_len)
     # the same weights as demo-r8: the same greedy tokens
     fields = dict(prompt="The quick brown fox", max_tokens=6, temperature=0, return_token_ids=True)
     mine = client.completions(model="customer-7", **fields)["choices"][0]["token_ids"]
