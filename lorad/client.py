@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 from lorad.config import ServerConfig
 from lorad.errors import (
-    AdapterError, BackendError, BadRequest, BodyTooLarge, EngineDead, LoradError, MethodNotAllowed, ModelError,
+    AdapterError, AdmissionDropped, BackendError, BadRequest, BodyTooLarge, EngineDead, LoradError, MethodNotAllowed, ModelError,
     ModelNotFound, NotFound, Overloaded, PromptTooLong, Unauthorized, Forbidden,
 )
 
@@ -34,11 +34,14 @@ def error_from_response(status: int, body: bytes, retry_after: str | None = None
         message, kind = str(detail["message"]), detail.get("type")
     except (ValueError, KeyError, TypeError):
         message, kind = body.decode("utf-8", "replace").strip() or f"HTTP {status}", None
-    if status == 503:
+    if status == 503:  # Overloaded, or its AdmissionDropped: both carry Retry-After
+        cls = AdmissionDropped if kind == AdmissionDropped.type else Overloaded
         try:
-            return Overloaded(message, retry_after_s=float(retry_after)) if retry_after else Overloaded(message)
+            error = cls(message, retry_after_s=float(retry_after)) if retry_after else cls(message)
         except ValueError:
-            return Overloaded(message)
+            error = cls(message)
+        error.type = kind or error.type
+        return error
     cls = _BY_TYPE.get(kind)
     if cls is None or cls.status != status:
         cls = _BY_STATUS.get(status, LoradError)

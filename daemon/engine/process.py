@@ -267,7 +267,8 @@ class EngineProcess:
             future.set_exception(EngineDead(reason))
         for request_id, (callback, going) in requests.items():
             for choice in sorted(going):
-                deliver(callback, RequestOutput(request_id, [], "", True, "error", error=reason, choice=choice))
+                deliver(callback, RequestOutput(request_id, [], "", True, "error", error=reason,
+                                                error_type=EngineDead.type, choice=choice))
         if unexpected and self.on_death is not None:
             self.on_death(reason)
 

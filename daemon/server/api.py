@@ -21,7 +21,7 @@ from aiohttp import web
 from pydantic_core import to_json
 
 from lorad.errors import (
-    AdmissionDropped, BadRequest, BodyTooLarge, LoradError, MethodNotAllowed, ModelError, ModelNotFound, NotFound,
+    AdmissionDropped, BadRequest, BodyTooLarge, EngineDead, LoradError, MethodNotAllowed, ModelError, ModelNotFound, NotFound,
     Overloaded, PromptTooLong,
 )
 from lorad.daemon.server import metrics as metrics_format
@@ -379,6 +379,8 @@ class _RequestRecord:
 def _error_of(output: RequestOutput) -> LoradError:
     if output.error_type == AdmissionDropped.type:
         return AdmissionDropped(output.error)
+    if output.error_type == EngineDead.type:
+        return EngineDead(f"generation failed: {output.error}")
     return LoradError(f"generation failed: {output.error or 'the engine gave no reason'}")
 
 
@@ -458,6 +460,15 @@ async def _full_response(completion, choices: list[_Choice], outputs, record, pr
 
 async def _stream_response(request, completion, choices: list[_Choice], outputs, record, prompts,
                            request_id: str, echoes: list[str] | None) -> web.StreamResponse:
+    # The headers wait for the first output. A request refused before its first token (dropped by early abort, or
+    # the engine gone) then answers with its status, 503 with Retry-After or 500, which clients retry or report as
+    # for a whole completion, where a 200 stream would end in an error event.
+    events = aiter(outputs)
+    first = await anext(events)
+    if first[1].finish_reason == "error":
+        record.add(first[1])
+        choices[first[0]].finish_reason = "error"
+        raise _error_of(first[1])
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     created = int(time.time())
@@ -466,12 +477,12 @@ async def _stream_response(request, completion, choices: list[_Choice], outputs,
     head = Chunk(id=request_id, object=kind, created=created, model=completion.model, choices=[])
     first_chunk = True
     try:
-        async for index, output in outputs:
+        async for index, output in _after(first, events):
             record.add(output)
             choice = choices[index]
             if output.finished:
                 choice.finish_reason = output.finish_reason
-            if output.finish_reason == "error":
+            if output.finish_reason == "error":  # after the first output: the stream has begun
                 await _send_event(response, error_body(_error_of(output)))
                 break
             text = output.text_delta
@@ -504,6 +515,13 @@ async def _stream_response(request, completion, choices: list[_Choice], outputs,
     except ConnectionResetError:  # the client went away; _generate aborts the choices still running
         log.debug("client disconnected request_id=%s", request_id)
     return response
+
+
+async def _after(first, rest):
+    """`first`, then the items of the async iterator `rest`."""
+    yield first
+    async for item in rest:
+        yield item
 
 
 async def _send_event(response: web.StreamResponse, chunk: Chunk | dict) -> None:

@@ -266,6 +266,7 @@ def test_engine_killed_fails_in_flight_and_refuses_new(demo_assets):
         for collector in collectors:
             last = collector.wait(5)  # every choice of each request
             assert last.finish_reason == "error" and "killed by SIGKILL" in last.error
+            assert last.error_type == EngineDead.type  # the API answers it as EngineDead
         assert time.monotonic() - killed < 5
         assert not engine.alive and len(deaths) == 1 and "died" in deaths[0]
         with pytest.raises(EngineDead, match="engine process died"):

@@ -20,7 +20,7 @@ from lorad.daemon.server.api import MAX_BODY_BYTES
 from lorad.client import Client
 from lorad.daemon.engine.request import RequestOutput
 from daemon_harness import ServerThread, raw_request, serve_engine
-from lorad.errors import AdapterError, BadRequest, LoradError, ModelNotFound, NotFound, Overloaded, PromptTooLong
+from lorad.errors import AdapterError, AdmissionDropped, BadRequest, LoradError, ModelNotFound, NotFound, Overloaded, PromptTooLong
 
 EOS = 0
 
@@ -41,7 +41,8 @@ class ByteTokenizer:
 class FakeEngine:
     """The engine's interface with an echo for a model: the k-th generated token is the prompt's
     (k mod len)-th, for each of the request's n choices. Token 0 is EOS. Adapters: `sql`, `chat` (echo), `slow` (a token every 20 ms),
-    `broken` (AdapterError on submit), `explode` (a bug: RuntimeError), `failing` (finishes with an error).
+    `broken` (AdapterError on submit), `explode` (a bug: RuntimeError), `failing` (finishes with an error), `late`
+    (fails after its first token), `dropped` (early abort drops it before its first token).
     """
 
     model_name = "fake-base"
@@ -63,7 +64,7 @@ class FakeEngine:
 
     def models(self) -> list[dict]:
         base = [{"id": self.model_name, "parent": None, "kind": "base"}]
-        names = ("sql", "chat", "slow", "failing")
+        names = ("sql", "chat", "slow", "failing", "late", "dropped")
         return base + [{"id": name, "parent": self.model_name, "kind": "lora", "rank": 8} for name in names]
 
     def status(self) -> dict:
@@ -118,8 +119,11 @@ class FakeEngine:
         sampling = request.sampling
         prompt = request.prompt_token_ids
         token = prompt[len(state["generated"]) % len(prompt)]
-        if request.adapter == "failing":
+        if request.adapter == "failing" or (request.adapter == "late" and state["generated"]):
             return self._finish(state, [], "", "error", error="the adapter's pages vanished")
+        if request.adapter == "dropped":
+            return self._finish(state, [], "", "error", error="early abort: estimated TTFT 2.0 s > objective 1.0 s",
+                                error_type=AdmissionDropped.type)
         if token in sampling.stop_token_ids or (token == EOS and not sampling.ignore_eos):
             return self._finish(state, [], "", "stop")
         state["generated"].append(token)
@@ -136,18 +140,19 @@ class FakeEngine:
         state["emitted"] = max(emitted, len(text) - holdback)
         self._emit(state, [token], text[emitted:state["emitted"]], None)
 
-    def _finish(self, state, tokens, delta, reason, error=None) -> None:
+    def _finish(self, state, tokens, delta, reason, error=None, error_type=None) -> None:
         with self._lock:
             if self._active.pop((state["request"].request_id, state["choice"]), None) is None:
                 return  # aborted meanwhile
-        self._emit(state, tokens, delta, reason, error)
+        self._emit(state, tokens, delta, reason, error, error_type)
 
     @staticmethod
-    def _emit(state, tokens, delta, reason, error=None) -> None:
+    def _emit(state, tokens, delta, reason, error=None, error_type=None) -> None:
         request = state["request"]
         request.on_output(
             RequestOutput(request.request_id, tokens, delta, reason is not None, reason,
-                          len(request.prompt_token_ids), len(state["generated"]), error, choice=state["choice"])
+                          len(request.prompt_token_ids), len(state["generated"]), error, error_type,
+                          choice=state["choice"])
         )
 
 
@@ -194,7 +199,7 @@ def test_health(client):
 
 def test_models(client):
     models = client.models()
-    assert [m["id"] for m in models] == ["fake-base", "sql", "chat", "slow", "failing"]
+    assert [m["id"] for m in models] == ["fake-base", "sql", "chat", "slow", "failing", "late", "dropped"]
     base, sql = models[0], models[1]
     assert base["parent"] is None and sql["parent"] == "fake-base"
     for entry in models:
@@ -323,10 +328,37 @@ def test_stream_wire_format(server):
     assert all(event.startswith("data: {") for event in events[:2])
 
 
-def test_stream_that_fails_sends_an_error_event(client):
+def test_stream_that_fails_before_its_first_token_is_a_500(server, client):
+    body = json.dumps({"model": "failing", "prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+    status, headers, payload = raw_request(server.path, "POST", "/v1/completions", body)
+    assert status == 500 and headers["Content-Type"].startswith("application/json")
+    assert json.loads(payload)["error"]["message"] == "generation failed: the adapter's pages vanished"
     with pytest.raises(LoradError) as caught:
         list(client.stream_completions(model="failing", prompt="hi", max_tokens=3))
     assert "the adapter's pages vanished" in caught.value.message and caught.value.status == 500
+
+
+def test_stream_that_fails_after_its_first_token_ends_in_an_error_event(server, client):
+    body = json.dumps({"model": "late", "prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+    status, headers, payload = raw_request(server.path, "POST", "/v1/completions", body)
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = payload.decode().split("\n\n")
+    assert json.loads(events[0][len("data: "):])["choices"][0]["text"] == "h"
+    assert json.loads(events[1][len("data: "):])["error"]["message"] == "generation failed: the adapter's pages vanished"
+    assert events[2:] == ["data: [DONE]", ""]
+    with pytest.raises(LoradError) as caught:
+        list(client.stream_completions(model="late", prompt="hi", max_tokens=3))
+    assert "the adapter's pages vanished" in caught.value.message and caught.value.status == 500
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_dropped_by_admission_is_a_503_with_retry_after(server, stream):
+    body = json.dumps({"model": "dropped", "prompt": "hi", "max_tokens": 3, "stream": stream}).encode()
+    status, headers, payload = raw_request(server.path, "POST", "/v1/completions", body)
+    assert status == 503 and int(headers["Retry-After"]) >= 1
+    assert json.loads(payload)["error"]["type"] == "admission_dropped"
+    with pytest.raises(AdmissionDropped):
+        list(Client(server.path).stream_completions(model="dropped", prompt="hi"))
 
 
 def test_completion_that_fails_is_a_500(client):
@@ -649,7 +681,7 @@ def test_demo_concurrent_adapters_and_disconnect(demo_server):
                for a in answers)
     # a stream left early is aborted: the engine holds no sequence for it afterwards
     chunks = client.stream_completions(model="demo-r2", prompt="abc", max_tokens=50, ignore_eos=True)
-    request_id = next(chunks)["id"]
+    next(chunks)
     chunks.close()
     wait_until(lambda: engine.status()["running"] == 0 and engine.status()["waiting"] == 0)
 

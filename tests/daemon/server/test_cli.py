@@ -17,7 +17,7 @@ import pytest
 
 from lorad.daemon.server.cli import main
 from lorad.client import Client
-from lorad.errors import LoradError
+from lorad.errors import EngineDead
 
 # test_api.py's fake engine (pytest puts this folder on sys.path).
 from test_api import FakeEngine
@@ -307,7 +307,7 @@ def test_engine_death_ends_serve_with_exit_1(demo_assets, short_tmp):
         chunks = client.stream_completions(model="demo-r8", prompt="Once", max_tokens=100, ignore_eos=True)
         next(chunks)
         os.kill(client.status()["engine_pid"], signal.SIGKILL)
-        with pytest.raises(LoradError, match="engine process died"):
+        with pytest.raises(EngineDead, match="engine process died"):  # the stream's error event: engine_error
             list(chunks)
         assert process.wait(30) == 1  # systemd's Restart=on-failure starts a fresh one
     finally:
