@@ -314,8 +314,9 @@ class _Refusal:
 
 
 async def _refused(upstream, stream: bool, backend: Backend) -> tuple[_Refusal | None, bytes]:
-    """Whether the backend refused the request before any token, as a retryable 503 (a plain answer, or a
-    stream whose first event is such an error) -> (the refusal or None, the stream's bytes read so far,
+    """Whether the backend refused the request before any token, as a retryable 503 (a plain answer, as lorad serve
+    gives, or the first event of a stream begun before its first token, as other OpenAI servers may) -> (the
+    refusal or None, the stream's bytes read so far,
     which the caller passes on). A stream is read up to its first complete event before the client's
     response starts, so that a refusal can still be routed elsewhere."""
     if upstream.status == 503:
