@@ -221,6 +221,8 @@ class _LoraSettings:
     use_rslora: bool
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
+    target_modules: str | tuple[str, ...] | None = None  # None: not given (every module with weights counts)
+    exclude_modules: str | tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, config: dict) -> _LoraSettings:
@@ -255,7 +257,19 @@ class _LoraSettings:
             raise _Refusal(f"use_rslora={use_rslora!r} is not a boolean")
         rank_pattern = _pattern(config, "rank_pattern", lambda v: _is_int(v) and v >= 1, "a positive integer")
         alpha_pattern = _pattern(config, "alpha_pattern", _is_number, "a finite number")
-        return cls(r, float(alpha), use_rslora, rank_pattern, alpha_pattern)
+        return cls(r, float(alpha), use_rslora, rank_pattern, alpha_pattern,
+                   _module_names(config, "target_modules"), _module_names(config, "exclude_modules") or ())
+
+    def targets(self, module: str) -> bool:
+        """Whether PEFT puts LoRA on `module` (e.g. `model.layers.0.self_attn.q_proj`) under target_modules and
+        exclude_modules, as peft.tuners.tuners_utils.check_target_module_exists does: a string is a regex the
+        whole name must match; a list names modules by their last dotted parts; "all-linear" takes every
+        projection."""
+        if _names_module(self.exclude_modules, module):
+            return False
+        if self.target_modules is None or self.target_modules == "all-linear":
+            return True
+        return _names_module(self.target_modules, module)
 
     def rank_and_scaling(self, module: str) -> tuple[int, float]:
         """The configured rank and scaling of one module, e.g. `model.layers.0.self_attn.q_proj`.
@@ -266,6 +280,28 @@ class _LoraSettings:
         r = self.rank_pattern.get(_pattern_key(self.rank_pattern, module), self.r)
         alpha = self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module), self.lora_alpha)
         return r, alpha / (math.sqrt(r) if self.use_rslora else r)
+
+
+def _module_names(config: dict, key: str) -> str | tuple[str, ...] | None:
+    """target_modules or exclude_modules: a regex string, a list of module names, or None when not given."""
+    names = config.get(key)
+    if names is None or (isinstance(names, str) and names.lower() == "all-linear"):
+        return names if names is None else "all-linear"
+    if isinstance(names, str):
+        try:
+            re.compile(names)
+        except re.error as error:
+            raise _Refusal(f"{key} {names!r} is not a valid regular expression: {error}") from None
+        return names
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise _Refusal(f"{key} must be a list of module names or a regular expression, not {names!r}")
+    return tuple(names)
+
+
+def _names_module(names: str | tuple[str, ...], module: str) -> bool:
+    if isinstance(names, str):
+        return re.fullmatch(names, module) is not None
+    return any(module == name or module.endswith("." + name) for name in names)
 
 
 def _pattern(config: dict, key: str, valid, expected: str) -> dict:
@@ -307,6 +343,10 @@ def _read_weights(
             pairs = _lora_pairs(list(file.keys()), spec)
             # Shapes and dtypes come from the header: refuse before reading any data.
             for (_, target), (module, a_name, b_name) in pairs.items():
+                if not settings.targets(module):
+                    raise _Refusal(f"tensor {a_name} puts LoRA on {module}, which target_modules="
+                                   f"{_shown(settings.target_modules)} (exclude_modules={_shown(settings.exclude_modules)}) "
+                                   f"does not take: PEFT would not apply it; the config and the weights disagree")
                 _check_shapes(file, module, target, a_name, b_name, spec, max_rank, settings)
             for (layer, target), (module, a_name, b_name) in sorted(pairs.items()):
                 _, module_scaling = settings.rank_and_scaling(module)
@@ -323,6 +363,10 @@ def _read_weights(
     except (SafetensorError, OSError, RuntimeError, ValueError) as error:
         raise _Refusal(f"{WEIGHTS_FILE} is corrupt or truncated: {error}") from None
     return weights, scaling
+
+
+def _shown(names: str | tuple[str, ...] | None):
+    return list(names) if isinstance(names, tuple) else names
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:

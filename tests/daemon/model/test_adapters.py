@@ -114,6 +114,18 @@ def test_all_projections_match_peft(base_model, tmp_path):
     }
 
 
+@pytest.mark.parametrize("targets", [["q_proj", "down_proj"], ["self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"],
+                                     r".*\.(q_proj|down_proj)", "all-linear", "ALL-LINEAR", None])
+def test_target_modules_that_take_every_weighted_module_load(tmp_path, targets):
+    config = {"target_modules": targets} if targets is not None else {}
+    directory = write_adapter(tmp_path / "a", lora_tensors({(0, "q_proj"): 4, (1, "down_proj"): 4}), **config)
+    if targets is None:
+        saved = json.loads((directory / "adapter_config.json").read_text())
+        del saved["target_modules"]
+        (directory / "adapter_config.json").write_text(json.dumps(saved))
+    assert load_peft_adapter(directory, SPEC, max_rank=8, name="a").targets == ("q_proj", "down_proj")
+
+
 def test_rslora_and_regex_target_modules_match_peft(base_model, tmp_path):
     model = make_peft_adapter(
         base_model, tmp_path / "rs", r=4, lora_alpha=8, use_rslora=True, target_modules=r".*\.(v_proj|q_proj)"
@@ -257,12 +269,15 @@ def lora_tensors(modules: dict[tuple[int, str], int], dtype=torch.float32, infix
 
 
 def write_adapter(directory: Path, tensors: dict | None = None, **config) -> Path:
+    """An adapter folder of `tensors` (one rank-4 q_proj by default); target_modules, unless given, names the modules
+    the tensors are on."""
     directory.mkdir(parents=True, exist_ok=True)
-    full_config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "bias": "none"}
-    full_config.update(config)
-    (directory / "adapter_config.json").write_text(json.dumps(full_config))
     if tensors is None:
         tensors = lora_tensors({(0, "q_proj"): 4})
+    modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors if ".lora_" in name})
+    full_config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": modules or ["q_proj"], "bias": "none"}
+    full_config.update(config)
+    (directory / "adapter_config.json").write_text(json.dumps(full_config))
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     return directory
 
@@ -425,6 +440,18 @@ REFUSED_ADAPTERS = {
         r"two lora_A tensors",
     ),
     "no tensors": ({}, {}, r"holds no LoRA tensors"),
+    "weights on a module target_modules leaves out": (
+        lora_tensors({(0, "q_proj"): 4, (1, "down_proj"): 4}), {"target_modules": ["gate_proj", "q_proj"]},
+        r"layers.1.mlp.down_proj.lora_A.weight puts LoRA on model.layers.1.mlp.down_proj, which "
+        r"target_modules=\['gate_proj', 'q_proj'\] \(exclude_modules=\[\]\) does not take",
+    ),
+    "weights on a module a regex target_modules leaves out": (
+        lora_tensors({(0, "q_proj"): 4, (0, "v_proj"): 4}), {"target_modules": r".*\.q_proj"}, r"self_attn.v_proj, which"),
+    "weights on an excluded module": (
+        lora_tensors({(0, "q_proj"): 4, (1, "q_proj"): 4}),
+        {"target_modules": ["q_proj"], "exclude_modules": ["layers.1.self_attn.q_proj"]}, r"layers.1.self_attn.q_proj, which"),
+    "target_modules of another type": (good_tensors(), {"target_modules": {"q_proj": 1}}, r"target_modules must be a list"),
+    "target_modules not a regex": (good_tensors(), {"target_modules": "q_proj("}, r"target_modules 'q_proj\(' is not a valid"),
 }
 
 
