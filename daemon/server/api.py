@@ -156,8 +156,10 @@ def parse_admin(body, required: tuple[str, ...]) -> dict[str, str]:
     if unknown:
         raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
     for name in required:
-        if not isinstance(body.get(name), str) or not body[name]:
+        if body.get(name) is None or body[name] == "":
             raise BadRequest(f"{name} is required: a non-empty string")
+        if not isinstance(body[name], str):
+            raise BadRequest(f"{name} must be a string, not {type(body[name]).__name__}")
         if "\0" in body[name]:
             raise BadRequest(f"{name} must not contain NUL characters")
         if not body[name].isascii():

@@ -73,6 +73,9 @@ async def parse_json(app: web.Application, raw: bytes):
     except RecursionError:
         raise BadRequest("the request body is nested too deeply") from None
     except ValueError as error:  # not JSON, not UTF-8, or an integer of more digits than Python converts
+        if "integer string conversion" in str(error):  # its advice (sys.set_int_max_str_digits) is for the server
+            raise BadRequest(f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                             "digits") from None
         raise BadRequest(f"the request body is not JSON lorad accepts: {str(error)[:200]}") from None
 
 

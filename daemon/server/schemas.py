@@ -102,8 +102,10 @@ class _Generation(_Body):
     @field_validator("model", mode="before")
     @classmethod
     def _model(cls, model):
-        if not isinstance(model, str) or not model:
+        if model is None or model == "":
             raise ValueError("model is required: the base model's name or an adapter's")
+        if not isinstance(model, str):
+            raise ValueError(f"model must be a string, the base model's name or an adapter's, not {type(model).__name__}")
         return model
 
     @field_validator("n", mode="before")

@@ -76,7 +76,10 @@ def post(server, body: bytes) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize("body, fragment", [
-    (b'{"model": "lorad-demo", "prompt": "hi", "seed": ' + b"9" * 5000 + b"}", "not JSON lorad accepts"),
+    (b'{"model": "lorad-demo", "prompt": "hi", "seed": ' + b"9" * 5000 + b"}", "an integer of more than 4300 digits"),
+    # the same in a body large enough for the parser's process
+    (b'{"model": "lorad-demo", "prompt": "' + b"x" * (1 << 20) + b'", "seed": ' + b"9" * 5000 + b"}",
+     "an integer of more than 4300 digits"),
     (b'{"model": "lorad-demo", "prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", "nested too deeply"),
     (b'{"model": "lorad-demo", "prompt": "hi", "seed": 18446744073709551616}', "seed must be"),
     (b'{"model": "lorad-demo", "prompt": "hi", "temperature": 1e-40}', "temperature"),

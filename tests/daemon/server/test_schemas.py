@@ -25,7 +25,8 @@ ENDPOINTS = {"completions": (parse_completion, COMPLETION), "chat": (parse_chat,
 
 # (field, a value it refuses, how the message begins); on both endpoints
 SHARED_REFUSALS = [
-    ("model", 5, "model is required"),
+    ("model", 5, "model must be a string, the base model's name or an adapter's, not int"),
+    ("model", ["x"], "model must be a string"),
     ("model", "", "model is required"),
     ("max_tokens", 0, "max_tokens must be a positive integer (got 0)"),
     ("max_tokens", "5", "max_tokens must be a positive integer (got '5')"),
