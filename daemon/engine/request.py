@@ -124,15 +124,17 @@ def _real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check_prompt(prompt_token_ids: list[int], sampling: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+def check_prompt(prompt_token_ids: list[int], sampling: SamplingParams, vocab_size: int, max_model_len: int,
+                 max_tokens_field: str = "max_tokens") -> None:
     """Raises BadRequest unless the prompt is a non-empty list of token ids in the vocabulary and every stop
-    token id is in it too, and PromptTooLong unless the prompt plus max_tokens fits the model's context."""
+    token id is in it too, and PromptTooLong unless the prompt plus max_tokens fits the model's context (named as
+    the client's `max_tokens_field`: chat's max_completion_tokens)."""
     if not prompt_token_ids:
         raise BadRequest("the prompt is empty")
     total = len(prompt_token_ids) + sampling.max_tokens
     if total > max_model_len:  # first: a cheap bound before a look at every token
         raise PromptTooLong(
-            f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({sampling.max_tokens}) is "
+            f"the prompt ({len(prompt_token_ids)} tokens) plus {max_tokens_field} ({sampling.max_tokens}) is "
             f"{total} tokens, over this model's context of {max_model_len}"
         )
     for token in prompt_token_ids:

@@ -272,7 +272,7 @@ async def _generate(request: web.Request, completion: Completion, prompts: list[
     engine = request.app[ENGINE]
     loop = asyncio.get_running_loop()
     for prompt_ids in prompts:
-        check_prompt(prompt_ids, completion.sampling, engine.vocab_size, engine.max_model_len)
+        check_prompt(prompt_ids, completion.sampling, engine.vocab_size, engine.max_model_len, completion.max_tokens_field)
     adapter = None if completion.model == engine.model_name else completion.model
     n = completion.n
     outputs = _OutputQueue(loop, len(prompts) * n)

@@ -234,6 +234,7 @@ class Completion:
     n: int = 1  # choices per prompt
     echo: bool = False  # completions: each choice's text starts with its prompt's
     messages: list[dict] | None = None  # chat: [{role, content: str[, name]}] for the template
+    max_tokens_field: str = "max_tokens"  # the field the client gave the length in, for the messages that name it
 
     @property
     def chat(self) -> bool:
@@ -255,7 +256,8 @@ def parse_chat(body, max_n: int = MAX_N) -> Completion:
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return Completion(request.model, None, request.sampling(max_tokens, logprobs), request.stream,
                       request.stream_options.include_usage, request.return_token_ids, request.n,
-                      messages=[message.for_template() for message in request.messages])
+                      messages=[message.for_template() for message in request.messages],
+                      max_tokens_field="max_completion_tokens" if request.max_completion_tokens else "max_tokens")
 
 
 def _validate(schema: type[BaseModel], body, max_n: int):

@@ -195,6 +195,11 @@ def test_the_openai_clients_errors(openai_client):
     with pytest.raises(openai.BadRequestError, match="logprobs must be an integer from 0 to 20"):
         openai_client.chat.completions.create(model="demo-r8", messages=[{"role": "user", "content": "hi"}], logprobs=True,
                                               top_logprobs=21)
+    hello = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match=r"plus max_completion_tokens \(100000\) is \d+ tokens, over"):
+        openai_client.chat.completions.create(model="demo-r8", messages=hello, max_completion_tokens=100000)
+    with pytest.raises(openai.BadRequestError, match=r"plus max_tokens \(100000\) is \d+ tokens, over"):
+        openai_client.chat.completions.create(model="demo-r8", messages=hello, max_tokens=100000)
     answer = openai_client.completions.create(model="lorad-demo", prompt="The lighthouse", max_tokens=4)
     assert answer.object == "text_completion" and answer.usage.completion_tokens <= 4
 
