@@ -25,6 +25,13 @@ class BadRequest(LoradError):
     status = 400
     type = "invalid_request_error"
 
+    @classmethod
+    def malformed(cls, kind: str, error: Exception) -> "BadRequest":
+        """A file of `kind` (trace, profile) whose JSON lacks a field or holds a value of the wrong type."""
+        if isinstance(error, KeyError):
+            return cls(f"malformed {kind}: it has no {error.args[0]!r} field")
+        return cls(f"malformed {kind}: {error}")
+
 
 class PromptTooLong(BadRequest):
     status = 400

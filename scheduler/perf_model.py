@@ -311,7 +311,7 @@ class Profile:
                 collectives=CollectiveModel(**data["collectives"]) if data.get("collectives") else None,
             )
         except (KeyError, TypeError, AttributeError) as error:
-            raise BadRequest(f"malformed profile: {error!r}") from None
+            raise BadRequest.malformed("profile", error) from None
 
     def decode_for(self, kernel: str) -> DecodeStepModel:
         """The decode-step model of engines whose steps run `kernel` (bgmv or mbgmv): `decode` when it is

@@ -70,7 +70,7 @@ class Trace:
             requests = [TraceRequest(float(a), str(n), int(p), int(o)) for a, n, p, o in data["requests"]]
             ranks = {str(name): int(rank) for name, rank in data["adapter_ranks"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as error:
-            raise BadRequest(f"malformed trace: {error!r}") from None
+            raise BadRequest.malformed("trace", error) from None
         missing = {r.adapter for r in requests} - ranks.keys()
         if missing:
             raise BadRequest(f"trace names adapters without a rank: {sorted(missing)[:5]}")

@@ -264,6 +264,9 @@ def bench_main(argv: list[str]) -> int:
         return REFUSED
     except OSError as error:
         reason = error.strerror or str(error) or type(error).__name__
+        if error.filename is not None:  # a file the command reads or writes (a socket's errors name none)
+            print(f"lorad: {error.filename}: {reason}", file=sys.stderr)
+            return REFUSED
         replaying = args.command == "bench" and args.action in ("trace", "serve")
         print(f"lorad: cannot reach the daemon at {args.socket}: {reason} (is `lorad serve` running?)"
               if replaying else f"lorad: {reason}", file=sys.stderr)

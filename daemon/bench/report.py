@@ -95,13 +95,14 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def write_report(path: str | None, report: dict) -> None:
+def write_report(path: str | None, report: dict, say: bool = True) -> None:
     """JSON (non-finite numbers as null) at `path`, if given, and its PNG beside it: report["plot"] says
-    which, or why there is none."""
+    which, or why there is none. say: print where it went."""
     if not path:
         return
     write_json(path, report)
-    print(f"wrote {path}")
+    if say:
+        print(f"wrote {path}")
 
 
 def pyplot():
@@ -140,5 +141,5 @@ def finish(path: str | None, report: dict, draw) -> None:
     write_report(path, report)
     report["plot"] = save_plot(path, draw)
     if report["plot"] is not None:
-        write_report(path, report)
+        write_report(path, report, say=False)  # the same file again, now naming its plot
 

@@ -86,16 +86,18 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     fields["model"] = args.model or client.models()[0]["id"]
-    finish_reason = None
+    finish_reason, started = None, False
     try:
         for chunk in client.stream_completions(**fields):
             for choice in chunk["choices"]:
                 sys.stdout.write(choice["text"])
                 sys.stdout.flush()
+                started = True
                 finish_reason = choice.get("finish_reason") or finish_reason
     finally:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        if started:  # end the completion's line; a refusal before it prints only its message
+            sys.stdout.write("\n")
+            sys.stdout.flush()
     if finish_reason == "abort":
         print("lorad: the daemon stopped the request before it finished", file=sys.stderr)
         return REFUSED

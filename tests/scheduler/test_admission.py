@@ -55,7 +55,7 @@ def test_early_abort_drops_what_cannot_meet_the_ttft_objective():
     decision = EarlyAbort(PREFILL).select(queue, 1.0, ROOMY, objectives)
     assert decision.admit == (1, 2, 4)
     assert [key for key, _ in decision.drop] == [0, 3]
-    assert "early abort: estimated TTFT 1.100 s > objective 1.000 s" in decision.drop[0][1]
+    assert "early abort: estimated TTFT 1100.0 ms > objective 1000.0 ms" in decision.drop[0][1]
     # past the step's room a request waits when it can still make it after this step, else it is dropped
     small = Room(slots=1, prefill_tokens=1000, kv_tokens=10_000, batch_empty=True)
     queue = [queued(0, arrival=0.9, prompt=100), queued(1, arrival=0.8, prompt=100), queued(2, arrival=0.5, prompt=300)]

@@ -57,7 +57,7 @@ def test_early_abort_drops_from_the_queue_and_hands_them_over():
     # long: 0.1 (short) + 0.8 of its own > 0.5: dropped at once; short2 still makes it
     assert [s.request_id for s, _ in plan] == ["short", "short2"]
     dropped = scheduler.take_dropped()
-    assert [(s.request_id, reason.startswith("early abort: estimated TTFT 0.900 s")) for s, reason in dropped] == [
+    assert [(s.request_id, reason.startswith("early abort: estimated TTFT 900.0 ms")) for s, reason in dropped] == [
         ("long", True)]
     assert scheduler.take_dropped() == [] and not scheduler.waiting
     # a request that waits for a slot is dropped once waiting has made it late

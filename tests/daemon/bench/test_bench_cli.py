@@ -71,6 +71,24 @@ def test_bad_usage_exits_2_with_one_line(capsys, argv, fragment):
     assert code == 2 and out == "" and err.count("\n") == 1 and fragment in err, err
 
 
+@pytest.mark.parametrize("text, fragment", [
+    ('{"version": 1}', "malformed trace: it has no 'requests' field"),
+    ('{"version": 1, "requests": [[0, "a", 1]], "adapter_ranks": {"a": 8}}', "malformed trace: not enough values"),
+    ('{"version": 2}', "unknown trace version 2"),
+])
+def test_a_malformed_trace_is_one_line_naming_what_is_wrong(capsys, tmp_path, text, fragment):
+    (tmp_path / "trace.json").write_text(text)
+    code, out, err = run_main(capsys, "simulate", "--trace", tmp_path / "trace.json")
+    assert code == 2 and out == "" and err.startswith(f"lorad: {fragment}") and err.count("\n") == 1, err
+
+
+def test_an_out_path_that_cannot_be_written_names_it(capsys, tmp_path):
+    out = tmp_path / "missing" / "trace.json"
+    code, _, err = run_main(capsys, "trace", "make", "--kind", "poisson", "--adapters", 4, "--rate", 2, "--duration", 5,
+                            "--out", out)
+    assert code == 2 and err == f"lorad: {out}: No such file or directory\n"
+
+
 def test_simulate_prints_a_row_per_run_and_writes_the_report(capsys, caplog, tmp_path):
     trace_path, report_path = tmp_path / "trace.json", tmp_path / "report.json"
     assert run_main(capsys, "trace", "make", "--kind", "gamma", "--adapters", 100, "--rate", 40, "--duration", 10,

@@ -38,8 +38,8 @@ def test_early_abort_drops_what_cannot_make_it_and_the_client_is_told(demo_asset
             client.completions(model="demo-r8", prompt=list(range(5, 25)), max_tokens=2)
         assert caught.value.status == 503
         message = caught.value.message  # the estimate: 2 s of prefill plus the few ms it waited
-        assert message.startswith("dropped by early-abort admission: early abort: estimated TTFT 2.0"), message
-        assert message.endswith("s > objective 1.000 s"), message
+        assert message.startswith("dropped by early-abort admission: early abort: estimated TTFT 20"), message
+        assert message.endswith(" ms > objective 1000.0 ms"), message
         with pytest.raises(Overloaded) as caught:  # a stream ends with an error event saying the same
             list(client.stream_completions(model="lorad-demo", prompt=list(range(5, 20)), max_tokens=2))
         assert "dropped by early-abort admission" in caught.value.message

@@ -28,7 +28,7 @@ def event(payload) -> bytes:
 
 
 def drop_error(kind: str = "admission_dropped") -> dict:
-    message = "dropped by early-abort admission: early abort: estimated TTFT 2.0 s > objective 1.000 s"
+    message = "dropped by early-abort admission: early abort: estimated TTFT 2000.0 ms > objective 1000.0 ms"
     if kind == "overloaded_error":
         message = "64 requests are already waiting"
     return {"error": {"message": message, "type": kind, "code": 503}}

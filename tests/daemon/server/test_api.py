@@ -122,7 +122,7 @@ class FakeEngine:
         if request.adapter == "failing" or (request.adapter == "late" and state["generated"]):
             return self._finish(state, [], "", "error", error="the adapter's pages vanished")
         if request.adapter == "dropped":
-            return self._finish(state, [], "", "error", error="early abort: estimated TTFT 2.0 s > objective 1.0 s",
+            return self._finish(state, [], "", "error", error="early abort: estimated TTFT 2000.0 ms > objective 1000.0 ms",
                                 error_type=AdmissionDropped.type)
         if token in sampling.stop_token_ids or (token == EOS and not sampling.ignore_eos):
             return self._finish(state, [], "", "stop")
@@ -374,7 +374,7 @@ def test_completion_that_fails_is_a_500(client):
     [
         ({"prompt": "hi"}, "model is required"),
         ({"model": "", "prompt": "hi"}, "model is required"),
-        ({"model": 5, "prompt": "hi"}, "model is required"),
+        ({"model": 5, "prompt": "hi"}, "model must be a string"),
         ({"model": "fake-base"}, "prompt is required"),
         ({"model": "fake-base", "prompt": ""}, "prompt is empty"),
         ({"model": "fake-base", "prompt": []}, "prompt is empty"),
@@ -695,7 +695,7 @@ def test_demo_concurrent_adapters_and_disconnect(demo_server):
         (b'{"model": "lorad-demo", "prompt": "hi"', 400, "not JSON"),
         (b'{"model": "lorad-demo", "prompt": "hi", "temperature": NaN}', 400, "temperature"),
         (b'{"model": "lorad-demo", "prompt": "hi", "max_tokens": 1e999}', 400, "max_tokens"),
-        (b'{"model": ["lorad-demo"], "prompt": "hi"}', 400, "model is required"),
+        (b'{"model": ["lorad-demo"], "prompt": "hi"}', 400, "model must be a string, the base model's name or an adapter's, not list"),
         (b'{"model": "lorad-demo", "prompt": {"text": "hi"}}', 400, "prompt must be"),
         (b'{"model": "lorad-demo", "prompt": "hi", "max_tokens": "4"}', 400, "max_tokens"),
         (b'{"model": "lorad-demo", "prompt": "hi", "extra": 1}', 400, "unknown field(s): extra"),

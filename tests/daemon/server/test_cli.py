@@ -169,7 +169,7 @@ def test_generate_streams_to_stdout(capsys, fake_daemon):
 
 def test_generate_errors(capsys, fake_daemon, short_tmp):
     code, out, err = run_main(capsys, "generate", "--socket", fake_daemon.path, "--model", "nope", "hi")
-    assert code == 2 and "'nope' does not exist" in err and err.count("\n") == 1
+    assert (code, out) == (2, "") and "'nope' does not exist" in err and err.count("\n") == 1
     code, out, err = run_main(capsys, "generate", "--socket", str(short_tmp / "nobody.sock"), "hi")
     assert code == 1 and "cannot reach the daemon" in err
 
