@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
-from pathlib import Path
 
 from lorad.config import ServerConfig
 from lorad.daemon.bench import serve
-from lorad.daemon.server.cli_args import Parser, parse
+from lorad.daemon.server.cli_args import SEED, Parser, check_out, number, parse
 from lorad.errors import LoradError
 
 log = logging.getLogger(__name__)
@@ -27,16 +25,30 @@ log = logging.getLogger(__name__)
 COMMANDS = ("simulate", "bench", "trace")
 OK, UNREACHABLE, REFUSED = 0, 1, 2
 TRACE_KINDS = ("poisson", "gamma", "serverless", "azure-conv", "azure-code")
+MAX_ADAPTERS = 1_000_000  # what a generated trace or workload may name
+MAX_ENGINES = 10_000
+MAX_WORKERS = 256  # CPU worker processes, as EngineConfig.cpu_workers
+
+_positive_float = number(float, positive=True)
+_positive_int = number(int, positive=True)
+_share = number(float, least=0)  # a Zipf exponent
+_hidden = number(int, 1, 65_536)
 
 
-def _int_list(text: str) -> tuple[int, ...]:
+def _int_list(text: str, most: int | None = None) -> tuple[int, ...]:
     try:
         values = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, not {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, not {text!r}")
+    if most is not None and max(values) > most:
+        raise argparse.ArgumentTypeError(f"expected integers from 1 to {most}, not {text!r}")
     return values
+
+
+def _worker_list(text: str) -> tuple[int, ...]:
+    return _int_list(text, MAX_WORKERS)
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -59,16 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="poisson: one Poisson stream, Zipf(alpha) adapters; gamma: S-LoRA's per-adapter Gamma "
                            "arrivals of cv; serverless: skewed on/off per-adapter traffic (MAF-like); azure-conv, "
                            "azure-code: the Azure LLM inference trace 2023 (CC BY 4.0) arrivals and lengths")
-    make.add_argument("--adapters", type=int, default=100, metavar="N", help="distinct adapters (default: 100)")
-    make.add_argument("--alpha", type=float, default=1.0, metavar="A", help="Zipf exponent of popularity (default: 1)")
-    make.add_argument("--cv", type=float, default=1.0, metavar="C", help="gamma: coefficient of variation (default: 1)")
-    make.add_argument("--sigma", type=float, default=2.5, metavar="S",
+    make.add_argument("--adapters", type=number(int, 1, MAX_ADAPTERS), default=100, metavar="N", help="distinct adapters (default: 100)")
+    make.add_argument("--alpha", type=_share, default=1.0, metavar="A", help="Zipf exponent of popularity (default: 1)")
+    make.add_argument("--cv", type=_positive_float, default=1.0, metavar="C", help="gamma: coefficient of variation (default: 1)")
+    make.add_argument("--sigma", type=_positive_float, default=2.5, metavar="S",
                       help="serverless (and --popularity serverless): log-normal spread (default: 2.5)")
-    make.add_argument("--rate", type=float, metavar="R",
+    make.add_argument("--rate", type=_positive_float, metavar="R",
                       help="requests per second, all adapters together (azure: rescales its arrivals; "
                            "default: 10, azure: as recorded)")
-    make.add_argument("--duration", type=float, metavar="S", help="seconds of arrivals (default: 60; azure: all)")
-    make.add_argument("--requests", type=int, metavar="N", help="azure: the first N rows (default: all)")
+    make.add_argument("--duration", type=_positive_float, metavar="S", help="seconds of arrivals (default: 60; azure: all)")
+    make.add_argument("--requests", type=_positive_int, metavar="N", help="azure: the first N rows (default: all)")
     make.add_argument("--popularity", choices=("power-law", "serverless"), default="power-law",
                       help="azure: how adapters are drawn for its requests (default: power-law)")
     make.add_argument("--ranks", type=_int_list, default=(8, 16, 32, 64), metavar="R,R,...",
@@ -77,36 +89,36 @@ def build_parser() -> argparse.ArgumentParser:
                       help="synthetic kinds: prompt tokens, uniform (default: 8,512)")
     make.add_argument("--output-len", type=_range, default=(8, 512), metavar="LOW,HIGH",
                       help="synthetic kinds: output tokens, uniform (default: 8,512)")
-    make.add_argument("--seed", type=int, default=0, metavar="N")
+    make.add_argument("--seed", type=SEED, default=0, metavar="N")
     make.add_argument("--data-dir", metavar="DIR",
                       help="where the Azure CSVs are (default: ../shared/data relative to the repository)")
     make.add_argument("--out", required=True, metavar="PATH")
 
     simulate = commands.add_parser("simulate", help="simulate N engines serving a trace under routing policies")
     simulate.add_argument("--trace", required=True, metavar="PATH")
-    simulate.add_argument("--engines", type=int, default=60, metavar="N", help="(default: 60)")
+    simulate.add_argument("--engines", type=number(int, 1, MAX_ENGINES), default=60, metavar="N", help="(default: 60)")
     simulate.add_argument("--policy", choices=POLICIES + ("all",), default="all", help="(default: all)")
     simulate.add_argument("--admission", choices=("fcfs", "early-abort", "both"), default="fcfs",
                           help="which queued requests a prefill step takes (default: fcfs)")
-    simulate.add_argument("--cluster", type=int, metavar="D",
+    simulate.add_argument("--cluster", type=_positive_int, metavar="D",
                           help="adapter clustering: prefer the running batch's adapters once it holds D")
     simulate.add_argument("--profile", metavar="PATH",
                           help="performance models from `lorad profile` (default: the example profile, NOT MEASURED)")
     simulate.add_argument("--kernel", choices=("bgmv", "mbgmv"), default=None,
                           help="the engines' decode LoRA kernel: the example profile's (default: bgmv), or with --profile "
                                "the decode model of engines run with --lora-kernel KERNEL (default: the profile's choice)")
-    simulate.add_argument("--max-running", type=int, default=64, metavar="N", help="batch limit per engine (64)")
-    simulate.add_argument("--max-prefill-tokens", type=int, default=4096, metavar="N", help="(default: 4096)")
-    simulate.add_argument("--slo-scale", type=float, default=1.5, metavar="X",
+    simulate.add_argument("--max-running", type=_positive_int, default=64, metavar="N", help="batch limit per engine (64)")
+    simulate.add_argument("--max-prefill-tokens", type=_positive_int, default=4096, metavar="N", help="(default: 4096)")
+    simulate.add_argument("--slo-scale", type=_positive_float, default=1.5, metavar="X",
                           help="time-per-token objective: X times the unloaded decode step at the trace's "
                                "largest rank (default: 1.5)")
-    simulate.add_argument("--slo-tpot-s", type=float, metavar="S", help="time-per-token objective in seconds")
-    simulate.add_argument("--slo-ttft-s", type=float, metavar="S",
+    simulate.add_argument("--slo-tpot-s", type=_positive_float, metavar="S", help="time-per-token objective in seconds")
+    simulate.add_argument("--slo-ttft-s", type=_positive_float, metavar="S",
                           help="TTFT objective in seconds (default: 5x the unloaded prefill of the mean prompt)")
     simulate.add_argument("--tpot-admission", action="store_true",
                           help="engines keep the time-per-token objective when admitting (as `lorad serve` with "
                                "--slo-tpot-ms and a profile): a request does not join a batch whose next step would break it")
-    simulate.add_argument("--seed", type=int, default=0, metavar="N", help="the random policy's seed")
+    simulate.add_argument("--seed", type=SEED, default=0, metavar="N", help="the random policy's seed")
     simulate.add_argument("--out", metavar="PATH", help="JSON report (and PATH's .png CDFs when matplotlib is there)")
 
     bench = commands.add_parser("bench", help="load a running daemon, replay a trace against it; cold-start "
@@ -116,15 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--trace", required=True, metavar="PATH")
     replay.add_argument("--socket", default=ServerConfig.socket, metavar="PATH",
                         help=f"the daemon's Unix socket (default: {ServerConfig.socket})")
-    replay.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+    replay.add_argument("--time-scale", type=number(float, most=1e6, positive=True), default=1.0, metavar="X",
                         help="arrival times are multiplied by X (0.5: twice the rate; default: 1)")
-    replay.add_argument("--max-requests", type=int, metavar="N", help="the first N requests only")
-    replay.add_argument("--max-prompt-tokens", type=int, default=1024, metavar="N",
+    replay.add_argument("--max-requests", type=_positive_int, metavar="N", help="the first N requests only")
+    replay.add_argument("--max-prompt-tokens", type=_positive_int, default=1024, metavar="N",
                         help="longer prompts are cut to N tokens (default: 1024)")
-    replay.add_argument("--max-output-tokens", type=int, default=256, metavar="N",
+    replay.add_argument("--max-output-tokens", type=_positive_int, default=256, metavar="N",
                         help="longer outputs are cut to N tokens (default: 256)")
-    replay.add_argument("--slo-ttft-s", type=float, metavar="S", help="TTFT objective (default: none)")
-    replay.add_argument("--slo-tpot-s", type=float, metavar="S", help="time-per-token objective (default: none)")
+    replay.add_argument("--slo-ttft-s", type=_positive_float, metavar="S", help="TTFT objective (default: none)")
+    replay.add_argument("--slo-tpot-s", type=_positive_float, metavar="S", help="time-per-token objective (default: none)")
     replay.add_argument("--out", metavar="PATH", help="JSON report")
     serve.add_parser(bench_actions, ServerConfig.socket)
     add_microbench_parsers(bench_actions)
@@ -136,25 +148,6 @@ def _name_list(text: str) -> tuple[str, ...]:
     if not values:
         raise argparse.ArgumentTypeError(f"expected comma-separated names, not {text!r}")
     return values
-
-
-def _positive(kind, what: str, unparsed: str):
-    """An argparse type: text -> kind(text) > 0 (finite), else 'expected <what>' ('<unparsed>' when kind
-    cannot read it)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {unparsed}, not {text!r}") from None
-        if not value > 0 or not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"expected {what}, not {text!r}")
-        return value
-
-    return parse
-
-
-_positive_float = _positive(float, "a positive number", "a number")
-_positive_int = _positive(int, "a positive integer", "a positive integer")
 
 
 def add_microbench_parsers(actions) -> None:
@@ -174,15 +167,15 @@ def add_microbench_parsers(actions) -> None:
                       help="among pinned, pageable, host, disk (default: all; no pinned on the CPU)")
     load.add_argument("--model-config", metavar="NAME", help="the shape (default: llama-2-7b on cuda, tiny-llama on cpu)")
     load.add_argument("--reps", type=_positive_int, default=5, metavar="N", help="timed loads per row (default: 5)")
-    load.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed loads first (default: 1)")
+    load.add_argument("--warmup", type=number(int, 0), default=1, metavar="N", help="untimed loads first (default: 1)")
     load.add_argument("--disk-dir", metavar="DIR", help="where the disk tier's adapters are written (default: $TMPDIR)")
-    load.add_argument("--seed", type=int, default=0, metavar="N")
+    load.add_argument("--seed", type=SEED, default=0, metavar="N")
     common(load)
 
     invoke = actions.add_parser("invoke", help="prefill latency: fused copy+signal vs native copy+sync+signal")
     invoke.add_argument("--tokens", type=_int_list, metavar="N,N,...",
                         help="prompt tokens (default: 16,128,512,2048 on cuda; 4,16,64 on cpu)")
-    invoke.add_argument("--hidden", type=_positive_int, metavar="N", help="(default: 4096 on cuda, 256 on cpu)")
+    invoke.add_argument("--hidden", type=_hidden, metavar="N", help="(default: 4096 on cuda, 256 on cpu)")
     invoke.add_argument("--layers", type=_positive_int, metavar="N", help="(default: 32 on cuda, 4 on cpu)")
     invoke.add_argument("--reps", type=_positive_int, default=15, metavar="N", help="(default: 15)")
     invoke.add_argument("--require-fused", action="store_true",
@@ -190,11 +183,11 @@ def add_microbench_parsers(actions) -> None:
     common(invoke)
 
     ipc = actions.add_parser("ipc", help="CPU LoRA round trip: shared memory vs Unix socket, by workers")
-    ipc.add_argument("--workers", type=_int_list, metavar="N,N,...",
+    ipc.add_argument("--workers", type=_worker_list, metavar="N,N,...",
                      help="receiving workers (default: those of 1,2,4,8 below the usable cores)")
     ipc.add_argument("--tokens", type=_positive_int, default=1, metavar="N", help="token rows per worker (default: 1)")
     ipc.add_argument("--rank", type=_positive_int, default=1, metavar="R", help="(default: 1: the invocation, not the math)")
-    ipc.add_argument("--hidden", type=_positive_int, metavar="N", help="(default: 4096 on cuda hosts, 256 on cpu)")
+    ipc.add_argument("--hidden", type=_hidden, metavar="N", help="(default: 4096 on cuda hosts, 256 on cpu)")
     ipc.add_argument("--reps", type=_positive_int, metavar="N", help="(default: 2000 on cuda hosts, 200 on cpu)")
     common(ipc)
 
@@ -202,11 +195,11 @@ def add_microbench_parsers(actions) -> None:
     cpu_lora.add_argument("--ranks", type=_int_list, metavar="R,R,...", help="profile ranks (default: 16,64)")
     cpu_lora.add_argument("--tokens", type=_int_list, metavar="N,N,...",
                           help="profile token counts (default: 1,16,64,128,256,512 on cuda hosts; 1,8,32,64 on cpu)")
-    cpu_lora.add_argument("--workers", type=_int_list, metavar="N,N,...",
+    cpu_lora.add_argument("--workers", type=_worker_list, metavar="N,N,...",
                           help="core counts compared (default: those of 1,2,4,8 below the usable cores)")
     cpu_lora.add_argument("--scaling-tokens", type=_positive_int, default=128, metavar="N", help="(default: 128)")
     cpu_lora.add_argument("--scaling-rank", type=_positive_int, default=64, metavar="R", help="(default: 64)")
-    cpu_lora.add_argument("--hidden", type=_positive_int, metavar="N", help="(default: 4096 on cuda hosts, 256 on cpu)")
+    cpu_lora.add_argument("--hidden", type=_hidden, metavar="N", help="(default: 4096 on cuda hosts, 256 on cpu)")
     cpu_lora.add_argument("--reps", type=_positive_int, default=9, metavar="N", help="(default: 9)")
     common(cpu_lora)
 
@@ -215,7 +208,7 @@ def add_microbench_parsers(actions) -> None:
     cold.add_argument("--rate", type=_positive_float, metavar="R", help="requests per second (default: 8 on cuda, 50 on cpu)")
     cold.add_argument("--adapters", type=_int_list, metavar="N,N,...",
                       help="skewed workloads' adapter counts (default: 128,256,512 on cuda; 8,16 on cpu)")
-    cold.add_argument("--alpha", type=float, default=1.0, metavar="A", help="Zipf exponent of popularity (default: 1)")
+    cold.add_argument("--alpha", type=_share, default=1.0, metavar="A", help="Zipf exponent of popularity (default: 1)")
     cold.add_argument("--modes", type=_name_list, metavar="MODE,...",
                       help="among cached, ondemand, cpu, auto (default: all four)")
     cold.add_argument("--prompt-tokens", type=_positive_int, metavar="N", help="(default: 256 on cuda, 16 on cpu)")
@@ -223,8 +216,8 @@ def add_microbench_parsers(actions) -> None:
     cold.add_argument("--rank", type=_positive_int, metavar="R", help="the adapters' rank (default: 32 on cuda, 8 on cpu)")
     cold.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", metavar="P,P,...",
                       help="the adapters' projections (default: q_proj,k_proj,v_proj,o_proj)")
-    cold.add_argument("--cpu-workers", type=int, default=0, metavar="N", help="CPU LoRA workers (default: 0, the engine's)")
-    cold.add_argument("--pinned-host-bytes", type=int, metavar="BYTES",
+    cold.add_argument("--cpu-workers", type=number(int, 0, MAX_WORKERS), default=0, metavar="N", help="CPU LoRA workers (default: 0, the engine's)")
+    cold.add_argument("--pinned-host-bytes", type=number(int, 0), metavar="BYTES",
                       help="every engine's pinned host budget for staged adapters (default: the engine's; 0: every "
                            "load copies from pageable memory)")
     cold.add_argument("--model-config", metavar="NAME", help="(default: llama-2-7b on cuda, tiny-llama on cpu)")
@@ -234,7 +227,7 @@ def add_microbench_parsers(actions) -> None:
     cold.add_argument("--no-ablation", dest="ablation", action="store_false", help="skip the ablation table")
     cold.add_argument("--no-prime", dest="prime", action="store_false",
                       help="skip the unreported first workload that compiles every kernel variant the workloads use")
-    cold.add_argument("--seed", type=int, default=0, metavar="N")
+    cold.add_argument("--seed", type=SEED, default=0, metavar="N")
     common(cold)
 
 
@@ -247,6 +240,7 @@ def bench_main(argv: list[str]) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s", stream=sys.stderr)
     try:
+        check_out(getattr(args, "out", None))  # before the work: a report that cannot be written is not found out after it
         if args.command == "trace":
             from lorad.daemon.bench import trace_make as command
         elif args.command == "simulate":
@@ -281,10 +275,6 @@ def microbench(args: argparse.Namespace) -> int:
     from importlib import import_module
 
     module = {"load": "load", "invoke": "invoke", "ipc": "ipc", "cpu-lora": "cpu_lora", "cold-start": "cold_start"}[args.action]
-    from lorad.errors import BadRequest
-
-    if args.out and not Path(args.out).resolve().parent.is_dir():
-        raise BadRequest(f"--out {args.out}: the directory {Path(args.out).resolve().parent} does not exist")
     args.command_line = "lorad " + " ".join(args.argv)
     import_module(f"lorad.daemon.bench.{module}").run(args)
     return OK

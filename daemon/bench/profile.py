@@ -54,7 +54,7 @@ from lorad.daemon.model.checkpoint import (
     load_spec,
     load_weights,
 )
-from lorad.daemon.server.cli_args import Parser, parse
+from lorad.daemon.server.cli_args import SEED, Parser, check_out, log_level, parse
 from lorad.daemon.engine.step_plan import StepPlan
 from lorad.daemon.engine.decode_graphs import mbgmv_tier
 from lorad.daemon.engine.kernel_choice import (
@@ -779,11 +779,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="as lorad serve --lora-pdl: auto|on|off, the decode MBGMV's expand launched early "
                              "(default: auto)")
     parser.add_argument("--quick", action="store_true", help="a few samples of tiny batches: seconds on a CPU (tests)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=SEED, default=0)
     parser.add_argument("--state-dir", metavar="DIR", help="the daemon's state_dir: the profile goes there (default: ~/.cache/lorad)")
     parser.add_argument("--out", metavar="PATH", help="where to write the profile (default: <state-dir>/profile-<model>-<device>"
                                                       "[-tpN].json)")
-    parser.add_argument("--log-level", default="info", help="debug|info|warning|error")
+    parser.add_argument("--log-level", type=log_level, default="info", help="debug|info|warning|error")
     return parser
 
 
@@ -824,6 +824,7 @@ def _profile(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, spec.torch_dtype, device)
     plan = QUICK_PLAN if args.quick else CUDA_PLAN if device.type == "cuda" else CPU_PLAN
     out = Path(args.out) if args.out else default_profile_path(name, device, args.state_dir, size)
+    check_out(out, "--out" if args.out else "--state-dir", make_parents=True)  # before minutes of measurement
     kernels = "the Triton kernels" if device.type == "cuda" else "the torch references of both kernels (one function, bgmv_ref): no GPU"
     all_reduce = resolve_all_reduce(args.all_reduce, size, device)
     spans = f" x {size} ranks (each its shard, its sums included: {all_reduce} asked)" if size > 1 else ""

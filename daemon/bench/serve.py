@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from lorad.daemon.bench.trace_report import write_json
+from lorad.daemon.server.cli_args import SEED, check_out, number
 from lorad.errors import BadRequest, LoradError, Overloaded
 from lorad.scheduler.workload import AZURE_ATTRIBUTION, Trace, power_law_weights, read_azure_csv
 
@@ -29,6 +30,7 @@ PERCENTILES = (50, 90, 99)
 PROMPT_TOKEN_RANGE = (16, 256)
 # A request that loses its connection says the daemon is gone or refusing: the run ends with a partial report.
 CONNECTION = "connection"
+MAX_PROMPTS = 1_000_000  # --num-prompts, --warmup-requests
 WARMUP_PROMPT_TOKENS = 16  # a warm-up request's prompt (--warmup-requests): its adapter's prefill runs once
 
 
@@ -348,39 +350,39 @@ def add_parser(actions, default_socket: str) -> None:
     serve.add_argument("--socket", default=default_socket, metavar="PATH",
                        help=f"the daemon's Unix socket (default: {default_socket})")
     serve.add_argument("--dataset", choices=DATASETS, default="random", help="(default: random)")
-    serve.add_argument("--input-len", type=int, default=1024, metavar="N", help="random: prompt tokens (1024)")
-    serve.add_argument("--output-len", type=int, default=128, metavar="N", help="random: output tokens (128)")
+    serve.add_argument("--input-len", type=number(int, positive=True), default=1024, metavar="N", help="random: prompt tokens (1024)")
+    serve.add_argument("--output-len", type=number(int, positive=True), default=128, metavar="N", help="random: output tokens (128)")
     serve.add_argument("--ignore-eos", action="store_true",
                        help="generate every request's whole output length (default: a request may end at EOS)")
     serve.add_argument("--trace", metavar="PATH", help="--dataset trace: a trace written by `lorad trace make`")
     serve.add_argument("--data-dir", metavar="DIR", help="where the Azure CSVs are (default: ../shared/data)")
-    serve.add_argument("--max-input-len", type=int, metavar="N", help="longer prompts are cut to N tokens")
-    serve.add_argument("--num-prompts", type=int, default=200, metavar="N", help="(default: 200)")
+    serve.add_argument("--max-input-len", type=number(int, positive=True), metavar="N", help="longer prompts are cut to N tokens")
+    serve.add_argument("--num-prompts", type=number(int, 1, MAX_PROMPTS), default=200, metavar="N", help="(default: 200)")
     serve.add_argument("--request-rate", type=parse_rate, default=math.inf, metavar="R|inf|trace",
                        help="Poisson arrivals at R requests/s, all at once (inf), or the dataset's own arrival "
                             "times (trace) (default: inf)")
-    serve.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+    serve.add_argument("--time-scale", type=number(float, most=1e6, positive=True), default=1.0, metavar="X",
                        help="--request-rate trace: arrival times are multiplied by X (default: 1)")
-    serve.add_argument("--max-concurrency", type=int, metavar="N", help="at most N requests in flight")
-    serve.add_argument("--adapters", type=int, default=0, metavar="N",
+    serve.add_argument("--max-concurrency", type=number(int, positive=True), metavar="N", help="at most N requests in flight")
+    serve.add_argument("--adapters", type=number(int, 0, 1_000_000), default=0, metavar="N",
                        help="spread requests over the daemon's first N adapters (0: the base model alone; default 0)")
-    serve.add_argument("--alpha", type=float, default=1.0, metavar="A", help="Zipf exponent of adapter popularity (1)")
+    serve.add_argument("--alpha", type=number(float, least=0), default=1.0, metavar="A", help="Zipf exponent of adapter popularity (1)")
     serve.add_argument("--sweep", type=parse_sweep, metavar="KEY=V,V,...",
                        help="one run per value: request-rate=1,2,4,inf or max-concurrency=1,8,32")
     serve.add_argument("--goodput", nargs="+", metavar="KEY:MS",
                        help="objectives for goodput, e.g. ttft:2000 tpot:100 (keys ttft, tpot, e2el)")
-    serve.add_argument("--goodput-share", type=float, default=0.9, metavar="S",
+    serve.add_argument("--goodput-share", type=number(float, most=1, positive=True), default=0.9, metavar="S",
                        help="with --goodput and --sweep: report the highest swept value at which at least this share "
                             "of the requests met every objective (default 0.9)")
     serve.add_argument("--temperature", type=float, default=0.0, metavar="T",
                        help="each request's temperature (default 0: greedy; the API's own default is 1)")
     serve.add_argument("--top-p", type=float, default=1.0, metavar="P", help="each request's top_p (default 1)")
-    serve.add_argument("--top-k", type=int, default=0, metavar="K", help="each request's top_k (default 0: off)")
-    serve.add_argument("--warmup-requests", type=int, default=0, metavar="N",
+    serve.add_argument("--top-k", type=number(int, least=0), default=0, metavar="K", help="each request's top_k (default 0: off)")
+    serve.add_argument("--warmup-requests", type=number(int, 0, MAX_PROMPTS), default=0, metavar="N",
                        help="N short requests (one output token) before the run, over its adapters, the most requested "
                             "first: their loads from disk happen then, not in the first point; counted in no point "
                             "(default 0)")
-    serve.add_argument("--seed", type=int, default=0, metavar="N")
+    serve.add_argument("--seed", type=SEED, default=0, metavar="N")
     serve.add_argument("--no-progress", action="store_true", help="no progress bar")
     serve.add_argument("--out", metavar="PATH.json", help="JSON report (and PATH.png: throughput against latency)")
 
@@ -396,8 +398,7 @@ def run(args: argparse.Namespace) -> int:
         raise BadRequest("--adapters must be >= 0 and --time-scale positive")
     if args.warmup_requests < 0:
         raise BadRequest("--warmup-requests must be >= 0")
-    if args.out and not Path(args.out).resolve().parent.is_dir():
-        raise BadRequest(f"--out {args.out}: the directory {Path(args.out).resolve().parent} does not exist")
+    check_out(args.out)
     if not 0 < args.goodput_share <= 1:
         raise BadRequest("--goodput-share must be above 0 and at most 1")
     if not 0 <= args.temperature <= 100 or not 0 < args.top_p <= 1 or args.top_k < 0:

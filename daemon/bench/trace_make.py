@@ -12,6 +12,7 @@ from lorad.errors import BadRequest
 from lorad.scheduler import workload
 
 AZURE_FILES = {"azure-conv": "azure_llm_inference_2023_conv.csv", "azure-code": "azure_llm_inference_2023_code.csv"}
+MAX_REQUESTS = 10_000_000  # a trace of --rate x --duration requests (a trace file of ~250 MB)
 
 
 def default_data_dir() -> Path:
@@ -46,8 +47,8 @@ def run(args: argparse.Namespace) -> None:
     else:
         rate = 10.0 if args.rate is None else args.rate
         duration = 60.0 if args.duration is None else args.duration
-        if rate <= 0 or duration <= 0:
-            raise BadRequest("--rate and --duration must be positive")
+        if not 0 < rate * duration <= MAX_REQUESTS:
+            raise BadRequest(f"--rate x --duration is {rate * duration:g} requests; a trace holds at most {MAX_REQUESTS:,}")
         lengths = workload.UniformLengths(tuple(args.prompt_len), tuple(args.output_len))
         common = {"lengths": lengths, "ranks": args.ranks, "seed": args.seed}
         if args.kind == "poisson":

@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 
-from lorad.daemon.server.cli_args import Parser, octal_mode, parse
+from lorad.daemon.server.cli_args import SEED, Parser, log_level, number, octal_mode, parse
 
 from lorad.config import ServerConfig
 from lorad.errors import BadRequest, LoradError
@@ -42,20 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kernel", choices=("bgmv", "mbgmv"), default=None,
                         help="the engines' decode LoRA kernel: the example profile's (default: bgmv), or with --profile "
                              "the decode model of engines run with --lora-kernel KERNEL (default: the profile's choice)")
-    parser.add_argument("--tpot-slo-ms", type=float, metavar="MS",
+    parser.add_argument("--tpot-slo-ms", type=number(float, positive=True), metavar="MS",
                         help="rank-aware: the time-per-output-token objective; an engine whose decode step would "
                              "exceed it with the request pays a penalty")
-    parser.add_argument("--ttft-slo-ms", type=float, metavar="MS",
+    parser.add_argument("--ttft-slo-ms", type=number(float, positive=True), metavar="MS",
                         help="the time-to-first-token objective: a request an engine refuses (early abort, or no room) "
                              "is routed to another only while it has waited less (default: none, every candidate "
                              "is tried once)")
-    parser.add_argument("--avg-response-tokens", type=float, default=128.0, metavar="N",
+    parser.add_argument("--avg-response-tokens", type=number(float, positive=True), default=128.0, metavar="N",
                         help="rank-aware: tokens of an average answer, over which a prefill's cost is spread "
                              "(default: 128)")
-    parser.add_argument("--poll-interval-ms", type=float, default=200.0, metavar="MS",
+    parser.add_argument("--poll-interval-ms", type=number(float, positive=True), default=200.0, metavar="MS",
                         help="how often each backend's /v1/status is read (default: 200)")
-    parser.add_argument("--seed", type=int, default=0, metavar="N", help="the random policy's seed")
-    parser.add_argument("--log-level", default="info", help="debug|info|warning|error (default: info)")
+    parser.add_argument("--seed", type=SEED, default=0, metavar="N", help="the random policy's seed")
+    parser.add_argument("--log-level", type=log_level, default="info", help="debug|info|warning|error (default: info)")
     return parser
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from lorad.daemon.server import unix_socket
-from lorad.daemon.server.cli_args import Parser, octal_mode, parse
+from lorad.daemon.server.cli_args import SEED, Parser, number, octal_mode, parse
 from lorad.config import DTYPE_CHOICES, SERVE_DEFAULTS, Config, EngineConfig, ServerConfig
 from lorad.errors import BadRequest, LoradError
 
@@ -175,6 +175,17 @@ def _config_values(args: argparse.Namespace, prefix: str) -> dict:
     return values
 
 
+def _ranks(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated positive ranks."""
+    try:
+        ranks = tuple(int(rank) for rank in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ranks, not {text!r}") from None
+    if min(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive ranks, not {text!r}")
+    return ranks
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="lorad", description="Serve many LoRA adapters on one base model.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -204,11 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     adapters = demo_commands.add_parser("adapters", help="write N random PEFT adapters")
     shape = adapters.add_mutually_exclusive_group(required=True)
     shape.add_argument("--model", metavar="DIR", help="a checkpoint directory whose config.json gives the shape")
-    shape.add_argument("--model-config", metavar="NAME", help="a known shape: llama-2-7b, llama-2-13b, llama-3-8b, tiny-llama")
-    adapters.add_argument("--count", type=int, required=True, metavar="N")
-    adapters.add_argument("--ranks", default="8", metavar="R,R,...", help="ranks, round robin (default: 8)")
+    shape.add_argument("--model-config", metavar="NAME", help="a known shape, e.g. llama-2-7b or tiny-llama")
+    adapters.add_argument("--count", type=number(int, 1, 100_000), required=True, metavar="N")
+    adapters.add_argument("--ranks", type=_ranks, default=(8,), metavar="R,R,...", help="ranks, round robin (default: 8)")
     adapters.add_argument("--targets", default="q,k,v,o", metavar="P,P,...", help="projections (default: q,k,v,o)")
-    adapters.add_argument("--seed", type=int, default=0)
+    adapters.add_argument("--seed", type=SEED, default=0)
     adapters.add_argument("--out", required=True, metavar="DIR")
 
     install = commands.add_parser("install-systemd", help="install lorad.service, lorad.socket and a sample config")
@@ -247,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         return install_systemd(args)
     except LoradError as error:
         print(f"lorad: {error.message}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a path to write under that is a file, or not ours (demo adapters, install-systemd)
+        where = f"{error.filename}: " if error.filename is not None else ""
+        print(f"lorad: {where}{error.strerror or error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -519,8 +534,7 @@ def demo_adapters(args: argparse.Namespace) -> int:
     else:
         spec = load_spec(args.model)
     try:
-        ranks = [int(rank) for rank in args.ranks.split(",")]
-        written = write_adapter_set(args.out, spec, args.count, ranks, args.targets.split(","), args.seed)
+        written = write_adapter_set(args.out, spec, args.count, list(args.ranks), args.targets.split(","), args.seed)
     except ValueError as error:
         raise BadRequest(str(error)) from None
     print(f"wrote {len(written)} adapters under {args.out} (serve them with --adapter-dir {args.out})")

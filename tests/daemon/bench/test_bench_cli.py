@@ -65,6 +65,16 @@ def test_trace_make_azure_records_the_attribution(capsys, tmp_path):
     (["simulate", "--trace", "/nonexistent.json"], "cannot read trace"),
     (["simulate", "--trace", "x.json", "--policy", "psychic"], "invalid choice"),
     (["bench", "trace"], "required: --trace"),
+    (["trace", "make", "--kind", "poisson", "--rate", "inf", "--out", "x.json"], "--rate: expected a positive number"),
+    (["trace", "make", "--kind", "poisson", "--rate", "1e9", "--out", "x.json"], "a trace holds at most 10,000,000"),
+    (["trace", "make", "--kind", "poisson", "--adapters", "10000000", "--out", "x.json"], "from 1 to 1000000"),
+    (["trace", "make", "--kind", "poisson", "--seed", "-1", "--out", "x.json"], "--seed: expected an integer from 0"),
+    (["trace", "make", "--kind", "serverless", "--sigma", "-1", "--out", "x.json"], "--sigma: expected a positive"),
+    (["simulate", "--trace", "x.json", "--engines", "100000000"], "--engines: expected an integer from 1 to 10000"),
+    (["simulate", "--trace", "x.json", "--max-prefill-tokens", "0"], "--max-prefill-tokens: expected a positive"),
+    (["bench", "trace", "--trace", "x.json", "--time-scale", "nan"], "--time-scale: expected a positive number"),
+    (["bench", "ipc", "--workers", "1000"], "--workers: expected integers from 1 to 256"),
+    (["bench", "load", "--warmup", "-1"], "--warmup: expected an integer of at least 0"),
 ])
 def test_bad_usage_exits_2_with_one_line(capsys, argv, fragment):
     code, out, err = run_main(capsys, *argv)
@@ -86,7 +96,9 @@ def test_an_out_path_that_cannot_be_written_names_it(capsys, tmp_path):
     out = tmp_path / "missing" / "trace.json"
     code, _, err = run_main(capsys, "trace", "make", "--kind", "poisson", "--adapters", 4, "--rate", 2, "--duration", 5,
                             "--out", out)
-    assert code == 2 and err == f"lorad: {out}: No such file or directory\n"
+    assert code == 2 and err == f"lorad: --out {out}: the directory {out.parent} does not exist\n"
+    code, _, err = run_main(capsys, "simulate", "--trace", tmp_path / "none.json", "--out", tmp_path)
+    assert code == 2 and err == f"lorad: --out {tmp_path} is a directory: give a file's path\n"
 
 
 def test_simulate_prints_a_row_per_run_and_writes_the_report(capsys, caplog, tmp_path):

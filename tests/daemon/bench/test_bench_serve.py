@@ -194,10 +194,14 @@ def test_azure_prompts_at_their_own_arrivals(capsys, daemon, tmp_path):
     (["--sweep", "speed=1,2"], "expected request-rate=R,R,... or max-concurrency=N,N,..."),
     (["--request-rate", "0"], "not a positive number, inf or trace"),
     (["--goodput", "ttft:fast"], "--goodput ttft:fast"),
-    (["--num-prompts", "0"], "--num-prompts must be at least 1"),
+    (["--num-prompts", "0"], "argument --num-prompts: expected an integer from 1 to 1000000, not '0'"),
+    (["--seed", "-1"], "argument --seed: expected an integer from 0"),
+    (["--time-scale", "nan"], "argument --time-scale: expected a positive number, not 'nan'"),
+    (["--alpha", "nan"], "argument --alpha: expected a number, not 'nan'"),
     (["--temperature", "-1"], "--temperature must be from 0 to 100"),
     (["--top-p", "0"], "--top-p above 0 and at most 1"),
-    (["--warmup-requests", "-1"], "--warmup-requests must be >= 0"),
+    (["--warmup-requests", "-1"], "argument --warmup-requests: expected an integer from 0 to 1000000"),
+    (["--out", "/"], "--out / is a directory"),
 ])
 def test_bad_flags_are_one_line(capsys, argv, fragment, tmp_path):
     code, _, err = bench(capsys, "--socket", tmp_path / "none.sock", *argv)
