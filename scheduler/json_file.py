@@ -12,6 +12,6 @@ from lorad.errors import BadRequest
 def read_json(path: str | Path, what: str):
     """The parsed contents of `path`; `what` names the file in the error ("trace", "profile")."""
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # ValueError: not JSON (JSONDecodeError), or not UTF-8
         raise BadRequest(f"cannot read {what} {path}: {error}") from None

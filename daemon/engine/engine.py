@@ -234,6 +234,8 @@ class Engine:
         self._adapter_roots = [Path(root).resolve() for root in config.adapter_roots]
         if demo_adapters:
             self._adapter_roots.append(Path(demo_adapters[0][1]).resolve().parent)
+        if config.state_dir and Path(config.state_dir).exists() and not Path(config.state_dir).is_dir():
+            raise BadRequest(f"state_dir {config.state_dir} is not a directory")
         self._state_file = Path(config.state_dir) / "adapters.json" if config.state_dir else None
         self._api_registrations = self._restore_registrations()
         # Adapters of requests in flight, held by name until their last request ends: an adapter
@@ -476,7 +478,13 @@ class Engine:
             self.registry.unregister(name)
             raise
         self._api_registrations[name] = str(resolved)
-        self._save_registrations()
+        try:
+            self._save_registrations()
+        except OSError as error:  # served now but not remembered across a restart: refused, as if never loaded
+            del self._api_registrations[name]
+            self.registry.unregister(name)
+            raise LoradError(f"adapter {name!r} was not loaded: it cannot be remembered in {self._state_file}: "
+                             f"{error.strerror or error}") from None
         return self.adapter_entry(adapter.name)
 
     def _running_cap(self, config: EngineConfig) -> EngineConfig:
@@ -533,12 +541,19 @@ class Engine:
         if self._state_file is None or not self._state_file.exists():
             return {}
         try:
-            saved = json.loads(self._state_file.read_text())
+            saved = json.loads(self._state_file.read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:
             log.warning("cannot read %s (%s): API registrations not restored", self._state_file, error)
             return {}
+        if not isinstance(saved, dict):
+            log.warning("%s does not hold an object of adapter names and paths: API registrations not restored",
+                        self._state_file)
+            return {}
         restored = {}
         for name, path in saved.items():
+            if not isinstance(path, str):
+                log.warning("registration not restored name=%s reason=its path is not a string", name)
+                continue
             try:
                 resolved, root = self._under_root(path)  # the roots may have changed since it was saved
                 self.registry.register(name, str(resolved), root=root)

@@ -29,7 +29,7 @@ def resolve(cli_engine: dict, cli_server: dict, config_path: str | None = None,
     user gave. Without `config_path` the default file is read when it exists."""
     path = Path(config_path) if config_path else Path(DEFAULT_PATH)
     if config_path and not path.is_file():
-        raise BadRequest(f"config file {path} does not exist")
+        raise BadRequest(f"config file {path} {'is not a file' if path.exists() else 'does not exist'}")
     used = path if path.is_file() else None
     sections = read_file(path) if used else {}
     engine = {**SERVE_DEFAULTS, **_systemd_engine(environ), **sections.get("engine", {}), **cli_engine}
@@ -47,7 +47,7 @@ def read_file(path: str | Path) -> dict[str, dict]:
     try:
         with open(path, "rb") as file:
             document = tomllib.load(file)
-    except tomllib.TOMLDecodeError as error:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise BadRequest(f"{path}: not valid TOML: {error}") from None
     except OSError as error:
         raise BadRequest(f"cannot read the config file {path}: {error.strerror or error}") from None

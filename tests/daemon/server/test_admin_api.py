@@ -228,6 +228,29 @@ def test_registrations_survive_a_restart(demo_assets, roots, tmp_path):
     assert kept.token_ids == same.token_ids and len(kept.token_ids) == 3
 
 
+def test_a_state_dir_that_is_a_file_or_holds_a_broken_adapters_json(demo_assets, roots, tmp_path, caplog):
+    root, _ = roots
+    (tmp_path / "file").write_text("")
+    with pytest.raises(BadRequest, match=f"state_dir {tmp_path / 'file'} is not a directory"):
+        make_engine(demo_assets, roots, state_dir=tmp_path / "file")
+    state = tmp_path / "state"
+    state.mkdir()
+    for saved, why in (("[1]", "does not hold an object"), ('{"a": 5, "kept": "%s"}' % (root / "good"), "its path is not"),
+                       ("\udcff", "cannot read")):
+        (state / "adapters.json").write_text(saved, errors="surrogateescape")
+        caplog.clear()
+        engine = make_engine(demo_assets, roots, state_dir=state)  # starts, and says what it did not restore
+        assert why in caplog.text
+        assert ("kept" in {entry["id"] for entry in engine.models()}) == ("kept" in saved)
+    # a registration that cannot be remembered is refused, and nothing of it stays
+    (state / "adapters.json").unlink()
+    (state / "adapters.tmp").mkdir()
+    engine = make_engine(demo_assets, roots, state_dir=state)
+    with pytest.raises(LoradError, match="'customer-7' was not loaded: it cannot be remembered in"):
+        engine.load_adapter("customer-7", str(root / "good"))
+    assert "customer-7" not in {entry["id"] for entry in engine.models()}
+
+
 def test_no_roots_means_no_api_loads(demo_assets, roots, tmp_path):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LORAD_DEMO_DIR", str(demo_assets.model_dir.parent))
