@@ -68,6 +68,9 @@ def client_main(argv: list[str]) -> int:
         if args.command == "status":
             return _status(client, args)
         return _adapters(client, args)
+    except _ReaderGone:  # `lorad status | head`: what was read is all that was wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush finds no pipe
+        return OK
     except LoradError as error:
         print(f"lorad: the daemon refused: {error.message}", file=sys.stderr)
         return REFUSED
@@ -80,6 +83,20 @@ def client_main(argv: list[str]) -> int:
         return 130
 
 
+class _ReaderGone(Exception):
+    """Standard output's reader closed the pipe."""
+
+
+def _say(text: str, end: str = "\n") -> None:
+    """`text` on standard output, now; _ReaderGone once nobody reads it (a broken pipe to the daemon stays an
+    OSError)."""
+    try:
+        sys.stdout.write(text + end)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise _ReaderGone from None
+
+
 def _generate(client: Client, args: argparse.Namespace) -> int:
     fields = {"prompt": args.prompt}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
@@ -90,14 +107,12 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
     try:
         for chunk in client.stream_completions(**fields):
             for choice in chunk["choices"]:
-                sys.stdout.write(choice["text"])
-                sys.stdout.flush()
+                _say(choice["text"], end="")
                 started = True
                 finish_reason = choice.get("finish_reason") or finish_reason
     finally:
         if started:  # end the completion's line; a refusal before it prints only its message
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            _say("")
     if finish_reason == "abort":
         print("lorad: the daemon stopped the request before it finished", file=sys.stderr)
         return REFUSED
@@ -107,16 +122,16 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
 def _adapters(client: Client, args: argparse.Namespace) -> int:
     if args.action == "load":
         entry = client.load_adapter(args.name, os.path.abspath(args.path))  # the daemon's cwd is not ours
-        print(f"loaded {entry['id']}: rank {entry.get('rank')}, targets {','.join(entry.get('targets') or [])}, "
+        _say(f"loaded {entry['id']}: rank {entry.get('rank')}, targets {','.join(entry.get('targets') or [])}, "
               f"{_human_bytes(entry.get('nbytes'))}, from {entry.get('path')}")
         return OK
     if args.action == "unload":
         client.unload_adapter(args.name)
-        print(f"unloaded {args.name} (requests already running finish first)")
+        _say(f"unloaded {args.name} (requests already running finish first)")
         return OK
     adapters = [entry for entry in client.models() if entry.get("kind") == "lora"]
     if args.json:
-        print(json.dumps(adapters, indent=1))
+        _say(json.dumps(adapters, indent=1))
         return OK
     rows = [("NAME", "RANK", "TARGETS", "SIZE", "LOCATION", "PATH")]
     for entry in adapters:
@@ -127,21 +142,21 @@ def _adapters(client: Client, args: argparse.Namespace) -> int:
         ))
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+        _say("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
     return OK
 
 
 def _status(client: Client, args: argparse.Namespace) -> int:
     status = client.status()
     if args.json:
-        print(json.dumps(status, indent=1))
+        _say(json.dumps(status, indent=1))
         return OK
     for key, value in status.items():
         if isinstance(value, dict):
             value = " ".join(f"{k}={v}" for k, v in value.items())
         elif isinstance(value, list):
             value = ",".join(map(str, value)) or "-"
-        print(f"{key}: {value}")
+        _say(f"{key}: {value}")
     return OK
 
 
