@@ -85,11 +85,15 @@ def test_bad_usage_exits_2_with_one_line(capsys, argv, fragment):
     ('{"version": 1}', "malformed trace: it has no 'requests' field"),
     ('{"version": 1, "requests": [[0, "a", 1]], "adapter_ranks": {"a": 8}}', "malformed trace: not enough values"),
     ('{"version": 2}', "unknown trace version 2"),
+    ('{"version": 1, "requests": [[0, "a", -5, 4]], "adapter_ranks": {"a": 8}}', "malformed trace: request 0 [0.0, 'a', -5, 4]"),
+    ('{"version": 1, "requests": [[NaN, "a", 5, 4]], "adapter_ranks": {"a": 8}}', "needs a finite arrival_s >= 0"),
+    ('{"version": 1, "requests": [[0, "a", 5, 0]], "adapter_ranks": {"a": 8}}', "at least one prompt and one output"),
+    ('{"version": 1, "requests": [[0, "a", 5, 4]], "adapter_ranks": {"a": -1}}', "adapter ranks must be at least 1"),
 ])
 def test_a_malformed_trace_is_one_line_naming_what_is_wrong(capsys, tmp_path, text, fragment):
     (tmp_path / "trace.json").write_text(text)
     code, out, err = run_main(capsys, "simulate", "--trace", tmp_path / "trace.json")
-    assert code == 2 and out == "" and err.startswith(f"lorad: {fragment}") and err.count("\n") == 1, err
+    assert code == 2 and out == "" and err.startswith("lorad: ") and fragment in err and err.count("\n") == 1, err
 
 
 def test_an_out_path_that_cannot_be_written_names_it(capsys, tmp_path):
