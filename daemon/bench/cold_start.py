@@ -105,6 +105,11 @@ def run(args) -> dict:
     for mode in modes:
         if mode not in MODES:
             raise BadRequest(f"--modes: unknown mode {mode!r}; one of {', '.join(MODES)}")
+    from lorad.daemon.model.checkpoint import PROJECTIONS
+
+    unknown = [target for target in args.targets.split(",") if target not in PROJECTIONS]
+    if unknown:
+        raise BadRequest(f"--targets: unknown projection {unknown[0]!r}; of {', '.join(PROJECTIONS)}")
     base = {
         "model_config": model, "dummy_weights": True, "dummy_adapters": max(requests, *adapter_counts),
         "dummy_adapter_rank": rank, "dummy_adapter_targets": args.targets, "device": str(device),
@@ -208,6 +213,8 @@ def run(args) -> dict:
         print()
         print(markdown_table(["ablation (distinct adapters)"] + header[1:], [_table_row(a["config"], a) for a in ablation]))
     finish(args.out, report, lambda plt: _plot(plt, rows, [p["name"] for p in plans]))
+    if all("error" in row for row in rows + ablation):  # nothing was measured: a failure, whatever the table says
+        raise BadRequest(f"no engine could be built: {rows[0]['error']}")
     return report
 
 

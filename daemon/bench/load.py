@@ -56,6 +56,9 @@ def run(args) -> dict:
     model_name, spec = model_spec(args.model_config, device)
     dtype = model_dtype(device)
     tiers = args.tiers or (TIERS if device.type == "cuda" else TIERS[1:])
+    for tier in tiers:
+        if tier not in TIERS:
+            raise BadRequest(f"--tiers: unknown tier {tier!r}; one of {', '.join(TIERS)}")
     if "pinned" in tiers and device.type != "cuda":
         raise BadRequest("--tiers pinned needs --device cuda: pinned host memory is a CUDA notion")
     ranks, target_sets = args.ranks or DEFAULT_RANKS, args.targets or tuple(TARGET_SETS)

@@ -133,6 +133,9 @@ def test_cold_start_rounds_pool_fresh_engines_in_abba_order(capsys, tmp_path, no
     (["bench", "cold-start", "--device", "cpu", "--modes", "warp"], "unknown mode"),
     (["bench", "cold-start", "--device", "cpu", "--model-config", "gpt-5"], "unknown --model-config"),
     (["bench", "invoke", "--device", "cpu", "--out", "/nonexistent/dir/x.json"], "does not exist"),
+    (["bench", "load", "--device", "cpu", "--tiers", "tape"], "unknown tier 'tape'"),
+    (["bench", "cold-start", "--device", "cpu", "--targets", "q_proj,lm_head"], "unknown projection 'lm_head'"),
+    (["bench", "invoke", "--device", "cpu", "--hidden", "10000000"], "--hidden: expected an integer from 1 to 65536"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, fragment):
     code = main(argv)
