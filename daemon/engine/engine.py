@@ -205,7 +205,13 @@ class Engine:
         pages = pool_pages(config, self.spec, self.dtype, self.device)
         if self.tp is not None:
             pages = self.tp.agree_pages(pages)
-        self.pool = PagePool(pages, self.spec.page_elems, self.dtype, self.device)
+        try:
+            self.pool = PagePool(pages, self.spec.page_elems, self.dtype, self.device)
+        except (torch.OutOfMemoryError, RuntimeError) as error:  # --pool-bytes beyond the memory there is
+            if "alloc" not in str(error).lower() and not isinstance(error, torch.OutOfMemoryError):
+                raise
+            raise ModelError(f"the page pool of {pages:,} pages ({pages * self.spec.page_elems * self.dtype.itemsize / 2**30:,.1f} "
+                             f"GiB) cannot be allocated on {self.device}: lower pool_bytes (--pool-bytes)") from None
         self.kv = KVCache(self.pool, self.spec.num_layers, local.num_kv_heads, local.head_dim, self.kv_dtype,
                           self.spec.layer_windows)
         config = self.config = self.runner.config = self._running_cap(config)
