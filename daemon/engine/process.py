@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -439,6 +440,10 @@ def _engine_main(config: EngineConfig, inbox, outbox_connection, log_level: int,
         engine.close()  # the CPU LoRA workers and the shared-memory segments
         outbox.close()
         sender.join(_STOP_TIMEOUT_S)
+        # The frozen start-up heap back into the collections, so that the interpreter's exit frees it (kernels'
+        # compiler objects included: libtriton warns of every one still alive then).
+        gc.unfreeze()
+        gc.collect()
 
 
 class _EngineServer:
