@@ -14,8 +14,8 @@ from urllib.parse import quote
 
 from lorad.config import ServerConfig
 from lorad.errors import (
-    AdapterError, AdmissionDropped, BackendError, BadRequest, BodyTooLarge, EngineDead, LoradError, MethodNotAllowed, ModelError,
-    ModelNotFound, NotFound, Overloaded, PromptTooLong, Unauthorized, Forbidden,
+    AdapterError, AdmissionDropped, BackendError, BadRequest, BodyTooLarge, EngineDead, LoradError, MethodNotAllowed,
+    ModelError, ModelNotFound, NotFound, Overloaded, PromptTooLong, Unauthorized, Forbidden,
 )
 
 _BY_TYPE = {

@@ -245,7 +245,8 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise BadRequest(f"{name} must be a number of seconds > 0, not {value!r}")
-        if isinstance(self.socket_mode, bool) or not isinstance(self.socket_mode, int) or not 0 <= self.socket_mode <= 0o777:
+        mode = self.socket_mode
+        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
             raise BadRequest(f"socket_mode must be permission bits from 0 to 0o777, not {self.socket_mode!r}")
         value = self.shutdown_grace_s
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):

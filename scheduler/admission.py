@@ -214,7 +214,8 @@ class EarlyAbort:
                 estimate = waited + step_s + self.prefill.from_features(*own)
                 if estimate <= limit:
                     continue  # waits for a later step
-            drops.append((request.key, f"early abort: estimated TTFT {estimate * 1e3:.1f} ms > objective {limit * 1e3:.1f} ms"))
+            why = f"early abort: estimated TTFT {estimate * 1e3:.1f} ms > objective {limit * 1e3:.1f} ms"
+            drops.append((request.key, why))
         dropped = {key for key, _ in drops}
         held = tuple(key for key in filler.held if key not in dropped)
         return Admission(tuple(r.key for r in filler.taken), tuple(drops), held)

@@ -77,8 +77,9 @@ class Trace:
             raise BadRequest(f"trace names adapters without a rank: {sorted(missing)[:5]}")
         for index, r in enumerate(requests):
             if not (math.isfinite(r.arrival_s) and r.arrival_s >= 0 and r.prompt_tokens >= 1 and r.output_tokens >= 1):
-                raise BadRequest(f"malformed trace: request {index} {[r.arrival_s, r.adapter, r.prompt_tokens, r.output_tokens]}"
-                                 " needs a finite arrival_s >= 0 and at least one prompt and one output token")
+                row = [r.arrival_s, r.adapter, r.prompt_tokens, r.output_tokens]
+                raise BadRequest(f"malformed trace: request {index} {row} needs a finite arrival_s >= 0 and at least "
+                                 "one prompt and one output token")
         low = [name for name, rank in ranks.items() if rank < 1]
         if low:
             raise BadRequest(f"malformed trace: adapter ranks must be at least 1, not {low[0]!r}: {ranks[low[0]]}")

@@ -71,15 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="poisson: one Poisson stream, Zipf(alpha) adapters; gamma: S-LoRA's per-adapter Gamma "
                            "arrivals of cv; serverless: skewed on/off per-adapter traffic (MAF-like); azure-conv, "
                            "azure-code: the Azure LLM inference trace 2023 (CC BY 4.0) arrivals and lengths")
-    make.add_argument("--adapters", type=number(int, 1, MAX_ADAPTERS), default=100, metavar="N", help="distinct adapters (default: 100)")
+    make.add_argument("--adapters", type=number(int, 1, MAX_ADAPTERS), default=100, metavar="N",
+                      help="distinct adapters (default: 100)")
     make.add_argument("--alpha", type=_share, default=1.0, metavar="A", help="Zipf exponent of popularity (default: 1)")
-    make.add_argument("--cv", type=_positive_float, default=1.0, metavar="C", help="gamma: coefficient of variation (default: 1)")
+    make.add_argument("--cv", type=_positive_float, default=1.0, metavar="C",
+                      help="gamma: coefficient of variation (default: 1)")
     make.add_argument("--sigma", type=_positive_float, default=2.5, metavar="S",
                       help="serverless (and --popularity serverless): log-normal spread (default: 2.5)")
     make.add_argument("--rate", type=_positive_float, metavar="R",
                       help="requests per second, all adapters together (azure: rescales its arrivals; "
                            "default: 10, azure: as recorded)")
-    make.add_argument("--duration", type=_positive_float, metavar="S", help="seconds of arrivals (default: 60; azure: all)")
+    make.add_argument("--duration", type=_positive_float, metavar="S",
+                      help="seconds of arrivals (default: 60; azure: all)")
     make.add_argument("--requests", type=_positive_int, metavar="N", help="azure: the first N rows (default: all)")
     make.add_argument("--popularity", choices=("power-law", "serverless"), default="power-law",
                       help="azure: how adapters are drawn for its requests (default: power-law)")
@@ -107,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--kernel", choices=("bgmv", "mbgmv"), default=None,
                           help="the engines' decode LoRA kernel: the example profile's (default: bgmv), or with --profile "
                                "the decode model of engines run with --lora-kernel KERNEL (default: the profile's choice)")
-    simulate.add_argument("--max-running", type=_positive_int, default=64, metavar="N", help="batch limit per engine (64)")
+    simulate.add_argument("--max-running", type=_positive_int, default=64, metavar="N",
+                          help="batch limit per engine (64)")
     simulate.add_argument("--max-prefill-tokens", type=_positive_int, default=4096, metavar="N", help="(default: 4096)")
     simulate.add_argument("--slo-scale", type=_positive_float, default=1.5, metavar="X",
                           help="time-per-token objective: X times the unloaded decode step at the trace's "
@@ -136,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--max-output-tokens", type=_positive_int, default=256, metavar="N",
                         help="longer outputs are cut to N tokens (default: 256)")
     replay.add_argument("--slo-ttft-s", type=_positive_float, metavar="S", help="TTFT objective (default: none)")
-    replay.add_argument("--slo-tpot-s", type=_positive_float, metavar="S", help="time-per-token objective (default: none)")
+    replay.add_argument("--slo-tpot-s", type=_positive_float, metavar="S",
+                        help="time-per-token objective (default: none)")
     replay.add_argument("--out", metavar="PATH", help="JSON report")
     serve.add_parser(bench_actions, ServerConfig.socket)
     add_microbench_parsers(bench_actions)
@@ -216,7 +221,8 @@ def add_microbench_parsers(actions) -> None:
     cold.add_argument("--rank", type=_positive_int, metavar="R", help="the adapters' rank (default: 32 on cuda, 8 on cpu)")
     cold.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", metavar="P,P,...",
                       help="the adapters' projections (default: q_proj,k_proj,v_proj,o_proj)")
-    cold.add_argument("--cpu-workers", type=number(int, 0, MAX_WORKERS), default=0, metavar="N", help="CPU LoRA workers (default: 0, the engine's)")
+    cold.add_argument("--cpu-workers", type=number(int, 0, MAX_WORKERS), default=0, metavar="N",
+                      help="CPU LoRA workers (default: 0, the engine's)")
     cold.add_argument("--pinned-host-bytes", type=number(int, 0), metavar="BYTES",
                       help="every engine's pinned host budget for staged adapters (default: the engine's; 0: every "
                            "load copies from pageable memory)")
@@ -240,7 +246,7 @@ def bench_main(argv: list[str]) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s", stream=sys.stderr)
     try:
-        check_out(getattr(args, "out", None))  # before the work: a report that cannot be written is not found out after it
+        check_out(getattr(args, "out", None))  # before the work, not after it
         if args.command == "trace":
             from lorad.daemon.bench import trace_make as command
         elif args.command == "simulate":

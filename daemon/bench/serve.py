@@ -350,23 +350,29 @@ def add_parser(actions, default_socket: str) -> None:
     serve.add_argument("--socket", default=default_socket, metavar="PATH",
                        help=f"the daemon's Unix socket (default: {default_socket})")
     serve.add_argument("--dataset", choices=DATASETS, default="random", help="(default: random)")
-    serve.add_argument("--input-len", type=number(int, positive=True), default=1024, metavar="N", help="random: prompt tokens (1024)")
-    serve.add_argument("--output-len", type=number(int, positive=True), default=128, metavar="N", help="random: output tokens (128)")
+    serve.add_argument("--input-len", type=number(int, positive=True), default=1024, metavar="N",
+                       help="random: prompt tokens (1024)")
+    serve.add_argument("--output-len", type=number(int, positive=True), default=128, metavar="N",
+                       help="random: output tokens (128)")
     serve.add_argument("--ignore-eos", action="store_true",
                        help="generate every request's whole output length (default: a request may end at EOS)")
     serve.add_argument("--trace", metavar="PATH", help="--dataset trace: a trace written by `lorad trace make`")
     serve.add_argument("--data-dir", metavar="DIR", help="where the Azure CSVs are (default: ../shared/data)")
-    serve.add_argument("--max-input-len", type=number(int, positive=True), metavar="N", help="longer prompts are cut to N tokens")
-    serve.add_argument("--num-prompts", type=number(int, 1, MAX_PROMPTS), default=200, metavar="N", help="(default: 200)")
+    serve.add_argument("--max-input-len", type=number(int, positive=True), metavar="N",
+                       help="longer prompts are cut to N tokens")
+    serve.add_argument("--num-prompts", type=number(int, 1, MAX_PROMPTS), default=200, metavar="N",
+                       help="(default: 200)")
     serve.add_argument("--request-rate", type=parse_rate, default=math.inf, metavar="R|inf|trace",
                        help="Poisson arrivals at R requests/s, all at once (inf), or the dataset's own arrival "
                             "times (trace) (default: inf)")
     serve.add_argument("--time-scale", type=number(float, most=1e6, positive=True), default=1.0, metavar="X",
                        help="--request-rate trace: arrival times are multiplied by X (default: 1)")
-    serve.add_argument("--max-concurrency", type=number(int, positive=True), metavar="N", help="at most N requests in flight")
+    serve.add_argument("--max-concurrency", type=number(int, positive=True), metavar="N",
+                       help="at most N requests in flight")
     serve.add_argument("--adapters", type=number(int, 0, 1_000_000), default=0, metavar="N",
                        help="spread requests over the daemon's first N adapters (0: the base model alone; default 0)")
-    serve.add_argument("--alpha", type=number(float, least=0), default=1.0, metavar="A", help="Zipf exponent of adapter popularity (1)")
+    serve.add_argument("--alpha", type=number(float, least=0), default=1.0, metavar="A",
+                       help="Zipf exponent of adapter popularity (1)")
     serve.add_argument("--sweep", type=parse_sweep, metavar="KEY=V,V,...",
                        help="one run per value: request-rate=1,2,4,inf or max-concurrency=1,8,32")
     serve.add_argument("--goodput", nargs="+", metavar="KEY:MS",
@@ -377,7 +383,8 @@ def add_parser(actions, default_socket: str) -> None:
     serve.add_argument("--temperature", type=float, default=0.0, metavar="T",
                        help="each request's temperature (default 0: greedy; the API's own default is 1)")
     serve.add_argument("--top-p", type=float, default=1.0, metavar="P", help="each request's top_p (default 1)")
-    serve.add_argument("--top-k", type=number(int, least=0), default=0, metavar="K", help="each request's top_k (default 0: off)")
+    serve.add_argument("--top-k", type=number(int, least=0), default=0, metavar="K",
+                       help="each request's top_k (default 0: off)")
     serve.add_argument("--warmup-requests", type=number(int, 0, MAX_PROMPTS), default=0, metavar="N",
                        help="N short requests (one output token) before the run, over its adapters, the most requested "
                             "first: their loads from disk happen then, not in the first point; counted in no point "

@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> None:
         rate = 10.0 if args.rate is None else args.rate
         duration = 60.0 if args.duration is None else args.duration
         if not 0 < rate * duration <= MAX_REQUESTS:
-            raise BadRequest(f"--rate x --duration is {rate * duration:g} requests; a trace holds at most {MAX_REQUESTS:,}")
+            raise BadRequest(f"--rate x --duration is {rate * duration:g} requests; "
+                             f"a trace holds at most {MAX_REQUESTS:,}")
         lengths = workload.UniformLengths(tuple(args.prompt_len), tuple(args.output_len))
         common = {"lengths": lengths, "ranks": args.ranks, "seed": args.seed}
         if args.kind == "poisson":

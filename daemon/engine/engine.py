@@ -135,6 +135,8 @@ class Engine:
 
     def _build(self, config: EngineConfig) -> None:
         self.config = config
+        if config.state_dir and Path(config.state_dir).exists() and not Path(config.state_dir).is_dir():
+            raise BadRequest(f"state_dir {config.state_dir} is not a directory")  # before anything is built
         model_dir, demo_adapters = self._model_dir(config)
         self.device = resolve_device(config.device)
         if model_dir is None:  # a known shape with random weights (benchmarks)
@@ -151,9 +153,10 @@ class Engine:
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = self.spec.vocab_size
-        if config.max_model_len is not None and config.max_model_len > self.spec.max_position_embeddings:
+        longest = self.spec.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > longest:
             raise ModelError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
-                             f"{self.spec.max_position_embeddings}: serve at most {self.spec.max_position_embeddings} tokens")
+                             f"{longest}: serve at most {longest} tokens")
         self.max_model_len = config.max_model_len or min(self.spec.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
         self.max_model_len = within_sliding_window(self.spec, self.max_model_len, config.max_model_len)
         self.rope_switch = longrope_switch(self.spec, self.max_model_len)  # None, or where a cache is recomputed
@@ -210,8 +213,9 @@ class Engine:
         except (torch.OutOfMemoryError, RuntimeError) as error:  # --pool-bytes beyond the memory there is
             if "alloc" not in str(error).lower() and not isinstance(error, torch.OutOfMemoryError):
                 raise
-            raise ModelError(f"the page pool of {pages:,} pages ({pages * self.spec.page_elems * self.dtype.itemsize / 2**30:,.1f} "
-                             f"GiB) cannot be allocated on {self.device}: lower pool_bytes (--pool-bytes)") from None
+            gib = pages * self.spec.page_elems * self.dtype.itemsize / 2**30
+            raise ModelError(f"the page pool of {pages:,} pages ({gib:,.1f} GiB) cannot be allocated on {self.device}: "
+                             "lower pool_bytes (--pool-bytes)") from None
         self.kv = KVCache(self.pool, self.spec.num_layers, local.num_kv_heads, local.head_dim, self.kv_dtype,
                           self.spec.layer_windows)
         config = self.config = self.runner.config = self._running_cap(config)
@@ -240,8 +244,6 @@ class Engine:
         self._adapter_roots = [Path(root).resolve() for root in config.adapter_roots]
         if demo_adapters:
             self._adapter_roots.append(Path(demo_adapters[0][1]).resolve().parent)
-        if config.state_dir and Path(config.state_dir).exists() and not Path(config.state_dir).is_dir():
-            raise BadRequest(f"state_dir {config.state_dir} is not a directory")
         self._state_file = Path(config.state_dir) / "adapters.json" if config.state_dir else None
         self._api_registrations = self._restore_registrations()
         # Adapters of requests in flight, held by name until their last request ends: an adapter

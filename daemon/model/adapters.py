@@ -345,8 +345,9 @@ def _read_weights(
             for (_, target), (module, a_name, b_name) in pairs.items():
                 if not settings.targets(module):
                     raise _Refusal(f"tensor {a_name} puts LoRA on {module}, which target_modules="
-                                   f"{_shown(settings.target_modules)} (exclude_modules={_shown(settings.exclude_modules)}) "
-                                   f"does not take: PEFT would not apply it; the config and the weights disagree")
+                                   f"{_shown(settings.target_modules)} (exclude_modules="
+                                   f"{_shown(settings.exclude_modules)}) does not take: PEFT would not apply it; "
+                                   "the config and the weights disagree")
                 _check_shapes(file, module, target, a_name, b_name, spec, max_rank, settings)
             for (layer, target), (module, a_name, b_name) in sorted(pairs.items()):
                 _, module_scaling = settings.rank_and_scaling(module)

@@ -548,7 +548,8 @@ def read_json(path: Path) -> dict:
 def load_spec(model_dir: str | Path) -> ModelSpec:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise ModelError(f"model directory {model_dir} {'is not a directory' if model_dir.exists() else 'does not exist'}")
+        why = "is not a directory" if model_dir.exists() else "does not exist"
+        raise ModelError(f"model directory {model_dir} {why}")
     generation = model_dir / "generation_config.json"
     return ModelSpec.from_hf_config(
         read_json(model_dir / "config.json"), read_json(generation) if generation.exists() else None

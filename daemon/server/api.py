@@ -21,8 +21,8 @@ from aiohttp import web
 from pydantic_core import to_json
 
 from lorad.errors import (
-    AdmissionDropped, BadRequest, BodyTooLarge, EngineDead, LoradError, MethodNotAllowed, ModelError, ModelNotFound, NotFound,
-    Overloaded, PromptTooLong,
+    AdmissionDropped, BadRequest, BodyTooLarge, EngineDead, LoradError, MethodNotAllowed, ModelError, ModelNotFound,
+    NotFound, Overloaded, PromptTooLong,
 )
 from lorad.daemon.server import metrics as metrics_format
 from lorad.daemon.server.admin_gate import AdminGate
@@ -272,7 +272,8 @@ async def _generate(request: web.Request, completion: Completion, prompts: list[
     engine = request.app[ENGINE]
     loop = asyncio.get_running_loop()
     for prompt_ids in prompts:
-        check_prompt(prompt_ids, completion.sampling, engine.vocab_size, engine.max_model_len, completion.max_tokens_field)
+        check_prompt(prompt_ids, completion.sampling, engine.vocab_size, engine.max_model_len,
+                     completion.max_tokens_field)
     adapter = None if completion.model == engine.model_name else completion.model
     n = completion.n
     outputs = _OutputQueue(loop, len(prompts) * n)

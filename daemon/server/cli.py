@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--model", metavar="DIR", help="a checkpoint directory whose config.json gives the shape")
     shape.add_argument("--model-config", metavar="NAME", help="a known shape, e.g. llama-2-7b or tiny-llama")
     adapters.add_argument("--count", type=number(int, 1, 100_000), required=True, metavar="N")
-    adapters.add_argument("--ranks", type=_ranks, default=(8,), metavar="R,R,...", help="ranks, round robin (default: 8)")
+    adapters.add_argument("--ranks", type=_ranks, default=(8,), metavar="R,R,...",
+                          help="ranks, round robin (default: 8)")
     adapters.add_argument("--targets", default="q,k,v,o", metavar="P,P,...", help="projections (default: q,k,v,o)")
     adapters.add_argument("--seed", type=SEED, default=0)
     adapters.add_argument("--out", required=True, metavar="DIR")

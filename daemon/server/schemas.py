@@ -105,7 +105,8 @@ class _Generation(_Body):
         if model is None or model == "":
             raise ValueError("model is required: the base model's name or an adapter's")
         if not isinstance(model, str):
-            raise ValueError(f"model must be a string, the base model's name or an adapter's, not {type(model).__name__}")
+            raise ValueError("model must be a string, the base model's name or an adapter's, "
+                             f"not {type(model).__name__}")
         return model
 
     @field_validator("n", mode="before")

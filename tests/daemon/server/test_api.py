@@ -20,7 +20,9 @@ from lorad.daemon.server.api import MAX_BODY_BYTES
 from lorad.client import Client
 from lorad.daemon.engine.request import RequestOutput
 from daemon_harness import ServerThread, raw_request, serve_engine
-from lorad.errors import AdapterError, AdmissionDropped, BadRequest, LoradError, ModelNotFound, NotFound, Overloaded, PromptTooLong
+from lorad.errors import (
+    AdapterError, AdmissionDropped, BadRequest, LoradError, ModelNotFound, NotFound, Overloaded, PromptTooLong,
+)
 
 EOS = 0
 
