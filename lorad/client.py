@@ -40,12 +40,11 @@ def error_from_response(status: int, body: bytes, retry_after: str | None = None
             error = cls(message, retry_after_s=float(retry_after)) if retry_after else cls(message)
         except ValueError:
             error = cls(message)
-        error.type = kind or error.type
-        return error
-    cls = _BY_TYPE.get(kind)
-    if cls is None or cls.status != status:
-        cls = _BY_STATUS.get(status, LoradError)
-    error = cls(message)
+    else:
+        cls = _BY_TYPE.get(kind)
+        if cls is None or cls.status != status:
+            cls = _BY_STATUS.get(status, LoradError)
+        error = cls(message)
     error.status, error.type = status, kind or error.type  # what the server said, e.g. model_not_found
     return error
 

@@ -247,7 +247,7 @@ class ServerConfig:
                 raise BadRequest(f"{name} must be a number of seconds > 0, not {value!r}")
         mode = self.socket_mode
         if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
-            raise BadRequest(f"socket_mode must be permission bits from 0 to 0o777, not {self.socket_mode!r}")
+            raise BadRequest(f"socket_mode must be permission bits from 0 to 0o777, not {mode!r}")
         value = self.shutdown_grace_s
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
             raise BadRequest(f"shutdown_grace_s must be a number of seconds >= 0, not {value!r}")

@@ -100,16 +100,18 @@ def run(args) -> dict:
     output_tokens = args.output_tokens or (32 if cuda else 4)
     rank = args.rank or (32 if cuda else 8)
     modes = args.modes or MODES
-    if requests < 1 or rate <= 0 or prompt_tokens < 1 or output_tokens < 1:
-        raise BadRequest("--requests, --rate, --prompt-tokens and --output-tokens must be positive")
     for mode in modes:
         if mode not in MODES:
             raise BadRequest(f"--modes: unknown mode {mode!r}; one of {', '.join(MODES)}")
-    from lorad.daemon.model.checkpoint import PROJECTIONS
+    from lorad.daemon.engine.engine import dummy_adapter_projections
+    from lorad.daemon.model.checkpoint import MODEL_CONFIGS, ModelSpec
 
-    unknown = [target for target in args.targets.split(",") if target not in PROJECTIONS]
+    if model not in MODEL_CONFIGS:
+        raise BadRequest(f"unknown --model-config {model!r}: one of {', '.join(MODEL_CONFIGS)}")
+    allowed = dummy_adapter_projections(ModelSpec.from_hf_config(MODEL_CONFIGS[model]))
+    unknown = [target for target in args.targets.split(",") if target not in allowed]
     if unknown:
-        raise BadRequest(f"--targets: unknown projection {unknown[0]!r}; of {', '.join(PROJECTIONS)}")
+        raise BadRequest(f"--targets: unknown projection {unknown[0]!r}; of {', '.join(allowed)}")
     base = {
         "model_config": model, "dummy_weights": True, "dummy_adapters": max(requests, *adapter_counts),
         "dummy_adapter_rank": rank, "dummy_adapter_targets": args.targets, "device": str(device),
@@ -117,18 +119,12 @@ def run(args) -> dict:
         "seed": args.seed,
     }
     if getattr(args, "pinned_host_bytes", None) is not None:
-        if args.pinned_host_bytes < 0:
-            raise BadRequest("--pinned-host-bytes must be >= 0")
         base["pinned_host_bytes"] = args.pinned_host_bytes
     try:
         EngineConfig(**base)
     except TypeError as error:
         raise BadRequest(f"engine configuration: {error}") from None
     plans = workloads(requests, rate, adapter_counts, args.alpha, args.seed)
-    from lorad.daemon.model.checkpoint import MODEL_CONFIGS
-
-    if model not in MODEL_CONFIGS:
-        raise BadRequest(f"unknown --model-config {model!r}: one of {', '.join(MODEL_CONFIGS)}")
     generator = torch.Generator().manual_seed(args.seed)
     vocab = MODEL_CONFIGS[model]["vocab_size"]
     prompts = [torch.randint(1, vocab, (prompt_tokens,), generator=generator).tolist() for _ in range(requests)]

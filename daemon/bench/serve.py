@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from lorad.daemon.bench.trace_report import write_json
-from lorad.daemon.server.cli_args import SEED, check_out, number
+from lorad.daemon.server.cli_args import SEED, number
 from lorad.errors import BadRequest, LoradError, Overloaded
 from lorad.scheduler.workload import AZURE_ATTRIBUTION, Trace, power_law_weights, read_azure_csv
 
@@ -113,8 +113,6 @@ def load_prompts(args: argparse.Namespace, max_model_len: int | None, rng: np.ra
     """args.num_prompts prompts of the chosen dataset, each cut to fit max_model_len; and what the report
     says of the dataset."""
     if args.dataset == "random":
-        if args.input_len < 1 or args.output_len < 1:
-            raise BadRequest("--input-len and --output-len must be positive")
         lengths = [(args.input_len, args.output_len)] * args.num_prompts
         arrivals = [None] * args.num_prompts
         source = {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len}
@@ -397,15 +395,6 @@ def add_parser(actions, default_socket: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """Runs the load (each sweep point in turn over the same prompts), prints a table, writes the report.
     Returns 0, or 1 when the daemon stopped answering (the report then holds what was measured)."""
-    if args.num_prompts < 1:
-        raise BadRequest("--num-prompts must be at least 1")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise BadRequest("--max-concurrency must be at least 1")
-    if args.adapters < 0 or args.time_scale <= 0:
-        raise BadRequest("--adapters must be >= 0 and --time-scale positive")
-    if args.warmup_requests < 0:
-        raise BadRequest("--warmup-requests must be >= 0")
-    check_out(args.out)
     if not 0 < args.goodput_share <= 1:
         raise BadRequest("--goodput-share must be above 0 and at most 1")
     if not 0 <= args.temperature <= 100 or not 0 < args.top_p <= 1 or args.top_k < 0:

@@ -27,8 +27,6 @@ def default_data_dir() -> Path:
 
 def run(args: argparse.Namespace) -> None:
     """`lorad trace make`: writes the trace and says what it holds."""
-    if args.adapters < 1:
-        raise BadRequest("--adapters must be at least 1")
     if args.requests is not None and args.kind not in AZURE_FILES:  # the others make --rate x --duration of them
         raise BadRequest(f"--requests is for the azure kinds; {args.kind} makes --rate x --duration requests")
     if args.kind in AZURE_FILES:

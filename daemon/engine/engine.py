@@ -1304,6 +1304,12 @@ def pool_pages(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device
     return max(2, budget // page_bytes)
 
 
+def dummy_adapter_projections(spec: ModelSpec) -> tuple[str, ...]:
+    """What dummy_adapter_targets may name on this model: the seven projections, and Phi-3's fused modules too (one
+    A shared by their members, as its real adapters are loaded)."""
+    return PROJECTIONS + (tuple(FUSED_MODULES) if spec.fused_projections else ())
+
+
 def _dummy_adapters(spec: ModelSpec, config: EngineConfig) -> list[LoraAdapter]:
     """`dummy_adapters` random adapters of one rank and target set, straight into host memory.
 
@@ -1313,8 +1319,7 @@ def _dummy_adapters(spec: ModelSpec, config: EngineConfig) -> list[LoraAdapter]:
     if config.dummy_adapters <= 0:
         return []
     targets = tuple(t.strip() for t in config.dummy_adapter_targets.split(",") if t.strip())
-    # Phi-3's fused modules too: one A shared by their members, as its real adapters are loaded
-    allowed = PROJECTIONS + (tuple(FUSED_MODULES) if spec.fused_projections else ())
+    allowed = dummy_adapter_projections(spec)
     unknown = [t for t in targets if t not in allowed]
     if unknown or not targets:
         raise BadRequest(f"dummy_adapter_targets: unknown projections {unknown}; use {', '.join(allowed)}")

@@ -285,8 +285,10 @@ class _LoraSettings:
 def _module_names(config: dict, key: str) -> str | tuple[str, ...] | None:
     """target_modules or exclude_modules: a regex string, a list of module names, or None when not given."""
     names = config.get(key)
-    if names is None or (isinstance(names, str) and names.lower() == "all-linear"):
-        return names if names is None else "all-linear"
+    if names is None:
+        return None
+    if isinstance(names, str) and names.lower() == "all-linear":
+        return "all-linear"
     if isinstance(names, str):
         try:
             re.compile(names)

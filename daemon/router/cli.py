@@ -74,8 +74,6 @@ def make_policy(args: argparse.Namespace) -> tuple[object, dict]:
 
     if args.tpot_slo_ms is None or args.tpot_slo_ms <= 0:
         raise BadRequest("--policy rank-aware needs --tpot-slo-ms MS, the time-per-output-token objective (> 0)")
-    if args.avg_response_tokens <= 0:
-        raise BadRequest("--avg-response-tokens must be positive")
     by_size: dict[int, tuple[str | None, object]] = {}  # tensor_parallel_size -> (path, profile)
     for path in args.profile or [None]:
         profile = profile_for(path, args.kernel)
@@ -109,10 +107,6 @@ def router_main(argv: list[str]) -> int:
         return args
     try:
         setup_logging(args.log_level)
-        if args.poll_interval_ms <= 0:
-            raise BadRequest("--poll-interval-ms must be positive")
-        if args.ttft_slo_ms is not None and args.ttft_slo_ms <= 0:
-            raise BadRequest("--ttft-slo-ms must be positive")
         policy, about = make_policy(args)
         try:
             unix_socket.claim_path(args.socket)
